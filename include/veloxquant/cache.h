@@ -1,0 +1,136 @@
+// The cache protocol every KV cache follows (caches.md §1), and the view it returns.
+//
+// A cache is per layer. It receives blocks of keys and values of shape [B, H_kv, S, D] and
+// returns a CacheView for this step's attention: every stored row followed by this call's S new
+// rows, per (b, h) in ascending position order. The view is split into segments; each segment is
+// either full precision (two [B, H_kv, n, D] TensorViews) or packed codes (PackedSegment, see
+// veloxquant/packed.h). Positions are per (b, h, row): with eviction, heads keep different
+// positions, and attention applies the causal test with each row's own position.
+//
+// A view stays valid until the next mutating call on the same cache.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "veloxquant/tensor.h"
+
+namespace vq {
+
+struct PackedSegment;  // veloxquant/packed.h
+
+// One run of rows shared by every (b, h): rows [0, n_rows) of this segment.
+struct ViewSegment {
+  int64_t n_rows = 0;
+  // Positions [B, H, n_rows] int32, contiguous; nullptr means the implicit run
+  // first_pos, first_pos + 1, ... (the same for every (b, h)).
+  const int32_t* positions = nullptr;
+  int64_t first_pos = 0;
+  // Full-precision rows [B, H, n_rows, D] (used when packed == nullptr).
+  TensorView keys;
+  TensorView values;
+  // Packed rows (keys and values), or nullptr.
+  const PackedSegment* packed = nullptr;
+
+  int32_t position(int64_t b, int64_t h, int64_t i, int64_t n_heads) const {
+    return positions ? positions[(b * n_heads + h) * n_rows + i]
+                     : static_cast<int32_t>(first_pos + i);
+  }
+};
+
+struct CacheView {
+  int64_t batch = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  std::vector<ViewSegment> segments;  // concatenated in order, per (b, h)
+
+  int64_t n_rows() const {
+    int64_t n = 0;
+    for (const auto& s : segments) n += s.n_rows;
+    return n;
+  }
+  bool has_packed() const {
+    for (const auto& s : segments)
+      if (s.packed) return true;
+    return false;
+  }
+};
+
+// Attention mask for the next update_and_fetch with n_queries tokens (caches.md §1).
+struct Mask {
+  enum class Kind : uint8_t {
+    kNone,      // every key visible (n_queries == 1, no window)
+    kCausal,    // implicit lower-right causal: stored rows are positions 0..n-1 exactly
+    kExplicit,  // data holds visible[b][h][i][j]
+  };
+  Kind kind = Kind::kNone;
+  int64_t batch = 0, n_heads = 0, n_queries = 0, n_keys = 0;
+  std::vector<uint8_t> data;  // [B, H_kv, n_queries, n_keys], 1 = visible
+  bool visible(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return data[((b * n_heads + h) * n_queries + i) * n_keys + j] != 0;
+  }
+};
+
+// Figures of a cache. Byte counts cover keys and values of every (b, h) of this layer.
+struct CacheStats {
+  std::string method;
+  int64_t tokens_seen = 0;      // offset(): true positions consumed
+  int64_t rows_stored = 0;      // rows per (b, h) currently stored
+  int64_t bytes_accounted = 0;  // the method's byte formula
+  int64_t bytes_resident = 0;   // what the cache really holds (allocation slack included)
+  int64_t fp16_bytes = 0;       // K+V of every token seen at 2 bytes per element
+  std::vector<std::pair<std::string, double>> figures;  // method-specific, seed names
+
+  double ratio_to_fp16() const {
+    return fp16_bytes ? static_cast<double>(bytes_accounted) / static_cast<double>(fp16_bytes)
+                      : 1.0;
+  }
+  // Value of a named figure; throws vq::Error naming the figure if absent.
+  double figure(const std::string& name) const;
+};
+
+struct UpdateOptions {
+  // This call's queries after RoPE, [B, H_q, S, D] (H_q a multiple of H_kv), or nullptr.
+  // Used by SnapKV's query scoring; every other cache ignores them.
+  const TensorView* queries = nullptr;
+};
+
+class KVCache {
+ public:
+  virtual ~KVCache() = default;
+
+  virtual std::string method() const = 0;
+  // Appends this call's rows and returns the view for this step's attention.
+  virtual CacheView update_and_fetch(const TensorView& keys, const TensorView& values,
+                                     const UpdateOptions& opts = {}) = 0;
+  // The true absolute position of the next token (tokens seen so far).
+  virtual int64_t offset() const = 0;
+  // Rows stored per (b, h) and their positions (ascending).
+  virtual int64_t stored_rows() const = 0;
+  virtual std::vector<int32_t> stored_positions(int64_t b, int64_t h) const = 0;
+  // Mask for the next update_and_fetch with n_queries tokens; window 0 = no sliding window.
+  virtual Mask make_mask(int64_t n_queries, int64_t window = 0) const;
+
+  virtual bool is_trimmable() const { return false; }
+  // Drops the last n tokens; returns how many were dropped. Refused (vq::Error, nothing
+  // changed) by caches that cannot do it.
+  virtual int64_t trim(int64_t n);
+
+  virtual CacheStats stats() const = 0;
+
+  // Versioned, checksummed state. load() is all-or-nothing: on any error the cache is unchanged.
+  virtual void save(std::ostream& out) const = 0;
+  virtual void load(std::istream& in) = 0;
+  void save_file(const std::string& path) const;
+  void load_file(const std::string& path);
+};
+
+// Merges independent single-sequence caches into one batch. Only caches that can do it (the
+// full-precision cache) are accepted; any other is refused with a vq::Error naming its method.
+std::unique_ptr<KVCache> merge_batch(const std::vector<const KVCache*>& caches);
+
+}  // namespace vq

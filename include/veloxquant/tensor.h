@@ -1,0 +1,58 @@
+// Tensors: a non-owning 4-D view (TensorView) and an owning buffer (Tensor).
+// Layout of every K/V block in this library: [B, H, S, D] = (batch, heads, tokens, head_dim).
+// Strides are in elements; a contiguous view has stride = {H*S*D, S*D, D, 1}.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "veloxquant/dtype.h"
+
+namespace vq {
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  std::array<int64_t, 4> shape{0, 0, 0, 0};   // [B, H, S, D]
+  std::array<int64_t, 4> stride{0, 0, 0, 0};  // elements
+
+  static TensorView contiguous(void* data, DType t, int64_t b, int64_t h, int64_t s, int64_t d);
+
+  int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
+  bool is_contiguous() const;
+  // Pointer to element (b, h, s, 0).
+  void* row(int64_t b, int64_t h, int64_t s) const {
+    return static_cast<char*>(data) +
+           (b * stride[0] + h * stride[1] + s * stride[2]) * static_cast<int64_t>(dtype_size(dtype));
+  }
+  float at(int64_t b, int64_t h, int64_t s, int64_t d) const {
+    return load_f32(row(b, h, s), dtype, static_cast<size_t>(d * stride[3]));
+  }
+  // Rows [s0, s1) of the token axis.
+  TensorView slice_tokens(int64_t s0, int64_t s1) const;
+};
+
+// Owning, 64-byte aligned, contiguous [B, H, S, D] buffer, zero-initialised.
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d);
+  TensorView view() const;
+  DType dtype() const { return dtype_; }
+  const std::array<int64_t, 4>& shape() const { return shape_; }
+  void* data() { return buf_.data(); }
+  const void* data() const { return buf_.data(); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  size_t capacity_bytes() const { return buf_.capacity() * sizeof(uint64_t); }
+  int64_t numel() const { return shape_[0] * shape_[1] * shape_[2] * shape_[3]; }
+  void set(int64_t b, int64_t h, int64_t s, int64_t d, float v);
+  float at(int64_t b, int64_t h, int64_t s, int64_t d) const { return view().at(b, h, s, d); }
+
+ private:
+  DType dtype_ = DType::kF32;
+  std::array<int64_t, 4> shape_{0, 0, 0, 0};
+  std::vector<uint64_t> buf_;  // uint64_t for 8-byte alignment at least
+};
+
+}  // namespace vq

@@ -1,0 +1,44 @@
+// Shared test helpers (see test_util.h).
+#include "util/test_util.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+namespace vq::test {
+
+Tensor random_tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d, uint64_t seed,
+                     float stddev) {
+  Tensor out(t, b, h, s, d);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  for (int64_t i0 = 0; i0 < b; ++i0)
+    for (int64_t i1 = 0; i1 < h; ++i1)
+      for (int64_t i2 = 0; i2 < s; ++i2)
+        for (int64_t i3 = 0; i3 < d; ++i3) out.set(i0, i1, i2, i3, dist(rng));
+  return out;
+}
+
+bool bit_equal(const TensorView& a, const TensorView& b) {
+  if (a.dtype != b.dtype || a.shape != b.shape) return false;
+  const size_t es = dtype_size(a.dtype);
+  for (int64_t i0 = 0; i0 < a.shape[0]; ++i0)
+    for (int64_t i1 = 0; i1 < a.shape[1]; ++i1)
+      for (int64_t i2 = 0; i2 < a.shape[2]; ++i2)
+        for (int64_t i3 = 0; i3 < a.shape[3]; ++i3) {
+          const char* pa = static_cast<const char*>(a.row(i0, i1, i2)) + i3 * a.stride[3] * es;
+          const char* pb = static_cast<const char*>(b.row(i0, i1, i2)) + i3 * b.stride[3] * es;
+          if (std::memcmp(pa, pb, es) != 0) return false;
+        }
+  return true;
+}
+
+std::string source_path(const std::string& rel) {
+  const char* root = std::getenv("VQ_SOURCE_DIR");
+#ifdef VQ_SOURCE_DIR
+  if (!root) root = VQ_SOURCE_DIR;
+#endif
+  return std::string(root ? root : ".") + "/" + rel;
+}
+
+}  // namespace vq::test

@@ -1,0 +1,22 @@
+// Shared helpers for the test suite: seeded random K/V blocks and small comparisons.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "veloxquant/tensor.h"
+
+namespace vq::test {
+
+// Tensor [B, H, S, D] of type t, N(0, 1) values scaled per channel by channel_scale(d) if given,
+// deterministic for a seed.
+Tensor random_tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d, uint64_t seed,
+                     float stddev = 1.0f);
+
+// True when both tensors have the same shape, dtype and bytes.
+bool bit_equal(const TensorView& a, const TensorView& b);
+
+// Path of a file inside the repository (VQ_SOURCE_DIR).
+std::string source_path(const std::string& rel);
+
+}  // namespace vq::test
