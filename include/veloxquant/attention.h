@@ -16,9 +16,9 @@
 namespace vq {
 
 struct AttentionParams {
-  float scale = 0.0f;   // 0 = 1/sqrt(D)
-  int64_t window = 0;   // 0 = no sliding window
-  int64_t q_pos0 = 0;   // position of query 0
+  float scale = 0.0f;  // 0 = 1/sqrt(D)
+  int64_t window = 0;  // 0 = no sliding window
+  int64_t q_pos0 = 0;  // position of query 0
 };
 
 // Scalar reference: fp32 products, double accumulation of the softmax sums. Full-precision

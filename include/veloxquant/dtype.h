@@ -29,9 +29,12 @@ void from_f32(const float* src, void* dst, DType dst_t, size_t n);
 // Reads element i of a contiguous array of type t as fp32.
 inline float load_f32(const void* p, DType t, size_t i) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kF16: return fp16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kF16:
+      return fp16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kBF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
   }
   return 0.0f;
 }

@@ -14,8 +14,8 @@ class Error : public std::runtime_error {
 
 // Always-on check for cheap, critical invariants and input validation.
 // VQ_CHECK(cond, "[op] expected ... but got " + ...);
-#define VQ_CHECK(cond, msg)                          \
-  do {                                               \
+#define VQ_CHECK(cond, msg)                           \
+  do {                                                \
     if (!(cond)) throw ::vq::Error(std::string(msg)); \
   } while (0)
 

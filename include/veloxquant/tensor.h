@@ -23,8 +23,8 @@ struct TensorView {
   bool is_contiguous() const;
   // Pointer to element (b, h, s, 0).
   void* row(int64_t b, int64_t h, int64_t s) const {
-    return static_cast<char*>(data) +
-           (b * stride[0] + h * stride[1] + s * stride[2]) * static_cast<int64_t>(dtype_size(dtype));
+    return static_cast<char*>(data) + (b * stride[0] + h * stride[1] + s * stride[2]) *
+                                          static_cast<int64_t>(dtype_size(dtype));
   }
   float at(int64_t b, int64_t h, int64_t s, int64_t d) const {
     return load_f32(row(b, h, s), dtype, static_cast<size_t>(d * stride[3]));

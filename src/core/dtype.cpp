@@ -10,13 +10,18 @@
 
 namespace vq {
 
-size_t dtype_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+size_t dtype_size(DType t) {
+  return t == DType::kF32 ? 4 : 2;
+}
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::kF32: return "float32";
-    case DType::kF16: return "float16";
-    case DType::kBF16: return "bfloat16";
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
   }
   return "?";
 }
@@ -73,7 +78,9 @@ uint16_t f32_to_fp16(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
-float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+float bf16_to_f32(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
 
 uint16_t f32_to_bf16(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);
@@ -85,7 +92,9 @@ uint16_t f32_to_bf16(float f) {
 
 void to_f32(const void* src, DType src_t, float* dst, size_t n) {
   switch (src_t) {
-    case DType::kF32: std::memcpy(dst, src, n * 4); return;
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::kF16: {
       const auto* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = fp16_to_f32(s[i]);
@@ -101,7 +110,9 @@ void to_f32(const void* src, DType src_t, float* dst, size_t n) {
 
 void from_f32(const float* src, void* dst, DType dst_t, size_t n) {
   switch (dst_t) {
-    case DType::kF32: std::memcpy(dst, src, n * 4); return;
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::kF16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = f32_to_fp16(src[i]);

@@ -5,8 +5,7 @@
 
 namespace vq {
 
-TensorView TensorView::contiguous(void* data, DType t, int64_t b, int64_t h, int64_t s,
-                                  int64_t d) {
+TensorView TensorView::contiguous(void* data, DType t, int64_t b, int64_t h, int64_t s, int64_t d) {
   TensorView v;
   v.data = data;
   v.dtype = t;
@@ -30,7 +29,8 @@ TensorView TensorView::slice_tokens(int64_t s0, int64_t s1) const {
   return v;
 }
 
-Tensor::Tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d) : dtype_(t), shape_{b, h, s, d} {
+Tensor::Tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d)
+    : dtype_(t), shape_{b, h, s, d} {
   VQ_CHECK(b >= 0 && h >= 0 && s >= 0 && d >= 0, "[Tensor] expected non-negative shape");
   const size_t bytes = static_cast<size_t>(numel()) * dtype_size(t);
   buf_.assign((bytes + 7) / 8, 0);

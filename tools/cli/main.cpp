@@ -1,11 +1,26 @@
-// veloxquant command-line tool: subcommands demo, generate, eval (as they land).
+// veloxquant command-line tool: `demo` (every cache over a synthetic sequence), `generate`
+// (text generation with a chosen cache) and `eval` (memory against quality). Library errors
+// (vq::Error) are printed as one line and give exit status 2.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <exception>
+
+#include "commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"veloxquant: compressed KV caches for LLM inference"};
-  app.require_subcommand(0, 1);
-  CLI11_PARSE(app, argc, argv);
-  std::printf("veloxquant 0.1.0\n");
-  return 0;
+  app.require_subcommand(1);
+  int status = 0;
+  vq::cli::add_demo_command(app, &status);
+  vq::cli::add_generate_command(app, &status);
+  vq::cli::add_eval_command(app, &status);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "veloxquant: error: %s\n", e.what());
+    return 2;
+  }
+  return status;
 }
