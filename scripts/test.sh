@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: installs dependencies, builds and runs the GoogleTest suite
+# (Release), again under AddressSanitizer + UndefinedBehaviorSanitizer, runs the fuzz smoke test,
+# and compiles the CUDA backend where nvcc exists (compile only: no GPU here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+jobs=$(nproc)
+export CTEST_OUTPUT_ON_FAILURE=1
+
+echo "== [1/4] CUDA backend: compile only =="
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="$PATH:/usr/local/cuda/bin"
+  cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DVQ_CUDA=ON -DVQ_BUILD_TESTS=ON \
+        -DVQ_BUILD_BENCH=ON >/dev/null
+  cmake --build build-cuda -j"$jobs"
+else
+  echo "nvcc not found: skipping the CUDA compile job"
+fi
+
+echo "== [2/4] fuzz smoke =="
+if [ -x scripts/fuzz_smoke.sh ]; then scripts/fuzz_smoke.sh; else echo "no fuzz targets yet"; fi
+
+echo "== [3/4] sanitizers (ASan + UBSan) =="
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVQ_SANITIZE=ON -DVQ_BUILD_BENCH=OFF \
+      >/dev/null
+cmake --build build-asan -j"$jobs"
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest -j"$jobs" --timeout 900)
+
+echo "== [4/4] test suite (Release) =="
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$jobs"
+(cd build && ctest -j"$jobs" --timeout 600)
