@@ -69,8 +69,12 @@ struct Mask {
   };
   Kind kind = Kind::kNone;
   int64_t batch = 0, n_heads = 0, n_queries = 0, n_keys = 0;
-  std::vector<uint8_t> data;  // [B, H_kv, n_queries, n_keys], 1 = visible
+  // [B, H_kv, n_queries, n_keys], 1 = visible. A cache that has not seen a block yet does not
+  // know B and H: its explicit masks have batch = n_heads = 1, shared by every (b, h).
+  std::vector<uint8_t> data;
   bool visible(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (batch == 1) b = 0;
+    if (n_heads == 1) h = 0;
     return data[((b * n_heads + h) * n_queries + i) * n_keys + j] != 0;
   }
 };
@@ -112,6 +116,10 @@ class KVCache {
   // Rows stored per (b, h) and their positions (ascending).
   virtual int64_t stored_rows() const = 0;
   virtual std::vector<int32_t> stored_positions(int64_t b, int64_t h) const = 0;
+  // Batch size and KV heads of the stored rows: 0 before the first update_and_fetch. Every
+  // cache should override both (the default make_mask needs them once rows are stored).
+  virtual int64_t batch() const { return 0; }
+  virtual int64_t n_kv_heads() const { return 0; }
   // Mask for the next update_and_fetch with n_queries tokens; window 0 = no sliding window.
   virtual Mask make_mask(int64_t n_queries, int64_t window = 0) const;
 
@@ -127,6 +135,11 @@ class KVCache {
   virtual void load(std::istream& in) = 0;
   void save_file(const std::string& path) const;
   void load_file(const std::string& path);
+
+  // Hook behind merge_batch(): `caches` (this one first, all of this cache's method) become
+  // one batch. The default refuses with a vq::Error naming the method.
+  virtual std::unique_ptr<KVCache> merge_into_batch(
+      const std::vector<const KVCache*>& caches) const;
 };
 
 // Merges independent single-sequence caches into one batch. Only caches that can do it (the
