@@ -1,0 +1,53 @@
+// Config -> caches (caches.md §6): make_cache builds one cache of cfg.method after validating
+// cfg; build_caches builds one per layer of a model, each with its layer's head_dim.
+//
+// Dispatch is a plain if-chain: a method that joins the library adds one line here. Methods the
+// config knows but this build does not construct yet are refused with a clear error.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "veloxquant/builder.h"
+#include "veloxquant/error.h"
+#include "veloxquant/full_cache.h"
+
+namespace vq {
+
+std::unique_ptr<KVCache> make_cache(const CacheConfig& cfg) {
+  validate(cfg);
+  const std::string& m = cfg.method;
+  if (m == "full") return make_full_cache(cfg);
+  // TODO(snapkv): if (m == "snapkv") return make_snapkv_cache(cfg);
+  throw Error("[make_cache] method '" + m + "' is not available in this build");
+}
+
+std::vector<std::unique_ptr<KVCache>> build_caches(const ModelCacheShape& shape,
+                                                   const CacheConfig& cfg) {
+  VQ_CHECK(shape.n_kv_heads.size() == shape.head_dim.size(),
+           "[build_caches] expected n_kv_heads and head_dim of one entry per layer but got " +
+               std::to_string(shape.n_kv_heads.size()) + " and " +
+               std::to_string(shape.head_dim.size()));
+  VQ_CHECK(!shape.head_dim.empty(), "[build_caches] expected at least one layer but got 0");
+  // Check every layer before building any cache, so a bad layer late in the list costs nothing.
+  for (size_t i = 0; i < shape.head_dim.size(); ++i) {
+    VQ_CHECK(shape.n_kv_heads[i] >= 1, "[build_caches] layer " + std::to_string(i) +
+                                           ": expected n_kv_heads >= 1 but got " +
+                                           std::to_string(shape.n_kv_heads[i]));
+    VQ_CHECK(shape.head_dim[i] >= 1, "[build_caches] layer " + std::to_string(i) +
+                                         ": expected head_dim >= 1 but got " +
+                                         std::to_string(shape.head_dim[i]));
+    CacheConfig layer = cfg;
+    layer.head_dim = shape.head_dim[i];
+    validate(layer);
+  }
+  std::vector<std::unique_ptr<KVCache>> caches;
+  caches.reserve(shape.head_dim.size());
+  for (size_t i = 0; i < shape.head_dim.size(); ++i) {
+    CacheConfig layer = cfg;
+    layer.head_dim = shape.head_dim[i];
+    caches.push_back(make_cache(layer));
+  }
+  return caches;
+}
+
+}  // namespace vq
