@@ -1,0 +1,441 @@
+// SnapKV primitives: window scores (key proxy and real queries), 1-D pooling, the seed's
+// selection rule and the keep-window variant, and the per-head pipeline (see veloxquant/snapkv.h).
+//
+// Layouts: keys [n, D] fp32 row-major, queries [n_rep, w, D] fp32, scores [n] fp32.
+// The optimised scorer computes logits in blocks of key rows (a block stays in L1 while every
+// query row passes over it) with 16-lane fp32 accumulators the compiler vectorises without
+// reassociation; the *_reference versions are plain double loops and are the test oracles.
+#include "veloxquant/snapkv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <string>
+
+#include "veloxquant/error.h"
+
+namespace vq {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Ranking key of a score: NaN -> -inf, -0 -> +0 (so equal scores compare equal bit-for-bit too).
+inline float rank_key(float s) {
+  if (std::isnan(s)) return kNegInf;
+  return s == 0.0f ? 0.0f : s;
+}
+
+void check_score_args(const char* op, int64_t n, int64_t head_dim) {
+  VQ_CHECK(n >= 0, std::string("[") + op + "] expected n >= 0 but got " + std::to_string(n));
+  VQ_CHECK(head_dim >= 1,
+           std::string("[") + op + "] expected head_dim >= 1 but got " + std::to_string(head_dim));
+}
+
+// fp32 dot product with 16 independent lanes (fixed order: deterministic, vectorisable).
+inline float dot_lanes(const float* a, const float* b, int64_t d) {
+  constexpr int kLanes = 16;
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  float tail = 0.0f;
+  for (; i < d; ++i) tail += a[i] * b[i];
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0] + tail;
+}
+
+// Optimised window scores shared by the key-proxy and query modes. queries [n_rep, w, D].
+void window_scores_fast(const float* keys, const int32_t* key_pos, int64_t n, int64_t d,
+                        const float* queries, const int32_t* query_pos, int64_t n_rep, int64_t w,
+                        float* scores, std::vector<float>& logits, std::vector<double>& acc) {
+  if (n == 0) return;
+  const int64_t nq = n_rep * w;  // query rows, head-major
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  logits.resize(static_cast<size_t>(nq * n));
+  constexpr int64_t kBlock = 32;  // key rows per block: 32 x D fp32 stays in L1
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t j1 = std::min(n, j0 + kBlock);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const float* q = queries + qi * d;
+      float* lrow = logits.data() + qi * n;
+      const int32_t qp = query_pos ? query_pos[qi % w] : 0;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (key_pos && key_pos[j] > qp) {
+          lrow[j] = kNegInf;
+        } else {
+          lrow[j] = dot_lanes(q, keys + j * d, d) * scale;
+        }
+      }
+    }
+  }
+  // Softmax per query row in fp32; per-head sums in double.
+  acc.assign(static_cast<size_t>(n), 0.0);
+  std::vector<double> head_sum;  // only used when n_rep > 1
+  if (n_rep > 1) head_sum.assign(static_cast<size_t>(n), 0.0);
+  for (int64_t r = 0; r < n_rep; ++r) {
+    double* hs = n_rep > 1 ? head_sum.data() : acc.data();
+    if (n_rep > 1) std::fill(head_sum.begin(), head_sum.end(), 0.0);
+    for (int64_t i = 0; i < w; ++i) {
+      float* lrow = logits.data() + (r * w + i) * n;
+      float m = kNegInf;
+      bool any_nan = false;
+      for (int64_t j = 0; j < n; ++j) {
+        if (lrow[j] > m) m = lrow[j];
+        any_nan |= std::isnan(lrow[j]);
+      }
+      if (any_nan) {  // non-finite input: NaN scores (ranked -inf by the selection)
+        for (int64_t j = 0; j < n; ++j) hs[j] = std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
+      if (m == kNegInf) continue;  // sees no key: contributes zero
+      float z = 0.0f;
+      if (std::isinf(m)) {  // +inf logit: the softmax is undefined, like the seed's NaN
+        for (int64_t j = 0; j < n; ++j) hs[j] = std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const float e = std::exp(lrow[j] - m);
+        lrow[j] = e;
+        z += e;
+      }
+      const float inv_z = 1.0f / z;
+      for (int64_t j = 0; j < n; ++j) hs[j] += static_cast<double>(lrow[j] * inv_z);
+    }
+    if (n_rep > 1) {
+      for (int64_t j = 0; j < n; ++j) acc[j] += head_sum[j] / static_cast<double>(w);
+    }
+  }
+  // Per-head mean (n_rep == 1) or head average of per-head means (n_rep > 1): with identical
+  // query heads the average is bit-identical to one head's mean (x + x = 2x and 2x / 2 = x are
+  // exact for n_rep = 2).
+  const double div = n_rep > 1 ? static_cast<double>(n_rep) : static_cast<double>(w);
+  for (int64_t j = 0; j < n; ++j) scores[j] = static_cast<float>(acc[j] / div);
+}
+
+void window_scores_reference(const float* keys, const int32_t* key_pos, int64_t n, int64_t d,
+                             const float* queries, const int32_t* query_pos, int64_t n_rep,
+                             int64_t w, float* scores) {
+  if (n == 0) return;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> total(static_cast<size_t>(n), 0.0);
+  std::vector<double> logit(static_cast<size_t>(n));
+  std::vector<char> seen(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n_rep; ++r) {
+    std::vector<double> head(static_cast<size_t>(n), 0.0);
+    for (int64_t i = 0; i < w; ++i) {
+      const float* q = queries + (r * w + i) * d;
+      double m = -std::numeric_limits<double>::infinity();
+      bool any = false;
+      for (int64_t j = 0; j < n; ++j) {
+        seen[j] = !(key_pos && key_pos[j] > query_pos[i]);
+        if (!seen[j]) continue;
+        double dot = 0.0;
+        for (int64_t c = 0; c < d; ++c)
+          dot += static_cast<double>(q[c]) * static_cast<double>(keys[j * d + c]);
+        logit[j] = dot * scale;
+        m = any ? std::max(m, logit[j]) : logit[j];
+        any = true;
+      }
+      if (!any) continue;
+      double z = 0.0;
+      for (int64_t j = 0; j < n; ++j)
+        if (seen[j]) z += std::exp(logit[j] - m);
+      for (int64_t j = 0; j < n; ++j)
+        if (seen[j]) head[j] += std::exp(logit[j] - m) / z;
+    }
+    for (int64_t j = 0; j < n; ++j) total[j] += head[j] / static_cast<double>(w);
+  }
+  for (int64_t j = 0; j < n; ++j) scores[j] = static_cast<float>(total[j] / n_rep);
+}
+
+void check_query_args(const char* op, const int32_t* key_pos, const float* queries,
+                      const int32_t* query_pos, int64_t n_rep, int64_t w) {
+  VQ_CHECK((key_pos == nullptr) == (query_pos == nullptr),
+           std::string("[") + op +
+               "] expected key_pos and query_pos both given or both null but got one of them");
+  VQ_CHECK(n_rep >= 1,
+           std::string("[") + op + "] expected n_rep >= 1 but got " + std::to_string(n_rep));
+  VQ_CHECK(w >= 1, std::string("[") + op + "] expected w >= 1 but got " + std::to_string(w));
+  VQ_CHECK(queries != nullptr, std::string("[") + op + "] expected queries but got nullptr");
+}
+
+}  // namespace
+
+// ---- scores -------------------------------------------------------------------------------------
+
+void snap_key_proxy_scores(const float* keys, int64_t n, int64_t head_dim, int64_t obs_window,
+                           float* scores) {
+  check_score_args("snap_key_proxy_scores", n, head_dim);
+  if (n == 0) return;
+  const int64_t w = std::clamp<int64_t>(obs_window, 1, n);
+  std::vector<float> logits;
+  std::vector<double> acc;
+  window_scores_fast(keys, nullptr, n, head_dim, keys + (n - w) * head_dim, nullptr, 1, w, scores,
+                     logits, acc);
+}
+
+void snap_key_proxy_scores_reference(const float* keys, int64_t n, int64_t head_dim,
+                                     int64_t obs_window, float* scores) {
+  check_score_args("snap_key_proxy_scores_reference", n, head_dim);
+  if (n == 0) return;
+  const int64_t w = std::clamp<int64_t>(obs_window, 1, n);
+  window_scores_reference(keys, nullptr, n, head_dim, keys + (n - w) * head_dim, nullptr, 1, w,
+                          scores);
+}
+
+void snap_query_scores(const float* keys, const int32_t* key_pos, int64_t n, int64_t head_dim,
+                       const float* queries, const int32_t* query_pos, int64_t n_rep, int64_t w,
+                       float* scores) {
+  check_score_args("snap_query_scores", n, head_dim);
+  check_query_args("snap_query_scores", key_pos, queries, query_pos, n_rep, w);
+  std::vector<float> logits;
+  std::vector<double> acc;
+  window_scores_fast(keys, key_pos, n, head_dim, queries, query_pos, n_rep, w, scores, logits, acc);
+}
+
+void snap_query_scores_reference(const float* keys, const int32_t* key_pos, int64_t n,
+                                 int64_t head_dim, const float* queries, const int32_t* query_pos,
+                                 int64_t n_rep, int64_t w, float* scores) {
+  check_score_args("snap_query_scores_reference", n, head_dim);
+  check_query_args("snap_query_scores_reference", key_pos, queries, query_pos, n_rep, w);
+  window_scores_reference(keys, key_pos, n, head_dim, queries, query_pos, n_rep, w, scores);
+}
+
+// ---- pooling ------------------------------------------------------------------------------------
+
+void snap_pool_scores(const float* in, int64_t n, int64_t kernel, PoolKind kind, float* out) {
+  VQ_CHECK(kernel >= 1 && kernel % 2 == 1,
+           "[snap_pool_scores] expected an odd kernel >= 1 but got " + std::to_string(kernel));
+  VQ_CHECK(n >= 0, "[snap_pool_scores] expected n >= 0 but got " + std::to_string(n));
+  const int64_t half = kernel / 2;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t lo = std::max<int64_t>(0, j - half);
+    const int64_t hi = std::min<int64_t>(n, j + half + 1);
+    if (kind == PoolKind::kMax) {
+      float m = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t t = lo; t < hi; ++t)
+        if (!std::isnan(in[t]) && (std::isnan(m) || in[t] > m)) m = in[t];
+      out[j] = m;
+    } else {
+      double s = 0.0;
+      for (int64_t t = lo; t < hi; ++t) s += static_cast<double>(in[t]);
+      out[j] = static_cast<float>(s / static_cast<double>(hi - lo));
+    }
+  }
+}
+
+// ---- selection ----------------------------------------------------------------------------------
+
+int64_t snap_select_count(int64_t n, int64_t budget) {
+  if (n <= 0) return 0;
+  return std::min(std::max<int64_t>(budget, 1), n);
+}
+
+namespace {
+
+// Appends to out the k best rows of [lo, hi) (k < hi - lo), ascending. Threshold version.
+int64_t top_k_range(const float* scores, int64_t lo, int64_t hi, int64_t k, int64_t* out,
+                    std::vector<float>& buf) {
+  if (k <= 0) return 0;
+  const int64_t m = hi - lo;
+  buf.resize(static_cast<size_t>(m));
+  for (int64_t j = 0; j < m; ++j) buf[j] = rank_key(scores[lo + j]);
+  // The k-th largest ranking key.
+  std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), std::greater<float>());
+  const float thr = buf[k - 1];
+  int64_t above = 0;
+  for (int64_t j = lo; j < hi; ++j) above += rank_key(scores[j]) > thr;
+  int64_t equal_quota = k - above;  // rows equal to the threshold, lowest index first
+  int64_t w = 0;
+  for (int64_t j = lo; j < hi && w < k; ++j) {
+    const float v = rank_key(scores[j]);
+    if (v > thr) {
+      out[w++] = j;
+    } else if (v == thr && equal_quota > 0) {
+      out[w++] = j;
+      --equal_quota;
+    }
+  }
+  return w;
+}
+
+std::vector<int64_t> top_k_range_reference(const float* scores, int64_t lo, int64_t hi, int64_t k) {
+  std::vector<int64_t> idx(static_cast<size_t>(hi - lo));
+  std::iota(idx.begin(), idx.end(), lo);
+  std::stable_sort(idx.begin(), idx.end(),
+                   [&](int64_t a, int64_t b) { return rank_key(scores[a]) > rank_key(scores[b]); });
+  idx.resize(static_cast<size_t>(std::max<int64_t>(k, 0)));
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+}  // namespace
+
+int64_t snap_select(const float* scores, int64_t n, int64_t budget, int64_t n_sink, int64_t* out,
+                    std::vector<float>* scratch) {
+  const int64_t count = snap_select_count(n, budget);
+  const int64_t sinks = std::min(std::max<int64_t>(n_sink, 0), count);
+  if (count >= n || sinks == count) {
+    for (int64_t j = 0; j < count; ++j) out[j] = j;
+    return count;
+  }
+  for (int64_t j = 0; j < sinks; ++j) out[j] = j;
+  std::vector<float> local;
+  std::vector<float>& buf = scratch ? *scratch : local;
+  const int64_t got = top_k_range(scores, sinks, n, count - sinks, out + sinks, buf);
+  VQ_CHECK(got == count - sinks, "[snap_select] internal: selected " + std::to_string(got) +
+                                     " rows, expected " + std::to_string(count - sinks));
+  return count;
+}
+
+std::vector<int64_t> snap_select_reference(const float* scores, int64_t n, int64_t budget,
+                                           int64_t n_sink) {
+  const int64_t count = snap_select_count(n, budget);
+  const int64_t sinks = std::min(std::max<int64_t>(n_sink, 0), count);
+  std::vector<int64_t> out;
+  if (count >= n || sinks == count) {
+    for (int64_t j = 0; j < count; ++j) out.push_back(j);
+    return out;
+  }
+  for (int64_t j = 0; j < sinks; ++j) out.push_back(j);
+  const auto rest = top_k_range_reference(scores, sinks, n, count - sinks);
+  out.insert(out.end(), rest.begin(), rest.end());
+  return out;
+}
+
+namespace {
+
+struct KeepWindowPlan {
+  int64_t count = 0, sinks = 0;
+  int64_t keep_w = 0;                    // newest rows kept as window rows: [n - keep_w, n)
+  int64_t prefix_lo = 0, prefix_hi = 0;  // competing prefix rows
+  int64_t quota = 0;                     // prefix rows to pick
+  bool all = false;
+};
+
+KeepWindowPlan plan_keep_window(int64_t n, int64_t budget, int64_t n_sink, int64_t window) {
+  KeepWindowPlan p;
+  p.count = snap_select_count(n, budget);
+  p.sinks = std::min(std::max<int64_t>(n_sink, 0), p.count);
+  if (p.count >= n) {
+    p.all = true;
+    return p;
+  }
+  const int64_t w = std::clamp<int64_t>(window, 0, n);
+  const int64_t w_free = n - std::max(n - w, p.sinks);  // window rows that are not sinks
+  p.keep_w = std::min(w_free, p.count - p.sinks);
+  p.quota = p.count - p.sinks - p.keep_w;
+  p.prefix_lo = p.sinks;
+  p.prefix_hi = std::max(p.sinks, n - w);
+  return p;
+}
+
+}  // namespace
+
+int64_t snap_select_keep_window(const float* scores, int64_t n, int64_t budget, int64_t n_sink,
+                                int64_t window, int64_t* out, std::vector<float>* scratch) {
+  const KeepWindowPlan p = plan_keep_window(n, budget, n_sink, window);
+  if (p.all) {
+    for (int64_t j = 0; j < n; ++j) out[j] = j;
+    return n;
+  }
+  int64_t w = 0;
+  for (int64_t j = 0; j < p.sinks; ++j) out[w++] = j;
+  if (p.quota > 0) {
+    std::vector<float> local;
+    std::vector<float>& buf = scratch ? *scratch : local;
+    // quota < prefix size whenever count < n (see plan_keep_window), so top_k_range applies.
+    w += top_k_range(scores, p.prefix_lo, p.prefix_hi, p.quota, out + w, buf);
+  }
+  for (int64_t j = n - p.keep_w; j < n; ++j) out[w++] = j;
+  VQ_CHECK(w == p.count, "[snap_select_keep_window] internal: selected " + std::to_string(w) +
+                             " rows, expected " + std::to_string(p.count));
+  return p.count;
+}
+
+std::vector<int64_t> snap_select_keep_window_reference(const float* scores, int64_t n,
+                                                       int64_t budget, int64_t n_sink,
+                                                       int64_t window) {
+  const KeepWindowPlan p = plan_keep_window(n, budget, n_sink, window);
+  std::vector<int64_t> out;
+  if (p.all) {
+    for (int64_t j = 0; j < n; ++j) out.push_back(j);
+    return out;
+  }
+  for (int64_t j = 0; j < p.sinks; ++j) out.push_back(j);
+  if (p.quota > 0) {
+    const auto rest = top_k_range_reference(scores, p.prefix_lo, p.prefix_hi, p.quota);
+    out.insert(out.end(), rest.begin(), rest.end());
+  }
+  for (int64_t j = n - p.keep_w; j < n; ++j) out.push_back(j);
+  return out;
+}
+
+// ---- pipeline -----------------------------------------------------------------------------------
+
+SnapSelectParams SnapSelectParams::from_config(const CacheConfig& cfg) {
+  SnapSelectParams p;
+  p.budget = cfg.snap_budget;
+  p.obs_window = cfg.snap_obs_window;
+  p.n_sink = cfg.snap_n_sink;
+  p.pool_kernel = cfg.snap_pool_kernel;
+  p.pool = cfg.snap_pool;
+  p.keep_window = cfg.snap_keep_window;
+  return p;
+}
+
+int64_t snap_select_head(const float* keys, const int32_t* key_pos, int64_t n, int64_t head_dim,
+                         const SnapQueryWindow* q, const SnapSelectParams& p, int64_t* out,
+                         SnapScratch& scratch) {
+  check_score_args("snap_select_head", n, head_dim);
+  VQ_CHECK(p.pool_kernel >= 1 && p.pool_kernel % 2 == 1,
+           "[snap_select_head] expected an odd pool_kernel >= 1 but got " +
+               std::to_string(p.pool_kernel));
+  const int64_t count = snap_select_count(n, p.budget);
+  const int64_t sinks = std::min(std::max<int64_t>(p.n_sink, 0), count);
+  const int64_t w = q ? q->w : std::clamp<int64_t>(p.obs_window, 1, std::max<int64_t>(n, 1));
+  if (q) {
+    check_query_args("snap_select_head", key_pos, q->data, q->positions, q->n_rep, q->w);
+  }
+
+  // Rows that compete for the budget; empty means the selection ignores the scores.
+  int64_t lo = sinks, hi = n;
+  bool needs_scores = count < n && sinks < count;
+  if (p.keep_window && needs_scores) {
+    const KeepWindowPlan plan = plan_keep_window(n, p.budget, p.n_sink, w);
+    lo = plan.prefix_lo;
+    hi = plan.prefix_hi;
+    needs_scores = plan.quota > 0;
+  }
+  if (!needs_scores) {
+    if (p.keep_window) {  // no prefix quota: the scores are never read
+      return snap_select_keep_window(nullptr, n, p.budget, p.n_sink, w, out, &scratch.sel);
+    }
+    return snap_select(nullptr, n, p.budget, p.n_sink, out, &scratch.sel);
+  }
+
+  scratch.scores.resize(static_cast<size_t>(n));
+  if (q) {
+    window_scores_fast(keys, key_pos, n, head_dim, q->data, q->positions, q->n_rep, q->w,
+                       scratch.scores.data(), scratch.logits, scratch.acc);
+  } else {
+    window_scores_fast(keys, nullptr, n, head_dim, keys + (n - w) * head_dim, nullptr, 1, w,
+                       scratch.scores.data(), scratch.logits, scratch.acc);
+  }
+  const float* sel_scores = scratch.scores.data();
+  if (p.pool_kernel > 1) {
+    // Pool over the competing rows only; rows outside [lo, hi) are never read by the selection.
+    scratch.pooled.assign(static_cast<size_t>(n), 0.0f);
+    snap_pool_scores(scratch.scores.data() + lo, hi - lo, p.pool_kernel, p.pool,
+                     scratch.pooled.data() + lo);
+    sel_scores = scratch.pooled.data();
+  }
+  if (p.keep_window) {
+    return snap_select_keep_window(sel_scores, n, p.budget, p.n_sink, w, out, &scratch.sel);
+  }
+  return snap_select(sel_scores, n, p.budget, p.n_sink, out, &scratch.sel);
+}
+
+}  // namespace vq
