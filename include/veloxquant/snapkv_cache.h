@@ -1,0 +1,86 @@
+// The SnapKV cache (caches.md §3): prefill-time eviction with the deferred-eviction contract.
+//
+// Every update_and_fetch returns stored rows ++ this call's S new rows, un-evicted, with
+// positions stored_pos ++ [offset, offset + S). After the step, when S > 1, the selection of
+// veloxquant/snapkv.h runs per (b, h) over exactly that concatenation and only the selected rows
+// stay (K, V and positions gathered with the same indices; every (b, h) keeps the same count).
+// S == 1 appends and never evicts. offset() is the true position.
+//
+// Storage: keys and values in one buffer each, [B, H, capacity, D] in fp16 or bf16 (snap_dtype).
+// Rows [0, n_sel) of each (b, h) are the survivors of the last eviction, with explicit per-head
+// positions [B, H, n_sel]; rows [n_sel, n_sel + n_tail) are the rows appended since, whose
+// positions are the contiguous run offset - n_tail .. offset - 1 shared by every head. So a view
+// has up to two segments (explicit positions, then implicit), and a decode append is amortised
+// O(1) (geometric growth). Eviction gathers into fresh buffers and keeps the old ones alive
+// until the next mutating call, so the returned view is never changed by it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "veloxquant/cache.h"
+#include "veloxquant/cache_config.h"
+#include "veloxquant/snapkv.h"
+
+namespace vq {
+
+// Validates the snap_* fields and builds the cache.
+std::unique_ptr<KVCache> make_snapkv_cache(const CacheConfig& cfg);
+
+class SnapKVCache final : public KVCache {
+ public:
+  explicit SnapKVCache(const CacheConfig& cfg);
+
+  std::string method() const override { return "snapkv"; }
+  // keys, values: [B, H, S, D] (f32, f16 or bf16, any strides; the same shape). With
+  // snap_scoring = query and opts.queries = [B, H_q, S, D] (H_q a multiple of H), an evicting
+  // call scores with the last min(w, S) real queries (w = clamp(obs_window, 1, frame rows)),
+  // causally masked; without queries it falls back to the key proxy. Bad input: vq::Error and
+  // nothing changed.
+  CacheView update_and_fetch(const TensorView& keys, const TensorView& values,
+                             const UpdateOptions& opts = {}) override;
+  int64_t offset() const override { return offset_; }
+  int64_t stored_rows() const override { return n_sel_ + n_tail_; }
+  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const override;
+  int64_t batch() const override { return batch_; }
+  int64_t n_kv_heads() const override { return heads_; }
+  // N == 1 without a window needs no mask (answered without reading positions); else the default.
+  Mask make_mask(int64_t n_queries, int64_t window = 0) const override;
+  CacheStats stats() const override;
+  void save(std::ostream& out) const override;
+  // All-or-nothing. Refuses another method's file, a corrupt or truncated one, one saved with
+  // different snap_* settings, and inconsistent contents.
+  void load(std::istream& in) override;
+
+  int64_t head_dim() const { return head_dim_; }
+  // Storage dtype (fixed by the first call; kF16 before it).
+  DType storage_dtype() const { return dtype_; }
+  // Rows allocated per (b, h) in the live store.
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  void check_input(const TensorView& keys, const TensorView& values,
+                   const UpdateOptions& opts) const;
+  void reserve_rows(int64_t rows);
+  void evict_after_step(int64_t n_new, const TensorView* queries);
+  CacheView make_view() const;
+
+  CacheConfig cfg_;
+  SnapSelectParams params_;
+
+  bool has_data_ = false;
+  DType dtype_ = DType::kF16;
+  int64_t batch_ = 0, heads_ = 0, head_dim_ = 0;
+  int64_t offset_ = 0;
+  int64_t n_sel_ = 0;   // rows with explicit positions
+  int64_t n_tail_ = 0;  // rows with implicit positions offset_ - n_tail_ .. offset_ - 1
+  int64_t capacity_ = 0;
+  std::vector<uint16_t> k_, v_;   // [B, H, capacity_, D]
+  std::vector<int32_t> sel_pos_;  // [B, H, n_sel_]
+  // Buffers the last view may still point at (freed at the next mutating call).
+  std::vector<uint16_t> retired_k_, retired_v_;
+  std::vector<int32_t> retired_pos_;
+};
+
+}  // namespace vq
