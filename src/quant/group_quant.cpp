@@ -1,0 +1,372 @@
+// Group quantizer (reference and optimised), row records and the packed-format helpers declared
+// in packed.h. See group_quant.h for the algorithm.
+//
+// Bit-exactness: this file is compiled without floating-point contraction (the pragma below), so
+// code*scale + lo rounds twice exactly as the formulas say, in the reference, the optimised
+// version and dequantization alike. The optimised quantizer keeps the reference's per-group
+// summation order by putting 16 rows side by side in SIMD lanes (a transposed tile) instead of
+// vectorising along a row.
+#pragma GCC optimize("fp-contract=off")
+
+#include "veloxquant/group_quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "veloxquant/error.h"
+#include "veloxquant/hadamard.h"
+
+namespace vq {
+
+// ---------------------------------------------------------------------------------------------
+// Format helpers (packed.h)
+
+CodeSpec code_spec_from_bits(double bits) {
+  CodeSpec s;
+  if (bits == 1.5) {
+    s.bits_x2 = 3;
+    return s;
+  }
+  VQ_CHECK(bits >= 1 && bits <= 8 && bits == std::floor(bits),
+           "[packed] bits: expected an integer in 1..8 or 1.5 but got " + std::to_string(bits));
+  s.bits_x2 = static_cast<uint8_t>(2 * static_cast<int>(bits));
+  return s;
+}
+
+PackedRowFormat make_row_format(int64_t head_dim, double bits, int64_t group_size, MetaType meta) {
+  VQ_CHECK(head_dim >= 1 && head_dim <= 65536,
+           "[packed] head_dim: expected 1..65536 but got " + std::to_string(head_dim));
+  VQ_CHECK(group_size >= 1 && group_size <= 65536,
+           "[packed] group_size: expected 1..65536 but got " + std::to_string(group_size));
+  PackedRowFormat f;
+  f.spec = code_spec_from_bits(bits);
+  f.meta = meta;
+  f.head_dim = static_cast<int32_t>(head_dim);
+  f.group_size = static_cast<int32_t>(group_size);
+  f.n_groups = static_cast<int32_t>((head_dim + group_size - 1) / group_size);
+  const int ms = meta_size(meta);
+  const int64_t cb = packed_code_bytes(head_dim, f.spec);
+  f.code_bytes = static_cast<int32_t>((cb + ms - 1) / ms * ms);
+  f.row_stride = f.code_bytes + f.n_groups * 2 * ms;
+  return f;
+}
+
+void dequantize_record(const uint8_t* record, const PackedRowFormat& f, float* out) {
+  uint8_t small[512];
+  std::vector<uint8_t> big;
+  uint8_t* codes = small;
+  if (f.head_dim > 512) {
+    big.resize(static_cast<size_t>(f.head_dim));
+    codes = big.data();
+  }
+  unpack_codes(record, f.head_dim, f.spec, codes);
+  const void* meta = record_meta(record, f);
+  for (int32_t g = 0; g < f.n_groups; ++g) {
+    const float lo = meta_load(meta, 2 * g, f.meta);
+    const float sc = meta_load(meta, 2 * g + 1, f.meta);
+    const int32_t c1 = std::min(f.head_dim, (g + 1) * f.group_size);
+    for (int32_t c = g * f.group_size; c < c1; ++c) out[c] = static_cast<float>(codes[c]) * sc + lo;
+  }
+}
+
+void untransform_row(const PackedTensor& t, int64_t h, float* row, float* tmp) {
+  const int64_t d = t.fmt.head_dim;
+  if (t.perm) {  // stored j holds channel perm[j]
+    const int32_t* p = t.perm + h * d;
+    for (int64_t j = 0; j < d; ++j) tmp[p[j]] = row[j];
+    std::copy(tmp, tmp + d, row);
+  }
+  if (t.signs) hadamard_unrotate(row, t.signs + h * d, d, t.rot_block);
+}
+
+void transform_row(const PackedTensor& t, int64_t h, float* row, float* tmp) {
+  const int64_t d = t.fmt.head_dim;
+  if (t.signs) hadamard_rotate(row, t.signs + h * d, d, t.rot_block);
+  if (t.perm) {
+    const int32_t* p = t.perm + h * d;
+    for (int64_t j = 0; j < d; ++j) tmp[j] = row[p[j]];
+    std::copy(tmp, tmp + d, row);
+  }
+}
+
+void dequantize_row(const PackedTensor& t, int64_t b, int64_t h, int64_t i, float* out) {
+  dequantize_record(t.record(b, h, i), t.fmt, out);
+  if (t.transformed()) {
+    std::vector<float> tmp(static_cast<size_t>(t.fmt.head_dim));
+    untransform_row(t, h, out, tmp.data());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantizer
+
+void check_params(const GroupQuantParams& p, int64_t d) {
+  (void)code_spec_from_bits(p.bits);
+  VQ_CHECK(p.group_size >= 1,
+           "[group_quant] group_size: expected >= 1 but got " + std::to_string(p.group_size));
+  VQ_CHECK(p.clip_alpha > 0.0f && p.clip_alpha <= 1.0f,
+           "[group_quant] clip_alpha: expected in (0, 1] but got " + std::to_string(p.clip_alpha));
+  VQ_CHECK(d >= 1, "[group_quant] expected d >= 1 but got " + std::to_string(d));
+}
+
+namespace {
+
+// clamp(rint(t), 0, levels) for t = (x - lo) / scale, ties to even; NaN gives 0. Clamping
+// before rounding is equivalent (0 and levels are integers, rint is monotone), and on [0, 255]
+// adding and removing 2^23 rounds to an integer, ties to even, under the default FP mode.
+inline float quant_code(float x, float lo, float scale, float levels) {
+  float t = (x - lo) / scale;
+  t = t > 0.0f ? t : 0.0f;
+  t = t < levels ? t : levels;
+  return (t + 0x1p23f) - 0x1p23f;
+}
+
+struct AlphaSet {
+  std::array<float, 5> a{};
+  int n = 0;
+};
+
+AlphaSet alphas_of(const GroupQuantParams& p) {
+  AlphaSet s;
+  if (p.clip_search) {
+    s.a = kClipAlphaGrid;
+    s.n = static_cast<int>(kClipAlphaGrid.size());
+  } else {
+    s.a[0] = p.clip_alpha;
+    s.n = 1;
+  }
+  return s;
+}
+
+// lo and scale of one alpha, as stored.
+inline void alpha_meta(float mid, float rng, float alpha, float levels, MetaType meta, float* lo,
+                       float* scale) {
+  *lo = meta_round(mid - alpha * rng / 2.0f, meta);
+  float sc = alpha * rng / levels;
+  sc = sc < kScaleFloor ? kScaleFloor : sc;
+  *scale = meta_round_scale(sc, meta);
+}
+
+}  // namespace
+
+void group_quantize_reference(const float* x, int64_t n, int64_t d, const GroupQuantParams& p,
+                              uint8_t* codes, float* lo, float* scale, uint8_t* alpha_index) {
+  check_params(p, d);
+  const int64_t g = p.group_size;
+  const int64_t n_groups = (d + g - 1) / g;
+  const float levels = static_cast<float>(code_spec_from_bits(p.bits).levels());
+  const AlphaSet al = alphas_of(p);
+  std::vector<float> buf(static_cast<size_t>(g));
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t gi = 0; gi < n_groups; ++gi) {
+      const int64_t c0 = gi * g;
+      for (int64_t i = 0; i < g; ++i) buf[i] = x[r * d + std::min(c0 + i, d - 1)];  // pad
+      float gmin = buf[0], gmax = buf[0];
+      for (int64_t i = 1; i < g; ++i) {
+        if (buf[i] < gmin) gmin = buf[i];
+        if (buf[i] > gmax) gmax = buf[i];
+      }
+      const float mid = (gmax + gmin) / 2.0f;
+      const float rng = gmax - gmin;
+      float best_err = 0.0f, best_lo = 0.0f, best_sc = 1.0f;
+      int best = 0;
+      for (int k = 0; k < al.n; ++k) {
+        float l, s;
+        alpha_meta(mid, rng, al.a[k], levels, p.meta, &l, &s);
+        float err = 0.0f;
+        for (int64_t i = 0; i < g; ++i) {
+          const float rec = quant_code(buf[i], l, s, levels) * s + l;
+          const float e = rec - buf[i];
+          err += e * e;
+        }
+        err = err / static_cast<float>(g);
+        if (k == 0 || err < best_err) {
+          best_err = err;
+          best_lo = l;
+          best_sc = s;
+          best = k;
+        }
+      }
+      lo[r * n_groups + gi] = best_lo;
+      scale[r * n_groups + gi] = best_sc;
+      if (alpha_index) alpha_index[r * n_groups + gi] = static_cast<uint8_t>(best);
+      for (int64_t c = c0; c < std::min(c0 + g, d); ++c)
+        codes[r * d + c] = static_cast<uint8_t>(quant_code(x[r * d + c], best_lo, best_sc, levels));
+    }
+  }
+}
+
+void group_dequantize_reference(const uint8_t* codes, const float* lo, const float* scale,
+                                int64_t n, int64_t d, int64_t group_size, float* out) {
+  const int64_t n_groups = (d + group_size - 1) / group_size;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      const int64_t gi = r * n_groups + c / group_size;
+      out[r * d + c] = static_cast<float>(codes[r * d + c]) * scale[gi] + lo[gi];
+    }
+}
+
+namespace {
+
+constexpr int kLanes = 16;  // rows quantized side by side
+
+// Quantizes rows [r0, r0 + m) (m <= kLanes) of x. tile: scratch [g][kLanes].
+void quantize_tile(const float* x, int64_t r0, int64_t m, int64_t d, const GroupQuantParams& p,
+                   const AlphaSet& al, float levels, float* tile, uint8_t* codes, float* lo,
+                   float* scale) {
+  const int64_t g = p.group_size;
+  const int64_t n_groups = (d + g - 1) / g;
+  for (int64_t gi = 0; gi < n_groups; ++gi) {
+    const int64_t c0 = gi * g;
+    // Transpose the group into lanes; missing rows repeat the last one (results discarded).
+    for (int64_t i = 0; i < g; ++i) {
+      const int64_t c = std::min(c0 + i, d - 1);
+      float* trow = tile + i * kLanes;
+      for (int r = 0; r < kLanes; ++r) trow[r] = x[(r0 + std::min<int64_t>(r, m - 1)) * d + c];
+    }
+    alignas(64) float mn[kLanes], mx[kLanes], mid[kLanes], rng[kLanes];
+    alignas(64) float l[kLanes], s[kLanes], err[kLanes];
+    alignas(64) float best_err[kLanes] = {}, best_lo[kLanes] = {}, best_sc[kLanes] = {};
+    for (int r = 0; r < kLanes; ++r) mn[r] = mx[r] = tile[r];
+    for (int64_t i = 1; i < g; ++i) {
+      const float* trow = tile + i * kLanes;
+      for (int r = 0; r < kLanes; ++r) {
+        mn[r] = trow[r] < mn[r] ? trow[r] : mn[r];
+        mx[r] = trow[r] > mx[r] ? trow[r] : mx[r];
+      }
+    }
+    for (int r = 0; r < kLanes; ++r) {
+      mid[r] = (mx[r] + mn[r]) / 2.0f;
+      rng[r] = mx[r] - mn[r];
+    }
+    for (int k = 0; k < al.n; ++k) {
+      for (int r = 0; r < kLanes; ++r)
+        alpha_meta(mid[r], rng[r], al.a[k], levels, p.meta, &l[r], &s[r]);
+      for (int r = 0; r < kLanes; ++r) err[r] = 0.0f;
+      for (int64_t i = 0; i < g; ++i) {
+        const float* trow = tile + i * kLanes;
+        for (int r = 0; r < kLanes; ++r) {
+          float t = (trow[r] - l[r]) / s[r];
+          t = t > 0.0f ? t : 0.0f;
+          t = t < levels ? t : levels;
+          t = (t + 0x1p23f) - 0x1p23f;
+          const float e = (t * s[r] + l[r]) - trow[r];
+          err[r] += e * e;
+        }
+      }
+      for (int r = 0; r < kLanes; ++r) {
+        const float e = err[r] / static_cast<float>(g);
+        if (k == 0 || e < best_err[r]) {
+          best_err[r] = e;
+          best_lo[r] = l[r];
+          best_sc[r] = s[r];
+        }
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      lo[(r0 + r) * n_groups + gi] = best_lo[r];
+      scale[(r0 + r) * n_groups + gi] = best_sc[r];
+    }
+    const int64_t c1 = std::min(c0 + g, d);
+    for (int64_t c = c0; c < c1; ++c) {
+      const float* trow = tile + (c - c0) * kLanes;
+      alignas(64) float q[kLanes];
+      for (int r = 0; r < kLanes; ++r) {
+        float t = (trow[r] - best_lo[r]) / best_sc[r];
+        t = t > 0.0f ? t : 0.0f;
+        t = t < levels ? t : levels;
+        q[r] = (t + 0x1p23f) - 0x1p23f;
+      }
+      for (int64_t r = 0; r < m; ++r) codes[(r0 + r) * d + c] = static_cast<uint8_t>(q[r]);
+    }
+  }
+}
+
+// Packs codes into a record (fast paths for 2, 4 and 8 bits).
+void pack_row(const uint8_t* codes, int64_t d, CodeSpec spec, uint8_t* out) {
+  if (spec.bits_x2 == 4 && d % 4 == 0) {
+    for (int64_t k = 0; k < d / 4; ++k)
+      out[k] = static_cast<uint8_t>(codes[4 * k] | (codes[4 * k + 1] << 2) |
+                                    (codes[4 * k + 2] << 4) | (codes[4 * k + 3] << 6));
+  } else if (spec.bits_x2 == 8 && d % 2 == 0) {
+    for (int64_t k = 0; k < d / 2; ++k)
+      out[k] = static_cast<uint8_t>(codes[2 * k] | (codes[2 * k + 1] << 4));
+  } else if (spec.bits_x2 == 16) {
+    std::copy(codes, codes + d, out);
+  } else {
+    pack_codes(codes, d, spec, out);
+  }
+}
+
+}  // namespace
+
+void group_quantize(const float* x, int64_t n, int64_t d, const GroupQuantParams& p, uint8_t* codes,
+                    float* lo, float* scale) {
+  check_params(p, d);
+  const float levels = static_cast<float>(code_spec_from_bits(p.bits).levels());
+  const AlphaSet al = alphas_of(p);
+  const int64_t n_tiles = (n + kLanes - 1) / kLanes;
+#pragma omp parallel if (n_tiles >= 4)
+  {
+    std::vector<float> tile(static_cast<size_t>(p.group_size * kLanes));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const int64_t r0 = t * kLanes;
+      quantize_tile(x, r0, std::min<int64_t>(kLanes, n - r0), d, p, al, levels, tile.data(), codes,
+                    lo, scale);
+    }
+  }
+}
+
+void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
+                         const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride,
+                         bool parallel) {
+  const int64_t d = f.head_dim;
+  check_params(p, d);
+  VQ_CHECK(p.group_size == f.group_size && code_spec_from_bits(p.bits).bits_x2 == f.spec.bits_x2 &&
+               p.meta == f.meta,
+           "[quantize_to_records] expected params matching the row format");
+  const float levels = static_cast<float>(f.spec.levels());
+  const AlphaSet al = alphas_of(p);
+  const int64_t n_tiles = (n + kLanes - 1) / kLanes;
+  const int64_t ng = f.n_groups;
+#pragma omp parallel if (parallel && n_tiles >= 2)
+  {
+    std::vector<float> tile(static_cast<size_t>(p.group_size * kLanes));
+    std::vector<uint8_t> codes(static_cast<size_t>(kLanes * d));
+    std::vector<float> lo(static_cast<size_t>(kLanes * ng)), sc(static_cast<size_t>(kLanes * ng));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const int64_t r0 = t * kLanes;
+      const int64_t m = std::min<int64_t>(kLanes, n - r0);
+      quantize_tile(x + r0 * d, 0, m, d, p, al, levels, tile.data(), codes.data(), lo.data(),
+                    sc.data());
+      for (int64_t r = 0; r < m; ++r) {
+        uint8_t* rec = dst + (r0 + r) * dst_stride;
+        std::fill(rec, rec + f.code_bytes, uint8_t{0});
+        pack_row(codes.data() + r * d, d, f.spec, rec);
+        void* meta = rec + f.code_bytes;
+        for (int64_t gi = 0; gi < ng; ++gi) {
+          meta_store(meta, 2 * gi, lo[r * ng + gi], f.meta);
+          meta_store(meta, 2 * gi + 1, sc[r * ng + gi], f.meta);
+        }
+      }
+    }
+  }
+}
+
+SkvqBytes skvq_compressed_bytes(int64_t n, int64_t d, double bits, int64_t group_size,
+                                MetaType meta) {
+  const CodeSpec spec = code_spec_from_bits(bits);
+  VQ_CHECK(n >= 0 && d >= 1 && group_size >= 1,
+           "[skvq_compressed_bytes] expected n >= 0, d >= 1, group_size >= 1 but got " +
+               std::to_string(n) + ", " + std::to_string(d) + ", " + std::to_string(group_size));
+  SkvqBytes b;
+  b.code_bytes = spec.ternary() ? n * ((d + 4) / 5) : (n * d * spec.bits() + 7) / 8;
+  b.meta_bytes = n * ((d + group_size - 1) / group_size) * 2 * meta_size(meta);
+  return b;
+}
+
+}  // namespace vq
