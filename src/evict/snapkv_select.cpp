@@ -2,13 +2,15 @@
 // selection rule and the keep-window variant, and the per-head pipeline (see veloxquant/snapkv.h).
 //
 // Layouts: keys [n, D] fp32 row-major, queries [n_rep, w, D] fp32, scores [n] fp32.
-// The optimised scorer computes logits in blocks of key rows (a block stays in L1 while every
-// query row passes over it) with 16-lane fp32 accumulators the compiler vectorises without
-// reassociation; the *_reference versions are plain double loops and are the test oracles.
+// The optimised scorer computes logits in blocks of 16 key rows transposed to [D, 16] (a block
+// stays in L1 while every query row passes over it): each key's dot product is a sequential fp32
+// sum that the compiler vectorises across the 16 keys without reassociation. The *_reference
+// versions are plain double loops and are the test oracles.
 #include "veloxquant/snapkv.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -32,18 +34,34 @@ void check_score_args(const char* op, int64_t n, int64_t head_dim) {
            std::string("[") + op + "] expected head_dim >= 1 but got " + std::to_string(head_dim));
 }
 
-// fp32 dot product with 16 independent lanes (fixed order: deterministic, vectorisable).
-inline float dot_lanes(const float* a, const float* b, int64_t d) {
-  constexpr int kLanes = 16;
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  float tail = 0.0f;
-  for (; i < d; ++i) tail += a[i] * b[i];
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0] + tail;
+// acc[t][l] = sum over c of q_t[c] * kt[c][l] for nqb <= 4 queries (rows of q, stride d) and one
+// transposed block kt [d, 16]. GCC vector types keep the 4 x 16 accumulators in registers; each
+// lane is a sequential fp32 sum over c (the order never depends on the ISA).
+typedef float v16f __attribute__((vector_size(64)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+void block_dots(const float* q, int64_t nqb, int64_t d, const float* kt, float (*acc)[16]) {
+  v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  const float* q0 = q;
+  const float* q1 = nqb > 1 ? q + d : q;
+  const float* q2 = nqb > 2 ? q + 2 * d : q;
+  const float* q3 = nqb > 3 ? q + 3 * d : q;
+  for (int64_t c = 0; c < d; ++c) {
+    const v16f k = load16(kt + c * 16);
+    a0 += q0[c] * k;
+    a1 += q1[c] * k;
+    a2 += q2[c] * k;
+    a3 += q3[c] * k;
+  }
+  std::memcpy(acc[0], &a0, sizeof(a0));
+  if (nqb > 1) std::memcpy(acc[1], &a1, sizeof(a1));
+  if (nqb > 2) std::memcpy(acc[2], &a2, sizeof(a2));
+  if (nqb > 3) std::memcpy(acc[3], &a3, sizeof(a3));
 }
 
 // Optimised window scores shared by the key-proxy and query modes. queries [n_rep, w, D].
@@ -54,19 +72,33 @@ void window_scores_fast(const float* keys, const int32_t* key_pos, int64_t n, in
   const int64_t nq = n_rep * w;  // query rows, head-major
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   logits.resize(static_cast<size_t>(nq * n));
-  constexpr int64_t kBlock = 32;  // key rows per block: 32 x D fp32 stays in L1
-  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
-    const int64_t j1 = std::min(n, j0 + kBlock);
-    for (int64_t qi = 0; qi < nq; ++qi) {
-      const float* q = queries + qi * d;
-      float* lrow = logits.data() + qi * n;
-      const int32_t qp = query_pos ? query_pos[qi % w] : 0;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (key_pos && key_pos[j] > qp) {
-          lrow[j] = kNegInf;
-        } else {
-          lrow[j] = dot_lanes(q, keys + j * d, d) * scale;
-        }
+  // Micro-kernel: a block of kLanes keys transposed to [D, kLanes] so that one query element
+  // times one row of the block updates kLanes independent dot products (no horizontal sums);
+  // each dot product is still a plain sequential fp32 sum over c = 0..D-1 (deterministic).
+  constexpr int64_t kLanes = 16;
+  constexpr int64_t kQ = 4;  // queries per pass over a block
+  alignas(64) float kt[kLanes * 512];
+  std::vector<float> kt_heap;
+  float* ktp = kt;
+  if (d > 512) {
+    kt_heap.resize(static_cast<size_t>(kLanes * d));
+    ktp = kt_heap.data();
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const int64_t nb = std::min(kLanes, n - j0);
+    for (int64_t c = 0; c < d; ++c)
+      for (int64_t l = 0; l < kLanes; ++l)
+        ktp[c * kLanes + l] = l < nb ? keys[(j0 + l) * d + c] : 0.0f;
+    for (int64_t q0 = 0; q0 < nq; q0 += kQ) {
+      const int64_t nqb = std::min(kQ, nq - q0);
+      float dots[kQ][kLanes];
+      block_dots(queries + q0 * d, nqb, d, ktp, dots);
+      for (int64_t t = 0; t < nqb; ++t) {
+        const int64_t qi = q0 + t;
+        float* lrow = logits.data() + qi * n + j0;
+        const int32_t qp = query_pos ? query_pos[qi % w] : 0;
+        for (int64_t l = 0; l < nb; ++l)
+          lrow[l] = key_pos && key_pos[j0 + l] > qp ? kNegInf : dots[t][l] * scale;
       }
     }
   }
