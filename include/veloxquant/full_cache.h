@@ -9,6 +9,7 @@
 // 0 .. offset()-1 (a strided view into the buffers, valid until the next mutating call).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 
@@ -54,16 +55,36 @@ class FullCache final : public KVCache {
   TensorView values() const;
 
  private:
+  // A [B, H, capacity, D] buffer like Tensor, but not zero-initialised (rows past offset() are
+  // never read) and, from 2 MiB up, 2 MiB-aligned and advised for transparent huge pages: a
+  // growth then faults in 512x fewer pages, which dominates its cost on a fresh buffer.
+  class RowStore {
+   public:
+    RowStore() = default;
+    RowStore(DType t, int64_t b, int64_t h, int64_t cap, int64_t d);
+    TensorView view() const;  // [B, H, capacity, D], contiguous
+    size_t capacity_bytes() const { return bytes_; }
+
+   private:
+    struct Free {
+      void operator()(void* p) const;
+    };
+    std::unique_ptr<void, Free> data_;
+    size_t bytes_ = 0;
+    DType dtype_ = DType::kF16;
+    std::array<int64_t, 4> shape_{0, 0, 0, 0};
+  };
+
   // Everything a load() or merge replaces at once.
   struct State {
     bool has_data = false;  // B, H, D and dtype are fixed by the first call
     DType dtype = DType::kF16;
     int64_t batch = 0, heads = 0, head_dim = 0;
     int64_t offset = 0, capacity = 0;
-    Tensor keys, values;  // [B, H, capacity, D]
+    RowStore keys, values;  // [B, H, capacity, D]
   };
   static State with_capacity(const State& shape_of, int64_t capacity);
-  static TensorView rows_view(const Tensor& t, int64_t rows);
+  static TensorView rows_view(const RowStore& t, int64_t rows);
 
   State st_;
 };

@@ -4,12 +4,19 @@
 // max(needed, 2 x capacity) rows rounded up to 256, so n decode appends copy O(n) rows in
 // total (amortised O(1) each). Every call validates its input completely before changing
 // anything; growth builds the new buffers aside and swaps them in, so a failure (including
-// std::bad_alloc) leaves the cache as it was.
+// std::bad_alloc) leaves the cache as it was. Buffers are not zero-filled: only rows below
+// offset() are ever read, saved or shown in a view.
 #include "veloxquant/full_cache.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #include "veloxquant/binary_io.h"
 #include "veloxquant/error.h"
@@ -18,6 +25,7 @@ namespace vq {
 
 namespace {
 
+constexpr size_t kHugePage = size_t{2} << 20;  // transparent huge page size on x86-64 Linux
 constexpr int64_t kMaxPositions = std::numeric_limits<int32_t>::max();  // positions are int32
 
 int64_t round_up(int64_t n, int64_t step) {
@@ -59,6 +67,30 @@ void check_block(const TensorView& t, const char* name) {
 
 }  // namespace
 
+void FullCache::RowStore::Free::operator()(void* p) const {
+  std::free(p);
+}
+
+FullCache::RowStore::RowStore(DType t, int64_t b, int64_t h, int64_t cap, int64_t d)
+    : dtype_(t), shape_{b, h, cap, d} {
+  const size_t bytes = static_cast<size_t>(b * h * cap * d) * dtype_size(t);
+  if (bytes == 0) return;
+  const size_t align = bytes >= kHugePage ? kHugePage : 64;
+  const size_t rounded = (bytes + align - 1) / align * align;  // aligned_alloc needs a multiple
+  void* p = std::aligned_alloc(align, rounded);
+  if (!p) throw std::bad_alloc();
+#ifdef __linux__
+  // Advice only: where THP is off, or the call fails, the buffer simply uses 4 KiB pages.
+  if (align == kHugePage) (void)madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+  data_.reset(p);
+  bytes_ = rounded;
+}
+
+TensorView FullCache::RowStore::view() const {
+  return TensorView::contiguous(data_.get(), dtype_, shape_[0], shape_[1], shape_[2], shape_[3]);
+}
+
 FullCache::State FullCache::with_capacity(const State& shape_of, int64_t capacity) {
   State s;
   s.has_data = shape_of.has_data;
@@ -68,12 +100,12 @@ FullCache::State FullCache::with_capacity(const State& shape_of, int64_t capacit
   s.head_dim = shape_of.head_dim;
   s.offset = 0;
   s.capacity = capacity;
-  s.keys = Tensor(s.dtype, s.batch, s.heads, capacity, s.head_dim);
-  s.values = Tensor(s.dtype, s.batch, s.heads, capacity, s.head_dim);
+  s.keys = RowStore(s.dtype, s.batch, s.heads, capacity, s.head_dim);
+  s.values = RowStore(s.dtype, s.batch, s.heads, capacity, s.head_dim);
   return s;
 }
 
-TensorView FullCache::rows_view(const Tensor& t, int64_t rows) {
+TensorView FullCache::rows_view(const RowStore& t, int64_t rows) {
   TensorView v = t.view();  // [B, H, capacity, D]
   v.shape[2] = rows;        // strides keep the capacity: rows [0, rows) of every (b, h)
   return v;
