@@ -116,7 +116,7 @@ void SnapKVCache::reserve_rows(int64_t rows) {
   const int64_t n_rows = n_sel_ + n_tail_;
   std::vector<uint16_t> nk(static_cast<size_t>(bh * new_cap * d));
   std::vector<uint16_t> nv(nk.size());
-  for (int64_t i = 0; i < bh; ++i) {
+  for (int64_t i = 0; i < bh && n_rows > 0; ++i) {
     std::memcpy(nk.data() + i * new_cap * d, k_.data() + i * capacity_ * d,
                 static_cast<size_t>(n_rows * d) * 2);
     std::memcpy(nv.data() + i * new_cap * d, v_.data() + i * capacity_ * d,
@@ -466,7 +466,7 @@ void SnapKVCache::load(std::istream& in) {
   std::vector<uint16_t> nv(nk.size());
   const auto* sk = static_cast<const uint16_t*>(keys.data());
   const auto* sv = static_cast<const uint16_t*>(values.data());
-  for (int64_t bh = 0; bh < batch * heads; ++bh) {
+  for (int64_t bh = 0; bh < batch * heads && n > 0; ++bh) {
     std::memcpy(nk.data() + bh * cap * head_dim, sk + bh * n * head_dim,
                 static_cast<size_t>(n * head_dim) * 2);
     std::memcpy(nv.data() + bh * cap * head_dim, sv + bh * n * head_dim,
