@@ -17,10 +17,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
+#include <vector>
 
+#include "veloxquant/cache.h"
 #include "veloxquant/cache_config.h"
 #include "veloxquant/dtype.h"
+#include "veloxquant/tensor.h"
 
 namespace vq {
 
@@ -260,5 +264,14 @@ void dequantize_row(const PackedTensor& t, int64_t b, int64_t h, int64_t i, floa
 void untransform_row(const PackedTensor& t, int64_t h, float* row, float* tmp);
 // Maps a row from original order to stored order in place (rotate, then permute).
 void transform_row(const PackedTensor& t, int64_t h, float* row, float* tmp);
+
+// A view whose packed segments are replaced by owned full-precision copies (dequantized,
+// inverse-transformed, cast to `dtype`); full-precision segments are referenced as they are.
+// For tests and callers that want a dense cache; the runtime's attention never needs it.
+struct DenseView {
+  CacheView view;
+  std::vector<std::unique_ptr<Tensor>> owned;  // [B, H, n_rows, D] keys, values per packed segment
+};
+DenseView dequantize_view(const CacheView& v, DType dtype = DType::kF32);
 
 }  // namespace vq

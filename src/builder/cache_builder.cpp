@@ -10,6 +10,7 @@
 #include "veloxquant/builder.h"
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
+#include "veloxquant/skvq_cache.h"
 #include "veloxquant/snapkv_cache.h"
 
 namespace vq {
@@ -19,6 +20,7 @@ std::unique_ptr<KVCache> make_cache(const CacheConfig& cfg) {
   const std::string& m = cfg.method;
   if (m == "full") return make_full_cache(cfg);
   if (m == "snapkv") return make_snapkv_cache(cfg);
+  if (m == "skvq") return make_skvq_cache(cfg);
   throw Error("[make_cache] method '" + m + "' is not available in this build");
 }
 

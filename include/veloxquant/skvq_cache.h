@@ -1,0 +1,106 @@
+// The SKVQ cache (caches.md §4): full-precision rows accumulate and whole chunks of `window`
+// rows, counted from position 0, are reordered (or rotated), group-quantized and frozen as packed
+// codes. Flushed rows are *stored* packed (their full-precision copies are freed), so resident
+// memory follows the byte formulas.
+//
+// Call order (the seed's): append this call's S rows, flush every chunk [q, q + window) with
+// (stored - q) >= window + skvq_recent, then return the view
+//   [sinks: n_sink rows, full precision][packed chunks][full-precision tail, incl. this call's
+//   unflushed rows]
+// (before chunk 0 is flushed the view is just the tail from position 0). A row that completes a
+// chunk is therefore quantized before its own attention, as in the seed; skvq_recent >= 1 keeps
+// the newest rows at full precision (the paper's window). The flush rule depends only on the
+// total row count, so one-shot prefill and token-by-token decode give bit-identical state.
+// skvq_recent rule: chunk [q, q + window) is flushed iff after flushing at least `recent` rows
+// remain beyond it (stored - (q + window) >= recent). Sinks are not counted in `recent`.
+//
+// Chunk 0 freezes per-head K and V channel permutations (stable ascending range pooled over batch
+// and the chunk's rows, sinks included), or a calibrated permutation comes from skvq_perm_file
+// (format below). Its first n_sink rows stay at full precision, bit-exact.
+// Rotation (skvq_rotation = hadamard): keys (and values with skvq_rotate_values) of head h are
+// rotated by R_h = H_norm diag(signs_h) before grouping; signs_h come from skvq_rotation_seed and
+// are saved with the state. Rotation wins over skvq_reorder (a reorder after a random rotation
+// has no outliers left to sort: permutations stay absent, perm_bytes 0); a calibrated
+// permutation file together with rotation is refused. head_dim must be even with rotation
+// (blocks of the largest power of two dividing it, see hadamard.h).
+//
+// Storage dtype of full-precision rows: the first keys block's dtype (f32, f16 or bf16).
+// Not trimmable; merging into a batch is refused.
+//
+// Calibrated permutation file (JSON, written by save_skvq_perm_file):
+//   {"format": "veloxquant.skvq_perms", "version": 1, "n_kv_heads": H, "head_dim": D,
+//    "layers": [{"key": [[D ints] x H], "value": [[D ints] x H]}, ...]}
+// Entry j of head h's list is the original channel stored at position j (each a permutation).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "veloxquant/cache.h"
+#include "veloxquant/cache_config.h"
+
+namespace vq {
+
+namespace skvq {
+struct Settings;
+struct State;
+}  // namespace skvq
+
+// Validates cfg and builds an SKVQ cache for layer `layer_index` (which layer of a calibrated
+// permutation file applies).
+std::unique_ptr<KVCache> make_skvq_cache(const CacheConfig& cfg, int64_t layer_index = 0);
+
+class SkvqCache final : public KVCache {
+ public:
+  SkvqCache(const CacheConfig& cfg, int64_t layer_index = 0);
+  ~SkvqCache() override;
+
+  std::string method() const override { return "skvq"; }
+  // keys, values: [B, H, S, D] (f32/f16/bf16, any strides), D == cfg.head_dim, B and H fixed by
+  // the first call. A call that would pass skvq_max_ctx is refused before anything changes.
+  CacheView update_and_fetch(const TensorView& keys, const TensorView& values,
+                             const UpdateOptions& opts = {}) override;
+  int64_t offset() const override;
+  int64_t stored_rows() const override;
+  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const override;
+  int64_t batch() const override;
+  int64_t n_kv_heads() const override;
+  CacheStats stats() const override;
+  void save(std::ostream& out) const override;
+  void load(std::istream& in) override;
+
+  // The view of what is stored now (what the last update_and_fetch returned).
+  CacheView stored_view() const;
+  // Frozen permutations [H * D] (stored channel j of head h = original channel perm[h*D + j]),
+  // empty before chunk 0 or when reordering is off.
+  const std::vector<int32_t>& key_perms() const;
+  const std::vector<int32_t>& value_perms() const;
+  // Rotation sign vectors [H * D] (empty without rotation).
+  const std::vector<float>& rotation_signs() const;
+  int64_t quantized_tokens() const;
+  DType storage_dtype() const;
+
+ private:
+  std::unique_ptr<skvq::Settings> set_;
+  std::unique_ptr<skvq::State> st_;
+};
+
+// ---- calibrated permutations ------------------------------------------------------------------
+
+struct SkvqPermSet {
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  std::vector<std::vector<int32_t>> key, value;  // [n_layers][H * D]
+};
+
+// Stable ascending channel-range permutation per head of a recorded block [B, H, S, D] (pooled
+// over batch and tokens): [H * D]. The calibration tool records K/V blocks per layer and writes
+// the result with save_skvq_perm_file.
+std::vector<int32_t> skvq_channel_perms(const TensorView& block);
+void save_skvq_perm_file(const std::string& path, const SkvqPermSet& perms);
+// Throws vq::Error "[skvq_perm_file] ..." on a missing, malformed or inconsistent file.
+SkvqPermSet load_skvq_perm_file(const std::string& path);
+
+}  // namespace vq
