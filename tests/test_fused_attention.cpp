@@ -1,0 +1,442 @@
+// Fused CPU attention (vq::attention) against dequantize-then-attention_reference, for every
+// cache method, GQA ratios 1/4/8, head_dim 64 and 128, lengths 1, 17, 127, 129, ragged groups,
+// decode and multi-query calls, sliding windows, rotation and metadata types; plus metamorphic
+// checks (GQA == MHA with repeated KV heads, sliding window == attention over the sliced rows).
+//
+// The bound (per output element, derived in comments at `bound_for`) is the fp32 rounding of
+// the fused kernel relative to the double-accumulated reference: u = 2^-24,
+//   logit error  eps_j <= scale * ((D + 8) u K_j + R_j) + u (|l_j - l_max| + 2)
+//   output error <= (exp(2 eps) - 1) * sum_j w_j |v_jd| + (n + n_tiles + 8) u sum_j w_j V_j * r
+//                   + 2 T_rot
+// with K_j = ||q||_2 * ||(|c_i s| + |lo|)_i||_2 for packed rows (sum |q_d k_jd| for full
+// precision), V_j the row's value magnitude, r = sqrt(D) when values are rotated (1 otherwise),
+// R_j and T_rot the Hadamard transform errors. Every case reports the share of the bound used.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "util/test_util.h"
+#include "veloxquant/attention.h"
+#include "veloxquant/builder.h"
+#include "veloxquant/error.h"
+#include "veloxquant/full_cache.h"
+#include "veloxquant/packed.h"
+#include "veloxquant/skvq_cache.h"
+
+namespace vq {
+namespace {
+
+constexpr double kU = 0x1p-24;
+
+// One stored row of (b, kv head) as the bound needs it.
+struct RowInfo {
+  int64_t pos = 0;
+  std::vector<double> k, v;  // dequantized, original channel order
+  bool packed = false;
+  double k_l2 = 0, k_l1 = 0;   // of (|c_i s| + |lo|) in stored order (packed) or |k| (fp)
+  double v_max = 0, v_l1 = 0;  // of (|c_i s| + |lo|) (packed)
+  bool k_rot = false, v_rot = false;
+  int32_t k_block = 0, v_block = 0;
+};
+
+void magnitudes(const PackedTensor& t, int64_t b, int64_t h, int64_t i, double* l2, double* l1,
+                double* mx) {
+  const PackedRowFormat& f = t.fmt;
+  std::vector<uint8_t> codes(static_cast<size_t>(f.head_dim));
+  const uint8_t* rec = t.record(b, h, i);
+  unpack_codes(rec, f.head_dim, f.spec, codes.data());
+  *l2 = *l1 = *mx = 0;
+  for (int64_t c = 0; c < f.head_dim; ++c) {
+    const int64_t g = c / f.group_size;
+    const double m =
+        std::fabs(codes[c] * double(meta_load(rec + f.code_bytes, 2 * g + 1, f.meta))) +
+        std::fabs(double(meta_load(rec + f.code_bytes, 2 * g, f.meta)));
+    *l2 += m * m;
+    *l1 += m;
+    *mx = std::max(*mx, m);
+  }
+  *l2 = std::sqrt(*l2);
+}
+
+std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, int64_t b,
+                               int64_t h) {
+  std::vector<RowInfo> out;
+  const int64_t d = view.head_dim;
+  for (size_t s = 0; s < view.segments.size(); ++s) {
+    const ViewSegment& seg = view.segments[s];
+    const ViewSegment& ds = dense.segments[s];
+    for (int64_t i = 0; i < seg.n_rows; ++i) {
+      RowInfo r;
+      r.pos = seg.position(b, h, i, view.n_kv_heads);
+      for (int64_t c = 0; c < d; ++c) {
+        r.k.push_back(ds.keys.at(b, h, i, c));
+        r.v.push_back(ds.values.at(b, h, i, c));
+      }
+      if (seg.packed) {
+        r.packed = true;
+        double dummy;
+        magnitudes(seg.packed->keys, b, h, i, &r.k_l2, &r.k_l1, &dummy);
+        double v_l2;
+        magnitudes(seg.packed->values, b, h, i, &v_l2, &r.v_l1, &r.v_max);
+        r.k_rot = seg.packed->keys.signs != nullptr;
+        r.v_rot = seg.packed->values.signs != nullptr;
+        r.k_block = seg.packed->keys.rot_block;
+        r.v_block = seg.packed->values.rot_block;
+      }
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+double norm1(const std::vector<double>& x) {
+  double s = 0;
+  for (double v : x) s += std::fabs(v);
+  return s;
+}
+double norm2(const std::vector<double>& x) {
+  double s = 0;
+  for (double v : x) s += v * v;
+  return std::sqrt(s);
+}
+
+// Bound on |fused - reference| for every output channel of one query (see file comment).
+// Derivation, first order in u:
+//  * logit: the fused kernel scales q (1 rounding), forms fp32 products and sums D of them in
+//    lanes (<= D u of the absolute sum), adds n_groups lo * qsum terms (their products and the
+//    qsum roundings are within the same absolute sum), so |dl| <= scale (D + 8) u sum_i |q'_i|
+//    (|c_i s| + |lo|) <= scale (D + 8) u ||q||_2 ||m||_2 (Cauchy-Schwarz, q' = PRq has q's norm).
+//    The reference's own fp32 products add u per term (inside the same factor). Rotated keys:
+//    the computed q' is within t_q = (log2 b + 2) u ||q_blk||_1 / sqrt(b) of P R q per element
+//    (hadamard.h tolerance) and the reference's un-rotated key within t_k of R^T x; both enter as
+//    R_j = sqrt(D) (t_q ||m||_2 + ||q||_2 t_k). exp of (l - l_max) in fp32 is off by
+//    u (|l - l_max| + 2) relative, which we treat as a further logit error.
+//  * weights: every logit off by <= eps moves each normalised weight by a factor in
+//    [e^-2eps, e^2eps], hence (e^{2 eps} - 1) sum_j w_j |v_jd|.
+//  * values: n sequential fp32 accumulations, up to n_tiles rescalings, the final 1/l and scale:
+//    (n + n_tiles + 8) u sum_j w_j V_j, V_j = |v_jd| (fp) or max_i (|c_i s| + |lo|) (packed);
+//    rotated values mix channels in R^T: the stored-space error vector maps with norm <= sqrt(D)
+//    times its largest element. The un-rotation of the accumulated sum and the reference's
+//    un-rotated values each add T_rot = (log2 b + 2) u sum_j w_j ||m_j||_1 / sqrt(b).
+std::vector<double> bound_for(const std::vector<double>& q, const std::vector<RowInfo>& rows,
+                              int64_t q_pos, int64_t window, double scale, int64_t d) {
+  std::vector<const RowInfo*> vis;
+  for (const RowInfo& r : rows)
+    if (r.pos <= q_pos && (window == 0 || q_pos < r.pos + window)) vis.push_back(&r);
+  std::vector<double> out(static_cast<size_t>(d), 0.0);
+  if (vis.empty()) return out;
+  const double q2 = norm2(q), q1 = norm1(q);
+  std::vector<double> logit(vis.size());
+  double lmax = -1e300;
+  for (size_t j = 0; j < vis.size(); ++j) {
+    double s = 0;
+    for (int64_t c = 0; c < d; ++c) s += q[c] * vis[j]->k[c];
+    logit[j] = s * scale;
+    lmax = std::max(lmax, logit[j]);
+  }
+  double eps = 0, wsum = 0;
+  std::vector<double> w(vis.size());
+  for (size_t j = 0; j < vis.size(); ++j) {
+    const RowInfo& r = *vis[j];
+    double kterm, rterm = 0;
+    if (r.packed) {
+      kterm = q2 * r.k_l2;
+      if (r.k_rot) {
+        const double lb = std::log2(double(r.k_block)) + 2;
+        const double tq = lb * kU * q1 / std::sqrt(double(r.k_block));
+        const double tk = lb * kU * r.k_l1 / std::sqrt(double(r.k_block));
+        rterm = std::sqrt(double(d)) * (tq * r.k_l2 + q2 * tk);
+      }
+    } else {
+      kterm = 0;
+      for (int64_t c = 0; c < d; ++c) kterm += std::fabs(q[c] * r.k[c]);
+    }
+    eps = std::max(eps,
+                   scale * ((d + 8) * kU * kterm + rterm) + kU * (std::fabs(logit[j] - lmax) + 2));
+    w[j] = std::exp(logit[j] - lmax);
+    wsum += w[j];
+  }
+  const double n = double(vis.size()), n_tiles = std::ceil(n / 32.0) + 1;
+  const double gamma = (n + n_tiles + 8) * kU;
+  for (int64_t c = 0; c < d; ++c) {
+    double a = 0, bterm = 0, trot = 0;
+    for (size_t j = 0; j < vis.size(); ++j) {
+      const RowInfo& r = *vis[j];
+      const double wj = w[j] / wsum;
+      a += wj * std::fabs(r.v[c]);
+      if (r.packed) {
+        bterm += wj * r.v_max * (r.v_rot ? std::sqrt(double(d)) : 1.0);
+        if (r.v_rot)
+          trot +=
+              wj * (std::log2(double(r.v_block)) + 2) * kU * r.v_l1 / std::sqrt(double(r.v_block));
+      } else {
+        bterm += wj * std::fabs(r.v[c]);
+      }
+    }
+    out[c] = std::expm1(2 * eps) * a + gamma * bterm + 2 * trot;
+  }
+  return out;
+}
+
+struct Case {
+  CacheConfig cfg;
+  int64_t n_rep = 1, h_kv = 2, d = 64, len = 17, n_q = 1, batch = 1, window = 0;
+  DType dtype = DType::kF16;
+  std::string name() const {
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "%s rep=%lld d=%lld len=%lld nq=%lld b=%lld win=%lld g=%lld rot=%d",
+                  cfg.method.c_str(), (long long)n_rep, (long long)d, (long long)len,
+                  (long long)n_q, (long long)batch, (long long)window,
+                  (long long)cfg.skvq_group_size, int(cfg.skvq_rotation));
+    return buf;
+  }
+};
+
+// Runs a case: feeds len - n_q rows, then the n_q-row call whose view the queries attend to.
+// Returns the largest share of the bound used (fails the test on any violation).
+double run_case(const Case& cs, uint64_t seed) {
+  CacheConfig cfg = cs.cfg;
+  cfg.head_dim = cs.d;
+  auto cache = make_cache(cfg);
+  const Tensor k = test::random_tensor(cs.dtype, cs.batch, cs.h_kv, cs.len, cs.d, seed);
+  const Tensor v = test::random_tensor(cs.dtype, cs.batch, cs.h_kv, cs.len, cs.d, seed + 1);
+  const int64_t pre = cs.len - cs.n_q;
+  if (pre > 0)
+    cache->update_and_fetch(k.view().slice_tokens(0, pre), v.view().slice_tokens(0, pre));
+  const CacheView view = cache->update_and_fetch(k.view().slice_tokens(pre, cs.len),
+                                                 v.view().slice_tokens(pre, cs.len));
+  const int64_t h_q = cs.h_kv * cs.n_rep;
+  const Tensor q = test::random_tensor(DType::kF32, cs.batch, h_q, cs.n_q, cs.d, seed + 2, 1.5f);
+  AttentionParams p;
+  p.q_pos0 = pre;
+  p.window = cs.window;
+  std::vector<float> fused(static_cast<size_t>(q.numel())), ref(fused.size());
+  attention(q.view(), view, p, fused.data());
+  const DenseView dense = dequantize_view(view, DType::kF32);
+  attention_reference(q.view(), dense.view, p, ref.data());
+  const double scale = 1.0 / std::sqrt(double(cs.d));
+  double used = 0, ref_abs = 0;
+  for (int64_t b = 0; b < cs.batch; ++b)
+    for (int64_t kh = 0; kh < cs.h_kv; ++kh) {
+      const auto rows = rows_info(view, dense.view, b, kh);
+      for (int64_t r = 0; r < cs.n_rep; ++r)
+        for (int64_t i = 0; i < cs.n_q; ++i) {
+          const int64_t qh = kh * cs.n_rep + r;
+          std::vector<double> qv(static_cast<size_t>(cs.d));
+          for (int64_t c = 0; c < cs.d; ++c) qv[c] = q.at(b, qh, i, c);
+          const auto bound = bound_for(qv, rows, pre + i, cs.window, scale, cs.d);
+          for (int64_t c = 0; c < cs.d; ++c) {
+            const size_t idx = static_cast<size_t>(((b * h_q + qh) * cs.n_q + i) * cs.d + c);
+            const double err = std::fabs(double(fused[idx]) - ref[idx]);
+            EXPECT_FALSE(std::isnan(fused[idx]));
+            if (err > bound[c]) {
+              ADD_FAILURE() << cs.name() << ": |fused - ref| = " << err << " > bound " << bound[c]
+                            << " at b " << b << " qh " << qh << " i " << i << " c " << c;
+              return 1e9;
+            }
+            if (bound[c] > 0) used = std::max(used, err / bound[c]);
+            ref_abs = std::max(ref_abs, std::fabs(double(ref[idx])));
+          }
+        }
+    }
+  EXPECT_GT(ref_abs, 0.0) << cs.name() << ": reference all zeros";
+  return used;
+}
+
+CacheConfig method_cfg(const std::string& m) {
+  CacheConfig c;
+  c.method = m;
+  c.snap_budget = 48;
+  c.snap_obs_window = 8;
+  c.snap_n_sink = 4;
+  c.skvq_window = 32;
+  c.skvq_n_sink = 4;
+  c.skvq_group_size = 32;
+  return c;
+}
+
+std::vector<std::string> methods_built() {
+  std::vector<std::string> out;
+  for (const std::string& m : cache_methods()) {
+    try {
+      (void)make_cache(method_cfg(m));
+      out.push_back(m);
+    } catch (const Error&) {
+    }
+  }
+  return out;
+}
+
+TEST(FusedAttention, EveryMethodGqaHeadDimsLengths) {
+  const auto methods = methods_built();
+  ASSERT_GE(methods.size(), 3u) << "full, snapkv and skvq at least";
+  double worst = 0;
+  int n = 0;
+  for (const std::string& m : methods)
+    for (int64_t rep : {1, 4, 8})
+      for (int64_t d : {64, 128})
+        for (int64_t len : {1, 17, 127, 129})
+          for (int64_t nq : {int64_t{1}, std::min<int64_t>(len, 5)}) {
+            if (nq == 1 && len > 1 && rep == 8 && d == 128) continue;  // keep the sweep quick
+            Case cs;
+            cs.cfg = method_cfg(m);
+            cs.n_rep = rep;
+            cs.d = d;
+            cs.len = len;
+            cs.n_q = nq;
+            // Ragged groups: 24 does not divide 64, 48 does not divide 128.
+            if ((len + rep) % 2) cs.cfg.skvq_group_size = d == 64 ? 24 : 48;
+            const double used = run_case(cs, 1000 + n);
+            worst = std::max(worst, used);
+            ++n;
+          }
+  std::printf("[fused] %d cases, worst share of the bound used: %.3g\n", n, worst);
+}
+
+TEST(FusedAttention, SkvqOptionsBitsMetaRotationWindows) {
+  double worst = 0;
+  int n = 0;
+  for (int variant = 0; variant < 8; ++variant) {
+    Case cs;
+    cs.cfg = method_cfg("skvq");
+    cs.len = 129;
+    cs.n_rep = 4;
+    cs.d = variant % 2 ? 128 : 64;
+    cs.n_q = variant % 3 == 0 ? 1 : 7;
+    switch (variant) {
+      case 0:
+        cs.cfg.skvq_bits_key = cs.cfg.skvq_bits_value = 4;
+        break;
+      case 1:
+        cs.cfg.skvq_rotation = Rotation::kHadamard;
+        break;
+      case 2:
+        cs.cfg.skvq_rotation = Rotation::kHadamard;
+        cs.cfg.skvq_rotate_values = true;
+        cs.cfg.skvq_group_size = 24;
+        break;
+      case 3:
+        cs.cfg.skvq_meta = MetaType::kFP8E4M3;
+        cs.cfg.skvq_bits_value = 1.5;
+        break;
+      case 4:
+        cs.cfg.skvq_meta = MetaType::kF32;
+        cs.cfg.skvq_bits_key = 3;
+        cs.cfg.skvq_bits_value = 8;
+        cs.window = 40;
+        break;
+      case 5:
+        cs.cfg.skvq_bits_key = 1;
+        cs.cfg.skvq_bits_value = 5;
+        cs.cfg.skvq_recent = 9;
+        cs.window = 3;
+        break;
+      case 6:
+        cs.cfg.skvq_reorder = false;
+        cs.batch = 2;
+        cs.dtype = DType::kBF16;
+        break;
+      case 7:
+        cs.cfg.skvq_bits_key = 6;
+        cs.cfg.skvq_bits_value = 7;
+        cs.dtype = DType::kF32;
+        cs.n_rep = 8;
+        break;
+    }
+    worst = std::max(worst, run_case(cs, 5000 + variant));
+    ++n;
+  }
+  std::printf("[fused] %d option cases, worst share of the bound used: %.3g\n", n, worst);
+}
+
+// A window that hides every key of a query gives zeros, as the reference.
+TEST(FusedAttention, FullyMaskedQueryGivesZeros) {
+  CacheConfig cfg = method_cfg("skvq");
+  cfg.head_dim = 64;
+  auto cache = make_cache(cfg);
+  const Tensor k = test::random_tensor(DType::kF16, 1, 2, 60, 64, 1);
+  const CacheView view = cache->update_and_fetch(k.view(), k.view());
+  const Tensor q = test::random_tensor(DType::kF32, 1, 2, 1, 64, 2);
+  AttentionParams p;
+  p.q_pos0 = 200;  // every key is older than the window
+  p.window = 10;
+  std::vector<float> out(128, 1.0f);
+  attention(q.view(), view, p, out.data());
+  for (float x : out) EXPECT_EQ(x, 0.0f);
+}
+
+// Metamorphic: GQA with n_rep query heads per KV head equals MHA over the KV heads repeated.
+TEST(FusedAttention, GqaEqualsMhaWithRepeatedKvHeads) {
+  CacheConfig cfg = method_cfg("skvq");
+  cfg.head_dim = 64;
+  const int64_t rep = 4, len = 100;
+  const Tensor k = test::random_tensor(DType::kF16, 1, 2, len, 64, 10);
+  const Tensor v = test::random_tensor(DType::kF16, 1, 2, len, 64, 11);
+  Tensor kr(DType::kF16, 1, 2 * rep, len, 64), vr(DType::kF16, 1, 2 * rep, len, 64);
+  for (int64_t h = 0; h < 2 * rep; ++h)
+    for (int64_t s = 0; s < len; ++s)
+      for (int64_t c = 0; c < 64; ++c) {
+        kr.set(0, h, s, c, k.at(0, h / rep, s, c));
+        vr.set(0, h, s, c, v.at(0, h / rep, s, c));
+      }
+  auto a = make_cache(cfg), b = make_cache(cfg);
+  const CacheView va = a->update_and_fetch(k.view(), v.view());
+  const CacheView vb = b->update_and_fetch(kr.view(), vr.view());
+  const Tensor q = test::random_tensor(DType::kF32, 1, 2 * rep, 3, 64, 12);
+  AttentionParams p;
+  p.q_pos0 = len - 3;
+  std::vector<float> oa(static_cast<size_t>(q.numel())), ob(oa.size());
+  attention(q.view(), va, p, oa.data());
+  attention(q.view(), vb, p, ob.data());
+  // Permutations pool per KV head over the same rows, so the repeated heads quantize
+  // identically: the two computations are the same arithmetic, bit for bit.
+  EXPECT_EQ(oa, ob);
+}
+
+// Metamorphic: a sliding window over the whole view equals attention over only the rows inside
+// the window (a full-precision copy restricted to them).
+TEST(FusedAttention, WindowEqualsSlicedRows) {
+  FullCache full;
+  const Tensor k = test::random_tensor(DType::kF32, 1, 2, 90, 64, 20);
+  const Tensor v = test::random_tensor(DType::kF32, 1, 2, 90, 64, 21);
+  const CacheView view = full.update_and_fetch(k.view(), v.view());
+  const Tensor q = test::random_tensor(DType::kF32, 1, 2, 1, 64, 22);
+  AttentionParams p;
+  p.q_pos0 = 89;
+  p.window = 25;
+  std::vector<float> a(128), b(128);
+  attention(q.view(), view, p, a.data());
+  CacheView sliced = view;
+  sliced.segments[0].keys = view.segments[0].keys.slice_tokens(65, 90);
+  sliced.segments[0].values = view.segments[0].values.slice_tokens(65, 90);
+  sliced.segments[0].n_rows = 25;
+  sliced.segments[0].first_pos = 65;
+  AttentionParams p0 = p;
+  p0.window = 0;
+  attention(q.view(), sliced, p0, b.data());
+  EXPECT_EQ(a, b);
+}
+
+TEST(FusedAttention, BadInputRefused) {
+  FullCache full;
+  const Tensor k = test::random_tensor(DType::kF32, 1, 2, 10, 64, 30);
+  const CacheView view = full.update_and_fetch(k.view(), k.view());
+  std::vector<float> out(6 * 64);
+  const Tensor q3 = test::random_tensor(DType::kF32, 1, 3, 1, 64, 31);  // 3 % 2 != 0
+  EXPECT_THROW(attention(q3.view(), view, {}, out.data()), Error);
+  const Tensor q32 = test::random_tensor(DType::kF32, 1, 2, 1, 32, 32);  // wrong D
+  EXPECT_THROW(attention(q32.view(), view, {}, out.data()), Error);
+  AttentionParams bad;
+  bad.window = -1;
+  const Tensor q = test::random_tensor(DType::kF32, 1, 2, 1, 64, 33);
+  EXPECT_THROW(attention(q.view(), view, bad, out.data()), Error);
+}
+
+}  // namespace
+}  // namespace vq
