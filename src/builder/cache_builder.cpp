@@ -12,6 +12,7 @@
 #include "veloxquant/full_cache.h"
 #include "veloxquant/skvq_cache.h"
 #include "veloxquant/snapkv_cache.h"
+#include "veloxquant/streaming_cache.h"
 
 namespace vq {
 
@@ -21,6 +22,7 @@ std::unique_ptr<KVCache> make_cache(const CacheConfig& cfg) {
   if (m == "full") return make_full_cache(cfg);
   if (m == "snapkv") return make_snapkv_cache(cfg);
   if (m == "skvq") return make_skvq_cache(cfg);
+  if (m == "streaming") return make_streaming_cache(cfg);
   throw Error("[make_cache] method '" + m + "' is not available in this build");
 }
 

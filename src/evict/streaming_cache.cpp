@@ -1,0 +1,394 @@
+// StreamingLLM baseline cache: sinks + most recent window (see veloxquant/streaming_cache.h).
+//
+// Layout: k_, v_ are [B, H, capacity_, D] raw fp16/bf16 bits; per (b, h) rows [0, n_sink_rows_)
+// hold positions 0 .. n_sink_rows_ - 1 and rows [head_, head_ + n_recent_) hold the contiguous run
+// offset_ - n_recent_ .. offset_ - 1 (the same positions for every head). Before any eviction the
+// two parts touch (head_ == n_sink_rows_, positions 0 .. offset_ - 1) and the view is one segment.
+// Eviction only advances head_ (the bytes of the returned view are never touched); a prefill call
+// that left the buffer larger than the steady capacity copies the survivors into a fresh buffer and
+// keeps the old one alive until the next mutating call. Byte figures: 2 bytes per element.
+#include "veloxquant/streaming_cache.h"
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstring>
+#include <istream>
+#include <ostream>
+#include <string>
+
+#include "veloxquant/binary_io.h"
+#include "veloxquant/error.h"
+
+namespace vq {
+namespace {
+
+int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+std::string shape_str(const std::array<int64_t, 4>& s) {
+  return "[" + std::to_string(s[0]) + ", " + std::to_string(s[1]) + ", " + std::to_string(s[2]) +
+         ", " + std::to_string(s[3]) + "]";
+}
+
+// Row (b, h, s) of t converted to dst_t (contiguous destination of t.shape[3] elements).
+void convert_view_row(const TensorView& t, int64_t b, int64_t h, int64_t s, void* dst,
+                      DType dst_t) {
+  const int64_t d = t.shape[3];
+  if (t.stride[3] == 1) {
+    convert_row(t.row(b, h, s), t.dtype, dst, dst_t, static_cast<size_t>(d));
+    return;
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    const float x = t.at(b, h, s, i);
+    from_f32(&x, static_cast<char*>(dst) + i * static_cast<int64_t>(dtype_size(dst_t)), dst_t, 1);
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<KVCache> make_streaming_cache(const CacheConfig& cfg) {
+  validate(cfg);
+  return std::make_unique<StreamingCache>(cfg);
+}
+
+StreamingCache::StreamingCache(const CacheConfig& cfg)
+    : n_sink_(cfg.streaming_n_sink), window_(cfg.streaming_window) {
+  VQ_CHECK(n_sink_ >= 0,
+           "[streaming] streaming_n_sink: expected >= 0 but got " + std::to_string(n_sink_));
+  VQ_CHECK(window_ >= 1,
+           "[streaming] streaming_window: expected >= 1 but got " + std::to_string(window_));
+}
+
+// Sinks + window + slack rows. The slack (a quarter window, at least one step) is how many decode
+// appends fit before the run must be moved back: a move copies `window` rows, so the amortised
+// cost is at most window / slack <= 4 row copies per decode step, whatever the context length.
+int64_t StreamingCache::steady_capacity() const {
+  const int64_t slack = std::max(kRowStep, round_up(window_ / 4, kRowStep));
+  return round_up(n_sink_ + window_ + slack, kRowStep);
+}
+
+void StreamingCache::check_input(const TensorView& keys, const TensorView& values) const {
+  VQ_CHECK(keys.data != nullptr || keys.numel() == 0,
+           "[streaming] expected keys data but got nullptr");
+  VQ_CHECK(values.data != nullptr || values.numel() == 0,
+           "[streaming] expected values data but got nullptr");
+  VQ_CHECK(keys.shape == values.shape, "[streaming] expected values of the keys' shape " +
+                                           shape_str(keys.shape) + " but got " +
+                                           shape_str(values.shape));
+  VQ_CHECK(keys.shape[0] >= 1 && keys.shape[1] >= 1 && keys.shape[2] >= 0 && keys.shape[3] >= 1,
+           "[streaming] expected keys [B>=1, H>=1, S>=0, D>=1] but got " + shape_str(keys.shape));
+  if (has_data_) {
+    VQ_CHECK(keys.shape[0] == batch_ && keys.shape[1] == heads_ && keys.shape[3] == head_dim_,
+             "[streaming] expected keys [" + std::to_string(batch_) + ", " +
+                 std::to_string(heads_) + ", S, " + std::to_string(head_dim_) +
+                 "] (fixed by the first call) but got " + shape_str(keys.shape));
+  }
+  VQ_CHECK(offset_ + keys.shape[2] <= static_cast<int64_t>(INT32_MAX),
+           "[streaming] expected positions to fit int32 but offset " + std::to_string(offset_) +
+               " + S " + std::to_string(keys.shape[2]) + " does not");
+}
+
+void StreamingCache::relocate(int64_t new_cap, bool retire_old) {
+  const int64_t bh_total = batch_ * heads_;
+  const int64_t d = head_dim_;
+  std::vector<uint16_t> nk(static_cast<size_t>(bh_total * new_cap * d));
+  std::vector<uint16_t> nv(nk.size());
+  for (int64_t bh = 0; bh < bh_total; ++bh) {
+    const size_t src = static_cast<size_t>(bh * capacity_ * d);
+    const size_t dst = static_cast<size_t>(bh * new_cap * d);
+    const size_t sink_elems = static_cast<size_t>(n_sink_rows_ * d);
+    const size_t run_elems = static_cast<size_t>(n_recent_ * d);
+    const size_t run_src = src + static_cast<size_t>(head_ * d);
+    if (sink_elems) {
+      std::memcpy(nk.data() + dst, k_.data() + src, sink_elems * 2);
+      std::memcpy(nv.data() + dst, v_.data() + src, sink_elems * 2);
+    }
+    if (run_elems) {
+      std::memcpy(nk.data() + dst + sink_elems, k_.data() + run_src, run_elems * 2);
+      std::memcpy(nv.data() + dst + sink_elems, v_.data() + run_src, run_elems * 2);
+    }
+  }
+  if (retire_old) {
+    retired_k_.swap(k_);
+    retired_v_.swap(v_);
+  }
+  k_.swap(nk);
+  v_.swap(nv);
+  capacity_ = new_cap;
+  head_ = n_sink_rows_;
+}
+
+void StreamingCache::make_room(int64_t extra) {
+  if (head_ + n_recent_ + extra <= capacity_) return;
+  const int64_t needed = n_sink_rows_ + n_recent_ + extra;
+  if (needed <= capacity_) {
+    // Move the run back next to the sinks (memmove: the ranges may overlap).
+    const int64_t d = head_dim_;
+    for (int64_t bh = 0; bh < batch_ * heads_; ++bh) {
+      const size_t base = static_cast<size_t>(bh * capacity_ * d);
+      const size_t n = static_cast<size_t>(n_recent_ * d) * 2;
+      std::memmove(k_.data() + base + n_sink_rows_ * d, k_.data() + base + head_ * d, n);
+      std::memmove(v_.data() + base + n_sink_rows_ * d, v_.data() + base + head_ * d, n);
+    }
+    head_ = n_sink_rows_;
+    return;
+  }
+  relocate(round_up(std::max(needed, steady_capacity()), kRowStep), /*retire_old=*/false);
+}
+
+CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorView& values,
+                                           const UpdateOptions& /*opts*/) {
+  check_input(keys, values);  // nothing changes before this passes
+
+  // The previous view is invalid from here on: release what only it used.
+  std::vector<uint16_t>().swap(retired_k_);
+  std::vector<uint16_t>().swap(retired_v_);
+
+  if (!has_data_) {
+    batch_ = keys.shape[0];
+    heads_ = keys.shape[1];
+    head_dim_ = keys.shape[3];
+    dtype_ =
+        keys.dtype == DType::kBF16 && values.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    has_data_ = true;
+  }
+
+  const int64_t s = keys.shape[2];
+  make_room(s);
+  const int64_t d = head_dim_;
+  for (int64_t b = 0; b < batch_; ++b)
+    for (int64_t h = 0; h < heads_; ++h) {
+      const int64_t base = ((b * heads_ + h) * capacity_ + head_ + n_recent_) * d;
+      for (int64_t i = 0; i < s; ++i) {
+        convert_view_row(keys, b, h, i, k_.data() + base + i * d, dtype_);
+        convert_view_row(values, b, h, i, v_.data() + base + i * d, dtype_);
+      }
+    }
+  n_recent_ += s;
+  offset_ += s;
+  // Until n_sink positions were seen nothing was evicted (head_ == n_sink_rows_): the first
+  // positions of the run become sinks in place.
+  if (n_sink_rows_ < n_sink_) {
+    const int64_t grow = std::min(n_sink_, offset_) - n_sink_rows_;
+    n_sink_rows_ += grow;
+    head_ += grow;
+    n_recent_ -= grow;
+  }
+
+  CacheView view = make_view();
+
+  // Trim to sinks + window (deferred: the view above keeps every row of this step).
+  if (n_recent_ > window_) {
+    head_ += n_recent_ - window_;
+    n_recent_ = window_;
+    // A prefill call may have grown the buffer past the steady size: give the memory back.
+    if (s > 1 && capacity_ > steady_capacity()) relocate(steady_capacity(), /*retire_old=*/true);
+  }
+  return view;
+}
+
+CacheView StreamingCache::make_view() const {
+  CacheView view;
+  view.batch = batch_;
+  view.n_kv_heads = heads_;
+  view.head_dim = head_dim_;
+  auto rows_view = [&](const std::vector<uint16_t>& buf, int64_t row0, int64_t n) {
+    TensorView t;
+    t.data = const_cast<uint16_t*>(buf.data()) + row0 * head_dim_;
+    t.dtype = dtype_;
+    t.shape = {batch_, heads_, n, head_dim_};
+    t.stride = {heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1};
+    return t;
+  };
+  const int64_t run_first = offset_ - n_recent_;
+  if (head_ == n_sink_rows_ && run_first == n_sink_rows_) {
+    // Nothing evicted: rows 0 .. offset_ - 1 in one run.
+    if (n_sink_rows_ + n_recent_ > 0) {
+      ViewSegment seg;
+      seg.n_rows = n_sink_rows_ + n_recent_;
+      seg.first_pos = 0;
+      seg.keys = rows_view(k_, 0, seg.n_rows);
+      seg.values = rows_view(v_, 0, seg.n_rows);
+      view.segments.push_back(seg);
+    }
+    return view;
+  }
+  if (n_sink_rows_ > 0) {
+    ViewSegment seg;
+    seg.n_rows = n_sink_rows_;
+    seg.first_pos = 0;
+    seg.keys = rows_view(k_, 0, n_sink_rows_);
+    seg.values = rows_view(v_, 0, n_sink_rows_);
+    view.segments.push_back(seg);
+  }
+  if (n_recent_ > 0) {
+    ViewSegment seg;
+    seg.n_rows = n_recent_;
+    seg.first_pos = run_first;
+    seg.keys = rows_view(k_, head_, n_recent_);
+    seg.values = rows_view(v_, head_, n_recent_);
+    view.segments.push_back(seg);
+  }
+  return view;
+}
+
+std::vector<int32_t> StreamingCache::stored_positions(int64_t b, int64_t h) const {
+  VQ_CHECK(b >= 0 && b < batch_ && h >= 0 && h < heads_,
+           "[streaming] expected (b, h) within [" + std::to_string(batch_) + ", " +
+               std::to_string(heads_) + ") but got (" + std::to_string(b) + ", " +
+               std::to_string(h) + ")");
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(n_sink_rows_ + n_recent_));
+  for (int64_t j = 0; j < n_sink_rows_; ++j) out.push_back(static_cast<int32_t>(j));
+  for (int64_t j = offset_ - n_recent_; j < offset_; ++j) out.push_back(static_cast<int32_t>(j));
+  return out;
+}
+
+Mask StreamingCache::make_mask(int64_t n_queries, int64_t window) const {
+  if (n_queries == 1 && window == 0) {
+    Mask m;  // a single query at offset() sees every stored row and itself
+    m.kind = Mask::Kind::kNone;
+    m.n_queries = 1;
+    m.n_keys = stored_rows() + 1;
+    return m;
+  }
+  return KVCache::make_mask(n_queries, window);
+}
+
+CacheStats StreamingCache::stats() const {
+  CacheStats st;
+  st.method = method();
+  st.tokens_seen = offset_;
+  st.rows_stored = stored_rows();
+  const int64_t bhd2 = batch_ * heads_ * head_dim_ * 2;  // bytes of one row of K (or V), all heads
+  const int64_t kept = stored_rows() * bhd2;
+  const int64_t full = offset_ * bhd2;
+  st.bytes_accounted = 2 * kept;
+  st.fp16_bytes = 2 * full;
+  st.bytes_resident = static_cast<int64_t>(
+      (k_.capacity() + v_.capacity() + retired_k_.capacity() + retired_v_.capacity()) *
+      sizeof(uint16_t));
+  const double tokens_kept = static_cast<double>(batch_ * heads_ * stored_rows());
+  const double tokens_total = static_cast<double>(batch_ * heads_ * offset_);
+  const double kept_d = static_cast<double>(kept);
+  const double full_d = static_cast<double>(full);
+  st.figures = {
+      {"kept_key_bytes", kept_d},
+      {"kept_value_bytes", kept_d},
+      {"full_key_bytes", full_d},
+      {"full_value_bytes", full_d},
+      {"eviction_ratio", kept > 0 ? full_d / kept_d : 1.0},
+      {"tokens_kept", tokens_kept},
+      {"tokens_total", tokens_total},
+      {"keep_rate", tokens_total > 0 ? tokens_kept / tokens_total : 1.0},
+      {"sink_rows", static_cast<double>(n_sink_rows_)},
+      {"recent_rows", static_cast<double>(n_recent_)},
+  };
+  return st;
+}
+
+// ---- state ------------------------------------------------------------------------------------
+
+void StreamingCache::save(std::ostream& out) const {
+  StateWriter w;
+  w.i64(n_sink_);
+  w.i64(window_);
+  w.boolean(has_data_);
+  w.u8(static_cast<uint8_t>(dtype_));
+  w.i64(batch_);
+  w.i64(heads_);
+  w.i64(head_dim_);
+  w.i64(offset_);
+  w.i64(n_sink_rows_);
+  w.i64(n_recent_);
+  // Sinks, then the recent run, each as a [B, H, n, D] tensor (strided into the store).
+  TensorView t;
+  t.dtype = dtype_;
+  t.stride = {heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1};
+  for (const std::vector<uint16_t>* buf : {&k_, &v_}) {
+    t.shape = {batch_, heads_, n_sink_rows_, head_dim_};
+    t.data = const_cast<uint16_t*>(buf->data());
+    w.tensor(t);
+    t.shape = {batch_, heads_, n_recent_, head_dim_};
+    t.data = const_cast<uint16_t*>(buf->data()) + head_ * head_dim_;
+    w.tensor(t);
+  }
+  w.write(out, method());
+}
+
+void StreamingCache::load(std::istream& in) {
+  StateReader r(in, method());  // checksum and method verified before any field is read
+  const int64_t n_sink = r.i64();
+  const int64_t window = r.i64();
+  VQ_CHECK(n_sink == n_sink_ && window == window_,
+           "[load_state] streaming: expected streaming_n_sink " + std::to_string(n_sink_) +
+               " and streaming_window " + std::to_string(window_) +
+               " (this cache's config) but the file has " + std::to_string(n_sink) + " and " +
+               std::to_string(window));
+  const bool has_data = r.boolean();
+  const uint8_t dt = r.u8();
+  VQ_CHECK(dt == static_cast<uint8_t>(DType::kF16) || dt == static_cast<uint8_t>(DType::kBF16),
+           "[load_state] streaming: expected storage dtype float16 or bfloat16 but got code " +
+               std::to_string(dt));
+  const DType dtype = static_cast<DType>(dt);
+  constexpr int64_t kMaxDim = int64_t{1} << 24;
+  const int64_t lo = has_data ? 1 : 0;
+  const int64_t batch = r.i64_in("batch", lo, has_data ? kMaxDim : 0);
+  const int64_t heads = r.i64_in("heads", lo, has_data ? kMaxDim : 0);
+  const int64_t head_dim = r.i64_in("head_dim", lo, has_data ? kMaxDim : 0);
+  const int64_t offset = r.i64_in("offset", 0, INT32_MAX);
+  const int64_t n_sink_rows =
+      r.i64_in("n_sink_rows", std::min(n_sink_, offset), std::min(n_sink_, offset));
+  const int64_t n_recent = r.i64_in("n_recent", 0, std::min(window_, offset - n_sink_rows));
+  // After every step the run is either everything after the sinks or exactly the window.
+  VQ_CHECK(n_recent == offset - n_sink_rows || n_recent == window_,
+           "[load_state] streaming: expected " + std::to_string(offset - n_sink_rows) + " or " +
+               std::to_string(window_) + " recent rows but got " + std::to_string(n_recent));
+  Tensor parts[4];
+  for (Tensor& p : parts) p = r.tensor();
+  r.expect_end();
+  for (int i = 0; i < 4; ++i) {
+    const std::array<int64_t, 4> want{batch, heads, i % 2 == 0 ? n_sink_rows : n_recent, head_dim};
+    VQ_CHECK(parts[i].dtype() == dtype && parts[i].shape() == want,
+             "[load_state] streaming: expected rows " + std::string(dtype_name(dtype)) + " " +
+                 shape_str(want) + " but got " + std::string(dtype_name(parts[i].dtype())) + " " +
+                 shape_str(parts[i].shape()));
+  }
+
+  // Build the new state aside, then swap it in (nothing above touched *this).
+  CacheConfig cfg;
+  cfg.method = method();
+  cfg.streaming_n_sink = n_sink_;
+  cfg.streaming_window = window_;
+  StreamingCache fresh(cfg);
+  fresh.has_data_ = has_data;
+  fresh.dtype_ = dtype;
+  fresh.batch_ = batch;
+  fresh.heads_ = heads;
+  fresh.head_dim_ = head_dim;
+  fresh.offset_ = offset;
+  fresh.n_sink_rows_ = n_sink_rows;
+  fresh.n_recent_ = n_recent;
+  fresh.head_ = n_sink_rows;
+  fresh.capacity_ = has_data ? fresh.steady_capacity() : 0;
+  const int64_t cap = fresh.capacity_;
+  fresh.k_.assign(static_cast<size_t>(batch * heads * cap * head_dim), 0);
+  fresh.v_.assign(fresh.k_.size(), 0);
+  for (int kv = 0; kv < 2; ++kv) {
+    std::vector<uint16_t>& dst = kv == 0 ? fresh.k_ : fresh.v_;
+    const auto* sinks = static_cast<const uint16_t*>(parts[2 * kv].data());
+    const auto* run = static_cast<const uint16_t*>(parts[2 * kv + 1].data());
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+      uint16_t* row0 = dst.data() + bh * cap * head_dim;
+      std::memcpy(row0, sinks + bh * n_sink_rows * head_dim,
+                  static_cast<size_t>(n_sink_rows * head_dim) * 2);
+      std::memcpy(row0 + n_sink_rows * head_dim, run + bh * n_recent * head_dim,
+                  static_cast<size_t>(n_recent * head_dim) * 2);
+    }
+  }
+  *this = std::move(fresh);
+}
+
+}  // namespace vq
