@@ -341,6 +341,33 @@ TEST(SnapSelect, RandomTieHeavyCasesMatchStableSort) {
   }
 }
 
+TEST(SnapSelect, NearTiesAndNonFiniteMixMatchStableSort) {
+  // Adjacent floats (1 ulp apart), signed zeros, infinities and NaN in random mixes: the
+  // threshold path must order them exactly like the stable sort.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> pool = {nan,
+                                   -inf,
+                                   inf,
+                                   -0.0f,
+                                   0.0f,
+                                   1.0f,
+                                   std::nextafter(1.0f, 2.0f),
+                                   std::nextafter(1.0f, 0.0f),
+                                   0x1p-149f,
+                                   -0x1p-149f};
+  std::mt19937_64 rng(99);
+  for (int t = 0; t < 1000; ++t) {
+    const int64_t n = std::uniform_int_distribution<int64_t>(0, 299)(rng);
+    std::uniform_int_distribution<int64_t> bd(-1, n + 4);
+    const int64_t budget = bd(rng), n_sink = bd(rng);
+    std::vector<float> s(static_cast<size_t>(n));
+    std::uniform_int_distribution<size_t> pick(0, pool.size() - 1);
+    for (auto& x : s) x = pool[pick(rng)];
+    ASSERT_EQ(fast_select(s, budget, n_sink), plain_select(s, budget, n_sink)) << "case " << t;
+  }
+}
+
 TEST(SnapSelect, AwkwardLengthsWithStridedZeros) {
   for (int64_t n : {0, 1, 2, 255, 256, 257, 511, 512, 513, 8193}) {
     for (int64_t stride : {1, 3, 7}) {
