@@ -1,0 +1,173 @@
+// The forward pass of a Llama-family decoder over one KV cache per layer.
+//
+// Per call: tokens [B, S] -> x [B*S, hidden] (token-major, t = b * S + s). Per layer:
+// h = RMSNorm(x); q/k/v = h W^T (+bias) as [T, heads * head_dim]; RoPE (RopeStyle::kHalfSplit)
+// at positions offset + s, where offset = cache.offset() read BEFORE update_and_fetch; q is laid
+// out [B, H_q, S, D] fp32, k and v [B, H_kv, S, D] in ForwardOptions::kv_dtype; the cache
+// returns the view (stored rows ++ these rows, per-row positions) and attention runs over it
+// (query head qh reads KV head qh / (H_q / H_kv)); o_proj, residual; RMSNorm, SwiGLU MLP,
+// residual. Then the final norm and the logits of the requested positions.
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "runtime/kernels.h"
+#include "veloxquant/attention.h"
+#include "veloxquant/error.h"
+#include "veloxquant/model.h"
+
+namespace vq {
+
+namespace {
+
+void linear(const Linear& l, const float* x, int64_t n_tokens, float* y) {
+  kernels::matmul(x, n_tokens, l.in, l.in, l.w, l.dtype, l.out,
+                  l.bias.empty() ? nullptr : l.bias.data(), y, l.out);
+}
+
+template <typename T>
+T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+}  // namespace
+
+void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
+                    const std::vector<std::unique_ptr<KVCache>>& caches, const ForwardOptions& opts,
+                    std::vector<float>* logits, ForwardScratch* scratch) const {
+  const ModelConfig& c = cfg_;
+  VQ_CHECK(batch >= 1 && seq >= 1, "[forward] expected batch >= 1 and seq >= 1 but got batch " +
+                                       std::to_string(batch) + ", seq " + std::to_string(seq));
+  VQ_CHECK(static_cast<int64_t>(caches.size()) == c.n_layers,
+           "[forward] expected one cache per layer (" + std::to_string(c.n_layers) + ") but got " +
+               std::to_string(caches.size()));
+  for (int64_t i = 0; i < batch * seq; ++i)
+    VQ_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size,
+             "[forward] expected token ids in [0, " + std::to_string(c.vocab_size) + ") but got " +
+                 std::to_string(tokens[i]) + " at index " + std::to_string(i));
+  VQ_CHECK(caches[0] != nullptr, "[forward] expected a cache for layer 0 but got nullptr");
+  const int64_t offset = caches[0]->offset();
+  for (size_t l = 0; l < caches.size(); ++l)
+    VQ_CHECK(caches[l] && caches[l]->offset() == offset,
+             "[forward] expected every layer's cache at offset " + std::to_string(offset) +
+                 " but layer " + std::to_string(l) + " is at " +
+                 (caches[l] ? std::to_string(caches[l]->offset()) : std::string("nullptr")));
+
+  ForwardScratch local;
+  ForwardScratch& s = scratch ? *scratch : local;
+  const int64_t T = batch * seq, Hd = c.hidden_size, D = c.head_dim, half = D / 2;
+  const int64_t Hq = c.n_heads, Hkv = c.n_kv_heads, I = c.intermediate_size;
+  const size_t uT = static_cast<size_t>(T);
+  float* x = grow(s.x, uT * Hd);
+  float* h = grow(s.h, uT * std::max(Hd, Hq * D));
+  float* q = grow(s.q, uT * Hq * D);
+  float* k = grow(s.k, uT * Hkv * D);
+  float* v = grow(s.v, uT * Hkv * D);
+  float* qh = grow(s.qh, uT * Hq * D);
+  float* attn = grow(s.attn, uT * Hq * D);
+  float* attn_t = grow(s.attn_t, uT * Hq * D);
+  float* gate = grow(s.gate, uT * I);
+  float* up = grow(s.up, uT * I);
+  float* cos_t = grow(s.cos_t, static_cast<size_t>(seq * half));
+  float* sin_t = grow(s.sin_t, static_cast<size_t>(seq * half));
+
+  // K/V blocks in the cache dtype: fp32 reuses the k/v head-major buffers below.
+  const DType kv_t = opts.kv_dtype;
+  const size_t kv_elems = uT * Hkv * D;
+  void* kbuf;
+  void* vbuf;
+  if (kv_t == DType::kF32) {
+    kbuf = grow(s.kf, kv_elems);
+    vbuf = grow(s.vf, kv_elems);
+  } else {
+    kbuf = grow(s.k16, kv_elems);
+    vbuf = grow(s.v16, kv_elems);
+  }
+
+  // Embeddings.
+  const size_t emb_es = dtype_size(embed_.dtype);
+  for (int64_t t = 0; t < T; ++t)
+    to_f32(static_cast<const char*>(embed_.w) + static_cast<size_t>(tokens[t]) * Hd * emb_es,
+           embed_.dtype, x + t * Hd, static_cast<size_t>(Hd));
+  // RoPE tables for this call's positions, shared by every layer and head.
+  for (int64_t si = 0; si < seq; ++si)
+    rope_cos_sin(inv_freq_, offset + si, cos_t + si * half, sin_t + si * half);
+
+  const TensorView q_view = TensorView::contiguous(qh, DType::kF32, batch, Hq, seq, D);
+  const TensorView k_view = TensorView::contiguous(kbuf, kv_t, batch, Hkv, seq, D);
+  const TensorView v_view = TensorView::contiguous(vbuf, kv_t, batch, Hkv, seq, D);
+  AttentionParams ap;
+  ap.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  ap.window = c.sliding_window;
+  ap.q_pos0 = offset;
+
+  for (int64_t li = 0; li < c.n_layers; ++li) {
+    const Layer& L = layers_[static_cast<size_t>(li)];
+    for (int64_t t = 0; t < T; ++t)
+      kernels::rmsnorm(x + t * Hd, L.attn_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
+    linear(L.q, h, T, q);
+    linear(L.k, h, T, k);
+    linear(L.v, h, T, v);
+    // RoPE, then token-major [T, heads, D] -> head-major [B, heads, S, D].
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t b = t / seq, si = t % seq;
+      apply_rope(q + t * Hq * D, Hq, D, cos_t + si * half, sin_t + si * half, c.rope.style);
+      apply_rope(k + t * Hkv * D, Hkv, D, cos_t + si * half, sin_t + si * half, c.rope.style);
+      for (int64_t hh = 0; hh < Hq; ++hh)
+        std::memcpy(qh + ((b * Hq + hh) * seq + si) * D, q + (t * Hq + hh) * D,
+                    static_cast<size_t>(D) * sizeof(float));
+      for (int64_t hh = 0; hh < Hkv; ++hh) {
+        const size_t dst = static_cast<size_t>(((b * Hkv + hh) * seq + si) * D);
+        const float* ks = k + (t * Hkv + hh) * D;
+        const float* vs = v + (t * Hkv + hh) * D;
+        if (kv_t == DType::kF32) {
+          std::memcpy(static_cast<float*>(kbuf) + dst, ks, static_cast<size_t>(D) * sizeof(float));
+          std::memcpy(static_cast<float*>(vbuf) + dst, vs, static_cast<size_t>(D) * sizeof(float));
+        } else {
+          from_f32(ks, static_cast<uint16_t*>(kbuf) + dst, kv_t, static_cast<size_t>(D));
+          from_f32(vs, static_cast<uint16_t*>(vbuf) + dst, kv_t, static_cast<size_t>(D));
+        }
+      }
+    }
+    KVCache& cache = *caches[static_cast<size_t>(li)];
+    UpdateOptions uo;
+    uo.queries = opts.pass_queries ? &q_view : nullptr;
+    const CacheView view = cache.update_and_fetch(k_view, v_view, uo);
+    attention_reference(q_view, view, ap, attn);
+    // [B, H_q, S, D] -> [T, H_q * D]
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t b = t / seq, si = t % seq;
+      for (int64_t hh = 0; hh < Hq; ++hh)
+        std::memcpy(attn_t + (t * Hq + hh) * D, attn + ((b * Hq + hh) * seq + si) * D,
+                    static_cast<size_t>(D) * sizeof(float));
+    }
+    linear(L.o, attn_t, T, h);
+    for (size_t i = 0; i < uT * Hd; ++i) x[i] += h[i];
+
+    for (int64_t t = 0; t < T; ++t)
+      kernels::rmsnorm(x + t * Hd, L.mlp_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
+    linear(L.gate, h, T, gate);
+    linear(L.up, h, T, up);
+    kernels::swiglu(gate, up, T * I, gate);
+    linear(L.down, gate, T, h);
+    for (size_t i = 0; i < uT * Hd; ++i) x[i] += h[i];
+  }
+
+  if (opts.logits == ForwardOptions::Logits::kNone || logits == nullptr) return;
+  const bool all = opts.logits == ForwardOptions::Logits::kAll;
+  const int64_t per_seq = all ? seq : 1;
+  const int64_t n_out = batch * per_seq;
+  float* fin = grow(s.logits_in, static_cast<size_t>(n_out * Hd));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < per_seq; ++j) {
+      const int64_t t = b * seq + (all ? j : seq - 1);
+      kernels::rmsnorm(x + t * Hd, final_norm_.data(), Hd, c.rms_norm_eps,
+                       fin + (b * per_seq + j) * Hd);
+    }
+  logits->resize(static_cast<size_t>(n_out * c.vocab_size));
+  linear(lm_head_, fin, n_out, logits->data());
+}
+
+}  // namespace vq

@@ -1,0 +1,242 @@
+// Matrix products, RMSNorm and SwiGLU for the forward pass (see kernels.h for the layouts).
+//
+// matmul: dot-product formulation (X and W rows are both contiguous along K). A micro-kernel
+// holds R weight rows x C tokens of 16-lane accumulators (R=4, C=4 in the bulk; R=8, C=1 for a
+// single token, where the product is a bandwidth-bound matrix-vector product), converts weights
+// from bf16/fp16 to fp32 in registers, and reduces each accumulator once at the end. Tokens are
+// blocked (kTokenBlockBytes of X per block) so a weight row is read once per block; the output
+// rows are split statically over the OpenMP threads.
+#include "runtime/kernels.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm*_undefined_* helpers
+// (GCC bug 105593, a false positive); silence it for this file only.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+#define VQ_KERNELS_AVX512 1
+#endif
+
+namespace vq::kernels {
+
+namespace {
+
+constexpr int64_t kTokenBlockBytes = 192 * 1024;  // X block kept in L2 (1 MiB here)
+
+#if VQ_KERNELS_AVX512
+
+template <DType WT>
+inline __m512 load_w16(const void* w, int64_t i) {
+  if constexpr (WT == DType::kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(w) + i);
+  } else if constexpr (WT == DType::kBF16) {
+    const __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    const __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
+    return _mm512_cvtph_ps(raw);
+  }
+}
+
+template <DType WT>
+inline __m512 load_w16_masked(const void* w, int64_t i, __mmask16 m) {
+  if constexpr (WT == DType::kF32) {
+    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(w) + i);
+  } else if constexpr (WT == DType::kBF16) {
+    const __m256i raw = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(w) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    const __m256i raw = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(w) + i);
+    return _mm512_cvtph_ps(raw);
+  }
+}
+
+// Horizontal sum of 16 lanes (written out: GCC 12 warns inside _mm512_reduce_add_ps).
+inline float hsum(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e));  // swap 256-bit halves
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xb1));  // swap 128-bit lanes
+  __m128 x = _mm512_castps512_ps128(v);
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// y[c][r] = sum_k x[c][k] * w[r][k] for R rows starting at row n0 and C tokens starting at t0.
+template <DType WT, int R, int C>
+inline void micro_kernel(const float* x, int64_t ldx, const void* w, int64_t k, int64_t n0,
+                         const float* bias, float* y, int64_t ldy) {
+  const size_t es = dtype_size(WT);
+  const char* wrow[R];
+  for (int r = 0; r < R; ++r) wrow[r] = static_cast<const char*>(w) + (n0 + r) * k * es;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load_w16<WT>(wrow[r], i);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_loadu_ps(x + c * ldx + i);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+    }
+  }
+  if (i < k) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1u);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load_w16_masked<WT>(wrow[r], i, m);
+    for (int c = 0; c < C; ++c) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + c * ldx + i);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+      const float b = bias ? bias[n0 + r] : 0.0f;
+      y[c * ldy + n0 + r] = hsum(acc[r][c]) + b;
+    }
+}
+
+#else  // portable version: the compiler vectorises the inner K loop
+
+template <DType WT>
+inline float load_w(const void* w, int64_t i) {
+  return load_f32(w, WT, static_cast<size_t>(i));
+}
+
+template <DType WT, int R, int C>
+inline void micro_kernel(const float* x, int64_t ldx, const void* w, int64_t k, int64_t n0,
+                         const float* bias, float* y, int64_t ldy) {
+  const size_t es = dtype_size(WT);
+  for (int r = 0; r < R; ++r) {
+    const void* wr = static_cast<const char*>(w) + (n0 + r) * k * es;
+    for (int c = 0; c < C; ++c) {
+      const float* xr = x + c * ldx;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= k; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += load_w<WT>(wr, i + j) * xr[i + j];
+      float s = 0.0f;
+      for (int j = 0; j < 8; ++j) s += acc[j];
+      for (; i < k; ++i) s += load_w<WT>(wr, i) * xr[i];
+      y[c * ldy + n0 + r] = s + (bias ? bias[n0 + r] : 0.0f);
+    }
+  }
+}
+
+#endif
+
+// Rows [n_begin, n_end) for tokens [t_begin, t_end): 4-row x 4-token tiles, then the edges.
+template <DType WT, int R>
+void run_rows_tokens(const float* x, int64_t ldx, const void* w, int64_t k, int64_t n0,
+                     const float* bias, float* y, int64_t ldy, int64_t t_begin, int64_t t_end) {
+  int64_t t = t_begin;
+  for (; t + 4 <= t_end; t += 4)
+    micro_kernel<WT, R, 4>(x + t * ldx, ldx, w, k, n0, bias, y + t * ldy, ldy);
+  for (; t < t_end; ++t) micro_kernel<WT, R, 1>(x + t * ldx, ldx, w, k, n0, bias, y + t * ldy, ldy);
+}
+
+template <DType WT>
+void matmul_typed(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,
+                  int64_t n, const float* bias, float* y, int64_t ldy) {
+  if (n_tokens == 1) {
+    // Matrix-vector: 8 rows per step for enough independent accumulators.
+    const int64_t n_tiles = n / 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t tile = 0; tile < n_tiles; ++tile)
+      micro_kernel<WT, 8, 1>(x, ldx, w, k, tile * 8, bias, y, ldy);
+    for (int64_t r = n_tiles * 8; r < n; ++r) micro_kernel<WT, 1, 1>(x, ldx, w, k, r, bias, y, ldy);
+    return;
+  }
+  const int64_t block =
+      std::clamp<int64_t>(kTokenBlockBytes / (4 * std::max<int64_t>(k, 1)) / 4 * 4, 8, 256);
+  const int64_t n_tiles = (n + 3) / 4;
+#pragma omp parallel
+  {
+    const int n_threads = omp_get_num_threads();
+    const int id = omp_get_thread_num();
+    const int64_t tile_begin = n_tiles * id / n_threads;
+    const int64_t tile_end = n_tiles * (id + 1) / n_threads;
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += block) {
+      const int64_t t1 = std::min(n_tokens, t0 + block);
+      for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+        const int64_t n0 = tile * 4;
+        switch (std::min<int64_t>(4, n - n0)) {
+          case 4:
+            run_rows_tokens<WT, 4>(x, ldx, w, k, n0, bias, y, ldy, t0, t1);
+            break;
+          case 3:
+            run_rows_tokens<WT, 3>(x, ldx, w, k, n0, bias, y, ldy, t0, t1);
+            break;
+          case 2:
+            run_rows_tokens<WT, 2>(x, ldx, w, k, n0, bias, y, ldy, t0, t1);
+            break;
+          default:
+            run_rows_tokens<WT, 1>(x, ldx, w, k, n0, bias, y, ldy, t0, t1);
+            break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void matmul(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w, DType w_dtype,
+            int64_t n, const float* bias, float* y, int64_t ldy) {
+  if (n_tokens <= 0 || n <= 0) return;
+  if (k == 0) {
+    for (int64_t t = 0; t < n_tokens; ++t)
+      for (int64_t r = 0; r < n; ++r) y[t * ldy + r] = bias ? bias[r] : 0.0f;
+    return;
+  }
+  switch (w_dtype) {
+    case DType::kF32:
+      matmul_typed<DType::kF32>(x, n_tokens, k, ldx, w, n, bias, y, ldy);
+      break;
+    case DType::kF16:
+      matmul_typed<DType::kF16>(x, n_tokens, k, ldx, w, n, bias, y, ldy);
+      break;
+    case DType::kBF16:
+      matmul_typed<DType::kBF16>(x, n_tokens, k, ldx, w, n, bias, y, ldy);
+      break;
+  }
+}
+
+void matmul_reference(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,
+                      DType w_dtype, int64_t n, const float* bias, float* y, int64_t ldy) {
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t r = 0; r < n; ++r) {
+      double s = 0.0;
+      for (int64_t i = 0; i < k; ++i)
+        s += static_cast<double>(x[t * ldx + i]) *
+             static_cast<double>(load_f32(w, w_dtype, static_cast<size_t>(r * k + i)));
+      if (bias) s += bias[r];
+      y[t * ldy + r] = static_cast<float>(s);
+    }
+}
+
+void rmsnorm(const float* x, const float* weight, int64_t n, double eps, float* out) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+}  // namespace vq::kernels
