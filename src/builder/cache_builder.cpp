@@ -11,6 +11,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
 #include "veloxquant/skvq_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
 #include "veloxquant/snapkv_cache.h"
 #include "veloxquant/streaming_cache.h"
 
@@ -22,6 +23,7 @@ std::unique_ptr<KVCache> make_cache(const CacheConfig& cfg) {
   if (m == "full") return make_full_cache(cfg);
   if (m == "snapkv") return make_snapkv_cache(cfg);
   if (m == "skvq") return make_skvq_cache(cfg);
+  if (m == "snapkv+skvq") return make_snapkv_skvq_cache(cfg);
   if (m == "streaming") return make_streaming_cache(cfg);
   throw Error("[make_cache] method '" + m + "' is not available in this build");
 }

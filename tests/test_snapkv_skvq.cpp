@@ -1,0 +1,404 @@
+// Tests of method snapkv+skvq (veloxquant/snapkv_skvq_cache.h): the same positions as SnapKV
+// alone (first prefill, decode, chunked prefill while no packed row exists; key-proxy and query
+// scoring, pooling, keep-window), each kept row decoding exactly as SKVQ alone holds it, kept
+// packed rows keeping their codes through later evictions, rectangular storage when heads keep
+// different packed counts, the returned view untouched by the eviction that follows it, the
+// flush frontier, resident bytes ~ kept rows x packed row size, save/load and refusals.
+// Blocks are [B, H, S, D]; queries [B, H_q, S, D].
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "util/test_util.h"
+#include "veloxquant/builder.h"
+#include "veloxquant/error.h"
+#include "veloxquant/packed.h"
+#include "veloxquant/skvq_cache.h"
+#include "veloxquant/snapkv_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
+
+namespace vq {
+namespace {
+
+CacheConfig both_cfg() {
+  CacheConfig c;
+  c.method = "snapkv+skvq";
+  c.head_dim = 64;
+  c.snap_budget = 64;
+  c.snap_obs_window = 8;
+  c.snap_n_sink = 4;
+  c.skvq_window = 16;
+  c.skvq_n_sink = 4;
+  c.skvq_group_size = 16;
+  return c;
+}
+
+CacheConfig as(const CacheConfig& c, const char* method) {
+  CacheConfig o = c;
+  o.method = method;
+  return o;
+}
+
+Tensor rnd(int64_t b, int64_t h, int64_t s, int64_t d, uint64_t seed, DType t = DType::kF16) {
+  return test::random_tensor(t, b, h, s, d, seed);
+}
+
+std::string state_of(const KVCache& c) {
+  std::ostringstream os;
+  c.save(os);
+  return os.str();
+}
+
+// Record bytes of every packed row of (b, h) in a view, by position.
+std::map<int32_t, std::string> packed_records(const CacheView& v, int64_t b, int64_t h) {
+  std::map<int32_t, std::string> out;
+  for (const auto& seg : v.segments) {
+    if (!seg.packed) continue;
+    for (int64_t i = 0; i < seg.n_rows; ++i) {
+      const PackedTensor& k = seg.packed->keys;
+      const PackedTensor& val = seg.packed->values;
+      std::string rec(reinterpret_cast<const char*>(k.record(b, h, i)), k.fmt.row_stride);
+      rec.append(reinterpret_cast<const char*>(val.record(b, h, i)), val.fmt.row_stride);
+      out[seg.position(b, h, i, v.n_kv_heads)] = rec;
+    }
+  }
+  return out;
+}
+
+// Positions of the full-precision rows of (b, h), with their rows' raw bytes (keys ++ values).
+std::map<int32_t, std::string> fp_rows_of(const CacheView& v, int64_t b, int64_t h) {
+  std::map<int32_t, std::string> out;
+  for (const auto& seg : v.segments) {
+    if (seg.packed) continue;
+    const size_t n = static_cast<size_t>(v.head_dim) * dtype_size(seg.keys.dtype);
+    for (int64_t i = 0; i < seg.n_rows; ++i) {
+      std::string r(static_cast<const char*>(seg.keys.row(b, h, i)), n);
+      r.append(static_cast<const char*>(seg.values.row(b, h, i)), n);
+      out[seg.position(b, h, i, v.n_kv_heads)] = r;
+    }
+  }
+  return out;
+}
+
+void expect_same_positions(const KVCache& a, const KVCache& b, const std::string& what) {
+  ASSERT_EQ(a.stored_rows(), b.stored_rows()) << what;
+  for (int64_t bb = 0; bb < a.batch(); ++bb)
+    for (int64_t h = 0; h < a.n_kv_heads(); ++h)
+      ASSERT_EQ(a.stored_positions(bb, h), b.stored_positions(bb, h))
+          << what << " b " << bb << " h " << h;
+}
+
+TEST(SnapkvSkvq, FactoryDispatch) {
+  auto c = make_cache(both_cfg());
+  EXPECT_EQ(c->method(), "snapkv+skvq");
+  EXPECT_FALSE(c->is_trimmable());
+}
+
+// Prefill then decode: SnapKV alone and snapkv+skvq keep exactly the same positions, for
+// key-proxy scoring, query scoring (GQA 2), pooling and keep-window.
+TEST(SnapkvSkvq, KeepsExactlySnapkvPositions) {
+  for (int variant = 0; variant < 4; ++variant) {
+    CacheConfig cfg = both_cfg();
+    if (variant == 1) cfg.snap_scoring = SnapScoring::kQuery;
+    if (variant == 2) {
+      cfg.snap_pool_kernel = 5;
+      cfg.snap_pool = PoolKind::kAvg;
+    }
+    if (variant == 3) cfg.snap_keep_window = true;
+    const Tensor k = rnd(2, 2, 240, 64, 10 + variant), v = rnd(2, 2, 240, 64, 20 + variant);
+    const Tensor q = rnd(2, 4, 240, 64, 30 + variant, DType::kF32);
+    auto snap = make_cache(as(cfg, "snapkv"));
+    auto both = make_cache(cfg);
+    auto call = [&](int64_t s0, int64_t s1) {
+      const TensorView qv = q.view().slice_tokens(s0, s1);
+      UpdateOptions o;
+      o.queries = &qv;
+      snap->update_and_fetch(k.view().slice_tokens(s0, s1), v.view().slice_tokens(s0, s1), o);
+      both->update_and_fetch(k.view().slice_tokens(s0, s1), v.view().slice_tokens(s0, s1), o);
+    };
+    call(0, 200);
+    expect_same_positions(*snap, *both, "after prefill, variant " + std::to_string(variant));
+    auto* bc = dynamic_cast<SnapkvSkvqCache*>(both.get());
+    EXPECT_GT(bc->packed_rows(), 0) << "the test must exercise packed rows";
+    for (int64_t s = 200; s < 240; ++s) {
+      call(s, s + 1);
+      expect_same_positions(*snap, *both, "decode " + std::to_string(s));
+    }
+  }
+}
+
+// Chunked prefill while no stored row is packed (window larger than what survives): every
+// selection scores the same full-precision keys, so positions match chunk after chunk.
+TEST(SnapkvSkvq, ChunkedPrefillSamePositionsWhileNothingPacked) {
+  CacheConfig cfg = both_cfg();
+  cfg.snap_budget = 40;
+  cfg.skvq_window = 128;
+  const Tensor k = rnd(1, 3, 150, 64, 40), v = rnd(1, 3, 150, 64, 41);
+  auto snap = make_cache(as(cfg, "snapkv"));
+  auto both = make_cache(cfg);
+  for (int64_t s = 0; s < 150; s += 50) {
+    snap->update_and_fetch(k.view().slice_tokens(s, s + 50), v.view().slice_tokens(s, s + 50));
+    both->update_and_fetch(k.view().slice_tokens(s, s + 50), v.view().slice_tokens(s, s + 50));
+    expect_same_positions(*snap, *both, "chunk at " + std::to_string(s));
+  }
+}
+
+// Every kept row holds exactly what SKVQ alone holds for its position: packed rows have the
+// same code and metadata bytes (same permutations, per-row quantization), full-precision rows
+// are the input rows.
+TEST(SnapkvSkvq, KeptRowsDecodeAsSkvqAlone) {
+  for (bool rotate : {false, true}) {
+    CacheConfig cfg = both_cfg();
+    if (rotate) {
+      cfg.skvq_rotation = Rotation::kHadamard;
+      cfg.skvq_rotate_values = true;
+    }
+    const Tensor k = rnd(1, 2, 230, 64, 50), v = rnd(1, 2, 230, 64, 51);
+    auto both = std::make_unique<SnapkvSkvqCache>(cfg);
+    auto alone = std::make_unique<SkvqCache>(as(cfg, "skvq"));
+    both->update_and_fetch(k.view().slice_tokens(0, 200), v.view().slice_tokens(0, 200));
+    alone->update_and_fetch(k.view().slice_tokens(0, 200), v.view().slice_tokens(0, 200));
+    for (int64_t s = 200; s < 230; ++s) {
+      both->update_and_fetch(k.view().slice_tokens(s, s + 1), v.view().slice_tokens(s, s + 1));
+      alone->update_and_fetch(k.view().slice_tokens(s, s + 1), v.view().slice_tokens(s, s + 1));
+    }
+    EXPECT_EQ(both->key_perms(), alone->key_perms());
+    const CacheView vb = both->stored_view(), va = alone->stored_view();
+    int64_t checked_packed = 0, checked_fp = 0;
+    for (int64_t h = 0; h < 2; ++h) {
+      const auto pa = packed_records(va, 0, h);
+      for (const auto& [pos, rec] : packed_records(vb, 0, h)) {
+        if (pos >= alone->quantized_tokens()) continue;  // not yet flushed by SKVQ alone
+        ASSERT_TRUE(pa.count(pos)) << "position " << pos;
+        EXPECT_EQ(rec, pa.at(pos)) << "row at position " << pos << " head " << h;
+        ++checked_packed;
+      }
+      for (const auto& [pos, bytes] : fp_rows_of(vb, 0, h)) {
+        const size_t n = 64 * 2;
+        EXPECT_EQ(std::memcmp(bytes.data(), k.view().row(0, h, pos), n), 0) << pos;
+        EXPECT_EQ(std::memcmp(bytes.data() + n, v.view().row(0, h, pos), n), 0) << pos;
+        ++checked_fp;
+      }
+    }
+    EXPECT_GT(checked_packed, 50);
+    EXPECT_GT(checked_fp, 4);
+  }
+}
+
+// A later eviction keeps packed rows as they are (codes copied, never re-quantized), and heads
+// that kept fewer packed rows get their oldest kept full-precision rows quantized so that every
+// head holds the same packed count (rectangular storage).
+TEST(SnapkvSkvq, EvictionKeepsCodesAndEqualisesPackedCounts) {
+  CacheConfig cfg = both_cfg();
+  cfg.snap_budget = 48;
+  const Tensor k = rnd(1, 4, 400, 64, 60), v = rnd(1, 4, 400, 64, 61);
+  auto c = std::make_unique<SnapkvSkvqCache>(cfg);
+  auto alone = std::make_unique<SkvqCache>(as(cfg, "skvq"));
+  alone->update_and_fetch(k.view(), v.view());
+  c->update_and_fetch(k.view().slice_tokens(0, 100), v.view().slice_tokens(0, 100));
+  for (int64_t s = 100; s < 140; ++s)
+    c->update_and_fetch(k.view().slice_tokens(s, s + 1), v.view().slice_tokens(s, s + 1));
+  ASSERT_GT(c->packed_rows(), 0);
+  std::vector<std::map<int32_t, std::string>> before(4);
+  for (int64_t h = 0; h < 4; ++h) before[h] = packed_records(c->stored_view(), 0, h);
+  c->update_and_fetch(k.view().slice_tokens(140, 200), v.view().slice_tokens(140, 200));
+  std::set<int64_t> kept_counts;
+  for (int64_t h = 0; h < 4; ++h) {
+    const auto after = packed_records(c->stored_view(), 0, h);
+    EXPECT_EQ(static_cast<int64_t>(after.size()), c->packed_rows()) << "rectangular";
+    int64_t kept_packed = 0;
+    for (const auto& [pos, rec] : after) {
+      if (before[h].count(pos)) {
+        EXPECT_EQ(rec, before[h].at(pos)) << "kept packed row re-quantized at " << pos;
+        ++kept_packed;
+      }
+    }
+    kept_counts.insert(kept_packed);
+    // Early-quantized rows hold SKVQ alone's codes for their positions.
+    const auto pa = packed_records(alone->stored_view(), 0, h);
+    for (const auto& [pos, rec] : after)
+      if (!before[h].count(pos) && pa.count(pos)) {
+        EXPECT_EQ(rec, pa.at(pos)) << pos;
+      }
+  }
+  EXPECT_GT(kept_counts.size(), 1u) << "heads should have kept different packed counts here";
+  // Packed count = the largest kept count (P), plus whole windows flushed after the eviction.
+  EXPECT_GE(c->packed_rows(), *kept_counts.rbegin());
+  EXPECT_EQ((c->packed_rows() - *kept_counts.rbegin()) % 16, 0);
+}
+
+// The view returned by an evicting call is stored ++ new, un-evicted, and reading it after the
+// call (eviction and flush already done) still gives exactly those rows.
+TEST(SnapkvSkvq, ReturnedViewUntouchedByFollowingEviction) {
+  CacheConfig cfg = both_cfg();
+  const Tensor k = rnd(1, 2, 300, 64, 70), v = rnd(1, 2, 300, 64, 71);
+  auto c = std::make_unique<SnapkvSkvqCache>(cfg);
+  c->update_and_fetch(k.view().slice_tokens(0, 150), v.view().slice_tokens(0, 150));
+  const CacheView stored = c->stored_view();
+  const auto dense_before = dequantize_view(stored);
+  std::vector<std::vector<float>> rows_before;
+  for (const auto& seg : dense_before.view.segments)
+    for (int64_t i = 0; i < seg.n_rows; ++i) {
+      std::vector<float> r(64);
+      for (int64_t ch = 0; ch < 64; ++ch) r[ch] = seg.keys.at(0, 1, i, ch);
+      rows_before.push_back(r);
+    }
+  const int64_t n_before = c->stored_rows();
+  const CacheView view =
+      c->update_and_fetch(k.view().slice_tokens(150, 300), v.view().slice_tokens(150, 300));
+  EXPECT_EQ(view.n_rows(), n_before + 150);
+  EXPECT_EQ(c->stored_rows(), 64);
+  const auto dense = dequantize_view(view);
+  int64_t j = 0;
+  for (const auto& seg : dense.view.segments)
+    for (int64_t i = 0; i < seg.n_rows; ++i, ++j) {
+      const int32_t pos = seg.position(0, 1, i, 2);
+      for (int64_t ch = 0; ch < 64; ++ch) {
+        const float x = seg.keys.at(0, 1, i, ch);
+        if (j < n_before)
+          ASSERT_EQ(x, rows_before[j][ch]) << "stored row " << j;
+        else
+          ASSERT_EQ(x, k.at(0, 1, pos, ch)) << "new row at " << pos;
+      }
+    }
+}
+
+// Flush frontier: after every call fewer than window + recent full-precision rows remain beyond
+// the sinks, and the flush never touches this call's rows in the returned view.
+TEST(SnapkvSkvq, FlushFrontier) {
+  for (int64_t recent : {0, 5}) {
+    CacheConfig cfg = both_cfg();
+    cfg.skvq_recent = recent;
+    const Tensor k = rnd(1, 2, 260, 64, 80), v = rnd(1, 2, 260, 64, 81);
+    auto c = std::make_unique<SnapkvSkvqCache>(cfg);
+    c->update_and_fetch(k.view().slice_tokens(0, 100), v.view().slice_tokens(0, 100));
+    for (int64_t s = 100; s < 260; ++s) {
+      const CacheView view =
+          c->update_and_fetch(k.view().slice_tokens(s, s + 1), v.view().slice_tokens(s, s + 1));
+      const int64_t tail = c->fp_rows() - 4;
+      ASSERT_LT(tail, 16 + recent) << s;
+      ASSERT_GE(tail, recent) << s;
+      EXPECT_EQ(view.segments.back().packed, nullptr);
+      EXPECT_EQ(c->packed_rows() % 16, 0) << "decode-era flushes pack whole windows";
+    }
+  }
+}
+
+// Resident bytes ~ kept rows x packed row size: after a long prefill and one decode step (the
+// view's retired buffers are gone), resident = packed rows x (K and V record bytes + a 4-byte
+// position) + full-precision rows x (K and V bytes + position) per (b, h), plus at most the tail
+// buffer's slack (16 rows) and 8 KiB of bookkeeping.
+TEST(SnapkvSkvq, ResidentBytesFollowKeptRows) {
+  CacheConfig cfg = both_cfg();
+  cfg.head_dim = 128;
+  cfg.snap_budget = 2048;
+  cfg.skvq_window = 128;
+  cfg.skvq_group_size = 32;
+  const int64_t h = 8, d = 128;
+  const Tensor k = rnd(1, h, 8193, d, 90), v = rnd(1, h, 8193, d, 91);
+  auto c = std::make_unique<SnapkvSkvqCache>(cfg);
+  c->update_and_fetch(k.view().slice_tokens(0, 8192), v.view().slice_tokens(0, 8192));
+  c->update_and_fetch(k.view().slice_tokens(8192, 8193), v.view().slice_tokens(8192, 8193));
+  const PackedRowFormat fk = make_row_format(d, 2, 32, MetaType::kF16);
+  const int64_t packed = c->packed_rows(), fp = c->fp_rows();
+  const int64_t formula = h * (packed * (2 * fk.row_stride + 4) + fp * (2 * d * 2 + 4));
+  const int64_t resident = c->stats().bytes_resident;
+  std::printf("[snapkv+skvq] packed %lld fp %lld rows/head: formula %lld resident %lld\n",
+              (long long)packed, (long long)fp, (long long)formula, (long long)resident);
+  EXPECT_GE(resident, formula);
+  EXPECT_LE(resident, 1.05 * formula + 16 * h * (2 * d * 2 + 4) + 8192);
+  EXPECT_EQ(c->stored_rows(), 2049);
+  EXPECT_LT(resident, 0.2 * (8193.0 * h * d * 2 * 2)) << "vs a full fp16 cache";
+}
+
+TEST(SnapkvSkvq, FiguresAndMask) {
+  auto c = std::make_unique<SnapkvSkvqCache>(both_cfg());
+  const Tensor k = rnd(1, 2, 100, 64, 95), v = rnd(1, 2, 100, 64, 96);
+  c->update_and_fetch(k.view(), v.view());
+  const CacheStats st = c->stats();
+  EXPECT_EQ(st.figure("tokens_total"), 200);
+  EXPECT_EQ(st.figure("tokens_kept"), 128);
+  EXPECT_DOUBLE_EQ(st.figure("keep_rate"), 0.64);
+  EXPECT_EQ(st.figure("packed_rows") + st.figure("fp_rows"), 64);
+  EXPECT_EQ(st.bytes_accounted, st.figure("compressed_key_bytes") +
+                                    st.figure("compressed_value_bytes") +
+                                    st.figure("residual_fp16_bytes") + st.figure("perm_bytes"));
+  EXPECT_EQ(st.figure("assigned_avg_bits"), 4.0);  // 2 bits + 2 x 16 / 16 metadata
+  const Mask m = c->make_mask(3);
+  EXPECT_EQ(m.kind, Mask::Kind::kExplicit);
+  EXPECT_EQ(m.n_keys, 67);
+}
+
+TEST(SnapkvSkvq, SaveLoadContinuesBitIdentically) {
+  CacheConfig cfg = both_cfg();
+  const Tensor k = rnd(2, 2, 260, 64, 100), v = rnd(2, 2, 260, 64, 101);
+  auto a = std::make_unique<SnapkvSkvqCache>(cfg);
+  a->update_and_fetch(k.view().slice_tokens(0, 150), v.view().slice_tokens(0, 150));
+  for (int64_t s = 150; s < 170; ++s)
+    a->update_and_fetch(k.view().slice_tokens(s, s + 1), v.view().slice_tokens(s, s + 1));
+  auto b = std::make_unique<SnapkvSkvqCache>(cfg);
+  std::istringstream in(state_of(*a));
+  b->load(in);
+  EXPECT_EQ(state_of(*a), state_of(*b));
+  for (auto [s0, s1] :
+       {std::pair<int64_t, int64_t>{170, 171}, {171, 230}, {230, 231}, {231, 260}}) {
+    a->update_and_fetch(k.view().slice_tokens(s0, s1), v.view().slice_tokens(s0, s1));
+    b->update_and_fetch(k.view().slice_tokens(s0, s1), v.view().slice_tokens(s0, s1));
+  }
+  EXPECT_EQ(state_of(*a), state_of(*b));
+  // Refusals leave the cache as it was.
+  const std::string good = state_of(*a), b_state = state_of(*b);
+  std::istringstream trunc(good.substr(0, good.size() - 9));
+  EXPECT_THROW(b->load(trunc), Error);
+  CacheConfig other = cfg;
+  other.snap_budget = 65;
+  auto o = std::make_unique<SnapkvSkvqCache>(other);
+  std::istringstream in2(good);
+  try {
+    o->load(in2);
+    ADD_FAILURE() << "another budget's state accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("snap_budget"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(state_of(*b), b_state);
+}
+
+TEST(SnapkvSkvq, RefusalsChangeNothing) {
+  CacheConfig cfg = both_cfg();
+  cfg.skvq_max_ctx = 100;
+  auto c = std::make_unique<SnapkvSkvqCache>(cfg);
+  const Tensor k = rnd(1, 2, 101, 64, 110), v = rnd(1, 2, 101, 64, 111);
+  c->update_and_fetch(k.view().slice_tokens(0, 90), v.view().slice_tokens(0, 90));
+  const std::string before = state_of(*c);
+  try {
+    c->update_and_fetch(k.view().slice_tokens(90, 101), v.view().slice_tokens(90, 101));
+    ADD_FAILURE() << "max_ctx passed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("skvq_max_ctx"), std::string::npos);
+  }
+  EXPECT_THROW(c->trim(1), Error);
+  EXPECT_THROW(merge_batch({c.get()}), Error);
+  const Tensor bad = rnd(1, 3, 2, 64, 112);
+  EXPECT_THROW(c->update_and_fetch(bad.view(), bad.view()), Error);
+  EXPECT_EQ(state_of(*c), before);
+  CacheConfig odd = both_cfg();
+  odd.head_dim = 63;
+  odd.skvq_rotation = Rotation::kHadamard;
+  EXPECT_THROW(make_snapkv_skvq_cache(odd), Error);
+  CacheConfig bad_budget = both_cfg();
+  bad_budget.snap_budget = 0;
+  try {
+    (void)make_snapkv_skvq_cache(bad_budget);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("snap_budget"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace vq
