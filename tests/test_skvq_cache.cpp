@@ -25,6 +25,7 @@
 #include "veloxquant/group_quant.h"
 #include "veloxquant/packed.h"
 #include "veloxquant/skvq_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
 
 namespace vq {
 namespace {
@@ -609,6 +610,39 @@ TEST(SkvqCache, CalibratedPermutationFile) {
     std::fputs(bad, f);
     std::fclose(f);
     EXPECT_THROW(load_skvq_perm_file(path), Error) << bad;
+  }
+  std::remove(path.c_str());
+}
+
+// build_caches tells each layer's cache its index, so each layer gets its own file entry.
+TEST(SkvqCache, BuilderGivesEachLayerItsPermutation) {
+  const std::string path = ::testing::TempDir() + "skvq_perm_layers.json";
+  SkvqPermSet ps;
+  ps.n_kv_heads = 2;
+  ps.head_dim = 64;
+  for (int l = 0; l < 3; ++l) {
+    std::vector<int32_t> p(128);
+    for (int i = 0; i < 128; ++i) p[i] = (i % 64 * (2 * l + 1)) % 64;  // distinct per layer
+    ps.key.push_back(p);
+    ps.value.push_back(p);
+  }
+  save_skvq_perm_file(path, ps);
+  for (const char* method : {"skvq", "snapkv+skvq"}) {
+    CacheConfig cfg = small_cfg();
+    cfg.method = method;
+    cfg.skvq_perm_file = path;
+    ModelCacheShape shape{{2, 2, 2}, {64, 64, 64}};
+    auto caches = build_caches(shape, cfg);
+    ASSERT_EQ(caches.size(), 3u);
+    const Tensor k = hetero(1, 2, 1, 64, 165);
+    for (int l = 0; l < 3; ++l) {
+      caches[l]->update_and_fetch(k.view(), k.view());
+      const std::vector<int32_t>* got = nullptr;
+      if (auto* s = dynamic_cast<SkvqCache*>(caches[l].get())) got = &s->key_perms();
+      if (auto* s = dynamic_cast<SnapkvSkvqCache*>(caches[l].get())) got = &s->key_perms();
+      ASSERT_NE(got, nullptr);
+      EXPECT_EQ(*got, ps.key[l]) << method << " layer " << l;
+    }
   }
   std::remove(path.c_str());
 }

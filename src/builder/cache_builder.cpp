@@ -11,8 +11,8 @@
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
 #include "veloxquant/skvq_cache.h"
-#include "veloxquant/snapkv_skvq_cache.h"
 #include "veloxquant/snapkv_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
 #include "veloxquant/streaming_cache.h"
 
 namespace vq {
@@ -52,7 +52,13 @@ std::vector<std::unique_ptr<KVCache>> build_caches(const ModelCacheShape& shape,
   for (size_t i = 0; i < shape.head_dim.size(); ++i) {
     CacheConfig layer = cfg;
     layer.head_dim = shape.head_dim[i];
-    caches.push_back(make_cache(layer));
+    // SKVQ caches learn their layer (which entry of a calibrated permutation file applies).
+    if (layer.method == "skvq")
+      caches.push_back(make_skvq_cache(layer, static_cast<int64_t>(i)));
+    else if (layer.method == "snapkv+skvq")
+      caches.push_back(make_snapkv_skvq_cache(layer, static_cast<int64_t>(i)));
+    else
+      caches.push_back(make_cache(layer));
   }
   return caches;
 }
