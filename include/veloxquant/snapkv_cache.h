@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "veloxquant/cache.h"
@@ -66,6 +67,32 @@ class SnapKVCache final : public KVCache {
   void evict_after_step(int64_t n_new, const TensorView* queries);
   CacheView make_view() const;
 
+  // Uninitialised buffer of 2-byte elements: 64-byte aligned, or 2 MiB aligned and advised for
+  // transparent huge pages when large, so growth costs neither a zero fill nor many page faults.
+  class RowBuffer {
+   public:
+    RowBuffer() = default;
+    explicit RowBuffer(size_t n_elements);
+    uint16_t* data() { return p_.get(); }
+    const uint16_t* data() const { return p_.get(); }
+    size_t bytes() const { return bytes_; }  // allocated, alignment padding included
+    void swap(RowBuffer& o) noexcept {
+      p_.swap(o.p_);
+      std::swap(bytes_, o.bytes_);
+    }
+    void reset() {
+      p_.reset();
+      bytes_ = 0;
+    }
+
+   private:
+    struct Free {
+      void operator()(uint16_t* p) const;
+    };
+    std::unique_ptr<uint16_t, Free> p_;
+    size_t bytes_ = 0;
+  };
+
   CacheConfig cfg_;
   SnapSelectParams params_;
 
@@ -76,10 +103,10 @@ class SnapKVCache final : public KVCache {
   int64_t n_sel_ = 0;   // rows with explicit positions
   int64_t n_tail_ = 0;  // rows with implicit positions offset_ - n_tail_ .. offset_ - 1
   int64_t capacity_ = 0;
-  std::vector<uint16_t> k_, v_;   // [B, H, capacity_, D]
+  RowBuffer k_, v_;               // [B, H, capacity_, D]
   std::vector<int32_t> sel_pos_;  // [B, H, n_sel_]
   // Buffers the last view may still point at (freed at the next mutating call).
-  std::vector<uint16_t> retired_k_, retired_v_;
+  RowBuffer retired_k_, retired_v_;
   std::vector<int32_t> retired_pos_;
 };
 

@@ -11,11 +11,17 @@
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <istream>
+#include <new>
 #include <ostream>
 #include <string>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #include "veloxquant/binary_io.h"
 #include "veloxquant/error.h"
@@ -23,7 +29,8 @@
 namespace vq {
 namespace {
 
-constexpr int64_t kRowStep = 64;  // capacity granularity in rows
+constexpr int64_t kRowStep = 64;               // capacity granularity in rows
+constexpr size_t kHugePage = size_t{2} << 20;  // transparent huge page size on x86-64 Linux
 
 int64_t round_up(int64_t x, int64_t m) {
   return (x + m - 1) / m * m;
@@ -71,6 +78,25 @@ SnapKVCache::SnapKVCache(const CacheConfig& cfg)
   check_params(cfg);
 }
 
+SnapKVCache::RowBuffer::RowBuffer(size_t n_elements) {
+  const size_t bytes = n_elements * sizeof(uint16_t);
+  if (bytes == 0) return;
+  const size_t align = bytes >= kHugePage ? kHugePage : 64;
+  const size_t rounded = (bytes + align - 1) / align * align;  // aligned_alloc needs a multiple
+  void* p = std::aligned_alloc(align, rounded);
+  if (!p) throw std::bad_alloc();
+#ifdef __linux__
+  // Advice only: without transparent huge pages the buffer simply uses 4 KiB pages.
+  if (align == kHugePage) (void)madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+  p_.reset(static_cast<uint16_t*>(p));
+  bytes_ = rounded;
+}
+
+void SnapKVCache::RowBuffer::Free::operator()(uint16_t* p) const {
+  std::free(p);
+}
+
 // ---- input ------------------------------------------------------------------------------------
 
 void SnapKVCache::check_input(const TensorView& keys, const TensorView& values,
@@ -114,8 +140,8 @@ void SnapKVCache::reserve_rows(int64_t rows) {
   const int64_t bh = batch_ * heads_;
   const int64_t d = head_dim_;
   const int64_t n_rows = n_sel_ + n_tail_;
-  std::vector<uint16_t> nk(static_cast<size_t>(bh * new_cap * d));
-  std::vector<uint16_t> nv(nk.size());
+  RowBuffer nk(static_cast<size_t>(bh * new_cap * d));
+  RowBuffer nv(static_cast<size_t>(bh * new_cap * d));
   for (int64_t i = 0; i < bh && n_rows > 0; ++i) {
     std::memcpy(nk.data() + i * new_cap * d, k_.data() + i * capacity_ * d,
                 static_cast<size_t>(n_rows * d) * 2);
@@ -134,8 +160,8 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   check_input(keys, values, opts);  // nothing changes before this passes
 
   // The previous view is invalid from here on: release what only it used.
-  std::vector<uint16_t>().swap(retired_k_);
-  std::vector<uint16_t>().swap(retired_v_);
+  retired_k_.reset();
+  retired_v_.reset();
   std::vector<int32_t>().swap(retired_pos_);
 
   if (!has_data_) {
@@ -185,7 +211,7 @@ CacheView SnapKVCache::make_view() const {
   view.batch = batch_;
   view.n_kv_heads = heads_;
   view.head_dim = head_dim_;
-  auto rows_view = [&](const std::vector<uint16_t>& buf, int64_t row0, int64_t n) {
+  auto rows_view = [&](const RowBuffer& buf, int64_t row0, int64_t n) {
     TensorView t;
     t.data = const_cast<uint16_t*>(buf.data()) + row0 * head_dim_;
     t.dtype = dtype_;
@@ -220,8 +246,8 @@ void SnapKVCache::evict_after_step(int64_t n_new, const TensorView* queries) {
   const int64_t bh_total = batch_ * heads_;
   const int64_t d = head_dim_;
   const int64_t new_cap = round_up(count, kRowStep);
-  std::vector<uint16_t> nk(static_cast<size_t>(bh_total * new_cap * d));
-  std::vector<uint16_t> nv(nk.size());
+  RowBuffer nk(static_cast<size_t>(bh_total * new_cap * d));
+  RowBuffer nv(static_cast<size_t>(bh_total * new_cap * d));
   std::vector<int32_t> npos(static_cast<size_t>(bh_total * count));
 
   // Query window: the last w_q of this call's queries, positions offset_ - w_q .. offset_ - 1.
@@ -334,10 +360,9 @@ CacheStats SnapKVCache::stats() const {
   const int64_t full = offset_ * bhd2;
   st.bytes_accounted = 2 * kept;
   st.fp16_bytes = 2 * full;
-  st.bytes_resident = static_cast<int64_t>(
-      (k_.capacity() + v_.capacity() + retired_k_.capacity() + retired_v_.capacity()) *
-          sizeof(uint16_t) +
-      (sel_pos_.capacity() + retired_pos_.capacity()) * sizeof(int32_t));
+  st.bytes_resident =
+      static_cast<int64_t>(k_.bytes() + v_.bytes() + retired_k_.bytes() + retired_v_.bytes() +
+                           (sel_pos_.capacity() + retired_pos_.capacity()) * sizeof(int32_t));
   const double tokens_kept = static_cast<double>(batch_ * heads_ * stored_rows());
   const double tokens_total = static_cast<double>(batch_ * heads_ * offset_);
   const double kept_d = static_cast<double>(kept);
@@ -462,8 +487,8 @@ void SnapKVCache::load(std::istream& in) {
 
   // Build the new state aside, then swap it in (nothing above touched *this).
   const int64_t cap = n > 0 ? round_up(n, kRowStep) : 0;
-  std::vector<uint16_t> nk(static_cast<size_t>(batch * heads * cap * head_dim));
-  std::vector<uint16_t> nv(nk.size());
+  RowBuffer nk(static_cast<size_t>(batch * heads * cap * head_dim));
+  RowBuffer nv(static_cast<size_t>(batch * heads * cap * head_dim));
   const auto* sk = static_cast<const uint16_t*>(keys.data());
   const auto* sv = static_cast<const uint16_t*>(values.data());
   for (int64_t bh = 0; bh < batch * heads && n > 0; ++bh) {
@@ -484,8 +509,8 @@ void SnapKVCache::load(std::istream& in) {
   k_.swap(nk);
   v_.swap(nv);
   sel_pos_.swap(sel_pos);
-  std::vector<uint16_t>().swap(retired_k_);
-  std::vector<uint16_t>().swap(retired_v_);
+  retired_k_.reset();
+  retired_v_.reset();
   std::vector<int32_t>().swap(retired_pos_);
 }
 
