@@ -290,6 +290,26 @@ TEST(FullCache, MaskKinds) {
   expect_error([&] { c.make_mask(2, -1); }, "window >= 0");
 }
 
+TEST(FullCache, MaskShortcutEqualsTheDefaultMask) {
+  FullCache c;
+  uint64_t seed = 1;
+  for (int64_t s : {0, 1, 7, 300}) {
+    if (s) {
+      const Tensor k = test::random_tensor(DType::kF16, 2, 3, s, 4, seed++);
+      c.update_and_fetch(k.view(), k.view());
+    }
+    for (int64_t n : {1, 2, 9})
+      for (int64_t w : {0, 1, 4, 1000}) {
+        const Mask fast = c.make_mask(n, w);
+        const Mask slow = c.KVCache::make_mask(n, w);
+        EXPECT_EQ(fast.kind, slow.kind) << s << " " << n << " " << w;
+        EXPECT_EQ(fast.n_keys, slow.n_keys);
+        EXPECT_EQ(fast.n_queries, slow.n_queries);
+        EXPECT_EQ(fast.data, slow.data);
+      }
+  }
+}
+
 // A minimal cache with per-head, non-contiguous positions, to test the KVCache defaults.
 class GappyCache final : public KVCache {
  public:

@@ -33,6 +33,9 @@ class FullCache final : public KVCache {
   std::vector<int32_t> stored_positions(int64_t b, int64_t h) const override;
   int64_t batch() const override { return st_.batch; }
   int64_t n_kv_heads() const override { return st_.heads; }
+  // Stored rows are always positions 0 .. offset()-1, so without a window this is kNone (N == 1)
+  // or kCausal without reading positions; with a window it is the default explicit mask.
+  Mask make_mask(int64_t n_queries, int64_t window = 0) const override;
   bool is_trimmable() const override { return true; }
   // Drops the last min(n, offset()) tokens (n >= 0); returns how many were dropped. Capacity
   // is kept, so appending again after a trim does not reallocate.

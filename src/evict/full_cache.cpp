@@ -194,6 +194,15 @@ std::vector<int32_t> FullCache::stored_positions(int64_t b, int64_t h) const {
   return p;
 }
 
+Mask FullCache::make_mask(int64_t n_queries, int64_t window) const {
+  if (window != 0 || n_queries < 1) return KVCache::make_mask(n_queries, window);  // validates
+  Mask m;
+  m.kind = n_queries == 1 ? Mask::Kind::kNone : Mask::Kind::kCausal;
+  m.n_queries = n_queries;
+  m.n_keys = st_.offset + n_queries;
+  return m;
+}
+
 int64_t FullCache::trim(int64_t n) {
   VQ_CHECK(n >= 0, "[trim] expected n >= 0 but got " + std::to_string(n));
   const int64_t dropped = std::min(n, st_.offset);
