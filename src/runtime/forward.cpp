@@ -135,7 +135,7 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
     UpdateOptions uo;
     uo.queries = opts.pass_queries ? &q_view : nullptr;
     const CacheView view = cache.update_and_fetch(k_view, v_view, uo);
-    attention_reference(q_view, view, ap, attn);
+    attention(q_view, view, ap, attn);
     // [B, H_q, S, D] -> [T, H_q * D]
     for (int64_t t = 0; t < T; ++t) {
       const int64_t b = t / seq, si = t % seq;
