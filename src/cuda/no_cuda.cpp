@@ -1,8 +1,118 @@
-// CUDA stubs for builds without VQ_CUDA: the backend reports itself unavailable.
+// CUDA stubs for builds without VQ_CUDA: is_available() is false and every other entry point of
+// veloxquant/cuda.h throws vq::Error "[cuda] CUDA backend not built (configure with
+// -DVQ_CUDA=ON)". Destructors and moves of empty objects work, so code that only declares them
+// still runs.
+#include <string>
+
 #include "veloxquant/cuda.h"
+#include "veloxquant/error.h"
 
 namespace vq::cuda {
 
-bool is_available() { return false; }
+namespace {
+[[noreturn]] void not_built(const char* op) {
+  throw Error(std::string("[") + op +
+              "] expected the CUDA backend but got a build without it: CUDA backend not built "
+              "(configure with -DVQ_CUDA=ON)");
+}
+}  // namespace
+
+bool is_available() {
+  return false;
+}
+DeviceInfo device_info() {
+  not_built("cuda::device_info");
+}
+void synchronize(Stream) {
+  not_built("cuda::synchronize");
+}
+
+DeviceBuffer::DeviceBuffer(size_t) {
+  not_built("cuda::DeviceBuffer");
+}
+DeviceBuffer::~DeviceBuffer() = default;
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) {
+  o.p_ = nullptr;
+  o.n_ = 0;
+}
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  p_ = o.p_;
+  n_ = o.n_;
+  o.p_ = nullptr;
+  o.n_ = 0;
+  return *this;
+}
+void DeviceBuffer::upload(const void*, size_t, size_t, Stream) {
+  not_built("cuda::upload");
+}
+void DeviceBuffer::download(void*, size_t, size_t, Stream) const {
+  not_built("cuda::download");
+}
+void DeviceBuffer::fill_zero(Stream) {
+  not_built("cuda::fill_zero");
+}
+DeviceBuffer DeviceBuffer::from_host(const void*, size_t, Stream) {
+  not_built("cuda::DeviceBuffer::from_host");
+}
+
+int64_t DeviceSegment::bytes(int64_t, int64_t, int64_t) const {
+  not_built("cuda::DeviceSegment::bytes");
+}
+DeviceCacheView::DeviceCacheView(int64_t, int64_t, int64_t) {
+  not_built("cuda::DeviceCacheView");
+}
+DeviceCacheView DeviceCacheView::upload(const CacheView&, Stream) {
+  not_built("cuda::DeviceCacheView::upload");
+}
+void DeviceCacheView::add_segment(const DeviceSegment&, std::vector<DeviceBuffer>) {
+  not_built("cuda::DeviceCacheView::add_segment");
+}
+int64_t DeviceCacheView::n_rows() const {
+  not_built("cuda::DeviceCacheView::n_rows");
+}
+int64_t DeviceCacheView::bytes() const {
+  not_built("cuda::DeviceCacheView::bytes");
+}
+
+void* DecodeWorkspace::reserve(size_t) {
+  not_built("cuda::DecodeWorkspace::reserve");
+}
+
+void decode_attention(const float*, int64_t, const DeviceCacheView&, const AttentionParams&, float*,
+                      DecodeWorkspace&, Stream, const DecodeOptions&) {
+  not_built("cuda::decode_attention");
+}
+std::vector<float> decode_attention_host(const std::vector<float>&, int64_t, const DeviceCacheView&,
+                                         const AttentionParams&, const DecodeOptions&) {
+  not_built("cuda::decode_attention_host");
+}
+
+void skvq_channel_perms(const TensorView&, int32_t*, Stream) {
+  not_built("cuda::skvq_channel_perms");
+}
+void skvq_quantize_rows(const TensorView&, const PackedRowFormat&, const GroupQuantParams&,
+                        const int32_t*, const float*, int32_t, uint8_t*, Stream) {
+  not_built("cuda::skvq_quantize_rows");
+}
+
+void snap_scores(const TensorView&, const TensorView*, const int32_t*, const int32_t*, int64_t,
+                 float*, Stream) {
+  not_built("cuda::snap_scores");
+}
+void snap_pool(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, PoolKind, float*,
+               Stream) {
+  not_built("cuda::snap_pool");
+}
+int64_t snap_select(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t*, Stream) {
+  not_built("cuda::snap_select");
+}
+int64_t snap_select_frames(const TensorView&, const TensorView*, const int32_t*, const int32_t*,
+                           const SnapSelectParams&, int32_t*, DecodeWorkspace&, Stream) {
+  not_built("cuda::snap_select_frames");
+}
+void gather_rows(const void*, int64_t, int64_t, int64_t, const int32_t*, int64_t, void*,
+                 const int32_t*, int32_t, int32_t*, Stream) {
+  not_built("cuda::gather_rows");
+}
 
 }  // namespace vq::cuda

@@ -1,0 +1,210 @@
+// decode_attention (veloxquant/cuda.h): validates the view and the shapes, plans the splits and
+// fills the DecodeParams of decode_attention.cuh, then queues the split + combine kernels.
+//
+// Plan: every (b, kv head) gets about target / (B * H_kv) splits, target = 8 blocks per SM (two
+// waves of the ~4 resident blocks), each split at least 64 rows and a whole number of pipeline
+// tiles; a split never crosses a segment boundary (so its rows share one format). The host work
+// is a few hundred operations and no allocation once the workspace is large enough.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/decode_attention.cuh"
+#include "veloxquant/cuda.h"
+
+namespace vq::cuda {
+
+namespace {
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    VQ_CUDA_CHECK(cudaGetDevice(&dev));
+    VQ_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+int code_bits(const PackedRowFormat& f, const char* what) {
+  VQ_CHECK(!f.spec.ternary(), std::string("[decode_attention] expected integer ") + what +
+                                  " bits (2, 4 or 8) but got 1.5-bit (ternary) codes");
+  return f.spec.bits();
+}
+
+bool same_fmt(const PackedRowFormat& a, const PackedRowFormat& b) {
+  return a.head_dim == b.head_dim && a.group_size == b.group_size && a.code_bytes == b.code_bytes &&
+         a.row_stride == b.row_stride && a.spec.bits_x2 == b.spec.bits_x2 && a.meta == b.meta;
+}
+
+int32_t tile_rows_for(int64_t k_row_bytes, int64_t v_row_bytes) {
+  const int64_t rb = std::max(k_row_bytes, v_row_bytes);
+  int64_t t = std::min<int64_t>(128, kDecodeStageBytes / rb);
+  t = t / 8 * 8;
+  VQ_CHECK(t >= 8, "[decode_attention] expected rows of at most " +
+                       std::to_string(kDecodeStageBytes / 8) + " bytes but got " +
+                       std::to_string(rb));
+  return static_cast<int32_t>(t);
+}
+
+}  // namespace
+
+void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& view,
+                      const AttentionParams& p, float* out, DecodeWorkspace& ws, Stream s,
+                      const DecodeOptions& opt) {
+  const int64_t B = view.batch(), H = view.n_kv_heads(), D = view.head_dim();
+  VQ_CHECK(B >= 1 && H >= 1, "[decode_attention] expected a view with B, H_kv >= 1 but got " +
+                                 std::to_string(B) + ", " + std::to_string(H));
+  VQ_CHECK(D == 64 || D == 128,
+           "[decode_attention] expected head_dim in {64, 128} but got " + std::to_string(D));
+  VQ_CHECK(n_q_heads >= H && n_q_heads % H == 0,
+           "[decode_attention] expected H_q a multiple of H_kv = " + std::to_string(H) +
+               " but got " + std::to_string(n_q_heads));
+  const int64_t G = n_q_heads / H;
+  VQ_CHECK(G == 1 || G == 2 || G == 4 || G == 8,
+           "[decode_attention] expected H_q / H_kv in {1, 2, 4, 8} but got " + std::to_string(G));
+  VQ_CHECK(q && out, "[decode_attention] expected device q and out but got a null pointer");
+  VQ_CHECK(p.window >= 0,
+           "[decode_attention] expected window >= 0 but got " + std::to_string(p.window));
+  VQ_CHECK(B <= 65535 && H <= 65535, "[decode_attention] expected B and H_kv <= 65535 but got " +
+                                         std::to_string(B) + ", " + std::to_string(H));
+
+  DecodeParams dp;
+  dp.q = q;
+  dp.out = out;
+  dp.batch = static_cast<int32_t>(B);
+  dp.n_kv_heads = static_cast<int32_t>(H);
+  dp.group = static_cast<int32_t>(G);
+  dp.head_dim = static_cast<int32_t>(D);
+  const double scale =
+      p.scale != 0.0f ? static_cast<double>(p.scale) : 1.0 / std::sqrt(static_cast<double>(D));
+  dp.scale_log2 = static_cast<float>(scale * 1.4426950408889634074);
+  dp.q_pos = p.q_pos0;
+  dp.window = p.window;
+
+  const DeviceSegment* pk_first = nullptr;
+  int64_t total_rows = 0;
+  for (const DeviceSegment& sg : view.segments()) {
+    if (sg.n_rows == 0) continue;
+    VQ_CHECK(dp.n_segments < kDecodeMaxSegments,
+             "[decode_attention] expected at most " + std::to_string(kDecodeMaxSegments) +
+                 " non-empty segments but got more (merge them on upload)");
+    DecodeSegmentParams& d = dp.seg[dp.n_segments++];
+    d.n_rows = sg.n_rows;
+    d.first_pos = sg.first_pos;
+    d.positions = sg.positions;
+    if (sg.packed) {
+      if (!pk_first) {
+        pk_first = &sg;
+        dp.k_bits = code_bits(sg.k_fmt, "key");
+        dp.v_bits = code_bits(sg.v_fmt, "value");
+        VQ_CHECK(sg.k_fmt.group_size == sg.v_fmt.group_size && sg.k_fmt.group_size % 8 == 0,
+                 "[decode_attention] expected one key/value group_size, a multiple of 8, but "
+                 "got " +
+                     std::to_string(sg.k_fmt.group_size) + " / " +
+                     std::to_string(sg.v_fmt.group_size));
+        VQ_CHECK(sg.k_fmt.head_dim == D && sg.v_fmt.head_dim == D,
+                 "[decode_attention] expected packed rows of head_dim " + std::to_string(D));
+        DecodePackedParams& pk = dp.pk;
+        pk.group_size = sg.k_fmt.group_size;
+        pk.k_code_bytes = sg.k_fmt.code_bytes;
+        pk.v_code_bytes = sg.v_fmt.code_bytes;
+        pk.k_meta = static_cast<int32_t>(sg.k_fmt.meta);
+        pk.v_meta = static_cast<int32_t>(sg.v_fmt.meta);
+        pk.k_perm = sg.k_perm;
+        pk.v_perm = sg.v_perm;
+        pk.k_signs = sg.k_signs;
+        pk.v_signs = sg.v_signs;
+        for (int kv = 0; kv < 2; ++kv) {
+          const int32_t blk = kv == 0 ? sg.k_rot_block : sg.v_rot_block;
+          if ((kv == 0 ? sg.k_signs : sg.v_signs) == nullptr) continue;
+          VQ_CHECK(blk >= 1 && blk <= D && D % blk == 0 && (blk & (blk - 1)) == 0,
+                   "[decode_attention] expected a power-of-two rotation block dividing " +
+                       std::to_string(D) + " but got " + std::to_string(blk));
+          (kv == 0 ? pk.k_rot_block : pk.v_rot_block) = blk;
+          (kv == 0 ? pk.k_rot_norm : pk.v_rot_norm) =
+              static_cast<float>(1.0 / std::sqrt(static_cast<double>(blk)));
+        }
+      } else {
+        VQ_CHECK(same_fmt(sg.k_fmt, pk_first->k_fmt) && same_fmt(sg.v_fmt, pk_first->v_fmt) &&
+                     sg.k_perm == pk_first->k_perm && sg.v_perm == pk_first->v_perm &&
+                     sg.k_signs == pk_first->k_signs && sg.v_signs == pk_first->v_signs,
+                 "[decode_attention] expected every packed segment of a view to share one "
+                 "format and one set of transforms");
+      }
+      VQ_CHECK(sg.k_data && sg.v_data,
+               "[decode_attention] expected packed records but got a null pointer");
+      d.packed = 1;
+      d.k = sg.k_data;
+      d.v = sg.v_data;
+      d.k_row_bytes = sg.k_fmt.row_stride;
+      d.v_row_bytes = sg.v_fmt.row_stride;
+    } else {
+      VQ_CHECK(sg.keys && sg.values,
+               "[decode_attention] expected full-precision rows but got a null pointer");
+      const int64_t rb = D * static_cast<int64_t>(dtype_size(sg.dtype));
+      VQ_CHECK(reinterpret_cast<uintptr_t>(sg.keys) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(sg.values) % 16 == 0,
+               "[decode_attention] expected 16-byte aligned full-precision rows");
+      d.packed = 0;
+      d.dtype = static_cast<int>(sg.dtype);
+      d.k = static_cast<const uint8_t*>(sg.keys);
+      d.v = static_cast<const uint8_t*>(sg.values);
+      d.k_row_bytes = static_cast<int32_t>(rb);
+      d.v_row_bytes = static_cast<int32_t>(rb);
+    }
+    d.tile_rows = tile_rows_for(d.k_row_bytes, d.v_row_bytes);
+    total_rows += sg.n_rows;
+  }
+  cudaStream_t st = detail::to_stream(s);
+  if (total_rows == 0) {  // nothing to attend to: zeros, like the reference
+    VQ_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(B * n_q_heads * D) * 4, st));
+    return;
+  }
+
+  // ---- plan the splits
+  const int64_t target_blocks = 8 * static_cast<int64_t>(sm_count());
+  const int64_t per_bh = std::max<int64_t>(1, (target_blocks + B * H - 1) / (B * H));
+  int64_t rows_per_split = opt.rows_per_split > 0
+                               ? opt.rows_per_split
+                               : std::max<int64_t>(64, (total_rows + per_bh - 1) / per_bh);
+  int64_t n_splits = 0;
+  for (int i = 0; i < dp.n_segments; ++i) {
+    DecodeSegmentParams& d = dp.seg[i];
+    const int64_t tr = d.tile_rows;
+    d.rows_per_split =
+        opt.rows_per_split > 0 ? rows_per_split : (rows_per_split + tr - 1) / tr * tr;
+    d.split_begin = static_cast<int32_t>(n_splits);
+    d.n_splits = static_cast<int32_t>((d.n_rows + d.rows_per_split - 1) / d.rows_per_split);
+    n_splits += d.n_splits;
+  }
+  VQ_CHECK(n_splits <= (1 << 20),
+           "[decode_attention] expected at most 2^20 splits but got " + std::to_string(n_splits));
+  dp.n_splits = static_cast<int32_t>(n_splits);
+  const size_t n_part = static_cast<size_t>(B * n_q_heads * n_splits);
+  const size_t acc_bytes = (n_part * static_cast<size_t>(D) * 4 + 255) / 256 * 256;
+  uint8_t* w = static_cast<uint8_t*>(ws.reserve(acc_bytes + n_part * 2 * 4));
+  dp.part_acc = reinterpret_cast<float*>(w);
+  dp.part_ml = reinterpret_cast<float*>(w + acc_bytes);
+  decode_attention_launch(dp, st);
+}
+
+std::vector<float> decode_attention_host(const std::vector<float>& q, int64_t n_q_heads,
+                                         const DeviceCacheView& view, const AttentionParams& p,
+                                         const DecodeOptions& opt) {
+  const size_t n = static_cast<size_t>(view.batch() * n_q_heads * view.head_dim());
+  VQ_CHECK(q.size() == n, "[decode_attention_host] expected q of " + std::to_string(n) +
+                              " floats but got " + std::to_string(q.size()));
+  DeviceBuffer dq = DeviceBuffer::from_vector(q);
+  DeviceBuffer dout(n * 4);
+  DecodeWorkspace ws;
+  decode_attention(dq.as<float>(), n_q_heads, view, p, dout.as<float>(), ws, nullptr, opt);
+  synchronize(nullptr);
+  return dout.to_vector<float>(n);
+}
+
+}  // namespace vq::cuda

@@ -1,0 +1,75 @@
+// Fused decode attention (N = 1 query per sequence) over a device cache view: the parameter block
+// shared by the planner (decode_api.cpp) and the kernels, and the host launcher.
+//
+// Grid: (total splits, H_kv, B); each block reads rows [begin, end) of ONE segment for one
+// (b, kv head) and all G = H_q / H_kv query heads that share it (every KV row is read once), and
+// writes a partial (running max m, sum l, unnormalised accumulator acc[D]) per query head. The
+// combine kernel merges the splits of each (b, query head) exactly (log-sum-exp) and un-transforms
+// the accumulator of packed-value splits (stored channel order -> original) once.
+// Layouts: q, out [B, H_q, D] fp32; partial acc [B, H_q, n_splits, D], m/l [B, H_q, n_splits, 2].
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace vq::cuda {
+
+constexpr int kDecodeMaxSegments = 8;
+
+struct DecodeSegmentParams {
+  int packed = 0;                      // 0: full precision rows, 1: packed records
+  int dtype = 1;                       // full precision: 0 f32, 1 f16, 2 bf16 (vq::DType values)
+  int64_t n_rows = 0;                  // rows per (b, h)
+  int64_t first_pos = 0;               // implicit positions first_pos + i when positions == nullptr
+  const int32_t* positions = nullptr;  // [B, H, n_rows] or nullptr
+  const uint8_t* k = nullptr;          // row (b, h, i) at k + ((b*H + h)*n_rows + i)*k_row_bytes
+  const uint8_t* v = nullptr;
+  int32_t k_row_bytes = 0;  // D*elem_size, or the packed record stride
+  int32_t v_row_bytes = 0;
+  int32_t tile_rows = 0;    // rows staged per pipeline step (multiple of 8)
+  int32_t split_begin = 0;  // index of this segment's first split
+  int32_t n_splits = 0;
+  int64_t rows_per_split = 0;
+};
+
+// Format and transforms shared by every packed segment of a view.
+struct DecodePackedParams {
+  int32_t group_size = 32;
+  int32_t k_code_bytes = 0, v_code_bytes = 0;
+  int32_t k_meta = 0, v_meta = 0;   // vq::MetaType values: 0 f16, 1 f32, 2 fp8 e4m3
+  const int32_t* k_perm = nullptr;  // [H_kv, D] or nullptr
+  const float* k_signs = nullptr;   // [H_kv, D] or nullptr
+  int32_t k_rot_block = 0;
+  float k_rot_norm = 1.0f;  // 1/sqrt(k_rot_block)
+  const int32_t* v_perm = nullptr;
+  const float* v_signs = nullptr;
+  int32_t v_rot_block = 0;
+  float v_rot_norm = 1.0f;
+};
+
+struct DecodeParams {
+  const float* q = nullptr;   // [B, H_q, D]
+  float* out = nullptr;       // [B, H_q, D]
+  float* part_acc = nullptr;  // [B, H_q, n_splits, D]
+  float* part_ml = nullptr;   // [B, H_q, n_splits, 2]
+  int32_t batch = 0, n_kv_heads = 0, group = 0, head_dim = 0;
+  float scale_log2 = 0.0f;  // softmax scale * log2(e)
+  int64_t q_pos = 0;
+  int64_t window = 0;
+  int32_t n_segments = 0;
+  int32_t n_splits = 0;  // total over segments
+  DecodeSegmentParams seg[kDecodeMaxSegments];
+  DecodePackedParams pk;
+  int32_t k_bits = 0, v_bits = 0;  // 0 when the view has no packed segment
+};
+
+// Queues the split kernel and the combine kernel on stream s; throws vq::Error for an unsupported
+// (head_dim, group, bits) combination or a failed launch.
+void decode_attention_launch(const DecodeParams& p, cudaStream_t s);
+
+// Rows one pipeline stage of K (or V) can hold: tile_rows = min(128, this / row_bytes) rounded
+// down to a multiple of 8.
+constexpr int kDecodeStageBytes = 8192;
+
+}  // namespace vq::cuda

@@ -1,0 +1,587 @@
+// Internal: the split kernel of fused decode attention, templated on the head dim D, the GQA group
+// G = H_q / H_kv, and the key/value code bits KB/VB (0/0: full-precision segments only).
+// Included by the instance files decode_attention_k*.cu, one per (KB, VB), so the instances
+// compile in parallel; decode_attention.cu holds the combine kernel and the dispatcher.
+//
+// One block = 4 warps = one (split, kv head, batch). The split's rows of ONE segment stream
+// through a 3-stage cp.async pipeline of byte ranges (tile_rows rows of K and of V per stage,
+// copied as aligned 16-byte words, so packed records of any stride and alignment arrive as is).
+// Each warp takes warp-tiles of 8 rows: (1) logits of the 8 rows for all G heads, LPR lanes per
+// row, lane `sub` owning pieces of 8 channels at 8*(sub + k*LPR) (q for those channels in
+// registers, pre-scaled by scale*log2 e); a transposed shuffle reduction leaves one head's sum per
+// lane; (2) an online-softmax step per head (running max and sum per warp, exp2, lazy rescale
+// only when a max grows); (3) the value accumulation with the same lane -> channel map.
+// Packed rows are read in place: a piece's codes c_j and its group's (lo, scale) give
+//   logit += scale * sum_j q'_j c_j + lo * sum_j q'_j        (q' = P R q, transformed once)
+//   acc'_j += (p * scale) c_j,   bias += p * lo             (acc' in stored order)
+// and the combine kernel un-permutes / un-rotates the value accumulator once per query head.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/check.h"
+#include "cuda/decode_attention.cuh"
+
+namespace vq::cuda::decode_impl {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kStages = 3;
+constexpr int kWarpTile = 8;                        // rows per online-softmax step of a warp
+constexpr int kHalfBytes = kDecodeStageBytes + 32;  // one stage of K (or V) + alignment slack
+constexpr unsigned kFull = 0xffffffffu;
+
+constexpr int log2i(int x) {
+  return x <= 1 ? 0 : 1 + log2i(x / 2);
+}
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+
+// Lane geometry of one (D, G) instance: q and the accumulator take G * CPL registers each (<= 64).
+template <int D, int G>
+struct Geo {
+  static constexpr int LPR = (D * G / 64 > D / 16) ? D * G / 64 : D / 16;  // lanes per row
+  static constexpr int CPL = D / LPR;                                      // channels per lane
+  static constexpr int NP = CPL / 8;                                       // 8-channel pieces
+  static constexpr int RPS = 32 / LPR;                                     // rows per warp step
+  static constexpr int STEPS = kWarpTile / RPS;
+  static constexpr int TSTEPS = log2i(G) < log2i(LPR) ? log2i(G) : log2i(LPR);
+  static_assert(CPL % 8 == 0 && NP >= 1 && RPS >= 1 && kWarpTile % RPS == 0, "lane geometry");
+  static_assert(LPR >= G, "one head per lane after the transposed reduction");
+};
+
+// Dynamic shared memory of the split kernel.
+template <int D, int G>
+constexpr int split_smem_bytes() {
+  return kStages * 2 * kHalfBytes + G * D * 4 + kWarps * kWarpTile * G * 4;
+}
+
+// ---- small device helpers --------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem_src));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Copies the byte range [src, src + n) into dst (16-byte aligned shared memory) as whole aligned
+// 16-byte words starting at src rounded down to 16; returns that rounding (src - aligned start).
+__device__ __forceinline__ int copy_range(uint8_t* dst, const uint8_t* src, int64_t n, int tid) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(src);
+  const uintptr_t a0 = a & ~static_cast<uintptr_t>(15);
+  const int mis = static_cast<int>(a - a0);
+  const int n16 = static_cast<int>((static_cast<int64_t>(mis) + n + 15) >> 4);
+  const uint8_t* s0 = reinterpret_cast<const uint8_t*>(a0);
+  for (int i = tid; i < n16; i += kThreads) cp_async16(dst + 16 * i, s0 + 16 * i);
+  return mis;
+}
+
+__device__ __forceinline__ int misalign16(const uint8_t* p) {
+  return static_cast<int>(reinterpret_cast<uintptr_t>(p) & 15);
+}
+
+// 4 bytes at any byte offset of 4-byte aligned shared memory.
+__device__ __forceinline__ uint32_t lds_u32_any(const uint8_t* base, uint32_t off) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(base + (off & ~3u));
+  return __funnelshift_r(w[0], w[1], (off & 3u) * 8u);
+}
+
+// Exact small-integer to float: the bit pattern 2^23 + c minus 2^23 (c < 2^23).
+__device__ __forceinline__ float code_to_f32(uint32_t c) {
+  return __uint_as_float(0x4B000000u | c) - 8388608.0f;
+}
+
+__device__ __forceinline__ float fp8e4m3_to_f32(uint32_t c) {
+  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
+  float v;
+  if (e == 15u && m == 7u) {
+    v = __uint_as_float(0x7fc00000u);
+  } else if (e == 0u) {
+    v = static_cast<float>(m) * 0x1p-9f;
+  } else {
+    v = __uint_as_float(((e + 120u) << 23) | (m << 20));  // (1 + m/8) * 2^(e-7)
+  }
+  return (c & 0x80u) ? -v : v;
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xffffu)));
+}
+
+// (lo, scale) of group g of a record at byte offset rec of base; meta: 0 f16, 1 f32, 2 fp8.
+__device__ __forceinline__ void load_meta(const uint8_t* base, uint32_t rec, int code_bytes,
+                                          int meta, int g, float& lo, float& sc) {
+  if (meta == 0) {
+    const uint32_t w = lds_u32_any(base, rec + code_bytes + 4 * g);
+    lo = f16_bits_to_f32(w);
+    sc = f16_bits_to_f32(w >> 16);
+  } else if (meta == 1) {
+    lo = __uint_as_float(lds_u32_any(base, rec + code_bytes + 8 * g));
+    sc = __uint_as_float(lds_u32_any(base, rec + code_bytes + 8 * g + 4));
+  } else {
+    const uint32_t w = lds_u32_any(base, rec + code_bytes + 2 * g);
+    lo = fp8e4m3_to_f32(w & 0xffu);
+    sc = fp8e4m3_to_f32((w >> 8) & 0xffu);
+  }
+}
+
+// The 8 codes of piece `piece` (channels 8*piece .. 8*piece+7) of a record at offset rec.
+template <int BITS>
+__device__ __forceinline__ void load_codes(const uint8_t* base, uint32_t rec, int piece,
+                                           float (&c)[8]) {
+  const uint32_t off = rec + static_cast<uint32_t>(piece * BITS);  // 8 codes = BITS bytes
+  if constexpr (BITS == 8) {
+    const uint32_t w0 = lds_u32_any(base, off), w1 = lds_u32_any(base, off + 4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      c[j] = code_to_f32((w0 >> (8 * j)) & 0xffu);
+      c[j + 4] = code_to_f32((w1 >> (8 * j)) & 0xffu);
+    }
+  } else {
+    const uint32_t w = lds_u32_any(base, off);
+    constexpr uint32_t mask = (1u << BITS) - 1u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c[j] = code_to_f32((w >> (BITS * j)) & mask);
+  }
+}
+
+// 8 full-precision elements at byte offset off (16-byte aligned) of a row of dtype dt.
+__device__ __forceinline__ void load_fp8x(const uint8_t* base, uint32_t off, int dt,
+                                          float (&x)[8]) {
+  if (dt == 1) {  // f16
+    const uint4 u = *reinterpret_cast<const uint4*>(base + off);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  } else if (dt == 2) {  // bf16
+    const uint4 u = *reinterpret_cast<const uint4*>(base + off);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {  // f32: the piece is 32 bytes
+    const float4 a = *reinterpret_cast<const float4*>(base + off);
+    const float4 b = *reinterpret_cast<const float4*>(base + off + 16);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+    x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  }
+}
+
+// Transposed reduction of G partial sums over the LPR lanes of a row: every step hands half of
+// the remaining heads to the partner lane, so G heads cost G/2 + G/4 + ... shuffles instead of
+// G * log2(LPR); the rest is a plain butterfly. Returns the head whose full sum v[0] now holds.
+template <int G, int LPR, int TSTEPS>
+__device__ __forceinline__ int reduce_heads(float (&v)[G], int sub) {
+  int head0 = 0;
+#pragma unroll
+  for (int s = 0; s < TSTEPS; ++s) {
+    const int o = LPR >> (s + 1);
+    const int half = G >> (s + 1);
+    const bool upper = (sub & o) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = keep + __shfl_xor_sync(kFull, send, o);
+    }
+    if (upper) head0 += half;
+  }
+#pragma unroll
+  for (int o = LPR >> (TSTEPS + 1); o >= 1; o >>= 1) v[0] += __shfl_xor_sync(kFull, v[0], o);
+  return head0;
+}
+
+// In-place rotation of G query vectors in shared memory for a packed segment: x <- P (R x),
+// R = H_norm diag(signs) blockwise (hadamard.h), P the stored-channel gather. tmp: G*D floats.
+template <int D, int G>
+__device__ void transform_queries(float* qs, float* tmp, const DecodePackedParams& pk, int kvh,
+                                  int tid) {
+  if (pk.k_signs) {
+    const float* sg = pk.k_signs + static_cast<int64_t>(kvh) * D;
+    for (int i = tid; i < G * D; i += kThreads) qs[i] *= sg[i % D];
+    __syncthreads();
+    for (int span = 1; span < pk.k_rot_block; span *= 2) {
+      for (int i = tid; i < G * D / 2; i += kThreads) {
+        const int h = i / (D / 2), jj = i % (D / 2);
+        const int lo = (jj / span) * 2 * span + (jj % span);
+        float* x = qs + h * D;
+        const float a = x[lo], c = x[lo + span];
+        x[lo] = a + c;
+        x[lo + span] = a - c;
+      }
+      __syncthreads();
+    }
+    for (int i = tid; i < G * D; i += kThreads) qs[i] *= pk.k_rot_norm;
+    __syncthreads();
+  }
+  if (pk.k_perm) {
+    const int32_t* pm = pk.k_perm + static_cast<int64_t>(kvh) * D;
+    for (int i = tid; i < G * D; i += kThreads) tmp[i] = qs[(i / D) * D + pm[i % D]];
+    __syncthreads();
+    for (int i = tid; i < G * D; i += kThreads) qs[i] = tmp[i];
+    __syncthreads();
+  }
+}
+
+// ---- the split kernel -------------------------------------------------------------------------
+
+template <int D, int G, int KB, int VB>
+__global__ void __launch_bounds__(kThreads)
+    decode_split_kernel(const __grid_constant__ DecodeParams p) {
+  using Gm = Geo<D, G>;
+  constexpr int LPR = Gm::LPR, NP = Gm::NP, RPS = Gm::RPS, STEPS = Gm::STEPS;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* stages = smem;
+  float* qs = reinterpret_cast<float*>(smem + kStages * 2 * kHalfBytes);  // [G][D]
+  float* sbuf = qs + G * D;                                               // [warps][8][G]
+
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane % LPR, rs = lane / LPR;
+
+  int si = 0;
+  while (si + 1 < p.n_segments && split >= p.seg[si + 1].split_begin) ++si;
+  const DecodeSegmentParams& sg = p.seg[si];
+  const bool packed = KB > 0 && sg.packed != 0;
+  const int64_t r_begin = static_cast<int64_t>(split - sg.split_begin) * sg.rows_per_split;
+  const int64_t r_end = min64(sg.n_rows, r_begin + sg.rows_per_split);
+  const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
+  const int krb = sg.k_row_bytes, vrb = sg.v_row_bytes, TR = sg.tile_rows;
+  const uint8_t* kbase = sg.k + bh * sg.n_rows * krb;
+  const uint8_t* vbase = sg.v + bh * sg.n_rows * vrb;
+  const int32_t* pos = sg.positions ? sg.positions + bh * sg.n_rows : nullptr;
+
+  // ---- queries of the G heads of this kv head, transformed for packed keys, into registers
+  const float* qg = p.q + (bh * G) * D;
+  for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
+  __syncthreads();
+  if (packed && (p.pk.k_signs || p.pk.k_perm))
+    transform_queries<D, G>(qs, reinterpret_cast<float*>(stages), p.pk, kvh, tid);
+  float qr[G][NP][8];
+  float qsum[G][NP];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int k = 0; k < NP; ++k) {
+      const float4* src = reinterpret_cast<const float4*>(qs + h * D + 8 * (sub + k * LPR));
+      const float4 a = src[0], c = src[1];
+      qr[h][k][0] = a.x, qr[h][k][1] = a.y, qr[h][k][2] = a.z, qr[h][k][3] = a.w;
+      qr[h][k][4] = c.x, qr[h][k][5] = c.y, qr[h][k][6] = c.z, qr[h][k][7] = c.w;
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s += qr[h][k][j];
+      qsum[h][k] = s;
+    }
+  __syncthreads();  // the stage area served as scratch of the transform
+
+  float m_run = -INFINITY, l_run = 0.0f;  // head lane % G of this warp
+  float acc[G][NP][8];
+  float vbias[G][NP];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int k = 0; k < NP; ++k) {
+      vbias[h][k] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[h][k][j] = 0.0f;
+    }
+
+  const int64_t n_split_rows = r_end - r_begin;
+  const int n_tiles = static_cast<int>((n_split_rows + TR - 1) / TR);
+  auto issue = [&](int t) {
+    const int64_t r0 = r_begin + static_cast<int64_t>(t) * TR;
+    const int64_t nr = min64(TR, r_end - r0);
+    uint8_t* sk = stages + (t % kStages) * 2 * kHalfBytes;
+    copy_range(sk, kbase + r0 * krb, nr * krb, tid);
+    copy_range(sk + kHalfBytes, vbase + r0 * vrb, nr * vrb, tid);
+  };
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < n_tiles) issue(t);
+    cp_async_commit();
+  }
+
+  const int pk_group = p.pk.group_size;
+  float* sw = sbuf + warp * kWarpTile * G;  // this warp's [8][G] logits, then probabilities
+  constexpr int NPAIR = kWarpTile * G;
+  constexpr int PPL = (NPAIR + 31) / 32;
+  constexpr int kWriterMask = (LPR >> Gm::TSTEPS) - 1;
+
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + kStages - 1 < n_tiles) issue(t + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+
+    const int64_t r0 = r_begin + static_cast<int64_t>(t) * TR;
+    const int nr = static_cast<int>(min64(TR, r_end - r0));
+    const uint8_t* sk = stages + (t % kStages) * 2 * kHalfBytes;
+    const uint8_t* sv = sk + kHalfBytes;
+    const uint32_t kmis = static_cast<uint32_t>(misalign16(kbase + r0 * krb));
+    const uint32_t vmis = static_cast<uint32_t>(misalign16(vbase + r0 * vrb));
+    const int n_wt = (nr + kWarpTile - 1) / kWarpTile;
+
+    for (int wt = warp; wt < n_wt; wt += kWarps) {
+      // (1) logits of the warp-tile's 8 rows
+#pragma unroll
+      for (int st = 0; st < STEPS; ++st) {
+        const int rl = wt * kWarpTile + st * RPS + rs;
+        const bool valid = rl < nr;
+        const uint32_t rec = kmis + static_cast<uint32_t>(rl * krb);
+        float part[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) part[h] = 0.0f;
+        if constexpr (KB > 0) {
+          if (packed) {
+#pragma unroll
+            for (int k = 0; k < NP; ++k) {
+              const int piece = sub + k * LPR;
+              float c[8], lo, sc;
+              load_codes<KB>(sk, rec, piece, c);
+              load_meta(sk, rec, p.pk.k_code_bytes, p.pk.k_meta, (8 * piece) / pk_group, lo, sc);
+#pragma unroll
+              for (int h = 0; h < G; ++h) {
+                float d = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) d = fmaf(qr[h][k][j], c[j], d);
+                part[h] = fmaf(sc, d, fmaf(lo, qsum[h][k], part[h]));
+              }
+            }
+          }
+        }
+        if (!packed) {
+#pragma unroll
+          for (int k = 0; k < NP; ++k) {
+            float x[8];
+            load_fp8x(sk, rec + static_cast<uint32_t>(8 * (sub + k * LPR) * (krb / D)), sg.dtype,
+                      x);
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+              float d = part[h];
+#pragma unroll
+              for (int j = 0; j < 8; ++j) d = fmaf(qr[h][k][j], x[j], d);
+              part[h] = d;
+            }
+          }
+        }
+        const int head = reduce_heads<G, LPR, Gm::TSTEPS>(part, sub);
+        bool vis = false;
+        if (valid) {
+          const int64_t pj = pos ? static_cast<int64_t>(pos[r0 + rl]) : sg.first_pos + r0 + rl;
+          vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+        }
+        if ((sub & kWriterMask) == 0) sw[(st * RPS + rs) * G + head] = vis ? part[0] : -INFINITY;
+      }
+      __syncwarp();
+
+      // (2) online softmax over the 8 rows, per head (head = lane % G)
+      float val[PPL];
+      float tmax = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < PPL; ++k) {
+        const int pi = k * 32 + lane;
+        val[k] = pi < NPAIR ? sw[pi] : -INFINITY;
+        tmax = fmaxf(tmax, val[k]);
+      }
+#pragma unroll
+      for (int o = G; o < 32; o <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(kFull, tmax, o));
+      const float m_new = fmaxf(m_run, tmax);
+      const bool none = m_new == -INFINITY;
+      const float alpha = none ? 1.0f : exp2f(m_run - m_new);
+      float psum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < PPL; ++k) {
+        const int pi = k * 32 + lane;
+        const float pr = none ? 0.0f : exp2f(val[k] - m_new);
+        if (pi < NPAIR) sw[pi] = pr;
+        psum += pr;
+      }
+#pragma unroll
+      for (int o = G; o < 32; o <<= 1) psum += __shfl_xor_sync(kFull, psum, o);
+      l_run = l_run * alpha + psum;
+      m_run = m_new;
+      float al[G];
+      bool rescale = false;
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        al[h] = __shfl_sync(kFull, alpha, h);
+        rescale |= al[h] != 1.0f;
+      }
+      if (rescale) {
+#pragma unroll
+        for (int h = 0; h < G; ++h)
+#pragma unroll
+          for (int k = 0; k < NP; ++k) {
+            vbias[h][k] *= al[h];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[h][k][j] *= al[h];
+          }
+      }
+      __syncwarp();
+
+      // (3) values
+#pragma unroll
+      for (int st = 0; st < STEPS; ++st) {
+        const int rl = wt * kWarpTile + st * RPS + rs;
+        float pv[G];
+        bool any = false;
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          pv[h] = sw[(st * RPS + rs) * G + h];
+          any |= pv[h] != 0.0f;
+        }
+        if (!any) continue;  // invisible or padding row (p == 0 for every head)
+        const uint32_t rec = vmis + static_cast<uint32_t>(rl * vrb);
+        if constexpr (VB > 0) {
+          if (packed) {
+#pragma unroll
+            for (int k = 0; k < NP; ++k) {
+              const int piece = sub + k * LPR;
+              float c[8], lo, sc;
+              load_codes<VB>(sv, rec, piece, c);
+              load_meta(sv, rec, p.pk.v_code_bytes, p.pk.v_meta, (8 * piece) / pk_group, lo, sc);
+#pragma unroll
+              for (int h = 0; h < G; ++h) {
+                const float w = pv[h] * sc;
+                vbias[h][k] = fmaf(pv[h], lo, vbias[h][k]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[h][k][j] = fmaf(w, c[j], acc[h][k][j]);
+              }
+            }
+          }
+        }
+        if (!packed) {
+#pragma unroll
+          for (int k = 0; k < NP; ++k) {
+            float x[8];
+            load_fp8x(sv, rec + static_cast<uint32_t>(8 * (sub + k * LPR) * (vrb / D)), sg.dtype,
+                      x);
+#pragma unroll
+            for (int h = 0; h < G; ++h)
+#pragma unroll
+              for (int j = 0; j < 8; ++j) acc[h][k][j] = fmaf(pv[h], x[j], acc[h][k][j]);
+          }
+        }
+      }
+      __syncwarp();
+    }
+    __syncthreads();  // the stage is refilled next iteration
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- reduce the row slots of each warp, then the warps, into this split's partial
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int k = 0; k < NP; ++k)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float a = acc[h][k][j] + vbias[h][k];
+#pragma unroll
+        for (int o = LPR; o < 32; o <<= 1) a += __shfl_xor_sync(kFull, a, o);
+        acc[h][k][j] = a;
+      }
+  float* wm = reinterpret_cast<float*>(stages);  // [warps][G]
+  float* wl = wm + kWarps * G;                   // [warps][G]
+  float* wacc = wl + kWarps * G;                 // [warps][G][D]
+  if (lane < G) {
+    wm[warp * G + lane] = m_run;
+    wl[warp * G + lane] = l_run;
+  }
+  if (rs == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int k = 0; k < NP; ++k)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          wacc[(warp * G + h) * D + 8 * (sub + k * LPR) + j] = acc[h][k][j];
+  }
+  __syncthreads();
+  for (int i = tid; i < G * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w * G + h]);
+    float a = 0.0f, l = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(wm[w * G + h] - mx);
+        a += wacc[(w * G + h) * D + d] * f;
+        l += wl[w * G + h] * f;
+      }
+    }
+    const int64_t row = (bh * G + h) * p.n_splits + split;
+    p.part_acc[row * D + d] = a;
+    if (d == 0) {
+      p.part_ml[2 * row] = mx;
+      p.part_ml[2 * row + 1] = l;
+    }
+  }
+}
+
+// Launches the split kernel of one (KB, VB) for the view's D and G (decode_attention_k*.cu).
+template <int KB, int VB>
+void launch_split(const DecodeParams& p, cudaStream_t s);
+
+template <int D, int G, int KB, int VB>
+void launch_split_dg(const DecodeParams& p, cudaStream_t s) {
+  constexpr int smem = split_smem_bytes<D, G>();
+  auto kern = decode_split_kernel<D, G, KB, VB>;
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
+                  static_cast<unsigned>(p.batch));
+  kern<<<grid, kThreads, smem, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(decode_split_kernel);
+}
+
+template <int D, int KB, int VB>
+void launch_split_d(const DecodeParams& p, cudaStream_t s) {
+  switch (p.group) {
+    case 1:
+      return launch_split_dg<D, 1, KB, VB>(p, s);
+    case 2:
+      return launch_split_dg<D, 2, KB, VB>(p, s);
+    case 4:
+      return launch_split_dg<D, 4, KB, VB>(p, s);
+    case 8:
+      return launch_split_dg<D, 8, KB, VB>(p, s);
+    default:
+      throw Error("[decode_attention] expected H_q / H_kv in {1, 2, 4, 8} but got " +
+                  std::to_string(p.group));
+  }
+}
+
+#define VQ_DECODE_INSTANTIATE(KB, VB)                                              \
+  template <>                                                                      \
+  void launch_split<KB, VB>(const DecodeParams& p, cudaStream_t s) {               \
+    switch (p.head_dim) {                                                          \
+      case 64:                                                                     \
+        return launch_split_d<64, KB, VB>(p, s);                                   \
+      case 128:                                                                    \
+        return launch_split_d<128, KB, VB>(p, s);                                  \
+      default:                                                                     \
+        throw Error("[decode_attention] expected head_dim in {64, 128} but got " + \
+                    std::to_string(p.head_dim));                                   \
+    }                                                                              \
+  }
+
+}  // namespace vq::cuda::decode_impl

@@ -1,0 +1,111 @@
+// Device discovery, the error path of VQ_CUDA_CHECK, DeviceBuffer (plain cudaMalloc, size rounded
+// up to 16 bytes so kernels may read whole 16-byte words at a buffer's end) and DecodeWorkspace.
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <utility>
+
+#include "cuda/check.h"
+#include "veloxquant/cuda.h"
+
+namespace vq::cuda {
+
+namespace detail {
+
+void throw_cuda_error(cudaError_t e, const char* call, const char* file, int line) {
+  throw Error(std::string("[cuda] expected ") + call + " to succeed but it failed at " + file +
+              ":" + std::to_string(line) + ": " + cudaGetErrorName(e) + ": " +
+              cudaGetErrorString(e));
+}
+
+}  // namespace detail
+
+using detail::to_stream;
+
+bool is_available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device / no driver" status
+    return false;
+  }
+  return n > 0;
+}
+
+DeviceInfo device_info() {
+  int dev = 0;
+  VQ_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  VQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  DeviceInfo info;
+  info.name = prop.name;
+  info.cc_major = prop.major;
+  info.cc_minor = prop.minor;
+  info.sm_count = prop.multiProcessorCount;
+  info.l2_bytes = prop.l2CacheSize;
+  info.global_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  return info;
+}
+
+void synchronize(Stream s) {
+  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+}
+
+DeviceBuffer::DeviceBuffer(size_t bytes) {
+  n_ = bytes;
+  const size_t alloc = (bytes + 15) / 16 * 16 + 16;  // whole 16-byte words, plus one spare
+  VQ_CUDA_CHECK(cudaMalloc(&p_, alloc));
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (p_) (void)cudaFree(p_);  // never throws from a destructor
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
+    : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (p_) (void)cudaFree(p_);
+    p_ = std::exchange(o.p_, nullptr);
+    n_ = std::exchange(o.n_, 0);
+  }
+  return *this;
+}
+
+void DeviceBuffer::upload(const void* src, size_t bytes, size_t offset, Stream s) {
+  VQ_CHECK(offset + bytes <= n_, "[cuda::upload] expected at most " + std::to_string(n_) +
+                                     " bytes but got " + std::to_string(offset + bytes));
+  if (bytes == 0) return;
+  VQ_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(p_) + offset, src, bytes, cudaMemcpyHostToDevice,
+                                to_stream(s)));
+  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+}
+
+void DeviceBuffer::download(void* dst, size_t bytes, size_t offset, Stream s) const {
+  VQ_CHECK(offset + bytes <= n_, "[cuda::download] expected at most " + std::to_string(n_) +
+                                     " bytes but got " + std::to_string(offset + bytes));
+  if (bytes == 0) return;
+  VQ_CUDA_CHECK(cudaMemcpyAsync(dst, static_cast<const char*>(p_) + offset, bytes,
+                                cudaMemcpyDeviceToHost, to_stream(s)));
+  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+}
+
+void DeviceBuffer::fill_zero(Stream s) {
+  if (p_) VQ_CUDA_CHECK(cudaMemsetAsync(p_, 0, (n_ + 15) / 16 * 16 + 16, to_stream(s)));
+}
+
+DeviceBuffer DeviceBuffer::from_host(const void* src, size_t bytes, Stream s) {
+  DeviceBuffer b(bytes);
+  b.upload(src, bytes, 0, s);
+  return b;
+}
+
+void* DecodeWorkspace::reserve(size_t bytes) {
+  if (buf_.size() < bytes || !buf_.data()) {
+    buf_ = DeviceBuffer();  // free first: the new one may be large
+    buf_ = DeviceBuffer(bytes < 4096 ? 4096 : bytes);
+  }
+  return buf_.data();
+}
+
+}  // namespace vq::cuda

@@ -1,0 +1,279 @@
+// SKVQ flush kernels (see skvq_flush.cuh), bit-identical to the CPU reference: every floating
+// operation is an explicit IEEE intrinsic (__fadd_rn, __fmul_rn, __fdiv_rn, ...) in the order of
+// group_quantize_reference / fwht_normalized, so nvcc can neither contract a multiply-add into an
+// FMA nor reorder anything; comparisons replicate the CPU's ternaries (NaN behaviour included).
+//
+// Quantize: a block stages kRows rows in shared memory as fp32 [kRows][D], rotates them
+// (signs, butterflies of span 1, 2, 4, ... within each rot_block, then * norm), gathers the
+// permutation into a second buffer, quantizes one (row, group) per thread (clip search over the
+// alpha grid with metadata rounded as stored), then writes each record byte by one thread (codes
+// packed little-endian, or five ternary codes per byte, then (lo, scale) per group).
+// Permutations: a block per head, thread c scans channel c over the B*n pooled rows (min/max as
+// std::min/std::max, range NaN -> +inf), then ranks channels for a stable ascending sort.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "cuda/check.h"
+#include "cuda/skvq_flush.cuh"
+
+namespace vq::cuda {
+
+namespace {
+
+constexpr int kRows = 16;
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
+  if (dtype == 1) return __half2float(static_cast<const __half*>(base)[i]);
+  if (dtype == 2) {
+    const uint32_t b = static_cast<const uint16_t*>(base)[i];
+    return __uint_as_float(b << 16);
+  }
+  return static_cast<const float*>(base)[i];
+}
+
+// packed.h's fp8_e4m3_encode / decode, the same integer steps.
+__device__ uint8_t fp8_encode(float x) {
+  uint32_t u = __float_as_uint(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7f);
+  if (u >= 0x43e00000u) return static_cast<uint8_t>(sign | 0x7e);
+  if (u < 0x3c800000u) {
+    const float a = __uint_as_float(u);
+    const float r = __fsub_rn(__fadd_rn(__fmul_rn(a, 512.0f), 0x1p23f), 0x1p23f);
+    return static_cast<uint8_t>(sign | static_cast<uint8_t>(r));
+  }
+  u += 0x7ffffu + ((u >> 20) & 1u);
+  const uint32_t e = (u >> 23) - 127u + 7u;
+  const uint32_t m = (u >> 20) & 7u;
+  if (e > 15 || (e == 15 && m == 7)) return static_cast<uint8_t>(sign | 0x7e);
+  return static_cast<uint8_t>(sign | (e << 3) | m);
+}
+
+__device__ float fp8_decode(uint8_t c) {
+  const int e = (c >> 3) & 0xf;
+  const int m = c & 7;
+  float v;
+  if (e == 15 && m == 7) {
+    v = __uint_as_float(0x7fc00000u);
+  } else if (e == 0) {
+    v = __fmul_rn(static_cast<float>(m), 0x1p-9f);
+  } else {
+    v = __uint_as_float(static_cast<uint32_t>((e + 120) << 23) | static_cast<uint32_t>(m << 20));
+  }
+  return (c & 0x80u) ? -v : v;
+}
+
+// packed.h meta_round.
+__device__ float meta_round(float v, int meta) {
+  if (meta == 1) return v;
+  if (meta == 0) {
+    const float c = v > 65504.0f ? 65504.0f : (v < -65504.0f ? -65504.0f : v);
+    return __half2float(__float2half_rn(c));
+  }
+  return fp8_decode(fp8_encode(v));
+}
+
+__device__ float meta_min_positive(int meta) {
+  return meta == 1 ? 1e-8f : (meta == 0 ? 0x1p-24f : 0x1p-9f);
+}
+
+// group_quant.cpp quant_code: clamp((x - lo) / scale, 0, levels), rounded to an integer (ties to
+// even) by adding and removing 2^23.
+__device__ __forceinline__ float quant_code(float x, float lo, float scale, float levels) {
+  float t = __fdiv_rn(__fsub_rn(x, lo), scale);
+  t = t > 0.0f ? t : 0.0f;
+  t = t < levels ? t : levels;
+  return __fsub_rn(__fadd_rn(t, 0x1p23f), 0x1p23f);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    skvq_quantize_kernel(const __grid_constant__ SkvqQuantParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int D = p.head_dim, NG = p.n_groups;
+  float* x = reinterpret_cast<float*>(smem);                      // [kRows][D]
+  float* t = x + kRows * D;                                       // [kRows][D] stored order
+  float* mlo = t + kRows * D;                                     // [kRows][NG]
+  float* msc = mlo + kRows * NG;                                  // [kRows][NG]
+  uint8_t* codes = reinterpret_cast<uint8_t*>(msc + kRows * NG);  // [kRows][D]
+  const int tid = threadIdx.x;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int nr = static_cast<int>(p.n_rows_total - row0 < kRows ? p.n_rows_total - row0 : kRows);
+
+  for (int i = tid; i < nr * D; i += kThreads) x[i] = load_elem(p.rows, p.dtype, row0 * D + i);
+  __syncthreads();
+  auto head_of = [&](int r) {
+    return static_cast<int>(((row0 + r) / p.rows_per_head) % p.n_heads);
+  };
+  if (p.signs) {  // hadamard_rotate: x *= signs, then fwht_normalized
+    for (int i = tid; i < nr * D; i += kThreads) {
+      const int r = i / D, c = i % D;
+      x[i] = __fmul_rn(x[i], p.signs[static_cast<int64_t>(head_of(r)) * D + c]);
+    }
+    __syncthreads();
+    for (int span = 1; span < p.rot_block; span *= 2) {
+      for (int i = tid; i < nr * D / 2; i += kThreads) {
+        const int r = i / (D / 2), jj = i % (D / 2);
+        const int lo = (jj / span) * 2 * span + (jj % span);
+        float* v = x + r * D;
+        const float a = v[lo], c = v[lo + span];
+        v[lo] = __fadd_rn(a, c);
+        v[lo + span] = __fsub_rn(a, c);
+      }
+      __syncthreads();
+    }
+    for (int i = tid; i < nr * D; i += kThreads) x[i] = __fmul_rn(x[i], p.rot_norm);
+    __syncthreads();
+  }
+  for (int i = tid; i < nr * D; i += kThreads) {
+    const int r = i / D, c = i % D;
+    t[i] = p.perm ? x[r * D + p.perm[static_cast<int64_t>(head_of(r)) * D + c]] : x[i];
+  }
+  __syncthreads();
+
+  // One (row, group) per thread: group_quantize_reference.
+  const int g = p.group_size;
+  const float levels = p.levels;
+  for (int item = tid; item < nr * NG; item += kThreads) {
+    const int r = item / NG, gi = item % NG;
+    const float* row = t + r * D;
+    const int c0 = gi * g;
+    auto elem = [&](int i) { return row[c0 + i < D ? c0 + i : D - 1]; };  // ragged pad
+    float gmin = elem(0), gmax = elem(0);
+    for (int i = 1; i < g; ++i) {
+      const float v = elem(i);
+      if (v < gmin) gmin = v;
+      if (v > gmax) gmax = v;
+    }
+    const float mid = __fdiv_rn(__fadd_rn(gmax, gmin), 2.0f);
+    const float rng = __fsub_rn(gmax, gmin);
+    float best_err = 0.0f, best_lo = 0.0f, best_sc = 1.0f;
+    for (int k = 0; k < p.n_alpha; ++k) {
+      const float ar = __fmul_rn(p.alpha[k], rng);
+      const float l = meta_round(__fsub_rn(mid, __fdiv_rn(ar, 2.0f)), p.meta);
+      float sc = __fdiv_rn(ar, levels);
+      sc = sc < 1e-8f ? 1e-8f : sc;
+      const float rs = meta_round(sc, p.meta);
+      const float s = rs >= meta_min_positive(p.meta) ? rs : meta_min_positive(p.meta);
+      float err = 0.0f;
+      for (int i = 0; i < g; ++i) {
+        const float v = elem(i);
+        const float rec = __fadd_rn(__fmul_rn(quant_code(v, l, s, levels), s), l);
+        const float e = __fsub_rn(rec, v);
+        err = __fadd_rn(err, __fmul_rn(e, e));
+      }
+      err = __fdiv_rn(err, static_cast<float>(g));
+      if (k == 0 || err < best_err) {
+        best_err = err;
+        best_lo = l;
+        best_sc = s;
+      }
+    }
+    mlo[r * NG + gi] = best_lo;
+    msc[r * NG + gi] = best_sc;
+    const int c1 = c0 + g < D ? c0 + g : D;
+    for (int c = c0; c < c1; ++c)
+      codes[r * D + c] = static_cast<uint8_t>(quant_code(row[c], best_lo, best_sc, levels));
+  }
+  __syncthreads();
+
+  // One record byte per thread.
+  const int ms = p.meta == 1 ? 4 : (p.meta == 0 ? 2 : 1);
+  const int rsb = p.row_stride;
+  for (int i = tid; i < nr * rsb; i += kThreads) {
+    const int r = i / rsb, byte = i % rsb;
+    const uint8_t* cr = codes + r * D;
+    uint32_t v = 0;
+    if (byte < p.packed_bytes) {
+      if (p.ternary) {
+        for (int m = 4; m >= 0; --m) {
+          const int j = 5 * byte + m;
+          v = v * 3u + (j < D ? cr[j] : 0u);
+        }
+      } else {
+        const int b = p.bits;
+        const int j0 = (8 * byte) / b, j1 = (8 * byte + 7) / b;
+        for (int j = j0; j <= j1 && j < D; ++j) {
+          const int shift = j * b - 8 * byte;
+          v |= shift >= 0 ? (static_cast<uint32_t>(cr[j]) << shift)
+                          : (static_cast<uint32_t>(cr[j]) >> (-shift));
+        }
+      }
+    } else if (byte >= p.code_bytes) {
+      const int m = byte - p.code_bytes;
+      const int e = m / ms, eb = m % ms;
+      const float val = (e % 2 == 0) ? mlo[r * NG + e / 2] : msc[r * NG + e / 2];
+      uint32_t bits;
+      if (p.meta == 1) {
+        bits = __float_as_uint(val);
+      } else if (p.meta == 0) {
+        bits = __half_as_ushort(__float2half_rn(val));
+      } else {
+        bits = fp8_encode(val);
+      }
+      v = bits >> (8 * eb);
+    }
+    p.records[(row0 + r) * rsb + byte] = static_cast<uint8_t>(v & 0xffu);
+  }
+}
+
+__global__ void skvq_perm_kernel(const __grid_constant__ SkvqPermParams p) {
+  extern __shared__ float range[];  // [D]
+  const int h = blockIdx.x, c = threadIdx.x, D = p.head_dim;
+  if (c < D) {
+    float mn = 0.0f, mx = 0.0f;
+    bool first = true;
+    for (int b = 0; b < p.batch; ++b)
+      for (int64_t i = 0; i < p.n; ++i) {
+        const int64_t idx = ((static_cast<int64_t>(b) * p.n_heads + h) * p.n + i) * D + c;
+        const float v = load_elem(p.rows, p.dtype, idx);
+        if (first) {
+          mn = mx = v;
+          first = false;
+        } else {
+          mn = (v < mn) ? v : mn;  // std::min(mn, v)
+          mx = (mx < v) ? v : mx;  // std::max(mx, v)
+        }
+      }
+    const float r = __fsub_rn(mx, mn);
+    range[c] = (p.n > 0 && p.batch > 0) ? (isnan(r) ? INFINITY : r) : 0.0f;
+  }
+  __syncthreads();
+  if (c < D) {
+    const float rc = range[c];
+    int rank = 0;
+    for (int j = 0; j < D; ++j) rank += (range[j] < rc) || (range[j] == rc && j < c);
+    p.perm[static_cast<int64_t>(h) * D + rank] = c;
+  }
+}
+
+}  // namespace
+
+void skvq_quantize_launch(const SkvqQuantParams& p, cudaStream_t s) {
+  if (p.n_rows_total == 0) return;
+  const int D = p.head_dim, NG = p.n_groups;
+  const size_t smem = static_cast<size_t>(kRows) * (2 * D + 2 * NG) * 4 + kRows * D;
+  VQ_CHECK(smem <= 200 * 1024,
+           "[skvq_quantize_rows] expected head_dim <= 2048 but got " + std::to_string(D));
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(
+      skvq_quantize_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t blocks = (p.n_rows_total + kRows - 1) / kRows;
+  VQ_CHECK(blocks < (int64_t{1} << 31), "[skvq_quantize_rows] expected fewer rows");
+  skvq_quantize_kernel<<<static_cast<unsigned>(blocks), kThreads, smem, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(skvq_quantize_kernel);
+}
+
+void skvq_channel_perms_launch(const SkvqPermParams& p, cudaStream_t s) {
+  VQ_CHECK(
+      p.head_dim >= 1 && p.head_dim <= 1024,
+      "[skvq_channel_perms] expected head_dim in 1..1024 but got " + std::to_string(p.head_dim));
+  const int threads = (p.head_dim + 31) / 32 * 32;
+  skvq_perm_kernel<<<static_cast<unsigned>(p.n_heads), threads, static_cast<size_t>(p.head_dim) * 4,
+                     s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(skvq_perm_kernel);
+}
+
+}  // namespace vq::cuda

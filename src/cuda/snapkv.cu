@@ -1,0 +1,372 @@
+// SnapKV kernels (see snapkv.cuh).
+//
+// Scores, two passes over (key tile of 64 rows) x (query chunk of 32 rows) logit tiles staged in
+// shared memory (fp32, rows padded to D + 4 floats so 16-byte reads of 8 consecutive rows hit
+// distinct banks), each thread a 2 x 4 (query x key) block with sequential fp32 dot products:
+//   pass 1: per query row and key tile, max and sum of exp (fp32), and a NaN flag;
+//   combine: per query row M = max, Z = sum_t z_t exp(m_t - M) (double), 1/Z; +inf max or a NaN
+//            logit poisons the frame (the CPU gives NaN scores then);
+//   pass 2: per key, p = exp(l - M) * (1/Z), summed per query head in double, then the mean of
+//           the per-head means, rounded once to fp32 (the CPU's order of operations).
+// Selection: one block of 1024 threads per frame: radix select of the k-th largest ranking key
+// (NaN -> -inf, -0 -> +0, mapped to an order-preserving uint32) in four 8-bit passes, then an
+// ascending compaction (block scans) of the rows above it plus the first rows equal to it.
+#include <cub/block/block_scan.cuh>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "cuda/check.h"
+#include "cuda/snapkv.cuh"
+
+namespace vq::cuda {
+
+namespace {
+
+constexpr int kKT = 64;  // keys per tile
+constexpr int kQT = 32;  // query rows per chunk
+constexpr int kScoreThreads = 256;
+constexpr int kSelThreads = 1024;
+
+__device__ __forceinline__ float load_key(const void* base, int dtype, int64_t i) {
+  if (dtype == 1) return __half2float(static_cast<const __half*>(base)[i]);
+  if (dtype == 2)
+    return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16);
+  return static_cast<const float*>(base)[i];
+}
+
+// Query row i (0..W-1) of frame f.
+__device__ __forceinline__ float load_query(const SnapScoreParams& p, int f, int i, int d) {
+  if (p.queries) return p.queries[(static_cast<int64_t>(f) * p.n_rep * p.w + i) * p.head_dim + d];
+  const int64_t row = p.n - p.w + i;  // key proxy: the last w key rows
+  return load_key(p.keys, p.dtype, (static_cast<int64_t>(f) * p.n + row) * p.head_dim + d);
+}
+
+// Fills L[kQT][kKT] with the scaled, masked logits of query chunk qc and key tile j0 of frame f.
+__device__ void logit_tile(const SnapScoreParams& p, int f, int qc, int64_t j0, float* Ks,
+                           float* Qs, float* L) {
+  const int D = p.head_dim, DP = D + 4, W = p.n_rep * p.w;
+  const int tid = threadIdx.x;
+  const int nk = static_cast<int>(p.n - j0 < kKT ? p.n - j0 : kKT);
+  const int nq = W - qc * kQT < kQT ? W - qc * kQT : kQT;
+  for (int i = tid; i < kKT * D; i += kScoreThreads) {
+    const int r = i / D, c = i % D;
+    Ks[r * DP + c] =
+        r < nk ? load_key(p.keys, p.dtype, (static_cast<int64_t>(f) * p.n + j0 + r) * D + c) : 0.0f;
+  }
+  for (int i = tid; i < kQT * D; i += kScoreThreads) {
+    const int r = i / D, c = i % D;
+    Qs[r * DP + c] = r < nq ? load_query(p, f, qc * kQT + r, c) : 0.0f;
+  }
+  __syncthreads();
+  const int tq = tid / 16, tk = tid % 16;  // queries 2tq, 2tq+1; keys tk + 16m
+  float acc[2][4] = {};
+  const float* q0 = Qs + (2 * tq) * DP;
+  const float* q1 = q0 + DP;
+  for (int d = 0; d < D; d += 4) {
+    const float4 a = *reinterpret_cast<const float4*>(q0 + d);
+    const float4 b = *reinterpret_cast<const float4*>(q1 + d);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const float4 k = *reinterpret_cast<const float4*>(Ks + (tk + 16 * m) * DP + d);
+      acc[0][m] = fmaf(a.x, k.x, acc[0][m]);
+      acc[0][m] = fmaf(a.y, k.y, acc[0][m]);
+      acc[0][m] = fmaf(a.z, k.z, acc[0][m]);
+      acc[0][m] = fmaf(a.w, k.w, acc[0][m]);
+      acc[1][m] = fmaf(b.x, k.x, acc[1][m]);
+      acc[1][m] = fmaf(b.y, k.y, acc[1][m]);
+      acc[1][m] = fmaf(b.z, k.z, acc[1][m]);
+      acc[1][m] = fmaf(b.w, k.w, acc[1][m]);
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int qi = 2 * tq + a, kj = tk + 16 * m;
+      float l = acc[a][m] * p.scale;
+      if (kj >= nk || qi >= nq) {
+        l = -INFINITY;
+      } else if (p.key_pos) {
+        const int qrow = (qc * kQT + qi) % p.w;
+        if (p.key_pos[static_cast<int64_t>(f) * p.n + j0 + kj] > p.query_pos[qrow]) l = -INFINITY;
+      }
+      L[qi * kKT + kj] = l;
+    }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kScoreThreads)
+    snap_pass1_kernel(const __grid_constant__ SnapScoreParams p) {
+  extern __shared__ __align__(16) float sm[];
+  const int DP = p.head_dim + 4, W = p.n_rep * p.w;
+  float* Ks = sm;
+  float* Qs = Ks + kKT * DP;
+  float* L = Qs + kQT * DP;
+  const int tile = blockIdx.x, f = blockIdx.y;
+  const int n_tiles = gridDim.x;
+  const int64_t j0 = static_cast<int64_t>(tile) * kKT;
+  for (int qc = 0; qc * kQT < W; ++qc) {
+    logit_tile(p, f, qc, j0, Ks, Qs, L);
+    const int i = threadIdx.x;
+    if (i < kQT && qc * kQT + i < W) {
+      float m = -INFINITY;
+      bool nan = false;
+      for (int j = 0; j < kKT; ++j) {
+        const float l = L[i * kKT + j];
+        nan |= isnan(l);
+        m = fmaxf(m, l);
+      }
+      float z = 0.0f;
+      if (m != -INFINITY && !isinf(m))
+        for (int j = 0; j < kKT; ++j) z += expf(L[i * kKT + j] - m);
+      float* st =
+          p.tile_stats + ((static_cast<int64_t>(f) * n_tiles + tile) * W + qc * kQT + i) * 3;
+      st[0] = m;
+      st[1] = z;
+      st[2] = nan ? 1.0f : 0.0f;
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void snap_combine_kernel(const __grid_constant__ SnapScoreParams p, int n_tiles) {
+  const int W = p.n_rep * p.w;
+  const int f = blockIdx.x;
+  for (int i = threadIdx.x; i < W; i += blockDim.x) {
+    const float* st = p.tile_stats + (static_cast<int64_t>(f) * n_tiles * W + i) * 3;
+    float mx = -INFINITY;
+    bool nan = false;
+    for (int t = 0; t < n_tiles; ++t) {
+      mx = fmaxf(mx, st[static_cast<int64_t>(t) * W * 3]);
+      nan |= st[static_cast<int64_t>(t) * W * 3 + 2] != 0.0f;
+    }
+    double z = 0.0;
+    if (mx != -INFINITY && !isinf(mx))
+      for (int t = 0; t < n_tiles; ++t) {
+        const float m = st[static_cast<int64_t>(t) * W * 3];
+        if (m == -INFINITY) continue;
+        z += static_cast<double>(st[static_cast<int64_t>(t) * W * 3 + 1]) *
+             static_cast<double>(expf(m - mx));
+      }
+    if (nan || mx == INFINITY) atomicOr(p.poisoned + f, 1);
+    p.row_stats[(static_cast<int64_t>(f) * W + i) * 2] = mx;
+    p.row_stats[(static_cast<int64_t>(f) * W + i) * 2 + 1] =
+        z > 0.0 ? static_cast<float>(1.0 / z) : 0.0f;
+  }
+}
+
+__global__ void __launch_bounds__(kScoreThreads)
+    snap_pass2_kernel(const __grid_constant__ SnapScoreParams p) {
+  extern __shared__ __align__(16) float sm[];
+  const int DP = p.head_dim + 4, W = p.n_rep * p.w;
+  float* Ks = sm;
+  float* Qs = Ks + kKT * DP;
+  float* L = Qs + kQT * DP;
+  const int tile = blockIdx.x, f = blockIdx.y;
+  const int64_t j0 = static_cast<int64_t>(tile) * kKT;
+  const int j = threadIdx.x;
+  double total = 0.0, head = 0.0;  // thread j < kKT: key j0 + j
+  int cur_head = 0;
+  for (int qc = 0; qc * kQT < W; ++qc) {
+    logit_tile(p, f, qc, j0, Ks, Qs, L);
+    if (j < kKT) {
+      for (int i = 0; i < kQT && qc * kQT + i < W; ++i) {
+        const int qi = qc * kQT + i;
+        const int r = qi / p.w;
+        if (r != cur_head) {  // query rows are head-major: close the previous head's mean
+          total += head / static_cast<double>(p.w);
+          head = 0.0;
+          cur_head = r;
+        }
+        const float mx = p.row_stats[(static_cast<int64_t>(f) * W + qi) * 2];
+        if (mx == -INFINITY) continue;  // a query that sees no key adds nothing
+        const float inv_z = p.row_stats[(static_cast<int64_t>(f) * W + qi) * 2 + 1];
+        head += static_cast<double>(expf(L[i * kKT + j] - mx) * inv_z);
+      }
+    }
+    __syncthreads();
+  }
+  if (j < kKT && j0 + j < p.n) {
+    float score;
+    if (p.poisoned[f]) {
+      score = __uint_as_float(0x7fc00000u);
+    } else if (p.n_rep > 1) {
+      total += head / static_cast<double>(p.w);
+      score = static_cast<float>(total / static_cast<double>(p.n_rep));
+    } else {
+      score = static_cast<float>(head / static_cast<double>(p.w));
+    }
+    p.scores[static_cast<int64_t>(f) * p.n + j0 + j] = score;
+  }
+}
+
+// Order-preserving uint32 of the ranking key (NaN -> -inf, -0 -> +0).
+__device__ __forceinline__ uint32_t rank_bits(float s) {
+  if (isnan(s)) s = -INFINITY;
+  if (s == 0.0f) s = 0.0f;
+  const uint32_t u = __float_as_uint(s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void __launch_bounds__(kSelThreads)
+    snap_select_kernel(const __grid_constant__ SnapSelectParams_ p) {
+  using Scan = cub::BlockScan<int, kSelThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int hist[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_krem;
+  const int f = blockIdx.x, tid = threadIdx.x;
+  const float* sc = p.scores + static_cast<int64_t>(f) * p.n;
+  int32_t* out = p.out + static_cast<int64_t>(f) * p.count;
+  for (int64_t j = tid; j < p.n_prefix; j += kSelThreads) out[j] = static_cast<int32_t>(j);
+  const int64_t n_tail = p.n - p.tail0;
+  for (int64_t j = tid; j < n_tail; j += kSelThreads)
+    out[p.n_prefix + p.k + j] = static_cast<int32_t>(p.tail0 + j);
+  if (p.k <= 0) return;
+
+  uint32_t prefix = 0, mask = 0;
+  if (tid == 0) s_krem = static_cast<int>(p.k);
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    for (int i = tid; i < 256; i += kSelThreads) hist[i] = 0;
+    __syncthreads();
+    for (int64_t j = p.lo + tid; j < p.hi; j += kSelThreads) {
+      const uint32_t key = rank_bits(sc[j]);
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int cum = 0, krem = s_krem, digit = 0;
+      for (int dg = 255; dg >= 0; --dg) {
+        if (cum + hist[dg] >= krem) {
+          digit = dg;
+          break;
+        }
+        cum += hist[dg];
+      }
+      s_krem = krem - cum;
+      s_prefix = prefix | (static_cast<uint32_t>(digit) << shift);
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    mask |= 255u << shift;
+  }
+  const uint32_t thr = prefix;
+  const int quota = s_krem;  // rows equal to the threshold to take, lowest index first
+  int base = 0, eq_seen = 0;
+  for (int64_t c = p.lo; c < p.hi; c += kSelThreads) {
+    const int64_t j = c + tid;
+    const uint32_t key = j < p.hi ? rank_bits(sc[j]) : 0u;
+    const int above = (j < p.hi && key > thr) ? 1 : 0;
+    const int eq = (j < p.hi && key == thr) ? 1 : 0;
+    int eq_rank, eq_total;
+    Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
+    __syncthreads();
+    const int take = (above || (eq && eq_seen + eq_rank < quota)) ? 1 : 0;
+    int pos, take_total;
+    Scan(scan_tmp).ExclusiveSum(take, pos, take_total);
+    __syncthreads();
+    if (take) out[p.n_prefix + base + pos] = static_cast<int32_t>(j);
+    base += take_total;
+    eq_seen += eq_total;
+  }
+}
+
+__global__ void snap_pool_kernel(const float* in, int64_t n, int64_t lo, int64_t hi, int64_t kernel,
+                                 int kind, float* out) {
+  const int f = blockIdx.y;
+  const int64_t j = lo + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= hi) return;
+  const float* x = in + static_cast<int64_t>(f) * n;
+  const int64_t half = kernel / 2;
+  const int64_t a = j - half > lo ? j - half : lo;
+  const int64_t b = j + half + 1 < hi ? j + half + 1 : hi;
+  if (kind == 0) {  // max, NaN ranked -inf (NaN only if every neighbour is NaN)
+    float m = __uint_as_float(0x7fc00000u);
+    for (int64_t t = a; t < b; ++t)
+      if (!isnan(x[t]) && (isnan(m) || x[t] > m)) m = x[t];
+    out[static_cast<int64_t>(f) * n + j] = m;
+  } else {
+    double s = 0.0;
+    for (int64_t t = a; t < b; ++t) s += static_cast<double>(x[t]);
+    out[static_cast<int64_t>(f) * n + j] = static_cast<float>(s / static_cast<double>(b - a));
+  }
+}
+
+__global__ void gather_kernel(const uint8_t* src, int64_t n, int64_t row_bytes, const int32_t* idx,
+                              int64_t count, uint8_t* dst, const int32_t* src_pos,
+                              int32_t first_pos, int32_t* dst_pos, bool vec16) {
+  const int f = blockIdx.y;
+  const int64_t i = blockIdx.x;  // output row
+  const int64_t j = idx[static_cast<int64_t>(f) * count + i];
+  const uint8_t* s = src + (static_cast<int64_t>(f) * n + j) * row_bytes;
+  uint8_t* d = dst + (static_cast<int64_t>(f) * count + i) * row_bytes;
+  if (vec16) {
+    for (int64_t b = threadIdx.x; b < row_bytes / 16; b += blockDim.x)
+      reinterpret_cast<uint4*>(d)[b] = reinterpret_cast<const uint4*>(s)[b];
+  } else {
+    for (int64_t b = threadIdx.x; b < row_bytes; b += blockDim.x) d[b] = s[b];
+  }
+  if (dst_pos && threadIdx.x == 0)
+    dst_pos[static_cast<int64_t>(f) * count + i] =
+        src_pos ? src_pos[static_cast<int64_t>(f) * n + j] : first_pos + static_cast<int32_t>(j);
+}
+
+}  // namespace
+
+int64_t snap_score_tile_stats_floats(int64_t n_frames, int64_t n, int64_t W) {
+  return n_frames * ((n + kKT - 1) / kKT) * W * 3;
+}
+
+void snap_scores_launch(const SnapScoreParams& p, cudaStream_t s) {
+  if (p.n == 0 || p.n_frames == 0) return;
+  const int n_tiles = static_cast<int>((p.n + kKT - 1) / kKT);
+  const size_t smem = static_cast<size_t>((kKT + kQT) * (p.head_dim + 4) + kQT * kKT) * 4;
+  VQ_CHECK(p.head_dim % 4 == 0 && smem <= 200 * 1024,
+           "[snap_scores] expected head_dim a multiple of 4 and at most 256 but got " +
+               std::to_string(p.head_dim));
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(snap_pass1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(snap_pass2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  VQ_CUDA_CHECK(cudaMemsetAsync(p.poisoned, 0, static_cast<size_t>(p.n_frames) * 4, s));
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(p.n_frames));
+  snap_pass1_kernel<<<grid, kScoreThreads, smem, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(snap_pass1_kernel);
+  snap_combine_kernel<<<static_cast<unsigned>(p.n_frames), 128, 0, s>>>(p, n_tiles);
+  VQ_CUDA_LAUNCH_CHECK(snap_combine_kernel);
+  snap_pass2_kernel<<<grid, kScoreThreads, smem, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(snap_pass2_kernel);
+}
+
+void snap_select_launch(const SnapSelectParams_& p, cudaStream_t s) {
+  if (p.n_frames == 0 || p.count == 0) return;
+  VQ_CHECK(p.hi - p.lo < (int64_t{1} << 31), "[snap_select] expected fewer than 2^31 rows");
+  snap_select_kernel<<<static_cast<unsigned>(p.n_frames), kSelThreads, 0, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(snap_select_kernel);
+}
+
+void snap_pool_launch(const float* in, int64_t n_frames, int64_t n, int64_t lo, int64_t hi,
+                      int64_t kernel, int kind, float* out, cudaStream_t s) {
+  if (hi <= lo || n_frames == 0) return;
+  const dim3 grid(static_cast<unsigned>((hi - lo + 255) / 256), static_cast<unsigned>(n_frames));
+  snap_pool_kernel<<<grid, 256, 0, s>>>(in, n, lo, hi, kernel, kind, out);
+  VQ_CUDA_LAUNCH_CHECK(snap_pool_kernel);
+}
+
+void gather_rows_launch(const void* src, int64_t n_frames, int64_t n, int64_t row_bytes,
+                        const int32_t* idx, int64_t count, void* dst, const int32_t* src_pos,
+                        int32_t first_pos, int32_t* dst_pos, cudaStream_t s) {
+  if (n_frames == 0 || count == 0) return;
+  const bool vec16 = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const dim3 grid(static_cast<unsigned>(count), static_cast<unsigned>(n_frames));
+  gather_kernel<<<grid, 64, 0, s>>>(static_cast<const uint8_t*>(src), n, row_bytes, idx, count,
+                                    static_cast<uint8_t*>(dst), src_pos, first_pos, dst_pos, vec16);
+  VQ_CUDA_LAUNCH_CHECK(gather_kernel);
+}
+
+}  // namespace vq::cuda
