@@ -1,16 +1,10 @@
 // Versioned, checksummed framing for cache state files (every cache's save/load uses it).
-//
-// One frame, all integers little-endian:
-//   "VQKVSTAT"            8 bytes magic
-//   u32 format version    kStateFormatVersion
-//   u32 n + n bytes       method name ("full", "snapkv", ...)
-//   u64 n + n bytes       payload (what the cache wrote with a StateWriter)
-//   u64 checksum          xxHash64 (seed 0) of every byte above
-// A stream may hold several frames back to back; a StateReader consumes exactly one.
-//
+// One frame, little-endian: "VQKVSTAT" | u32 version | u32 n + method name | u64 n + payload |
+// u64 xxHash64 (seed 0) of every byte before it. A stream may hold several frames back to back;
+// a StateReader consumes exactly one.
 // Loads are all-or-nothing: StateReader reads the whole frame and verifies the checksum and the
-// method before handing out a single field, and callers parse into temporaries and swap them in
-// only after the last read (then call expect_end()).
+// method before handing out a single field; callers parse into temporaries, call expect_end(),
+// and only then swap the new state in.
 #pragma once
 
 #include <cstddef>
