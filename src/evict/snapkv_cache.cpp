@@ -105,6 +105,10 @@ void SnapKVCache::check_input(const TensorView& keys, const TensorView& values,
            "[snapkv] expected keys data but got nullptr");
   VQ_CHECK(values.data != nullptr || values.numel() == 0,
            "[snapkv] expected values data but got nullptr");
+  for (const TensorView* t : {&keys, &values})
+    VQ_CHECK(static_cast<uint8_t>(t->dtype) <= static_cast<uint8_t>(DType::kBF16),
+             "[snapkv] expected float32/float16/bfloat16 blocks but got dtype code " +
+                 std::to_string(static_cast<int>(t->dtype)));
   VQ_CHECK(keys.shape == values.shape, "[snapkv] expected values of the keys' shape " +
                                            shape_str(keys) + " but got " + shape_str(values));
   VQ_CHECK(keys.shape[0] >= 1 && keys.shape[1] >= 1 && keys.shape[2] >= 0 && keys.shape[3] >= 1,
