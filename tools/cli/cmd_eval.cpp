@@ -1,15 +1,306 @@
-// `veloxquant eval`: placeholder until its module lands.
+// `veloxquant eval`: memory against quality for several cache methods in one run (evaluation.md).
+//
+//   eval ppl        perplexity (P-token context, T teacher-forced decode steps), delta vs full
+//   eval kld        the same plus KL divergence from the full cache (mean, p99), top-1 agreement
+//   eval passkey    exact-match passkey accuracy by length and depth, question-aware/-agnostic
+//   eval attn-error per-layer relative L2 error of the attention output vs the full cache
+//   eval sweep      kld + passkey in one go, writing tables (md/json/csv) and SVG charts to a
+//   folder eval report     re-renders saved sweep JSON (tables + charts), optionally with peer rows
+// Every subcommand takes --methods "full,snapkv:budget=256,skvq:bits_key=4:bits_value=4,...";
+// progress goes to stderr, the table to stdout (Markdown; --json or --csv) or --out FILE.
+#include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "commands.h"
+#include "veloxquant/error.h"
+#include "veloxquant/eval.h"
+#include "veloxquant/model.h"
+#include "veloxquant/tokenizer.h"
 
 namespace vq::cli {
 
+namespace {
+
+struct Common {
+  std::string model_dir = "models/vq-mini-llama";
+  std::string methods;
+  bool json = false, csv = false, quiet = false;
+  std::string out;
+  int64_t prefill_step = 512;
+  std::string kv_dtype = "float16";
+  std::vector<std::string> peers;
+};
+
+struct TextArgs {
+  std::string data = "data/eval/heldout_ids.u16";
+  int64_t row_len = 0;  // 0 = the model's max_position_embeddings
+  int64_t prefill = 1536, decode = 512, docs = 0;
+};
+
+struct PasskeyArgs {
+  std::string data = "data/eval/passkey.jsonl";
+  int64_t prompts = 0;
+  std::vector<int64_t> lengths;
+  std::string mode = "both";
+};
+
+void add_common(CLI::App* c, Common& a, bool with_methods = true) {
+  c->add_option("--model", a.model_dir, "model directory (config.json, safetensors, tokenizer)")
+      ->capture_default_str();
+  if (with_methods)
+    c->add_option("--methods", a.methods,
+                  "comma-separated cache specs, e.g. full,snapkv:budget=256,skvq:bits_key=4")
+        ->required();
+  c->add_flag("--json", a.json, "print JSON instead of Markdown");
+  c->add_flag("--csv", a.csv, "print CSV instead of Markdown");
+  c->add_option("--out", a.out, "write the table to this file instead of stdout");
+  c->add_option("--prefill-step", a.prefill_step, "prefill chunk length (prefill_step_size)")
+      ->capture_default_str();
+  c->add_option("--kv-dtype", a.kv_dtype, "dtype of K/V blocks handed to the caches")
+      ->capture_default_str();
+  c->add_flag("--quiet", a.quiet, "no progress lines on stderr");
+  c->add_option("--peers", a.peers, "peer rows (JSON from tools/peers/*.py) to add to the tables");
+}
+
+void add_text(CLI::App* c, TextArgs& a) {
+  c->add_option("--data", a.data, "token rows, little-endian uint16 [n_docs, row_len]")
+      ->capture_default_str();
+  c->add_option("--row-len", a.row_len, "tokens per row of --data (0 = model context)");
+  c->add_option("--prefill,-P", a.prefill, "context tokens P before the first scored token")
+      ->capture_default_str();
+  c->add_option("--decode,-T", a.decode, "scored tokens T (one decode step each)")
+      ->capture_default_str();
+  c->add_option("--docs", a.docs, "use at most N documents (0 = all)")->capture_default_str();
+}
+
+void add_passkey(CLI::App* c, PasskeyArgs& a) {
+  c->add_option("--data", a.data, "passkey prompts (JSONL)")->capture_default_str();
+  c->add_option("--prompts", a.prompts, "use at most N prompts, spread evenly (0 = all)")
+      ->capture_default_str();
+  c->add_option("--lengths", a.lengths, "only these target lengths (e.g. 512 1024)")
+      ->delimiter(',');
+  c->add_option("--mode", a.mode, "aware | agnostic | both")
+      ->check(CLI::IsMember({"aware", "agnostic", "both"}))
+      ->capture_default_str();
+}
+
+ReportFormat format_of(const Common& a) {
+  VQ_CHECK(!(a.json && a.csv), "[eval] expected at most one of --json and --csv but got both");
+  return a.json ? ReportFormat::kJson : a.csv ? ReportFormat::kCsv : ReportFormat::kMarkdown;
+}
+
+EvalSettings settings_of(const Common& a) {
+  EvalSettings s;
+  s.prefill_step = a.prefill_step;
+  s.kv_dtype = dtype_from_string(a.kv_dtype);
+  s.progress = !a.quiet;
+  s.model_name = std::filesystem::path(a.model_dir).filename().string();
+  if (s.model_name.empty()) s.model_name = a.model_dir;
+  return s;
+}
+
+std::unique_ptr<PeerRows> peers_of(const Common& a) {
+  if (a.peers.empty()) return nullptr;
+  auto p = std::make_unique<PeerRows>();
+  for (const auto& path : a.peers) append_peer_rows(*p, load_peer_rows(path));
+  return p;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream o(path, std::ios::binary | std::ios::trunc);
+  VQ_CHECK(o.is_open(), "[eval] expected a writable file but could not open '" + path + "'");
+  o << text;
+  o.close();
+  VQ_CHECK(!o.fail(), "[eval] expected to write '" + path + "' but the write failed");
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  VQ_CHECK(in.is_open(), "[eval] expected a readable file but could not open '" + path + "'");
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void emit(const Common& a, const std::string& text) {
+  if (a.out.empty()) {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+  } else {
+    write_text(a.out, text);
+  }
+}
+
+std::vector<std::vector<int32_t>> load_docs(const Model& m, const TextArgs& t) {
+  const int64_t row_len = t.row_len > 0 ? t.row_len : m.config().max_position_embeddings;
+  return load_token_rows_u16(t.data, row_len);
+}
+
+TextEvalOptions text_opts(const TextArgs& t, bool kld) {
+  TextEvalOptions o;
+  o.prefill = t.prefill;
+  o.decode = t.decode;
+  o.max_docs = t.docs;
+  o.kld = kld;
+  return o;
+}
+
+PasskeyOptions passkey_opts(const PasskeyArgs& p) {
+  PasskeyOptions o;
+  o.max_prompts = p.prompts;
+  o.lengths = p.lengths;
+  o.question_aware = p.mode != "agnostic";
+  o.question_agnostic = p.mode != "aware";
+  return o;
+}
+
+void write_charts(const std::string& dir, const TextEvalResult* text, const PasskeyResult* pk,
+                  const PeerRows* peers) {
+  if (text)
+    write_text(dir + "/chart_ppl_vs_memory.svg",
+               render_svg_chart(chart_ppl_vs_memory(*text, peers)));
+  if (pk && pk->options.question_aware)
+    write_text(dir + "/chart_passkey_aware_vs_memory.svg",
+               render_svg_chart(chart_passkey_vs_memory(*pk, true, peers)));
+  if (pk && pk->options.question_agnostic)
+    write_text(dir + "/chart_passkey_agnostic_vs_memory.svg",
+               render_svg_chart(chart_passkey_vs_memory(*pk, false, peers)));
+}
+
+void write_all_formats(const std::string& stem, const TextEvalResult* text, const PasskeyResult* pk,
+                       const PeerRows* peers) {
+  for (auto [fmt, ext] :
+       {std::pair{ReportFormat::kMarkdown, ".md"}, std::pair{ReportFormat::kJson, ".json"},
+        std::pair{ReportFormat::kCsv, ".csv"}}) {
+    // JSON keeps only our own rows so it can be re-read; peers go in md and csv tables.
+    const PeerRows* p = fmt == ReportFormat::kJson ? nullptr : peers;
+    write_text(stem + ext, text ? render(*text, fmt, p) : render(*pk, fmt, p));
+  }
+}
+
+}  // namespace
+
 void add_eval_command(CLI::App& app, int* status) {
-  auto* cmd = app.add_subcommand("eval", "(not available in this build yet)");
-  cmd->callback([status] {
-    std::fprintf(stderr, "veloxquant eval: not available in this build yet\n");
-    *status = 2;
+  auto* cmd = app.add_subcommand("eval", "memory against quality for several cache methods");
+  cmd->require_subcommand(1);
+
+  // State lives as long as the app (callbacks run during parse).
+  static Common common;
+  static TextArgs text;
+  static PasskeyArgs pk;
+  static std::string out_dir = "eval-out";
+  static std::string report_text, report_passkey;
+
+  auto text_cmd = [&](const char* name, const char* help, bool kld) {
+    auto* c = cmd->add_subcommand(name, help);
+    add_common(c, common);
+    add_text(c, text);
+    c->callback([status, kld] {
+      const auto model = Model::load(common.model_dir);
+      const auto docs = load_docs(*model, text);
+      const auto methods = parse_eval_methods(common.methods);
+      const auto peers = peers_of(common);
+      const TextEvalResult r =
+          eval_text(*model, docs, methods, text_opts(text, kld), settings_of(common));
+      emit(common, render(r, format_of(common), peers.get()));
+      *status = 0;
+    });
+  };
+  text_cmd("ppl", "perplexity under each cache (P context, T decode steps), delta vs full", false);
+  text_cmd("kld", "perplexity + KL divergence from the full cache (mean, p99)", true);
+
+  auto* ae = cmd->add_subcommand("attn-error", "per-layer relative L2 error of attention outputs");
+  add_common(ae, common);
+  add_text(ae, text);
+  ae->callback([status] {
+    const auto model = Model::load(common.model_dir);
+    const auto docs = load_docs(*model, text);
+    const auto methods = parse_eval_methods(common.methods);
+    const AttnErrorResult r =
+        eval_attn_error(*model, docs, methods, text_opts(text, false), settings_of(common));
+    emit(common, render(r, format_of(common)));
+    *status = 0;
+  });
+
+  auto* pc = cmd->add_subcommand("passkey", "passkey accuracy by length and depth, two modes");
+  add_common(pc, common);
+  add_passkey(pc, pk);
+  pc->callback([status] {
+    const auto model = Model::load(common.model_dir);
+    const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
+    const auto prompts = load_passkey_jsonl(pk.data);
+    const auto methods = parse_eval_methods(common.methods);
+    const auto peers = peers_of(common);
+    const PasskeyResult r =
+        eval_passkey(*model, tok, prompts, methods, passkey_opts(pk), settings_of(common));
+    emit(common, render(r, format_of(common), peers.get()));
+    *status = 0;
+  });
+
+  auto* sw = cmd->add_subcommand(
+      "sweep", "kld + passkey for the methods; tables (md/json/csv) and SVG charts in --out-dir");
+  add_common(sw, common);
+  sw->add_option("--text-data", text.data, "token rows for ppl/kld")->capture_default_str();
+  sw->add_option("--prefill,-P", text.prefill, "context tokens P")->capture_default_str();
+  sw->add_option("--decode,-T", text.decode, "scored tokens T")->capture_default_str();
+  sw->add_option("--docs", text.docs, "documents for ppl/kld (0 = all)")->capture_default_str();
+  sw->add_option("--passkey-data", pk.data, "passkey prompts (JSONL)")->capture_default_str();
+  sw->add_option("--prompts", pk.prompts, "passkey prompts (0 = all)")->capture_default_str();
+  sw->add_option("--lengths", pk.lengths, "only these passkey target lengths")->delimiter(',');
+  sw->add_option("--out-dir", out_dir, "folder for the tables and charts")->capture_default_str();
+  sw->callback([status] {
+    std::filesystem::create_directories(out_dir);
+    const auto model = Model::load(common.model_dir);
+    const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
+    const auto methods = parse_eval_methods(common.methods);
+    const auto peers = peers_of(common);
+    const EvalSettings st = settings_of(common);
+    const auto docs = load_docs(*model, text);
+    const TextEvalResult tr = eval_text(*model, docs, methods, text_opts(text, true), st);
+    write_all_formats(out_dir + "/text", &tr, nullptr, peers.get());
+    const auto prompts = load_passkey_jsonl(pk.data);
+    const PasskeyResult pr = eval_passkey(*model, tok, prompts, methods, passkey_opts(pk), st);
+    write_all_formats(out_dir + "/passkey", nullptr, &pr, peers.get());
+    write_charts(out_dir, &tr, &pr, peers.get());
+    emit(common, render(tr, ReportFormat::kMarkdown, peers.get()) + "\n" +
+                     render(pr, ReportFormat::kMarkdown, peers.get()));
+    *status = 0;
+  });
+
+  auto* rp = cmd->add_subcommand(
+      "report", "re-render saved result JSON (tables + charts), optionally with --peers rows");
+  add_common(rp, common, /*with_methods=*/false);
+  rp->add_option("--text-json", report_text, "a ppl/kld result JSON (eval kld --json)");
+  rp->add_option("--passkey-json", report_passkey, "a passkey result JSON (eval passkey --json)");
+  rp->add_option("--out-dir", out_dir, "folder for the re-rendered tables and charts")
+      ->capture_default_str();
+  rp->callback([status] {
+    VQ_CHECK(!report_text.empty() || !report_passkey.empty(),
+             "[eval report] expected --text-json and/or --passkey-json but got neither");
+    std::filesystem::create_directories(out_dir);
+    const auto peers = peers_of(common);
+    std::string md;
+    std::unique_ptr<TextEvalResult> tr;
+    std::unique_ptr<PasskeyResult> pr;
+    if (!report_text.empty()) {
+      tr = std::make_unique<TextEvalResult>(text_result_from_json(read_text(report_text)));
+      write_text(out_dir + "/text.md", render(*tr, ReportFormat::kMarkdown, peers.get()));
+      write_text(out_dir + "/text.csv", render(*tr, ReportFormat::kCsv, peers.get()));
+      md += render(*tr, ReportFormat::kMarkdown, peers.get());
+    }
+    if (!report_passkey.empty()) {
+      pr = std::make_unique<PasskeyResult>(passkey_result_from_json(read_text(report_passkey)));
+      write_text(out_dir + "/passkey.md", render(*pr, ReportFormat::kMarkdown, peers.get()));
+      write_text(out_dir + "/passkey.csv", render(*pr, ReportFormat::kCsv, peers.get()));
+      md += (md.empty() ? "" : "\n") + render(*pr, ReportFormat::kMarkdown, peers.get());
+    }
+    write_charts(out_dir, tr.get(), pr.get(), peers.get());
+    emit(common, md);
+    *status = 0;
   });
 }
 

@@ -1,0 +1,236 @@
+// The evaluation engine (evaluation.md): memory against quality for several cache methods on one
+// model, in one run, always against the full-precision cache on the same tokens.
+//
+// Text protocol (ppl, kld, attn-error): a document is a row of token ids x[0 .. P+T-1]. The first
+// P-1 tokens are prefilled in chunks of prefill_step; then T decode steps feed x[P-1 .. P+T-2] one
+// at a time, and step t's logits score x[P+t]. So every scored token is predicted by a decode step
+// that attends to the compressed cache (a deferred-eviction cache returns its un-evicted rows to
+// the prefill call itself, so a token predicted by the prefill would not see the compression),
+// and the context when the first token is scored is exactly P tokens.
+// Memory figures are taken when the context holds P tokens (after the first decode step, which
+// also frees buffers a deferred-eviction cache kept alive for the prefill's view), summed over
+// layers; rows are per (b, h), averaged over layers. rows_end is the same after the last step.
+// Passkey: prompts (JSONL) are encoded with the tokenizer; greedy decoding of as many tokens as the
+// answer " <digits>" has; exact match of the decoded text (whitespace-stripped) with the key.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "veloxquant/cache_config.h"
+#include "veloxquant/dtype.h"
+
+namespace vq {
+
+class Model;
+class Tokenizer;
+
+// One method of a comparison: the spec as written (label) and the config it parses to.
+struct EvalMethod {
+  std::string label;   // e.g. "snapkv:budget=256:scoring=query"
+  std::string family;  // the method name before the first ':' ("snapkv", "skvq", ...)
+  CacheConfig cfg;
+};
+
+// Comma-separated specs, each parsed by config_from_spec. One extension: "streaming:budget=N"
+// means sinks + window = N rows (window = N - n_sink), so budgets compare with SnapKV's, which
+// count the sinks. Empty or malformed entries: vq::Error naming the entry.
+std::vector<EvalMethod> parse_eval_methods(const std::string& list);
+
+// Memory of one method's caches at one context, summed over layers.
+struct MemoryFigures {
+  int64_t context = 0;              // tokens seen when measured
+  double rows_kept = 0;             // rows stored per (b, h), mean over layers
+  int64_t bytes_accounted = 0;      // the methods' byte formulas
+  int64_t bytes_resident = 0;       // what the caches really hold (allocation slack included)
+  int64_t fp16_bytes = 0;           // K+V of every token seen at 2 bytes per element
+  double ratio_to_fp16() const;     // accounted / fp16
+  double resident_to_fp16() const;  // resident / fp16
+};
+
+struct EvalSettings {
+  int64_t prefill_step = 512;    // chunk length of every prefill
+  DType kv_dtype = DType::kF16;  // dtype of the K/V blocks handed to the caches
+  bool progress = true;          // progress lines on stderr
+  std::string model_name;        // shown in reports
+};
+
+// ---- perplexity and KL divergence ---------------------------------------------------------------
+
+struct TextEvalOptions {
+  int64_t prefill = 1536;  // P: context tokens before the first scored token
+  int64_t decode = 512;    // T: scored tokens, one decode step each
+  int64_t max_docs = 0;    // 0 = every document
+  bool kld = true;         // keep the full cache's distributions and compute KL divergences
+};
+
+struct TextEvalRow {
+  std::string label, family;
+  int64_t n_docs = 0, n_tokens = 0;
+  double nll = 0;            // mean negative log-likelihood (nats) over the scored tokens
+  double ppl = 0;            // exp(nll)
+  double delta_ppl_pct = 0;  // 100 * (ppl / ppl_full - 1)
+  double kld_mean = 0;       // mean over scored tokens of KL(p_full || p_method), nats
+  double kld_p99 = 0;        // 99th percentile (nearest rank) of the same
+  double top1_agree = 0;     // fraction of scored tokens whose argmax equals the full cache's
+  MemoryFigures mem;         // at context P
+  double rows_end = 0;       // rows per (b, h) after the last step (context P + T - 1)
+};
+
+struct TextEvalResult {
+  TextEvalOptions options;
+  EvalSettings settings;
+  double ppl_full = 0;
+  int64_t n_docs = 0;
+  MemoryFigures mem_full;
+  double rows_end_full = 0;
+  std::vector<TextEvalRow> rows;  // one per method, in the order given
+};
+
+// Rows of token ids [n_rows, row_len] stored little-endian uint16 (data/eval/heldout_ids.u16).
+std::vector<std::vector<int32_t>> load_token_rows_u16(const std::string& path, int64_t row_len);
+
+// Runs the full cache and every method on each document (side by side, document by document).
+// Documents shorter than P + T are refused (vq::Error naming the document).
+TextEvalResult eval_text(const Model& model, const std::vector<std::vector<int32_t>>& docs,
+                         const std::vector<EvalMethod>& methods, const TextEvalOptions& opts,
+                         const EvalSettings& settings);
+
+// ---- attention-output error ---------------------------------------------------------------------
+
+struct AttnErrorRow {
+  std::string label, family;
+  // Per layer: sqrt(sum ||o_method - o_full||^2) / sqrt(sum ||o_full||^2) over every decode
+  // step's attention output (all query heads), o_full computed over a full-precision shadow cache
+  // fed the same K/V blocks and queried with the same queries.
+  std::vector<double> layer_rel_l2;
+  std::vector<std::vector<double>> head_rel_l2;  // [layer][query head]
+  double mean_rel_l2 = 0;                        // mean over layers
+  MemoryFigures mem;                             // at context P
+};
+
+struct AttnErrorResult {
+  TextEvalOptions options;
+  EvalSettings settings;
+  int64_t n_docs = 0, n_layers = 0, n_heads = 0;
+  std::vector<AttnErrorRow> rows;
+};
+
+AttnErrorResult eval_attn_error(const Model& model, const std::vector<std::vector<int32_t>>& docs,
+                                const std::vector<EvalMethod>& methods, const TextEvalOptions& opts,
+                                const EvalSettings& settings);
+
+// ---- passkey retrieval --------------------------------------------------------------------------
+
+struct PasskeyPrompt {
+  int64_t id = 0;
+  std::string prompt;  // context + question, ends right before the answer
+  std::string answer;  // the key's digits
+  int64_t length = 0;  // tokens (as written by the generator)
+  double depth = 0;    // fraction of filler before the needle
+  int64_t target_length = 0;
+};
+
+// data/eval/passkey.jsonl: {id, prompt, answer, length, depth, target_length} per line.
+std::vector<PasskeyPrompt> load_passkey_jsonl(const std::string& path);
+
+struct PasskeyOptions {
+  int64_t max_prompts = 0;        // 0 = all; else an even spread over the (filtered) list
+  std::vector<int64_t> lengths;   // keep only these target lengths (empty = all)
+  bool question_aware = true;     // whole prompt prefilled and compressed
+  bool question_agnostic = true;  // context compressed before the question is seen
+  std::string question = " What is the pass key?";  // the question starts at its last occurrence
+};
+
+struct PasskeyModeScore {
+  int64_t correct = 0, total = 0;
+  std::map<int64_t, std::pair<int64_t, int64_t>> by_length;  // target_length -> (correct, total)
+  std::map<int64_t, std::pair<int64_t, int64_t>> by_depth;   // depth in % -> (correct, total)
+  double accuracy() const { return total ? static_cast<double>(correct) / total : 0.0; }
+};
+
+struct PasskeyRow {
+  std::string label, family;
+  PasskeyModeScore aware, agnostic;
+  MemoryFigures mem;  // question-aware mode, the longest prompt, after its first answer step
+};
+
+struct PasskeyResult {
+  PasskeyOptions options;
+  EvalSettings settings;
+  int64_t n_prompts = 0;
+  PasskeyRow full;               // the full cache, always run
+  std::vector<PasskeyRow> rows;  // one per method
+};
+
+// Question-aware: the whole prompt is prefilled in chunks (the compression sees the question);
+// the answer is decoded greedily. Question-agnostic: the context (the prompt up to the question)
+// is prefilled in chunks, then the question tokens are fed one decode step each (S == 1: the
+// compression of the context happened before any question token and no later eviction can use
+// the question as its observation window), then the answer is decoded greedily.
+PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
+                           const std::vector<PasskeyPrompt>& prompts,
+                           const std::vector<EvalMethod>& methods, const PasskeyOptions& opts,
+                           const EvalSettings& settings);
+
+// ---- reports ------------------------------------------------------------------------------------
+
+enum class ReportFormat : uint8_t { kMarkdown, kJson, kCsv };
+
+// Rows produced by a peer tool (tools/peers/*.py), merged into our tables marked as peers. JSON:
+// {"tool": "kvpress 0.x", "text": [{"label": ..., "ppl": .., "delta_ppl_pct": .., "kld_mean": ..,
+// "kld_p99": .., "bits_per_element": .., "ratio_to_fp16": ..}], "passkey": [{"label": ..,
+// "aware": .., "agnostic": .., "kept_fraction": .., "ratio_to_fp16": ..}]} (accuracies in [0, 1];
+// any field may be absent or null). Numbers are kept as given.
+struct PeerRow {
+  std::string label;
+  std::map<std::string, double> values;      // field -> value (absent = not measured)
+  std::map<std::string, std::string> notes;  // string fields (e.g. "note", "cache_type")
+  bool has(const std::string& k) const { return values.count(k) != 0; }
+};
+struct PeerRows {
+  std::string tool;
+  std::vector<PeerRow> text, passkey;
+};
+// Reads one peer JSON file; several files merge with append_peer_rows.
+PeerRows load_peer_rows(const std::string& path);
+void append_peer_rows(PeerRows& into, const PeerRows& more);
+
+std::string render(const TextEvalResult& r, ReportFormat f, const PeerRows* peers = nullptr);
+// Results back from their JSON rendering (so tables and charts can be re-rendered, for example
+// with peer rows added later, without re-running). Peers in the JSON are not read back.
+TextEvalResult text_result_from_json(const std::string& json_text);
+PasskeyResult passkey_result_from_json(const std::string& json_text);
+std::string render(const AttnErrorResult& r, ReportFormat f);
+std::string render(const PasskeyResult& r, ReportFormat f, const PeerRows* peers = nullptr);
+
+// ---- charts -------------------------------------------------------------------------------------
+
+struct ChartPoint {
+  double x = 0, y = 0;
+  std::string label;  // shown beside the point
+};
+struct ChartSeries {
+  std::string name;
+  std::vector<ChartPoint> points;  // drawn in this order, joined by a line
+};
+struct ChartSpec {
+  std::string title, x_label, y_label;
+  bool log_x = false;
+  bool log_y = false;  // values <= 0 are dropped from a log axis
+  std::vector<ChartSeries> series;
+};
+// A self-contained SVG scatter/line chart (axes with ticks, one colour per series, legend).
+std::string render_svg_chart(const ChartSpec& spec);
+
+// Memory ratio (accounted / fp16, x) against delta ppl % and against passkey accuracy (y), one
+// series per method family (the full cache is a point at x = 1); points in row order.
+// Peer rows with a ratio_to_fp16 and the y field join as their own series.
+ChartSpec chart_ppl_vs_memory(const TextEvalResult& text, const PeerRows* peers = nullptr);
+ChartSpec chart_passkey_vs_memory(const PasskeyResult& passkey, bool question_aware,
+                                  const PeerRows* peers = nullptr);
+
+}  // namespace vq

@@ -1,0 +1,113 @@
+// Shared evaluation helpers (see eval/eval_internal.h): chunked prefill and decode steps through
+// Model::forward, log-softmax in double, progress lines, and the attention-error tap cache.
+// Attention in the tap uses vq::attention (fused over packed rows) for both views, with the
+// forward pass's parameters (scale 1/sqrt(D), the model's sliding window, q_pos0 = offset before
+// the call), so the full-precision side reproduces what the runtime computes for a full cache.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "eval/eval_internal.h"
+#include "veloxquant/attention.h"
+#include "veloxquant/error.h"
+#include "veloxquant/full_cache.h"
+
+namespace vq::eval_detail {
+
+void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& caches, int64_t step,
+             DType kv_dtype, ForwardScratch& scratch, std::vector<float>* logits) {
+  VQ_CHECK(step >= 1, "[eval] expected prefill_step >= 1 but got " + std::to_string(step));
+  ForwardOptions fo;
+  fo.kv_dtype = kv_dtype;
+  for (int64_t s0 = 0; s0 < n; s0 += step) {
+    const int64_t len = std::min(step, n - s0);
+    const bool last = s0 + len == n;
+    fo.logits = last && logits ? ForwardOptions::Logits::kLast : ForwardOptions::Logits::kNone;
+    model.forward(ids + s0, 1, len, caches, fo, last ? logits : nullptr, &scratch);
+  }
+}
+
+void decode_step(const Model& model, int32_t id, const Caches& caches, DType kv_dtype,
+                 ForwardScratch& scratch, std::vector<float>* logits) {
+  ForwardOptions fo;
+  fo.kv_dtype = kv_dtype;
+  fo.logits = ForwardOptions::Logits::kLast;
+  model.forward(&id, 1, 1, caches, fo, logits, &scratch);
+}
+
+void log_softmax(const float* logits, int64_t n, std::vector<double>& out) {
+  out.resize(static_cast<size_t>(n));
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<double>(logits[i]));
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(logits[i]) - mx);
+  const double lz = mx + std::log(sum);
+  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = logits[i] - lz;
+}
+
+int64_t argmax(const float* logits, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return best;
+}
+
+Progress::Progress(bool enabled, std::string what)
+    : enabled_(enabled),
+      what_(std::move(what)),
+      start_(std::chrono::steady_clock::now()),
+      last_(start_) {}
+
+void Progress::line(const std::string& text, bool force) {
+  if (!enabled_) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (!force && std::chrono::duration<double>(now - last_).count() < 2.0) return;
+  last_ = now;
+  const double t = std::chrono::duration<double>(now - start_).count();
+  std::fprintf(stderr, "[eval %s %7.1fs] %s\n", what_.c_str(), t, text.c_str());
+  std::fflush(stderr);
+}
+
+TapCache::TapCache(std::unique_ptr<KVCache> inner, AttnErrorSums* sums, int64_t window)
+    : inner_(std::move(inner)),
+      shadow_(std::make_unique<FullCache>()),
+      sums_(sums),
+      window_(window) {}
+
+CacheView TapCache::update_and_fetch(const TensorView& keys, const TensorView& values,
+                                     const UpdateOptions& opts) {
+  const int64_t q_pos0 = inner_->offset();
+  CacheView view = inner_->update_and_fetch(keys, values, opts);
+  const CacheView full = shadow_->update_and_fetch(keys, values);
+  if (!active) return view;
+  VQ_CHECK(opts.queries != nullptr,
+           "[attn-error] expected the forward pass to hand queries to the caches but got none");
+  const TensorView& q = *opts.queries;
+  const int64_t B = q.shape[0], Hq = q.shape[1], S = q.shape[2], D = q.shape[3];
+  const size_t n = static_cast<size_t>(B * Hq * S * D);
+  out_c_.resize(n);
+  out_f_.resize(n);
+  AttentionParams p;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  p.window = window_;
+  p.q_pos0 = q_pos0;
+  attention(q, view, p, out_c_.data());
+  attention(q, full, p, out_f_.data());
+  if (sums_->err2.empty()) {
+    sums_->err2.assign(static_cast<size_t>(Hq), 0.0);
+    sums_->ref2.assign(static_cast<size_t>(Hq), 0.0);
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t i = 0; i < S * D; ++i) {
+        const size_t k = static_cast<size_t>((b * Hq + h) * S * D + i);
+        const double d = static_cast<double>(out_c_[k]) - static_cast<double>(out_f_[k]);
+        sums_->err2[static_cast<size_t>(h)] += d * d;
+        sums_->ref2[static_cast<size_t>(h)] +=
+            static_cast<double>(out_f_[k]) * static_cast<double>(out_f_[k]);
+      }
+  return view;
+}
+
+}  // namespace vq::eval_detail

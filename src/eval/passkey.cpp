@@ -1,0 +1,219 @@
+// Passkey retrieval under compressed caches (evaluation.md §3): exact-match accuracy by context
+// length and depth, question-aware and question-agnostic.
+//
+// Each prompt is split at the last occurrence of the question text: context ids = encode(context)
+// with the tokenizer's special prefix (BOS), question ids = encode(question) without. Both modes
+// use context ++ question, so they see the same tokens. The answer is decoded greedily for as many
+// tokens as encode(" " + key) has; a prompt is correct when the decoded text, whitespace-stripped,
+// equals the key. Question-aware: prefill context ++ question in chunks. Question-agnostic: prefill
+// the context in chunks, then one decode step per question token (the compression of the context
+// is done before any question token is seen, and decode steps never evict by the question).
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "eval/eval_internal.h"
+#include "veloxquant/error.h"
+#include "veloxquant/eval.h"
+#include "veloxquant/model.h"
+#include "veloxquant/tokenizer.h"
+
+namespace vq {
+
+using eval_detail::Caches;
+
+std::vector<PasskeyPrompt> load_passkey_jsonl(const std::string& path) {
+  std::ifstream in(path);
+  VQ_CHECK(in.is_open(),
+           "[passkey] expected a readable JSONL file but could not open '" + path + "'");
+  std::vector<PasskeyPrompt> out;
+  std::string line;
+  int64_t line_no = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      PasskeyPrompt p;
+      p.id = j.value("id", static_cast<int64_t>(out.size()));
+      p.prompt = j.at("prompt").get<std::string>();
+      p.answer = j.at("answer").get<std::string>();
+      p.length = j.value("length", int64_t{0});
+      p.depth = j.value("depth", 0.0);
+      p.target_length = j.value("target_length", p.length);
+      out.push_back(std::move(p));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error("[passkey] " + path + " line " + std::to_string(line_no) +
+                  ": expected {prompt, answer, ...} but got an error: " + e.what());
+    }
+  }
+  VQ_CHECK(!out.empty(), "[passkey] expected at least one prompt in '" + path + "' but got none");
+  return out;
+}
+
+namespace {
+
+struct EncodedPrompt {
+  std::vector<int32_t> context, question;  // context starts with the special prefix
+  int64_t n_answer = 0;
+  const PasskeyPrompt* src = nullptr;
+};
+
+std::string strip(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\n\r");
+  if (a == std::string::npos) return "";
+  const size_t b = s.find_last_not_of(" \t\n\r");
+  return s.substr(a, b - a + 1);
+}
+
+// Greedy continuation of n tokens after the cache consumed everything; first = the logits of the
+// last consumed position. mem (if not null) is taken after the first decode step.
+std::vector<int32_t> greedy(const Model& model, const Caches& caches, std::vector<float>& logits,
+                            int64_t n, const EvalSettings& st, ForwardScratch& scratch,
+                            MemoryFigures* mem) {
+  const int64_t V = model.config().vocab_size;
+  std::vector<int32_t> out;
+  int32_t tok = static_cast<int32_t>(eval_detail::argmax(logits.data(), V));
+  out.push_back(tok);
+  for (int64_t i = 1; i < n; ++i) {
+    eval_detail::decode_step(model, tok, caches, st.kv_dtype, scratch, &logits);
+    if (i == 1 && mem) *mem = eval_detail::memory_of(caches);
+    tok = static_cast<int32_t>(eval_detail::argmax(logits.data(), V));
+    out.push_back(tok);
+  }
+  if (n <= 1 && mem) *mem = eval_detail::memory_of(caches);
+  return out;
+}
+
+// Runs one prompt in one mode; returns whether the answer matched.
+bool run_prompt(const Model& model, const Tokenizer& tok, const EncodedPrompt& p,
+                const CacheConfig& cfg, bool aware, const EvalSettings& st, ForwardScratch& scratch,
+                MemoryFigures* mem) {
+  const Caches caches = model.make_caches(cfg);
+  std::vector<float> logits;
+  if (aware) {
+    std::vector<int32_t> all = p.context;
+    all.insert(all.end(), p.question.begin(), p.question.end());
+    eval_detail::prefill(model, all.data(), static_cast<int64_t>(all.size()), caches,
+                         st.prefill_step, st.kv_dtype, scratch, &logits);
+  } else {
+    eval_detail::prefill(model, p.context.data(), static_cast<int64_t>(p.context.size()), caches,
+                         st.prefill_step, st.kv_dtype, scratch, &logits);
+    for (int32_t q : p.question)
+      eval_detail::decode_step(model, q, caches, st.kv_dtype, scratch, &logits);
+  }
+  const std::vector<int32_t> gen = greedy(model, caches, logits, p.n_answer, st, scratch, mem);
+  return strip(tok.decode(gen, true)) == p.src->answer;
+}
+
+void add_score(PasskeyModeScore& s, const PasskeyPrompt& p, bool ok) {
+  s.total += 1;
+  s.correct += ok ? 1 : 0;
+  auto& l = s.by_length[p.target_length];
+  l.first += ok ? 1 : 0;
+  l.second += 1;
+  auto& d = s.by_depth[static_cast<int64_t>(std::llround(p.depth * 100.0))];
+  d.first += ok ? 1 : 0;
+  d.second += 1;
+}
+
+}  // namespace
+
+PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
+                           const std::vector<PasskeyPrompt>& prompts,
+                           const std::vector<EvalMethod>& methods, const PasskeyOptions& opts,
+                           const EvalSettings& settings) {
+  VQ_CHECK(opts.question_aware || opts.question_agnostic,
+           "[passkey] expected at least one mode (question-aware or question-agnostic) but got "
+           "none");
+  VQ_CHECK(!opts.question.empty(), "[passkey] expected a question text but got an empty one");
+  // Filter by length, then an even spread of max_prompts over what is left.
+  std::vector<const PasskeyPrompt*> pool;
+  for (const auto& p : prompts)
+    if (opts.lengths.empty() ||
+        std::find(opts.lengths.begin(), opts.lengths.end(), p.target_length) != opts.lengths.end())
+      pool.push_back(&p);
+  VQ_CHECK(!pool.empty(), "[passkey] expected prompts of the requested lengths but none matched");
+  std::vector<const PasskeyPrompt*> chosen;
+  const int64_t n_pool = static_cast<int64_t>(pool.size());
+  if (opts.max_prompts > 0 && opts.max_prompts < n_pool) {
+    for (int64_t i = 0; i < opts.max_prompts; ++i)
+      chosen.push_back(pool[static_cast<size_t>(i * n_pool / opts.max_prompts)]);
+  } else {
+    chosen = pool;
+  }
+
+  const int64_t max_pos = model.config().max_position_embeddings;
+  std::vector<EncodedPrompt> enc;
+  for (const PasskeyPrompt* p : chosen) {
+    const size_t at = p->prompt.rfind(opts.question);
+    VQ_CHECK(at != std::string::npos, "[passkey] prompt " + std::to_string(p->id) +
+                                          ": expected the question '" + opts.question +
+                                          "' in the prompt but it is absent");
+    EncodedPrompt e;
+    e.src = p;
+    e.context = tokenizer.encode(p->prompt.substr(0, at), true);
+    e.question = tokenizer.encode(p->prompt.substr(at), false);
+    e.n_answer = static_cast<int64_t>(tokenizer.encode(" " + p->answer, false).size());
+    const int64_t total = static_cast<int64_t>(e.context.size() + e.question.size()) + e.n_answer;
+    VQ_CHECK(max_pos <= 0 || total <= max_pos,
+             "[passkey] prompt " + std::to_string(p->id) + ": expected prompt + answer within " +
+                 std::to_string(max_pos) + " positions but got " + std::to_string(total));
+    enc.push_back(std::move(e));
+  }
+  int64_t longest = 0;
+  for (const auto& e : enc)
+    longest = std::max(longest, static_cast<int64_t>(e.context.size() + e.question.size()));
+
+  PasskeyResult res;
+  res.options = opts;
+  res.settings = settings;
+  res.n_prompts = static_cast<int64_t>(enc.size());
+  ForwardScratch scratch;
+  eval_detail::Progress prog(settings.progress, "passkey");
+
+  auto run_method = [&](const std::string& label, const std::string& family,
+                        const CacheConfig& cfg) {
+    PasskeyRow row;
+    row.label = label;
+    row.family = family;
+    bool mem_taken = false;
+    for (size_t i = 0; i < enc.size(); ++i) {
+      const EncodedPrompt& e = enc[i];
+      const PasskeyPrompt& p = *e.src;
+      const bool is_longest =
+          !mem_taken && static_cast<int64_t>(e.context.size() + e.question.size()) == longest;
+      if (opts.question_aware) {
+        const bool ok = run_prompt(model, tokenizer, e, cfg, true, settings, scratch,
+                                   is_longest ? &row.mem : nullptr);
+        add_score(row.aware, p, ok);
+        if (is_longest) mem_taken = true;
+      }
+      if (opts.question_agnostic) {
+        MemoryFigures m;
+        const bool ok = run_prompt(model, tokenizer, e, cfg, false, settings, scratch,
+                                   (is_longest && !opts.question_aware) ? &row.mem : &m);
+        add_score(row.agnostic, p, ok);
+        if (is_longest) mem_taken = true;
+      }
+      prog.line(label + " prompt " + std::to_string(i + 1) + "/" + std::to_string(enc.size()) +
+                " aware " + std::to_string(row.aware.correct) + "/" +
+                std::to_string(row.aware.total) + " agnostic " +
+                std::to_string(row.agnostic.correct) + "/" + std::to_string(row.agnostic.total));
+    }
+    prog.line(label + " done: aware " + std::to_string(row.aware.correct) + "/" +
+                  std::to_string(row.aware.total) + " agnostic " +
+                  std::to_string(row.agnostic.correct) + "/" + std::to_string(row.agnostic.total),
+              true);
+    return row;
+  };
+
+  CacheConfig full;
+  full.method = "full";
+  res.full = run_method("full (baseline)", "full", full);
+  for (const EvalMethod& m : methods) res.rows.push_back(run_method(m.label, m.family, m.cfg));
+  return res;
+}
+
+}  // namespace vq
