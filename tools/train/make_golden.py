@@ -7,7 +7,7 @@ For four prompts (~20, ~300 and ~1500 tokens of text, and a ~1500-token passkey 
     LlamaForCausalLM with the shipped bf16 weights upcast to fp32, eager attention;
   * the greedy 32-token continuation (argmax, lowest id on ties, no stop on <|eos|>),
     each step recomputed over the whole sequence without a cache; the same continuation
-    from a KV-cached decode is checked to agree.
+    from a KV-cached decode is checked to agree (cached_greedy_agrees).
 Output (<out>/): golden.json (prompts, ids, continuation ids/text, layout) and logits.f32
   (little-endian float32, row-major [n_prompts, 8, vocab], prompt order of golden.json).
 Usage: python3 tools/train/make_golden.py --model models/vq-mini-llama --out tests/data/golden
@@ -68,6 +68,19 @@ def make_prompts(tok, eval_dir):
     ]
 
 
+def greedy_cached(model, x, n):
+    """Greedy decode with the KV cache (prefill, then one token per step), no stop at eos."""
+    out = model(input_ids=x, use_cache=True)
+    past, gen = out.past_key_values, []
+    for _ in range(n):
+        nxt = int(out.logits[0, -1].argmax())
+        gen.append(nxt)
+        out = model(input_ids=torch.tensor([[nxt]], device=x.device), past_key_values=past,
+                    use_cache=True)
+        past = out.past_key_values
+    return gen
+
+
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser()
@@ -97,9 +110,7 @@ def main():
             nxt = int(model(input_ids=torch.tensor([seq], device=dev), use_cache=False).logits[0, -1].argmax())
             gen.append(nxt)
             seq.append(nxt)
-        cached = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
-                                max_new_tokens=N_GEN, min_new_tokens=N_GEN, do_sample=False,
-                                pad_token_id=2)[0, len(ids):].tolist()
+        cached = greedy_cached(model, x, N_GEN)
         top = logits[-1].topk(5)
         p.update({"n_tokens": len(ids), "ids": ids, "greedy_ids": gen,
                   "greedy_text": tok.decode(gen, skip_special_tokens=False),
