@@ -6,6 +6,8 @@
 // malformed tokenizer.json files refused with a vq::Error that names what is wrong.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -65,8 +67,28 @@ bool is_valid_utf8(const std::string& s) {
   return true;
 }
 
+// Repository path of a data file. The test binary has VQ_SOURCE_DIR compiled in, which also
+// holds while ctest lists the tests (the environment variable is only set for test runs).
+std::string data_path(const std::string& rel) {
+  if (const char* root = std::getenv("VQ_SOURCE_DIR")) return std::string(root) + "/" + rel;
+#ifdef VQ_SOURCE_DIR
+  return std::string(VQ_SOURCE_DIR) + "/" + rel;
+#else
+  return vq::test::source_path(rel);
+#endif
+}
+
 std::vector<int32_t> to_ids(const json& j) {
   return j.get<std::vector<int32_t>>();
+}
+
+// FNV-1a 64 of a file's bytes, as tools/make_tokenizer_goldens.py records it.
+std::string fnv1a64_hex(const std::string& bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
+  return buf;
 }
 
 // Streams ids one at a time; checks every chunk is valid UTF-8; returns the concatenation and
@@ -91,7 +113,7 @@ std::string stream_decode(const vq::Tokenizer& tok, const std::vector<int32_t>& 
 
 std::vector<std::string> golden_files() {
   std::vector<std::string> out;
-  const fs::path dir = vq::test::source_path("tests/data/tokenizers");
+  const fs::path dir = data_path("tests/data/tokenizers");
   if (!fs::exists(dir)) return out;
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
@@ -109,8 +131,12 @@ class TokenizerGolden : public ::testing::TestWithParam<std::string> {};
 TEST_P(TokenizerGolden, MatchesReference) {
   const json golden = json::parse(read_text(GetParam()));
   const std::string tok_path =
-      vq::test::source_path(golden.at("tokenizer_file").get<std::string>());
+      data_path(golden.at("tokenizer_file").get<std::string>());
   if (!fs::exists(tok_path)) GTEST_SKIP() << "tokenizer not present: " << tok_path;
+  // Goldens of another tokenizer.json would test nothing: say how to refresh them.
+  ASSERT_EQ(fnv1a64_hex(read_text(tok_path)), golden.at("tokenizer_fnv1a64").get<std::string>())
+      << tok_path << " changed since " << GetParam()
+      << " was written: re-run python3 tools/make_tokenizer_goldens.py";
   const vq::Tokenizer tok = vq::Tokenizer::from_file(tok_path);
   const json& cases = golden.at("cases");
   ASSERT_GE(cases.size(), 50u);
@@ -158,7 +184,7 @@ TEST(Tokenizer, GoldenFilesPresent) {
 
 vq::Tokenizer load(const char* name) {
   return vq::Tokenizer::from_file(
-      vq::test::source_path(std::string("tests/data/tokenizers/") + name));
+      data_path(std::string("tests/data/tokenizers/") + name));
 }
 
 TEST(TokenizerStream, EmojiAndCjkTokenByToken) {
@@ -178,15 +204,24 @@ TEST(TokenizerStream, EmojiAndCjkTokenByToken) {
 }
 
 TEST(TokenizerStream, RandomIdsMatchFullDecode) {
-  // Random ids include lone byte tokens and continuation bytes: the lossy paths.
+  // Random ids, half of them drawn from the first 300 (the byte tokens of both kinds: <0xNN>
+  // and single mapped bytes), so runs of bytes that are incomplete, invalid or complete
+  // characters are frequent: the lossy and hold-back paths.
+  std::vector<std::string> files;
   for (const char* name : {"sp_bpe.json", "bl_bpe.json", "sp_meta.json", "bl_gpt2.json"}) {
-    SCOPED_TRACE(name);
-    const vq::Tokenizer tok = load(name);
+    files.push_back(data_path(std::string("tests/data/tokenizers/") + name));
+  }
+  const std::string model = data_path("models/vq-mini-llama/tokenizer.json");
+  if (fs::exists(model)) files.push_back(model);
+  for (const std::string& file : files) {
+    SCOPED_TRACE(file);
+    const vq::Tokenizer tok = vq::Tokenizer::from_file(file);
     std::mt19937 rng(42);
     std::uniform_int_distribution<int32_t> any_id(0, tok.vocab_size() - 1);
-    for (int trial = 0; trial < 200; ++trial) {
-      std::vector<int32_t> ids(static_cast<size_t>(1 + trial % 40));
-      for (int32_t& id : ids) id = any_id(rng);
+    std::uniform_int_distribution<int32_t> low_id(0, std::min(299, tok.vocab_size() - 1));
+    for (int trial = 0; trial < 400; ++trial) {
+      std::vector<int32_t> ids(static_cast<size_t>(1 + trial % 50));
+      for (int32_t& id : ids) id = (rng() & 1) ? low_id(rng) : any_id(rng);
       for (bool skip : {false, true}) {
         const std::string full = tok.decode(ids, skip);
         EXPECT_TRUE(is_valid_utf8(full));
@@ -452,6 +487,48 @@ TEST(TokenizerMalformed, RefusedWithClearErrors) {
   } catch (const vq::Error& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/tokenizer.json"), std::string::npos);
   }
+}
+
+// NFC normalizer: known answers from the Unicode standard (checked with Python's
+// unicodedata.normalize), through a byte-level tokenizer whose decode returns the normalized
+// bytes: composition, Hangul jamo composition, a singleton (CJK compatibility ideograph),
+// reordering of combining marks by class before composing, a blocked mark, and a leading mark.
+TEST(Tokenizer, NfcNormalizer) {
+  json d = minimal_tokenizer();
+  d["normalizer"] = {{"type", "NFC"}};
+  d["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}};
+  // Vocabulary: the 256 mapped bytes, no merges.
+  json vocab = json::object();
+  {
+    // GPT-2 byte map, written independently of the library.
+    int next = 256;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+      const int cp = printable ? b : next++;
+      std::string utf8;
+      if (cp < 0x80) {
+        utf8 += static_cast<char>(cp);
+      } else {
+        utf8 += static_cast<char>(0xC0 | (cp >> 6));
+        utf8 += static_cast<char>(0x80 | (cp & 0x3F));
+      }
+      vocab[utf8] = b;
+    }
+  }
+  d["model"]["vocab"] = vocab;
+  d["model"]["merges"] = json::array();
+  d["added_tokens"] = json::array();
+  d.erase("post_processor");
+  const vq::Tokenizer tok = vq::Tokenizer::from_json(d.dump());
+  auto nfc = [&](const std::string& s) { return tok.decode(tok.encode(s, false)); };
+  EXPECT_EQ(nfc("cafe\u0301"), "caf\u00e9");
+  EXPECT_EQ(nfc("\u1100\u1161\u11a8"), "\uac01");   // jamo -> 각
+  EXPECT_EQ(nfc("\uf900"), "\u8c48");               // singleton decomposition
+  EXPECT_EQ(nfc("a\u0302\u0323"), "\u1ead");        // reorder (220 < 230), then compose
+  EXPECT_EQ(nfc("\u00e9\u0301"), "\u00e9\u0301");   // acute after é: no composite
+  EXPECT_EQ(nfc("\u0301e"), "\u0301e");             // leading mark stays
+  EXPECT_EQ(nfc("e\u0327\u0301"), "\u0229\u0301");  // ȩ then acute
+  EXPECT_EQ(nfc("plain ascii"), "plain ascii");
 }
 
 // A catastrophic regex from a hostile file fails with vq::Error, it does not hang.

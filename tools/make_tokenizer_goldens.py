@@ -19,7 +19,7 @@ What it does (deterministic, re-runnable; needs only `pip install tokenizers`):
   3. For every tokenizer above, and for models/*/tokenizer.json when present (the shipped model,
      trained elsewhere; absent is fine), encodes a fixed, varied text set and writes
      tests/data/tokenizers/goldens_<name>.json:
-       {"tokenizer_file": <path relative to repo root>,
+       {"tokenizer_file": <path relative to repo root>, "tokenizer_fnv1a64": <hash of that file>,
         "cases": [{"text", "ids" (no specials), "ids_special" (add_special_tokens=True),
                    "decoded" (decode(ids)), "decoded_skip" (decode(ids_special, skip specials)),
                    "roundtrip" (decoded == text)}]}
@@ -321,6 +321,14 @@ def text_set(special_tokens):
     return texts
 
 
+def fnv1a64(data):
+    """FNV-1a 64 of bytes: the goldens record it so a changed tokenizer.json is detected."""
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
 def write_goldens(tok, name, tok_rel, out_dir):
     added = tok.get_added_tokens_decoder()
     specials = [t.content for _, t in sorted(added.items())]
@@ -348,6 +356,7 @@ def write_goldens(tok, name, tok_rel, out_dir):
                 "generator": "tools/make_tokenizer_goldens.py",
                 "tokenizers_version": __import__("tokenizers").__version__,
                 "tokenizer_file": tok_rel,
+                "tokenizer_fnv1a64": fnv1a64(open(os.path.join(out_dir, "..", "..", "..", tok_rel), "rb").read()),
                 "cases": cases,
             },
             fh,

@@ -15,15 +15,18 @@ namespace vq::text {
 
 namespace {
 
-constexpr size_t kMaxCachedWordBytes = 256;  // as the reference: long words are not cached
-constexpr size_t kCacheCapacity = 100'000;   // words; the cache stops growing beyond this
+constexpr size_t kMaxCachedWordBytes = 256;      // as the reference: long words are not cached
+constexpr size_t kCacheSlots = size_t{1} << 16;  // table size; filled to half at most
+
+// FNV-1a 64, never 0 (0 marks an empty cache slot).
+uint64_t word_hash(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
+  return h | 1;
+}
 
 std::string quote_token(std::string_view s) {
-  std::string out = "'";
-  out.append(s.substr(0, 80));
-  if (s.size() > 80) out += "...";
-  out += "'";
-  return out;
+  return "'" + truncate_utf8(s, 80) + "'";
 }
 
 // One symbol of the word being merged: a doubly linked list over a vector (as the reference).
@@ -79,7 +82,7 @@ BpeModel::BpeModel(const json& j) {
     const json& v = it.value();
     if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= INT32_MAX) {
       throw Error("[tokenizer] model.vocab[" + quote_token(it.key()) +
-                  "]: expected an id in [0, 2^31-1) but got " + v.dump().substr(0, 40));
+                  "]: expected an id in [0, 2^31-1) but got " + json_kind(v));
     }
     const auto id = static_cast<int32_t>(v.get<int64_t>());
     vocab_.emplace(it.key(), id);
@@ -93,7 +96,7 @@ BpeModel::BpeModel(const json& j) {
       throw Error(
           "[tokenizer] model.dropout: expected null or 0 (BPE dropout is random and not "
           "supported) but got " +
-          d.dump().substr(0, 40));
+          json_kind(d));
     }
   }
   auto optional_string = [&](const char* key) -> std::string {
@@ -146,7 +149,7 @@ BpeModel::BpeModel(const json& j) {
         left = m[0].get<std::string>();
         right = m[1].get<std::string>();
       } else {
-        throw Error(at + ": expected \"a b\" or [\"a\", \"b\"] but got " + m.dump().substr(0, 80));
+        throw Error(at + ": expected \"a b\" or [\"a\", \"b\"] but got " + json_kind(m));
       }
       auto a = vocab_.find(left);
       auto b = vocab_.find(right);
@@ -189,23 +192,52 @@ void BpeModel::tokenize(std::string_view word, std::vector<int32_t>& out) const 
     }
   }
   const bool cacheable = word.size() < kMaxCachedWordBytes;
-  if (cacheable) {
-    std::lock_guard<std::mutex> lock(cache_mutex_);
-    auto it = cache_.find(word);
-    if (it != cache_.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
-      return;
-    }
-  }
+  const uint64_t hash = cacheable ? word_hash(word) : 0;
+  if (cacheable && cache_find(word, hash, out)) return;
   const size_t first = out.size();
   merge_word(word, out);
-  if (cacheable) {
-    std::lock_guard<std::mutex> lock(cache_mutex_);
-    if (cache_.size() < kCacheCapacity) {
-      cache_.emplace(std::string(word),
-                     std::vector<int32_t>(out.begin() + static_cast<ptrdiff_t>(first), out.end()));
+  if (cacheable) cache_insert(word, hash, out.data() + first, out.size() - first);
+}
+
+bool BpeModel::cache_find(std::string_view word, uint64_t hash, std::vector<int32_t>& out) const {
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  if (cache_slots_.empty()) return false;
+  const size_t mask = cache_slots_.size() - 1;
+  for (size_t i = hash & mask;; i = (i + 1) & mask) {
+    const CacheSlot& slot = cache_slots_[i];
+    if (slot.hash == 0) return false;
+    if (slot.hash == hash && slot.key_length == word.size() &&
+        std::string_view(cache_keys_).substr(slot.key_offset, slot.key_length) == word) {
+      const int32_t* ids = cache_ids_.data() + slot.ids_offset;
+      out.insert(out.end(), ids, ids + slot.ids_length);
+      return true;
     }
   }
+}
+
+void BpeModel::cache_insert(std::string_view word, uint64_t hash, const int32_t* ids,
+                            size_t n) const {
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  if (cache_slots_.empty()) cache_slots_.resize(kCacheSlots);
+  if (2 * (cache_used_ + 1) > cache_slots_.size()) return;  // half full: stop caching
+  const size_t mask = cache_slots_.size() - 1;
+  size_t i = hash & mask;
+  for (; cache_slots_[i].hash != 0; i = (i + 1) & mask) {
+    const CacheSlot& slot = cache_slots_[i];
+    if (slot.hash == hash && slot.key_length == word.size() &&
+        std::string_view(cache_keys_).substr(slot.key_offset, slot.key_length) == word) {
+      return;  // another thread cached it first
+    }
+  }
+  CacheSlot& slot = cache_slots_[i];
+  slot.hash = hash;
+  slot.key_offset = static_cast<uint32_t>(cache_keys_.size());
+  slot.key_length = static_cast<uint32_t>(word.size());
+  slot.ids_offset = static_cast<uint32_t>(cache_ids_.size());
+  slot.ids_length = static_cast<uint32_t>(n);
+  cache_keys_.append(word);
+  cache_ids_.insert(cache_ids_.end(), ids, ids + n);
+  ++cache_used_;
 }
 
 void BpeModel::merge_word(std::string_view word, std::vector<int32_t>& out) const {

@@ -61,7 +61,7 @@ struct Pattern {
       throw Error("[tokenizer] " + where +
                   ".pattern: expected {\"String\": ...} or {\"Regex\": ...} "
                   "but got " +
-                  j.dump().substr(0, 80));
+                  json_kind(j));
     }
     if (j.contains("String")) {
       literal = get_string(j, "String", where + ".pattern");
@@ -178,15 +178,22 @@ class UnicodeNormalizer : public Normalizer {
   std::string name() const override { return compose ? "NFC" : "NFD"; }
 };
 
+// Every byte -> the UTF-8 of its GPT-2 code point (1 or 2 bytes).
+std::string map_bytes(const ByteMap& map, std::string_view s) {
+  std::string out(s.size() * 2, '\0');
+  size_t n = 0;
+  for (char c : s) {
+    const std::string& m = map.byte_to_utf8[static_cast<unsigned char>(c)];
+    out[n++] = m[0];
+    if (m.size() == 2) out[n++] = m[1];
+  }
+  out.resize(n);
+  return out;
+}
+
 class ByteLevelNormalizer : public Normalizer {
  public:
-  void apply(std::string& s) const override {
-    const ByteMap& map = byte_map();
-    std::string out;
-    out.reserve(s.size() * 2);
-    for (char c : s) out += map.byte_to_utf8[static_cast<unsigned char>(c)];
-    s = std::move(out);
-  }
+  void apply(std::string& s) const override { s = map_bytes(byte_map(), s); }
   std::string name() const override { return "ByteLevel"; }
 };
 
@@ -207,8 +214,8 @@ SplitBehavior parse_behavior(const std::string& b, const std::string& where) {
 class SequencePreTokenizer : public PreTokenizer {
  public:
   std::vector<std::unique_ptr<PreTokenizer>> items;
-  void apply(std::vector<Piece>& pieces) const override {
-    for (const auto& p : items) p->apply(pieces);
+  void apply(Piece&& piece, const PieceSink& sink) const override {
+    run(0, std::move(piece), sink);
   }
   std::string name() const override {
     std::string out = "Sequence[";
@@ -217,6 +224,16 @@ class SequencePreTokenizer : public PreTokenizer {
       out += items[i]->name();
     }
     return out + "]";
+  }
+
+ private:
+  void run(size_t i, Piece&& piece, const PieceSink& sink) const {
+    if (i == items.size()) {
+      sink(std::move(piece));
+      return;
+    }
+    auto next = [&](Piece&& p) { run(i + 1, std::move(p), sink); };
+    items[i]->apply(std::move(piece), PieceSink(next));
   }
 };
 
@@ -227,16 +244,10 @@ class SplitPreTokenizer : public PreTokenizer {
   SplitBehavior behavior = SplitBehavior::kIsolated;
   bool invert = false;
   std::string label = "Split";
-  void apply(std::vector<Piece>& pieces) const override {
-    std::vector<Piece> out;
-    out.reserve(pieces.size() * 2);
+  void apply(Piece&& piece, const PieceSink& sink) const override {
     std::vector<std::pair<size_t, size_t>> matches;
-    for (const Piece& p : pieces) {
-      matches.clear();
-      pattern->find_all(p.text, matches);
-      split_by_matches(p, matches, behavior, invert, out);
-    }
-    pieces = std::move(out);
+    pattern->find_all(piece.text, matches);
+    split_by_matches(piece, matches, behavior, invert, sink);
   }
   std::string name() const override { return label; }
 };
@@ -246,20 +257,16 @@ class CharSplitPreTokenizer : public PreTokenizer {
  public:
   uint32_t delimiter = 0;  // 0: any Unicode whitespace
   std::string label;
-  void apply(std::vector<Piece>& pieces) const override {
-    std::vector<Piece> out;
+  void apply(Piece&& piece, const PieceSink& sink) const override {
     std::vector<std::pair<size_t, size_t>> matches;
-    for (const Piece& p : pieces) {
-      matches.clear();
-      for (size_t i = 0; i < p.text.size();) {
-        const size_t n = utf8_len(static_cast<unsigned char>(p.text[i]));
-        const uint32_t cp = utf8_at(p.text, i);
-        if (delimiter ? cp == delimiter : is_unicode_whitespace(cp)) matches.emplace_back(i, i + n);
-        i += n;
-      }
-      split_by_matches(p, matches, SplitBehavior::kRemoved, false, out);
+    const std::string& t = piece.text;
+    for (size_t i = 0; i < t.size();) {
+      const size_t n = utf8_len(static_cast<unsigned char>(t[i]));
+      const uint32_t cp = utf8_at(t, i);
+      if (delimiter ? cp == delimiter : is_unicode_whitespace(cp)) matches.emplace_back(i, i + n);
+      i += n;
     }
-    pieces = std::move(out);
+    split_by_matches(piece, matches, SplitBehavior::kRemoved, false, sink);
   }
   std::string name() const override { return label; }
 };
@@ -268,30 +275,17 @@ class ByteLevelPreTokenizer : public PreTokenizer {
  public:
   bool add_prefix_space = false;
   std::unique_ptr<Regex> regex;  // GPT-2 pattern when use_regex
-  void apply(std::vector<Piece>& pieces) const override {
+  void apply(Piece&& piece, const PieceSink& sink) const override {
     const ByteMap& map = byte_map();
-    std::vector<Piece> out;
-    out.reserve(pieces.size() * 2);
-    std::vector<std::pair<size_t, size_t>> matches;
-    std::vector<Piece> parts;
-    for (Piece& p : pieces) {
-      if (add_prefix_space && !p.text.starts_with(' ')) p.text.insert(0, " ");
-      parts.clear();
-      if (regex) {
-        matches.clear();
-        regex->find_all(p.text, matches);
-        split_by_matches(p, matches, SplitBehavior::kIsolated, false, parts);
-      } else {
-        parts.push_back(std::move(p));
-      }
-      for (Piece& part : parts) {
-        std::string mapped;
-        mapped.reserve(part.text.size() * 2);
-        for (char c : part.text) mapped += map.byte_to_utf8[static_cast<unsigned char>(c)];
-        out.push_back({std::move(mapped), part.at_start});
-      }
+    if (add_prefix_space && !piece.text.starts_with(' ')) piece.text.insert(0, " ");
+    if (!regex) {
+      sink({map_bytes(map, piece.text), piece.at_start});
+      return;
     }
-    pieces = std::move(out);
+    std::vector<std::pair<size_t, size_t>> matches;
+    regex->find_all(piece.text, matches);
+    auto mapped = [&](Piece&& part) { sink({map_bytes(map, part.text), part.at_start}); };
+    split_by_matches(piece, matches, SplitBehavior::kIsolated, false, PieceSink(mapped));
   }
   std::string name() const override { return regex ? "ByteLevel(gpt2 regex)" : "ByteLevel"; }
 };
@@ -327,27 +321,21 @@ class MetaspacePreTokenizer : public PreTokenizer {
   std::string replacement;
   PrependScheme scheme = PrependScheme::kAlways;
   bool split = true;
-  void apply(std::vector<Piece>& pieces) const override {
-    std::vector<Piece> out;
-    out.reserve(pieces.size() * 2);
-    std::vector<std::pair<size_t, size_t>> matches;
-    for (Piece& p : pieces) {
-      replace_all(p.text, " ", replacement);
-      const bool prepend =
-          scheme == PrependScheme::kAlways || (scheme == PrependScheme::kFirst && p.at_start);
-      if (prepend && !p.text.starts_with(replacement)) p.text.insert(0, replacement);
-      if (!split) {
-        out.push_back(std::move(p));
-        continue;
-      }
-      matches.clear();
-      for (size_t pos = p.text.find(replacement); pos != std::string::npos;
-           pos = p.text.find(replacement, pos + replacement.size())) {
-        matches.emplace_back(pos, pos + replacement.size());
-      }
-      split_by_matches(p, matches, SplitBehavior::kMergedWithNext, false, out);
+  void apply(Piece&& piece, const PieceSink& sink) const override {
+    replace_all(piece.text, " ", replacement);
+    const bool prepend =
+        scheme == PrependScheme::kAlways || (scheme == PrependScheme::kFirst && piece.at_start);
+    if (prepend && !piece.text.starts_with(replacement)) piece.text.insert(0, replacement);
+    if (!split) {
+      sink(std::move(piece));
+      return;
     }
-    pieces = std::move(out);
+    std::vector<std::pair<size_t, size_t>> matches;
+    for (size_t pos = piece.text.find(replacement); pos != std::string::npos;
+         pos = piece.text.find(replacement, pos + replacement.size())) {
+      matches.emplace_back(pos, pos + replacement.size());
+    }
+    split_by_matches(piece, matches, SplitBehavior::kMergedWithNext, false, sink);
   }
   std::string name() const override { return "Metaspace"; }
 };
@@ -526,7 +514,7 @@ std::string type_list_error(const std::string& where, const char* expected,
 // ------------------------------------------------------------------------------ split helper
 
 void split_by_matches(const Piece& piece, const std::vector<std::pair<size_t, size_t>>& matches,
-                      SplitBehavior behavior, bool invert, std::vector<Piece>& out) {
+                      SplitBehavior behavior, bool invert, const PieceSink& sink) {
   // Segments covering the whole text: (start, end, is_match).
   struct Seg {
     size_t a, b;
@@ -544,7 +532,7 @@ void split_by_matches(const Piece& piece, const std::vector<std::pair<size_t, si
 
   const std::string& s = piece.text;
   auto emit = [&](size_t a, size_t b) {
-    if (b > a) out.push_back({s.substr(a, b - a), piece.at_start && a == 0});
+    if (b > a) sink({s.substr(a, b - a), piece.at_start && a == 0});
   };
   switch (behavior) {
     case SplitBehavior::kRemoved:
@@ -745,7 +733,7 @@ std::unique_ptr<Decoder> make_decoder(const json& j, int depth) {
     const json& stop = get_field(j, "stop", where);
     if (!start.is_number_unsigned() || !stop.is_number_unsigned()) {
       throw Error("[tokenizer] decoder(Strip): expected non-negative integers start/stop but got " +
-                  start.dump() + "/" + stop.dump());
+                  json_kind(start) + " / " + json_kind(stop));
     }
     d->start = start.get<size_t>();
     d->stop = stop.get<size_t>();

@@ -89,10 +89,24 @@ class Normalizer {
   virtual std::string name() const = 0;
 };
 
+// Receives the pieces a pre-tokenizer produces, in order (a non-owning callable reference, so
+// pieces flow depth-first through a Sequence without intermediate lists).
+class PieceSink {
+ public:
+  template <class F>
+  explicit PieceSink(F& f)
+      : object_(&f), call_([](void* o, Piece&& p) { (*static_cast<F*>(o))(std::move(p)); }) {}
+  void operator()(Piece&& p) const { call_(object_, std::move(p)); }
+
+ private:
+  void* object_;
+  void (*call_)(void*, Piece&&);
+};
+
 class PreTokenizer {
  public:
   virtual ~PreTokenizer() = default;
-  virtual void apply(std::vector<Piece>& pieces) const = 0;
+  virtual void apply(Piece&& piece, const PieceSink& sink) const = 0;
   virtual std::string name() const = 0;
 };
 
@@ -154,21 +168,33 @@ class BpeModel {
   bool ignore_merges_ = false;
   std::array<int32_t, 256> byte_fallback_ids_{};  // <0xNN> ids, -1 when absent
 
-  // Word cache (word -> ids), bounded; guarded by cache_mutex_.
+  // Word cache (word -> ids): open addressing over a fixed power-of-two table, words and ids
+  // in two arenas; it stops growing when half full. Guarded by cache_mutex_.
+  struct CacheSlot {
+    uint64_t hash = 0;  // 0 = empty
+    uint32_t key_offset = 0, key_length = 0, ids_offset = 0, ids_length = 0;
+  };
+  bool cache_find(std::string_view word, uint64_t hash, std::vector<int32_t>& out) const;
+  void cache_insert(std::string_view word, uint64_t hash, const int32_t* ids, size_t n) const;
   mutable std::mutex cache_mutex_;
-  mutable std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> cache_;
+  mutable std::vector<CacheSlot> cache_slots_;
+  mutable std::string cache_keys_;
+  mutable std::vector<int32_t> cache_ids_;
+  mutable size_t cache_used_ = 0;
 };
 
 // Splits text by the [start, end) match ranges with one of Hugging Face's
 // SplitDelimiterBehavior values, appending the non-empty pieces to out.
 enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 void split_by_matches(const Piece& piece, const std::vector<std::pair<size_t, size_t>>& matches,
-                      SplitBehavior behavior, bool invert, std::vector<Piece>& out);
+                      SplitBehavior behavior, bool invert, const PieceSink& sink);
 
 // Small JSON accessors that throw vq::Error "[tokenizer] expected <what> but got ...".
 const json& get_field(const json& j, const char* key, const std::string& where);
 std::string get_string(const json& j, const char* key, const std::string& where);
 bool get_bool(const json& j, const char* key, const std::string& where, bool fallback);
 std::string json_kind(const json& j);
+// s cut to at most max_bytes at a character boundary, "..." appended when cut.
+std::string truncate_utf8(std::string_view s, size_t max_bytes);
 
 }  // namespace vq::text

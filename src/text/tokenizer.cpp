@@ -48,10 +48,22 @@ bool get_bool(const json& j, const char* key, const std::string& where, bool fal
   return v.get<bool>();
 }
 
+std::string truncate_utf8(std::string_view s, size_t max_bytes) {
+  if (s.size() <= max_bytes) return std::string(s);
+  size_t n = max_bytes;
+  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;  // char boundary
+  return std::string(s.substr(0, n)) + "...";
+}
+
 std::string json_kind(const json& j) {
-  const std::string dumped = j.dump();
-  return std::string(j.type_name()) + " " +
-         (dumped.size() > 60 ? dumped.substr(0, 60) + "..." : dumped);
+  // Never dump containers: a hostile document may nest them deeply (dump recurses).
+  if (j.is_object()) return "object of " + std::to_string(j.size()) + " fields";
+  if (j.is_array()) return "array of " + std::to_string(j.size()) + " items";
+  if (j.is_string()) {
+    const std::string& v = j.get_ref<const std::string&>();
+    return "string \"" + truncate_utf8(v, 60) + "\"";
+  }
+  return std::string(j.type_name()) + " " + j.dump();
 }
 
 namespace {
@@ -143,7 +155,7 @@ PostProcessor make_post_processor(const json& j, int depth) {
         throw Error(
             "[tokenizer] post_processor.single: expected {\"Sequence\": ...} or "
             "{\"SpecialToken\": ...} but got " +
-            item.dump().substr(0, 80));
+            json_kind(item));
       }
     }
     if (!seen_sequence)
@@ -282,10 +294,12 @@ void Tokenizer::Impl::find_added(std::string_view s, const AddedMatcher& matcher
 // Normalized text of one segment -> pre-tokenizer -> BPE.
 void Tokenizer::Impl::encode_text(std::string_view text, bool at_start,
                                   std::vector<int32_t>& ids) const {
-  std::vector<text::Piece> pieces;
-  pieces.push_back({std::string(text), at_start});
-  if (pre_tokenizer) pre_tokenizer->apply(pieces);
-  for (const text::Piece& p : pieces) model->tokenize(p.text, ids);
+  if (!pre_tokenizer) {
+    model->tokenize(text, ids);
+    return;
+  }
+  auto to_model = [&](text::Piece&& p) { model->tokenize(p.text, ids); };
+  pre_tokenizer->apply({std::string(text), at_start}, text::PieceSink(to_model));
 }
 
 std::string Tokenizer::Impl::decode(std::span<const int32_t> ids, bool skip_special,
