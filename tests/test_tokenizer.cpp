@@ -180,6 +180,26 @@ TEST(Tokenizer, GoldenFilesPresent) {
   }
 }
 
+// The runtime's golden prompts (tests/data/golden/golden.json, written on the training machine
+// with the transformers tokenizer): prompt ids with <|bos|>, and the greedy continuation's text
+// (decoded with special tokens kept), streamed token by token as generation would.
+TEST(Tokenizer, ModelGoldenPrompts) {
+  const std::string golden_path = data_path("tests/data/golden/golden.json");
+  const std::string tok_path = data_path("models/vq-mini-llama/tokenizer.json");
+  if (!fs::exists(golden_path) || !fs::exists(tok_path)) GTEST_SKIP() << "no model goldens";
+  const json golden = json::parse(read_text(golden_path));
+  const vq::Tokenizer tok = vq::Tokenizer::from_file(tok_path);
+  ASSERT_GE(golden.at("prompts").size(), 3u);
+  for (const json& p : golden.at("prompts")) {
+    SCOPED_TRACE(p.at("name").get<std::string>());
+    const std::string text = p.at("text").get<std::string>();
+    EXPECT_EQ(tok.encode(text, true), to_ids(p.at("ids")));
+    const std::vector<int32_t> greedy = to_ids(p.at("greedy_ids"));
+    EXPECT_EQ(tok.decode(greedy), p.at("greedy_text").get<std::string>());
+    EXPECT_EQ(stream_decode(tok, greedy, false), p.at("greedy_text").get<std::string>());
+  }
+}
+
 // ---------------------------------------------------------------------------------- streaming
 
 vq::Tokenizer load(const char* name) {
