@@ -70,6 +70,11 @@ ModelConfig model_config_from_json(const std::string& text,
 // Reads <dir>/config.json.
 ModelConfig load_model_config(const std::string& dir);
 
+// Where the shipped model lives: $VQ_MODEL_DIR if set, else models/<name> under the current
+// directory, else models/<name> in a parent (up to 4 levels) of the running executable's
+// folder (a build folder inside the source tree). Returns "" when none has a config.json.
+std::string find_shipped_model(const std::string& name = "vq-mini-llama");
+
 // --- RoPE ---------------------------------------------------------------------------------------
 // Inverse frequencies [head_dim / 2] in fp32 as Hugging Face computes them:
 // inv_freq[i] = 1 / theta^(2i / head_dim), then the llama3 or linear scaling.

@@ -5,7 +5,11 @@
 // model.layers.{i}.{input_layernorm,post_attention_layernorm}.weight [H],
 // model.layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias), model.layers.{i}.mlp.{gate,up,
 // down}_proj.weight (+ .bias), model.norm.weight [H], lm_head.weight [V, H] unless tied.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 
 #include "veloxquant/error.h"
 #include "veloxquant/model.h"
@@ -80,6 +84,25 @@ std::unique_ptr<Model> Model::load(const std::string& dir) {
   }
   m->inv_freq_ = rope_inv_freq(c.rope, D);
   return m;
+}
+
+std::string find_shipped_model(const std::string& name) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  auto ok = [&](const fs::path& p) { return fs::exists(p / "config.json", ec); };
+  if (const char* env = std::getenv("VQ_MODEL_DIR"); env && *env) return ok(env) ? env : "";
+  if (ok(fs::path("models") / name)) return (fs::path("models") / name).string();
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n > 0) {
+    buf[n] = '\0';
+    fs::path dir = fs::path(buf).parent_path();
+    for (int up = 0; up <= 4 && !dir.empty(); ++up, dir = dir.parent_path()) {
+      if (ok(dir / "models" / name)) return (dir / "models" / name).string();
+      if (dir == dir.root_path()) break;
+    }
+  }
+  return "";
 }
 
 ModelCacheShape Model::cache_shape() const {

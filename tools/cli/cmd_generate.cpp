@@ -1,16 +1,298 @@
-// `veloxquant generate`: placeholder until its module lands.
+// `veloxquant generate`: text generation with a chosen KV cache.
+//
+//   veloxquant generate [--model DIR] [--cache METHOD] [--cache-opt key=value ...]
+//       [--cache-config FILE.json] (--prompt TEXT | --prompt-file F | --prompt-ids 1,2,3)
+//       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+//       [--prefill-step N] [--threads N] [--kv-dtype float16|bfloat16|float32] [--ignore-eos]
+//       [--json]
+//
+// Streams the generated text to stdout (complete UTF-8 characters only), shows a prefill
+// progress bar on stderr when stderr is a terminal and the prompt spans several chunks, and ends
+// with a summary on stderr: tokens, prefill/decode tokens/s, the caches' memory summed over
+// layers, peak RSS. --json prints one JSON object with the same content to stdout instead.
+// --model defaults to the shipped model (find_shipped_model). A model folder without
+// tokenizer.json needs --prompt-ids and prints ids.
+#include <omp.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "commands.h"
+#include "veloxquant/cache_config.h"
+#include "veloxquant/error.h"
+#include "veloxquant/generate.h"
+#include "veloxquant/model.h"
+#include "veloxquant/tokenizer.h"
 
 namespace vq::cli {
 
+namespace {
+
+struct GenerateArgs {
+  std::string model_dir;
+  std::string cache = "";
+  std::vector<std::string> cache_opts;
+  std::string cache_config;
+  std::string prompt, prompt_file, prompt_ids;
+  int64_t max_tokens = 128;
+  float temperature = 0.0f;
+  int64_t top_k = 0;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+  int64_t prefill_step = 512;
+  int threads = 0;
+  std::string kv_dtype = "float16";
+  bool ignore_eos = false;
+  bool json = false;
+};
+
+std::string read_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("[generate] cannot read " + what + " " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// key=value with the key as a config field, or without its method prefix (budget ->
+// snap_budget for snapkv, bits_key -> skvq_bits_key, window -> streaming_window ...).
+void apply_cache_opt(CacheConfig& cfg, const std::string& opt) {
+  const size_t eq = opt.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw Error("[generate] --cache-opt: expected key=value but got '" + opt + "'");
+  const std::string key = opt.substr(0, eq), value = opt.substr(eq + 1);
+  try {
+    set_field(cfg, key, value);
+    return;
+  } catch (const Error& first) {
+    std::vector<std::string> prefixes;
+    if (cfg.method.find("snapkv") != std::string::npos) prefixes.push_back("snap_");
+    if (cfg.method.find("skvq") != std::string::npos) prefixes.push_back("skvq_");
+    if (cfg.method == "streaming") prefixes.push_back("streaming_");
+    for (const auto& p : prefixes) {
+      try {
+        set_field(cfg, p + key, value);
+        return;
+      } catch (const Error&) {
+      }
+    }
+    throw;
+  }
+}
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || v < 0 || v > INT32_MAX)
+      throw Error("[generate] --prompt-ids: expected comma-separated token ids but got '" + item +
+                  "'");
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  if (ids.empty()) throw Error("[generate] --prompt-ids: expected at least one id");
+  return ids;
+}
+
+long peak_rss_kib() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_maxrss;  // KiB on Linux
+}
+
+void progress_bar(int64_t done, int64_t total) {
+  const int width = 40;
+  const int filled = static_cast<int>(width * done / std::max<int64_t>(total, 1));
+  std::fprintf(stderr, "\r\033[Kprefill [%.*s%*s] %lld/%lld tokens", filled,
+               "########################################", width - filled, "",
+               static_cast<long long>(done), static_cast<long long>(total));
+  if (done == total) std::fprintf(stderr, "\r\033[K");
+  std::fflush(stderr);
+}
+
+int run_generate(const GenerateArgs& a) {
+  // Model.
+  std::string model_dir = a.model_dir;
+  if (model_dir.empty()) {
+    model_dir = find_shipped_model();
+    if (model_dir.empty())
+      throw Error(
+          "[generate] --model: no model folder given and the shipped model "
+          "(models/vq-mini-llama) was not found");
+  }
+  if (a.threads > 0) omp_set_num_threads(a.threads);
+  const auto model = Model::load(model_dir);
+  const ModelConfig& mc = model->config();
+  std::optional<Tokenizer> tok;
+  if (std::filesystem::exists(model_dir + "/tokenizer.json"))
+    tok.emplace(Tokenizer::from_file(model_dir + "/tokenizer.json"));
+
+  // Cache config: file, then --cache, then --cache-opt assignments.
+  CacheConfig cfg;
+  if (!a.cache_config.empty()) cfg = config_from_json(read_file(a.cache_config, "cache config"));
+  if (!a.cache.empty()) cfg.method = a.cache;
+  for (const auto& o : a.cache_opts) apply_cache_opt(cfg, o);
+  auto caches = model->make_caches(cfg);
+
+  // Prompt.
+  const int n_sources = !a.prompt.empty() + !a.prompt_file.empty() + !a.prompt_ids.empty();
+  if (n_sources != 1)
+    throw Error(
+        "[generate] expected exactly one of --prompt, --prompt-file, --prompt-ids but got " +
+        std::to_string(n_sources));
+  std::vector<int32_t> ids;
+  if (!a.prompt_ids.empty()) {
+    ids = parse_ids(a.prompt_ids);
+  } else {
+    if (!tok)
+      throw Error("[generate] " + model_dir +
+                  " has no tokenizer.json: give the prompt as --prompt-ids");
+    const std::string text = a.prompt.empty() ? read_file(a.prompt_file, "prompt file") : a.prompt;
+    ids = tok->encode(text, /*add_special_tokens=*/true);
+  }
+  for (int32_t id : ids)
+    if (id >= mc.vocab_size)
+      throw Error("[generate] prompt token " + std::to_string(id) + " is outside the vocabulary (" +
+                  std::to_string(mc.vocab_size) + ")");
+
+  GenerateOptions o;
+  o.max_tokens = a.max_tokens;
+  o.prefill_step_size = a.prefill_step;
+  o.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
+  o.stop_at_eos = !a.ignore_eos;
+  o.kv_dtype = dtype_from_string(a.kv_dtype);
+  std::string text;
+  std::optional<StreamDecoder> stream;
+  if (tok) stream.emplace(*tok, /*skip_special_tokens=*/true);
+  const bool stream_out = !a.json;
+  o.on_token = [&](int32_t id) {
+    std::string piece;
+    if (stream) {
+      piece = stream->push(id);
+    } else {
+      piece = std::to_string(id) + " ";
+    }
+    text += piece;
+    if (stream_out && !piece.empty()) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    }
+    return true;
+  };
+  const bool bar =
+      isatty(STDERR_FILENO) && !a.json && static_cast<int64_t>(ids.size()) > a.prefill_step;
+  if (bar) o.on_prefill_progress = progress_bar;
+
+  const GenerateResult r = generate(*model, ids, caches, o);
+  if (stream) {
+    const std::string rest = stream->flush();
+    text += rest;
+    if (stream_out) std::fwrite(rest.data(), 1, rest.size(), stdout);
+  }
+  const CacheMemory mem = cache_memory(caches, mc.n_kv_heads);
+  const long rss = peak_rss_kib();
+  const int threads = omp_get_max_threads();
+
+  if (a.json) {
+    nlohmann::json j = {
+        {"model", model_dir},
+        {"cache", nlohmann::json::parse(config_to_json(cfg))},
+        {"kv_dtype", dtype_name(o.kv_dtype)},
+        {"threads", threads},
+        {"prompt_tokens", r.prompt_tokens},
+        {"generated_tokens", r.tokens.size()},
+        {"stop_reason", r.stop_reason},
+        {"tokens", r.tokens},
+        {"text", text},
+        {"prefill", {{"seconds", r.prefill_seconds}, {"tokens_per_s", r.prefill_tokens_per_s()}}},
+        {"decode",
+         {{"steps", r.decode_steps},
+          {"seconds", r.decode_seconds},
+          {"tokens_per_s", r.decode_tokens_per_s()}}},
+        {"memory",
+         {{"summed_over_layers", true},
+          {"method", mem.method},
+          {"layers", mem.n_layers},
+          {"tokens_seen", mem.tokens_seen},
+          {"rows_kept", mem.rows_kept},
+          {"rows_kept_per_head", mem.rows_kept_per_head},
+          {"bytes_accounted", mem.bytes_accounted},
+          {"bytes_resident", mem.bytes_resident},
+          {"fp16_bytes", mem.fp16_bytes},
+          {"ratio_to_fp16", mem.ratio_to_fp16()}}},
+        {"peak_rss_bytes", static_cast<int64_t>(rss) * 1024}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+  std::fprintf(
+      stderr,
+      "\n--- %s | cache %s | kv %s | %d threads\n"
+      "tokens   : %lld prompt, %zu generated (stop: %s)\n"
+      "prefill  : %8.1f tokens/s (%.3f s)\n"
+      "decode   : %8.1f tokens/s (%lld steps, %.3f s)\n"
+      "cache    : summed over %lld layers: %lld tokens seen, %lld rows kept "
+      "(%lld per head), %lld bytes accounted, %lld bytes resident, ratio to fp16 %.3f\n"
+      "peak RSS : %.1f MiB\n",
+      model_dir.c_str(), cfg.method.c_str(), dtype_name(o.kv_dtype), threads,
+      static_cast<long long>(r.prompt_tokens), r.tokens.size(), r.stop_reason.c_str(),
+      r.prefill_tokens_per_s(), r.prefill_seconds, r.decode_tokens_per_s(),
+      static_cast<long long>(r.decode_steps), r.decode_seconds,
+      static_cast<long long>(mem.n_layers), static_cast<long long>(mem.tokens_seen),
+      static_cast<long long>(mem.rows_kept), static_cast<long long>(mem.rows_kept_per_head),
+      static_cast<long long>(mem.bytes_accounted), static_cast<long long>(mem.bytes_resident),
+      mem.ratio_to_fp16(), static_cast<double>(rss) / 1024.0);
+  return 0;
+}
+
+}  // namespace
+
 void add_generate_command(CLI::App& app, int* status) {
-  auto* cmd = app.add_subcommand("generate", "(not available in this build yet)");
-  cmd->callback([status] {
-    std::fprintf(stderr, "veloxquant generate: not available in this build yet\n");
-    *status = 2;
-  });
+  auto* cmd = app.add_subcommand("generate", "generate text with a chosen KV cache");
+  auto a = std::make_shared<GenerateArgs>();
+  cmd->add_option("--model", a->model_dir,
+                  "model folder (config.json, safetensors, tokenizer.json); default: the shipped "
+                  "model");
+  cmd->add_option("--cache", a->cache, "cache method: full, snapkv, skvq, snapkv+skvq, streaming");
+  cmd->add_option("--cache-opt", a->cache_opts,
+                  "cache field as key=value (repeatable), e.g. snap_budget=256 or budget=256");
+  cmd->add_option("--cache-config", a->cache_config, "cache config JSON file");
+  cmd->add_option("--prompt", a->prompt, "prompt text");
+  cmd->add_option("--prompt-file", a->prompt_file, "file holding the prompt text");
+  cmd->add_option("--prompt-ids", a->prompt_ids, "prompt as comma-separated token ids");
+  cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate at most")
+      ->capture_default_str();
+  cmd->add_option("--temperature", a->temperature, "0 = greedy")->capture_default_str();
+  cmd->add_option("--top-k", a->top_k, "0 = off")->capture_default_str();
+  cmd->add_option("--top-p", a->top_p, "1 = off")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "sampling seed")->capture_default_str();
+  cmd->add_option("--prefill-step", a->prefill_step, "prompt tokens per prefill chunk at most")
+      ->capture_default_str();
+  cmd->add_option("--threads", a->threads, "OpenMP threads (0 = all cores)")->capture_default_str();
+  cmd->add_option("--kv-dtype", a->kv_dtype,
+                  "K/V dtype handed to the caches: float16, bfloat16, float32")
+      ->capture_default_str();
+  cmd->add_flag("--ignore-eos", a->ignore_eos, "do not stop at the end-of-sequence token");
+  cmd->add_flag("--json", a->json, "print the result as one JSON object");
+  cmd->callback([a, status] { *status = run_generate(*a); });
 }
 
 }  // namespace vq::cli
