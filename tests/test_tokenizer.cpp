@@ -130,8 +130,7 @@ class TokenizerGolden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TokenizerGolden, MatchesReference) {
   const json golden = json::parse(read_text(GetParam()));
-  const std::string tok_path =
-      data_path(golden.at("tokenizer_file").get<std::string>());
+  const std::string tok_path = data_path(golden.at("tokenizer_file").get<std::string>());
   if (!fs::exists(tok_path)) GTEST_SKIP() << "tokenizer not present: " << tok_path;
   // Goldens of another tokenizer.json would test nothing: say how to refresh them.
   ASSERT_EQ(fnv1a64_hex(read_text(tok_path)), golden.at("tokenizer_fnv1a64").get<std::string>())
@@ -200,11 +199,58 @@ TEST(Tokenizer, ModelGoldenPrompts) {
   }
 }
 
+// The evaluation data (data/eval, ids written with the transformers tokenizer): the first 2048
+// ids of each held-out document and the token length of every passkey prompt.
+TEST(Tokenizer, ModelEvalData) {
+  const std::string tok_path = data_path("models/vq-mini-llama/tokenizer.json");
+  const std::string heldout = data_path("data/eval/heldout.jsonl");
+  const std::string heldout_ids = data_path("data/eval/heldout_ids.u16");
+  const std::string passkey = data_path("data/eval/passkey.jsonl");
+  if (!fs::exists(tok_path) || !fs::exists(heldout) || !fs::exists(heldout_ids) ||
+      !fs::exists(passkey)) {
+    GTEST_SKIP() << "no evaluation data";
+  }
+  const vq::Tokenizer tok = vq::Tokenizer::from_file(tok_path);
+  const std::string ids_bytes = read_text(heldout_ids);
+  std::istringstream docs(read_text(heldout));
+  std::string line;
+  size_t row = 0;
+  constexpr size_t kRow = 2048;
+  while (std::getline(docs, line)) {
+    if (line.empty()) continue;
+    const json doc = json::parse(line);
+    SCOPED_TRACE(doc.at("id").get<std::string>());
+    ASSERT_LE((row + 1) * kRow * 2, ids_bytes.size());
+    std::vector<int32_t> expected(kRow);
+    for (size_t i = 0; i < kRow; ++i) {  // little-endian uint16
+      const size_t at = (row * kRow + i) * 2;
+      expected[i] = static_cast<unsigned char>(ids_bytes[at]) |
+                    (static_cast<unsigned char>(ids_bytes[at + 1]) << 8);
+    }
+    std::vector<int32_t> ids = tok.encode(doc.at("text").get<std::string>(), true);
+    EXPECT_EQ(static_cast<int64_t>(ids.size()), doc.at("n_tokens").get<int64_t>());
+    ids.resize(std::min(ids.size(), kRow));
+    EXPECT_EQ(ids, expected);
+    ++row;
+  }
+  EXPECT_EQ(row * kRow * 2, ids_bytes.size());
+  std::istringstream prompts(read_text(passkey));
+  size_t n_prompts = 0;
+  while (std::getline(prompts, line)) {
+    if (line.empty()) continue;
+    const json p = json::parse(line);
+    EXPECT_EQ(static_cast<int64_t>(tok.encode(p.at("prompt").get<std::string>(), true).size()),
+              p.at("length").get<int64_t>())
+        << p.at("id");
+    ++n_prompts;
+  }
+  EXPECT_GE(n_prompts, 150u);
+}
+
 // ---------------------------------------------------------------------------------- streaming
 
 vq::Tokenizer load(const char* name) {
-  return vq::Tokenizer::from_file(
-      data_path(std::string("tests/data/tokenizers/") + name));
+  return vq::Tokenizer::from_file(data_path(std::string("tests/data/tokenizers/") + name));
 }
 
 TEST(TokenizerStream, EmojiAndCjkTokenByToken) {
