@@ -143,6 +143,21 @@ TEST(EvalMethods, ParsesSpecsLabelsAndStreamingBudget) {
   EXPECT_THROW(parse_eval_methods("snapkv:budget=0"), Error);
 }
 
+TEST(EvalMethods, KeepFractionSetsTheBudgetPerContext) {
+  const auto m = parse_eval_methods("snapkv:keep=0.25:scoring=query,streaming:keep=0.5,full");
+  EXPECT_EQ(m[0].keep_fraction, 0.25);
+  EXPECT_EQ(config_for_context(m[0], 1000).snap_budget, 250);
+  EXPECT_EQ(config_for_context(m[0], 1002).snap_budget, 251);  // round(250.5) = 251
+  EXPECT_EQ(config_for_context(m[0], 1).snap_budget, 1);       // at least one row
+  EXPECT_EQ(config_for_context(m[0], 10).snap_scoring, SnapScoring::kQuery);
+  EXPECT_EQ(config_for_context(m[1], 1000).streaming_window, 500 - 4);  // sinks count
+  EXPECT_EQ(config_for_context(m[2], 1000).method, "full");             // untouched
+  EXPECT_THROW(parse_eval_methods("snapkv:keep=0"), Error);
+  EXPECT_THROW(parse_eval_methods("snapkv:keep=1.5"), Error);
+  EXPECT_THROW(parse_eval_methods("skvq:keep=0.5"), Error);
+  EXPECT_THROW(config_for_context(m[0], 0), Error);
+}
+
 TEST(EvalData, TokenRowsRoundTripAndBadSizesRefused) {
   const std::string dir = test::make_temp_dir("vq-eval-rows");
   const std::string path = dir + "/ids.u16";

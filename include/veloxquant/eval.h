@@ -33,12 +33,23 @@ struct EvalMethod {
   std::string label;   // e.g. "snapkv:budget=256:scoring=query"
   std::string family;  // the method name before the first ':' ("snapkv", "skvq", ...)
   CacheConfig cfg;
+  // > 0: the budget is this fraction of each sequence's context (see config_for_context).
+  double keep_fraction = 0;
 };
 
-// Comma-separated specs, each parsed by config_from_spec. One extension: "streaming:budget=N"
-// means sinks + window = N rows (window = N - n_sink), so budgets compare with SnapKV's, which
-// count the sinks. Empty or malformed entries: vq::Error naming the entry.
+// Comma-separated specs, each parsed by config_from_spec. Two extensions:
+//  - "streaming:budget=N" means sinks + window = N rows (window = N - n_sink), so budgets compare
+//    with SnapKV's, which count the sinks;
+//  - "keep=F" (0 < F <= 1; snapkv, snapkv+skvq, streaming) sets the budget per sequence to
+//    max(1, round(F * n_context)) rows: the kept fraction kvpress-style presses are stated in
+//    (kvpress's compression_ratio = 1 - F).
+// Empty or malformed entries: vq::Error naming the entry.
 std::vector<EvalMethod> parse_eval_methods(const std::string& list);
+
+// The config a sequence whose compressed context has n_context tokens runs with (cfg unchanged
+// unless keep_fraction > 0). n_context: P for ppl/kld/attn-error; the prompt (context + question)
+// in question-aware passkey, the context alone in question-agnostic passkey.
+CacheConfig config_for_context(const EvalMethod& m, int64_t n_context);
 
 // Memory of one method's caches at one context, summed over layers.
 struct MemoryFigures {

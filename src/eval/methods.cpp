@@ -2,6 +2,8 @@
 // a set of per-layer caches. The only extension over config_from_spec: "streaming:budget=N"
 // becomes streaming_window = N - streaming_n_sink, so a streaming budget counts sinks like
 // SnapKV's does.
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -37,9 +39,22 @@ EvalMethod parse_one(const std::string& spec) {
   std::vector<std::string> parts = split(spec, ':');
   const std::string method = parts[0];
   int64_t streaming_budget = -1;
+  double keep = 0;
   std::string rest = method;
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string& a = parts[i];
+    if (a.rfind("keep=", 0) == 0) {
+      VQ_CHECK(method == "snapkv" || method == "snapkv+skvq" || method == "streaming",
+               "[eval] method '" + spec +
+                   "': keep=<fraction> applies to snapkv, snapkv+skvq and streaming only");
+      const std::string v = a.substr(5);
+      char* end = nullptr;
+      keep = std::strtod(v.c_str(), &end);
+      VQ_CHECK(
+          !v.empty() && end && *end == '\0' && keep > 0 && keep <= 1,
+          "[eval] method '" + spec + "': expected keep=<fraction in (0, 1]> but got '" + a + "'");
+      continue;
+    }
     if (method == "streaming" && (a.rfind("budget=", 0) == 0)) {
       const std::string v = a.substr(7);
       char* end = nullptr;
@@ -62,6 +77,7 @@ EvalMethod parse_one(const std::string& spec) {
                  std::to_string(streaming_budget));
     m.cfg.streaming_window = streaming_budget - m.cfg.streaming_n_sink;
   }
+  m.keep_fraction = keep;
   validate(m.cfg);
   return m;
 }
@@ -77,6 +93,23 @@ std::vector<EvalMethod> parse_eval_methods(const std::string& list) {
     out.push_back(parse_one(spec));
   }
   return out;
+}
+
+CacheConfig config_for_context(const EvalMethod& m, int64_t n_context) {
+  CacheConfig c = m.cfg;
+  if (m.keep_fraction <= 0) return c;
+  VQ_CHECK(n_context >= 1,
+           "[eval] expected a context of at least one token but got " + std::to_string(n_context));
+  const int64_t budget =
+      std::max<int64_t>(1, std::llround(m.keep_fraction * static_cast<double>(n_context)));
+  if (m.family == "streaming") {
+    // Sinks count in the budget; a budget at or below the sinks keeps sinks + one recent row.
+    c.streaming_window = std::max<int64_t>(1, budget - c.streaming_n_sink);
+  } else {
+    c.snap_budget = budget;
+  }
+  validate(c);
+  return c;
 }
 
 double MemoryFigures::ratio_to_fp16() const {

@@ -88,9 +88,11 @@ std::vector<int32_t> greedy(const Model& model, const Caches& caches, std::vecto
 
 // Runs one prompt in one mode; returns whether the answer matched.
 bool run_prompt(const Model& model, const Tokenizer& tok, const EncodedPrompt& p,
-                const CacheConfig& cfg, bool aware, const EvalSettings& st, ForwardScratch& scratch,
-                MemoryFigures* mem) {
-  const Caches caches = model.make_caches(cfg);
+                const EvalMethod& method, bool aware, const EvalSettings& st,
+                ForwardScratch& scratch, MemoryFigures* mem) {
+  const int64_t n_context =
+      static_cast<int64_t>(p.context.size() + (aware ? p.question.size() : 0));
+  const Caches caches = model.make_caches(config_for_context(method, n_context));
   std::vector<float> logits;
   if (aware) {
     std::vector<int32_t> all = p.context;
@@ -173,11 +175,11 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
   ForwardScratch scratch;
   eval_detail::Progress prog(settings.progress, "passkey");
 
-  auto run_method = [&](const std::string& label, const std::string& family,
-                        const CacheConfig& cfg) {
+  auto run_method = [&](const EvalMethod& cfg) {
+    const std::string& label = cfg.label;
     PasskeyRow row;
     row.label = label;
-    row.family = family;
+    row.family = cfg.family;
     bool mem_taken = false;
     for (size_t i = 0; i < enc.size(); ++i) {
       const EncodedPrompt& e = enc[i];
@@ -209,10 +211,12 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
     return row;
   };
 
-  CacheConfig full;
-  full.method = "full";
-  res.full = run_method("full (baseline)", "full", full);
-  for (const EvalMethod& m : methods) res.rows.push_back(run_method(m.label, m.family, m.cfg));
+  EvalMethod full;
+  full.label = "full (baseline)";
+  full.family = "full";
+  full.cfg.method = "full";
+  res.full = run_method(full);
+  for (const EvalMethod& m : methods) res.rows.push_back(run_method(m));
   return res;
 }
 

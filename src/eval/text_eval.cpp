@@ -151,7 +151,7 @@ TextEvalResult eval_text(const Model& model, const std::vector<std::vector<int32
       MemoryFigures mm;
       double rows_end = 0;
       run(
-          methods[m].cfg,
+          config_for_context(methods[m], P),
           [&](int64_t t, const float* lg) {
             eval_detail::log_softmax(lg, V, lp_m);
             nll_sum[m] -= lp_m[static_cast<size_t>(ids[static_cast<size_t>(P + t)])];
@@ -253,7 +253,7 @@ AttnErrorResult eval_attn_error(const Model& model, const std::vector<std::vecto
     double rows = 0, acc = 0, resid = 0, fp = 0;
     for (int64_t d = 0; d < n_docs; ++d) {
       const std::vector<int32_t>& ids = docs[static_cast<size_t>(d)];
-      Caches inner = model.make_caches(method.cfg);
+      Caches inner = model.make_caches(config_for_context(method, P));
       Caches caches;
       std::vector<eval_detail::TapCache*> taps;
       for (int64_t l = 0; l < L; ++l) {
