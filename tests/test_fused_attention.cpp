@@ -5,9 +5,9 @@
 //
 // The bound (per output element, derived in comments at `bound_for`) is the fp32 rounding of
 // the fused kernel relative to the double-accumulated reference: u = 2^-24,
-//   logit error  eps_j <= scale * ((D + 8) u K_j + R_j) + u (|l_j - l_max| + 2)
+//   logit error  eps_j <= scale * ((D + 8) u K_j + R_j) + u (|l_j - l_max| + 3)
 //   output error <= (exp(2 eps) - 1) * sum_j w_j |v_jd| + (n + n_tiles + 8) u sum_j w_j V_j * r
-//                   + 2 T_rot
+//                   + 2 T_rot + n 2^-125 max|v|
 // with K_j = ||q||_2 * ||(|c_i s| + |lo|)_i||_2 for packed rows (sum |q_d k_jd| for full
 // precision), V_j the row's value magnitude, r = sqrt(D) when values are rotated (1 otherwise),
 // R_j and T_rot the Hadamard transform errors. Every case reports the share of the bound used.
@@ -114,8 +114,10 @@ double norm2(const std::vector<double>& x) {
 //    The reference's own fp32 products add u per term (inside the same factor). Rotated keys:
 //    the computed q' is within t_q = (log2 b + 2) u ||q_blk||_1 / sqrt(b) of P R q per element
 //    (hadamard.h tolerance) and the reference's un-rotated key within t_k of R^T x; both enter as
-//    R_j = sqrt(D) (t_q ||m||_2 + ||q||_2 t_k). exp of (l - l_max) in fp32 is off by
-//    u (|l - l_max| + 2) relative, which we treat as a further logit error.
+//    R_j = sqrt(D) (t_q ||m||_2 + ||q||_2 t_k). The weight exp(l - l_max) is off by
+//    u |l - l_max| (rounding of the difference) plus the kernel's exp error (measured <= 1.41 u,
+//    allowed 3 u), which we treat as a further logit error; weights below e^-87 (< 2^-125) are
+//    flushed to zero: an absolute n 2^-125 max|v| on the output.
 //  * weights: every logit off by <= eps moves each normalised weight by a factor in
 //    [e^-2eps, e^2eps], hence (e^{2 eps} - 1) sum_j w_j |v_jd|.
 //  * values: n sequential fp32 accumulations, up to n_tiles rescalings, the final 1/l and scale:
@@ -163,6 +165,9 @@ std::vector<double> bound_for(const std::vector<double>& q, const std::vector<Ro
   }
   const double n = double(vis.size()), n_tiles = std::ceil(n / 32.0) + 1;
   const double gamma = (n + n_tiles + 8) * kU;
+  double vmax = 0;
+  for (const RowInfo* r : vis)
+    for (double x : r->v) vmax = std::max(vmax, std::fabs(x));
   for (int64_t c = 0; c < d; ++c) {
     double a = 0, bterm = 0, trot = 0;
     for (size_t j = 0; j < vis.size(); ++j) {
@@ -178,7 +183,7 @@ std::vector<double> bound_for(const std::vector<double>& q, const std::vector<Ro
         bterm += wj * std::fabs(r.v[c]);
       }
     }
-    out[c] = std::expm1(2 * eps) * a + gamma * bterm + 2 * trot;
+    out[c] = std::expm1(2 * eps) * a + gamma * bterm + 2 * trot + n * 0x1p-125 * vmax;
   }
   return out;
 }
