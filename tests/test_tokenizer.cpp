@@ -172,7 +172,10 @@ INSTANTIATE_TEST_SUITE_P(Files, TokenizerGolden, ::testing::ValuesIn(golden_file
 
 TEST(Tokenizer, GoldenFilesPresent) {
   const auto files = golden_files();
-  for (const char* name : {"goldens_sp_bpe.json", "goldens_bl_bpe.json"}) {
+  for (const char* name :
+       {"goldens_sp_bpe.json", "goldens_bl_bpe.json", "goldens_sp_meta.json",
+        "goldens_bl_qwen2.json", "goldens_bl_gpt2.json", "goldens_bl_splits.json",
+        "goldens_wp_bpe.json", "goldens_wp_fused.json"}) {
     EXPECT_TRUE(std::any_of(files.begin(), files.end(), [&](const std::string& f) {
       return f.ends_with(name);
     })) << name;
@@ -274,7 +277,8 @@ TEST(TokenizerStream, RandomIdsMatchFullDecode) {
   // and single mapped bytes), so runs of bytes that are incomplete, invalid or complete
   // characters are frequent: the lossy and hold-back paths.
   std::vector<std::string> files;
-  for (const char* name : {"sp_bpe.json", "bl_bpe.json", "sp_meta.json", "bl_gpt2.json"}) {
+  for (const char* name :
+       {"sp_bpe.json", "bl_bpe.json", "sp_meta.json", "bl_gpt2.json", "wp_bpe.json"}) {
     files.push_back(data_path(std::string("tests/data/tokenizers/") + name));
   }
   const std::string model = data_path("models/vq-mini-llama/tokenizer.json");

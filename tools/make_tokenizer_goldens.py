@@ -11,11 +11,16 @@ What it does (deterministic, re-runnable; needs only `pip install tokenizers`):
        bl_bpe.json  byte-level BPE: Sequence[Split(Llama-3 regex, Isolated), Digits(individual),
                     ByteLevel(no regex)], ByteLevel decoder, ignore_merges, Llama-3 style
                     special tokens and a BOS TemplateProcessing.
+       wp_bpe.json  the rarer options: unk (no byte fallback), "##" continuing_subword_prefix,
+                    "</w>" end_of_word_suffix, NFD + Strip, Whitespace, BPEDecoder, Bert processor.
      plus variants that reuse a trained vocabulary with another pipeline (cheap extra coverage):
        sp_meta.json   Metaspace pre-tokenizer (prepend_scheme "first", split) + Metaspace decoder,
                       merges serialised as [a, b] pairs.
        bl_qwen2.json  Qwen2 split regex (single digits), no Digits step, merges as pairs.
        bl_gpt2.json   ByteLevel pre-tokenizer with its own GPT-2 regex and add_prefix_space.
+       bl_splits.json every Split behaviour (and invert, a String pattern), grouped Digits,
+                      CharDelimiterSplit, an NFC normalizer.
+       wp_fused.json  wp_bpe with fused unks, WhitespaceSplit, Regex Replace, Roberta processor.
   3. For every tokenizer above, and for models/*/tokenizer.json when present (the shipped model,
      trained elsewhere; absent is fine), encodes a fixed, varied text set and writes
      tests/data/tokenizers/goldens_<name>.json:
@@ -162,6 +167,33 @@ def train_bl_bpe(lines):
     return tok
 
 
+def train_wp_bpe(lines):
+    """The rarer BPE options: unk without byte fallback (unfused), continuing_subword_prefix
+    "##", end_of_word_suffix "</w>", NFD + Strip normalizers, Whitespace pre-tokenizer,
+    BPEDecoder and BertProcessing ([CLS] $A [SEP])."""
+    tok = Tokenizer(
+        models.BPE(
+            unk_token="[UNK]", continuing_subword_prefix="##", end_of_word_suffix="</w>"
+        )
+    )
+    tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Strip()])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["[UNK]", "[CLS]", "[SEP]"],
+        limit_alphabet=70,
+        continuing_subword_prefix="##",
+        end_of_word_suffix="</w>",
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer)
+    tok.decoder = decoders.BPEDecoder(suffix="</w>")
+    tok.post_processor = processors.BertProcessing(
+        ("[SEP]", tok.token_to_id("[SEP]")), ("[CLS]", tok.token_to_id("[CLS]"))
+    )
+    return tok
+
+
 def LLAMA3_PATTERN_REGEX():
     from tokenizers import Regex
 
@@ -218,6 +250,52 @@ def bl_qwen2_edit(data):
     }
     data["model"]["ignore_merges"] = False
     merges_as_pairs(data)
+
+
+def wp_fused_edit(data):
+    """wp_bpe with fused unks, WhitespaceSplit, a Regex Replace and RobertaProcessing."""
+    data["model"]["fuse_unk"] = True
+    data["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [
+            {"type": "NFD"},
+            {"type": "Replace", "pattern": {"Regex": "[0-9]{4,}"}, "content": "NUM"},
+            {"type": "Strip", "strip_left": True, "strip_right": False},
+        ],
+    }
+    data["pre_tokenizer"] = {"type": "WhitespaceSplit"}
+    data["post_processor"] = {
+        "type": "RobertaProcessing",
+        "sep": ["[SEP]", data["model"]["vocab"]["[SEP]"]],
+        "cls": ["[CLS]", data["model"]["vocab"]["[CLS]"]],
+        "trim_offsets": True,
+        "add_prefix_space": False,
+    }
+
+
+def bl_splits_edit(data):
+    """Byte-level vocab with every Split behaviour, invert, a String pattern, grouped Digits,
+    CharDelimiterSplit and a ByteLevel normalizer placed after NFC."""
+    data["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"}]}
+    data["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "CharDelimiterSplit", "delimiter": "|"},
+            {"type": "Split", "pattern": {"String": "--"}, "behavior": "Removed", "invert": False},
+            {"type": "Split", "pattern": {"Regex": "[,.;:!?]+"}, "behavior": "MergedWithPrevious",
+             "invert": False},
+            {"type": "Split", "pattern": {"Regex": "\\s"}, "behavior": "MergedWithNext",
+             "invert": False},
+            {"type": "Split", "pattern": {"Regex": "\\p{Lu}"}, "behavior": "Contiguous",
+             "invert": False},
+            {"type": "Split", "pattern": {"Regex": "[aeiou]+"}, "behavior": "Isolated",
+             "invert": True},
+            {"type": "Digits", "individual_digits": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+             "use_regex": False},
+        ],
+    }
+    data["model"]["ignore_merges"] = False
 
 
 def bl_gpt2_edit(data):  # noqa: D103 (merges saved as strings, see STRING_MERGES)
@@ -292,6 +370,8 @@ def text_set(special_tokens):
         "[note] lowercase note, [NOTE] upper",
         "Some text [note]with a note",
         "x @@ y, x@@y, @@, @@x, é@@, (@@)",
+        "a|b||c | d -- e--f, g. H;;I!? JKL mnOP aeiou xyz 2024 123456 7",
+        "Ça VA, Bien--Merci!! 42|| ÉTÉ",
         "It was the best of times, it was the worst of times, it was the age of wisdom, "
         "it was the age of foolishness, it was the epoch of belief.",
     ]
@@ -380,12 +460,16 @@ def main():
     print(f"corpus: {len(lines)} lines, {sum(len(l.encode()) + 1 for l in lines)} bytes")
     sp = train_sp_bpe(lines)
     bl = train_bl_bpe(lines)
+    wp = train_wp_bpe(lines)
     tokenizers_list = [
         ("sp_bpe", sp),
         ("bl_bpe", bl),
         ("sp_meta", variant(sp, sp_meta_edit)),
         ("bl_qwen2", variant(bl, bl_qwen2_edit)),
         ("bl_gpt2", variant(bl, bl_gpt2_edit)),
+        ("bl_splits", variant(bl, bl_splits_edit)),
+        ("wp_bpe", wp),
+        ("wp_fused", variant(wp, wp_fused_edit)),
     ]
     for name, tok in tokenizers_list:
         path = os.path.join(out_dir, f"{name}.json")

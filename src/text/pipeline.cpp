@@ -4,9 +4,10 @@
 //   pre-tokenizers: Sequence, Split (String/Regex; every SplitDelimiterBehavior; invert), Digits,
 //                   ByteLevel (GPT-2 regex, add_prefix_space), Metaspace (prepend_scheme, split),
 //                   Whitespace, WhitespaceSplit, CharDelimiterSplit
-//   decoders:       Sequence, ByteLevel, ByteFallback, Fuse, Strip, Replace, Metaspace
-//   post-processors: TemplateProcessing (single), BertProcessing, RobertaProcessing, ByteLevel
-//                   (no-op on ids), Sequence
+//   decoders:       Sequence, ByteLevel, ByteFallback, Fuse, Strip, Replace, Metaspace,
+//                   BPEDecoder
+//   post-processors (built in tokenizer.cpp): TemplateProcessing (single), BertProcessing,
+//                   RobertaProcessing, ByteLevel (no-op on ids), Sequence
 // Anything else is refused with "[tokenizer] <where>: expected one of ... but got type X".
 #include <algorithm>
 
@@ -489,6 +490,18 @@ class ReplaceDecoder : public Decoder {
   std::string name() const override { return "Replace"; }
 };
 
+// End-of-word suffix -> space (nothing in the last token), as BPEDecoder does.
+class BpeSuffixDecoder : public Decoder {
+ public:
+  std::string suffix;
+  void apply(std::vector<std::string>& tokens, bool&) const override {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      replace_all(tokens[i], suffix, i + 1 == tokens.size() ? std::string_view() : " ");
+    }
+  }
+  std::string name() const override { return "BPEDecoder"; }
+};
+
 // Replacement character -> space; in the first token it is dropped (unless scheme "never").
 class MetaspaceDecoder : public Decoder {
  public:
@@ -745,6 +758,11 @@ std::unique_ptr<Decoder> make_decoder(const json& j, int depth) {
     d->content = get_string(j, "content", where);
     return d;
   }
+  if (type == "BPEDecoder") {
+    auto d = std::make_unique<BpeSuffixDecoder>();
+    d->suffix = j.contains("suffix") ? get_string(j, "suffix", where) : std::string("</w>");
+    return d;
+  }
   if (type == "Metaspace") {
     auto d = std::make_unique<MetaspaceDecoder>();
     d->replacement = parse_replacement(j, where);
@@ -752,7 +770,8 @@ std::unique_ptr<Decoder> make_decoder(const json& j, int depth) {
     return d;
   }
   throw Error(type_list_error(
-      where, "Sequence, ByteLevel, ByteFallback, Fuse, Strip, Replace or Metaspace", type));
+      where, "Sequence, ByteLevel, ByteFallback, Fuse, Strip, Replace, Metaspace or BPEDecoder",
+      type));
 }
 
 }  // namespace vq::text

@@ -468,11 +468,10 @@ Tokenizer Tokenizer::from_json(std::string_view json_text) {
       }
     }
   }
-  // Rust's regex \w (used by the reference for single_word): Alphabetic, marks, decimal
-  // digits, connector punctuation and Join_Control.
+  // The reference checks single_word with Rust's \w (Alphabetic, marks, decimal digits,
+  // connector punctuation, Join_Control); text::Regex rewrites \w into exactly that class.
   if (any_single_word) {
-    impl->word_char = std::make_unique<text::Regex>(
-        "[\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}]", "single_word");
+    impl->word_char = std::make_unique<text::Regex>("\\w", "single_word");
   }
   for (int32_t id : impl->post.prefix) {
     if (id >= impl->size || impl->kind[static_cast<size_t>(id)] == 0) {

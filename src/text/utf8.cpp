@@ -190,15 +190,17 @@ std::string pcre2_message(int code) {
   return std::string(reinterpret_cast<const char*>(buffer), static_cast<size_t>(n));
 }
 
-// The reference runs Oniguruma, whose \s is exactly Unicode White_Space; PCRE2's \s under UCP
-// also matches U+180E (MONGOLIAN VOWEL SEPARATOR). To agree, \s and \S are rewritten into
-// explicit classes: outside a class \s -> [ws] and \S -> [^ws]; inside a class \s -> ws
-// (\S inside a class is left alone: no tokenizer pattern we know uses it).
+// The reference runs Oniguruma, whose Unicode \s is exactly White_Space and whose \w is
+// Alphabetic | Mark | Nd | Pc | Join_Control. PCRE2 10.42 under UCP differs (\s also matches
+// U+180E; \w is only L | N | _), so \s \S \w \W are rewritten into explicit classes:
+// outside a class \s -> [ws], \S -> [^ws] (same for \w); inside a class \s -> ws and
+// \w -> word items (\S and \W inside a class are left alone: no tokenizer pattern uses them).
 constexpr const char* kWhiteSpaceItems =
     "\\t\\n\\x{0B}\\f\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}"
     "\\x{202F}\\x{205F}\\x{3000}";
+constexpr const char* kWordItems = "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}\\x{200C}\\x{200D}";
 
-std::string rewrite_whitespace_classes(std::string_view p) {
+std::string rewrite_onig_classes(std::string_view p) {
   std::string out;
   out.reserve(p.size() + 64);
   bool in_class = false;
@@ -207,10 +209,13 @@ std::string rewrite_whitespace_classes(std::string_view p) {
     const char c = p[i];
     if (c == '\\' && i + 1 < p.size()) {
       const char n = p[i + 1];
-      if (n == 's') {
-        out += in_class ? std::string(kWhiteSpaceItems) : "[" + std::string(kWhiteSpaceItems) + "]";
-      } else if (n == 'S' && !in_class) {
-        out += "[^" + std::string(kWhiteSpaceItems) + "]";
+      const char* items = n == 's' || n == 'S'   ? kWhiteSpaceItems
+                          : n == 'w' || n == 'W' ? kWordItems
+                                                 : nullptr;
+      if (items && (n == 's' || n == 'w')) {
+        out += in_class ? std::string(items) : "[" + std::string(items) + "]";
+      } else if (items && !in_class) {  // \S or \W
+        out += "[^" + std::string(items) + "]";
       } else {
         out += c;
         out += n;
@@ -244,7 +249,7 @@ std::string rewrite_whitespace_classes(std::string_view p) {
 Regex::Regex(std::string_view original, std::string_view what) : what_(what) {
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
-  const std::string rewritten = rewrite_whitespace_classes(original);
+  const std::string rewritten = rewrite_onig_classes(original);
   const std::string_view pattern = rewritten;
   code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                         PCRE2_UTF | PCRE2_UCP, &error_code, &error_offset, nullptr);
