@@ -11,6 +11,9 @@
 #include "veloxquant/group_quant.h"
 
 #include <algorithm>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <string>
 #include <vector>
@@ -212,6 +215,81 @@ namespace {
 
 constexpr int kLanes = 16;  // rows quantized side by side
 
+// lo[r], scale[r] -> their values as stored in `meta` (what meta_round / meta_round_scale give,
+// with the hardware fp16 conversion where the build has F16C).
+void round_meta_lanes(float* lo, float* scale, MetaType meta) {
+  if (meta == MetaType::kF32) return;
+#if defined(__F16C__) && defined(__AVX__)
+  if (meta == MetaType::kF16) {
+    // Saturate to +-65504 (max/min return their second operand for NaN: NaN passes through).
+    const __m256 hi = _mm256_set1_ps(65504.0f), lo_lim = _mm256_set1_ps(-65504.0f);
+    const __m256 tiny = _mm256_set1_ps(0x1p-24f);
+    for (int r = 0; r < kLanes; r += 8) {
+      __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo_lim, _mm256_loadu_ps(lo + r)));
+      v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm256_storeu_ps(lo + r, v);
+      __m256 w = _mm256_min_ps(hi, _mm256_max_ps(lo_lim, _mm256_loadu_ps(scale + r)));
+      w = _mm256_cvtph_ps(_mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // rounded >= 2^-24 ? rounded : 2^-24 (a NaN gives the floor, as in meta_round_scale).
+      w = _mm256_blendv_ps(tiny, w, _mm256_cmp_ps(w, tiny, _CMP_GE_OQ));
+      _mm256_storeu_ps(scale + r, w);
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < kLanes; ++r) {
+    lo[r] = meta_round(lo[r], meta);
+    scale[r] = meta_round_scale(scale[r], meta);
+  }
+}
+
+// The alpha search of one group for kLanes rows side by side. All NA candidates are evaluated in
+// the same pass over the elements: NA independent error chains per lane (the sum order of each
+// stays the element order, as in the reference) instead of one latency-bound chain at a time.
+template <int NA>
+void search_alphas(const float* tile, int64_t g, const float* mid, const float* rng,
+                   const AlphaSet& al, float levels, MetaType meta, float* best_lo,
+                   float* best_sc) {
+  alignas(64) float l[NA][kLanes], s[NA][kLanes], err[NA][kLanes];
+  for (int k = 0; k < NA; ++k) {
+    const float a = al.a[k];
+    for (int r = 0; r < kLanes; ++r) {
+      l[k][r] = mid[r] - a * rng[r] / 2.0f;
+      const float sc = a * rng[r] / levels;
+      s[k][r] = sc < kScaleFloor ? kScaleFloor : sc;
+      err[k][r] = 0.0f;
+    }
+    round_meta_lanes(l[k], s[k], meta);
+  }
+  for (int64_t i = 0; i < g; ++i) {
+    const float* trow = tile + i * kLanes;
+    for (int k = 0; k < NA; ++k)
+      for (int r = 0; r < kLanes; ++r) {
+        float t = (trow[r] - l[k][r]) / s[k][r];
+        t = t > 0.0f ? t : 0.0f;
+        t = t < levels ? t : levels;
+        t = (t + 0x1p23f) - 0x1p23f;
+        const float e = (t * s[k][r] + l[k][r]) - trow[r];
+        err[k][r] += e * e;
+      }
+  }
+  alignas(64) float best_err[kLanes];
+  for (int r = 0; r < kLanes; ++r) {
+    best_err[r] = err[0][r] / static_cast<float>(g);
+    best_lo[r] = l[0][r];
+    best_sc[r] = s[0][r];
+  }
+  for (int k = 1; k < NA; ++k)
+    for (int r = 0; r < kLanes; ++r) {
+      const float e = err[k][r] / static_cast<float>(g);
+      if (e < best_err[r]) {  // strict: ties keep the earlier alpha
+        best_err[r] = e;
+        best_lo[r] = l[k][r];
+        best_sc[r] = s[k][r];
+      }
+    }
+}
+
 // Quantizes rows [r0, r0 + m) (m <= kLanes) of x. tile: scratch [g][kLanes].
 void quantize_tile(const float* x, int64_t r0, int64_t m, int64_t d, const GroupQuantParams& p,
                    const AlphaSet& al, float levels, float* tile, uint8_t* codes, float* lo,
@@ -227,8 +305,7 @@ void quantize_tile(const float* x, int64_t r0, int64_t m, int64_t d, const Group
       for (int r = 0; r < kLanes; ++r) trow[r] = x[(r0 + std::min<int64_t>(r, m - 1)) * d + c];
     }
     alignas(64) float mn[kLanes], mx[kLanes], mid[kLanes], rng[kLanes];
-    alignas(64) float l[kLanes], s[kLanes], err[kLanes];
-    alignas(64) float best_err[kLanes] = {}, best_lo[kLanes] = {}, best_sc[kLanes] = {};
+    alignas(64) float best_lo[kLanes] = {}, best_sc[kLanes] = {};
     for (int r = 0; r < kLanes; ++r) mn[r] = mx[r] = tile[r];
     for (int64_t i = 1; i < g; ++i) {
       const float* trow = tile + i * kLanes;
@@ -241,30 +318,10 @@ void quantize_tile(const float* x, int64_t r0, int64_t m, int64_t d, const Group
       mid[r] = (mx[r] + mn[r]) / 2.0f;
       rng[r] = mx[r] - mn[r];
     }
-    for (int k = 0; k < al.n; ++k) {
-      for (int r = 0; r < kLanes; ++r)
-        alpha_meta(mid[r], rng[r], al.a[k], levels, p.meta, &l[r], &s[r]);
-      for (int r = 0; r < kLanes; ++r) err[r] = 0.0f;
-      for (int64_t i = 0; i < g; ++i) {
-        const float* trow = tile + i * kLanes;
-        for (int r = 0; r < kLanes; ++r) {
-          float t = (trow[r] - l[r]) / s[r];
-          t = t > 0.0f ? t : 0.0f;
-          t = t < levels ? t : levels;
-          t = (t + 0x1p23f) - 0x1p23f;
-          const float e = (t * s[r] + l[r]) - trow[r];
-          err[r] += e * e;
-        }
-      }
-      for (int r = 0; r < kLanes; ++r) {
-        const float e = err[r] / static_cast<float>(g);
-        if (k == 0 || e < best_err[r]) {
-          best_err[r] = e;
-          best_lo[r] = l[r];
-          best_sc[r] = s[r];
-        }
-      }
-    }
+    if (al.n == 5)
+      search_alphas<5>(tile, g, mid, rng, al, levels, p.meta, best_lo, best_sc);
+    else
+      search_alphas<1>(tile, g, mid, rng, al, levels, p.meta, best_lo, best_sc);
     for (int64_t r = 0; r < m; ++r) {
       lo[(r0 + r) * n_groups + gi] = best_lo[r];
       scale[(r0 + r) * n_groups + gi] = best_sc[r];

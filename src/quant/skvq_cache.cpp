@@ -9,6 +9,9 @@
 #include "veloxquant/skvq_cache.h"
 
 #include <algorithm>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -49,6 +52,29 @@ int64_t round_up(int64_t x, int64_t m) {
 }
 
 }  // namespace
+
+void fast_to_f32(const void* src, DType t, float* dst, size_t n) {
+  if (t == DType::kF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    size_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+#endif
+    for (; i < n; ++i) dst[i] = fp16_to_f32(s[i]);
+    return;
+  }
+  if (t == DType::kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+    return;
+  }
+  to_f32(src, t, dst, n);
+}
 
 void convert_row_to(const void* src, DType src_t, void* dst, DType dst_t, int64_t n) {
   convert_row(src, src_t, dst, dst_t, static_cast<size_t>(n));
@@ -531,14 +557,15 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
   // Row at position p of (b, h) in the storage dtype, as fp32.
   auto row_f32 = [&](int64_t b, int64_t h, int64_t p, float* out, std::vector<char>& tmp) {
     if (p < st.offset) {
-      to_f32(st.tail.k_row(b, h, p - st.q_end), st.dtype, out, static_cast<size_t>(d));
-      to_f32(st.tail.v_row(b, h, p - st.q_end), st.dtype, out + d, static_cast<size_t>(d));
+      skvq::fast_to_f32(st.tail.k_row(b, h, p - st.q_end), st.dtype, out, static_cast<size_t>(d));
+      skvq::fast_to_f32(st.tail.v_row(b, h, p - st.q_end), st.dtype, out + d,
+                        static_cast<size_t>(d));
     } else {
       tmp.resize(static_cast<size_t>(d) * es);
       skvq::view_row_to(keys, b, h, p - st.offset, tmp.data(), st.dtype);
-      to_f32(tmp.data(), st.dtype, out, static_cast<size_t>(d));
+      skvq::fast_to_f32(tmp.data(), st.dtype, out, static_cast<size_t>(d));
       skvq::view_row_to(values, b, h, p - st.offset, tmp.data(), st.dtype);
-      to_f32(tmp.data(), st.dtype, out + d, static_cast<size_t>(d));
+      skvq::fast_to_f32(tmp.data(), st.dtype, out + d, static_cast<size_t>(d));
     }
   };
 

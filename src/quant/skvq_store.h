@@ -119,6 +119,9 @@ struct FpRows {
   void load(StateReader& r, const char* op);
 };
 
+// n elements of type t -> fp32, with the hardware fp16 conversion where the build has F16C
+// (exact either way: every fp16 / bf16 value is an fp32 value).
+void fast_to_f32(const void* src, DType t, float* dst, size_t n);
 // Converts element row src (n values of src_t) to dst_t through fp32 when the types differ.
 void convert_row_to(const void* src, DType src_t, void* dst, DType dst_t, int64_t n);
 // Row (b, h, s) of a [B, H, S, D] view (any strides) converted to dst_t.

@@ -281,8 +281,8 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
       for (int64_t b = 0; b < bsz; ++b)
         for (int64_t j = 0; j < w; ++j) {
           const auto [kp, vp] = frame_fp_row(b, h, j);
-          to_f32(kp, st.dtype, kr.data() + (b * w + j) * d, static_cast<size_t>(d));
-          to_f32(vp, st.dtype, vr.data() + (b * w + j) * d, static_cast<size_t>(d));
+          skvq::fast_to_f32(kp, st.dtype, kr.data() + (b * w + j) * d, static_cast<size_t>(d));
+          skvq::fast_to_f32(vp, st.dtype, vr.data() + (b * w + j) * d, static_cast<size_t>(d));
         }
       const auto a = skvq::channel_range_perm(kr.data(), bsz * w, d);
       const auto v = skvq::channel_range_perm(vr.data(), bsz * w, d);
@@ -324,14 +324,15 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
             for (int64_t j = 0; j < n; ++j) {
               float* out = frame.data() + j * d;
               if (j < n_s) {
-                to_f32(st.sinks.k_row(b, h, j), st.dtype, out, static_cast<size_t>(d));
+                skvq::fast_to_f32(st.sinks.k_row(b, h, j), st.dtype, out, static_cast<size_t>(d));
                 pos[j] = static_cast<int32_t>(j);
               } else if (j < n_s + n_p) {
                 const auto [bi, i] = pmap[static_cast<size_t>(j - n_s)];
                 dequantize_row(st.blocks[bi]->seg.keys, b, h, i, out);
                 pos[j] = block_pos(*st.blocks[bi], bh, i);
               } else {
-                to_f32(st.tail.k_row(b, h, j - n_s - n_p), st.dtype, out, static_cast<size_t>(d));
+                skvq::fast_to_f32(st.tail.k_row(b, h, j - n_s - n_p), st.dtype, out,
+                                  static_cast<size_t>(d));
                 pos[j] = st.tail.position(b, h, j - n_s - n_p);
               }
             }
@@ -420,8 +421,10 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
             vr.resize(kr.size());
             for (int64_t e = 0; e < early; ++e) {
               const int64_t t = sel[i + e] - n_s - n_p;
-              to_f32(st.tail.k_row(b, h, t), st.dtype, kr.data() + e * d, static_cast<size_t>(d));
-              to_f32(st.tail.v_row(b, h, t), st.dtype, vr.data() + e * d, static_cast<size_t>(d));
+              skvq::fast_to_f32(st.tail.k_row(b, h, t), st.dtype, kr.data() + e * d,
+                                static_cast<size_t>(d));
+              skvq::fast_to_f32(st.tail.v_row(b, h, t), st.dtype, vr.data() + e * d,
+                                static_cast<size_t>(d));
               blk2->pos[static_cast<size_t>(bh * p2 + at + e)] = st.tail.position(b, h, t);
             }
             skvq::quantize_head_rows(kr.data(), early, h, s, st.tr, false,
@@ -469,8 +472,10 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
       for (int64_t bh = 0; bh < bh_total; ++bh) {
         const int64_t b = bh / heads, h = bh % heads;
         for (int64_t i = 0; i < w; ++i) {
-          to_f32(st.tail.k_row(b, h, i), st.dtype, kr.data() + i * d, static_cast<size_t>(d));
-          to_f32(st.tail.v_row(b, h, i), st.dtype, vr.data() + i * d, static_cast<size_t>(d));
+          skvq::fast_to_f32(st.tail.k_row(b, h, i), st.dtype, kr.data() + i * d,
+                            static_cast<size_t>(d));
+          skvq::fast_to_f32(st.tail.v_row(b, h, i), st.dtype, vr.data() + i * d,
+                            static_cast<size_t>(d));
           blk->pos[static_cast<size_t>(bh * w + i)] = st.tail.position(b, h, i);
         }
         skvq::quantize_head_rows(kr.data(), w, h, s, st.tr, false,
