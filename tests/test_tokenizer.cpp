@@ -145,12 +145,17 @@ TEST_P(TokenizerGolden, MatchesReference) {
     SCOPED_TRACE("text: \"" + text.substr(0, 80) + "\"");
     const std::vector<int32_t> ids = to_ids(c.at("ids"));
     const std::vector<int32_t> ids_special = to_ids(c.at("ids_special"));
-    const std::string decoded = c.at("decoded").get<std::string>();
+    // "decoded" is omitted where the reference round-trips (decoded == text), "decoded_skip"
+    // where it equals "decoded".
+    const bool roundtrip = !c.contains("decoded");
+    const std::string decoded = roundtrip ? text : c.at("decoded").get<std::string>();
+    const std::string decoded_skip =
+        c.contains("decoded_skip") ? c.at("decoded_skip").get<std::string>() : decoded;
     EXPECT_EQ(tok.encode(text, false), ids);
     EXPECT_EQ(tok.encode(text, true), ids_special);
     EXPECT_EQ(tok.decode(ids), decoded);
-    EXPECT_EQ(tok.decode(ids_special, true), c.at("decoded_skip").get<std::string>());
-    if (c.at("roundtrip").get<bool>()) {
+    EXPECT_EQ(tok.decode(ids_special, true), decoded_skip);
+    if (roundtrip) {
       ++n_roundtrip;
       EXPECT_EQ(tok.decode(tok.encode(text, false)), text);
     }
