@@ -355,6 +355,33 @@ TEST(GroupQuant, AlphaOneErrorBoundHalfScale) {
     }
 }
 
+// alpha = 1 is plain asymmetric min/max quantization (lo = min, scale = (max - min)/levels) up to
+// fp32 rounding of mid -/+ rng/2: codes agree on > 99.9% of elements and never differ by more
+// than one step.
+TEST(GroupQuant, AlphaOneMatchesPlainMinMax) {
+  const int64_t n = 512, d = 64, gs = 16;
+  const auto x = heterogeneous(n, d, 31);
+  GroupQuantParams p{3, gs, false, 1.0f, MetaType::kF32};
+  const Quantized q = run_opt(x, n, d, p);
+  int64_t same = 0;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      const int64_t g0 = c / gs * gs;
+      float mn = x[r * d + g0], mx = mn;
+      for (int64_t i = g0; i < g0 + gs; ++i) {
+        mn = std::min(mn, x[r * d + i]);
+        mx = std::max(mx, x[r * d + i]);
+      }
+      const float sc = std::max((mx - mn) / 7.0f, 1e-8f);
+      const int plain =
+          static_cast<int>(std::clamp(std::nearbyint((x[r * d + c] - mn) / sc), 0.0f, 7.0f));
+      const int got = q.codes[r * d + c];
+      ASSERT_LE(std::abs(got - plain), 1);
+      same += got == plain;
+    }
+  EXPECT_GT(double(same) / double(n * d), 0.999);
+}
+
 // Per-group mean squared error in element order (the quantizer's own criterion, pad included).
 std::vector<float> group_mse(const std::vector<float>& x, const Quantized& q, int64_t n, int64_t d,
                              int64_t gs) {

@@ -334,6 +334,22 @@ TEST(SnapkvSkvq, FiguresAndMask) {
   EXPECT_EQ(m.n_keys, 67);
 }
 
+// Full-precision rows follow snap_dtype: bf16 stays bf16, fp16 and fp32 input are held in fp16.
+TEST(SnapkvSkvq, StorageDtypeFollowsSnapDtype) {
+  for (DType t : {DType::kBF16, DType::kF16, DType::kF32}) {
+    auto c = std::make_unique<SnapkvSkvqCache>(both_cfg());
+    const Tensor k = rnd(1, 2, 40, 64, 120, t);
+    const CacheView view = c->update_and_fetch(k.view(), k.view());
+    const DType want = t == DType::kBF16 ? DType::kBF16 : DType::kF16;
+    EXPECT_EQ(c->storage_dtype(), want);
+    for (const auto& seg : view.segments) {
+      if (!seg.packed) {
+        EXPECT_EQ(seg.keys.dtype, want);
+      }
+    }
+  }
+}
+
 TEST(SnapkvSkvq, SaveLoadContinuesBitIdentically) {
   CacheConfig cfg = both_cfg();
   const Tensor k = rnd(2, 2, 260, 64, 100), v = rnd(2, 2, 260, 64, 101);
