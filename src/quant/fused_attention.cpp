@@ -30,6 +30,11 @@
 #include "veloxquant/hadamard.h"
 #include "veloxquant/packed.h"
 
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on their own internal
+// "undefined" vectors (_mm512_reduce_add_ps, _mm512_setr_epi32, ...): the warning is about the
+// headers, so it is off for this file's kernels.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 namespace vq {
 namespace {
 
@@ -53,6 +58,28 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 // x; AVX2 accumulators (8 lanes) are reduced with horizontal adds.
 void dot_many(const float* __restrict q, int64_t n_q, const float* __restrict x, int64_t n,
               float* __restrict out) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {  // same scheme, 16 lanes, reduced by the compiler's add tree
+    for (int64_t m = 0; m < n_q; m += 4) {
+      const float* q0 = q + m * n;
+      const float* q1 = q + std::min(m + 1, n_q - 1) * n;
+      const float* q2 = q + std::min(m + 2, n_q - 1) * n;
+      const float* q3 = q + std::min(m + 3, n_q - 1) * n;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + i), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + i), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + i), xv, a3);
+      }
+      const float r[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
+                          _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
+      for (int64_t j = 0; j < 4 && m + j < n_q; ++j) out[m + j] = r[j];
+    }
+    return;
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 8 == 0) {
     // Queries past n_q repeat the last one, so every query gets the same arithmetic whatever
@@ -86,6 +113,25 @@ void dot_many(const float* __restrict q, int64_t n_q, const float* __restrict x,
 void accumulate_tile(float* __restrict acc, const float* __restrict p, const float* __restrict v,
                      const int32_t* rows, int64_t n_rows, int64_t d) {
   int64_t c = 0;
+#if defined(__AVX512F__)
+  for (; c + 64 <= d; c += 64) {
+    __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
+    __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t t = rows[r];
+      const float* vr = v + t * d + c;
+      const __m512 pv = _mm512_set1_ps(p[t]);
+      a0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr), a0);
+      a1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 16), a1);
+      a2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 32), a2);
+      a3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 48), a3);
+    }
+    _mm512_storeu_ps(acc + c, a0);
+    _mm512_storeu_ps(acc + c + 16, a1);
+    _mm512_storeu_ps(acc + c + 32, a2);
+    _mm512_storeu_ps(acc + c + 48, a3);
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   for (; c + 32 <= d; c += 32) {
     __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
@@ -207,10 +253,6 @@ const Luts& luts() {
   return l;
 }
 
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on their own internal
-// "undefined" vectors; the warning is about the headers, not this code.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #if defined(__AVX512F__)
 // B-bit codes (B in 1, 2, 4, 8), 16 per step: broadcast the 2B bytes, shift each lane to its
 // code, mask, convert, scale. Groups of g (a multiple of 16) share one scale.
@@ -289,9 +331,24 @@ void unpack_scaled(const uint8_t* rec, const PackedRowFormat& f, float* __restri
                    float* __restrict lo) {
   const int64_t d = f.head_dim, g = f.group_size;
   const void* meta = rec + f.code_bytes;
-  float sc[1024];  // scales (n_groups <= d <= 65536: larger rows take the generic loop below)
+  alignas(64) float sc[1024];  // scales (more than 1024 groups take the generic loop below)
   const bool small = f.n_groups <= 1024;
-  for (int32_t gi = 0; gi < f.n_groups; ++gi) {
+  int32_t gi = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  if (f.meta == MetaType::kF16 && small) {  // 4 (lo, scale) pairs per conversion
+    const uint16_t* mh = static_cast<const uint16_t*>(meta);
+    for (; gi + 4 <= f.n_groups; gi += 4) {
+      alignas(32) float pair[8];
+      _mm256_store_ps(
+          pair, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + 2 * gi))));
+      for (int j = 0; j < 4; ++j) {
+        lo[gi + j] = pair[2 * j];
+        sc[gi + j] = pair[2 * j + 1];
+      }
+    }
+  }
+#endif
+  for (; gi < f.n_groups; ++gi) {
     lo[gi] = meta_value(meta, 2 * gi, f.meta);
     if (small) sc[gi] = meta_value(meta, 2 * gi + 1, f.meta);
   }
@@ -350,7 +407,6 @@ void unpack_scaled(const uint8_t* rec, const PackedRowFormat& f, float* __restri
     out[i] = c * s;
   }
 }
-#pragma GCC diagnostic pop
 
 // ---- transform classes -----------------------------------------------------------------------
 
