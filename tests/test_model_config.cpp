@@ -123,6 +123,11 @@ TEST(ModelConfig, UnknownAndMalformedRefused) {
                  {"hidden_size", "positive integer", "\"64\""});
   expect_refused("{" + base + R"(,"hidden_size":-64,"num_attention_heads":4})",
                  {"hidden_size", "-64"});
+  expect_refused("{" + base + R"(,"hidden_size":2097152,"num_attention_heads":4})",
+                 {"hidden_size", "<= 1048576", "2097152"});
+  expect_refused(R"({"model_type":"llama","vocab_size":4294967296,"hidden_size":64,
+    "intermediate_size":32,"num_hidden_layers":1,"num_attention_heads":4})",
+                 {"vocab_size", "<= 2147483647"});
   expect_refused("{" + base + R"(,"hidden_size":64,"num_attention_heads":4,
     "num_key_value_heads":3})",
                  {"num_key_value_heads", "divisor of num_attention_heads (4)", "3"});

@@ -6,6 +6,7 @@
 // expected: "[model_config] config.json: num_attention_heads: expected a positive integer but
 // got "x"".
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -34,15 +35,21 @@ struct Reader {
   bool has(const json& obj, const std::string& key) const {
     return obj.contains(key) && !obj[key].is_null();
   }
-  int64_t positive_int(const json& obj, const std::string& key, const std::string& field) const {
+  // Sizes are capped far above any real model (2^31 for vocab and positions, 2^20 for widths,
+  // 2^16 for layers and heads) so nothing downstream allocates from a hostile config.
+  int64_t positive_int(const json& obj, const std::string& key, const std::string& field,
+                       int64_t max = int64_t{1} << 31) const {
     if (!has(obj, key)) fail(field, "expected a positive integer but it is missing");
     const json& v = obj[key];
-    if (!v.is_number_integer() || v.get<int64_t>() <= 0 || v.get<int64_t>() > (int64_t{1} << 40))
+    if (!v.is_number_integer() || v.get<int64_t>() <= 0)
       fail(field, "expected a positive integer but got " + shown(v));
+    if (v.get<int64_t>() > max)
+      fail(field, "expected a positive integer <= " + std::to_string(max) + " but got " + shown(v));
     return v.get<int64_t>();
   }
-  int64_t positive_int_or(const json& obj, const std::string& key, int64_t dflt) const {
-    return has(obj, key) ? positive_int(obj, key, key) : dflt;
+  int64_t positive_int_or(const json& obj, const std::string& key, int64_t dflt,
+                          int64_t max = int64_t{1} << 31) const {
+    return has(obj, key) ? positive_int(obj, key, key, max) : dflt;
   }
   double number_or(const json& obj, const std::string& key, double dflt, const std::string& field,
                    bool positive = true) const {
@@ -146,18 +153,19 @@ ModelConfig model_config_from_json(const std::string& text, const std::string& o
   if (!known)
     r.fail("model_type", "expected one of " + supported + " but got \"" + c.model_type + "\"");
 
-  c.vocab_size = r.positive_int(root, "vocab_size", "vocab_size");
-  c.hidden_size = r.positive_int(root, "hidden_size", "hidden_size");
-  c.intermediate_size = r.positive_int(root, "intermediate_size", "intermediate_size");
-  c.n_layers = r.positive_int(root, "num_hidden_layers", "num_hidden_layers");
-  c.n_heads = r.positive_int(root, "num_attention_heads", "num_attention_heads");
-  c.n_kv_heads = r.positive_int_or(root, "num_key_value_heads", c.n_heads);
+  c.vocab_size = r.positive_int(root, "vocab_size", "vocab_size", INT32_MAX);
+  constexpr int64_t kWidth = int64_t{1} << 20, kCount = int64_t{1} << 16;
+  c.hidden_size = r.positive_int(root, "hidden_size", "hidden_size", kWidth);
+  c.intermediate_size = r.positive_int(root, "intermediate_size", "intermediate_size", kWidth);
+  c.n_layers = r.positive_int(root, "num_hidden_layers", "num_hidden_layers", kCount);
+  c.n_heads = r.positive_int(root, "num_attention_heads", "num_attention_heads", kCount);
+  c.n_kv_heads = r.positive_int_or(root, "num_key_value_heads", c.n_heads, kCount);
   if (c.n_heads % c.n_kv_heads != 0)
     r.fail("num_key_value_heads", "expected a divisor of num_attention_heads (" +
                                       std::to_string(c.n_heads) + ") but got " +
                                       std::to_string(c.n_kv_heads));
   if (r.has(root, "head_dim")) {
-    c.head_dim = r.positive_int(root, "head_dim", "head_dim");
+    c.head_dim = r.positive_int(root, "head_dim", "head_dim", kWidth);
   } else {
     if (c.hidden_size % c.n_heads != 0)
       r.fail("hidden_size", "expected a multiple of num_attention_heads (" +
