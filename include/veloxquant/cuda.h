@@ -88,14 +88,17 @@ class DeviceBuffer {
 // One run of rows shared by every (b, h), on the device.
 struct DeviceSegment {
   int64_t n_rows = 0;
-  const int32_t* positions = nullptr;  // device [B, H, n_rows], or nullptr: first_pos + i
+  // Rows allocated per (b, h): rows, records and positions of (b, h) start at (b*H + h)*capacity
+  // (0 = n_rows). Lets a view use the first n_rows of a larger buffer.
+  int64_t capacity = 0;
+  const int32_t* positions = nullptr;  // device [B, H, capacity], or nullptr: first_pos + i
   int64_t first_pos = 0;
   bool packed = false;
-  // Full precision: keys/values device [B, H, n_rows, D] contiguous, dtype f16, bf16 or f32.
+  // Full precision: keys/values device [B, H, capacity, D] contiguous, dtype f16, bf16 or f32.
   DType dtype = DType::kF16;
   const void* keys = nullptr;
   const void* values = nullptr;
-  // Packed (packed.h record format): record (b, h, i) at data + ((b*H + h)*n_rows + i)*row_stride
+  // Packed (packed.h record format): record (b, h, i) at data + ((b*H + h)*capacity + i)*row_stride
   // bytes; perm / signs device [H, D] or nullptr (stored channel j = rotated channel perm[j]).
   PackedRowFormat k_fmt, v_fmt;
   const uint8_t* k_data = nullptr;

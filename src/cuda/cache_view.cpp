@@ -39,6 +39,9 @@ DeviceCacheView::DeviceCacheView(int64_t batch, int64_t n_kv_heads, int64_t head
 void DeviceCacheView::add_segment(const DeviceSegment& seg, std::vector<DeviceBuffer> owned) {
   VQ_CHECK(seg.n_rows >= 0,
            "[cuda::DeviceCacheView] expected n_rows >= 0 but got " + std::to_string(seg.n_rows));
+  VQ_CHECK(seg.capacity == 0 || seg.capacity >= seg.n_rows,
+           "[cuda::DeviceCacheView] expected capacity 0 or >= n_rows but got " +
+               std::to_string(seg.capacity));
   if (seg.packed) {
     VQ_CHECK(seg.k_fmt.head_dim == head_dim_ && seg.v_fmt.head_dim == head_dim_,
              "[cuda::DeviceCacheView] expected packed formats of head_dim " +

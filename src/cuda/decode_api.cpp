@@ -95,6 +95,10 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
                  " non-empty segments but got more (merge them on upload)");
     DecodeSegmentParams& d = dp.seg[dp.n_segments++];
     d.n_rows = sg.n_rows;
+    d.capacity = sg.capacity > 0 ? sg.capacity : sg.n_rows;
+    VQ_CHECK(d.capacity >= d.n_rows, "[decode_attention] expected capacity >= n_rows but got " +
+                                         std::to_string(d.capacity) + " < " +
+                                         std::to_string(d.n_rows));
     d.first_pos = sg.first_pos;
     d.positions = sg.positions;
     if (sg.packed) {

@@ -22,8 +22,9 @@ struct DecodeSegmentParams {
   int dtype = 1;                       // full precision: 0 f32, 1 f16, 2 bf16 (vq::DType values)
   int64_t n_rows = 0;                  // rows per (b, h)
   int64_t first_pos = 0;               // implicit positions first_pos + i when positions == nullptr
-  const int32_t* positions = nullptr;  // [B, H, n_rows] or nullptr
-  const uint8_t* k = nullptr;          // row (b, h, i) at k + ((b*H + h)*n_rows + i)*k_row_bytes
+  int64_t capacity = 0;                // rows allocated per (b, h) (>= n_rows)
+  const int32_t* positions = nullptr;  // [B, H, capacity] or nullptr
+  const uint8_t* k = nullptr;          // row (b, h, i) at k + ((b*H + h)*capacity + i)*k_row_bytes
   const uint8_t* v = nullptr;
   int32_t k_row_bytes = 0;  // D*elem_size, or the packed record stride
   int32_t v_row_bytes = 0;

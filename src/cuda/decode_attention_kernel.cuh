@@ -263,9 +263,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r_end = min64(sg.n_rows, r_begin + sg.rows_per_split);
   const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
   const int krb = sg.k_row_bytes, vrb = sg.v_row_bytes, TR = sg.tile_rows;
-  const uint8_t* kbase = sg.k + bh * sg.n_rows * krb;
-  const uint8_t* vbase = sg.v + bh * sg.n_rows * vrb;
-  const int32_t* pos = sg.positions ? sg.positions + bh * sg.n_rows : nullptr;
+  const uint8_t* kbase = sg.k + bh * sg.capacity * krb;
+  const uint8_t* vbase = sg.v + bh * sg.capacity * vrb;
+  const int32_t* pos = sg.positions ? sg.positions + bh * sg.capacity : nullptr;
 
   // ---- queries of the G heads of this kv head, transformed for packed keys, into registers
   const float* qg = p.q + (bh * G) * D;

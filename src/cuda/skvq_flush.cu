@@ -3,7 +3,7 @@
 // group_quantize_reference / fwht_normalized, so nvcc can neither contract a multiply-add into an
 // FMA nor reorder anything; comparisons replicate the CPU's ternaries (NaN behaviour included).
 //
-// Quantize: a block stages kRows rows in shared memory as fp32 [kRows][D], rotates them
+// Quantize: a block stages R rows in shared memory as fp32 [R][D + 1], rotates them
 // (signs, butterflies of span 1, 2, 4, ... within each rot_block, then * norm), gathers the
 // permutation into a second buffer, quantizes one (row, group) per thread (clip search over the
 // alpha grid with metadata rounded as stored), then writes each record byte by one thread (codes
@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <string>
 
 #include "cuda/check.h"
@@ -22,7 +23,6 @@ namespace vq::cuda {
 
 namespace {
 
-constexpr int kRows = 16;
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
@@ -91,19 +91,21 @@ __device__ __forceinline__ float quant_code(float x, float lo, float scale, floa
 }
 
 __global__ void __launch_bounds__(kThreads)
-    skvq_quantize_kernel(const __grid_constant__ SkvqQuantParams p) {
+    skvq_quantize_kernel(const __grid_constant__ SkvqQuantParams p, int rows_per_block) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const int D = p.head_dim, NG = p.n_groups;
-  float* x = reinterpret_cast<float*>(smem);                      // [kRows][D]
-  float* t = x + kRows * D;                                       // [kRows][D] stored order
-  float* mlo = t + kRows * D;                                     // [kRows][NG]
-  float* msc = mlo + kRows * NG;                                  // [kRows][NG]
-  uint8_t* codes = reinterpret_cast<uint8_t*>(msc + kRows * NG);  // [kRows][D]
+  const int D = p.head_dim, NG = p.n_groups, R = rows_per_block;
+  const int DP = D + 1;  // padded rows: threads on consecutive rows hit consecutive banks
+  float* x = reinterpret_cast<float*>(smem);  // [R][DP] original order, then rotated
+  float* t = x + R * DP;                      // [R][DP] stored order
+  float* mlo = t + R * DP;                    // [R][NG]
+  float* msc = mlo + R * NG;                  // [R][NG]
+  uint8_t* codes = reinterpret_cast<uint8_t*>(msc + R * NG);  // [R][D]
   const int tid = threadIdx.x;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  const int nr = static_cast<int>(p.n_rows_total - row0 < kRows ? p.n_rows_total - row0 : kRows);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * R;
+  const int nr = static_cast<int>(p.n_rows_total - row0 < R ? p.n_rows_total - row0 : R);
 
-  for (int i = tid; i < nr * D; i += kThreads) x[i] = load_elem(p.rows, p.dtype, row0 * D + i);
+  for (int i = tid; i < nr * D; i += kThreads)
+    x[(i / D) * DP + i % D] = load_elem(p.rows, p.dtype, row0 * D + i);
   __syncthreads();
   auto head_of = [&](int r) {
     return static_cast<int>(((row0 + r) / p.rows_per_head) % p.n_heads);
@@ -111,26 +113,28 @@ __global__ void __launch_bounds__(kThreads)
   if (p.signs) {  // hadamard_rotate: x *= signs, then fwht_normalized
     for (int i = tid; i < nr * D; i += kThreads) {
       const int r = i / D, c = i % D;
-      x[i] = __fmul_rn(x[i], p.signs[static_cast<int64_t>(head_of(r)) * D + c]);
+      x[r * DP + c] = __fmul_rn(x[r * DP + c], p.signs[static_cast<int64_t>(head_of(r)) * D + c]);
     }
     __syncthreads();
     for (int span = 1; span < p.rot_block; span *= 2) {
       for (int i = tid; i < nr * D / 2; i += kThreads) {
         const int r = i / (D / 2), jj = i % (D / 2);
         const int lo = (jj / span) * 2 * span + (jj % span);
-        float* v = x + r * D;
+        float* v = x + r * DP;
         const float a = v[lo], c = v[lo + span];
         v[lo] = __fadd_rn(a, c);
         v[lo + span] = __fsub_rn(a, c);
       }
       __syncthreads();
     }
-    for (int i = tid; i < nr * D; i += kThreads) x[i] = __fmul_rn(x[i], p.rot_norm);
+    for (int i = tid; i < nr * D; i += kThreads)
+      x[(i / D) * DP + i % D] = __fmul_rn(x[(i / D) * DP + i % D], p.rot_norm);
     __syncthreads();
   }
   for (int i = tid; i < nr * D; i += kThreads) {
     const int r = i / D, c = i % D;
-    t[i] = p.perm ? x[r * D + p.perm[static_cast<int64_t>(head_of(r)) * D + c]] : x[i];
+    t[r * DP + c] =
+        p.perm ? x[r * DP + p.perm[static_cast<int64_t>(head_of(r)) * D + c]] : x[r * DP + c];
   }
   __syncthreads();
 
@@ -138,8 +142,8 @@ __global__ void __launch_bounds__(kThreads)
   const int g = p.group_size;
   const float levels = p.levels;
   for (int item = tid; item < nr * NG; item += kThreads) {
-    const int r = item / NG, gi = item % NG;
-    const float* row = t + r * D;
+    const int gi = item / nr, r = item % nr;  // group-major: a warp reads 32 different rows
+    const float* row = t + r * DP;
     const int c0 = gi * g;
     auto elem = [&](int i) { return row[c0 + i < D ? c0 + i : D - 1]; };  // ragged pad
     float gmin = elem(0), gmax = elem(0);
@@ -255,14 +259,17 @@ __global__ void skvq_perm_kernel(const __grid_constant__ SkvqPermParams p) {
 void skvq_quantize_launch(const SkvqQuantParams& p, cudaStream_t s) {
   if (p.n_rows_total == 0) return;
   const int D = p.head_dim, NG = p.n_groups;
-  const size_t smem = static_cast<size_t>(kRows) * (2 * D + 2 * NG) * 4 + kRows * D;
+  // About one (row, group) item per thread, 16..128 rows per block.
+  const int rows = std::min(128, std::max(16, kThreads / NG));
+  const size_t smem =
+      static_cast<size_t>(rows) * (2 * (D + 1) + 2 * NG) * 4 + static_cast<size_t>(rows) * D;
   VQ_CHECK(smem <= 200 * 1024,
-           "[skvq_quantize_rows] expected head_dim <= 2048 but got " + std::to_string(D));
+           "[skvq_quantize_rows] expected head_dim <= 256 but got " + std::to_string(D));
   VQ_CUDA_CHECK(cudaFuncSetAttribute(
       skvq_quantize_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const int64_t blocks = (p.n_rows_total + kRows - 1) / kRows;
+  const int64_t blocks = (p.n_rows_total + rows - 1) / rows;
   VQ_CHECK(blocks < (int64_t{1} << 31), "[skvq_quantize_rows] expected fewer rows");
-  skvq_quantize_kernel<<<static_cast<unsigned>(blocks), kThreads, smem, s>>>(p);
+  skvq_quantize_kernel<<<static_cast<unsigned>(blocks), kThreads, smem, s>>>(p, rows);
   VQ_CUDA_LAUNCH_CHECK(skvq_quantize_kernel);
 }
 

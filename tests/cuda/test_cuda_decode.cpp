@@ -1,0 +1,501 @@
+// GPU tests of fused decode attention (vq::cuda::decode_attention) against the CPU oracle
+// attention_reference over the same cache view, dequantized on the host with the public
+// dequantize_row (packed.h) where it is packed. Skipped cleanly without a device.
+//
+// Cases: full-precision views (f16, bf16, f32), packed views (key/value bits 2/2, 4/4, 8/8, 4/2,
+// 2/4; group 32, 48 (ragged last group), 128 (one ragged group at D = 64); metadata f16, f32, fp8;
+// channel permutations and Hadamard rotation of keys and values), a mixed view (full-precision
+// sinks, packed middle with explicit per-head positions, full-precision tail), sliding windows and
+// queries that see no key, over lengths 1, 17, 127, 129 (and 1000), GQA 1/4/8, head_dim 64/128,
+// batch 1 and 8, automatic and forced small splits; and real SKVQ cache contents when the builder
+// offers them. Every case prints its parameters; the metric is a per-element bound derived below,
+// and the reference must not be all zeros.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "util/test_util.h"
+#include "veloxquant/attention.h"
+#include "veloxquant/builder.h"
+#include "veloxquant/cuda.h"
+#include "veloxquant/error.h"
+#include "veloxquant/group_quant.h"
+#include "veloxquant/hadamard.h"
+#include "veloxquant/packed.h"
+
+namespace vq {
+namespace {
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device"
+
+constexpr double kU = 0x1p-24;  // fp32 unit roundoff
+inline double gamma(double n) {
+  return n * kU / (1.0 - n * kU);
+}
+
+// ---- building views on the host ---------------------------------------------------------------
+
+// A packed segment and the buffers it points to.
+struct PackedHost {
+  std::vector<uint8_t> k, v;
+  std::vector<int32_t> perm_k, perm_v;
+  std::vector<float> signs;
+  PackedSegment seg;
+};
+
+struct PackedSpec {
+  double kbits = 2, vbits = 2;
+  int64_t group = 32;
+  MetaType meta = MetaType::kF16;
+  bool perm = false;
+  bool rotate = false;  // keys and values
+};
+
+std::string spec_str(const PackedSpec& s) {
+  std::ostringstream o;
+  o << "K" << s.kbits << "V" << s.vbits << " g" << s.group << " meta" << static_cast<int>(s.meta)
+    << (s.perm ? " perm" : "") << (s.rotate ? " rot" : "");
+  return o.str();
+}
+
+std::unique_ptr<PackedHost> make_packed(int64_t B, int64_t H, int64_t n, int64_t D,
+                                        const PackedSpec& sp, uint64_t seed) {
+  auto ph = std::make_unique<PackedHost>();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> ch_scale(static_cast<size_t>(D));
+  for (auto& c : ch_scale) c = 0.25f + 2.0f * std::abs(nd(rng));  // heterogeneous channels
+  PackedSegment& seg = ph->seg;
+  seg.batch = B;
+  seg.n_heads = H;
+  seg.n_rows = n;
+  seg.head_dim = D;
+  seg.out_dtype = DType::kF16;
+  if (sp.perm) {
+    for (int kv = 0; kv < 2; ++kv) {
+      auto& p = kv == 0 ? ph->perm_k : ph->perm_v;
+      p.resize(static_cast<size_t>(H * D));
+      for (int64_t h = 0; h < H; ++h) {
+        std::iota(p.begin() + h * D, p.begin() + (h + 1) * D, 0);
+        std::shuffle(p.begin() + h * D, p.begin() + (h + 1) * D, rng);
+      }
+    }
+  }
+  if (sp.rotate) ph->signs = hadamard_signs(seed ^ 0x5eedull, H * D);
+  for (int kv = 0; kv < 2; ++kv) {
+    PackedTensor& t = kv == 0 ? seg.keys : seg.values;
+    const double bits = kv == 0 ? sp.kbits : sp.vbits;
+    t.fmt = make_row_format(D, bits, sp.group, sp.meta);
+    auto& buf = kv == 0 ? ph->k : ph->v;
+    buf.assign(static_cast<size_t>(B * H * n * t.fmt.row_stride + 16), 0);
+    t.data = buf.data();
+    t.stride_h = n * t.fmt.row_stride;
+    t.stride_b = H * t.stride_h;
+    if (sp.perm) t.perm = (kv == 0 ? ph->perm_k : ph->perm_v).data();
+    if (sp.rotate) {
+      t.signs = ph->signs.data();
+      t.rot_block = static_cast<int32_t>(hadamard_block(D));
+    }
+    GroupQuantParams gp;
+    gp.bits = bits;
+    gp.group_size = sp.group;
+    gp.meta = sp.meta;
+    std::vector<float> row(static_cast<size_t>(D)), tmp(static_cast<size_t>(D));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t d = 0; d < D; ++d) row[d] = nd(rng) * ch_scale[d];
+          if (t.transformed()) transform_row(t, h, row.data(), tmp.data());
+          quantize_to_records(row.data(), 1, t.fmt, gp, const_cast<uint8_t*>(t.record(b, h, i)),
+                              t.fmt.row_stride, false);
+        }
+  }
+  return ph;
+}
+
+// A view plus everything it points to, and its dense (dequantized, fp32) twin.
+struct HostView {
+  CacheView view;
+  CacheView dense;
+  std::vector<std::unique_ptr<Tensor>> tensors;
+  std::vector<std::unique_ptr<PackedHost>> packed;
+  std::vector<std::vector<int32_t>> positions;
+};
+
+void add_fp_segment(HostView& hv, DType dt, int64_t n, int64_t first_pos,
+                    const std::vector<int32_t>* pos, uint64_t seed) {
+  const int64_t B = hv.view.batch, H = hv.view.n_kv_heads, D = hv.view.head_dim;
+  auto k = std::make_unique<Tensor>(test::random_tensor(dt, B, H, n, D, seed));
+  auto v = std::make_unique<Tensor>(test::random_tensor(dt, B, H, n, D, seed + 1));
+  ViewSegment s;
+  s.n_rows = n;
+  s.first_pos = first_pos;
+  if (pos) {
+    hv.positions.push_back(*pos);
+    s.positions = hv.positions.back().data();
+  }
+  s.keys = k->view();
+  s.values = v->view();
+  hv.view.segments.push_back(s);
+  hv.dense.segments.push_back(s);  // the reference reads f16/bf16/f32 rows as they are
+  hv.tensors.push_back(std::move(k));
+  hv.tensors.push_back(std::move(v));
+}
+
+void add_packed_segment(HostView& hv, const PackedSpec& sp, int64_t n, int64_t first_pos,
+                        const std::vector<int32_t>* pos, uint64_t seed) {
+  const int64_t B = hv.view.batch, H = hv.view.n_kv_heads, D = hv.view.head_dim;
+  auto ph = make_packed(B, H, n, D, sp, seed);
+  ViewSegment s;
+  s.n_rows = n;
+  s.first_pos = first_pos;
+  if (pos) {
+    hv.positions.push_back(*pos);
+    s.positions = hv.positions.back().data();
+  }
+  s.packed = &ph->seg;
+  s.keys.dtype = s.values.dtype = DType::kF16;
+  s.keys.shape = s.values.shape = {B, H, n, D};
+  ViewSegment d = s;
+  d.packed = nullptr;
+  auto dk = std::make_unique<Tensor>(DType::kF32, B, H, n, D);
+  auto dv = std::make_unique<Tensor>(DType::kF32, B, H, n, D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        dequantize_row(ph->seg.keys, b, h, i, static_cast<float*>(dk->view().row(b, h, i)));
+        dequantize_row(ph->seg.values, b, h, i, static_cast<float*>(dv->view().row(b, h, i)));
+      }
+  d.keys = dk->view();
+  d.values = dv->view();
+  hv.view.segments.push_back(s);
+  hv.dense.segments.push_back(d);
+  hv.tensors.push_back(std::move(dk));
+  hv.tensors.push_back(std::move(dv));
+  hv.packed.push_back(std::move(ph));
+}
+
+HostView empty_view(int64_t B, int64_t H, int64_t D) {
+  HostView hv;
+  hv.view.batch = hv.dense.batch = B;
+  hv.view.n_kv_heads = hv.dense.n_kv_heads = H;
+  hv.view.head_dim = hv.dense.head_dim = D;
+  return hv;
+}
+
+// ---- the check ----------------------------------------------------------------------------------
+
+// Tolerance per output element (b, qh), for the GPU's fp32 arithmetic against the reference:
+//  * logits: each is a dot product of D fp32 terms in the stored channel order (the query is
+//    transformed by at most log2(D) + 2 rounded butterfly/scale steps, packed rows fold
+//    scale * sum(q c) + lo * sum(q): 3 more roundings per 8-channel piece), so
+//    |delta logit_j| <= scale * gamma(D + log2 D + 3 D/8 + 8) * ||q|| ||k_j|| (Cauchy-Schwarz
+//    bounds sum |q'_d k'_d| under any orthonormal transform), plus 4u |logit_j| for the rounding
+//    of the pre-scaled argument, plus 2^-22 for exp2f's 2-ulp error;
+//  * a shift of every logit by at most delta moves each normalised weight by a factor within
+//    e^(+-2 delta), so the output moves by at most (e^(2 delta) - 1) * V, V = max |v_jd| over the
+//    visible rows;
+//  * the weighted sums sum_j p_j v_j and sum_j p_j accumulate at most n_vis terms in fp32, plus
+//    one rescale per 8-row tile, the warp/split merges and the final division (and for packed
+//    values the products p*scale, (p*scale)*c and p*lo): 2 gamma(9 n_vis / 8 + 64) * V;
+//  * the reference itself (fp32 products, double sums): 2^-23 |ref|.
+struct Check {
+  double max_err = 0, max_ratio = 0, nmse_num = 0, nmse_den = 0;
+  int64_t nonzero = 0;
+};
+
+Check check_against_reference(const HostView& hv, const std::vector<float>& q, int64_t Hq,
+                              const AttentionParams& ap, const std::vector<float>& gpu,
+                              const std::string& vars) {
+  const int64_t B = hv.view.batch, H = hv.view.n_kv_heads, D = hv.view.head_dim;
+  const int64_t G = Hq / H;
+  Tensor qt(DType::kF32, B, Hq, 1, D);
+  std::copy(q.begin(), q.end(), static_cast<float*>(qt.data()));
+  std::vector<float> ref(q.size());
+  attention_reference(qt.view(), hv.dense, ap, ref.data());
+  const double scale = ap.scale != 0.0f ? ap.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  const double log2d = std::log2(static_cast<double>(D));
+  Check c;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t qh = 0; qh < Hq; ++qh) {
+      const int64_t kh = qh / G;
+      const float* qr = q.data() + (b * Hq + qh) * D;
+      double qn = 0;
+      for (int64_t d = 0; d < D; ++d) qn += static_cast<double>(qr[d]) * qr[d];
+      qn = std::sqrt(qn);
+      double delta = 0, vmax = 0;
+      int64_t n_vis = 0;
+      for (const ViewSegment& s : hv.dense.segments)
+        for (int64_t j = 0; j < s.n_rows; ++j) {
+          const int64_t pj = s.position(b, kh, j, H);
+          if (pj > ap.q_pos0 || (ap.window > 0 && ap.q_pos0 >= pj + ap.window)) continue;
+          ++n_vis;
+          double kn = 0, dot = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            const double kv = s.keys.at(b, kh, j, d);
+            kn += kv * kv;
+            dot += kv * qr[d];
+            vmax = std::max(vmax, std::abs(static_cast<double>(s.values.at(b, kh, j, d))));
+          }
+          const double dj = scale * gamma(D + log2d + 3.0 * D / 8 + 8) * qn * std::sqrt(kn) +
+                            4 * kU * std::abs(dot * scale) + 0x1p-22;
+          delta = std::max(delta, dj);
+        }
+      for (int64_t d = 0; d < D; ++d) {
+        const size_t i = static_cast<size_t>((b * Hq + qh) * D + d);
+        const double r = ref[i], g = gpu[i];
+        const double tol = std::expm1(2 * delta) * vmax +
+                           2 * gamma(9.0 * static_cast<double>(n_vis) / 8 + 64) * vmax +
+                           0x1p-23 * std::abs(r) + 1e-30;
+        EXPECT_EQ(std::isnan(g), std::isnan(r)) << vars << " NaN mismatch at " << i;
+        const double e = std::abs(g - r);
+        c.max_err = std::max(c.max_err, e);
+        c.max_ratio = std::max(c.max_ratio, e / tol);
+        c.nmse_num += e * e;
+        c.nmse_den += r * r;
+        c.nonzero += r != 0.0;
+        EXPECT_LE(e, tol) << vars << " element " << i << " gpu " << g << " ref " << r;
+      }
+    }
+  return c;
+}
+
+std::vector<float> random_q(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(n));
+  for (auto& x : q) x = nd(rng);
+  return q;
+}
+
+// Uploads, runs (automatic plan and a forced small split), checks; returns the worst ratio.
+double run_case(const HostView& hv, int64_t Hq, const AttentionParams& ap, uint64_t seed,
+                const std::string& vars, bool expect_nonzero = true) {
+  const int64_t B = hv.view.batch, D = hv.view.head_dim;
+  const auto q = random_q(B * Hq * D, seed);
+  const cuda::DeviceCacheView dv = cuda::DeviceCacheView::upload(hv.view);
+  double worst = 0;
+  for (int64_t rps : {int64_t{0}, int64_t{8}, int64_t{40}}) {
+    cuda::DecodeOptions opt;
+    opt.rows_per_split = rps;
+    const auto gpu = cuda::decode_attention_host(q, Hq, dv, ap, opt);
+    const std::string v = vars + " rows_per_split=" + std::to_string(rps);
+    const Check c = check_against_reference(hv, q, Hq, ap, gpu, v);
+    if (expect_nonzero) {
+      EXPECT_GT(c.nonzero, 0) << v << ": reference is all zeros";
+    }
+    worst = std::max(worst, c.max_ratio);
+  }
+  return worst;
+}
+
+// ---- tests --------------------------------------------------------------------------------------
+
+TEST(CudaDecode, FullPrecisionShapes) {
+  SKIP_WITHOUT_DEVICE();
+  double worst = 0;
+  uint64_t seed = 1;
+  for (DType dt : {DType::kF16, DType::kBF16, DType::kF32})
+    for (int64_t D : {64, 128})
+      for (int64_t G : {1, 4, 8})
+        for (int64_t B : {1, 8})
+          for (int64_t n : {1, 17, 127, 129}) {
+            if (dt != DType::kF16 && B == 8 && n != 129) continue;  // keep the sweep short
+            const int64_t H = G == 8 ? 1 : 2;
+            HostView hv = empty_view(B, H, D);
+            add_fp_segment(hv, dt, n, 0, nullptr, ++seed);
+            AttentionParams ap;
+            ap.q_pos0 = n - 1;
+            std::ostringstream vars;
+            vars << "dtype=" << dtype_name(dt) << " D=" << D << " G=" << G << " B=" << B
+                 << " H_kv=" << H << " n=" << n;
+            worst = std::max(worst, run_case(hv, H * G, ap, ++seed, vars.str()));
+          }
+  std::printf("[full precision] worst error = %.3f%% of tolerance\n", 100 * worst);
+}
+
+TEST(CudaDecode, PackedFormats) {
+  SKIP_WITHOUT_DEVICE();
+  const std::vector<PackedSpec> specs = {
+      {2, 2, 32, MetaType::kF16, false, false},    {2, 2, 128, MetaType::kF16, false, false},
+      {4, 4, 32, MetaType::kF16, true, false},     {4, 4, 128, MetaType::kFP8E4M3, false, false},
+      {8, 8, 32, MetaType::kF32, true, true},      {4, 2, 48, MetaType::kF16, true, false},
+      {2, 4, 32, MetaType::kFP8E4M3, false, true}, {2, 2, 32, MetaType::kF32, true, true},
+  };
+  double worst = 0;
+  uint64_t seed = 100;
+  for (const PackedSpec& sp : specs)
+    for (int64_t D : {64, 128})
+      for (int64_t G : {1, 4, 8})
+        for (int64_t n : {1, 17, 129}) {
+          const int64_t B = n == 17 ? 8 : 1;
+          const int64_t H = 2;
+          HostView hv = empty_view(B, H, D);
+          add_packed_segment(hv, sp, n, 0, nullptr, ++seed);
+          AttentionParams ap;
+          ap.q_pos0 = n - 1;
+          std::ostringstream vars;
+          vars << spec_str(sp) << " D=" << D << " G=" << G << " B=" << B << " n=" << n;
+          worst = std::max(worst, run_case(hv, H * G, ap, ++seed, vars.str()));
+        }
+  std::printf("[packed] worst error = %.3f%% of tolerance\n", 100 * worst);
+}
+
+// Sinks (f16) + packed middle with explicit, per-head, gapped positions (what snapkv+skvq keeps)
+// + f16 tail; a window and a query position that hides some rows.
+TEST(CudaDecode, MixedSegmentsWithPositions) {
+  SKIP_WITHOUT_DEVICE();
+  double worst = 0;
+  uint64_t seed = 500;
+  for (int64_t D : {64, 128})
+    for (int64_t G : {1, 4, 8})
+      for (int64_t B : {1, 8})
+        for (int64_t window : {0, 300}) {
+          const int64_t H = 2, n_sink = 5, n_mid = 127, n_tail = 17;
+          HostView hv = empty_view(B, H, D);
+          add_fp_segment(hv, DType::kF16, n_sink, 0, nullptr, ++seed);
+          std::mt19937_64 rng(seed);
+          std::vector<int32_t> pos(static_cast<size_t>(B * H * n_mid));
+          for (int64_t bh = 0; bh < B * H; ++bh) {
+            // ascending positions in [n_sink, 1000) with head-dependent gaps
+            std::vector<int32_t> all(995);
+            std::iota(all.begin(), all.end(), static_cast<int32_t>(n_sink));
+            std::shuffle(all.begin(), all.end(), rng);
+            std::sort(all.begin(), all.begin() + n_mid);
+            std::copy(all.begin(), all.begin() + n_mid, pos.begin() + bh * n_mid);
+          }
+          const PackedSpec sp{2, 2, 32, MetaType::kF16, true, false};
+          add_packed_segment(hv, sp, n_mid, 0, &pos, ++seed);
+          add_fp_segment(hv, DType::kF16, n_tail, 1000, nullptr, ++seed);
+          AttentionParams ap;
+          ap.window = window;
+          ap.q_pos0 = 1008;  // the last 8 tail rows are in the future: invisible
+          std::ostringstream vars;
+          vars << "mixed D=" << D << " G=" << G << " B=" << B << " window=" << window;
+          worst = std::max(worst, run_case(hv, H * G, ap, ++seed, vars.str()));
+        }
+  std::printf("[mixed] worst error = %.3f%% of tolerance\n", 100 * worst);
+}
+
+TEST(CudaDecode, NoVisibleKeyGivesZeros) {
+  SKIP_WITHOUT_DEVICE();
+  HostView hv = empty_view(2, 2, 128);
+  add_fp_segment(hv, DType::kF16, 17, 100, nullptr, 7);
+  AttentionParams ap;
+  ap.q_pos0 = 50;  // every key is in the future
+  const auto q = random_q(2 * 8 * 128, 3);
+  const auto dv = cuda::DeviceCacheView::upload(hv.view);
+  const auto out = cuda::decode_attention_host(q, 8, dv, ap);
+  for (float x : out) ASSERT_EQ(x, 0.0f);
+}
+
+TEST(CudaDecode, LongContextSplits) {
+  SKIP_WITHOUT_DEVICE();
+  uint64_t seed = 900;
+  double worst = 0;
+  for (int64_t G : {4, 8}) {
+    HostView hv = empty_view(1, 2, 128);
+    add_fp_segment(hv, DType::kF16, 5, 0, nullptr, ++seed);
+    add_packed_segment(hv, {4, 4, 32, MetaType::kF16, true, true}, 2000, 5, nullptr, ++seed);
+    add_fp_segment(hv, DType::kF16, 100, 2005, nullptr, ++seed);
+    AttentionParams ap;
+    ap.q_pos0 = 2104;
+    worst = std::max(worst, run_case(hv, 2 * G, ap, ++seed, "long G=" + std::to_string(G)));
+  }
+  std::printf("[long] worst error = %.3f%% of tolerance\n", 100 * worst);
+}
+
+// Real cache contents: an SKVQ cache (reorder + clip search, sinks, packed chunks, f16 tail), when
+// the builder offers the method.
+TEST(CudaDecode, RealSkvqCacheView) {
+  SKIP_WITHOUT_DEVICE();
+  for (bool rotate : {false, true}) {
+    CacheConfig cfg;
+    cfg.method = "skvq";
+    cfg.head_dim = 128;
+    cfg.skvq_window = 32;
+    cfg.skvq_group_size = 32;
+    if (rotate) cfg.skvq_rotation = Rotation::kHadamard;
+    std::unique_ptr<KVCache> cache;
+    try {
+      cache = make_cache(cfg);
+    } catch (const Error& e) {
+      GTEST_SKIP() << "skvq cache not available: " << e.what();
+    }
+    const Tensor k = test::random_tensor(DType::kF16, 2, 2, 150, 128, 11);
+    const Tensor v = test::random_tensor(DType::kF16, 2, 2, 150, 128, 12);
+    const CacheView view = cache->update_and_fetch(k.view(), v.view());
+    ASSERT_TRUE(view.has_packed());
+    HostView hv = empty_view(2, 2, 128);
+    hv.view = view;
+    hv.dense = view;
+    for (size_t i = 0; i < view.segments.size(); ++i) {
+      const ViewSegment& s = view.segments[i];
+      if (!s.packed) continue;
+      auto dk = std::make_unique<Tensor>(DType::kF32, 2, 2, s.n_rows, 128);
+      auto dvv = std::make_unique<Tensor>(DType::kF32, 2, 2, s.n_rows, 128);
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t r = 0; r < s.n_rows; ++r) {
+            dequantize_row(s.packed->keys, b, h, r, static_cast<float*>(dk->view().row(b, h, r)));
+            dequantize_row(s.packed->values, b, h, r,
+                           static_cast<float*>(dvv->view().row(b, h, r)));
+          }
+      hv.dense.segments[i].packed = nullptr;
+      hv.dense.segments[i].keys = dk->view();
+      hv.dense.segments[i].values = dvv->view();
+      hv.tensors.push_back(std::move(dk));
+      hv.tensors.push_back(std::move(dvv));
+    }
+    AttentionParams ap;
+    ap.q_pos0 = 149;
+    const double w = run_case(hv, 8, ap, 77, rotate ? "skvq cache rotated" : "skvq cache");
+    std::printf("[skvq cache%s] worst error = %.3f%% of tolerance\n", rotate ? " rotated" : "",
+                100 * w);
+  }
+}
+
+TEST(CudaDecode, RefusesUnsupportedShapes) {
+  SKIP_WITHOUT_DEVICE();
+  auto expect_error = [](auto&& f, const std::string& needle) {
+    try {
+      f();
+      FAIL() << "expected a vq::Error containing '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  {
+    HostView hv = empty_view(1, 2, 128);
+    add_fp_segment(hv, DType::kF16, 17, 0, nullptr, 1);
+    const auto dv = cuda::DeviceCacheView::upload(hv.view);
+    AttentionParams ap;
+    expect_error([&] { cuda::decode_attention_host(random_q(6 * 128, 1), 6, dv, ap); },
+                 "H_q / H_kv");
+    expect_error([&] { cuda::decode_attention_host(random_q(3 * 128, 1), 3, dv, ap); },
+                 "multiple of H_kv");
+  }
+  {
+    HostView hv = empty_view(1, 2, 96);
+    add_fp_segment(hv, DType::kF16, 17, 0, nullptr, 1);
+    const auto dv = cuda::DeviceCacheView::upload(hv.view);
+    expect_error([&] { cuda::decode_attention_host(random_q(2 * 96, 1), 2, dv, {}); }, "head_dim");
+  }
+  {
+    HostView hv = empty_view(1, 2, 128);
+    add_packed_segment(hv, {2, 1.5, 32, MetaType::kF16, false, false}, 17, 0, nullptr, 1);
+    const auto dv = cuda::DeviceCacheView::upload(hv.view);
+    expect_error([&] { cuda::decode_attention_host(random_q(2 * 128, 1), 2, dv, {}); }, "ternary");
+  }
+}
+
+}  // namespace
+}  // namespace vq

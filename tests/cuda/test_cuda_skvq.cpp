@@ -1,0 +1,318 @@
+// GPU tests of the SKVQ flush kernels against the CPU, all exact (integer/byte outputs and
+// metadata bit patterns): skvq_quantize_rows vs the CPU path of a flush (to fp32, rotate,
+// permute, quantize_to_records) over bit widths 1..8 and 1.5, groups 32 / 128 / 48 (ragged) /
+// 5 (odd), metadata f16 / f32 / fp8, clip search on and off, input f16 / bf16 / f32, with and
+// without permutation and Hadamard rotation, on data with outliers, constant, zero, huge and tiny
+// rows; skvq_channel_perms vs a stable-sort reference written here (ties, NaN ranges); and the
+// records and permutations of real SKVQ caches (what their flush stored) reproduced byte for byte.
+// Skipped cleanly without a device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "util/test_util.h"
+#include "veloxquant/builder.h"
+#include "veloxquant/cuda.h"
+#include "veloxquant/error.h"
+#include "veloxquant/group_quant.h"
+#include "veloxquant/hadamard.h"
+#include "veloxquant/packed.h"
+
+namespace vq {
+namespace {
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device"
+
+// Rows [B, H, n, D] of dtype dt with outliers and special rows (constant, zero, huge, tiny).
+Tensor special_rows(DType dt, int64_t B, int64_t H, int64_t n, int64_t D, uint64_t seed) {
+  Tensor t(dt, B, H, n, D);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> kind(0, 9);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        const int k = kind(rng);
+        for (int64_t d = 0; d < D; ++d) {
+          float x = nd(rng) * (d % 7 == 3 ? 20.0f : 1.0f);       // outlier channels
+          if (k == 0) x = 1.25f;                                 // constant row: range 0
+          if (k == 1) x = 0.0f;                                  // zero row
+          if (k == 2) x *= dt == DType::kF16 ? 500.0f : 3.0e5f;  // huge: fp16 meta saturates
+          if (k == 3) x *= 1e-6f;                                // tiny: scales below fp8's range
+          t.set(b, h, i, d, x);
+        }
+      }
+  return t;
+}
+
+// The CPU flush of rows [B, H, n, D] into records [B, H, n, stride]: to fp32, transform, quantize.
+std::vector<uint8_t> cpu_records(const Tensor& rows, const PackedRowFormat& f,
+                                 const GroupQuantParams& gp, const std::vector<int32_t>& perm,
+                                 const std::vector<float>& signs) {
+  const int64_t B = rows.shape()[0], H = rows.shape()[1], n = rows.shape()[2], D = rows.shape()[3];
+  std::vector<uint8_t> out(static_cast<size_t>(B * H * n * f.row_stride));
+  PackedTensor t;
+  t.fmt = f;
+  t.perm = perm.empty() ? nullptr : perm.data();
+  t.signs = signs.empty() ? nullptr : signs.data();
+  t.rot_block = signs.empty() ? 0 : static_cast<int32_t>(hadamard_block(D));
+  std::vector<float> row(static_cast<size_t>(D)), tmp(static_cast<size_t>(D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        to_f32(rows.view().row(b, h, i), rows.dtype(), row.data(), static_cast<size_t>(D));
+        if (t.transformed()) transform_row(t, h, row.data(), tmp.data());
+        quantize_to_records(row.data(), 1, f, gp, out.data() + ((b * H + h) * n + i) * f.row_stride,
+                            f.row_stride, false);
+      }
+  return out;
+}
+
+std::vector<uint8_t> gpu_records(const Tensor& rows, const PackedRowFormat& f,
+                                 const GroupQuantParams& gp, const std::vector<int32_t>& perm,
+                                 const std::vector<float>& signs) {
+  const auto& s = rows.shape();
+  const int64_t D = s[3];
+  cuda::DeviceBuffer drows = cuda::DeviceBuffer::from_host(rows.data(), rows.nbytes());
+  const TensorView v = TensorView::contiguous(drows.data(), rows.dtype(), s[0], s[1], s[2], s[3]);
+  cuda::DeviceBuffer dperm, dsigns;
+  if (!perm.empty()) dperm = cuda::DeviceBuffer::from_vector(perm);
+  if (!signs.empty()) dsigns = cuda::DeviceBuffer::from_vector(signs);
+  const size_t nbytes = static_cast<size_t>(s[0] * s[1] * s[2] * f.row_stride);
+  cuda::DeviceBuffer out(nbytes);
+  out.fill_zero();
+  cuda::skvq_quantize_rows(v, f, gp, dperm.as<int32_t>(), dsigns.as<float>(),
+                           signs.empty() ? 0 : static_cast<int32_t>(hadamard_block(D)),
+                           out.as<uint8_t>());
+  cuda::synchronize();
+  return out.to_vector<uint8_t>(nbytes);
+}
+
+int64_t count_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  int64_t n = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) n += a[i] != b[i];
+  return n + static_cast<int64_t>(std::max(a.size(), b.size()) - std::min(a.size(), b.size()));
+}
+
+TEST(CudaSkvq, QuantizeRowsBitIdentical) {
+  SKIP_WITHOUT_DEVICE();
+  uint64_t seed = 1;
+  int cases = 0;
+  const MetaType metas[] = {MetaType::kF16, MetaType::kF32, MetaType::kFP8E4M3};
+  const DType dtypes[] = {DType::kF16, DType::kBF16, DType::kF32};
+  for (double bits : {1.0, 1.5, 2.0, 3.0, 4.0, 8.0})
+    for (int64_t group : {32, 128, 48, 5})
+      for (int mi = 0; mi < 3; ++mi) {
+        const int variant = cases++;
+        const int64_t D = variant % 2 ? 64 : 128;
+        const DType dt = dtypes[variant % 3];
+        const bool search = variant % 5 != 4;
+        const bool use_perm = variant % 4 == 1 || variant % 4 == 3;
+        const bool use_rot = variant % 4 >= 2;
+        const int64_t B = 2, H = 3, n = 37;
+        const Tensor rows = special_rows(dt, B, H, n, D, ++seed);
+        GroupQuantParams gp;
+        gp.bits = bits;
+        gp.group_size = group;
+        gp.meta = metas[mi];
+        gp.clip_search = search;
+        gp.clip_alpha = 0.9f;
+        const PackedRowFormat f = make_row_format(D, bits, group, gp.meta);
+        std::vector<int32_t> perm;
+        std::vector<float> signs;
+        std::mt19937_64 rng(seed);
+        if (use_perm) {
+          perm.resize(static_cast<size_t>(H * D));
+          for (int64_t h = 0; h < H; ++h) {
+            std::iota(perm.begin() + h * D, perm.begin() + (h + 1) * D, 0);
+            std::shuffle(perm.begin() + h * D, perm.begin() + (h + 1) * D, rng);
+          }
+        }
+        if (use_rot) signs = hadamard_signs(seed, H * D);
+        std::ostringstream vars;
+        vars << "bits=" << bits << " group=" << group << " meta=" << mi << " D=" << D
+             << " dtype=" << dtype_name(dt) << " search=" << search << " perm=" << use_perm
+             << " rot=" << use_rot;
+        const auto cpu = cpu_records(rows, f, gp, perm, signs);
+        const auto gpu = gpu_records(rows, f, gp, perm, signs);
+        EXPECT_EQ(count_diff(cpu, gpu), 0) << vars.str() << ": record bytes differ";
+      }
+  std::printf("[skvq quantize] %d formats, records bit-identical\n", cases);
+}
+
+std::vector<int32_t> reference_perms(const Tensor& rows) {
+  const int64_t B = rows.shape()[0], H = rows.shape()[1], n = rows.shape()[2], D = rows.shape()[3];
+  std::vector<int32_t> out;
+  for (int64_t h = 0; h < H; ++h) {
+    std::vector<float> mn(static_cast<size_t>(D)), mx(static_cast<size_t>(D));
+    bool first = true;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = rows.at(b, h, i, d);
+          if (first) {
+            mn[d] = mx[d] = x;
+          } else {
+            mn[d] = std::min(mn[d], x);
+            mx[d] = std::max(mx[d], x);
+          }
+          if (d == D - 1) first = false;
+        }
+    std::vector<float> range(static_cast<size_t>(D));
+    for (int64_t d = 0; d < D; ++d) {
+      const float r = mx[d] - mn[d];
+      range[d] = std::isnan(r) ? INFINITY : r;
+    }
+    std::vector<int32_t> p(static_cast<size_t>(D));
+    std::iota(p.begin(), p.end(), 0);
+    std::stable_sort(p.begin(), p.end(), [&](int32_t a, int32_t c) { return range[a] < range[c]; });
+    out.insert(out.end(), p.begin(), p.end());
+  }
+  return out;
+}
+
+TEST(CudaSkvq, ChannelPermsMatchStableSort) {
+  SKIP_WITHOUT_DEVICE();
+  for (int64_t D : {64, 128})
+    for (DType dt : {DType::kF16, DType::kF32}) {
+      const int64_t B = 2, H = 3, n = 32;
+      Tensor rows = test::random_tensor(dt, B, H, n, D, 5);
+      // ties: channel pairs with identical values; one channel with a NaN in a later row
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t i = 0; i < n; ++i) {
+            rows.set(b, h, i, 7, rows.at(b, h, i, 3));
+            rows.set(b, h, i, 11, 0.5f);
+            rows.set(b, h, i, 12, 0.5f);
+            if (i == 0 && h == 1) rows.set(b, h, i, 20, NAN);  // NaN range sorts last
+          }
+      const auto want = reference_perms(rows);
+      cuda::DeviceBuffer d = cuda::DeviceBuffer::from_host(rows.data(), rows.nbytes());
+      cuda::DeviceBuffer p(static_cast<size_t>(H * D) * 4);
+      cuda::skvq_channel_perms(TensorView::contiguous(d.data(), dt, B, H, n, D), p.as<int32_t>());
+      cuda::synchronize();
+      EXPECT_EQ(p.to_vector<int32_t>(static_cast<size_t>(H * D)), want)
+          << "D=" << D << " dtype=" << dtype_name(dt);
+    }
+}
+
+// A contiguous copy of rows [i0, i0 + n) of t.
+Tensor slice_rows(const Tensor& t, int64_t i0, int64_t n) {
+  const auto& s = t.shape();
+  Tensor out(t.dtype(), s[0], s[1], n, s[3]);
+  const size_t rb = static_cast<size_t>(s[3]) * dtype_size(t.dtype());
+  for (int64_t b = 0; b < s[0]; ++b)
+    for (int64_t h = 0; h < s[1]; ++h)
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(out.view().row(b, h, i), t.view().row(b, h, i0 + i), rb);
+  return out;
+}
+
+// The records a real SKVQ cache stored are what the GPU flush makes of the same rows with the
+// cache's permutations / signs; the GPU's chunk-0 permutations are the cache's.
+TEST(CudaSkvq, RealCacheFlushReproduced) {
+  SKIP_WITHOUT_DEVICE();
+  struct Cfg {
+    double kb, vb;
+    int64_t group;
+    MetaType meta;
+    bool rotate;
+    bool search;
+  };
+  const Cfg cfgs[] = {{2, 2, 32, MetaType::kF16, false, true},
+                      {4, 2, 128, MetaType::kFP8E4M3, false, true},
+                      {2, 1.5, 32, MetaType::kF32, true, false},
+                      {8, 4, 48, MetaType::kF16, false, true}};
+  for (const Cfg& c : cfgs) {
+    CacheConfig cfg;
+    cfg.method = "skvq";
+    cfg.head_dim = 128;
+    cfg.skvq_window = 32;
+    cfg.skvq_n_sink = 5;
+    cfg.skvq_bits_key = c.kb;
+    cfg.skvq_bits_value = c.vb;
+    cfg.skvq_group_size = c.group;
+    cfg.skvq_meta = c.meta;
+    cfg.skvq_clip_search = c.search;
+    cfg.skvq_clip_alpha = 0.94;
+    if (c.rotate) cfg.skvq_rotation = Rotation::kHadamard;
+    std::unique_ptr<KVCache> cache;
+    try {
+      cache = make_cache(cfg);
+    } catch (const Error& e) {
+      GTEST_SKIP() << "skvq cache not available: " << e.what();
+    }
+    const int64_t B = 2, H = 2, S = 150, D = 128;
+    const Tensor k = special_rows(DType::kF16, B, H, S, D, 21);
+    const Tensor v = special_rows(DType::kF16, B, H, S, D, 22);
+    const CacheView view = cache->update_and_fetch(k.view(), v.view());
+    std::ostringstream vars;
+    vars << "K" << c.kb << "V" << c.vb << " g" << c.group << " meta" << static_cast<int>(c.meta)
+         << (c.rotate ? " rot" : " reorder");
+    int packed_segments = 0;
+    for (const ViewSegment& s : view.segments) {
+      if (!s.packed) continue;
+      ++packed_segments;
+      const PackedSegment& ps = *s.packed;
+      for (int kv = 0; kv < 2; ++kv) {
+        const PackedTensor& t = kv == 0 ? ps.keys : ps.values;
+        const Tensor& src = kv == 0 ? k : v;
+        std::vector<int32_t> perm;
+        std::vector<float> signs;
+        if (t.perm) perm.assign(t.perm, t.perm + H * D);
+        if (t.signs) signs.assign(t.signs, t.signs + H * D);
+        if (t.perm && s.first_pos < 32) {  // chunk 0 froze the permutation: recompute it
+          const Tensor chunk0 = slice_rows(src, 0, 32);
+          cuda::DeviceBuffer d = cuda::DeviceBuffer::from_host(chunk0.data(), chunk0.nbytes());
+          cuda::DeviceBuffer p(static_cast<size_t>(H * D) * 4);
+          cuda::skvq_channel_perms(TensorView::contiguous(d.data(), DType::kF16, B, H, 32, D),
+                                   p.as<int32_t>());
+          cuda::synchronize();
+          EXPECT_EQ(p.to_vector<int32_t>(static_cast<size_t>(H * D)), perm)
+              << vars.str() << (kv ? " value" : " key") << " permutation";
+        }
+        GroupQuantParams gp;
+        gp.bits = kv == 0 ? c.kb : c.vb;
+        gp.group_size = c.group;
+        gp.meta = c.meta;
+        gp.clip_search = c.search;
+        gp.clip_alpha = 0.94f;
+        const Tensor rows = slice_rows(src, s.first_pos, s.n_rows);
+        const auto gpu = gpu_records(rows, t.fmt, gp, perm, signs);
+        int64_t diff = 0;
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < s.n_rows; ++i)
+              diff += std::memcmp(gpu.data() + ((b * H + h) * s.n_rows + i) * t.fmt.row_stride,
+                                  t.record(b, h, i), static_cast<size_t>(t.fmt.row_stride)) != 0;
+        EXPECT_EQ(diff, 0) << vars.str() << (kv ? " value" : " key") << " records of chunk at "
+                           << s.first_pos << " differ";
+      }
+    }
+    EXPECT_GT(packed_segments, 0) << vars.str();
+  }
+}
+
+TEST(CudaSkvq, RefusesMismatchedFormat) {
+  SKIP_WITHOUT_DEVICE();
+  const Tensor rows = test::random_tensor(DType::kF16, 1, 1, 4, 64, 1);
+  cuda::DeviceBuffer d = cuda::DeviceBuffer::from_host(rows.data(), rows.nbytes());
+  cuda::DeviceBuffer out(4096);
+  GroupQuantParams gp;
+  gp.bits = 4;
+  const PackedRowFormat f = make_row_format(64, 2, 32, MetaType::kF16);
+  EXPECT_THROW(cuda::skvq_quantize_rows(TensorView::contiguous(d.data(), DType::kF16, 1, 1, 4, 64),
+                                        f, gp, nullptr, nullptr, 0, out.as<uint8_t>()),
+               Error);
+}
+
+}  // namespace
+}  // namespace vq
