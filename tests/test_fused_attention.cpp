@@ -307,7 +307,7 @@ TEST(FusedAttention, EveryMethodGqaHeadDimsLengths) {
 TEST(FusedAttention, SkvqOptionsBitsMetaRotationWindows) {
   double worst = 0;
   int n = 0;
-  for (int variant = 0; variant < 8; ++variant) {
+  for (int variant = 0; variant < 9; ++variant) {
     Case cs;
     cs.cfg = method_cfg("skvq");
     cs.len = 129;
@@ -346,6 +346,11 @@ TEST(FusedAttention, SkvqOptionsBitsMetaRotationWindows) {
         cs.cfg.skvq_reorder = false;
         cs.batch = 2;
         cs.dtype = DType::kBF16;
+        break;
+      case 8:  // head_dim 96: Hadamard in three blocks of 32
+        cs.d = 96;
+        cs.cfg.skvq_rotation = Rotation::kHadamard;
+        cs.cfg.skvq_rotate_values = true;
         break;
       case 7:
         cs.cfg.skvq_bits_key = 6;
