@@ -1,12 +1,14 @@
 // Tokenizer loaded from a Hugging Face `tokenizer.json` (the format the `tokenizers` library
-// writes). Supported: model type BPE, both as byte-level BPE (GPT-2 / Llama-3 / Qwen2: Split
-// regex + Digits + ByteLevel pre-tokenizers, ByteLevel decoder) and as SentencePiece-style BPE
-// (Llama-2 / Mistral: Prepend + Replace normalizers or a Metaspace pre-tokenizer, byte_fallback
-// <0xNN> tokens, fuse_unk, ByteFallback/Fuse/Strip/Metaspace decoders); added/special tokens
-// matched before normalization (lstrip, rstrip, single_word, normalized); the BOS/EOS
-// TemplateProcessing, Bert and Roberta post-processors. Ids are int32 indices into the vocabulary.
-// Text in and out is UTF-8. The exact list of supported components is in docs and tokenizer.cpp;
-// anything else is refused at load time with a vq::Error naming it. Thread-safe after loading.
+// writes), matching its ids and decoded text exactly (goldens from tokenizers 0.23). Supported:
+// model type BPE, both as byte-level BPE (GPT-2 / Llama-3 / Qwen2: NFC, Split regex + Digits +
+// ByteLevel pre-tokenizers, ByteLevel decoder) and as SentencePiece-style BPE (Llama-2 /
+// Mistral: Prepend + Replace normalizers or a Metaspace pre-tokenizer, byte_fallback <0xNN>
+// tokens, unk + fuse_unk, ByteFallback/Fuse/Strip/Metaspace decoders); added/special tokens
+// matched before normalization (lstrip, rstrip, single_word, normalized); TemplateProcessing,
+// Bert and Roberta post-processors (single sequence). The full component list is at the top of
+// src/text/pipeline.cpp; anything else (Unigram/WordPiece models, NFKC, Lowercase, BPE dropout,
+// ...) is refused at load time with a vq::Error naming it. Ids are int32; text is UTF-8.
+// Thread-safe after loading (the BPE word cache is internally locked).
 #pragma once
 
 #include <cstdint>
