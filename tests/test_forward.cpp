@@ -29,59 +29,79 @@ constexpr double kU = 1.0 / 16777216.0;  // fp32 unit roundoff 2^-24
 TEST(Matmul, MatchesReferenceOverShapesAndDtypes) {
   std::mt19937_64 rng(42);
   std::normal_distribution<float> dist(0, 1);
+  struct Shape {
+    int64_t t, k, n;
+  };
+  std::vector<Shape> shapes;
+  for (int64_t T : {1, 2, 3, 4, 5, 13, 17, 70})
+    for (int64_t K : {1, 15, 16, 17, 64, 100})
+      for (int64_t N : {1, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33, 70}) shapes.push_back({T, K, N});
+  shapes.push_back({5, 2100, 40});  // K past one packed K-block (2048)
+  shapes.push_back({1, 2100, 9});
   for (DType wt : {DType::kF32, DType::kF16, DType::kBF16})
-    for (int64_t T : {1, 2, 3, 4, 5, 17, 70})
-      for (int64_t K : {1, 15, 16, 17, 64, 100})
-        for (int64_t N : {1, 3, 4, 5, 8, 9, 33}) {
-          const int64_t ldx = K + 3, ldy = N + 2;  // strided rows
-          std::vector<float> x(static_cast<size_t>(T * ldx)), wf(static_cast<size_t>(N * K));
-          std::vector<float> bias(static_cast<size_t>(N));
-          for (float& v : x) v = dist(rng);
-          for (float& v : wf) v = dist(rng);
-          for (float& v : bias) v = dist(rng);
-          std::vector<uint8_t> w(wf.size() * dtype_size(wt));
-          from_f32(wf.data(), w.data(), wt, wf.size());
-          const bool with_bias = (T + K + N) % 2 == 0;
-          const float* b = with_bias ? bias.data() : nullptr;
-          std::vector<float> y(static_cast<size_t>(T * ldy), -7.0f), r = y;
-          kernels::matmul(x.data(), T, K, ldx, w.data(), wt, N, b, y.data(), ldy);
-          kernels::matmul_reference(x.data(), T, K, ldx, w.data(), wt, N, b, r.data(), ldy);
-          for (int64_t t = 0; t < T; ++t) {
-            for (int64_t n = 0; n < N; ++n) {
-              // The kernel sums K fp32 products in 16 lanes (K/16 + 1 sequential FMAs each,
-              // one rounding per step) then a 4-level tree and the bias: |error| <= (K/16 + 6) *
-              // u * (sum |x w| + |bias|); the reference (double, rounded once) adds u * |y|.
-              double mag = with_bias ? std::abs(bias[static_cast<size_t>(n)]) : 0.0;
-              for (int64_t i = 0; i < K; ++i)
-                mag += std::abs(static_cast<double>(x[static_cast<size_t>(t * ldx + i)]) *
-                                load_f32(w.data(), wt, static_cast<size_t>(n * K + i)));
-              const double tol = (static_cast<double>(K) / 16 + 7) * kU * mag;
-              ASSERT_NEAR(y[static_cast<size_t>(t * ldy + n)], r[static_cast<size_t>(t * ldy + n)],
-                          tol)
-                  << dtype_name(wt) << " T=" << T << " K=" << K << " N=" << N << " t=" << t
-                  << " n=" << n;
-            }
-            // Padding between rows untouched.
-            for (int64_t n = N; n < ldy; ++n) ASSERT_EQ(y[static_cast<size_t>(t * ldy + n)], -7.0f);
-          }
+    for (const Shape& sh : shapes) {
+      const int64_t T = sh.t, K = sh.k, N = sh.n;
+      const int64_t ldx = K + 3, ldy = N + 2;  // strided rows
+      std::vector<float> x(static_cast<size_t>(T * ldx)), wf(static_cast<size_t>(N * K));
+      std::vector<float> bias(static_cast<size_t>(N));
+      for (float& v : x) v = dist(rng);
+      for (float& v : wf) v = dist(rng);
+      for (float& v : bias) v = dist(rng);
+      std::vector<uint8_t> w(wf.size() * dtype_size(wt));
+      from_f32(wf.data(), w.data(), wt, wf.size());
+      const bool with_bias = (T + K + N) % 2 == 0;
+      const float* b = with_bias ? bias.data() : nullptr;
+      std::vector<float> y(static_cast<size_t>(T * ldy), -7.0f), r = y;
+      kernels::matmul(x.data(), T, K, ldx, w.data(), wt, N, b, y.data(), ldy);
+      kernels::matmul_reference(x.data(), T, K, ldx, w.data(), wt, N, b, r.data(), ldy);
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t n = 0; n < N; ++n) {
+          // Both kernel formulations sum fp32 products with FMAs, one rounding per step: the
+          // dot-product path over K/16 steps per lane plus a 4-level tree, the packed path over
+          // K sequential steps in one lane; plus the bias. So |error| <= (K + 6) * u *
+          // (sum |x w| + |bias|), and the reference (double, rounded once) adds u * |y|.
+          double mag = with_bias ? std::abs(bias[static_cast<size_t>(n)]) : 0.0;
+          for (int64_t i = 0; i < K; ++i)
+            mag += std::abs(static_cast<double>(x[static_cast<size_t>(t * ldx + i)]) *
+                            load_f32(w.data(), wt, static_cast<size_t>(n * K + i)));
+          const double tol = (static_cast<double>(K) + 7) * kU * mag;
+          ASSERT_NEAR(y[static_cast<size_t>(t * ldy + n)], r[static_cast<size_t>(t * ldy + n)], tol)
+              << dtype_name(wt) << " T=" << T << " K=" << K << " N=" << N << " t=" << t
+              << " n=" << n;
         }
+        // Padding between rows untouched.
+        for (int64_t n = N; n < ldy; ++n) ASSERT_EQ(y[static_cast<size_t>(t * ldy + n)], -7.0f);
+      }
+    }
 }
 
 TEST(Matmul, TokenResultIndependentOfTiling) {
-  // A token's outputs must not depend on how many tokens share the call (same summation order in
-  // every micro-kernel shape): this is what makes chunked prefill bit-identical to one-shot.
+  // Within one formulation a token's outputs must not depend on how many tokens share the call
+  // or where it sits in a tile (the same summation order in every micro-kernel shape): the
+  // decode path for 1-3 tokens, the packed path from 4 tokens on. This is what makes chunked
+  // prefill in chunks of >= 4 tokens bit-identical to one-shot prefill.
   std::mt19937_64 rng(5);
   std::normal_distribution<float> dist(0, 1);
-  const int64_t K = 88, N = 37, T = 13;
+  const int64_t K = 88, N = 37, T = 29;
   std::vector<float> x(static_cast<size_t>(T * K)), w(static_cast<size_t>(N * K));
   for (float& v : x) v = dist(rng);
   for (float& v : w) v = dist(rng);
-  std::vector<float> all(static_cast<size_t>(T * N)), one(static_cast<size_t>(N));
+  std::vector<float> all(static_cast<size_t>(T * N)), part(static_cast<size_t>(T * N));
   kernels::matmul(x.data(), T, K, K, w.data(), DType::kF32, N, nullptr, all.data(), N);
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t len : {4, 5, 12, 13, 25})
+    for (int64_t t0 = 0; t0 + len <= T; t0 += 3) {
+      kernels::matmul(x.data() + t0 * K, len, K, K, w.data(), DType::kF32, N, nullptr, part.data(),
+                      N);
+      for (int64_t i = 0; i < len * N; ++i)
+        ASSERT_EQ(part[static_cast<size_t>(i)], all[static_cast<size_t>(t0 * N + i)])
+            << "len " << len << " t0 " << t0;
+    }
+  std::vector<float> three(static_cast<size_t>(3 * N)), one(static_cast<size_t>(N));
+  kernels::matmul(x.data(), 3, K, K, w.data(), DType::kF32, N, nullptr, three.data(), N);
+  for (int64_t t = 0; t < 3; ++t) {
     kernels::matmul(x.data() + t * K, 1, K, K, w.data(), DType::kF32, N, nullptr, one.data(), N);
     for (int64_t n = 0; n < N; ++n)
-      ASSERT_EQ(one[static_cast<size_t>(n)], all[static_cast<size_t>(t * N + n)]);
+      ASSERT_EQ(one[static_cast<size_t>(n)], three[static_cast<size_t>(t * N + n)]);
   }
 }
 
@@ -311,11 +331,13 @@ TEST(Forward, ChunkedPrefillEqualsOneShot) {
   const auto ids = random_ids(75, 320, 3);
   const std::vector<float> one = run_chunks(*m, ids, {75});
   // With the full cache and fp32 K/V, a token's projections do not depend on its chunk-mates
-  // (Matmul.TokenResultIndependentOfTiling), RoPE uses the same absolute positions and attention
-  // reads the same keys in the same order, so every logit is identical. Allowance: the attention
-  // kernel may tile its online softmax differently when the query block changes; a reordered
-  // fp32 softmax over n <= 75 keys errs by ~n * 2^-24 relative, carried through 2 layers with a
-  // gain of a few: 75 * 2^-24 * 16 ~ 7e-5 of the largest |logit|.
+  // as long as every chunk has >= 4 tokens (Matmul.TokenResultIndependentOfTiling), RoPE uses
+  // the same absolute positions and attention reads the same keys in the same order, so those
+  // logits are identical. Chunks of 1-3 tokens take the decode matmul path, whose summation
+  // order differs (each projection within (K + 6) * 2^-24 of its terms' magnitude, K <= 88),
+  // and the attention kernel may block its online softmax over n <= 75 keys differently
+  // (~n * 2^-24): ~160 * 2^-24 relative per stage, through 2 layers with a gain of a few
+  // (<= 8): we allow 16 * 75 * 2^-24 (= 1200 * 2^-24) of the largest |logit|.
   for (const std::vector<int64_t>& chunks : std::vector<std::vector<int64_t>>{
            {1, 74}, {32, 32, 11}, {10, 20, 30, 15}, {74, 1}, std::vector<int64_t>(75, 1)}) {
     const std::vector<float> got = run_chunks(*m, ids, chunks);

@@ -1,11 +1,17 @@
 // Matrix products, RMSNorm and SwiGLU for the forward pass (see kernels.h for the layouts).
 //
-// matmul: dot-product formulation (X and W rows are both contiguous along K). A micro-kernel
-// holds R weight rows x C tokens of 16-lane accumulators (R=4, C=4 in the bulk; R=8, C=1 for a
-// single token, where the product is a bandwidth-bound matrix-vector product), converts weights
-// from bf16/fp16 to fp32 in registers, and reduces each accumulator once at the end. Tokens are
-// blocked (kTokenBlockBytes of X per block) so a weight row is read once per block; the output
-// rows are split statically over the OpenMP threads.
+// matmul has two formulations:
+// - few tokens (decode; fewer than kPackedMinTokens): dot products, X and W rows both contiguous
+//   along K. A micro-kernel holds R weight rows x C tokens of 16-lane accumulators (R=8, C=1 for
+//   one token: a bandwidth-bound matrix-vector product), converts bf16/fp16 weights to fp32 in
+//   registers and reduces each accumulator once at the end.
+// - many tokens (prefill, AVX-512 builds): outer products on packed panels. Each thread takes
+//   panels of kPanel = 32 weight rows, converts and transposes a panel's K-block into an fp32
+//   buffer P[k][32] once (bf16/fp16 -> fp32 in place of a full weight copy), then sweeps every
+//   token: the micro-kernel keeps MR = 12 tokens x 32 rows in 24 accumulators and adds
+//   x[t][k] * P[k][0:32] per k (no horizontal sums). Each weight is read and converted once per
+//   call, and a panel (<= 256 KiB) stays in L2 while all tokens pass over it.
+// Output rows are split statically over the OpenMP threads in both.
 #include "runtime/kernels.h"
 
 #include <omp.h>
@@ -13,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm*_undefined_* helpers
@@ -32,6 +39,11 @@ namespace {
 constexpr int64_t kTokenBlockBytes = 192 * 1024;  // X block kept in L2 (1 MiB here)
 
 #if VQ_KERNELS_AVX512
+
+constexpr int64_t kPackedMinTokens = 4;  // from this many tokens on, the packed-panel path
+constexpr int64_t kPanel = 32;           // weight rows per packed panel (two zmm)
+constexpr int64_t kMR = 12;              // tokens per packed micro-kernel call
+constexpr int64_t kKBlock = 2048;        // K per packed block: a panel is <= 256 KiB of fp32
 
 template <DType WT>
 inline __m512 load_w16(const void* w, int64_t i) {
@@ -106,6 +118,100 @@ inline void micro_kernel(const float* x, int64_t ldx, const void* w, int64_t k, 
     }
 }
 
+// ---- packed-panel path ----
+
+// P[k][j] = W[n0 + j][k0 + k] as fp32 for j < rows (rows <= kPanel), zero for j >= rows.
+template <DType WT>
+void pack_panel(const void* w, int64_t k_total, int64_t n0, int64_t rows, int64_t k0, int64_t kc,
+                float* tmp, float* P) {
+  const size_t es = dtype_size(WT);
+  for (int64_t j = 0; j < kPanel; ++j) {
+    if (j < rows) {
+      to_f32(static_cast<const char*>(w) + ((n0 + j) * k_total + k0) * es, WT, tmp,
+             static_cast<size_t>(kc));
+      for (int64_t k = 0; k < kc; ++k) P[k * kPanel + j] = tmp[k];
+    } else {
+      for (int64_t k = 0; k < kc; ++k) P[k * kPanel + j] = 0.0f;
+    }
+  }
+}
+
+// y[m][0:32] (+)= sum_k x[m][k] * P[k][0:32] for MR tokens; lanes >= `valid` are not stored.
+// first: start from the bias (or 0) instead of the partial sums already in y.
+template <int MR>
+void packed_micro(const float* P, int64_t kc, const float* x, int64_t ldx, float* y, int64_t ldy,
+                  __mmask16 m0, __mmask16 m1, bool first, const float* bias) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) {
+    if (first) {
+      acc[m][0] = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+      acc[m][1] = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    } else {
+      acc[m][0] = _mm512_maskz_loadu_ps(m0, y + m * ldy);
+      acc[m][1] = _mm512_maskz_loadu_ps(m1, y + m * ldy + 16);
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(P + k * kPanel);
+    const __m512 w1 = _mm512_loadu_ps(P + k * kPanel + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(y + m * ldy, m0, acc[m][0]);
+    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, acc[m][1]);
+  }
+}
+
+template <int MR>
+void packed_micro_dispatch(int64_t mr, const float* P, int64_t kc, const float* x, int64_t ldx,
+                           float* y, int64_t ldy, __mmask16 m0, __mmask16 m1, bool first,
+                           const float* bias) {
+  if constexpr (MR > 1) {
+    if (mr < MR) {
+      packed_micro_dispatch<MR - 1>(mr, P, kc, x, ldx, y, ldy, m0, m1, first, bias);
+      return;
+    }
+  }
+  packed_micro<MR>(P, kc, x, ldx, y, ldy, m0, m1, first, bias);
+}
+
+template <DType WT>
+void matmul_packed(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,
+                   int64_t n, const float* bias, float* y, int64_t ldy) {
+  const int64_t n_panels = (n + kPanel - 1) / kPanel;
+  const int64_t kb = std::min(k, kKBlock);
+#pragma omp parallel
+  {
+    thread_local std::vector<float> panel_buf, tmp_buf;
+    if (panel_buf.size() < static_cast<size_t>(kb * kPanel))
+      panel_buf.resize(static_cast<size_t>(kb * kPanel));
+    if (tmp_buf.size() < static_cast<size_t>(kb)) tmp_buf.resize(static_cast<size_t>(kb));
+    float* P = panel_buf.data();
+#pragma omp for schedule(static)
+    for (int64_t panel = 0; panel < n_panels; ++panel) {
+      const int64_t n0 = panel * kPanel;
+      const int64_t rows = std::min(kPanel, n - n0);
+      const __mmask16 m0 = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1u);
+      const __mmask16 m1 = static_cast<__mmask16>(rows >= 32  ? 0xFFFF
+                                                  : rows > 16 ? (1u << (rows - 16)) - 1u
+                                                              : 0u);
+      for (int64_t k0 = 0; k0 < k; k0 += kb) {
+        const int64_t kc = std::min(kb, k - k0);
+        pack_panel<WT>(w, k, n0, rows, k0, kc, tmp_buf.data(), P);
+        for (int64_t t0 = 0; t0 < n_tokens; t0 += kMR) {
+          packed_micro_dispatch<kMR>(std::min(kMR, n_tokens - t0), P, kc, x + t0 * ldx + k0, ldx,
+                                     y + t0 * ldy + n0, ldy, m0, m1, k0 == 0,
+                                     bias ? bias + n0 : nullptr);
+        }
+      }
+    }
+  }
+}
+
 #else  // portable version: the compiler vectorises the inner K loop
 
 template <DType WT>
@@ -148,6 +254,12 @@ void run_rows_tokens(const float* x, int64_t ldx, const void* w, int64_t k, int6
 template <DType WT>
 void matmul_typed(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,
                   int64_t n, const float* bias, float* y, int64_t ldy) {
+#if VQ_KERNELS_AVX512
+  if (n_tokens >= kPackedMinTokens) {
+    matmul_packed<WT>(x, n_tokens, k, ldx, w, n, bias, y, ldy);
+    return;
+  }
+#endif
   if (n_tokens == 1) {
     // Matrix-vector: 8 rows per step for enough independent accumulators.
     const int64_t n_tiles = n / 8;
