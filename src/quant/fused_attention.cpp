@@ -259,36 +259,46 @@ const Luts& luts() {
 template <int B>
 inline void unpack_pow2_512(const uint8_t* rec, int32_t n_groups, int64_t g, int64_t d,
                             const float* sc, float* __restrict out) {
-  const __m512i mask = _mm512_set1_epi32((1 << B) - 1);
-  const __m512i sh =
-      B == 4 ? _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28)
-             : _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B, 9 * B,
-                                 10 * B, 11 * B, 12 * B, 13 * B, 14 * B, 15 * B);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // B <= 4: lane j of the table holds (j mod 2^B) * s, so a permute by the shifted word (whose
+  // low 4 bits start with the lane's code) yields code * s without masking or converting.
+  __m512 lane_code = iota;
+  if constexpr (B < 4) {
+    alignas(64) float t[16];
+    for (int j = 0; j < 16; ++j) t[j] = static_cast<float>(j & ((1 << B) - 1));
+    lane_code = _mm512_load_ps(t);
+  }
+  const __m512i sh = B == 4
+                         ? _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)
+                         : _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B,
+                                             9 * B, 10 * B, 11 * B, 12 * B, 13 * B, 14 * B, 15 * B);
+  const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int32_t gi = 0; gi < n_groups; ++gi) {
     const __m512 s = _mm512_set1_ps(sc[gi]);
-    const int64_t i1 = std::min(d, (gi + 1) * g);  // a ragged last group ends at d
+    const __m512 table = _mm512_mul_ps(lane_code, s);  // exact: (code as float) * s, as below
+    const int64_t i1 = std::min(d, (gi + 1) * g);      // a ragged last group ends at d
     for (int64_t i = gi * g; i < i1; i += 16) {
       const uint8_t* src = rec + i * B / 8;
-      __m512i c;
       if constexpr (B == 8) {
-        c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-      } else if constexpr (B == 4) {
-        uint64_t w;
-        std::memcpy(&w, src, 8);
-        const __m512i wv = _mm512_inserti64x4(
-            _mm512_zextsi256_si512(_mm256_set1_epi32(static_cast<int>(w & 0xffffffffu))),
-            _mm256_set1_epi32(static_cast<int>(w >> 32)), 1);
-        c = _mm512_and_si512(_mm512_srlv_epi32(wv, sh), mask);
-      } else if constexpr (B == 2) {
-        uint32_t w;
-        std::memcpy(&w, src, 4);
-        c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), sh), mask);
+        const __m512i c =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(c), s));
       } else {
-        uint16_t w;
-        std::memcpy(&w, src, 2);
-        c = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(w), sh), mask);
+        __m512i wv;
+        if constexpr (B == 4) {  // 8 bytes -> each byte twice -> lanes, shifted by 0 / 4
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+          wv = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(bytes, dup)), sh);
+        } else if constexpr (B == 2) {
+          uint32_t w;
+          std::memcpy(&w, src, 4);
+          wv = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), sh);
+        } else {
+          uint16_t w;
+          std::memcpy(&w, src, 2);
+          wv = _mm512_srlv_epi32(_mm512_set1_epi32(w), sh);
+        }
+        _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(wv, table));
       }
-      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(c), s));
     }
   }
 }
