@@ -21,10 +21,10 @@ namespace {
 std::vector<uint8_t> raw_file(const std::string& header, const std::vector<uint8_t>& data,
                               uint64_t declared_len = UINT64_MAX) {
   const uint64_t n = declared_len == UINT64_MAX ? header.size() : declared_len;
-  std::vector<uint8_t> out(8);
+  std::vector<uint8_t> out(8 + header.size() + data.size());
   for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<uint8_t>(n >> (8 * i));
-  out.insert(out.end(), header.begin(), header.end());
-  out.insert(out.end(), data.begin(), data.end());
+  if (!header.empty()) std::memcpy(out.data() + 8, header.data(), header.size());
+  if (!data.empty()) std::memcpy(out.data() + 8 + header.size(), data.data(), data.size());
   return out;
 }
 
