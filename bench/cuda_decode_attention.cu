@@ -13,7 +13,8 @@
 // selection at 32K (key-proxy scores, top-k, compaction of K and V to 2048 rows).
 // Prints Markdown tables and writes CSV (--csv PATH) for tools/bench_sdpa.py, which adds PyTorch
 // SDPA over a bf16 cache of the same shapes and prints the combined table.
-// Usage: cuda_decode_attention [--csv out.csv] [--repeats N] [--quick]
+// Usage: cuda_decode_attention [--csv out.csv] [--repeats N] [--quick] [--only METHOD]
+//                              [--batch B] [--context N] [--no-maintenance]
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -136,11 +137,18 @@ int main(int argc, char** argv) {
   std::string csv_path = "cuda_decode_attention.csv";
   int repeats = 30;
   bool quick = false;
+  std::string only;                  // --only METHOD: decode configurations of that method only
+  int64_t only_b = 0, only_ctx = 0;  // --batch / --context filters (0 = all)
+  bool no_maint = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--csv" && i + 1 < argc) csv_path = argv[++i];
     if (a == "--repeats" && i + 1 < argc) repeats = std::atoi(argv[++i]);
     if (a == "--quick") quick = true;
+    if (a == "--only" && i + 1 < argc) only = argv[++i];
+    if (a == "--batch" && i + 1 < argc) only_b = std::atoll(argv[++i]);
+    if (a == "--context" && i + 1 < argc) only_ctx = std::atoll(argv[++i]);
+    if (a == "--no-maintenance") no_maint = true;
   }
   if (!vq::cuda::is_available()) {
     std::printf("no CUDA device: nothing to benchmark\n");
@@ -234,6 +242,7 @@ int main(int argc, char** argv) {
         quick ? std::vector<int64_t>{4096, 32768} : std::vector<int64_t>{4096, 32768, 131072};
     for (int64_t B : {1, 8})
       for (int64_t ctx : ctxs) {
+        if ((only_b && B != only_b) || (only_ctx && ctx != only_ctx)) continue;
         const int64_t budget = 2048;
         fill_positions_kernel<<<1024, 256, 0, s>>>(pos.as<int32_t>(), kMaxCtx, budget, ctx,
                                                    B * kHkv);
@@ -296,6 +305,7 @@ int main(int argc, char** argv) {
         vq::AttentionParams ap;
         ap.q_pos0 = ctx;
         for (Method& m : methods) {
+          if (!only.empty() && m.name != only) continue;
           const Stats st = time_it(
               [&] {
                 vq::cuda::decode_attention(q.as<float>(), kHq, m.view, ap, out.as<float>(), ws, s);
@@ -316,7 +326,7 @@ int main(int argc, char** argv) {
       }
 
     // ---- SKVQ flush and SnapKV selection of a 32K prefill (B = 1)
-    {
+    if (!no_maint) {
       const int64_t n = 32768, count = 2048;
       const int64_t ne = int64_t{kHkv} * n * kD;
       DeviceBuffer kp(static_cast<size_t>(ne) * 2), vp(static_cast<size_t>(ne) * 2);

@@ -44,10 +44,13 @@ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
 // Lane geometry of one (D, G) instance: q and the accumulator take G * CPL registers each (<= 64).
 template <int D, int G>
 struct Geo {
-  static constexpr int LPR = (D * G / 64 > D / 16) ? D * G / 64 : D / 16;  // lanes per row
-  static constexpr int CPL = D / LPR;                                      // channels per lane
-  static constexpr int NP = CPL / 8;                                       // 8-channel pieces
-  static constexpr int RPS = 32 / LPR;                                     // rows per warp step
+  // lanes per row: G * CPL <= 32 q (and accumulator) registers where 8-channel pieces allow it
+  // (G = 8 keeps 64), at least D / 16 lanes (at most 16 channels per lane).
+  static constexpr int LPR_W = (D * G / 32 > D / 16) ? D * G / 32 : D / 16;
+  static constexpr int LPR = LPR_W < D / 8 ? LPR_W : D / 8;
+  static constexpr int CPL = D / LPR;   // channels per lane
+  static constexpr int NP = CPL / 8;    // 8-channel pieces
+  static constexpr int RPS = 32 / LPR;  // rows per warp step
   static constexpr int STEPS = kWarpTile / RPS;
   static constexpr int TSTEPS = log2i(G) < log2i(LPR) ? log2i(G) : log2i(LPR);
   static_assert(CPL % 8 == 0 && NP >= 1 && RPS >= 1 && kWarpTile % RPS == 0, "lane geometry");
@@ -96,9 +99,20 @@ __device__ __forceinline__ uint32_t lds_u32_any(const uint8_t* base, uint32_t of
   return __funnelshift_r(w[0], w[1], (off & 3u) * 8u);
 }
 
-// Exact small-integer to float: the bit pattern 2^23 + c minus 2^23 (c < 2^23).
-__device__ __forceinline__ float code_to_f32(uint32_t c) {
-  return __uint_as_float(0x4B000000u | c) - 8388608.0f;
+// Codes decode to floats without shifting them down: code j of a piece is read in place as
+// c_j * 2^code_exp<BITS>(j) (the masked bits OR-ed into the mantissa of 2^23, minus 2^23, all
+// exact below 2^23), and the query is pre-scaled by 2^-code_exp, so every product q_j c_j is
+// bit-identical to the unscaled one. 8-bit codes are byte-permuted into place (exponent 0).
+template <int BITS>
+__host__ __device__ constexpr int code_exp(int j) {
+  return BITS == 2 ? 2 * j : (BITS == 4 ? 4 * (j % 4) : 0);
+}
+// 2^-code_exp<BITS>(j) as a compile-time float (a multiplication by it is exact).
+template <int BITS>
+__host__ __device__ constexpr float code_unscale(int j) {
+  float f = 1.0f;
+  for (int e = 0; e < code_exp<BITS>(j); ++e) f *= 0.5f;
+  return f;
 }
 
 __device__ __forceinline__ float fp8e4m3_to_f32(uint32_t c) {
@@ -135,7 +149,8 @@ __device__ __forceinline__ void load_meta(const uint8_t* base, uint32_t rec, int
   }
 }
 
-// The 8 codes of piece `piece` (channels 8*piece .. 8*piece+7) of a record at offset rec.
+// The 8 codes of piece `piece` (channels 8*piece .. 8*piece+7) of a record at offset rec, as
+// c_j * 2^code_exp<BITS>(j).
 template <int BITS>
 __device__ __forceinline__ void load_codes(const uint8_t* base, uint32_t rec, int piece,
                                            float (&c)[8]) {
@@ -143,15 +158,24 @@ __device__ __forceinline__ void load_codes(const uint8_t* base, uint32_t rec, in
   if constexpr (BITS == 8) {
     const uint32_t w0 = lds_u32_any(base, off), w1 = lds_u32_any(base, off + 4);
 #pragma unroll
+    for (int j = 0; j < 4; ++j) {  // bytes [c, 0, 0, 0x4B] = 2^23 + c
+      c[j] = __uint_as_float(__byte_perm(w0, 0x4B000000u, 0x7440u + j)) - 8388608.0f;
+      c[j + 4] = __uint_as_float(__byte_perm(w1, 0x4B000000u, 0x7440u + j)) - 8388608.0f;
+    }
+  } else if constexpr (BITS == 4) {
+    const uint32_t w = lds_u32_any(base, off);
+    const uint32_t hi = w >> 16;
+#pragma unroll
     for (int j = 0; j < 4; ++j) {
-      c[j] = code_to_f32((w0 >> (8 * j)) & 0xffu);
-      c[j + 4] = code_to_f32((w1 >> (8 * j)) & 0xffu);
+      c[j] = __uint_as_float((w & (0xFu << (4 * j))) | 0x4B000000u) - 8388608.0f;
+      c[j + 4] = __uint_as_float((hi & (0xFu << (4 * j))) | 0x4B000000u) - 8388608.0f;
     }
   } else {
+    static_assert(BITS == 2, "code bits 2, 4 or 8");
     const uint32_t w = lds_u32_any(base, off);
-    constexpr uint32_t mask = (1u << BITS) - 1u;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) c[j] = code_to_f32((w >> (BITS * j)) & mask);
+    for (int j = 0; j < 8; ++j)
+      c[j] = __uint_as_float((w & (0x3u << (2 * j))) | 0x4B000000u) - 8388608.0f;
   }
 }
 
@@ -241,8 +265,15 @@ __device__ void transform_queries(float* qs, float* tmp, const DecodePackedParam
 
 // ---- the split kernel -------------------------------------------------------------------------
 
+// Resident blocks the register budget aims for: 4 (<= 128 registers) where q and the accumulator
+// take 32 registers each, else whatever fits.
+template <int D, int G>
+constexpr int min_blocks() {
+  return Geo<D, G>::CPL * G <= 32 ? 4 : 1;
+}
+
 template <int D, int G, int KB, int VB>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
     decode_split_kernel(const __grid_constant__ DecodeParams p) {
   using Gm = Geo<D, G>;
   constexpr int LPR = Gm::LPR, NP = Gm::NP, RPS = Gm::RPS, STEPS = Gm::STEPS;
@@ -287,7 +318,16 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < 8; ++j) s += qr[h][k][j];
       qsum[h][k] = s;
+      if constexpr (KB > 0) {
+        if (packed) {  // codes arrive as c_j * 2^code_exp: scale q by 2^-code_exp (exact)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) qr[h][k][j] *= code_unscale<KB>(j);
+        }
+      }
     }
+  int grp[NP];  // metadata group of each piece
+#pragma unroll
+  for (int k = 0; k < NP; ++k) grp[k] = (8 * (sub + k * LPR)) / p.pk.group_size;
   __syncthreads();  // the stage area served as scratch of the transform
 
   float m_run = -INFINITY, l_run = 0.0f;  // head lane % G of this warp
@@ -317,7 +357,6 @@ __global__ void __launch_bounds__(kThreads)
     cp_async_commit();
   }
 
-  const int pk_group = p.pk.group_size;
   float* sw = sbuf + warp * kWarpTile * G;  // this warp's [8][G] logits, then probabilities
   constexpr int NPAIR = kWarpTile * G;
   constexpr int PPL = (NPAIR + 31) / 32;
@@ -354,7 +393,7 @@ __global__ void __launch_bounds__(kThreads)
               const int piece = sub + k * LPR;
               float c[8], lo, sc;
               load_codes<KB>(sk, rec, piece, c);
-              load_meta(sk, rec, p.pk.k_code_bytes, p.pk.k_meta, (8 * piece) / pk_group, lo, sc);
+              load_meta(sk, rec, p.pk.k_code_bytes, p.pk.k_meta, grp[k], lo, sc);
 #pragma unroll
               for (int h = 0; h < G; ++h) {
                 float d = 0.0f;
@@ -455,7 +494,7 @@ __global__ void __launch_bounds__(kThreads)
               const int piece = sub + k * LPR;
               float c[8], lo, sc;
               load_codes<VB>(sv, rec, piece, c);
-              load_meta(sv, rec, p.pk.v_code_bytes, p.pk.v_meta, (8 * piece) / pk_group, lo, sc);
+              load_meta(sv, rec, p.pk.v_code_bytes, p.pk.v_meta, grp[k], lo, sc);
 #pragma unroll
               for (int h = 0; h < G; ++h) {
                 const float w = pv[h] * sc;
@@ -493,7 +532,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < NP; ++k)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        float a = acc[h][k][j] + vbias[h][k];
+        float a = acc[h][k][j];
+        if constexpr (VB > 0) {
+          if (packed) a *= code_unscale<VB>(j);  // exact: undo the in-place code scale
+        }
+        a += vbias[h][k];
 #pragma unroll
         for (int o = LPR; o < 32; o <<= 1) a += __shfl_xor_sync(kFull, a, o);
         acc[h][k][j] = a;
