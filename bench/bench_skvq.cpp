@@ -6,9 +6,13 @@
 //       one query) over the view of a cache holding ctx tokens: full (fp16), SKVQ K2V2 and K4V4.
 //       Reports the KV bytes the view holds and GB/s; the time ratio SKVQ / full at each ctx is
 //       read off the table (see the README for the command and a run).
+//   decode_ratio/<ctx>: the three at 2K, 8K, 32K, 64K timed back to back per iteration; reports
+//       the minimum time of each and the SKVQ / full ratios (the robust figure on a busy machine).
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -84,6 +88,8 @@ struct Prepared {
   int64_t kv_bytes = 0;  // bytes of K and V the view holds (codes + metadata or fp16 rows)
 };
 
+Prepared build(const std::string& method, int64_t ctx);
+
 // One cache per (method, ctx), built once: prefill ctx - 1 tokens, then the decode call whose
 // view the attention reads.
 Prepared& prepared(const std::string& method, int64_t ctx) {
@@ -94,6 +100,10 @@ Prepared& prepared(const std::string& method, int64_t ctx) {
   // Keep at most one context size alive (64K fp16 is 256 MiB).
   for (auto i = cache.begin(); i != cache.end();)
     i = i->first.second != ctx ? cache.erase(i) : std::next(i);
+  return cache.emplace(key, build(method, ctx)).first->second;
+}
+
+Prepared build(const std::string& method, int64_t ctx) {
   Prepared p;
   vq::CacheConfig cfg;
   if (method == "full") {
@@ -116,7 +126,7 @@ Prepared& prepared(const std::string& method, int64_t ctx) {
     else
       p.kv_bytes += seg.n_rows * kHeads * kHeadDim * 2 * 2;
   }
-  return cache.emplace(key, std::move(p)).first->second;
+  return p;
 }
 
 void decode_attention(benchmark::State& state, const std::string& method) {
@@ -154,6 +164,44 @@ BENCHMARK_CAPTURE(decode_attention, skvq_k4v4, std::string("skvq_k4v4"))
     ->Arg(65536)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+
+// The three caches at one ctx, timed back to back in every iteration (so load on a shared machine
+// hits them alike); counters are the per-call minimum over iterations (robust to preemption) and
+// the SKVQ / full time ratios of those minima.
+void decode_ratio(benchmark::State& state) {
+  const int64_t ctx = state.range(0);
+  Prepared full = build("full", ctx), k2 = build("skvq_k2v2", ctx), k4 = build("skvq_k4v4", ctx);
+  vq::Tensor q(vq::DType::kF32, 1, kQHeads, 1, kHeadDim);
+  auto* qp = static_cast<float*>(q.data());
+  for (int64_t i = 0; i < q.numel(); ++i)
+    qp[i] = static_cast<float>((i * 37) % 101) / 101.0f - 0.5f;
+  std::vector<float> out(static_cast<size_t>(q.numel()));
+  vq::AttentionParams ap;
+  ap.q_pos0 = ctx - 1;
+  double best[3] = {1e30, 1e30, 1e30};
+  Prepared* ps[3] = {&full, &k2, &k4};
+  for (auto _ : state) {
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      vq::attention(q.view(), ps[i]->view, ap, out.data());
+      benchmark::DoNotOptimize(out.data());
+      const double us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      best[i] = std::min(best[i], us);
+    }
+  }
+  state.counters["full_us"] = best[0];
+  state.counters["k2v2_us"] = best[1];
+  state.counters["k4v4_us"] = best[2];
+  state.counters["k2v2/full"] = best[1] / best[0];
+  state.counters["k4v4/full"] = best[2] / best[0];
+}
+BENCHMARK(decode_ratio)
+    ->Arg(2048)
+    ->Arg(8192)
+    ->Arg(32768)
+    ->Arg(65536)
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
