@@ -18,6 +18,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/generate.h"
 #include "veloxquant/model.h"
+#include "veloxquant/tokenizer.h"
 
 namespace vq {
 namespace {
@@ -244,6 +245,30 @@ TEST_F(GenerateTest, StopsOnEosMaxTokensAndCallback) {
   EXPECT_EQ(caches[0]->offset(), 20);
   // Bad input.
   EXPECT_THROW(generate(*model_, std::vector<int32_t>{}, caches, o), Error);
+}
+
+TEST_F(GenerateTest, TinyTokenizerRoundTripsThroughGeneration) {
+  // The tiny model's tokenizer.json loads, covers the model's vocabulary, and text goes
+  // prompt -> ids -> generated ids -> text with the streaming decoder equal to a full decode.
+  const Tokenizer tok = Tokenizer::from_file(*dir_ + "/tokenizer.json");
+  EXPECT_EQ(tok.vocab_size(), 320);
+  const std::string text = "the theatre in the rain, caf\xC3\xA9 \xE4\xB8\xAD 42";
+  const std::vector<int32_t> ids = tok.encode(text, false);
+  EXPECT_EQ(tok.decode(ids), text);    // byte-level: lossless
+  EXPECT_LT(ids.size(), text.size());  // the merges apply ("th", "the", ...)
+  auto caches = model_->make_caches(CacheConfig{});
+  GenerateOptions o;
+  o.max_tokens = 16;
+  o.stop_at_eos = false;
+  StreamDecoder stream(tok);
+  std::string streamed;
+  o.on_token = [&](int32_t id) {
+    streamed += stream.push(id);
+    return true;
+  };
+  const GenerateResult r = generate(*model_, ids, caches, o);
+  streamed += stream.flush();
+  EXPECT_EQ(streamed, tok.decode(r.tokens));
 }
 
 TEST_F(GenerateTest, PrefillStepDoesNotChangeGreedyTokens) {

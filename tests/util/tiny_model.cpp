@@ -70,8 +70,9 @@ json tiny_tokenizer_json(const TinyModelSpec& spec) {
   int64_t next = 0;
   for (int b = 0; b < 256; ++b) vocab[byte_str[static_cast<size_t>(b)]] = next++;
   json merges = json::array();
-  const char* pairs[][2] = {{"t", "h"}, {"th", "e"}, {"a", "n"},   {"i", "n"}, {"e", "r"},
-                            {"o", "n"}, {"Ġ", "t"},  {"Ġt", "he"}, {"Ġ", "a"}, {"r", "e"}};
+  const char* pairs[][2] = {{"t", "h"},   {"th", "e"}, {"a", "n"}, {"i", "n"},
+                            {"e", "r"},   {"o", "n"},  {"Ġ", "t"}, {"Ġt", "h"},
+                            {"Ġth", "e"}, {"Ġ", "a"},  {"r", "e"}};
   for (const auto& p : pairs) {
     if (next >= spec.vocab_size - 1) break;
     const std::string merged = std::string(p[0]) + p[1];
