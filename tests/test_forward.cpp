@@ -105,6 +105,38 @@ TEST(Matmul, TokenResultIndependentOfTiling) {
   }
 }
 
+TEST(Matmul, MultiEqualsSeparateCalls) {
+  // matmul_multi runs the same units as separate matmul calls, only in one parallel region.
+  std::mt19937_64 rng(8);
+  std::normal_distribution<float> dist(0, 1);
+  const int64_t K = 40;
+  const DType types[3] = {DType::kBF16, DType::kF32, DType::kF16};
+  const int64_t ns[3] = {37, 8, 70};
+  for (int64_t T : {1, 2, 3, 4, 13}) {
+    std::vector<float> x(static_cast<size_t>(T * K));
+    for (float& v : x) v = dist(rng);
+    std::vector<std::vector<uint8_t>> w(3);
+    std::vector<std::vector<float>> y(3), ref(3), bias(3);
+    kernels::MatmulOut outs[3];
+    for (int i = 0; i < 3; ++i) {
+      std::vector<float> wf(static_cast<size_t>(ns[i] * K));
+      for (float& v : wf) v = dist(rng);
+      w[i].resize(wf.size() * dtype_size(types[i]));
+      from_f32(wf.data(), w[i].data(), types[i], wf.size());
+      bias[i].resize(static_cast<size_t>(ns[i]));
+      for (float& v : bias[i]) v = dist(rng);
+      y[i].assign(static_cast<size_t>(T * ns[i]), 0.0f);
+      ref[i] = y[i];
+      outs[i] = {w[i].data(), types[i], ns[i], i == 1 ? bias[i].data() : nullptr,
+                 y[i].data(), ns[i]};
+      kernels::matmul(x.data(), T, K, K, w[i].data(), types[i], ns[i], outs[i].bias, ref[i].data(),
+                      ns[i]);
+    }
+    kernels::matmul_multi(x.data(), T, K, K, outs, 3);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(y[i], ref[i]) << "T " << T << " output " << i;
+  }
+}
+
 TEST(Kernels, RmsNormAndSwiglu) {
   const std::vector<float> x = {1.0f, -2.0f, 3.0f, 0.5f}, w = {1.0f, 0.5f, 2.0f, -1.0f};
   std::vector<float> out(4);

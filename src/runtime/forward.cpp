@@ -26,6 +26,10 @@ void linear(const Linear& l, const float* x, int64_t n_tokens, float* y) {
                   l.bias.empty() ? nullptr : l.bias.data(), y, l.out);
 }
 
+kernels::MatmulOut out_of(const Linear& l, float* y) {
+  return {l.w, l.dtype, l.out, l.bias.empty() ? nullptr : l.bias.data(), y, l.out};
+}
+
 template <typename T>
 T* grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
@@ -107,9 +111,8 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
     const Layer& L = layers_[static_cast<size_t>(li)];
     for (int64_t t = 0; t < T; ++t)
       kernels::rmsnorm(x + t * Hd, L.attn_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
-    linear(L.q, h, T, q);
-    linear(L.k, h, T, k);
-    linear(L.v, h, T, v);
+    const kernels::MatmulOut qkv[3] = {out_of(L.q, q), out_of(L.k, k), out_of(L.v, v)};
+    kernels::matmul_multi(h, T, Hd, Hd, qkv, 3);
     // RoPE, then token-major [T, heads, D] -> head-major [B, heads, S, D].
     for (int64_t t = 0; t < T; ++t) {
       const int64_t b = t / seq, si = t % seq;
@@ -148,8 +151,8 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
 
     for (int64_t t = 0; t < T; ++t)
       kernels::rmsnorm(x + t * Hd, L.mlp_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
-    linear(L.gate, h, T, gate);
-    linear(L.up, h, T, up);
+    const kernels::MatmulOut gate_up[2] = {out_of(L.gate, gate), out_of(L.up, up)};
+    kernels::matmul_multi(h, T, Hd, Hd, gate_up, 2);
     kernels::swiglu(gate, up, T * I, gate);
     linear(L.down, gate, T, h);
     for (size_t i = 0; i < uT * Hd; ++i) x[i] += h[i];

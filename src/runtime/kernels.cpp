@@ -14,8 +14,6 @@
 // Output rows are split statically over the OpenMP threads in both.
 #include "runtime/kernels.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,8 +33,6 @@
 namespace vq::kernels {
 
 namespace {
-
-constexpr int64_t kTokenBlockBytes = 192 * 1024;  // X block kept in L2 (1 MiB here)
 
 #if VQ_KERNELS_AVX512
 
@@ -179,36 +175,27 @@ void packed_micro_dispatch(int64_t mr, const float* P, int64_t kc, const float* 
   packed_micro<MR>(P, kc, x, ldx, y, ldy, m0, m1, first, bias);
 }
 
+// One 32-row panel of output o for every token: pack K-block by K-block, sweep the tokens.
 template <DType WT>
-void matmul_packed(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,
-                   int64_t n, const float* bias, float* y, int64_t ldy) {
-  const int64_t n_panels = (n + kPanel - 1) / kPanel;
+void run_panel(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const MatmulOut& o,
+               int64_t n0, int64_t rows) {
   const int64_t kb = std::min(k, kKBlock);
-#pragma omp parallel
-  {
-    thread_local std::vector<float> panel_buf, tmp_buf;
-    if (panel_buf.size() < static_cast<size_t>(kb * kPanel))
-      panel_buf.resize(static_cast<size_t>(kb * kPanel));
-    if (tmp_buf.size() < static_cast<size_t>(kb)) tmp_buf.resize(static_cast<size_t>(kb));
-    float* P = panel_buf.data();
-#pragma omp for schedule(static)
-    for (int64_t panel = 0; panel < n_panels; ++panel) {
-      const int64_t n0 = panel * kPanel;
-      const int64_t rows = std::min(kPanel, n - n0);
-      const __mmask16 m0 = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1u);
-      const __mmask16 m1 = static_cast<__mmask16>(rows >= 32  ? 0xFFFF
-                                                  : rows > 16 ? (1u << (rows - 16)) - 1u
-                                                              : 0u);
-      for (int64_t k0 = 0; k0 < k; k0 += kb) {
-        const int64_t kc = std::min(kb, k - k0);
-        pack_panel<WT>(w, k, n0, rows, k0, kc, tmp_buf.data(), P);
-        for (int64_t t0 = 0; t0 < n_tokens; t0 += kMR) {
-          packed_micro_dispatch<kMR>(std::min(kMR, n_tokens - t0), P, kc, x + t0 * ldx + k0, ldx,
-                                     y + t0 * ldy + n0, ldy, m0, m1, k0 == 0,
-                                     bias ? bias + n0 : nullptr);
-        }
-      }
-    }
+  thread_local std::vector<float> panel_buf, tmp_buf;
+  if (panel_buf.size() < static_cast<size_t>(kb * kPanel))
+    panel_buf.resize(static_cast<size_t>(kb * kPanel));
+  if (tmp_buf.size() < static_cast<size_t>(kb)) tmp_buf.resize(static_cast<size_t>(kb));
+  float* P = panel_buf.data();
+  const __mmask16 m0 = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1u);
+  const __mmask16 m1 = static_cast<__mmask16>(rows >= 32  ? 0xFFFF
+                                              : rows > 16 ? (1u << (rows - 16)) - 1u
+                                                          : 0u);
+  for (int64_t k0 = 0; k0 < k; k0 += kb) {
+    const int64_t kc = std::min(kb, k - k0);
+    pack_panel<WT>(o.w, k, n0, rows, k0, kc, tmp_buf.data(), P);
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += kMR)
+      packed_micro_dispatch<kMR>(std::min(kMR, n_tokens - t0), P, kc, x + t0 * ldx + k0, ldx,
+                                 o.y + t0 * o.ldy + n0, o.ldy, m0, m1, k0 == 0,
+                                 o.bias ? o.bias + n0 : nullptr);
   }
 }
 
@@ -241,87 +228,116 @@ inline void micro_kernel(const float* x, int64_t ldx, const void* w, int64_t k, 
 
 #endif
 
-// Rows [n_begin, n_end) for tokens [t_begin, t_end): 4-row x 4-token tiles, then the edges.
+// Rows [n0, n0 + R) for tokens [0, n_tokens): 4-token tiles, then the edges.
 template <DType WT, int R>
 void run_rows_tokens(const float* x, int64_t ldx, const void* w, int64_t k, int64_t n0,
-                     const float* bias, float* y, int64_t ldy, int64_t t_begin, int64_t t_end) {
-  int64_t t = t_begin;
-  for (; t + 4 <= t_end; t += 4)
+                     const float* bias, float* y, int64_t ldy, int64_t n_tokens) {
+  int64_t t = 0;
+  for (; t + 4 <= n_tokens; t += 4)
     micro_kernel<WT, R, 4>(x + t * ldx, ldx, w, k, n0, bias, y + t * ldy, ldy);
-  for (; t < t_end; ++t) micro_kernel<WT, R, 1>(x + t * ldx, ldx, w, k, n0, bias, y + t * ldy, ldy);
+  for (; t < n_tokens; ++t)
+    micro_kernel<WT, R, 1>(x + t * ldx, ldx, w, k, n0, bias, y + t * ldy, ldy);
+}
+
+// How a call is cut into units of work (one unit = some output rows of one output, all tokens).
+enum class Path : uint8_t {
+  kVector,  // 1 token: 8-row dot-product tiles
+  kSmall,   // a few tokens (or any count without AVX-512): 4-row x 4-token dot-product tiles
+  kPacked,  // AVX-512, >= kPackedMinTokens tokens: 32-row packed panels
+};
+
+Path choose_path(int64_t n_tokens) {
+#if VQ_KERNELS_AVX512
+  if (n_tokens >= kPackedMinTokens) return Path::kPacked;
+#endif
+  return n_tokens == 1 ? Path::kVector : Path::kSmall;
+}
+
+int64_t unit_rows(Path p) {
+  return p == Path::kVector ? 8 : p == Path::kSmall ? 4 : 32;
 }
 
 template <DType WT>
-void matmul_typed(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,
-                  int64_t n, const float* bias, float* y, int64_t ldy) {
-#if VQ_KERNELS_AVX512
-  if (n_tokens >= kPackedMinTokens) {
-    matmul_packed<WT>(x, n_tokens, k, ldx, w, n, bias, y, ldy);
-    return;
-  }
-#endif
-  if (n_tokens == 1) {
-    // Matrix-vector: 8 rows per step for enough independent accumulators.
-    const int64_t n_tiles = n / 8;
-#pragma omp parallel for schedule(static)
-    for (int64_t tile = 0; tile < n_tiles; ++tile)
-      micro_kernel<WT, 8, 1>(x, ldx, w, k, tile * 8, bias, y, ldy);
-    for (int64_t r = n_tiles * 8; r < n; ++r) micro_kernel<WT, 1, 1>(x, ldx, w, k, r, bias, y, ldy);
-    return;
-  }
-  const int64_t block =
-      std::clamp<int64_t>(kTokenBlockBytes / (4 * std::max<int64_t>(k, 1)) / 4 * 4, 8, 256);
-  const int64_t n_tiles = (n + 3) / 4;
-#pragma omp parallel
-  {
-    const int n_threads = omp_get_num_threads();
-    const int id = omp_get_thread_num();
-    const int64_t tile_begin = n_tiles * id / n_threads;
-    const int64_t tile_end = n_tiles * (id + 1) / n_threads;
-    for (int64_t t0 = 0; t0 < n_tokens; t0 += block) {
-      const int64_t t1 = std::min(n_tokens, t0 + block);
-      for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-        const int64_t n0 = tile * 4;
-        switch (std::min<int64_t>(4, n - n0)) {
-          case 4:
-            run_rows_tokens<WT, 4>(x, ldx, w, k, n0, bias, y, ldy, t0, t1);
-            break;
-          case 3:
-            run_rows_tokens<WT, 3>(x, ldx, w, k, n0, bias, y, ldy, t0, t1);
-            break;
-          case 2:
-            run_rows_tokens<WT, 2>(x, ldx, w, k, n0, bias, y, ldy, t0, t1);
-            break;
-          default:
-            run_rows_tokens<WT, 1>(x, ldx, w, k, n0, bias, y, ldy, t0, t1);
-            break;
-        }
+void run_unit(Path path, const float* x, int64_t n_tokens, int64_t k, int64_t ldx,
+              const MatmulOut& o, int64_t n0) {
+  const int64_t rows = std::min(unit_rows(path), o.n - n0);
+  switch (path) {
+    case Path::kVector:
+      if (rows == 8) {
+        micro_kernel<WT, 8, 1>(x, ldx, o.w, k, n0, o.bias, o.y, o.ldy);
+      } else {
+        for (int64_t r = 0; r < rows; ++r)
+          micro_kernel<WT, 1, 1>(x, ldx, o.w, k, n0 + r, o.bias, o.y, o.ldy);
       }
-    }
+      return;
+    case Path::kSmall:
+      switch (rows) {
+        case 4:
+          run_rows_tokens<WT, 4>(x, ldx, o.w, k, n0, o.bias, o.y, o.ldy, n_tokens);
+          break;
+        case 3:
+          run_rows_tokens<WT, 3>(x, ldx, o.w, k, n0, o.bias, o.y, o.ldy, n_tokens);
+          break;
+        case 2:
+          run_rows_tokens<WT, 2>(x, ldx, o.w, k, n0, o.bias, o.y, o.ldy, n_tokens);
+          break;
+        default:
+          run_rows_tokens<WT, 1>(x, ldx, o.w, k, n0, o.bias, o.y, o.ldy, n_tokens);
+          break;
+      }
+      return;
+    case Path::kPacked:
+#if VQ_KERNELS_AVX512
+      run_panel<WT>(x, n_tokens, k, ldx, o, n0, rows);
+#endif
+      return;
   }
 }
 
 }  // namespace
 
-void matmul(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w, DType w_dtype,
-            int64_t n, const float* bias, float* y, int64_t ldy) {
-  if (n_tokens <= 0 || n <= 0) return;
+void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const MatmulOut* outs,
+                  int n_outs) {
+  if (n_tokens <= 0 || n_outs <= 0) return;
   if (k == 0) {
-    for (int64_t t = 0; t < n_tokens; ++t)
-      for (int64_t r = 0; r < n; ++r) y[t * ldy + r] = bias ? bias[r] : 0.0f;
+    for (int i = 0; i < n_outs; ++i)
+      for (int64_t t = 0; t < n_tokens; ++t)
+        for (int64_t r = 0; r < outs[i].n; ++r)
+          outs[i].y[t * outs[i].ldy + r] = outs[i].bias ? outs[i].bias[r] : 0.0f;
     return;
   }
-  switch (w_dtype) {
-    case DType::kF32:
-      matmul_typed<DType::kF32>(x, n_tokens, k, ldx, w, n, bias, y, ldy);
-      break;
-    case DType::kF16:
-      matmul_typed<DType::kF16>(x, n_tokens, k, ldx, w, n, bias, y, ldy);
-      break;
-    case DType::kBF16:
-      matmul_typed<DType::kBF16>(x, n_tokens, k, ldx, w, n, bias, y, ldy);
-      break;
+  const Path path = choose_path(n_tokens);
+  const int64_t ur = unit_rows(path);
+  std::vector<int64_t> first_unit(static_cast<size_t>(n_outs) + 1, 0);
+  for (int i = 0; i < n_outs; ++i)
+    first_unit[static_cast<size_t>(i) + 1] =
+        first_unit[static_cast<size_t>(i)] + (std::max<int64_t>(outs[i].n, 0) + ur - 1) / ur;
+  const int64_t n_units = first_unit.back();
+  // One parallel region for every output: units of equal size, split statically.
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < n_units; ++u) {
+    int i = 0;
+    while (u >= first_unit[static_cast<size_t>(i) + 1]) ++i;
+    const MatmulOut& o = outs[i];
+    const int64_t n0 = (u - first_unit[static_cast<size_t>(i)]) * ur;
+    switch (o.dtype) {
+      case DType::kF32:
+        run_unit<DType::kF32>(path, x, n_tokens, k, ldx, o, n0);
+        break;
+      case DType::kF16:
+        run_unit<DType::kF16>(path, x, n_tokens, k, ldx, o, n0);
+        break;
+      case DType::kBF16:
+        run_unit<DType::kBF16>(path, x, n_tokens, k, ldx, o, n0);
+        break;
+    }
   }
+}
+
+void matmul(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w, DType w_dtype,
+            int64_t n, const float* bias, float* y, int64_t ldy) {
+  const MatmulOut o{w, w_dtype, n, bias, y, ldy};
+  matmul_multi(x, n_tokens, k, ldx, &o, 1);
 }
 
 void matmul_reference(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,
