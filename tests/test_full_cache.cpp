@@ -102,24 +102,26 @@ TEST(FullCache, GrowsInStepsOf256Geometrically) {
     ASSERT_GE(cap, t);
     if (cap != prev_cap) {
       ++growths;
-      // It grew only because the row did not fit, and at least doubled (amortised O(1)).
+      // It grew only because the row did not fit, and by at least 1.25x (amortised O(1):
+      // a growth that copies c rows is followed by at least c/4 appends without copying).
       ASSERT_EQ(t, prev_cap + 1);
-      ASSERT_GE(cap, 2 * prev_cap);
+      ASSERT_GE(4 * cap, 5 * prev_cap);
       prev_cap = cap;
     }
+    // Slack: after a growth at t = c + 1 the capacity is round_up(1.25 c, 256) < 1.25 t + 256.
+    ASSERT_LT(4 * cap, 5 * t + 4 * FullCache::kStep);
   }
-  // 256, 512, 1024, 2048, 4096, 8192.
-  EXPECT_EQ(growths, 6);
-  EXPECT_EQ(c.capacity(), 8192);
+  // Geometric growth: 5000 rows take O(log 5000) growths, not 5000 / 256 = 20.
+  EXPECT_LE(growths, 14);
 
-  // A prefill that does not fit grows straight to the next multiple of 256 (or 2x).
+  // A prefill that does not fit grows straight to the next multiple of 256 (or 1.25x).
   FullCache p;
   const Tensor a = test::random_tensor(DType::kF16, 1, 1, 300, 4, 1);
   p.update_and_fetch(a.view(), a.view());
   EXPECT_EQ(p.capacity(), 512);
   const Tensor b = test::random_tensor(DType::kF16, 1, 1, 1000, 4, 2);
   p.update_and_fetch(b.view(), b.view());
-  EXPECT_EQ(p.capacity(), 1536);  // max(1300, 1024) rounded up to 256
+  EXPECT_EQ(p.capacity(), 1536);  // max(1300, 640) rounded up to 256
 }
 
 TEST(FullCache, ViewIsTheConcatenationOfEveryBlock) {

@@ -1,11 +1,12 @@
 // The full-precision cache (caches.md §2; layout in veloxquant/full_cache.h).
 //
 // Buffers are [B, H, capacity, D]; growth copies the stored rows once into a buffer of
-// max(needed, 2 x capacity) rows rounded up to 256, so n decode appends copy O(n) rows in
-// total (amortised O(1) each). Every call validates its input completely before changing
-// anything; growth builds the new buffers aside and swaps them in, so a failure (including
-// std::bad_alloc) leaves the cache as it was. Buffers are not zero-filled: only rows below
-// offset() are ever read, saved or shown in a view.
+// max(needed, 1.25 x capacity) rows rounded up to 256, so n decode appends copy at most 5n rows
+// in total (amortised O(1) each: a growth copying c rows buys c/4 appends) while the slack stays
+// below a quarter of the capacity plus one 256-row step (resident bytes track accounted bytes).
+// Every call validates its input completely before changing anything; growth builds the new buffers
+// aside and swaps them in, so a failure (including std::bad_alloc) leaves the cache as it was.
+// Buffers are not zero-filled: only rows below offset() are ever read, saved or shown in a view.
 #include "veloxquant/full_cache.h"
 
 #include <algorithm>
@@ -146,7 +147,7 @@ CacheView FullCache::update_and_fetch(const TensorView& keys, const TensorView& 
     shape.batch = n_b;
     shape.heads = n_h;
     shape.head_dim = n_d;
-    const int64_t cap = round_up(std::max(new_offset, 2 * st_.capacity), kStep);
+    const int64_t cap = round_up(std::max(new_offset, st_.capacity + st_.capacity / 4), kStep);
     grown = with_capacity(shape, cap);
     grown.offset = st_.offset;
     const size_t row_bytes = static_cast<size_t>(n_d) * dtype_size(grown.dtype);
