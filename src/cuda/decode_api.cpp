@@ -2,7 +2,7 @@
 // fills the DecodeParams of decode_attention.cuh, then queues the split + combine kernels.
 //
 // Plan: every (b, kv head) gets about target / (B * H_kv) splits, target = 16 blocks per SM (about
-// four waves of the ~4 resident blocks), each split at least 32 rows and a whole number of pipeline
+// four waves of the ~4 resident blocks), each split at least 64 rows and a whole number of pipeline
 // tiles; a split never crosses a segment boundary (so its rows share one format). The host work
 // is a few hundred operations and no allocation once the workspace is large enough.
 #include <cuda_runtime_api.h>
@@ -175,7 +175,7 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
   const int64_t per_bh = std::max<int64_t>(1, (target_blocks + B * H - 1) / (B * H));
   int64_t rows_per_split = opt.rows_per_split > 0
                                ? opt.rows_per_split
-                               : std::max<int64_t>(32, (total_rows + per_bh - 1) / per_bh);
+                               : std::max<int64_t>(64, (total_rows + per_bh - 1) / per_bh);
   int64_t n_splits = 0;
   for (int i = 0; i < dp.n_segments; ++i) {
     DecodeSegmentParams& d = dp.seg[i];

@@ -3,7 +3,9 @@
 // that picks the split kernel instance for the view's (key bits, value bits). The split kernel
 // is in decode_attention_kernel.cuh, instantiated by decode_attention_k*.cu.
 //
-// Combine: M = max_s m_s, w_s = 2^(m_s - M), out = (sum_s w_s acc_s) / (sum_s w_s l_s), where the
+// Combine (one block of 512 threads per (b, query head): the max by a block reduction, then
+// 512 / D slices per channel summing interleaved splits, added in shared memory):
+// M = max_s m_s, w_s = 2^(m_s - M), out = (sum_s w_s acc_s) / (sum_s w_s l_s), where the
 // accumulators of splits over packed, transformed values are summed apart (stored channel order),
 // mapped back once (y[perm[j]] = x[j], then y <- signs .* H_norm y) and added. L == 0 (no visible
 // key) gives zeros.
@@ -14,59 +16,108 @@ namespace vq::cuda {
 
 namespace decode_impl {
 
+// Slices of the combine block: D * kCombineSlices = 512 threads, slice s of a channel d sums the
+// splits s, s + S, s + 2S, ... (independent loads, no serial chain over the splits).
 template <int D>
-__global__ void __launch_bounds__(D) decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-  __shared__ float x[D];
+constexpr int combine_slices() {
+  return 512 / D;
+}
+
+template <int D>
+__global__ void __launch_bounds__(512)
+    decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+  constexpr int S = combine_slices<D>();
+  constexpr int kNT = D * S;
+  __shared__ float red_o[S][D];
+  __shared__ float red_s[S][D];
+  __shared__ float red_l[S];
+  __shared__ float wmax[kNT / 32];
   __shared__ float y[D];
-  const int qh = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const int qh = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const int d = tid % D, slice = tid / D;
   const int n_q_heads = p.n_kv_heads * p.group;
   const int kvh = qh / p.group;
   const int64_t row0 = (static_cast<int64_t>(b) * n_q_heads + qh) * p.n_splits;
+  const float* ml = p.part_ml + 2 * row0;
+  const float* pa = p.part_acc + row0 * D + d;
+
+  // ---- M = max over the splits, block-wide
   float mx = -INFINITY;
-  for (int s = 0; s < p.n_splits; ++s) mx = fmaxf(mx, p.part_ml[2 * (row0 + s)]);
+  for (int s = tid; s < p.n_splits; s += kNT) mx = fmaxf(mx, ml[2 * s]);
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((tid & 31) == 0) wmax[tid >> 5] = mx;
+  __syncthreads();
+  mx = wmax[0];
+#pragma unroll
+  for (int w = 1; w < kNT / 32; ++w) mx = fmaxf(mx, wmax[w]);
+
+  // ---- this slice's weighted sums; w_s = 2^(m_s - M) is 0 for an empty split (m_s = -inf)
   const bool v_transformed = p.v_bits > 0 && (p.pk.v_perm != nullptr || p.pk.v_signs != nullptr);
   float l = 0.0f, a_orig = 0.0f, a_stored = 0.0f;
   if (mx != -INFINITY) {
     for (int si = 0; si < p.n_segments; ++si) {
       const DecodeSegmentParams& sg = p.seg[si];
       const bool stored = v_transformed && sg.packed != 0;
-      for (int s = sg.split_begin; s < sg.split_begin + sg.n_splits; ++s) {
-        const float m = p.part_ml[2 * (row0 + s)];
-        if (m == -INFINITY) continue;
-        const float w = exp2f(m - mx);
-        l += p.part_ml[2 * (row0 + s) + 1] * w;
-        const float a = p.part_acc[(row0 + s) * D + d] * w;
-        if (stored) {
-          a_stored += a;
-        } else {
-          a_orig += a;
-        }
+      const int end = sg.split_begin + sg.n_splits;
+      float a = 0.0f;
+#pragma unroll 4
+      for (int s = sg.split_begin + slice; s < end; s += S) {
+        const float w = exp2f(ml[2 * s] - mx);
+        l = fmaf(ml[2 * s + 1], w, l);
+        a = fmaf(pa[static_cast<int64_t>(s) * D], w, a);
+      }
+      if (stored) {
+        a_stored += a;
+      } else {
+        a_orig += a;
       }
     }
   }
-  if (v_transformed) {  // uniform over the block
-    x[d] = a_stored;
+  red_o[slice][d] = a_orig;
+  red_s[slice][d] = a_stored;
+  if (d == 0) red_l[slice] = l;
+  __syncthreads();
+  const bool lead = slice == 0;  // the first D threads finish channel d
+  if (lead) {
+    l = 0.0f;
+    a_orig = 0.0f;
+    a_stored = 0.0f;
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+      l += red_l[k];
+      a_orig += red_o[k][d];
+      a_stored += red_s[k][d];
+    }
+  }
+  if (v_transformed) {  // uniform over the block; red_s[0] is free again after this barrier
     __syncthreads();
-    if (p.pk.v_perm) {
-      y[p.pk.v_perm[static_cast<int64_t>(kvh) * D + d]] = x[d];
-    } else {
-      y[d] = x[d];
+    float* x = red_s[0];
+    if (lead) x[d] = a_stored;
+    __syncthreads();
+    if (lead) {
+      if (p.pk.v_perm) {
+        y[p.pk.v_perm[static_cast<int64_t>(kvh) * D + d]] = x[d];
+      } else {
+        y[d] = x[d];
+      }
     }
     __syncthreads();
     if (p.pk.v_signs) {
       for (int span = 1; span < p.pk.v_rot_block; span *= 2) {
-        if ((d & span) == 0) {
+        if (lead && (d & span) == 0) {
           const float u = y[d], v = y[d + span];
           y[d] = u + v;
           y[d + span] = u - v;
         }
         __syncthreads();
       }
-      y[d] = y[d] * p.pk.v_rot_norm * p.pk.v_signs[static_cast<int64_t>(kvh) * D + d];
+      if (lead) y[d] = y[d] * p.pk.v_rot_norm * p.pk.v_signs[static_cast<int64_t>(kvh) * D + d];
     }
-    a_orig += y[d];
+    if (lead) a_orig += y[d];
   }
-  p.out[(static_cast<int64_t>(b) * n_q_heads + qh) * D + d] = l > 0.0f ? a_orig / l : 0.0f;
+  if (lead)
+    p.out[(static_cast<int64_t>(b) * n_q_heads + qh) * D + d] = l > 0.0f ? a_orig / l : 0.0f;
 }
 
 template <>
@@ -107,9 +158,9 @@ void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
   }
   const dim3 grid(static_cast<unsigned>(p.n_kv_heads * p.group), static_cast<unsigned>(p.batch));
   if (p.head_dim == 64) {
-    decode_combine_kernel<64><<<grid, 64, 0, s>>>(p);
+    decode_combine_kernel<64><<<grid, 64 * combine_slices<64>(), 0, s>>>(p);
   } else {
-    decode_combine_kernel<128><<<grid, 128, 0, s>>>(p);
+    decode_combine_kernel<128><<<grid, 128 * combine_slices<128>(), 0, s>>>(p);
   }
   VQ_CUDA_LAUNCH_CHECK(decode_combine_kernel);
 }

@@ -15,6 +15,8 @@
 //   logit += scale * sum_j q'_j c_j + lo * sum_j q'_j        (q' = P R q, transformed once)
 //   acc'_j += (p * scale) c_j,   bias += p * lo             (acc' in stored order)
 // and the combine kernel un-permutes / un-rotates the value accumulator once per query head.
+// Step (1) runs on the tensor cores (mma.m16n8k16, fp32 accumulation, queries split hi + lo in
+// fp16) for fp16 rows and 2-bit codes in groups of a multiple of 32; see mma_logits below.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -60,7 +62,8 @@ struct Geo {
 // Dynamic shared memory of the split kernel.
 template <int D, int G>
 constexpr int split_smem_bytes() {
-  return kStages * 2 * kHalfBytes + G * D * 4 + kWarps * kWarpTile * G * 4;
+  return kStages * 2 * kHalfBytes + G * D * 4 + kWarps * kWarpTile * G * 4 + D * 32 +
+         16 * (D / 32) * 4 + 16 * 4;  // + the tensor-core query fragments (below)
 }
 
 // ---- small device helpers --------------------------------------------------------------------
@@ -263,6 +266,141 @@ __device__ void transform_queries(float* qs, float* tmp, const DecodePackedParam
   }
 }
 
+// ---- tensor-core key logits (fp16 rows, 2-bit packed rows with groups of a multiple of 32) ----
+// One warp-tile of 8 rows is the N = 8 side of mma.m16n8k16 (fp32 accumulation); the M = 16
+// side holds the split queries: row m = 2 h + part is head h's query scaled by sigma_h = 2^e
+// (largest |q| in [2^11, 2^12)), part 0 its fp16 rounding hi, part 1 the fp16 rounding of the
+// rest (q sigma - hi), so hi + lo carries q to ~2^-22 relative; rows of heads >= G are zero.
+// Codes are exact small integers in fp16 and fp16 keys are exact, each product is exact in fp32.
+// K index k of k-step s of chunk c (32 channels) maps to channel 32 c + 8 t + 4 s + 2 (k >= 8)
+// + k % 2 with t = (k % 8) / 2, the same map for A (queries) and B (keys), so lane (g, t) reads
+// 8 contiguous channels of row g per chunk (one 16-byte load for fp16, 16 bits of 2-bit codes).
+// C: lane (g, t) gets rows n = 2t, 2t+1 of query rows m = g and g + 8; the parts are added by
+// one shuffle (lane ^ 4). Packed: per chunk, logit += scale_n C / sigma + lo_n * sum_chunk q.
+
+// Shared memory of the query fragments (after the logit buffer): qf [D/32 chunks][2 steps][32
+// lanes] uint4, then qcm[16][D/32] (chunk sums of q for part-0 rows, else 0), then sinv[16]
+// (1/sigma, or 0 for rows of no head): D * 32 + 2 * D + 64 bytes (split_smem_bytes).
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo_elem, float hi_elem) {
+  const __half2 h = __halves2half2(__float2half_rn(lo_elem), __float2half_rn(hi_elem));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Fills the fragments from the (scaled, transformed) queries qs[G][D]; smax: kWarps*2 floats of
+// scratch. Ends without a barrier: the caller's next __syncthreads publishes qf, qcm and sinv.
+template <int D, int G>
+__device__ void build_mma_queries(const float* qs, uint32_t* qf, float* qcm, float* sinv,
+                                  float* smax, int tid) {
+  constexpr int NCH = D / 32;
+  const int lane = tid & 31, warp = tid >> 5;
+  for (int h = warp; h < G; h += kWarps) {
+    float mx = 0.0f;
+    for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[h * D + d]));
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+    if (lane == 0) smax[h] = mx;
+  }
+  __syncthreads();
+  auto sigma = [&](int h) {
+    const float mx = smax[h];
+    if (!(mx > 0.0f) || !(mx < INFINITY)) return 1.0f;
+    int e = 0;
+    frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1)
+    return ldexpf(1.0f, max(-100, min(100, 12 - e)));
+  };
+  for (int i = tid; i < NCH * 2 * 32 * 4; i += kThreads) {
+    const int r = i & 3, ln = (i >> 2) & 31, s = (i >> 7) & 1, c = i >> 8;
+    const int g = ln >> 2, t = ln & 3;
+    const int m = (r & 1) ? g + 8 : g;
+    const int h = m >> 1, part = m & 1;
+    const int ch = 32 * c + 8 * t + 4 * s + ((r >> 1) ? 2 : 0);
+    uint32_t w = 0;
+    if (h < G) {
+      const float sg = sigma(h);
+      const float v0 = qs[h * D + ch] * sg, v1 = qs[h * D + ch + 1] * sg;
+      const float h0 = __half2float(__float2half_rn(v0)), h1 = __half2float(__float2half_rn(v1));
+      w = part == 0 ? pack_half2(h0, h1) : pack_half2(v0 - h0, v1 - h1);
+    }
+    qf[i] = w;
+  }
+  for (int i = tid; i < 16 * NCH; i += kThreads) {
+    const int m = i / NCH, c = i % NCH, h = m >> 1;
+    float s = 0.0f;
+    if (h < G && (m & 1) == 0) {
+      for (int j = 0; j < 32; ++j) s += qs[h * D + 32 * c + j];
+    }
+    qcm[i] = s;
+  }
+  if (tid < 16) sinv[tid] = (tid >> 1) < G ? 1.0f / sigma(tid >> 1) : 0.0f;
+}
+
+// Logits of warp-tile rows 0..7 starting at byte offset rec0 (row stride krb) of the stage
+// sk: out[j][q] for rows n = 2t + j and query rows m = g (q = 0) and g + 8 (q = 1), before the
+// part shuffle. PACKED: 2-bit codes with (lo, scale) groups of gs (a multiple of 32) channels.
+template <int D, bool PACKED>
+__device__ __forceinline__ void mma_logits(const uint8_t* sk, uint32_t rec0, int krb,
+                                           const uint32_t* qf, const float* qcm, float s0, float s1,
+                                           const DecodePackedParams& pk, int lane,
+                                           float (&out)[2][2]) {
+  constexpr int NCH = D / 32;
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t rec_g = rec0 + static_cast<uint32_t>(g * krb);
+  const uint32_t rec_n0 = rec0 + static_cast<uint32_t>(2 * t * krb);
+  const uint32_t rec_n1 = rec_n0 + static_cast<uint32_t>(krb);
+  const uint4* qv = reinterpret_cast<const uint4*>(qf);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  out[0][0] = out[0][1] = out[1][0] = out[1][1] = 0.0f;
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+    const uint4 qa = qv[(2 * c) * 32 + lane], qb = qv[(2 * c + 1) * 32 + lane];
+    if constexpr (!PACKED) {
+      const uint4 kx = *reinterpret_cast<const uint4*>(sk + rec_g + 2 * (32 * c + 8 * t));
+      mma_16816(acc, qa.x, qa.y, qa.z, qa.w, kx.x, kx.y);
+      mma_16816(acc, qb.x, qb.y, qb.z, qb.w, kx.z, kx.w);
+    } else {
+      const uint32_t x = lds_u32_any(sk, rec_g + static_cast<uint32_t>(8 * c + 2 * t)) & 0xffffu;
+      const uint32_t y = x | (x << 14);  // low half: code i at bit 2i, high half: code i + 1
+      uint32_t b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t u = ((y >> (4 * i)) & 0x00030003u) | 0x64006400u;  // 1024 + c (fp16)
+        const __half2 v =
+            __hsub2(*reinterpret_cast<const __half2*>(&u),
+                    __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
+        b[i] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_16816(cc, qa.x, qa.y, qa.z, qa.w, b[0], b[1]);
+      mma_16816(cc, qb.x, qb.y, qb.z, qb.w, b[2], b[3]);
+      const int grp = (32 * c) / pk.group_size;
+      float lo0, sc0, lo1, sc1;
+      load_meta(sk, rec_n0, pk.k_code_bytes, pk.k_meta, grp, lo0, sc0);
+      load_meta(sk, rec_n1, pk.k_code_bytes, pk.k_meta, grp, lo1, sc1);
+      const float qc0 = qcm[g * NCH + c], qc1 = qcm[(g + 8) * NCH + c];
+      out[0][0] = fmaf(sc0 * s0, cc[0], fmaf(lo0, qc0, out[0][0]));
+      out[1][0] = fmaf(sc1 * s0, cc[1], fmaf(lo1, qc0, out[1][0]));
+      out[0][1] = fmaf(sc0 * s1, cc[2], fmaf(lo0, qc1, out[0][1]));
+      out[1][1] = fmaf(sc1 * s1, cc[3], fmaf(lo1, qc1, out[1][1]));
+    }
+  }
+  if constexpr (!PACKED) {
+    out[0][0] = acc[0] * s0;
+    out[1][0] = acc[1] * s0;
+    out[0][1] = acc[2] * s1;
+    out[1][1] = acc[3] * s1;
+  }
+}
+
 // ---- the split kernel -------------------------------------------------------------------------
 
 // Resident blocks the register budget aims for: 4 (<= 128 registers) where q and the accumulator
@@ -304,6 +442,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
   __syncthreads();
   if (packed && (p.pk.k_signs || p.pk.k_perm))
     transform_queries<D, G>(qs, reinterpret_cast<float*>(stages), p.pk, kvh, tid);
+  // tensor-core logits for fp16 rows and 2-bit codes in groups of a multiple of 32 channels
+  uint32_t* qf = reinterpret_cast<uint32_t*>(sbuf + kWarps * kWarpTile * G);
+  float* qcm = reinterpret_cast<float*>(qf + D * 8);
+  float* sinv = qcm + 16 * (D / 32);
+  const bool k_mma = packed ? (KB == 2 && p.pk.group_size % 32 == 0) : (sg.dtype == 1);
+  if (k_mma) build_mma_queries<D, G>(qs, qf, qcm, sinv, sbuf, tid);
   float qr[G][NP][8];
   float qsum[G][NP];
 #pragma unroll
@@ -330,6 +474,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
   for (int k = 0; k < NP; ++k) grp[k] = (8 * (sub + k * LPR)) / p.pk.group_size;
   __syncthreads();  // the stage area served as scratch of the transform
 
+  const float sinv0 = k_mma ? sinv[lane >> 2] : 0.0f, sinv1 = k_mma ? sinv[(lane >> 2) + 8] : 0.0f;
   float m_run = -INFINITY, l_run = 0.0f;  // head lane % G of this warp
   float acc[G][NP][8];
   float vbias[G][NP];
@@ -378,8 +523,44 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
 
     for (int wt = warp; wt < n_wt; wt += kWarps) {
       // (1) logits of the warp-tile's 8 rows
+      if (k_mma) {
+        float lg[2][2];
+        const uint32_t rec0 = kmis + static_cast<uint32_t>(wt * kWarpTile * krb);
+        if constexpr (KB == 2) {
+          if (packed) {
+            mma_logits<D, true>(sk, rec0, krb, qf, qcm, sinv0, sinv1, p.pk, lane, lg);
+          } else {
+            mma_logits<D, false>(sk, rec0, krb, qf, qcm, sinv0, sinv1, p.pk, lane, lg);
+          }
+        } else {
+          mma_logits<D, false>(sk, rec0, krb, qf, qcm, sinv0, sinv1, p.pk, lane, lg);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int q2 = 0; q2 < 2; ++q2) lg[j][q2] += __shfl_xor_sync(kFull, lg[j][q2], 4);
+        const int g = lane >> 2, t = lane & 3;
+        if ((g & 1) == 0) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int n = 2 * t + j;
+            const int rl = wt * kWarpTile + n;
+            bool vis = false;
+            if (rl < nr) {
+              const int64_t pj = pos ? static_cast<int64_t>(pos[r0 + rl]) : sg.first_pos + r0 + rl;
+              vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+            }
+#pragma unroll
+            for (int q2 = 0; q2 < 2; ++q2) {
+              const int h = (g + 8 * q2) >> 1;
+              if (h < G) sw[n * G + h] = vis ? lg[j][q2] : -INFINITY;
+            }
+          }
+        }
+      }
 #pragma unroll
       for (int st = 0; st < STEPS; ++st) {
+        if (k_mma) break;
         const int rl = wt * kWarpTile + st * RPS + rs;
         const bool valid = rl < nr;
         const uint32_t rec = kmis + static_cast<uint32_t>(rl * krb);
