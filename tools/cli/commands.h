@@ -10,5 +10,6 @@ namespace vq::cli {
 void add_demo_command(CLI::App& app, int* status);
 void add_generate_command(CLI::App& app, int* status);
 void add_eval_command(CLI::App& app, int* status);
+void add_calibrate_command(CLI::App& app, int* status);
 
 }  // namespace vq::cli

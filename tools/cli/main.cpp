@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   vq::cli::add_demo_command(app, &status);
   vq::cli::add_generate_command(app, &status);
   vq::cli::add_eval_command(app, &status);
+  vq::cli::add_calibrate_command(app, &status);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,61 @@
+// `veloxquant calibrate`: writes an SKVQ permutation file (JSON, see veloxquant/skvq_cache.h)
+// from a calibration text: the text is tokenized, prefilled through the model with full caches,
+// and each layer's recorded keys and values give one channel permutation per KV head. Use the
+// file with the cache option skvq_perm_file (e.g. --cache-opt perm_file=perms.json).
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "commands.h"
+#include "veloxquant/calibrate.h"
+#include "veloxquant/error.h"
+#include "veloxquant/model.h"
+#include "veloxquant/tokenizer.h"
+
+namespace vq::cli {
+namespace {
+
+struct CalibrateArgs {
+  std::string model_dir;
+  std::string text_file;
+  std::string out = "skvq_perms.json";
+  int64_t max_tokens = 2048;
+};
+
+int run_calibrate(const CalibrateArgs& a) {
+  std::string dir = a.model_dir.empty() ? find_shipped_model() : a.model_dir;
+  if (dir.empty()) throw Error("[calibrate] --model: no model folder given and none shipped");
+  std::ifstream in(a.text_file, std::ios::binary);
+  if (!in) throw Error("[calibrate] --text-file: cannot read '" + a.text_file + "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const auto model = Model::load(dir);
+  const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
+  std::vector<int32_t> ids = tok.encode(ss.str());
+  int64_t limit = a.max_tokens;
+  if (model->config().max_position_embeddings > 0)
+    limit = std::min(limit, model->config().max_position_embeddings);
+  if (static_cast<int64_t>(ids.size()) > limit) ids.resize(static_cast<size_t>(limit));
+  const SkvqPermSet perms = calibrate_skvq_perms(*model, ids);
+  save_skvq_perm_file(a.out, perms);
+  std::printf("wrote %s: %zu layers, %lld KV heads, head_dim %lld, from %zu calibration tokens\n",
+              a.out.c_str(), perms.key.size(), static_cast<long long>(perms.n_kv_heads),
+              static_cast<long long>(perms.head_dim), ids.size());
+  return 0;
+}
+
+}  // namespace
+
+void add_calibrate_command(CLI::App& app, int* status) {
+  auto* a = new CalibrateArgs();  // lives as long as the app (process)
+  auto* cmd = app.add_subcommand("calibrate", "SKVQ channel permutations from a calibration text");
+  cmd->add_option("--model", a->model_dir, "model folder (default: the shipped model)");
+  cmd->add_option("--text-file", a->text_file, "calibration text (UTF-8)")->required();
+  cmd->add_option("--out", a->out, "permutation file to write");
+  cmd->add_option("--max-tokens", a->max_tokens, "calibration tokens at most")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->callback([a, status] { *status = run_calibrate(*a); });
+}
+
+}  // namespace vq::cli
