@@ -625,7 +625,7 @@ TEST(EvalShippedSmoke, KldTableShapeZeroDeltaAndCompression) {
   std::getline(in, header);
   std::getline(in, rule);
   const auto cols = split_cells(header);
-  ASSERT_EQ(cols.size(), 12u);
+  ASSERT_EQ(cols.size(), 13u);
   EXPECT_EQ(cols[2], "Δppl %");
   int i = 0;
   while (std::getline(in, line)) {

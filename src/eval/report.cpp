@@ -230,7 +230,7 @@ std::string render(const TextEvalResult& r, ReportFormat fmt, const PeerRows* pe
     h.push_back("KL p99");
   }
   for (const char* c : {"top-1 agree", "rows kept", "rows@end", "bytes accounted", "bytes resident",
-                        "ratio to fp16", "resident / fp16"})
+                        "ratio to fp16", "bits / element", "resident / fp16"})
     h.push_back(c);
   o += md_header(h);
   auto row = [&](const std::string& label, double ppl, double d, double km, double kp, double top1,
@@ -244,7 +244,11 @@ std::string render(const TextEvalResult& r, ReportFormat fmt, const PeerRows* pe
     const auto mc = mem_cells(m);
     c.push_back(mc[0]);
     c.push_back(f("%.1f", rows_end));
-    c.insert(c.end(), mc.begin() + 1, mc.end());
+    c.insert(c.end(), mc.begin() + 1, mc.begin() + 4);
+    // Bits per cached element, metadata included (accounted bytes over K+V elements of every
+    // token seen, so eviction lowers it too).
+    c.push_back(f("%.3f", 16.0 * m.ratio_to_fp16()));
+    c.push_back(mc[4]);
     o += md_row(c);
   };
   row("full (baseline)", r.ppl_full, 0.0, 0.0, 0.0, 1.0, r.rows_end_full, r.mem_full);
@@ -265,6 +269,8 @@ std::string render(const TextEvalResult& r, ReportFormat fmt, const PeerRows* pe
       c.push_back(peer_val(p, "bytes_accounted", "%.0f"));
       c.push_back("—");
       c.push_back(peer_val(p, "ratio_to_fp16", "%.4f"));
+      c.push_back(p.has("bits_per_element") ? peer_val(p, "bits_per_element", "%.3f")
+                                            : peer_val(p, "ratio_to_fp16", "%.3f", 16.0));
       c.push_back("—");
       o += md_row(c);
     }
