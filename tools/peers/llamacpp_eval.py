@@ -17,7 +17,8 @@ q4_0 = 32 x 4 bits + one fp16 scale per 32 = 4.5; f16 = 16.
 
 The converter does not know our tokenizer's pre-tokenizer hash and refuses it; since token ids are
 fed directly, the GGUF's tokenizer metadata is never used, so the wrapper below maps an unknown
-pre-tokenizer to "gpt-2" (byte-level BPE) to let the conversion proceed.
+pre-tokenizer to "gpt-2" (byte-level BPE) and takes the GPT-2 vocab path directly (our tokenizer is
+a byte-level BPE; the SentencePiece attempt would need the sentencepiece package).
 
 Setup (keep it out of the shared environment):
   python3 -m venv --system-site-packages /tmp/vqe/venv
@@ -60,6 +61,10 @@ def _patched(self, tokenizer):
     except NotImplementedError:
         return "gpt-2"
 base.TextModel.get_vocab_base_pre = _patched
+import conversion.llama as llama_conv
+# Our tokenizer is a byte-level BPE (GPT-2 style): take that vocab path directly instead of trying
+# SentencePiece first (which needs the sentencepiece package and finds no tokenizer.model anyway).
+llama_conv.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 import runpy
 sys.argv = ["convert_hf_to_gguf.py", {model_dir!r}, "--outtype", "f32", "--outfile", {out_path!r}]
 runpy.run_path({os.path.abspath(converter)!r}, run_name="__main__")
