@@ -77,7 +77,7 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
   float* cos_t = grow(s.cos_t, static_cast<size_t>(seq * half));
   float* sin_t = grow(s.sin_t, static_cast<size_t>(seq * half));
 
-  // K/V blocks in the cache dtype: fp32 reuses the k/v head-major buffers below.
+  // Head-major K/V blocks [B, H_kv, S, D] handed to the caches, in the cache dtype.
   const DType kv_t = opts.kv_dtype;
   const size_t kv_elems = uT * Hkv * D;
   void* kbuf;
