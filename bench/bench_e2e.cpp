@@ -11,13 +11,17 @@
 // words, all threads) over a 1 GiB buffer, so a decode step's bound is
 //   (weight bytes read per token + the caches' bytes at that context) / bandwidth.
 // The weights of a small model may stay in the last-level cache, so the bound is a floor for
-// small models, not a ceiling. Output: a Markdown table on stdout (CSV with --csv).
+// small models, not a ceiling. Output: a Markdown table on stdout (CSV with --csv). The header
+// line records the thread count, OMP_WAIT_POLICY and the load average: on a machine shared with
+// other jobs, OMP_WAIT_POLICY=passive avoids threads spinning at barriers while their partner
+// is descheduled (which can cost whole scheduler time slices per parallel region).
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
