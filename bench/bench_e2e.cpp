@@ -162,11 +162,15 @@ int main(int argc, char** argv) {
         static_cast<long long>(mc.hidden_size), static_cast<long long>(mc.n_heads),
         static_cast<long long>(mc.n_kv_heads), static_cast<long long>(mc.vocab_size),
         wbytes / 1048576.0);
+    std::string load = "?";
+    if (std::ifstream la("/proc/loadavg"); la) std::getline(la, load);
+    const char* wait = std::getenv("OMP_WAIT_POLICY");
     std::printf(
-        "threads %d, measured read bandwidth %.1f GB/s (best of 7 passes over 1 GiB), "
-        "%d repeats, %lld decode tokens, prefill step %lld, K/V fp16\n\n",
-        omp_get_max_threads(), bw / 1e9, repeats, static_cast<long long>(decode),
-        static_cast<long long>(step));
+        "threads %d (OMP_WAIT_POLICY=%s), measured read bandwidth %.1f GB/s (best of 7 "
+        "passes over 1 GiB), %d repeats, %lld decode tokens, prefill step %lld, K/V fp16; "
+        "load average at start: %s\n\n",
+        omp_get_max_threads(), wait ? wait : "default", bw / 1e9, repeats,
+        static_cast<long long>(decode), static_cast<long long>(step), load.c_str());
     std::printf(
         "| context | method | prefill tok/s | decode tok/s | decode bound tok/s | "
         "%% of bound | cache MiB (accounted) | ratio to fp16 |\n");
