@@ -57,7 +57,7 @@ TEST(Matmul, MatchesReferenceOverShapesAndDtypes) {
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t n = 0; n < N; ++n) {
           // Both kernel formulations sum fp32 products with FMAs, one rounding per step: the
-          // dot-product path over K/16 steps per lane plus a 4-level tree, the packed path over
+          // dot-product path over <= K/16 steps per lane plus a 6-level tree, the packed path over
           // K sequential steps in one lane; plus the bias. So |error| <= (K + 6) * u *
           // (sum |x w| + |bias|), and the reference (double, rounded once) adds u * |y|.
           double mag = with_bias ? std::abs(bias[static_cast<size_t>(n)]) : 0.0;
