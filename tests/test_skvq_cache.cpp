@@ -893,8 +893,11 @@ TEST(SkvqCache, ResidentMemoryFollowsAccountedBytes) {
     EXPECT_LE(st.bytes_resident, 1.05 * st.bytes_accounted + fixed);
     EXPECT_LT(st.bytes_resident, 0.2 * full_resident);
     // The heap grew by what the cache says it holds (malloc headers: 16 bytes per block).
+    // Only with glibc's allocator: AddressSanitizer replaces malloc and mallinfo2 reports 0.
+#ifndef __SANITIZE_ADDRESS__
     EXPECT_LE(heap, st.bytes_resident + 64 * 1024);
     EXPECT_GE(heap, st.bytes_resident * 0.95);
+#endif
   }
 }
 
