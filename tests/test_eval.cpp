@@ -478,6 +478,13 @@ TEST(EvalPasskey, BookkeepingByLengthDepthAndMode) {
     EXPECT_EQ(row->aware.by_depth.at(25).second, 2);
     EXPECT_EQ(row->agnostic.by_length.at(80).second, 2);
   }
+  // Needle survival: the key's digits are found in every prompt; the full cache keeps them all,
+  // a 16-row streaming window over 40-80 token prompts cannot keep every digit row.
+  EXPECT_EQ(r.full.aware.needle_prompts, 4);
+  EXPECT_EQ(r.full.aware.needle_rows_kept(), 1.0);
+  EXPECT_EQ(r.full.agnostic.needle_heads_whole(), 1.0);
+  EXPECT_LT(r.rows[1].aware.needle_rows_kept(), 1.0);
+  EXPECT_GE(r.rows[1].aware.needle_rows_kept(), 0.0);
   // The full cache as a method repeats the baseline's computation exactly.
   EXPECT_EQ(r.rows[0].aware.correct, r.full.aware.correct);
   EXPECT_EQ(r.rows[0].agnostic.correct, r.full.agnostic.correct);

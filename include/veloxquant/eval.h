@@ -160,7 +160,19 @@ struct PasskeyModeScore {
   int64_t correct = 0, total = 0;
   std::map<int64_t, std::pair<int64_t, int64_t>> by_length;  // target_length -> (correct, total)
   std::map<int64_t, std::pair<int64_t, int64_t>> by_depth;   // depth in % -> (correct, total)
+  // Needle survival, measured right after the context was compressed (before any answer step):
+  // over every (layer, KV head), the fraction of the key's digit rows still stored, and whether
+  // at least one occurrence of the key survives whole (every digit row). Summed over prompts
+  // whose key digits were found in the context (needle_prompts of them).
+  double needle_rows_kept_sum = 0, needle_heads_whole_sum = 0;
+  int64_t needle_prompts = 0;
   double accuracy() const { return total ? static_cast<double>(correct) / total : 0.0; }
+  double needle_rows_kept() const {
+    return needle_prompts ? needle_rows_kept_sum / needle_prompts : 0;
+  }
+  double needle_heads_whole() const {
+    return needle_prompts ? needle_heads_whole_sum / needle_prompts : 0;
+  }
 };
 
 struct PasskeyRow {

@@ -58,7 +58,50 @@ struct EncodedPrompt {
   std::vector<int32_t> context, question;  // context starts with the special prefix
   int64_t n_answer = 0;
   const PasskeyPrompt* src = nullptr;
+  // Positions of each occurrence of the key's digit tokens in the context (the needle states the
+  // key twice); empty when the digits were not found as a token run.
+  std::vector<std::vector<int32_t>> key_positions;
 };
+
+// Every occurrence of `digits` as a contiguous run in ids.
+std::vector<std::vector<int32_t>> find_runs(const std::vector<int32_t>& ids,
+                                            const std::vector<int32_t>& digits) {
+  std::vector<std::vector<int32_t>> out;
+  if (digits.empty() || ids.size() < digits.size()) return out;
+  for (size_t i = 0; i + digits.size() <= ids.size(); ++i)
+    if (std::equal(digits.begin(), digits.end(), ids.begin() + static_cast<std::ptrdiff_t>(i))) {
+      std::vector<int32_t> run;
+      for (size_t k = 0; k < digits.size(); ++k) run.push_back(static_cast<int32_t>(i + k));
+      out.push_back(std::move(run));
+    }
+  return out;
+}
+
+// Needle survival over every (layer, KV head) of batch row 0: (fraction of key digit rows stored,
+// fraction of heads keeping at least one occurrence whole).
+std::pair<double, double> needle_survival(const Caches& caches,
+                                          const std::vector<std::vector<int32_t>>& runs) {
+  double kept = 0, whole = 0;
+  int64_t n_heads = 0, n_rows = 0;
+  for (const auto& run : runs) n_rows += static_cast<int64_t>(run.size());
+  for (const auto& c : caches)
+    for (int64_t h = 0; h < c->n_kv_heads(); ++h) {
+      const std::vector<int32_t> pos = c->stored_positions(0, h);
+      int64_t hit = 0;
+      bool any_whole = false;
+      for (const auto& run : runs) {
+        int64_t run_hit = 0;
+        for (int32_t p : run)
+          if (std::binary_search(pos.begin(), pos.end(), p)) ++run_hit;
+        hit += run_hit;
+        any_whole = any_whole || run_hit == static_cast<int64_t>(run.size());
+      }
+      kept += static_cast<double>(hit) / static_cast<double>(n_rows);
+      whole += any_whole ? 1.0 : 0.0;
+      ++n_heads;
+    }
+  return {n_heads ? kept / n_heads : 0.0, n_heads ? whole / n_heads : 0.0};
+}
 
 std::string strip(const std::string& s) {
   const size_t a = s.find_first_not_of(" \t\n\r");
@@ -89,7 +132,7 @@ std::vector<int32_t> greedy(const Model& model, const Caches& caches, std::vecto
 // Runs one prompt in one mode; returns whether the answer matched.
 bool run_prompt(const Model& model, const Tokenizer& tok, const EncodedPrompt& p,
                 const EvalMethod& method, bool aware, const EvalSettings& st,
-                ForwardScratch& scratch, MemoryFigures* mem) {
+                ForwardScratch& scratch, MemoryFigures* mem, PasskeyModeScore& score) {
   const int64_t n_context =
       static_cast<int64_t>(p.context.size() + (aware ? p.question.size() : 0));
   const Caches caches = model.make_caches(config_for_context(method, n_context));
@@ -102,6 +145,15 @@ bool run_prompt(const Model& model, const Tokenizer& tok, const EncodedPrompt& p
   } else {
     eval_detail::prefill(model, p.context.data(), static_cast<int64_t>(p.context.size()), caches,
                          st.prefill_step, st.kv_dtype, scratch, &logits);
+  }
+  if (!p.key_positions.empty()) {
+    // Right after the compression of the context (aware: of the whole prompt).
+    const auto [kept, whole] = needle_survival(caches, p.key_positions);
+    score.needle_rows_kept_sum += kept;
+    score.needle_heads_whole_sum += whole;
+    score.needle_prompts += 1;
+  }
+  if (!aware) {
     for (int32_t q : p.question)
       eval_detail::decode_step(model, q, caches, st.kv_dtype, scratch, &logits);
   }
@@ -158,6 +210,7 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
     e.context = tokenizer.encode(p->prompt.substr(0, at), true);
     e.question = tokenizer.encode(p->prompt.substr(at), false);
     e.n_answer = static_cast<int64_t>(tokenizer.encode(" " + p->answer, false).size());
+    e.key_positions = find_runs(e.context, tokenizer.encode(p->answer, false));
     const int64_t total = static_cast<int64_t>(e.context.size() + e.question.size()) + e.n_answer;
     VQ_CHECK(max_pos <= 0 || total <= max_pos,
              "[passkey] prompt " + std::to_string(p->id) + ": expected prompt + answer within " +
@@ -188,14 +241,15 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
           !mem_taken && static_cast<int64_t>(e.context.size() + e.question.size()) == longest;
       if (opts.question_aware) {
         const bool ok = run_prompt(model, tokenizer, e, cfg, true, settings, scratch,
-                                   is_longest ? &row.mem : nullptr);
+                                   is_longest ? &row.mem : nullptr, row.aware);
         add_score(row.aware, p, ok);
         if (is_longest) mem_taken = true;
       }
       if (opts.question_agnostic) {
         MemoryFigures m;
-        const bool ok = run_prompt(model, tokenizer, e, cfg, false, settings, scratch,
-                                   (is_longest && !opts.question_aware) ? &row.mem : &m);
+        const bool ok =
+            run_prompt(model, tokenizer, e, cfg, false, settings, scratch,
+                       (is_longest && !opts.question_aware) ? &row.mem : &m, row.agnostic);
         add_score(row.agnostic, p, ok);
         if (is_longest) mem_taken = true;
       }

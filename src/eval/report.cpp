@@ -367,7 +367,10 @@ json mode_json(const PasskeyModeScore& s) {
               {"total", s.total},
               {"accuracy", s.accuracy()},
               {"by_length", bl},
-              {"by_depth", bd}};
+              {"by_depth", bd},
+              {"needle_prompts", s.needle_prompts},
+              {"needle_rows_kept_sum", s.needle_rows_kept_sum},
+              {"needle_heads_whole_sum", s.needle_heads_whole_sum}};
 }
 
 std::string pct(int64_t c, int64_t t) {
@@ -492,6 +495,30 @@ std::string render(const PasskeyResult& r, ReportFormat fmt, const PeerRows* pee
     }
     o += md_row(c);
   }
+  // Needle survival (only when measured).
+  bool any_needle = false;
+  for (const PasskeyRow* x : all)
+    for (const auto& [name, ptr] : modes) any_needle = any_needle || (x->*ptr).needle_prompts > 0;
+  if (any_needle) {
+    o += "\nNeedle survival right after the context was compressed, over every (layer, KV head): "
+         "% of the key's digit rows still stored, and % of heads keeping at least one of the two "
+         "occurrences of the key whole:\n\n";
+    std::vector<std::string> hn = {"method"};
+    for (const auto& [name, ptr] : modes) {
+      hn.push_back(name + " digit rows kept");
+      hn.push_back(name + " heads with a whole key");
+    }
+    o += md_header(hn);
+    for (const PasskeyRow* x : all) {
+      std::vector<std::string> c = {x == &r.full ? x->label : "`" + x->label + "`"};
+      for (const auto& [name, ptr] : modes) {
+        const PasskeyModeScore& s = x->*ptr;
+        c.push_back(s.needle_prompts ? f("%.1f", 100.0 * s.needle_rows_kept()) : "—");
+        c.push_back(s.needle_prompts ? f("%.1f", 100.0 * s.needle_heads_whole()) : "—");
+      }
+      o += md_row(c);
+    }
+  }
   return o;
 }
 
@@ -601,6 +628,10 @@ PasskeyModeScore mode_from(const nlohmann::json& j) {
   for (auto it = j.at("by_depth").begin(); it != j.at("by_depth").end(); ++it)
     s.by_depth[std::stoll(it.key())] = {it->at("correct").get<int64_t>(),
                                         it->at("total").get<int64_t>()};
+  // Absent in results written before needle survival was measured.
+  s.needle_prompts = j.value("needle_prompts", int64_t{0});
+  s.needle_rows_kept_sum = j.value("needle_rows_kept_sum", 0.0);
+  s.needle_heads_whole_sum = j.value("needle_heads_whole_sum", 0.0);
   return s;
 }
 
