@@ -243,15 +243,19 @@ struct ChartSeries {
 struct ChartSpec {
   std::string title, x_label, y_label;
   bool log_x = false;
-  bool log_y = false;  // values <= 0 are dropped from a log axis
+  bool log_y = false;    // values <= 0 are dropped from a log axis
+  bool connect = false;  // join each series' points in x order
   std::vector<ChartSeries> series;
 };
 // A self-contained SVG scatter/line chart (axes with ticks, one colour per series, legend).
 std::string render_svg_chart(const ChartSpec& spec);
+// Keeps only the series whose name starts with one of the prefixes (empty list: all).
+ChartSpec filter_series(ChartSpec spec, const std::vector<std::string>& name_prefixes);
 
 // Memory ratio (accounted / fp16, x) against delta ppl % and against passkey accuracy (y), one
 // series per method family (the full cache is a point at x = 1); points in row order.
-// Peer rows with a ratio_to_fp16 and the y field join as their own series.
+// Peer rows with a ratio_to_fp16 and the y field join as their own series, named "peer: <tool>"
+// up to the tool's first " (".
 ChartSpec chart_ppl_vs_memory(const TextEvalResult& text, const PeerRows* peers = nullptr);
 ChartSpec chart_passkey_vs_memory(const PasskeyResult& passkey, bool question_aware,
                                   const PeerRows* peers = nullptr);

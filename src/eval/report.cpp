@@ -532,6 +532,13 @@ std::string short_label(const std::string& label, const std::string& family) {
   return label;
 }
 
+std::string peer_series(const PeerRow& p, const PeerRows& peers) {
+  std::string tool = p.notes.count("tool") ? p.notes.at("tool") : peers.tool;
+  const size_t paren = tool.find(" (");
+  if (paren != std::string::npos) tool = tool.substr(0, paren);
+  return "peer: " + tool;
+}
+
 ChartSeries& series_for(ChartSpec& c, const std::string& name) {
   for (auto& s : c.series)
     if (s.name == name) return s;
@@ -540,6 +547,19 @@ ChartSeries& series_for(ChartSpec& c, const std::string& name) {
 }
 
 }  // namespace
+
+ChartSpec filter_series(ChartSpec spec, const std::vector<std::string>& prefixes) {
+  if (prefixes.empty()) return spec;
+  std::vector<ChartSeries> kept;
+  for (auto& s : spec.series)
+    for (const auto& p : prefixes)
+      if (s.name.compare(0, p.size(), p) == 0) {
+        kept.push_back(std::move(s));
+        break;
+      }
+  spec.series = std::move(kept);
+  return spec;
+}
 
 ChartSpec chart_ppl_vs_memory(const TextEvalResult& text, const PeerRows* peers) {
   ChartSpec c;
@@ -557,7 +577,7 @@ ChartSpec chart_ppl_vs_memory(const TextEvalResult& text, const PeerRows* peers)
   if (peers)
     for (const auto& p : peers->text)
       if (p.has("ratio_to_fp16") && p.has("delta_ppl_pct"))
-        series_for(c, "peer: " + (p.notes.count("tool") ? p.notes.at("tool") : peers->tool))
+        series_for(c, peer_series(p, *peers))
             .points.push_back(
                 {p.values.at("ratio_to_fp16"), p.values.at("delta_ppl_pct"), p.label});
   return c;
@@ -582,7 +602,7 @@ ChartSpec chart_passkey_vs_memory(const PasskeyResult& pk, bool aware, const Pee
   if (peers)
     for (const auto& p : peers->passkey)
       if (p.has("ratio_to_fp16") && p.has(key))
-        series_for(c, "peer: " + (p.notes.count("tool") ? p.notes.at("tool") : peers->tool))
+        series_for(c, peer_series(p, *peers))
             .points.push_back({p.values.at("ratio_to_fp16"), 100.0 * p.values.at(key), p.label});
   return c;
 }

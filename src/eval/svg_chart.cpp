@@ -2,8 +2,10 @@
 // (1-2-5 steps on a linear axis, decades with 2 and 5 on a log axis), one colour and marker per
 // series, points joined in order, a small label beside each point, a legend on the right.
 // Coordinates: the plot area is [kLeft, kLeft + plot_w] x [kTop, kTop + plot_h] in SVG pixels,
-// y growing downwards; data map linearly (or by log10) onto it with 5% padding.
+// y growing downwards; data map linearly (or by log10) onto it with 5% padding. Points of a
+// series are joined (in x order) only when ChartSpec::connect is set.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -17,7 +19,7 @@ namespace vq {
 namespace {
 
 constexpr double kWidth = 900, kHeight = 520;
-constexpr double kLeft = 80, kRight = 230, kTop = 50, kBottom = 60;
+constexpr double kLeft = 80, kRight = 260, kTop = 50, kBottom = 60;
 const char* const kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
                                 "#8c564b", "#e377c2", "#7f7f7f", "#17becf", "#bcbd22"};
 
@@ -154,16 +156,30 @@ std::string render_svg_chart(const ChartSpec& spec) {
        "\" text-anchor=\"middle\">" + esc(spec.x_label) + "</text>\n";
   o += "<text transform=\"translate(20," + num(kTop + ph / 2) +
        ") rotate(-90)\" text-anchor=\"middle\">" + esc(spec.y_label) + "</text>\n";
-  // Series.
+  // Series. Point labels are skipped where they would overlap one already drawn (boxes estimated
+  // at 5 px per character, 10 px high).
+  std::vector<std::array<double, 4>> placed;  // x0, y0, x1, y1 of drawn labels
+  auto fits = [&](double x0, double y0, double x1, double y1) {
+    for (const auto& b : placed)
+      if (x0 < b[2] && b[0] < x1 && y0 < b[3] && b[1] < y1) return false;
+    return true;
+  };
   for (size_t si = 0; si < spec.series.size(); ++si) {
     const auto& s = spec.series[si];
     const std::string col = kColours[si % (sizeof(kColours) / sizeof(kColours[0]))];
-    std::string path;
-    for (const auto& p : s.points)
-      if (ok(p)) path += (path.empty() ? "M" : " L") + num(px(p.x)) + " " + num(py(p.y));
-    if (!path.empty())
-      o += "<path d=\"" + path + "\" fill=\"none\" stroke=\"" + col +
-           "\" stroke-width=\"1.5\" opacity=\"0.7\"/>\n";
+    if (spec.connect) {
+      std::vector<ChartPoint> pts;
+      for (const auto& p : s.points)
+        if (ok(p)) pts.push_back(p);
+      std::stable_sort(pts.begin(), pts.end(),
+                       [](const ChartPoint& a, const ChartPoint& b) { return a.x < b.x; });
+      std::string path;
+      for (const auto& p : pts)
+        path += (path.empty() ? "M" : " L") + num(px(p.x)) + " " + num(py(p.y));
+      if (!path.empty())
+        o += "<path d=\"" + path + "\" fill=\"none\" stroke=\"" + col +
+             "\" stroke-width=\"1.5\" opacity=\"0.7\"/>\n";
+    }
     for (const auto& p : s.points) {
       if (!ok(p)) continue;
       const double x = px(p.x), y = py(p.y);
@@ -172,14 +188,21 @@ std::string render_svg_chart(const ChartSpec& spec) {
       else
         o += "<rect x=\"" + num(x - 4) + "\" y=\"" + num(y - 4) +
              "\" width=\"8\" height=\"8\" fill=\"" + col + "\"/>\n";
-      if (!p.label.empty())
+      std::string label = p.label;
+      if (label.size() > 30) label = label.substr(0, 29) + "~";
+      const double w = 5.0 * static_cast<double>(label.size());
+      if (!label.empty() && fits(x + 6, y - 15, x + 6 + w, y - 5)) {
+        placed.push_back({x + 6, y - 15, x + 6 + w, y - 5});
         o += "<text x=\"" + num(x + 6) + "\" y=\"" + num(y - 6) + "\" font-size=\"9\" fill=\"" +
-             col + "\">" + esc(p.label) + "</text>\n";
+             col + "\">" + esc(label) + "</text>\n";
+      }
     }
     const double ly = kTop + 10 + 20 * static_cast<double>(si);
     o += "<rect x=\"" + num(kLeft + pw + 16) + "\" y=\"" + num(ly - 8) +
          "\" width=\"12\" height=\"12\" fill=\"" + col + "\"/>\n";
-    o += "<text x=\"" + num(kLeft + pw + 34) + "\" y=\"" + num(ly + 2) + "\">" + esc(s.name) +
+    std::string name = s.name;
+    if (name.size() > 36) name = name.substr(0, 35) + "~";
+    o += "<text x=\"" + num(kLeft + pw + 34) + "\" y=\"" + num(ly + 2) + "\">" + esc(name) +
          "</text>\n";
   }
   o += "</svg>\n";

@@ -158,17 +158,34 @@ PasskeyOptions passkey_opts(const PasskeyArgs& p) {
   return o;
 }
 
+// Chart selection: series whose names start with one of these (empty = all), and a tag appended
+// to the file names so several selections can sit in one folder.
+struct ChartArgs {
+  std::vector<std::string> series;
+  std::string tag;
+};
+
 void write_charts(const std::string& dir, const TextEvalResult* text, const PasskeyResult* pk,
-                  const PeerRows* peers) {
+                  const PeerRows* peers, const ChartArgs& ca) {
+  const std::string sfx = ca.tag.empty() ? "" : "_" + ca.tag;
   if (text)
-    write_text(dir + "/chart_ppl_vs_memory.svg",
-               render_svg_chart(chart_ppl_vs_memory(*text, peers)));
+    write_text(dir + "/chart_ppl_vs_memory" + sfx + ".svg",
+               render_svg_chart(filter_series(chart_ppl_vs_memory(*text, peers), ca.series)));
   if (pk && pk->options.question_aware)
-    write_text(dir + "/chart_passkey_aware_vs_memory.svg",
-               render_svg_chart(chart_passkey_vs_memory(*pk, true, peers)));
+    write_text(
+        dir + "/chart_passkey_aware_vs_memory" + sfx + ".svg",
+        render_svg_chart(filter_series(chart_passkey_vs_memory(*pk, true, peers), ca.series)));
   if (pk && pk->options.question_agnostic)
-    write_text(dir + "/chart_passkey_agnostic_vs_memory.svg",
-               render_svg_chart(chart_passkey_vs_memory(*pk, false, peers)));
+    write_text(
+        dir + "/chart_passkey_agnostic_vs_memory" + sfx + ".svg",
+        render_svg_chart(filter_series(chart_passkey_vs_memory(*pk, false, peers), ca.series)));
+}
+
+void add_chart_args(CLI::App* c, ChartArgs& a) {
+  c->add_option("--chart-series", a.series,
+                "only chart series whose names start with these (e.g. full,snapkv,'peer: kvpress')")
+      ->delimiter(',');
+  c->add_option("--chart-tag", a.tag, "suffix for the chart file names");
 }
 
 void write_all_formats(const std::string& stem, const TextEvalResult* text, const PasskeyResult* pk,
@@ -194,6 +211,7 @@ void add_eval_command(CLI::App& app, int* status) {
   static PasskeyArgs pk;
   static std::string out_dir = "eval-out";
   static std::string report_text, report_passkey;
+  static ChartArgs charts;
 
   auto text_cmd = [&](const char* name, const char* help, bool kld) {
     auto* c = cmd->add_subcommand(name, help);
@@ -252,6 +270,7 @@ void add_eval_command(CLI::App& app, int* status) {
   sw->add_option("--prompts", pk.prompts, "passkey prompts (0 = all)")->capture_default_str();
   sw->add_option("--lengths", pk.lengths, "only these passkey target lengths")->delimiter(',');
   sw->add_option("--out-dir", out_dir, "folder for the tables and charts")->capture_default_str();
+  add_chart_args(sw, charts);
   sw->callback([status] {
     std::filesystem::create_directories(out_dir);
     const auto model = Model::load(common.model_dir);
@@ -265,7 +284,7 @@ void add_eval_command(CLI::App& app, int* status) {
     const auto prompts = load_passkey_jsonl(pk.data);
     const PasskeyResult pr = eval_passkey(*model, tok, prompts, methods, passkey_opts(pk), st);
     write_all_formats(out_dir + "/passkey", nullptr, &pr, peers.get());
-    write_charts(out_dir, &tr, &pr, peers.get());
+    write_charts(out_dir, &tr, &pr, peers.get(), charts);
     emit(common, render(tr, ReportFormat::kMarkdown, peers.get()) + "\n" +
                      render(pr, ReportFormat::kMarkdown, peers.get()));
     *status = 0;
@@ -278,6 +297,7 @@ void add_eval_command(CLI::App& app, int* status) {
   rp->add_option("--passkey-json", report_passkey, "a passkey result JSON (eval passkey --json)");
   rp->add_option("--out-dir", out_dir, "folder for the re-rendered tables and charts")
       ->capture_default_str();
+  add_chart_args(rp, charts);
   rp->callback([status] {
     VQ_CHECK(!report_text.empty() || !report_passkey.empty(),
              "[eval report] expected --text-json and/or --passkey-json but got neither");
@@ -298,7 +318,7 @@ void add_eval_command(CLI::App& app, int* status) {
       write_text(out_dir + "/passkey.csv", render(*pr, ReportFormat::kCsv, peers.get()));
       md += (md.empty() ? "" : "\n") + render(*pr, ReportFormat::kMarkdown, peers.get());
     }
-    write_charts(out_dir, tr.get(), pr.get(), peers.get());
+    write_charts(out_dir, tr.get(), pr.get(), peers.get(), charts);
     emit(common, md);
     *status = 0;
   });
