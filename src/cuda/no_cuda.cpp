@@ -5,6 +5,7 @@
 #include <string>
 
 #include "veloxquant/cuda.h"
+#include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
 
 namespace vq::cuda {
@@ -113,6 +114,30 @@ int64_t snap_select_frames(const TensorView&, const TensorView*, const int32_t*,
 void gather_rows(const void*, int64_t, int64_t, int64_t, const int32_t*, int64_t, void*,
                  const int32_t*, int32_t, int32_t*, Stream) {
   not_built("cuda::gather_rows");
+}
+
+// ---- GPU-resident caches and prefill attention (veloxquant/cuda_cache.h) ----------------------
+
+int64_t DeviceKVCache::trim(int64_t) {
+  not_built("cuda::DeviceKVCache::trim");
+}
+void DeviceKVCache::merge_batch(const std::vector<const DeviceKVCache*>&) const {
+  not_built("cuda::DeviceKVCache::merge_batch");
+}
+std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig&, int64_t, int64_t, int64_t,
+                                                 Stream) {
+  not_built("cuda::make_device_cache");
+}
+HostSegment download_segment(const DeviceCacheView&, size_t, Stream) {
+  not_built("cuda::download_segment");
+}
+void prefill_attention(const float*, int64_t, int64_t, const DeviceCacheView&,
+                       const AttentionParams&, float*, Stream) {
+  not_built("cuda::prefill_attention");
+}
+std::vector<float> prefill_attention_host(const std::vector<float>&, int64_t, int64_t,
+                                          const DeviceCacheView&, const AttentionParams&) {
+  not_built("cuda::prefill_attention_host");
 }
 
 }  // namespace vq::cuda

@@ -1,0 +1,108 @@
+// GPU-resident KV caches (methods full, snapkv, skvq) with the protocol of the CPU caches
+// (caches.md §1, cache.h), and prefill attention over a DeviceCacheView.
+//
+// A DeviceKVCache is built for fixed B, H_kv and D (make_device_cache); every block it receives
+// is a *device* TensorView [B, H_kv, S, D] (f16, bf16 or f32, any element strides). Rows, packed
+// records and positions live in plain cudaMalloc memory (DeviceBuffer); all work is queued on the
+// stream given at construction; host figures (offset, counts, byte formulas) are kept on the host.
+// The CPU cache of the same config is the oracle: same positions, selections, packed codes and
+// metadata, full-precision rows and figures (bytes_resident excepted: here it is what the cache's
+// cudaMalloc calls hold, retired buffers included).
+// Without VQ_CUDA every entry point throws vq::Error (src/cuda/no_cuda.cpp).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "veloxquant/cache.h"
+#include "veloxquant/cache_config.h"
+#include "veloxquant/cuda.h"
+
+namespace vq::cuda {
+
+struct DeviceUpdateOptions {
+  // This call's queries after RoPE, device [B, H_q, S, D] (f16/bf16/f32, any strides), or nullptr.
+  // Used by SnapKV's query scoring (snap_scoring = query); every other cache ignores them.
+  const TensorView* queries = nullptr;
+};
+
+class DeviceKVCache {
+ public:
+  virtual ~DeviceKVCache() = default;
+
+  virtual std::string method() const = 0;
+  // Appends this call's rows and returns the view for this step's attention (stored ++ new, the
+  // CPU cache's deferred-eviction contract). The view points into the cache's buffers and stays
+  // valid until the next mutating call. Bad input: vq::Error naming expected vs found, nothing
+  // changed.
+  virtual DeviceCacheView update_and_fetch(const TensorView& keys, const TensorView& values,
+                                           const DeviceUpdateOptions& opts = {}) = 0;
+  virtual int64_t offset() const = 0;
+  virtual int64_t stored_rows() const = 0;
+  // Positions of the stored rows of (b, h), ascending (downloads; synchronises the stream).
+  virtual std::vector<int32_t> stored_positions(int64_t b, int64_t h) const = 0;
+  // The stored rows now (what the last update_and_fetch left stored), valid like a fetched view.
+  virtual DeviceCacheView stored_view() const = 0;
+  virtual bool is_trimmable() const { return false; }
+  // Refused (vq::Error, nothing changed) unless is_trimmable().
+  virtual int64_t trim(int64_t n);
+  virtual CacheStats stats() const = 0;
+  // Merging caches into one batch is refused, like the CPU SnapKV and SKVQ caches.
+  void merge_batch(const std::vector<const DeviceKVCache*>& others) const;
+
+  int64_t batch() const { return batch_; }
+  int64_t n_kv_heads() const { return heads_; }
+  int64_t head_dim() const { return head_dim_; }
+  Stream stream() const { return stream_; }
+
+ protected:
+  DeviceKVCache(int64_t batch, int64_t heads, int64_t head_dim, Stream s)
+      : batch_(batch), heads_(heads), head_dim_(head_dim), stream_(s) {}
+  int64_t batch_ = 0, heads_ = 0, head_dim_ = 0;
+  Stream stream_ = nullptr;
+};
+
+// Validates cfg exactly as the CPU builder does (vq::Error naming the field; cfg.head_dim is
+// replaced by head_dim) and builds the device cache of cfg.method: "full", "snapkv" or "skvq".
+// Other methods are refused with a vq::Error naming the method and the supported ones.
+std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg, int64_t batch,
+                                                 int64_t heads, int64_t head_dim,
+                                                 Stream s = nullptr);
+
+// Host copy of segment i of a device view, for tests and tools: per (b, h) its n_rows rows
+// ([B, H, n_rows, row_bytes] bytes, row_bytes = D * dtype size, or the record stride when
+// packed) and positions ([B, H, n_rows], made explicit). Synchronises s.
+struct HostSegment {
+  int64_t n_rows = 0;
+  bool packed = false;
+  int64_t k_row_bytes = 0, v_row_bytes = 0;
+  std::vector<uint8_t> keys, values;
+  std::vector<int32_t> positions;
+  std::vector<int32_t> k_perm, v_perm;  // [H * D] when the segment has them
+};
+HostSegment download_segment(const DeviceCacheView& view, size_t i, Stream s = nullptr);
+
+// ---- prefill attention --------------------------------------------------------------------------
+
+// N queries per sequence: q device [B, H_q, N, D] fp32 contiguous, query i at position
+// p.q_pos0 + i; out device [B, H_q, N, D] fp32 contiguous. Same semantics as
+// attention_reference (attention.h) over every row of view: key j visible when pos_j <= pos_i
+// and, with p.window > 0, pos_i < pos_j + window, each row using its own position; query head qh
+// reads KV head qh / (H_q / H_kv). Tiled over keys (32 rows per tile, staged in shared memory as
+// fp32; packed records dequantized there, code*scale + lo with one rounding each, inverse channel
+// permutation), online softmax with fp32 accumulation. A query that sees no key gets zeros.
+// Supported: D in {64, 128}; H_q a multiple of H_kv; full-precision segments f16/bf16/f32; packed
+// segments with integer bits 1..8, any metadata type, a channel permutation (no Hadamard
+// rotation). Anything else: vq::Error.
+void prefill_attention(const float* q, int64_t n_q_heads, int64_t n_queries,
+                       const DeviceCacheView& view, const AttentionParams& p, float* out,
+                       Stream s = nullptr);
+
+// Convenience for tests: host q [B, H_q, N, D] in, host out back (synchronises).
+std::vector<float> prefill_attention_host(const std::vector<float>& q, int64_t n_q_heads,
+                                          int64_t n_queries, const DeviceCacheView& view,
+                                          const AttentionParams& p);
+
+}  // namespace vq::cuda

@@ -1,0 +1,28 @@
+// make_device_cache: validates a CacheConfig like the CPU builder (cache_config.h validate, with
+// the layer's head_dim) and builds the GPU-resident cache of its method.
+#include <string>
+
+#include "cuda/device_cache_util.h"
+#include "veloxquant/error.h"
+
+namespace vq::cuda {
+
+std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int64_t batch,
+                                                 int64_t heads, int64_t head_dim, Stream s) {
+  VQ_CHECK(batch >= 1 && heads >= 1 && head_dim >= 1,
+           "[make_device_cache] expected batch, heads, head_dim >= 1 but got " +
+               std::to_string(batch) + ", " + std::to_string(heads) + ", " +
+               std::to_string(head_dim));
+  CacheConfig cfg = cfg_in;
+  cfg.head_dim = head_dim;
+  validate(cfg);  // names the first bad field, its value and the allowed range
+  if (cfg.method == "full") return make_device_full_cache(batch, heads, head_dim, s);
+  if (cfg.method == "snapkv") return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);
+  if (cfg.method == "skvq") return make_device_skvq_cache(cfg, batch, heads, head_dim, s);
+  throw Error(
+      "[make_device_cache] method: expected one of full, snapkv, skvq (on the device) but "
+      "got '" +
+      cfg.method + "'");
+}
+
+}  // namespace vq::cuda

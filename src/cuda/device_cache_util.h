@@ -1,0 +1,48 @@
+// Private helpers shared by the GPU-resident caches (device_cache_*.cpp): input validation with
+// the CPU caches' messages, strided block -> row store conversion, frame-wise device copies and
+// the bytes a DeviceBuffer's cudaMalloc holds. Row stores are [F = B*H, cap, row_bytes].
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "veloxquant/cuda.h"
+#include "veloxquant/cuda_cache.h"
+
+namespace vq::cuda::detail {
+
+std::string shape_str(const TensorView& t);
+
+// Bytes the buffer's cudaMalloc holds (DeviceBuffer rounds up to 16 bytes plus one spare word).
+int64_t held_bytes(const DeviceBuffer& b);
+
+// Refuses (vq::Error "[op] expected ... but got ...") keys / values that are not device blocks
+// [batch, heads, S >= 0, head_dim] of f32/f16/bf16 with the same shape.
+void check_blocks(const TensorView& keys, const TensorView& values, int64_t batch, int64_t heads,
+                  int64_t head_dim, const char* op);
+
+// dst rows [row0, row0 + n) of every frame (store [F, cap, D] of dst_t) = src rows [s0, s0 + n)
+// converted. src is a device TensorView [B, H, S, D] with any element strides.
+void convert_block(const TensorView& src, int64_t s0, int64_t n, void* dst, DType dst_t,
+                   int64_t cap, int64_t row0, Stream s);
+
+// For every frame f < frames: n rows of row_bytes bytes from src (frame stride src_cap rows,
+// starting at src_row0) to dst (frame stride dst_cap rows, starting at dst_row0).
+void copy_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src, int64_t src_cap,
+                 int64_t src_row0, int64_t frames, int64_t n, int64_t row_bytes, Stream s);
+
+// pos[f*cap + row0 + i] = first + i.
+void fill_positions(int32_t* pos, int64_t frames, int64_t cap, int64_t row0, int64_t n,
+                    int64_t first, Stream s);
+
+}  // namespace vq::cuda::detail
+
+namespace vq::cuda {
+// One builder per method (device_cache_<method>.cpp); cfg is validated by make_device_cache.
+std::unique_ptr<DeviceKVCache> make_device_full_cache(int64_t b, int64_t h, int64_t d, Stream s);
+std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, int64_t b,
+                                                        int64_t h, int64_t d, Stream s);
+std::unique_ptr<DeviceKVCache> make_device_skvq_cache(const CacheConfig& cfg, int64_t b, int64_t h,
+                                                      int64_t d, Stream s);
+}  // namespace vq::cuda

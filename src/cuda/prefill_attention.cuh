@@ -1,0 +1,44 @@
+// Prefill attention over a device cache view (include/veloxquant/cuda_cache.h): the kernel's
+// parameter block. Layouts: q, out [B, H_q, N, D] fp32 contiguous; segment rows of frame
+// f = b*H_kv + h start at f*capacity (full precision [F, cap, D] of dtype; packed records of
+// row_stride bytes); positions [F, cap] or the implicit run first_pos + i.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace vq::cuda {
+
+struct PrefillTensor {  // one packed tensor (keys or values) of a segment
+  const uint8_t* data = nullptr;
+  const int32_t* perm = nullptr;  // [H, D] or nullptr: stored channel j = original perm[j]
+  int32_t bits = 0, group_size = 0, code_bytes = 0, row_stride = 0;
+  int32_t meta = 0;  // vq::MetaType: 0 f16, 1 f32, 2 fp8 e4m3
+};
+
+struct PrefillSeg {
+  int64_t n_rows = 0, capacity = 0, first_pos = 0;
+  const int32_t* positions = nullptr;
+  int32_t packed = 0, dtype = 1;  // vq::DType of full-precision rows
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  PrefillTensor pk, pv;
+};
+
+constexpr int kPrefillMaxSegs = 8;
+
+struct PrefillParams {
+  const float* q = nullptr;
+  float* out = nullptr;
+  int32_t batch = 0, kv_heads = 0, n_rep = 1, head_dim = 0;
+  int64_t n_queries = 0;
+  int64_t q_pos0 = 0, window = 0;
+  float scale = 1.0f;
+  int32_t n_segs = 0;
+  PrefillSeg segs[kPrefillMaxSegs];
+};
+
+void prefill_attention_launch(const PrefillParams& p, cudaStream_t s);
+
+}  // namespace vq::cuda
