@@ -1,9 +1,11 @@
 // decode_attention (veloxquant/cuda.h): validates the view and the shapes, plans the splits and
 // fills the DecodeParams of decode_attention.cuh, then queues the split + combine kernels.
 //
-// Plan: every (b, kv head) gets about target / (B * H_kv) splits, target = 16 blocks per SM (about
-// four waves of the ~4 resident blocks), each split at least 64 rows and a whole number of pipeline
-// tiles; a split never crosses a segment boundary (so its rows share one format). The host work
+// Plan: every (b, kv head) gets about target / (B * H_kv) splits, each split at least 64 rows and a
+// whole number of pipeline tiles; a split never crosses a segment boundary (so its rows share one
+// format). Views of f16 rows and 2-bit codes (groups of a multiple of 32) go to the tensor-core
+// kernel, target = one wave of its resident blocks (occupancy query); others to the generic
+// kernel, target = 16 blocks per SM (about four waves of its ~4 resident blocks). The host work
 // is a few hundred operations and no allocation once the workspace is large enough.
 #include <cuda_runtime_api.h>
 
@@ -170,9 +172,64 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
     return;
   }
 
+  // ---- the tensor-core kernel takes f16 rows and 2-bit codes in groups of a multiple of 32
+  bool all_f16 = true, any_packed = false, packed_aligned = true;
+  for (int i = 0; i < dp.n_segments; ++i) {
+    const DecodeSegmentParams& d = dp.seg[i];
+    if (d.packed) {
+      any_packed = true;
+      packed_aligned = packed_aligned && d.k_row_bytes % 4 == 0 && d.v_row_bytes % 4 == 0 &&
+                       reinterpret_cast<uintptr_t>(d.k) % 4 == 0 &&
+                       reinterpret_cast<uintptr_t>(d.v) % 4 == 0;
+    } else {
+      all_f16 = all_f16 && d.dtype == static_cast<int>(DType::kF16);
+    }
+  }
+  const bool mma =
+      all_f16 && (!any_packed ||
+                  (dp.k_bits == 2 && dp.v_bits == 2 && dp.pk.group_size % 32 == 0 &&
+                   dp.pk.k_code_bytes % 4 == 0 && dp.pk.v_code_bytes % 4 == 0 && packed_aligned));
+  int64_t target_blocks = 16 * static_cast<int64_t>(sm_count());
+  if (mma) {
+    // stage rows: a multiple of 64 for the packed rows (or the f16 rows of an f16-only view),
+    // a multiple of 16 for the f16 sinks / tail of a packed view, within the same stage bytes
+    dp.use_mma = any_packed ? 2 : 1;
+    int64_t half = 0;
+    for (int i = 0; i < dp.n_segments; ++i) {
+      DecodeSegmentParams& d = dp.seg[i];
+      const int64_t rb = d.k_row_bytes + d.v_row_bytes;
+      if (d.packed || !any_packed) {
+        const int64_t budget = any_packed ? kDecodeMmaPackedStageBytes : kDecodeMmaStageBytes;
+        d.tile_rows = static_cast<int32_t>(std::clamp<int64_t>(budget / rb / 64 * 64, 64, 512));
+      }
+      half = std::max(half,
+                      static_cast<int64_t>(d.tile_rows) * std::max(d.k_row_bytes, d.v_row_bytes));
+    }
+    if (any_packed) {  // f16 segments of a packed view fit the packed stage (>= 16 rows)
+      for (int i = 0; i < dp.n_segments; ++i) {
+        DecodeSegmentParams& d = dp.seg[i];
+        if (d.packed) continue;
+        d.tile_rows = static_cast<int32_t>(std::max<int64_t>(16, half / d.k_row_bytes / 16 * 16));
+      }
+      half = 0;
+      for (int i = 0; i < dp.n_segments; ++i) {
+        const DecodeSegmentParams& d = dp.seg[i];
+        half = std::max(half,
+                        static_cast<int64_t>(d.tile_rows) * std::max(d.k_row_bytes, d.v_row_bytes));
+      }
+    }
+    // + 32 bytes of alignment slack for packed byte ranges; the block merge reuses the stages
+    const int64_t merge = (2 * 4 * G + 4 * G * D) * 4;
+    half = std::max(half + 32, (merge + 5) / 6);
+    dp.stage_half_bytes = static_cast<int32_t>((half + 15) / 16 * 16);
+    dp.head_dim = static_cast<int32_t>(D);
+    const int bps = std::max(1, decode_mma_blocks_per_sm(dp));
+    target_blocks = static_cast<int64_t>(bps) * sm_count();  // one wave
+  }
+
   // ---- plan the splits
-  const int64_t target_blocks = 16 * static_cast<int64_t>(sm_count());
-  const int64_t per_bh = std::max<int64_t>(1, (target_blocks + B * H - 1) / (B * H));
+  const int64_t per_bh = mma ? std::max<int64_t>(1, target_blocks / (B * H))
+                             : std::max<int64_t>(1, (target_blocks + B * H - 1) / (B * H));
   int64_t rows_per_split = opt.rows_per_split > 0
                                ? opt.rows_per_split
                                : std::max<int64_t>(64, (total_rows + per_bh - 1) / per_bh);

@@ -3,6 +3,7 @@
 // that picks the split kernel instance for the view's (key bits, value bits). The split kernel
 // is in decode_attention_kernel.cuh, instantiated by decode_attention_k*.cu.
 //
+// The combine is launched as a programmatic dependent of the split kernel (see the launcher).
 // Combine (one block of 512 threads per (b, query head): the max by a block reduction, then
 // 512 / D slices per channel summing interleaved splits, added in shared memory):
 // M = max_s m_s, w_s = 2^(m_s - M), out = (sum_s w_s acc_s) / (sum_s w_s l_s), where the
@@ -33,6 +34,7 @@ __global__ void __launch_bounds__(512)
   __shared__ float red_l[S];
   __shared__ float wmax[kNT / 32];
   __shared__ float y[D];
+  decode_impl::grid_dependency_wait();  // launched early (PDL): wait for the split kernel
   const int qh = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int d = tid % D, slice = tid / D;
   const int n_q_heads = p.n_kv_heads * p.group;
@@ -135,10 +137,28 @@ void launch_split<2, 4>(const DecodeParams&, cudaStream_t);
 
 }  // namespace decode_impl
 
+namespace decode_mma {
+template <bool PK>
+int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
+template <>
+int mma_dispatch<false>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<true>(const DecodeParams&, cudaStream_t, bool);
+}  // namespace decode_mma
+
+int decode_mma_blocks_per_sm(const DecodeParams& p) {
+  return p.use_mma == 2 ? decode_mma::mma_dispatch<true>(p, nullptr, true)
+                        : decode_mma::mma_dispatch<false>(p, nullptr, true);
+}
+
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
   using namespace decode_impl;
   const int kb = p.k_bits, vb = p.v_bits;
-  if (kb == 0 && vb == 0) {
+  if (p.use_mma == 1) {
+    decode_mma::mma_dispatch<false>(p, s, false);
+  } else if (p.use_mma == 2) {
+    decode_mma::mma_dispatch<true>(p, s, false);
+  } else if (kb == 0 && vb == 0) {
     launch_split<0, 0>(p, s);
   } else if (kb == 2 && vb == 2) {
     launch_split<2, 2>(p, s);
@@ -156,11 +176,24 @@ void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
         "(2,4) but got (" +
         std::to_string(kb) + "," + std::to_string(vb) + ")");
   }
-  const dim3 grid(static_cast<unsigned>(p.n_kv_heads * p.group), static_cast<unsigned>(p.batch));
+  // Programmatic dependent launch: the combine grid is launched while the split kernel runs
+  // (its blocks trigger at entry) and waits in griddepcontrol.wait for its completion and memory,
+  // which hides the second launch's latency (batch-1 decode is latency-bound).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.n_kv_heads * p.group), static_cast<unsigned>(p.batch));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
   if (p.head_dim == 64) {
-    decode_combine_kernel<64><<<grid, 64 * combine_slices<64>(), 0, s>>>(p);
+    cfg.blockDim = dim3(64 * combine_slices<64>());
+    VQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<64>, p));
   } else {
-    decode_combine_kernel<128><<<grid, 128 * combine_slices<128>(), 0, s>>>(p);
+    cfg.blockDim = dim3(128 * combine_slices<128>());
+    VQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<128>, p));
   }
   VQ_CUDA_LAUNCH_CHECK(decode_combine_kernel);
 }

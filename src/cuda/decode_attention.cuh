@@ -63,11 +63,23 @@ struct DecodeParams {
   DecodeSegmentParams seg[kDecodeMaxSegments];
   DecodePackedParams pk;
   int32_t k_bits = 0, v_bits = 0;  // 0 when the view has no packed segment
+  // Tensor-core kernel (decode_attention_mma.cuh): 0 off, 1 f16 segments only, 2 f16 and 2-bit
+  // packed segments; stage_half_bytes: bytes of K (and of V) per pipeline stage of that kernel.
+  int32_t use_mma = 0;
+  int32_t stage_half_bytes = 0;
 };
 
 // Queues the split kernel and the combine kernel on stream s; throws vq::Error for an unsupported
 // (head_dim, group, bits) combination or a failed launch.
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s);
+
+// Resident blocks per SM of the tensor-core kernel for p (p.use_mma, head_dim, group and
+// stage_half_bytes set): the planner sizes the splits to one wave of them.
+int decode_mma_blocks_per_sm(const DecodeParams& p);
+
+// Bytes of K + V rows one stage of the tensor-core kernel aims for (tile_rows a multiple of 64).
+constexpr int kDecodeMmaStageBytes = 32768;
+constexpr int kDecodeMmaPackedStageBytes = 12288;
 
 // Rows one pipeline stage of K (or V) can hold: tile_rows = min(128, this / row_bytes) rounded
 // down to a multiple of 8.

@@ -68,6 +68,19 @@ constexpr int split_smem_bytes() {
 
 // ---- small device helpers --------------------------------------------------------------------
 
+// Programmatic dependent launch (sm_90): the split kernels let the combine grid launch at their
+// entry; the combine waits for their completion (and memory) before reading the partials.
+__device__ __forceinline__ void grid_dependency_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem_src));
@@ -420,6 +433,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
   float* qs = reinterpret_cast<float*>(smem + kStages * 2 * kHalfBytes);  // [G][D]
   float* sbuf = qs + G * D;                                               // [warps][8][G]
 
+  grid_dependency_trigger();
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % LPR, rs = lane / LPR;

@@ -6,7 +6,9 @@
 // Quantize: a block stages R rows in shared memory as fp32 [R][D + 1], rotates them
 // (signs, butterflies of span 1, 2, 4, ... within each rot_block, then * norm), gathers the
 // permutation into a second buffer, quantizes one (row, group) per thread (clip search over the
-// alpha grid with metadata rounded as stored), then writes each record byte by one thread (codes
+// alpha grid with metadata rounded as stored; every alpha in one pass over the group, the
+// division by the scale replaced by a reciprocal product except near rounding ties, which gives
+// the same codes: see quant_code_fast), then writes each record byte by one thread (codes
 // packed little-endian, or five ternary codes per byte, then (lo, scale) per group).
 // Permutations: a block per head, thread c scans channel c over the B*n pooled rows (min/max as
 // std::min/std::max, range NaN -> +inf), then ranks channels for a stable ascending sort.
@@ -24,6 +26,8 @@ namespace vq::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kMaxAlpha = 5;  // SkvqQuantParams::alpha
+static_assert(sizeof(SkvqQuantParams{}.alpha) == kMaxAlpha * sizeof(float), "alpha grid size");
 
 __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
   if (dtype == 1) return __half2float(static_cast<const __half*>(base)[i]);
@@ -90,6 +94,24 @@ __device__ __forceinline__ float quant_code(float x, float lo, float scale, floa
   return __fsub_rn(__fadd_rn(t, 0x1p23f), 0x1p23f);
 }
 
+// quant_code without the division in the common case: t' = (x - lo) * rcp_rn(scale) differs from
+// the IEEE quotient t = (x - lo) / scale by at most 3 * 2^-24 * |t| (two roundings of the
+// reciprocal-product path, one of the quotient). Clamping to [0, levels] and rounding to an integer
+// can only differ when a clamped value lies within that distance of a half-integer (the clamp
+// bounds are integers, and |t| > levels + 1 clamps both alike); every |t| that matters is
+// <= levels + 1 <= 256, so the distance is < 2^-14. Within 2^-12 of a half-integer the exact
+// quant_code decides. NaN, +-inf and overflow behave as in quant_code (NaN -> 0, both clamp to
+// the same bound). Hence the code equals quant_code(x, lo, scale, levels) bit for bit.
+__device__ __forceinline__ float quant_code_fast(float x, float lo, float scale, float rcp,
+                                                 float levels) {
+  float t = __fmul_rn(__fsub_rn(x, lo), rcp);
+  t = t > 0.0f ? t : 0.0f;
+  t = t < levels ? t : levels;
+  const float c = __fsub_rn(__fadd_rn(t, 0x1p23f), 0x1p23f);
+  if (fabsf(fabsf(__fsub_rn(t, c)) - 0.5f) < 0x1p-12f) return quant_code(x, lo, scale, levels);
+  return c;
+}
+
 __global__ void __launch_bounds__(kThreads)
     skvq_quantize_kernel(const __grid_constant__ SkvqQuantParams p, int rows_per_block) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -154,33 +176,56 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float mid = __fdiv_rn(__fadd_rn(gmax, gmin), 2.0f);
     const float rng = __fsub_rn(gmax, gmin);
-    float best_err = 0.0f, best_lo = 0.0f, best_sc = 1.0f;
-    for (int k = 0; k < p.n_alpha; ++k) {
-      const float ar = __fmul_rn(p.alpha[k], rng);
-      const float l = meta_round(__fsub_rn(mid, __fdiv_rn(ar, 2.0f)), p.meta);
-      float sc = __fdiv_rn(ar, levels);
-      sc = sc < 1e-8f ? 1e-8f : sc;
-      const float rs = meta_round(sc, p.meta);
-      const float s = rs >= meta_min_positive(p.meta) ? rs : meta_min_positive(p.meta);
-      float err = 0.0f;
-      for (int i = 0; i < g; ++i) {
-        const float v = elem(i);
-        const float rec = __fadd_rn(__fmul_rn(quant_code(v, l, s, levels), s), l);
-        const float e = __fsub_rn(rec, v);
-        err = __fadd_rn(err, __fmul_rn(e, e));
+    // The alpha grid's (lo, scale) and error sums side by side: one pass over the group feeds
+    // every alpha (independent chains; each error is still summed in element order).
+    float al[kMaxAlpha], as[kMaxAlpha], ar_[kMaxAlpha], ae[kMaxAlpha];
+#pragma unroll
+    for (int k = 0; k < kMaxAlpha; ++k) {
+      al[k] = 0.0f;
+      as[k] = 1.0f;
+      ar_[k] = 1.0f;
+      ae[k] = 0.0f;
+      if (k < p.n_alpha) {
+        const float ar = __fmul_rn(p.alpha[k], rng);
+        al[k] = meta_round(__fsub_rn(mid, __fdiv_rn(ar, 2.0f)), p.meta);
+        float sc = __fdiv_rn(ar, levels);
+        sc = sc < 1e-8f ? 1e-8f : sc;
+        const float rs = meta_round(sc, p.meta);
+        as[k] = rs >= meta_min_positive(p.meta) ? rs : meta_min_positive(p.meta);
+        ar_[k] = __frcp_rn(as[k]);
       }
-      err = __fdiv_rn(err, static_cast<float>(g));
-      if (k == 0 || err < best_err) {
-        best_err = err;
-        best_lo = l;
-        best_sc = s;
+    }
+    for (int i = 0; i < g; ++i) {
+      const float v = elem(i);
+#pragma unroll
+      for (int k = 0; k < kMaxAlpha; ++k) {
+        if (k < p.n_alpha) {
+          const float c = quant_code_fast(v, al[k], as[k], ar_[k], levels);
+          const float rec = __fadd_rn(__fmul_rn(c, as[k]), al[k]);
+          const float e = __fsub_rn(rec, v);
+          ae[k] = __fadd_rn(ae[k], __fmul_rn(e, e));
+        }
+      }
+    }
+    float best_err = 0.0f, best_lo = 0.0f, best_sc = 1.0f, best_r = 1.0f;
+#pragma unroll
+    for (int k = 0; k < kMaxAlpha; ++k) {
+      if (k < p.n_alpha) {
+        const float err = __fdiv_rn(ae[k], static_cast<float>(g));
+        if (k == 0 || err < best_err) {
+          best_err = err;
+          best_lo = al[k];
+          best_sc = as[k];
+          best_r = ar_[k];
+        }
       }
     }
     mlo[r * NG + gi] = best_lo;
     msc[r * NG + gi] = best_sc;
     const int c1 = c0 + g < D ? c0 + g : D;
     for (int c = c0; c < c1; ++c)
-      codes[r * D + c] = static_cast<uint8_t>(quant_code(row[c], best_lo, best_sc, levels));
+      codes[r * D + c] =
+          static_cast<uint8_t>(quant_code_fast(row[c], best_lo, best_sc, best_r, levels));
   }
   __syncthreads();
 

@@ -27,8 +27,12 @@ namespace {
 
 constexpr int kKT = 64;  // keys per tile
 constexpr int kQT = 32;  // query rows per chunk
+// Row stride of the logit tile: 72 = 8 (mod 32) banks, so 4 rows x 8 consecutive keys (the stats
+// pass) and 2 rows x 16 keys (the logit writes) each hit 32 distinct banks.
+constexpr int kLS = 72;
 constexpr int kScoreThreads = 256;
 constexpr int kSelThreads = 1024;
+static_assert(kScoreThreads == 8 * kQT, "the stats pass uses 8 threads per query row");
 
 __device__ __forceinline__ float load_key(const void* base, int dtype, int64_t i) {
   if (dtype == 1) return __half2float(static_cast<const __half*>(base)[i]);
@@ -51,10 +55,30 @@ __device__ void logit_tile(const SnapScoreParams& p, int f, int qc, int64_t j0, 
   const int tid = threadIdx.x;
   const int nk = static_cast<int>(p.n - j0 < kKT ? p.n - j0 : kKT);
   const int nq = W - qc * kQT < kQT ? W - qc * kQT : kQT;
-  for (int i = tid; i < kKT * D; i += kScoreThreads) {
-    const int r = i / D, c = i % D;
-    Ks[r * DP + c] =
-        r < nk ? load_key(p.keys, p.dtype, (static_cast<int64_t>(f) * p.n + j0 + r) * D + c) : 0.0f;
+  if (p.dtype == 1 && D % 8 == 0 && reinterpret_cast<uintptr_t>(p.keys) % 16 == 0) {
+    // f16 keys: 8 per 16-byte load (every row starts 16-byte aligned)
+    const int D8 = D / 8;
+    const uint4* src =
+        reinterpret_cast<const uint4*>(static_cast<const __half*>(p.keys) + (f * p.n + j0) * D);
+    for (int i = tid; i < kKT * D8; i += kScoreThreads) {
+      const int r = i / D8, c = 8 * (i % D8);
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (r < nk) u = src[i];
+      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+      const float2 c2 = __half22float2(*reinterpret_cast<const __half2*>(&u.z));
+      const float2 d2 = __half22float2(*reinterpret_cast<const __half2*>(&u.w));
+      float4* dst = reinterpret_cast<float4*>(Ks + r * DP + c);
+      dst[0] = make_float4(a.x, a.y, b.x, b.y);
+      dst[1] = make_float4(c2.x, c2.y, d2.x, d2.y);
+    }
+  } else {
+    for (int i = tid; i < kKT * D; i += kScoreThreads) {
+      const int r = i / D, c = i % D;
+      Ks[r * DP + c] =
+          r < nk ? load_key(p.keys, p.dtype, (static_cast<int64_t>(f) * p.n + j0 + r) * D + c)
+                 : 0.0f;
+    }
   }
   for (int i = tid; i < kQT * D; i += kScoreThreads) {
     const int r = i / D, c = i % D;
@@ -93,7 +117,7 @@ __device__ void logit_tile(const SnapScoreParams& p, int f, int qc, int64_t j0, 
         const int qrow = (qc * kQT + qi) % p.w;
         if (p.key_pos[static_cast<int64_t>(f) * p.n + j0 + kj] > p.query_pos[qrow]) l = -INFINITY;
       }
-      L[qi * kKT + kj] = l;
+      L[qi * kLS + kj] = l;
     }
   __syncthreads();
 }
@@ -110,20 +134,28 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int64_t j0 = static_cast<int64_t>(tile) * kKT;
   for (int qc = 0; qc * kQT < W; ++qc) {
     logit_tile(p, f, qc, j0, Ks, Qs, L);
-    const int i = threadIdx.x;
-    if (i < kQT && qc * kQT + i < W) {
-      float m = -INFINITY;
-      bool nan = false;
-      for (int j = 0; j < kKT; ++j) {
-        const float l = L[i * kKT + j];
-        nan |= isnan(l);
-        m = fmaxf(m, l);
-      }
-      float z = 0.0f;
-      if (m != -INFINITY && !isinf(m))
-        for (int j = 0; j < kKT; ++j) z += expf(L[i * kKT + j] - m);
+    // 8 threads per query row, each over keys sub, sub + 8, ...; a 3-step butterfly joins them
+    const int row = threadIdx.x >> 3, sub = threadIdx.x & 7;
+    float m = -INFINITY;
+    int nan = 0;
+    for (int j = sub; j < kKT; j += 8) {
+      const float l = L[row * kLS + j];
+      nan |= isnan(l) ? 1 : 0;
+      m = fmaxf(m, l);
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    float z = 0.0f;
+    if (m != -INFINITY && !isinf(m))
+      for (int j = sub; j < kKT; j += 8) z += expf(L[row * kLS + j] - m);
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+    if (sub == 0 && qc * kQT + row < W) {
       float* st =
-          p.tile_stats + ((static_cast<int64_t>(f) * n_tiles + tile) * W + qc * kQT + i) * 3;
+          p.tile_stats + ((static_cast<int64_t>(f) * n_tiles + tile) * W + qc * kQT + row) * 3;
       st[0] = m;
       st[1] = z;
       st[2] = nan ? 1.0f : 0.0f;
@@ -132,25 +164,54 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
 }
 
-__global__ void snap_combine_kernel(const __grid_constant__ SnapScoreParams p, int n_tiles) {
+// One block per (query row i, frame f): max, NaN flag and the double sum over the tiles,
+// strided over the threads and joined by warp and block reductions.
+constexpr int kCombineThreads = 256;
+__global__ void __launch_bounds__(kCombineThreads)
+    snap_combine_kernel(const __grid_constant__ SnapScoreParams p, int n_tiles) {
+  __shared__ float s_mx[kCombineThreads / 32];
+  __shared__ int s_nan[kCombineThreads / 32];
+  __shared__ double s_z[kCombineThreads / 32];
   const int W = p.n_rep * p.w;
-  const int f = blockIdx.x;
-  for (int i = threadIdx.x; i < W; i += blockDim.x) {
-    const float* st = p.tile_stats + (static_cast<int64_t>(f) * n_tiles * W + i) * 3;
-    float mx = -INFINITY;
-    bool nan = false;
-    for (int t = 0; t < n_tiles; ++t) {
-      mx = fmaxf(mx, st[static_cast<int64_t>(t) * W * 3]);
-      nan |= st[static_cast<int64_t>(t) * W * 3 + 2] != 0.0f;
+  const int i = blockIdx.x, f = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* st = p.tile_stats + (static_cast<int64_t>(f) * n_tiles * W + i) * 3;
+  const int64_t stride = static_cast<int64_t>(W) * 3;
+  float mx = -INFINITY;
+  int nan = 0;
+  for (int t = tid; t < n_tiles; t += kCombineThreads) {
+    mx = fmaxf(mx, st[t * stride]);
+    nan |= st[t * stride + 2] != 0.0f ? 1 : 0;
+  }
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) {
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+  }
+  if (lane == 0) {
+    s_mx[warp] = mx;
+    s_nan[warp] = nan;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kCombineThreads / 32; ++w) {
+    mx = fmaxf(mx, s_mx[w]);
+    nan |= s_nan[w];
+  }
+  double z = 0.0;
+  if (mx != -INFINITY && !isinf(mx))
+    for (int t = tid; t < n_tiles; t += kCombineThreads) {
+      const float m = st[t * stride];
+      if (m == -INFINITY) continue;
+      z += static_cast<double>(st[t * stride + 1]) * static_cast<double>(expf(m - mx));
     }
-    double z = 0.0;
-    if (mx != -INFINITY && !isinf(mx))
-      for (int t = 0; t < n_tiles; ++t) {
-        const float m = st[static_cast<int64_t>(t) * W * 3];
-        if (m == -INFINITY) continue;
-        z += static_cast<double>(st[static_cast<int64_t>(t) * W * 3 + 1]) *
-             static_cast<double>(expf(m - mx));
-      }
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+  if (lane == 0) s_z[warp] = z;
+  __syncthreads();
+  if (tid == 0) {
+    z = 0.0;
+#pragma unroll
+    for (int w = 0; w < kCombineThreads / 32; ++w) z += s_z[w];
     if (nan || mx == INFINITY) atomicOr(p.poisoned + f, 1);
     p.row_stats[(static_cast<int64_t>(f) * W + i) * 2] = mx;
     p.row_stats[(static_cast<int64_t>(f) * W + i) * 2 + 1] =
@@ -184,7 +245,7 @@ __global__ void __launch_bounds__(kScoreThreads)
         const float mx = p.row_stats[(static_cast<int64_t>(f) * W + qi) * 2];
         if (mx == -INFINITY) continue;  // a query that sees no key adds nothing
         const float inv_z = p.row_stats[(static_cast<int64_t>(f) * W + qi) * 2 + 1];
-        head += static_cast<double>(expf(L[i * kKT + j] - mx) * inv_z);
+        head += static_cast<double>(expf(L[i * kLS + j] - mx) * inv_z);
       }
     }
     __syncthreads();
@@ -218,7 +279,7 @@ __global__ void __launch_bounds__(kSelThreads)
   __shared__ int hist[256];
   __shared__ uint32_t s_prefix;
   __shared__ int s_krem;
-  const int f = blockIdx.x, tid = threadIdx.x;
+  const int f = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
   const float* sc = p.scores + static_cast<int64_t>(f) * p.n;
   int32_t* out = p.out + static_cast<int64_t>(f) * p.count;
   for (int64_t j = tid; j < p.n_prefix; j += kSelThreads) out[j] = static_cast<int32_t>(j);
@@ -233,22 +294,50 @@ __global__ void __launch_bounds__(kSelThreads)
     const int shift = 24 - 8 * pass;
     for (int i = tid; i < 256; i += kSelThreads) hist[i] = 0;
     __syncthreads();
-    for (int64_t j = p.lo + tid; j < p.hi; j += kSelThreads) {
-      const uint32_t key = rank_bits(sc[j]);
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    // every thread runs every chunk (uniform trip count): lanes with the same digit add once
+    for (int64_t c = p.lo; c < p.hi; c += kSelThreads) {
+      const int64_t j = c + tid;
+      const uint32_t key = j < p.hi ? rank_bits(sc[j]) : 0u;
+      const bool in = j < p.hi && (key & mask) == prefix;
+      const int bin = in ? static_cast<int>((key >> shift) & 255u) : 256;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
     }
     __syncthreads();
-    if (tid == 0) {
-      int cum = 0, krem = s_krem, digit = 0;
-      for (int dg = 255; dg >= 0; --dg) {
-        if (cum + hist[dg] >= krem) {
-          digit = dg;
-          break;
-        }
-        cum += hist[dg];
+    if (tid < 32) {  // the digit holding the krem-th largest: lane l owns bins 255-8l .. 248-8l
+      int loc[8], sum = 0;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        loc[q] = hist[255 - 8 * lane - q];
+        sum += loc[q];
       }
-      s_krem = krem - cum;
-      s_prefix = prefix | (static_cast<uint32_t>(digit) << shift);
+      int incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const int total = __shfl_sync(0xffffffffu, incl, 31);
+      const int krem = s_krem, excl = incl - sum;
+      const unsigned hit = __ballot_sync(0xffffffffu, excl < krem && incl >= krem);
+      if (hit == 0u) {  // cannot happen (krem <= matching keys); the serial scan's fallback
+        if (lane == 0) {
+          s_krem = krem - total;
+          s_prefix = prefix;
+        }
+      } else if (lane == __ffs(hit) - 1) {
+        int cum = excl, digit = 0;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          if (cum + loc[q] >= krem) {
+            digit = 255 - 8 * lane - q;
+            break;
+          }
+          cum += loc[q];
+        }
+        s_krem = krem - cum;
+        s_prefix = prefix | (static_cast<uint32_t>(digit) << shift);
+      }
     }
     __syncthreads();
     prefix = s_prefix;
@@ -324,7 +413,7 @@ int64_t snap_score_tile_stats_floats(int64_t n_frames, int64_t n, int64_t W) {
 void snap_scores_launch(const SnapScoreParams& p, cudaStream_t s) {
   if (p.n == 0 || p.n_frames == 0) return;
   const int n_tiles = static_cast<int>((p.n + kKT - 1) / kKT);
-  const size_t smem = static_cast<size_t>((kKT + kQT) * (p.head_dim + 4) + kQT * kKT) * 4;
+  const size_t smem = static_cast<size_t>((kKT + kQT) * (p.head_dim + 4) + kQT * kLS) * 4;
   VQ_CHECK(p.head_dim % 4 == 0 && smem <= 200 * 1024,
            "[snap_scores] expected head_dim a multiple of 4 and at most 256 but got " +
                std::to_string(p.head_dim));
@@ -336,7 +425,9 @@ void snap_scores_launch(const SnapScoreParams& p, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(p.n_frames));
   snap_pass1_kernel<<<grid, kScoreThreads, smem, s>>>(p);
   VQ_CUDA_LAUNCH_CHECK(snap_pass1_kernel);
-  snap_combine_kernel<<<static_cast<unsigned>(p.n_frames), 128, 0, s>>>(p, n_tiles);
+  const int W = p.n_rep * p.w;
+  snap_combine_kernel<<<dim3(static_cast<unsigned>(W), static_cast<unsigned>(p.n_frames)),
+                        kCombineThreads, 0, s>>>(p, n_tiles);
   VQ_CUDA_LAUNCH_CHECK(snap_combine_kernel);
   snap_pass2_kernel<<<grid, kScoreThreads, smem, s>>>(p);
   VQ_CUDA_LAUNCH_CHECK(snap_pass2_kernel);

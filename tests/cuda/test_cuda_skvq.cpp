@@ -148,6 +148,55 @@ TEST(CudaSkvq, QuantizeRowsBitIdentical) {
   std::printf("[skvq quantize] %d formats, records bit-identical\n", cases);
 }
 
+// The device quantizer divides by the scale only near rounding ties (it multiplies by the
+// reciprocal elsewhere): groups whose codes land exactly on, and one ulp either side of, every
+// half-integer k + 1/2 (alpha = 1 with dyadic data gives lo = min and scale = range / levels
+// exactly; the clip search's other alphas give near-ties of their own) must still agree bit for
+// bit.
+TEST(CudaSkvq, QuantizeRowsTiesBitIdentical) {
+  SKIP_WITHOUT_DEVICE();
+  int cases = 0;
+  for (double bits : {2.0, 4.0, 1.5})
+    for (MetaType meta : {MetaType::kF32, MetaType::kF16})
+      for (bool search : {false, true})
+        for (float mag : {1.0f, 0x1p-6f, 0x1p5f}) {
+          const int64_t B = 1, H = 2, n = 9, D = 64, group = 32;
+          const PackedRowFormat f = make_row_format(D, bits, group, meta);
+          const int levels = f.spec.levels();
+          Tensor rows(DType::kF32, B, H, n, D);
+          std::mt19937_64 rng(static_cast<uint64_t>(++cases));
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < n; ++i)
+              for (int64_t d = 0; d < D; ++d) {
+                const int64_t j = d % group;
+                float x;
+                if (j == 0) {
+                  x = 0.0f;  // the group's min
+                } else if (j == 1) {
+                  x = static_cast<float>(levels);  // its max: scale = 1 at alpha = 1
+                } else {
+                  const float tie = static_cast<float>(rng() % levels) + 0.5f;
+                  const int side = static_cast<int>((j + i) % 3);  // below, on, above the tie
+                  x = side == 1 ? tie : std::nextafter(tie, side == 0 ? -INFINITY : INFINITY);
+                }
+                rows.set(0, h, i, d, x * mag);
+              }
+          GroupQuantParams gp;
+          gp.bits = bits;
+          gp.group_size = group;
+          gp.meta = meta;
+          gp.clip_search = search;
+          gp.clip_alpha = 1.0f;
+          std::ostringstream vars;
+          vars << "bits=" << bits << " meta=" << static_cast<int>(meta) << " search=" << search
+               << " mag=" << mag;
+          const auto cpu = cpu_records(rows, f, gp, {}, {});
+          const auto gpu = gpu_records(rows, f, gp, {}, {});
+          EXPECT_EQ(count_diff(cpu, gpu), 0) << vars.str() << ": record bytes differ";
+        }
+  std::printf("[skvq quantize ties] %d cases, records bit-identical\n", cases);
+}
+
 std::vector<int32_t> reference_perms(const Tensor& rows) {
   const int64_t B = rows.shape()[0], H = rows.shape()[1], n = rows.shape()[2], D = rows.shape()[3];
   std::vector<int32_t> out;

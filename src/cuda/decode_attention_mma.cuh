@@ -1,0 +1,572 @@
+// Internal: the tensor-core split kernel of fused decode attention, for views whose full-precision
+// segments are f16 and whose packed segments (if any) hold 2-bit keys and values in groups of a
+// multiple of 32 channels (records 4-byte aligned). Templated on the head dim D, the GQA group G
+// and PK (false: f16 segments only, true: f16 and 2-bit packed segments). Included by
+// decode_attention_mma_f16.cu / decode_attention_mma_k2v2.cu; the generic kernel in
+// decode_attention_kernel.cuh takes every other view. Same parameters, partials and combine.
+//
+// One block = 4 warps = one (split, kv head, batch); the split's rows of one segment stream
+// through a 3-stage cp.async pipeline of tile_rows rows (a multiple of 64). f16 rows are staged
+// with their 16-byte chunks swizzled (chunk c of row r at c ^ swz(r & 7)) so that the key loads
+// and the transposed value loads (ldmatrix.trans) are free of bank conflicts; packed records are
+// staged as byte ranges. Each warp takes warp-tiles of 16 rows, all on mma.m16n8k16 (fp16 inputs,
+// fp32 accumulation):
+//  (1) logits: A = 16 key rows x 16 channels, B = the queries as N = 8 columns n = 2 h + part
+//      (head h, part 0 the fp16 rounding hi of q * sigma_h, part 1 the fp16 rounding of the rest;
+//      sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head) logits with hi and lo
+//      in neighbouring columns of one lane. Channel map of chunk c (32 channels), k-step s, K
+//      index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
+//      8 contiguous channels of rows g and g + 8. 2-bit codes become exact fp16 integers
+//      ((c | 0x6400) - 1024); per 32-channel block the logit gains scale * C / sigma + lo * sum q.
+//  (2) online softmax per head (exp2 of log2e-scaled logits; running max per warp and head).
+//  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (hi/lo
+//      again; packed: p * scale of the row's group, and p * lo summed on the side). f16 values
+//      arrive through ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b + mu of
+//      the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the next
+//      channel, so a lane's codes are one byte per row and block, each code read where it lies
+//      (value 4^i c for the i-th code of the byte, undone by an exact power-of-two scale later).
+// Rows past the split end: f16 rows are zero-filled in shared memory, packed rows get p = 0,
+// scale = lo = 0 (their bytes are never trusted), and every logit of an invisible row is -inf.
+#pragma once
+
+#include "cuda/decode_attention_kernel.cuh"
+
+namespace vq::cuda::decode_mma {
+
+using decode_impl::cp_async16;
+using decode_impl::cp_async_commit;
+using decode_impl::cp_async_wait;
+using decode_impl::kFull;
+using decode_impl::min64;
+using decode_impl::mma_16816;
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kStages = 3;
+
+template <int D, int G>
+struct MGeo {
+  static constexpr int NT = G <= 4 ? 1 : 2;  // n-tiles of 8 (head, part) columns
+  static constexpr int NCH = D / 32;         // 32-channel chunks (blocks)
+  static constexpr int MT = D / 16;          // m-tiles of the value accumulator
+};
+
+// Shared memory besides the stages: queries [G][D], sigma [8], chunk sums [G][NCH], value bias
+// [warps][G][NCH].
+template <int D, int G>
+constexpr int mma_extra_smem() {
+  return (G * D + 8 + G * (D / 32) + kWarps * G * (D / 32)) * 4;
+}
+// The block merge at the end reuses the stages: [warps][G] max and sum, [warps][G][D] accumulators.
+template <int D, int G>
+constexpr int mma_merge_bytes() {
+  return (2 * kWarps * G + kWarps * G * D) * 4;
+}
+
+__device__ __forceinline__ int swz(int r) {  // a bijection of 0..7; rows 2i, 2i+1 differ in bit 2
+  return ((r & 1) << 2) | ((r >> 1) & 3);
+}
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+__device__ __forceinline__ uint32_t lds16(const uint8_t* p) {
+  return *reinterpret_cast<const uint16_t*>(p);
+}
+
+// fp16 pair of the magic-biased codes: (v | 0x6400 per half) - 1024, exact.
+__device__ __forceinline__ uint32_t code_pair(uint32_t v) {
+  const uint32_t u = v | 0x64006400u;
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&u),
+                            __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// Part `part` (0: fp16 rounding hi of x, 1: fp16 rounding of x - hi) of two values, packed.
+__device__ __forceinline__ uint32_t split_pack(float x0, float x1, int part) {
+  const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
+  __half2 r;
+  if (part == 0) {
+    r = __halves2half2(h0, h1);
+  } else {
+    r = __halves2half2(__float2half_rn(x0 - __half2float(h0)),
+                       __float2half_rn(x1 - __half2float(h1)));
+  }
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(const uint8_t* addr, uint32_t& r0, uint32_t& r1,
+                                              uint32_t& r2, uint32_t& r3) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(addr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(a));
+}
+
+// (lo, scale) of group g of a 4-byte aligned record at rec (meta: 0 f16, 1 f32, 2 fp8).
+__device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int meta, int g,
+                                       float& lo, float& sc) {
+  if (meta == 0) {
+    const uint32_t w = lds32(rec + code_bytes + 4 * g);
+    lo = decode_impl::f16_bits_to_f32(w);
+    sc = decode_impl::f16_bits_to_f32(w >> 16);
+  } else if (meta == 1) {
+    lo = __uint_as_float(lds32(rec + code_bytes + 8 * g));
+    sc = __uint_as_float(lds32(rec + code_bytes + 8 * g + 4));
+  } else {
+    const uint32_t w = lds16(rec + code_bytes + 2 * g);
+    lo = decode_impl::fp8e4m3_to_f32(w & 0xffu);
+    sc = decode_impl::fp8e4m3_to_f32((w >> 8) & 0xffu);
+  }
+}
+
+template <int D, int G, bool PK>
+__global__ void __launch_bounds__(kThreads, 2)
+    decode_mma_kernel(const __grid_constant__ DecodeParams p) {
+  using Gm = MGeo<D, G>;
+  constexpr int NT = Gm::NT, NCH = Gm::NCH, MT = Gm::MT;
+  constexpr int RB = 2 * D;  // f16 row bytes
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int SH = p.stage_half_bytes;
+  uint8_t* stages = smem;
+  float* qs = reinterpret_cast<float*>(smem + kStages * 2 * SH);  // [G][D]
+  float* ssig = qs + G * D;                                       // [8]
+  float* sqsum = ssig + 8;                                        // [G][NCH]
+  float* sbias = sqsum + G * NCH;                                 // [warps][G][NCH]
+
+  decode_impl::grid_dependency_trigger();
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  int si = 0;
+  while (si + 1 < p.n_segments && split >= p.seg[si + 1].split_begin) ++si;
+  const DecodeSegmentParams& sg = p.seg[si];
+  const bool packed = PK && sg.packed != 0;
+  const int64_t r_begin = static_cast<int64_t>(split - sg.split_begin) * sg.rows_per_split;
+  const int64_t r_end = min64(sg.n_rows, r_begin + sg.rows_per_split);
+  const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
+  const int krb = sg.k_row_bytes, vrb = sg.v_row_bytes, TR = sg.tile_rows;
+  const uint8_t* kbase = sg.k + bh * sg.capacity * krb;
+  const uint8_t* vbase = sg.v + bh * sg.capacity * vrb;
+  const int32_t* pos = sg.positions ? sg.positions + bh * sg.capacity : nullptr;
+
+  // ---- queries: scaled by scale * log2 e, transformed for packed keys, split hi/lo per lane
+  const float* qg = p.q + (bh * G) * D;
+  for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
+  __syncthreads();
+  if (packed && (p.pk.k_signs || p.pk.k_perm))
+    decode_impl::transform_queries<D, G>(qs, reinterpret_cast<float*>(stages), p.pk, kvh, tid);
+  for (int h = warp; h < G; h += kWarps) {
+    float mx = 0.0f;
+    for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[h * D + d]));
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+    if (lane == 0) {
+      float sgm = 1.0f;
+      if (mx > 0.0f && mx < INFINITY) {
+        int e = 0;
+        frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1)
+        sgm = ldexpf(1.0f, max(-100, min(100, 12 - e)));
+      }
+      ssig[h] = sgm;
+    }
+  }
+  for (int i = tid; i < G * NCH; i += kThreads) {
+    const int h = i / NCH, c = i % NCH;
+    float s = 0.0f;
+    for (int j = 0; j < 32; ++j) s += qs[h * D + 32 * c + j];
+    sqsum[i] = s;
+  }
+  __syncthreads();
+  uint32_t qb[NT][NCH][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int h = (g >> 1) + 4 * nt;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t w = 0u;
+        if (h < G) {
+          const int ch = 32 * c + 8 * t + 2 * i;
+          const float sgm = ssig[h];
+          w = split_pack(qs[h * D + ch] * sgm, qs[h * D + ch + 1] * sgm, g & 1);
+        }
+        qb[nt][c][i] = w;
+      }
+  }
+  float sinv[NT], qsum[NT][NCH];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int h = t + 4 * nt;
+    sinv[nt] = h < G ? 1.0f / ssig[h] : 0.0f;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) qsum[nt][c] = h < G ? sqsum[h * NCH + c] : 0.0f;
+  }
+  __syncthreads();  // the stage area served as scratch of the transform
+
+  float m_run[NT], l_run[NT];
+  float vacc[NT][MT][4];
+  float vb[NT][NCH];  // packed: sum of p * lo per block for head (g >> 1) + 4 nt (part-0 lanes)
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    m_run[nt] = -INFINITY;
+    l_run[nt] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) vacc[nt][j][i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) vb[nt][c] = 0.0f;
+  }
+
+  const int64_t n_split_rows = r_end - r_begin;
+  const int n_tiles = static_cast<int>((n_split_rows + TR - 1) / TR);
+  auto issue = [&](int tt) {
+    const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
+    const int nr = static_cast<int>(min64(TR, r_end - r0));
+    uint8_t* sk = stages + (tt % kStages) * 2 * SH;
+    uint8_t* sv = sk + SH;
+    if (!packed) {
+      constexpr int CPR = D / 8;  // 16-byte chunks per row
+      const uint8_t* gk = kbase + r0 * RB;
+      const uint8_t* gv = vbase + r0 * RB;
+      for (int i = tid; i < nr * CPR; i += kThreads) {
+        const int r = i / CPR, c = i % CPR;
+        const int o = r * RB + 16 * (c ^ swz(r & 7));
+        cp_async16(sk + o, gk + 16 * i);
+        cp_async16(sv + o, gv + 16 * i);
+      }
+      const int nr16 = (nr + 15) & ~15;  // zero the rest of the last warp-tile
+      for (int i = nr * CPR + tid; i < nr16 * CPR; i += kThreads) {
+        *reinterpret_cast<uint4*>(sk + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(sv + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else {
+      decode_impl::copy_range(sk, kbase + r0 * krb, static_cast<int64_t>(nr) * krb, tid);
+      decode_impl::copy_range(sv, vbase + r0 * vrb, static_cast<int64_t>(nr) * vrb, tid);
+    }
+  };
+#pragma unroll
+  for (int tt = 0; tt < kStages - 1; ++tt) {
+    if (tt < n_tiles) issue(tt);
+    cp_async_commit();
+  }
+
+  const int hb = g >> 1, partb = g & 1;  // the B-operand column of this lane: head hb, part
+  const uint32_t psel = static_cast<uint32_t>((g & 3) | ((4 + (g & 3)) << 8));
+  const int gsz = p.pk.group_size;
+
+  for (int tt = 0; tt < n_tiles; ++tt) {
+    if (tt + kStages - 1 < n_tiles) issue(tt + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+
+    const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
+    const int nr = static_cast<int>(min64(TR, r_end - r0));
+    const uint8_t* sk = stages + (tt % kStages) * 2 * SH;
+    const uint8_t* sv = sk + SH;
+    const int kmis = decode_impl::misalign16(kbase + r0 * krb);
+    const int vmis = decode_impl::misalign16(vbase + r0 * vrb);
+    const int n_wt = (nr + 15) / 16;
+
+    for (int wt = warp; wt < n_wt; wt += kWarps) {
+      const int rb0 = wt * 16;
+      // ---- (1) logits of rows rb0 + g and rb0 + g + 8 for heads t + 4 nt
+      float lg[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) lg[nt][0] = lg[nt][1] = 0.0f;
+      if (!packed) {
+        float acc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        const uint8_t* rg = sk + (rb0 + g) * RB;
+        const uint8_t* rg8 = rg + 8 * RB;
+        const int sw = swz(g);
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) {
+          const uint4 ka = *reinterpret_cast<const uint4*>(rg + 16 * ((4 * c + t) ^ sw));
+          const uint4 kb = *reinterpret_cast<const uint4*>(rg8 + 16 * ((4 * c + t) ^ sw));
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            mma_16816(acc[nt], ka.x, kb.x, ka.y, kb.y, qb[nt][c][0], qb[nt][c][1]);
+            mma_16816(acc[nt], ka.z, kb.z, ka.w, kb.w, qb[nt][c][2], qb[nt][c][3]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          lg[nt][0] = (acc[nt][0] + acc[nt][1]) * sinv[nt];
+          lg[nt][1] = (acc[nt][2] + acc[nt][3]) * sinv[nt];
+        }
+      } else if constexpr (PK) {
+        const uint8_t* rg = sk + kmis + (rb0 + g) * krb;
+        const uint8_t* rg8 = rg + 8 * krb;
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) {
+          const uint32_t x0 = lds16(rg + 8 * c + 2 * t), x1 = lds16(rg8 + 8 * c + 2 * t);
+          const uint32_t y0 = x0 | (x0 << 14), y1 = x1 | (x1 << 14);
+          uint32_t a[4], a8[4];
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            a[m] = code_pair((y0 >> (4 * m)) & 0x00030003u);
+            a8[m] = code_pair((y1 >> (4 * m)) & 0x00030003u);
+          }
+          const int grp = (32 * c) / gsz;
+          float lo0, sc0, lo1, sc1;
+          meta_a(rg, p.pk.k_code_bytes, p.pk.k_meta, grp, lo0, sc0);
+          meta_a(rg8, p.pk.k_code_bytes, p.pk.k_meta, grp, lo1, sc1);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_16816(cc, a[0], a8[0], a[1], a8[1], qb[nt][c][0], qb[nt][c][1]);
+            mma_16816(cc, a[2], a8[2], a[3], a8[3], qb[nt][c][2], qb[nt][c][3]);
+            const float s0 = (cc[0] + cc[1]) * sinv[nt], s1 = (cc[2] + cc[3]) * sinv[nt];
+            lg[nt][0] = fmaf(sc0, s0, fmaf(lo0, qsum[nt][c], lg[nt][0]));
+            lg[nt][1] = fmaf(sc1, s1, fmaf(lo1, qsum[nt][c], lg[nt][1]));
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int rl = rb0 + g + 8 * j;
+        bool vis = false;
+        if (rl < nr) {
+          const int64_t pj = pos ? static_cast<int64_t>(pos[r0 + rl]) : sg.first_pos + r0 + rl;
+          vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+        }
+        if (!vis) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) lg[nt][j] = -INFINITY;
+        }
+      }
+
+      // ---- (2) online softmax per head t + 4 nt (uniform over the 8 lanes g of a column t)
+      float pr[NT][2], al[NT];
+      bool grow = false;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float tmax = fmaxf(lg[nt][0], lg[nt][1]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(kFull, tmax, o));
+        const float m_new = fmaxf(m_run[nt], tmax);
+        if (m_new == -INFINITY) {
+          al[nt] = 1.0f;
+          pr[nt][0] = pr[nt][1] = 0.0f;
+        } else {
+          al[nt] = exp2f(m_run[nt] - m_new);
+          pr[nt][0] = exp2f(lg[nt][0] - m_new);
+          pr[nt][1] = exp2f(lg[nt][1] - m_new);
+        }
+        l_run[nt] = fmaf(l_run[nt], al[nt], pr[nt][0] + pr[nt][1]);
+        m_run[nt] = m_new;
+        grow |= al[nt] != 1.0f;
+      }
+      if (__any_sync(kFull, grow)) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= al[nt];
+          if constexpr (PK) {
+            const float ab = __shfl_sync(kFull, al[nt], hb);
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) vb[nt][c] *= ab;
+          }
+        }
+      }
+
+      // ---- (3) values: the probabilities of rows 2t, 2t+1, 2t+8, 2t+9 for head hb + 4 nt
+      float pv[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float a0 = __shfl_sync(kFull, pr[nt][0], 8 * t + hb);
+        const float a1 = __shfl_sync(kFull, pr[nt][0], 8 * t + 4 + hb);
+        const float a2 = __shfl_sync(kFull, pr[nt][1], 8 * t + hb);
+        const float a3 = __shfl_sync(kFull, pr[nt][1], 8 * t + 4 + hb);
+        const bool on = hb + 4 * nt < G;
+        pv[nt][0] = on ? a0 : 0.0f;
+        pv[nt][1] = on ? a1 : 0.0f;
+        pv[nt][2] = on ? a2 : 0.0f;
+        pv[nt][3] = on ? a3 : 0.0f;
+      }
+      if (!packed) {
+        uint32_t b0[NT], b1[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          b0[nt] = split_pack(pv[nt][0], pv[nt][1], partb);
+          b1[nt] = split_pack(pv[nt][2], pv[nt][3], partb);
+        }
+        const int lr = rb0 + (lane & 7) + 8 * (lane >> 4);
+        const uint8_t* rowp = sv + lr * RB;
+        const int lsw = swz(lane & 7), half = (lane >> 3) & 1;
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+          uint32_t a0, a1, a2, a3;
+          ldsm_x4_trans(rowp + 16 * ((2 * j + half) ^ lsw), a0, a1, a2, a3);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_16816(vacc[nt][j], a0, a1, a2, a3, b0[nt], b1[nt]);
+        }
+      } else if constexpr (PK) {
+        const int ra = rb0 + 2 * t;
+        const uint8_t* rec[4] = {sv + vmis + ra * vrb, sv + vmis + (ra + 1) * vrb,
+                                 sv + vmis + (ra + 8) * vrb, sv + vmis + (ra + 9) * vrb};
+        const bool ok[4] = {ra < nr, ra + 1 < nr, ra + 8 < nr, ra + 9 < nr};
+        const int wo = 4 * (g >> 2);
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) {
+          const uint32_t ya =
+              __byte_perm(lds32(rec[0] + 8 * c + wo), lds32(rec[1] + 8 * c + wo), psel);
+          const uint32_t yc =
+              __byte_perm(lds32(rec[2] + 8 * c + wo), lds32(rec[3] + 8 * c + wo), psel);
+          // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
+          const uint32_t e0 = code_pair(ya & 0x00030003u), e1 = code_pair(ya & 0x000C000Cu);
+          const uint32_t e2 = code_pair(yc & 0x00030003u), e3 = code_pair(yc & 0x000C000Cu);
+          const uint32_t f0 = code_pair(ya & 0x00300030u), f1 = code_pair(ya & 0x00C000C0u);
+          const uint32_t f2 = code_pair(yc & 0x00300030u), f3 = code_pair(yc & 0x00C000C0u);
+          const int grp = (32 * c) / gsz;
+          float lo[4], sc[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            meta_a(rec[r], p.pk.v_code_bytes, p.pk.v_meta, grp, lo[r], sc[r]);
+            if (!ok[r]) lo[r] = sc[r] = 0.0f;
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t bb0 = split_pack(pv[nt][0] * sc[0], pv[nt][1] * sc[1], partb);
+            const uint32_t bb1 = split_pack(pv[nt][2] * sc[2], pv[nt][3] * sc[3], partb);
+            mma_16816(vacc[nt][2 * c], e0, e1, e2, e3, bb0, bb1);
+            mma_16816(vacc[nt][2 * c + 1], f0, f1, f2, f3, bb0, bb1);
+            float s = vb[nt][c];
+            s = fmaf(pv[nt][0], lo[0], s);
+            s = fmaf(pv[nt][1], lo[1], s);
+            s = fmaf(pv[nt][2], lo[2], s);
+            s = fmaf(pv[nt][3], lo[3], s);
+            vb[nt][c] = s;
+          }
+        }
+      }
+    }
+    __syncthreads();  // the stage is refilled next iteration
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- merge the warps: [warps][G] max and sum, [warps][G][D] accumulators, [warps][G][NCH] bias
+  float* wm = reinterpret_cast<float*>(stages);
+  float* wl = wm + kWarps * G;
+  float* wacc = wl + kWarps * G;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    float l = l_run[nt];
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(kFull, l, o);
+    const int h = t + 4 * nt;
+    if (g == 0 && h < G) {
+      wm[warp * G + h] = m_run[nt];
+      wl[warp * G + h] = l;
+    }
+    if constexpr (PK) {
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) {
+        float s = vb[nt][c];
+        s += __shfl_xor_sync(kFull, s, 1);
+        s += __shfl_xor_sync(kFull, s, 2);
+        if (t == 0 && partb == 0 && hb + 4 * nt < G)
+          sbias[(warp * G + hb + 4 * nt) * NCH + c] = packed ? s : 0.0f;
+      }
+    }
+    if (h < G) {
+      float* dst = wacc + (warp * G + h) * D;
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        const float v0 = vacc[nt][j][0] + vacc[nt][j][1];
+        const float v1 = vacc[nt][j][2] + vacc[nt][j][3];
+        if (!packed) {
+          dst[16 * j + g] = v0;
+          dst[16 * j + g + 8] = v1;
+        } else {
+          const int c = j >> 1, mu = j & 1;
+          const int ch = 32 * c + 4 * g + 2 * mu;
+          dst[ch] = v0 * (mu ? 0.0625f : 1.0f);
+          dst[ch + 1] = v1 * (mu ? 0.015625f : 0.25f);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < G * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w * G + h]);
+    float a = 0.0f, l = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(wm[w * G + h] - mx);
+        float x = wacc[(w * G + h) * D + d];
+        if (PK && packed) x += sbias[(w * G + h) * NCH + d / 32];
+        a += x * f;
+        l += wl[w * G + h] * f;
+      }
+    }
+    const int64_t row = (bh * G + h) * p.n_splits + split;
+    p.part_acc[row * D + d] = a;
+    if (d == 0) {
+      p.part_ml[2 * row] = mx;
+      p.part_ml[2 * row + 1] = l;
+    }
+  }
+}
+
+template <int D, int G, bool PK>
+int mma_smem_bytes(const DecodeParams& p) {
+  return kStages * 2 * p.stage_half_bytes + mma_extra_smem<D, G>();
+}
+
+template <int D, int G, bool PK>
+void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
+  const int smem = mma_smem_bytes<D, G, PK>(p);
+  auto kern = decode_mma_kernel<D, G, PK>;
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
+                  static_cast<unsigned>(p.batch));
+  kern<<<grid, kThreads, smem, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(decode_mma_kernel);
+}
+
+template <int D, int G, bool PK>
+int blocks_per_sm_dg(const DecodeParams& p) {
+  const int smem = mma_smem_bytes<D, G, PK>(p);
+  auto kern = decode_mma_kernel<D, G, PK>;
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int n = 0;
+  VQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, smem));
+  return n;
+}
+
+// Launch (or, with query, the resident blocks per SM) of one PK for the view's D and G.
+template <bool PK>
+int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
+
+#define VQ_DECODE_MMA_INSTANTIATE(PK)                                                      \
+  template <>                                                                              \
+  int mma_dispatch<PK>(const DecodeParams& p, cudaStream_t s, bool query) {                \
+    auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, s), 0); }; \
+    const int D = p.head_dim, G = p.group;                                                 \
+    if (D == 64) {                                                                         \
+      if (G == 1) return pick(launch_mma_dg<64, 1, PK>, blocks_per_sm_dg<64, 1, PK>);      \
+      if (G == 2) return pick(launch_mma_dg<64, 2, PK>, blocks_per_sm_dg<64, 2, PK>);      \
+      if (G == 4) return pick(launch_mma_dg<64, 4, PK>, blocks_per_sm_dg<64, 4, PK>);      \
+      return pick(launch_mma_dg<64, 8, PK>, blocks_per_sm_dg<64, 8, PK>);                  \
+    }                                                                                      \
+    if (G == 1) return pick(launch_mma_dg<128, 1, PK>, blocks_per_sm_dg<128, 1, PK>);      \
+    if (G == 2) return pick(launch_mma_dg<128, 2, PK>, blocks_per_sm_dg<128, 2, PK>);      \
+    if (G == 4) return pick(launch_mma_dg<128, 4, PK>, blocks_per_sm_dg<128, 4, PK>);      \
+    return pick(launch_mma_dg<128, 8, PK>, blocks_per_sm_dg<128, 8, PK>);                  \
+  }
+
+}  // namespace vq::cuda::decode_mma
