@@ -149,6 +149,7 @@ TEST(CacheConfig, SetFieldParsesEveryKind) {
   set_field(c, "snap_dtype", "bfloat16");
   set_field(c, "snap_scoring", "query");
   set_field(c, "snap_pool", "avg");
+  set_field(c, "snap_evict_at", "prompt_end");
   set_field(c, "skvq_meta", "fp8_e4m3");
   set_field(c, "skvq_rotation", "hadamard");
   set_field(c, "skvq_rotation_seed", "0xff");
@@ -163,6 +164,9 @@ TEST(CacheConfig, SetFieldParsesEveryKind) {
   EXPECT_EQ(c.snap_dtype, SnapDType::kBFloat16);
   EXPECT_EQ(c.snap_scoring, SnapScoring::kQuery);
   EXPECT_EQ(c.snap_pool, PoolKind::kAvg);
+  EXPECT_EQ(c.snap_evict_at, SnapEvictAt::kPromptEnd);
+  EXPECT_THROW(set_field(c, "snap_evict_at", "at_the_end"), Error);
+  EXPECT_EQ(c.snap_evict_at, SnapEvictAt::kPromptEnd);  // nothing changed by the refusal
   EXPECT_EQ(c.skvq_meta, MetaType::kFP8E4M3);
   EXPECT_EQ(c.skvq_rotation, Rotation::kHadamard);
   EXPECT_EQ(c.skvq_rotation_seed, 255u);
@@ -217,6 +221,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   c.snap_pool_kernel = 5;
   c.snap_pool = PoolKind::kAvg;
   c.snap_keep_window = true;
+  c.snap_evict_at = SnapEvictAt::kPromptEnd;
   c.skvq_bits_key = 4;
   c.skvq_bits_value = 1.5;
   c.skvq_group_size = 16;
@@ -242,7 +247,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   // Every field appears in the JSON, and differs from the default (so the round trip covers it).
   const auto j = nlohmann::json::parse(text);
   const auto d = nlohmann::json::parse(config_to_json(CacheConfig{}));
-  EXPECT_EQ(j.size(), 27u);
+  EXPECT_EQ(j.size(), 28u);
   for (const auto& [k, v] : j.items()) EXPECT_NE(v, d.at(k)) << k;
 }
 

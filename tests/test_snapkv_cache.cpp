@@ -816,5 +816,127 @@ TEST(SnapKVCache, CorruptTruncatedOrForeignFilesRefused) {
   EXPECT_EQ(saved(*target), good);
 }
 
+// ---- snap_evict_at = prompt_end (one selection per prompt, the paper's schedule) ---------------
+
+// Feeds blocks (random K/V and queries from `seed`) to a cache; S == 1 blocks are decode steps.
+void feed(KVCache& c, const std::vector<int64_t>& blocks, uint64_t seed, int64_t h_q,
+          std::vector<CacheView>* views = nullptr) {
+  for (int64_t s : blocks) {
+    Tensor k = rnd(2, 2, s, 16, seed++), v = rnd(2, 2, s, 16, seed++);
+    Tensor q = rnd(2, h_q, s, 16, seed++, DType::kF32);
+    const TensorView qv = q.view();
+    UpdateOptions o;
+    o.queries = &qv;
+    CacheView view = c.update_and_fetch(k.view(), v.view(), o);
+    if (views) views->push_back(view);
+  }
+}
+
+// The same prompt as one block, and as chunks: rows of chunk i of `chunks` are rows of the one
+// block, so both caches see identical K/V/queries.
+void feed_chunked(KVCache& c, int64_t n, const std::vector<int64_t>& chunks, uint64_t seed,
+                  int64_t h_q) {
+  Tensor k = rnd(2, 2, n, 16, seed), v = rnd(2, 2, n, 16, seed + 1);
+  Tensor q = rnd(2, h_q, n, 16, seed + 2, DType::kF32);
+  int64_t at = 0;
+  for (int64_t s : chunks) {
+    auto part = [&](const Tensor& t) {
+      TensorView tv = t.view();
+      tv.data = static_cast<char*>(tv.data) + at * tv.stride[2] * dtype_size(tv.dtype);
+      tv.shape[2] = s;
+      return tv;
+    };
+    const TensorView kv = part(k), vv = part(v), qv = part(q);
+    UpdateOptions o;
+    o.queries = &qv;
+    c.update_and_fetch(kv, vv, o);
+    at += s;
+  }
+}
+
+TEST(SnapKVCache, PromptEndChunkedEqualsOneShotBitForBit) {
+  // Metamorphic: with snap_evict_at = prompt_end, a prompt of 170 rows in chunks 50 + 60 + 60
+  // stores exactly what the default schedule stores after the same 170 rows in one call (the
+  // last chunk is longer than the observation window, so both score with the same queries).
+  for (int variant = 0; variant < 4; ++variant) {
+    CacheConfig c = snap_cfg(40, 16, 3);
+    if (variant >= 1) c.snap_scoring = SnapScoring::kQuery;
+    if (variant >= 2) c.snap_pool_kernel = 5;
+    if (variant == 3) c.snap_keep_window = true;
+    CacheConfig pe = c;
+    pe.snap_evict_at = SnapEvictAt::kPromptEnd;
+    auto one = make(c), chunked = make(pe);
+    feed_chunked(*one, 170, {170}, 900 + variant, 4);
+    feed_chunked(*chunked, 170, {50, 60, 60}, 900 + variant, 4);
+    EXPECT_TRUE(chunked->eviction_pending());
+    EXPECT_EQ(chunked->stored_rows(), 170);  // nothing evicted before the prompt ends
+    chunked->end_prompt();
+    EXPECT_FALSE(chunked->eviction_pending());
+    ASSERT_EQ(chunked->stored_rows(), one->stored_rows()) << "variant " << variant;
+    EXPECT_EQ(chunked->stats().bytes_accounted, one->stats().bytes_accounted);
+    // Decode steps after the prompt see identical views.
+    std::vector<CacheView> va, vb;
+    feed(*one, {1, 1}, 77, 4, &va);
+    feed(*chunked, {1, 1}, 77, 4, &vb);
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t h = 0; h < 2; ++h)
+        EXPECT_TRUE(view_head(va.back(), b, h) == view_head(vb.back(), b, h))
+            << "variant " << variant << " (b, h) = (" << b << ", " << h << ")";
+  }
+}
+
+TEST(SnapKVCache, PromptEndRunsAtTheFirstDecodeStepWithoutEndPrompt) {
+  CacheConfig c = snap_cfg(20, 8, 2);
+  c.snap_scoring = SnapScoring::kQuery;
+  c.snap_evict_at = SnapEvictAt::kPromptEnd;
+  auto a = make(c), b = make(c);
+  feed(*a, {30, 25}, 5, 2);
+  feed(*b, {30, 25}, 5, 2);
+  a->end_prompt();
+  // b: the mask of the coming single-token call already counts the rows that will stay.
+  const Mask m = b->make_mask(1);
+  EXPECT_EQ(m.n_keys, 21);
+  EXPECT_THROW(b->make_mask(1, 16), Error);   // windowed: positions not chosen yet
+  EXPECT_EQ(b->make_mask(3).n_keys, 55 + 3);  // more prompt: nothing is evicted by it
+  std::vector<CacheView> va, vb;
+  feed(*a, {1}, 40, 2, &va);
+  feed(*b, {1}, 40, 2, &vb);
+  EXPECT_FALSE(b->eviction_pending());
+  EXPECT_EQ(vb[0].n_rows(), 21);
+  for (int64_t bb = 0; bb < 2; ++bb)
+    for (int64_t h = 0; h < 2; ++h) EXPECT_TRUE(view_head(va[0], bb, h) == view_head(vb[0], bb, h));
+  // end_prompt again, or on the default schedule, changes nothing.
+  const std::string before = saved(*a);
+  a->end_prompt();
+  EXPECT_EQ(saved(*a), before);
+  auto d = make(snap_cfg(20, 8, 2));
+  feed(*d, {30, 25}, 5, 2);
+  const std::string d_before = saved(*d);
+  d->end_prompt();
+  EXPECT_EQ(saved(*d), d_before);
+}
+
+TEST(SnapKVCache, PromptEndPendingSurvivesSaveLoad) {
+  CacheConfig c = snap_cfg(20, 8, 2);
+  c.snap_scoring = SnapScoring::kQuery;
+  c.snap_evict_at = SnapEvictAt::kPromptEnd;
+  auto a = make(c), b = make(c);
+  feed(*a, {30, 25}, 9, 4);
+  std::istringstream in(saved(*a));
+  b->load(in);
+  EXPECT_TRUE(b->eviction_pending());
+  a->end_prompt();
+  b->end_prompt();
+  EXPECT_EQ(saved(*a), saved(*b));
+  // A file with a pending eviction is refused by a cache on the default schedule.
+  auto p = make(c);
+  feed(*p, {30}, 3, 4);
+  CacheConfig dflt = c;
+  dflt.snap_evict_at = SnapEvictAt::kPrefillCall;
+  auto q = make(dflt);
+  std::istringstream in2(saved(*p));
+  EXPECT_THROW(q->load(in2), Error);
+}
+
 }  // namespace
 }  // namespace vq

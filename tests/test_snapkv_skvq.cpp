@@ -416,5 +416,75 @@ TEST(SnapkvSkvq, RefusalsChangeNothing) {
   }
 }
 
+// snap_evict_at = prompt_end: a prompt in chunks stays at full precision and unevicted until
+// the prompt ends, then stores exactly what the default schedule stores after the prompt in one
+// call (same selection over the same full-precision frame, then the same flush): positions,
+// packed records and full-precision rows, bit for bit; and the positions of SnapKV alone.
+TEST(SnapkvSkvq, PromptEndChunkedEqualsOneShot) {
+  for (int variant = 0; variant < 2; ++variant) {
+    CacheConfig cfg = both_cfg();
+    if (variant == 1) {
+      cfg.snap_scoring = SnapScoring::kQuery;
+      cfg.snap_pool_kernel = 5;
+    }
+    CacheConfig pe = cfg;
+    pe.snap_evict_at = SnapEvictAt::kPromptEnd;
+    const Tensor k = rnd(2, 2, 203, 64, 40 + variant), v = rnd(2, 2, 203, 64, 50 + variant);
+    const Tensor q = rnd(2, 4, 203, 64, 60 + variant, DType::kF32);
+    auto one = make_cache(cfg), chunked = make_cache(pe), snap = make_cache(as(pe, "snapkv"));
+    auto call = [&](KVCache& c, int64_t s0, int64_t s1) {
+      const TensorView qv = q.view().slice_tokens(s0, s1);
+      UpdateOptions o;
+      o.queries = &qv;
+      return c.update_and_fetch(k.view().slice_tokens(s0, s1), v.view().slice_tokens(s0, s1), o);
+    };
+    call(*one, 0, 200);
+    for (auto [s0, s1] : {std::pair<int64_t, int64_t>{0, 60}, {60, 130}, {130, 200}}) {
+      call(*chunked, s0, s1);
+      call(*snap, s0, s1);
+    }
+    auto* cc = dynamic_cast<SnapkvSkvqCache*>(chunked.get());
+    EXPECT_TRUE(cc->eviction_pending());
+    EXPECT_EQ(cc->packed_rows(), 0);  // nothing packed or evicted while the prompt is open
+    EXPECT_EQ(cc->stored_rows(), 200);
+    chunked->end_prompt();
+    EXPECT_GT(cc->packed_rows(), 0) << "the test must exercise packed rows";
+    expect_same_positions(*one, *chunked, "variant " + std::to_string(variant));
+    // snap ends its prompt at its first decode step.
+    for (int64_t s = 200; s < 203; ++s) {
+      const CacheView va = call(*one, s, s + 1);
+      const CacheView vb = call(*chunked, s, s + 1);
+      call(*snap, s, s + 1);
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t h = 0; h < 2; ++h) {
+          EXPECT_EQ(packed_records(va, b, h), packed_records(vb, b, h));
+          EXPECT_EQ(fp_rows_of(va, b, h), fp_rows_of(vb, b, h));
+        }
+      expect_same_positions(*snap, *chunked, "snapkv alone, step " + std::to_string(s));
+    }
+  }
+}
+
+TEST(SnapkvSkvq, PromptEndPendingSurvivesSaveLoadAndMaskCountsSurvivors) {
+  CacheConfig cfg = both_cfg();
+  cfg.snap_scoring = SnapScoring::kQuery;
+  cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  const Tensor k = rnd(1, 2, 150, 64, 70), v = rnd(1, 2, 150, 64, 71);
+  const Tensor q = rnd(1, 2, 150, 64, 72, DType::kF32);
+  auto a = make_cache(cfg), b = make_cache(cfg);
+  const TensorView qv = q.view();
+  UpdateOptions o;
+  o.queries = &qv;
+  a->update_and_fetch(k.view(), v.view(), o);
+  EXPECT_EQ(a->make_mask(1).n_keys, cfg.snap_budget + 1);
+  EXPECT_THROW(a->make_mask(1, 32), Error);
+  std::istringstream in(state_of(*a));
+  b->load(in);
+  a->end_prompt();
+  b->end_prompt();
+  EXPECT_EQ(state_of(*a), state_of(*b));
+  EXPECT_EQ(a->stored_rows(), cfg.snap_budget);
+}
+
 }  // namespace
 }  // namespace vq

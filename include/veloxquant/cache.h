@@ -123,6 +123,12 @@ class KVCache {
   // Mask for the next update_and_fetch with n_queries tokens; window 0 = no sliding window.
   virtual Mask make_mask(int64_t n_queries, int64_t window = 0) const;
 
+  // The caller has handed over the whole prompt (every prefill chunk) and is about to decode.
+  // Caches that compress once per prompt (SnapKV with snap_evict_at = prompt_end) compress now;
+  // the others do nothing. Invalidates the last returned view. Calling it again, or with no
+  // prompt pending, does nothing.
+  virtual void end_prompt() {}
+
   virtual bool is_trimmable() const { return false; }
   // Drops the last n tokens; returns how many were dropped. Refused (vq::Error, nothing
   // changed) by caches that cannot do it.

@@ -14,6 +14,9 @@ namespace vq {
 enum class SnapDType : uint8_t { kAuto, kFloat16, kBFloat16 };
 enum class SnapScoring : uint8_t { kKeyProxy, kQuery };
 enum class PoolKind : uint8_t { kMax, kAvg };
+// When SnapKV evicts: after every multi-token call (the seed), or once per prompt, at
+// KVCache::end_prompt() or the first single-token call after the prompt (the paper).
+enum class SnapEvictAt : uint8_t { kPrefillCall, kPromptEnd };
 enum class MetaType : uint8_t { kF16, kF32, kFP8E4M3 };
 enum class Rotation : uint8_t { kNone, kHadamard };
 
@@ -31,6 +34,7 @@ struct CacheConfig {
   int64_t snap_pool_kernel = 1;  // odd; 1 = no pooling
   PoolKind snap_pool = PoolKind::kMax;
   bool snap_keep_window = false;  // score the prefix only and always keep the window
+  SnapEvictAt snap_evict_at = SnapEvictAt::kPrefillCall;
 
   // SKVQ (caches.md §4). Bits are 1..8, or 1.5 (three levels, five codes per byte).
   double skvq_bits_key = 2;

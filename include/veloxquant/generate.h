@@ -81,8 +81,9 @@ struct GenerateResult {
 // Chunk lengths generate() uses for a prompt of n tokens (see the top of this file).
 std::vector<int64_t> prefill_chunks(int64_t n, int64_t step);
 
-// Runs prompt[0, n) through the model in prefill_chunks(n, step); returns the logits of the last
-// position [vocab] in *last_logits (if non-null).
+// Runs prompt[0, n) through the model in prefill_chunks(n, step), then tells every cache the
+// prompt is complete (KVCache::end_prompt: SnapKV with snap_evict_at = prompt_end compresses
+// there); returns the logits of the last position [vocab] in *last_logits (if non-null).
 void prefill(const Model& model, const int32_t* prompt, int64_t n,
              const std::vector<std::unique_ptr<KVCache>>& caches, int64_t step, DType kv_dtype,
              std::vector<float>* last_logits, ForwardScratch* scratch = nullptr,

@@ -6,6 +6,11 @@
 // stay (K, V and positions gathered with the same indices; every (b, h) keeps the same count).
 // S == 1 appends and never evicts. offset() is the true position.
 //
+// With snap_evict_at = prompt_end (the paper's schedule) multi-token calls only append and keep
+// the last min(obs_window, S) queries of the latest one; the selection runs once, over the
+// whole prompt, at end_prompt() or at the first single-token call (before its row is appended).
+// Chunked prefill then stores exactly what one-shot prefill with the default schedule stores.
+//
 // Storage: keys and values in one buffer each, [B, H, capacity, D] in fp16 or bf16 (snap_dtype).
 // Rows [0, n_sel) of each (b, h) are the survivors of the last eviction, with explicit per-head
 // positions [B, H, n_sel]; rows [n_sel, n_sel + n_tail) are the rows appended since, whose
@@ -47,7 +52,13 @@ class SnapKVCache final : public KVCache {
   int64_t batch() const override { return batch_; }
   int64_t n_kv_heads() const override { return heads_; }
   // N == 1 without a window needs no mask (answered without reading positions); else the default.
+  // While a prompt-end eviction is pending, a single query's mask counts the rows that will stay
+  // (window 0), and a windowed one is refused (call end_prompt() first).
   Mask make_mask(int64_t n_queries, int64_t window = 0) const override;
+  // snap_evict_at = prompt_end: runs the pending selection now; otherwise does nothing.
+  void end_prompt() override;
+  // True while a prompt-end eviction is pending.
+  bool eviction_pending() const { return pending_; }
   CacheStats stats() const override;
   void save(std::ostream& out) const override;
   // All-or-nothing. Refuses another method's file, a corrupt or truncated one, one saved with
@@ -65,6 +76,7 @@ class SnapKVCache final : public KVCache {
                    const UpdateOptions& opts) const;
   void reserve_rows(int64_t rows);
   void evict_after_step(int64_t n_new, const TensorView* queries);
+  void keep_query_window(const TensorView* queries, int64_t s);
   CacheView make_view() const;
 
   // Uninitialised buffer of 2-byte elements: 64-byte aligned, or 2 MiB aligned and advised for
@@ -108,6 +120,11 @@ class SnapKVCache final : public KVCache {
   // Buffers the last view may still point at (freed at the next mutating call).
   RowBuffer retired_k_, retired_v_;
   std::vector<int32_t> retired_pos_;
+  // snap_evict_at = prompt_end: a selection is owed, scored with these window queries
+  // ([B, win_hq_, win_rows_, D] fp32, the prompt's last win_rows_ positions; none = key proxy).
+  bool pending_ = false;
+  int64_t win_hq_ = 0, win_rows_ = 0;
+  std::vector<float> win_q_;
 };
 
 }  // namespace vq

@@ -59,6 +59,13 @@ class SnapkvSkvqCache final : public KVCache {
   std::vector<int32_t> stored_positions(int64_t b, int64_t h) const override;
   int64_t batch() const override;
   int64_t n_kv_heads() const override;
+  // While a prompt-end eviction is owed, a single query's mask counts the rows that will stay
+  // (window 0), and a windowed one is refused (call end_prompt() first).
+  Mask make_mask(int64_t n_queries, int64_t window = 0) const override;
+  // snap_evict_at = prompt_end: runs the owed selection and flush now; otherwise does nothing.
+  void end_prompt() override;
+  // True while a prompt-end eviction is owed.
+  bool eviction_pending() const;
   CacheStats stats() const override;
   void save(std::ostream& out) const override;
   void load(std::istream& in) override;

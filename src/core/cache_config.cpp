@@ -47,6 +47,10 @@ const std::vector<std::string>& scoring_names() {
   static const std::vector<std::string> n = {"key_proxy", "query"};
   return n;
 }
+const std::vector<std::string>& evict_at_names() {
+  static const std::vector<std::string> n = {"prefill_call", "prompt_end"};
+  return n;
+}
 const std::vector<std::string>& pool_names() {
   static const std::vector<std::string> n = {"max", "avg"};
   return n;
@@ -223,6 +227,7 @@ const std::vector<Field>& fields() {
       int_field("snap_pool_kernel", &CacheConfig::snap_pool_kernel),
       enum_field("snap_pool", &CacheConfig::snap_pool, pool_names()),
       bool_field("snap_keep_window", &CacheConfig::snap_keep_window),
+      enum_field("snap_evict_at", &CacheConfig::snap_evict_at, evict_at_names()),
       double_field("skvq_bits_key", &CacheConfig::skvq_bits_key),
       double_field("skvq_bits_value", &CacheConfig::skvq_bits_value),
       int_field("skvq_group_size", &CacheConfig::skvq_group_size),
@@ -320,6 +325,7 @@ void validate(const CacheConfig& c) {
     fail("snap_pool_kernel", "an odd integer >= 1 (1 = no pooling)",
          std::to_string(c.snap_pool_kernel));
   check_enum("snap_pool", c.snap_pool, pool_names());
+  check_enum("snap_evict_at", c.snap_evict_at, evict_at_names());
   check_bits("skvq_bits_key", c.skvq_bits_key);
   check_bits("skvq_bits_value", c.skvq_bits_value);
   check_int("skvq_group_size", c.skvq_group_size, 1, kMax, ">= 1");

@@ -26,6 +26,7 @@ void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& ca
     fo.logits = last && logits ? ForwardOptions::Logits::kLast : ForwardOptions::Logits::kNone;
     model.forward(ids + s0, 1, len, caches, fo, last ? logits : nullptr, &scratch);
   }
+  for (const auto& c : caches) c->end_prompt();  // SnapKV with snap_evict_at = prompt_end
 }
 
 void decode_step(const Model& model, int32_t id, const Caches& caches, DType kv_dtype,

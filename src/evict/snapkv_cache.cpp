@@ -168,6 +168,9 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   retired_v_.reset();
   std::vector<int32_t>().swap(retired_pos_);
 
+  const bool at_prompt_end = cfg_.snap_evict_at == SnapEvictAt::kPromptEnd;
+  if (at_prompt_end && pending_ && keys.shape[2] == 1) end_prompt();  // the prompt is over
+
   if (!has_data_) {
     batch_ = keys.shape[0];
     heads_ = keys.shape[1];
@@ -205,9 +208,45 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   CacheView view = make_view();
   if (s > 1) {
     const bool use_queries = cfg_.snap_scoring == SnapScoring::kQuery && opts.queries != nullptr;
-    evict_after_step(s, use_queries ? opts.queries : nullptr);
+    if (at_prompt_end)
+      keep_query_window(use_queries ? opts.queries : nullptr, s);
+    else
+      evict_after_step(s, use_queries ? opts.queries : nullptr);
   }
   return view;
+}
+
+void SnapKVCache::keep_query_window(const TensorView* queries, int64_t s) {
+  pending_ = true;
+  win_hq_ = queries ? queries->shape[1] : 0;
+  win_rows_ = queries ? std::min(params_.obs_window, s) : 0;
+  win_q_.assign(static_cast<size_t>(batch_ * win_hq_ * win_rows_ * head_dim_), 0.0f);
+  for (int64_t b = 0; b < batch_; ++b)
+    for (int64_t qh = 0; qh < win_hq_; ++qh)
+      for (int64_t i = 0; i < win_rows_; ++i)
+        convert_view_row(*queries, b, qh, s - win_rows_ + i,
+                         win_q_.data() + ((b * win_hq_ + qh) * win_rows_ + i) * head_dim_,
+                         DType::kF32);
+}
+
+void SnapKVCache::end_prompt() {
+  if (!pending_) return;
+  TensorView q;
+  if (win_rows_ > 0) {
+    q.data = win_q_.data();
+    q.dtype = DType::kF32;
+    q.shape = {batch_, win_hq_, win_rows_, head_dim_};
+    q.stride = {win_hq_ * win_rows_ * head_dim_, win_rows_ * head_dim_, head_dim_, 1};
+  }
+  // The window rows are the prompt's last win_rows_ positions: offset_ has not moved since.
+  evict_after_step(win_rows_, win_rows_ > 0 ? &q : nullptr);
+  pending_ = false;
+  win_hq_ = win_rows_ = 0;
+  std::vector<float>().swap(win_q_);
+  // No view references the old rows any more (end_prompt invalidates the last view).
+  retired_k_.reset();
+  retired_v_.reset();
+  std::vector<int32_t>().swap(retired_pos_);
 }
 
 CacheView SnapKVCache::make_view() const {
@@ -344,11 +383,15 @@ std::vector<int32_t> SnapKVCache::stored_positions(int64_t b, int64_t h) const {
 }
 
 Mask SnapKVCache::make_mask(int64_t n_queries, int64_t window) const {
+  if (pending_ && n_queries == 1)
+    VQ_CHECK(window == 0,
+             "[snapkv] make_mask: expected end_prompt() before a windowed single-query mask "
+             "while a prompt-end eviction is pending (its positions are not chosen yet)");
   if (n_queries == 1 && window == 0) {
     Mask m;  // a single query at offset() sees every stored row and itself
     m.kind = Mask::Kind::kNone;
     m.n_queries = 1;
-    m.n_keys = stored_rows() + 1;
+    m.n_keys = (pending_ ? snap_keep_count(stored_rows(), params_) : stored_rows()) + 1;
     return m;
   }
   return KVCache::make_mask(n_queries, window);
@@ -400,6 +443,7 @@ void write_settings(StateWriter& w, const CacheConfig& c) {
   w.i64(c.snap_pool_kernel);
   w.u8(static_cast<uint8_t>(c.snap_pool));
   w.boolean(c.snap_keep_window);
+  w.u8(static_cast<uint8_t>(c.snap_evict_at));
 }
 
 void expect_setting(const char* field, int64_t mine, int64_t file) {
@@ -417,6 +461,7 @@ void read_settings(StateReader& r, const CacheConfig& c) {
   expect_setting("snap_pool_kernel", c.snap_pool_kernel, r.i64());
   expect_setting("snap_pool", static_cast<int64_t>(c.snap_pool), r.u8());
   expect_setting("snap_keep_window", c.snap_keep_window ? 1 : 0, r.boolean() ? 1 : 0);
+  expect_setting("snap_evict_at", static_cast<int64_t>(c.snap_evict_at), r.u8());
 }
 
 }  // namespace
@@ -442,6 +487,10 @@ void SnapKVCache::save(std::ostream& out) const {
   w.tensor(kv);
   kv.data = const_cast<uint16_t*>(v_.data());
   w.tensor(kv);
+  w.boolean(pending_);
+  w.i64(win_hq_);
+  w.i64(win_rows_);
+  w.vec_f32(win_q_);
   w.write(out, method());
 }
 
@@ -479,7 +528,20 @@ void SnapKVCache::load(std::istream& in) {
   const int64_t n = n_sel + n_tail;
   Tensor keys = r.tensor();
   Tensor values = r.tensor();
+  const bool pending = r.boolean();
+  const int64_t win_hq = r.i64_in("win_hq", 0, pending ? 256 * heads : 0);
+  const int64_t win_rows = r.i64_in("win_rows", 0, std::min(cfg_.snap_obs_window, n_tail));
+  std::vector<float> win_q = r.vec_f32();
   r.expect_end();
+  VQ_CHECK(!pending || cfg_.snap_evict_at == SnapEvictAt::kPromptEnd,
+           "[load_state] snapkv: expected no pending eviction (snap_evict_at = prefill_call) but "
+           "the file has one");
+  VQ_CHECK((win_hq == 0) == (win_rows == 0) && (win_hq == 0 || win_hq % heads == 0) &&
+               static_cast<int64_t>(win_q.size()) == batch * win_hq * win_rows * head_dim,
+           "[load_state] snapkv: expected a query window [" + std::to_string(batch) +
+               ", H_q (a multiple of " + std::to_string(heads) + "), rows, " +
+               std::to_string(head_dim) + "] but got H_q " + std::to_string(win_hq) + ", rows " +
+               std::to_string(win_rows) + ", " + std::to_string(win_q.size()) + " values");
   const std::array<int64_t, 4> want{batch, heads, n, head_dim};
   for (const Tensor* t : {&keys, &values}) {
     VQ_CHECK(t->dtype() == dtype && t->shape() == want,
@@ -513,6 +575,10 @@ void SnapKVCache::load(std::istream& in) {
   k_.swap(nk);
   v_.swap(nv);
   sel_pos_.swap(sel_pos);
+  pending_ = pending;
+  win_hq_ = win_hq;
+  win_rows_ = win_rows;
+  win_q_.swap(win_q);
   retired_k_.reset();
   retired_v_.reset();
   std::vector<int32_t>().swap(retired_pos_);

@@ -38,6 +38,11 @@ struct SnapSkvqState {
   std::vector<FpRows> retired_rows;
   std::vector<int32_t> view_tail_pos;    // [B, H, tail.count] for the last update's view
   std::vector<int32_t> stored_tail_pos;  // the same for the last stored_view()
+  // snap_evict_at = prompt_end: a selection (and the flush after it) is owed, scored with these
+  // window queries [B, win_hq, win_rows, D] fp32 (the prompt's last positions; none = key proxy).
+  bool pending = false;
+  int64_t win_hq = 0, win_rows = 0;
+  std::vector<float> win_q;
 
   int64_t packed() const {
     int64_t n = 0;
@@ -168,6 +173,266 @@ CacheView SnapkvSkvqCache::make_view(std::vector<int32_t>* tail_pos) const {
   return view;
 }
 
+namespace {
+
+// SnapKV selection over the whole frame (sinks ++ packed ++ tail) of every (b, h), scored with the
+// last min(obs_window, n_new) rows of queries (nullptr = key proxy), whose positions are the
+// frame's last ones; the survivors replace the store (what the last view reads is retired).
+void evict_frame(SnapSkvqState& st, const Settings& s, const CacheConfig& cfg,
+                 const TensorView* queries, int64_t n_new) {
+  const int64_t bsz = st.batch, heads = st.heads, d = s.head_dim;
+  const int64_t n_s = st.sinks.count, n_p = st.packed(), n_t = st.tail.count;
+  const int64_t n = n_s + n_p + n_t;
+  const SnapSelectParams sp = SnapSelectParams::from_config(cfg);
+  const int64_t count = snap_keep_count(n, sp);
+  if (count < n) {
+    const int64_t bh_total = bsz * heads;
+    // Packed frame row -> (block, row).
+    std::vector<std::pair<int32_t, int32_t>> pmap;
+    for (size_t bi = 0; bi < st.blocks.size(); ++bi)
+      for (int64_t i = 0; i < st.blocks[bi]->rows; ++i)
+        pmap.push_back({static_cast<int32_t>(bi), static_cast<int32_t>(i)});
+    std::vector<int64_t> idx(static_cast<size_t>(bh_total * count));
+    std::vector<int64_t> p_kept(static_cast<size_t>(bh_total), 0);
+    const int64_t n_rep = queries ? queries->shape[1] / heads : 0;
+    const int64_t w_q =
+        queries ? std::min(std::clamp<int64_t>(cfg.snap_obs_window, 1, n), n_new) : 0;
+    std::exception_ptr failure;
+#pragma omp parallel
+    {
+      SnapScratch scratch;
+      std::vector<float> frame(static_cast<size_t>(n * d)), qwin;
+      std::vector<int32_t> pos(static_cast<size_t>(n)), qpos(static_cast<size_t>(w_q));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < bh_total; ++bh) {
+        try {
+          const int64_t b = bh / heads, h = bh % heads;
+          for (int64_t j = 0; j < n; ++j) {
+            float* out = frame.data() + j * d;
+            if (j < n_s) {
+              skvq::fast_to_f32(st.sinks.k_row(b, h, j), st.dtype, out, static_cast<size_t>(d));
+              pos[j] = static_cast<int32_t>(j);
+            } else if (j < n_s + n_p) {
+              const auto [bi, i] = pmap[static_cast<size_t>(j - n_s)];
+              dequantize_row(st.blocks[bi]->seg.keys, b, h, i, out);
+              pos[j] = block_pos(*st.blocks[bi], bh, i);
+            } else {
+              skvq::fast_to_f32(st.tail.k_row(b, h, j - n_s - n_p), st.dtype, out,
+                                static_cast<size_t>(d));
+              pos[j] = st.tail.position(b, h, j - n_s - n_p);
+            }
+          }
+          SnapQueryWindow qw;
+          if (queries) {
+            qwin.resize(static_cast<size_t>(n_rep * w_q * d));
+            for (int64_t r = 0; r < n_rep; ++r)
+              for (int64_t i = 0; i < w_q; ++i)
+                skvq::view_row_to(*queries, b, h * n_rep + r, n_new - w_q + i,
+                                  qwin.data() + (r * w_q + i) * d, DType::kF32);
+            for (int64_t i = 0; i < w_q; ++i) qpos[i] = static_cast<int32_t>(st.offset - w_q + i);
+            qw.data = qwin.data();
+            qw.n_rep = n_rep;
+            qw.w = w_q;
+            qw.positions = qpos.data();
+          }
+          int64_t* out_idx = idx.data() + bh * count;
+          const int64_t got = snap_select_head(frame.data(), queries ? pos.data() : nullptr, n, d,
+                                               queries ? &qw : nullptr, sp, out_idx, scratch);
+          VQ_CHECK(got == count, "[snapkv+skvq] internal: head selected " + std::to_string(got) +
+                                     " rows, expected " + std::to_string(count));
+          for (int64_t i = 0; i < std::min(n_s, count); ++i)
+            VQ_CHECK(out_idx[i] == i, "[snapkv+skvq] internal: a sink row was not kept");
+          int64_t pk = 0;
+          for (int64_t i = 0; i < count; ++i) pk += out_idx[i] >= n_s && out_idx[i] < n_s + n_p;
+          p_kept[static_cast<size_t>(bh)] = pk;
+        } catch (...) {
+#pragma omp critical(vq_snapkv_skvq_failure)
+          if (!failure) failure = std::current_exception();
+        }
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+
+    const int64_t n_s2 = std::min(n_s, count);
+    const int64_t p2 = *std::max_element(p_kept.begin(), p_kept.end());
+    const int64_t f2 = count - n_s2 - p2;
+    // New sinks (only when the budget cuts into them).
+    FpRows sinks2;
+    const bool new_sinks = n_s2 < n_s;
+    if (new_sinks) {
+      sinks2.init(st.dtype, bsz, heads, d, false);
+      sinks2.reserve_append(n_s2);
+      for (int64_t b = 0; b < bsz; ++b)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < n_s2; ++i) {
+            std::memcpy(sinks2.k_row(b, h, i), st.sinks.k_row(b, h, i), d * dtype_size(st.dtype));
+            std::memcpy(sinks2.v_row(b, h, i), st.sinks.v_row(b, h, i), d * dtype_size(st.dtype));
+          }
+      sinks2.count = n_s2;
+    }
+    auto blk2 = std::make_unique<PackedBlock>();
+    blk2->rows = p2;
+    blk2->k.resize(static_cast<size_t>(bh_total * p2 * s.fk.row_stride));
+    blk2->v.resize(static_cast<size_t>(bh_total * p2 * s.fv.row_stride));
+    blk2->pos.resize(static_cast<size_t>(bh_total * p2));
+    FpRows tail2;
+    tail2.init(st.dtype, bsz, heads, d, true);
+    tail2.reserve_append(f2);
+    tail2.count = f2;
+    const size_t row_bytes = static_cast<size_t>(d) * dtype_size(st.dtype);
+#pragma omp parallel
+    {
+      std::vector<float> kr, vr;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < bh_total; ++bh) {
+        const int64_t b = bh / heads, h = bh % heads;
+        const int64_t* sel = idx.data() + bh * count;
+        int64_t at = 0;  // packed rows written
+        int64_t i = n_s2;
+        for (; i < count && sel[i] < n_s + n_p; ++i, ++at) {  // kept packed rows: copy codes
+          const auto [bi, r] = pmap[static_cast<size_t>(sel[i] - n_s)];
+          const PackedBlock& src = *st.blocks[bi];
+          std::memcpy(blk2->k.data() + (bh * p2 + at) * s.fk.row_stride,
+                      src.k.data() + (bh * src.rows + r) * s.fk.row_stride,
+                      static_cast<size_t>(s.fk.row_stride));
+          std::memcpy(blk2->v.data() + (bh * p2 + at) * s.fv.row_stride,
+                      src.v.data() + (bh * src.rows + r) * s.fv.row_stride,
+                      static_cast<size_t>(s.fv.row_stride));
+          blk2->pos[static_cast<size_t>(bh * p2 + at)] = block_pos(src, bh, r);
+        }
+        const int64_t early = p2 - at;  // full-precision rows quantized to equalise heads
+        if (early > 0) {
+          kr.resize(static_cast<size_t>(early * d));
+          vr.resize(kr.size());
+          for (int64_t e = 0; e < early; ++e) {
+            const int64_t t = sel[i + e] - n_s - n_p;
+            skvq::fast_to_f32(st.tail.k_row(b, h, t), st.dtype, kr.data() + e * d,
+                              static_cast<size_t>(d));
+            skvq::fast_to_f32(st.tail.v_row(b, h, t), st.dtype, vr.data() + e * d,
+                              static_cast<size_t>(d));
+            blk2->pos[static_cast<size_t>(bh * p2 + at + e)] = st.tail.position(b, h, t);
+          }
+          skvq::quantize_head_rows(kr.data(), early, h, s, st.tr, false,
+                                   blk2->k.data() + (bh * p2 + at) * s.fk.row_stride);
+          skvq::quantize_head_rows(vr.data(), early, h, s, st.tr, true,
+                                   blk2->v.data() + (bh * p2 + at) * s.fv.row_stride);
+          i += early;
+        }
+        for (int64_t f = 0; i < count; ++i, ++f) {  // remaining full-precision rows
+          const int64_t t = sel[i] - n_s - n_p;
+          std::memcpy(tail2.k_row(b, h, f), st.tail.k_row(b, h, t), row_bytes);
+          std::memcpy(tail2.v_row(b, h, f), st.tail.v_row(b, h, t), row_bytes);
+          tail2.position(b, h, f) = st.tail.position(b, h, t);
+        }
+      }
+    }
+    // Retire what the view references; install the new store.
+    for (auto& blk : st.blocks) st.retired_blocks.push_back(std::move(blk));
+    st.blocks.clear();
+    if (p2 > 0) {
+      blk2->bind(bsz, heads, s, st.tr, st.dtype);
+      st.blocks.push_back(std::move(blk2));
+    }
+    st.retired_rows.push_back(std::move(st.tail));
+    st.tail = std::move(tail2);
+    if (new_sinks) {
+      st.retired_rows.push_back(std::move(st.sinks));
+      st.sinks = std::move(sinks2);
+    }
+  }
+}
+
+// Packs the tail's oldest `window` rows while it holds >= window + recent.
+void flush_tail(SnapSkvqState& st, const Settings& s) {
+  const int64_t bsz = st.batch, heads = st.heads, d = s.head_dim, w = s.window;
+  while (st.tail.count >= w + s.recent) {
+    auto blk = std::make_unique<PackedBlock>();
+    blk->rows = w;
+    const int64_t bh_total = bsz * heads;
+    blk->k.resize(static_cast<size_t>(bh_total * w * s.fk.row_stride));
+    blk->v.resize(static_cast<size_t>(bh_total * w * s.fv.row_stride));
+    blk->pos.resize(static_cast<size_t>(bh_total * w));
+#pragma omp parallel if (bh_total > 1)
+    {
+      std::vector<float> kr(static_cast<size_t>(w * d)), vr(kr.size());
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < bh_total; ++bh) {
+        const int64_t b = bh / heads, h = bh % heads;
+        for (int64_t i = 0; i < w; ++i) {
+          skvq::fast_to_f32(st.tail.k_row(b, h, i), st.dtype, kr.data() + i * d,
+                            static_cast<size_t>(d));
+          skvq::fast_to_f32(st.tail.v_row(b, h, i), st.dtype, vr.data() + i * d,
+                            static_cast<size_t>(d));
+          blk->pos[static_cast<size_t>(bh * w + i)] = st.tail.position(b, h, i);
+        }
+        skvq::quantize_head_rows(kr.data(), w, h, s, st.tr, false,
+                                 blk->k.data() + bh * w * s.fk.row_stride);
+        skvq::quantize_head_rows(vr.data(), w, h, s, st.tr, true,
+                                 blk->v.data() + bh * w * s.fv.row_stride);
+      }
+    }
+    blk->bind(bsz, heads, s, st.tr, st.dtype);
+    st.blocks.push_back(std::move(blk));
+    st.tail.pop_front(w);  // no data moves: the view still reads these rows
+  }
+}
+
+// Keeps the last min(obs_window, n_new) query rows of this call for a prompt-end selection.
+void keep_query_window(SnapSkvqState& st, const TensorView* queries, int64_t n_new, int64_t d,
+                       int64_t obs_window) {
+  st.pending = true;
+  st.win_hq = queries ? queries->shape[1] : 0;
+  st.win_rows = queries ? std::min(obs_window, n_new) : 0;
+  st.win_q.assign(static_cast<size_t>(st.batch * st.win_hq * st.win_rows * d), 0.0f);
+  for (int64_t b = 0; b < st.batch; ++b)
+    for (int64_t qh = 0; qh < st.win_hq; ++qh)
+      for (int64_t i = 0; i < st.win_rows; ++i)
+        skvq::view_row_to(*queries, b, qh, n_new - st.win_rows + i,
+                          st.win_q.data() + ((b * st.win_hq + qh) * st.win_rows + i) * d,
+                          DType::kF32);
+}
+
+}  // namespace
+
+bool SnapkvSkvqCache::eviction_pending() const {
+  return st_->pending;
+}
+
+Mask SnapkvSkvqCache::make_mask(int64_t n_queries, int64_t window) const {
+  if (!st_->pending || n_queries != 1) return KVCache::make_mask(n_queries, window);
+  VQ_CHECK(window == 0,
+           "[snapkv+skvq] make_mask: expected end_prompt() before a windowed single-query mask "
+           "while a prompt-end eviction is pending (its positions are not chosen yet)");
+  Mask m;  // a single query at offset() sees every row that will stay, and itself
+  m.kind = Mask::Kind::kNone;
+  m.n_queries = 1;
+  m.n_keys = snap_keep_count(stored_rows(), SnapSelectParams::from_config(*cfg_)) + 1;
+  return m;
+}
+
+void SnapkvSkvqCache::end_prompt() {
+  SnapSkvqState& st = *st_;
+  if (!st.pending) return;
+  TensorView q;
+  const int64_t d = set_->head_dim;
+  if (st.win_rows > 0) {
+    q.data = st.win_q.data();
+    q.dtype = DType::kF32;
+    q.shape = {st.batch, st.win_hq, st.win_rows, d};
+    q.stride = {st.win_hq * st.win_rows * d, st.win_rows * d, d, 1};
+  }
+  st.retired_blocks.clear();
+  st.retired_rows.clear();
+  evict_frame(st, *set_, *cfg_, st.win_rows > 0 ? &q : nullptr, st.win_rows);
+  flush_tail(st, *set_);
+  st.pending = false;
+  st.win_hq = st.win_rows = 0;
+  std::vector<float>().swap(st.win_q);
+  // No view references the old rows any more (end_prompt invalidates the last view).
+  st.retired_blocks.clear();
+  st.retired_rows.clear();
+}
+
 CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const TensorView& values,
                                             const UpdateOptions& opts) {
   const Settings& s = *set_;
@@ -228,6 +493,8 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
     st.sinks.init(st.dtype, st.batch, st.heads, s.head_dim, false);
     st.tail.init(st.dtype, st.batch, st.heads, s.head_dim, true);
   }
+  // A single-token call after a prompt whose eviction is still owed: the prompt is over.
+  if (cfg.snap_evict_at == SnapEvictAt::kPromptEnd && st.pending && n_new == 1) end_prompt();
   // The previous view is over: free what only it used.
   st.retired_blocks.clear();
   st.retired_rows.clear();
@@ -260,7 +527,6 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
         st.tail.position(b, h, r) = static_cast<int32_t>(st.offset + i);
       }
   st.tail.count += n_new - to_sinks;
-  const int64_t old_offset = st.offset;
   st.offset += n_new;
 
   // ---- 2. the view: stored ++ new, as they are now
@@ -293,201 +559,15 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
     st.tr.perm_v = std::move(pv);
   }
 
-  // ---- 4. eviction (S > 1)
-  if (n_new > 1) {
-    const int64_t n_s = st.sinks.count, n_p = st.packed(), n_t = st.tail.count;
-    const int64_t n = n_s + n_p + n_t;
-    const SnapSelectParams sp = SnapSelectParams::from_config(cfg);
-    const int64_t count = snap_keep_count(n, sp);
-    if (count < n) {
-      const int64_t bh_total = bsz * heads;
-      // Packed frame row -> (block, row).
-      std::vector<std::pair<int32_t, int32_t>> pmap;
-      for (size_t bi = 0; bi < st.blocks.size(); ++bi)
-        for (int64_t i = 0; i < st.blocks[bi]->rows; ++i)
-          pmap.push_back({static_cast<int32_t>(bi), static_cast<int32_t>(i)});
-      std::vector<int64_t> idx(static_cast<size_t>(bh_total * count));
-      std::vector<int64_t> p_kept(static_cast<size_t>(bh_total), 0);
-      const int64_t n_rep = queries ? queries->shape[1] / heads : 0;
-      const int64_t w_q =
-          queries ? std::min(std::clamp<int64_t>(cfg.snap_obs_window, 1, n), n_new) : 0;
-      std::exception_ptr failure;
-#pragma omp parallel
-      {
-        SnapScratch scratch;
-        std::vector<float> frame(static_cast<size_t>(n * d)), qwin;
-        std::vector<int32_t> pos(static_cast<size_t>(n)), qpos(static_cast<size_t>(w_q));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t bh = 0; bh < bh_total; ++bh) {
-          try {
-            const int64_t b = bh / heads, h = bh % heads;
-            for (int64_t j = 0; j < n; ++j) {
-              float* out = frame.data() + j * d;
-              if (j < n_s) {
-                skvq::fast_to_f32(st.sinks.k_row(b, h, j), st.dtype, out, static_cast<size_t>(d));
-                pos[j] = static_cast<int32_t>(j);
-              } else if (j < n_s + n_p) {
-                const auto [bi, i] = pmap[static_cast<size_t>(j - n_s)];
-                dequantize_row(st.blocks[bi]->seg.keys, b, h, i, out);
-                pos[j] = block_pos(*st.blocks[bi], bh, i);
-              } else {
-                skvq::fast_to_f32(st.tail.k_row(b, h, j - n_s - n_p), st.dtype, out,
-                                  static_cast<size_t>(d));
-                pos[j] = st.tail.position(b, h, j - n_s - n_p);
-              }
-            }
-            SnapQueryWindow qw;
-            if (queries) {
-              qwin.resize(static_cast<size_t>(n_rep * w_q * d));
-              for (int64_t r = 0; r < n_rep; ++r)
-                for (int64_t i = 0; i < w_q; ++i)
-                  skvq::view_row_to(*queries, b, h * n_rep + r, n_new - w_q + i,
-                                    qwin.data() + (r * w_q + i) * d, DType::kF32);
-              for (int64_t i = 0; i < w_q; ++i)
-                qpos[i] = static_cast<int32_t>(old_offset + n_new - w_q + i);
-              qw.data = qwin.data();
-              qw.n_rep = n_rep;
-              qw.w = w_q;
-              qw.positions = qpos.data();
-            }
-            int64_t* out_idx = idx.data() + bh * count;
-            const int64_t got = snap_select_head(frame.data(), queries ? pos.data() : nullptr, n, d,
-                                                 queries ? &qw : nullptr, sp, out_idx, scratch);
-            VQ_CHECK(got == count, "[snapkv+skvq] internal: head selected " + std::to_string(got) +
-                                       " rows, expected " + std::to_string(count));
-            for (int64_t i = 0; i < std::min(n_s, count); ++i)
-              VQ_CHECK(out_idx[i] == i, "[snapkv+skvq] internal: a sink row was not kept");
-            int64_t pk = 0;
-            for (int64_t i = 0; i < count; ++i) pk += out_idx[i] >= n_s && out_idx[i] < n_s + n_p;
-            p_kept[static_cast<size_t>(bh)] = pk;
-          } catch (...) {
-#pragma omp critical(vq_snapkv_skvq_failure)
-            if (!failure) failure = std::current_exception();
-          }
-        }
-      }
-      if (failure) std::rethrow_exception(failure);
-
-      const int64_t n_s2 = std::min(n_s, count);
-      const int64_t p2 = *std::max_element(p_kept.begin(), p_kept.end());
-      const int64_t f2 = count - n_s2 - p2;
-      // New sinks (only when the budget cuts into them).
-      FpRows sinks2;
-      const bool new_sinks = n_s2 < n_s;
-      if (new_sinks) {
-        sinks2.init(st.dtype, bsz, heads, d, false);
-        sinks2.reserve_append(n_s2);
-        for (int64_t b = 0; b < bsz; ++b)
-          for (int64_t h = 0; h < heads; ++h)
-            for (int64_t i = 0; i < n_s2; ++i) {
-              std::memcpy(sinks2.k_row(b, h, i), st.sinks.k_row(b, h, i), d * dtype_size(st.dtype));
-              std::memcpy(sinks2.v_row(b, h, i), st.sinks.v_row(b, h, i), d * dtype_size(st.dtype));
-            }
-        sinks2.count = n_s2;
-      }
-      auto blk2 = std::make_unique<PackedBlock>();
-      blk2->rows = p2;
-      blk2->k.resize(static_cast<size_t>(bh_total * p2 * s.fk.row_stride));
-      blk2->v.resize(static_cast<size_t>(bh_total * p2 * s.fv.row_stride));
-      blk2->pos.resize(static_cast<size_t>(bh_total * p2));
-      FpRows tail2;
-      tail2.init(st.dtype, bsz, heads, d, true);
-      tail2.reserve_append(f2);
-      tail2.count = f2;
-      const size_t row_bytes = static_cast<size_t>(d) * dtype_size(st.dtype);
-#pragma omp parallel
-      {
-        std::vector<float> kr, vr;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t bh = 0; bh < bh_total; ++bh) {
-          const int64_t b = bh / heads, h = bh % heads;
-          const int64_t* sel = idx.data() + bh * count;
-          int64_t at = 0;  // packed rows written
-          int64_t i = n_s2;
-          for (; i < count && sel[i] < n_s + n_p; ++i, ++at) {  // kept packed rows: copy codes
-            const auto [bi, r] = pmap[static_cast<size_t>(sel[i] - n_s)];
-            const PackedBlock& src = *st.blocks[bi];
-            std::memcpy(blk2->k.data() + (bh * p2 + at) * s.fk.row_stride,
-                        src.k.data() + (bh * src.rows + r) * s.fk.row_stride,
-                        static_cast<size_t>(s.fk.row_stride));
-            std::memcpy(blk2->v.data() + (bh * p2 + at) * s.fv.row_stride,
-                        src.v.data() + (bh * src.rows + r) * s.fv.row_stride,
-                        static_cast<size_t>(s.fv.row_stride));
-            blk2->pos[static_cast<size_t>(bh * p2 + at)] = block_pos(src, bh, r);
-          }
-          const int64_t early = p2 - at;  // full-precision rows quantized to equalise heads
-          if (early > 0) {
-            kr.resize(static_cast<size_t>(early * d));
-            vr.resize(kr.size());
-            for (int64_t e = 0; e < early; ++e) {
-              const int64_t t = sel[i + e] - n_s - n_p;
-              skvq::fast_to_f32(st.tail.k_row(b, h, t), st.dtype, kr.data() + e * d,
-                                static_cast<size_t>(d));
-              skvq::fast_to_f32(st.tail.v_row(b, h, t), st.dtype, vr.data() + e * d,
-                                static_cast<size_t>(d));
-              blk2->pos[static_cast<size_t>(bh * p2 + at + e)] = st.tail.position(b, h, t);
-            }
-            skvq::quantize_head_rows(kr.data(), early, h, s, st.tr, false,
-                                     blk2->k.data() + (bh * p2 + at) * s.fk.row_stride);
-            skvq::quantize_head_rows(vr.data(), early, h, s, st.tr, true,
-                                     blk2->v.data() + (bh * p2 + at) * s.fv.row_stride);
-            i += early;
-          }
-          for (int64_t f = 0; i < count; ++i, ++f) {  // remaining full-precision rows
-            const int64_t t = sel[i] - n_s - n_p;
-            std::memcpy(tail2.k_row(b, h, f), st.tail.k_row(b, h, t), row_bytes);
-            std::memcpy(tail2.v_row(b, h, f), st.tail.v_row(b, h, t), row_bytes);
-            tail2.position(b, h, f) = st.tail.position(b, h, t);
-          }
-        }
-      }
-      // Retire what the view references; install the new store.
-      for (auto& blk : st.blocks) st.retired_blocks.push_back(std::move(blk));
-      st.blocks.clear();
-      if (p2 > 0) {
-        blk2->bind(bsz, heads, s, st.tr, st.dtype);
-        st.blocks.push_back(std::move(blk2));
-      }
-      st.retired_rows.push_back(std::move(st.tail));
-      st.tail = std::move(tail2);
-      if (new_sinks) {
-        st.retired_rows.push_back(std::move(st.sinks));
-        st.sinks = std::move(sinks2);
-      }
-    }
+  // ---- 4. eviction (S > 1), 5. flush; with snap_evict_at = prompt_end both wait for the end
+  // of the prompt (the rows stay at full precision meanwhile, as one-shot prefill keeps them)
+  if (cfg.snap_evict_at == SnapEvictAt::kPromptEnd) {
+    if (n_new > 1) keep_query_window(st, queries, n_new, s.head_dim, cfg.snap_obs_window);
+    if (st.pending) return view;
+  } else if (n_new > 1) {
+    evict_frame(st, s, cfg, queries, n_new);
   }
-
-  // ---- 5. flush: pack the tail's oldest `window` rows while it holds >= window + recent
-  while (st.tail.count >= w + s.recent) {
-    auto blk = std::make_unique<PackedBlock>();
-    blk->rows = w;
-    const int64_t bh_total = bsz * heads;
-    blk->k.resize(static_cast<size_t>(bh_total * w * s.fk.row_stride));
-    blk->v.resize(static_cast<size_t>(bh_total * w * s.fv.row_stride));
-    blk->pos.resize(static_cast<size_t>(bh_total * w));
-#pragma omp parallel if (bh_total > 1)
-    {
-      std::vector<float> kr(static_cast<size_t>(w * d)), vr(kr.size());
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < bh_total; ++bh) {
-        const int64_t b = bh / heads, h = bh % heads;
-        for (int64_t i = 0; i < w; ++i) {
-          skvq::fast_to_f32(st.tail.k_row(b, h, i), st.dtype, kr.data() + i * d,
-                            static_cast<size_t>(d));
-          skvq::fast_to_f32(st.tail.v_row(b, h, i), st.dtype, vr.data() + i * d,
-                            static_cast<size_t>(d));
-          blk->pos[static_cast<size_t>(bh * w + i)] = st.tail.position(b, h, i);
-        }
-        skvq::quantize_head_rows(kr.data(), w, h, s, st.tr, false,
-                                 blk->k.data() + bh * w * s.fk.row_stride);
-        skvq::quantize_head_rows(vr.data(), w, h, s, st.tr, true,
-                                 blk->v.data() + bh * w * s.fv.row_stride);
-      }
-    }
-    blk->bind(bsz, heads, s, st.tr, st.dtype);
-    st.blocks.push_back(std::move(blk));
-    st.tail.pop_front(w);  // no data moves: the view still reads these rows
-  }
+  flush_tail(st, s);
   return view;
 }
 
@@ -566,6 +646,7 @@ void SnapkvSkvqCache::save(std::ostream& out) const {
   w.boolean(c.snap_keep_window);
   w.u8(static_cast<uint8_t>(c.snap_scoring));
   w.u8(static_cast<uint8_t>(c.snap_dtype));
+  w.u8(static_cast<uint8_t>(c.snap_evict_at));
   w.boolean(st.has_data);
   if (st.has_data) {
     w.u8(static_cast<uint8_t>(st.dtype));
@@ -582,6 +663,10 @@ void SnapkvSkvqCache::save(std::ostream& out) const {
       w.vec_i32(blk->pos);
     }
     st.tail.save(w);
+    w.boolean(st.pending);
+    w.i64(st.win_hq);
+    w.i64(st.win_rows);
+    w.vec_f32(st.win_q);
   }
   w.write(out, method());
 }
@@ -606,6 +691,7 @@ void SnapkvSkvqCache::load(std::istream& in) {
   check("snap_keep_window", r.boolean(), c.snap_keep_window);
   check("snap_scoring", r.u8(), static_cast<uint8_t>(c.snap_scoring));
   check("snap_dtype", r.u8(), static_cast<uint8_t>(c.snap_dtype));
+  check("snap_evict_at", r.u8(), static_cast<uint8_t>(c.snap_evict_at));
   auto ns = std::make_unique<SnapSkvqState>();
   ns->has_data = r.boolean();
   if (ns->has_data) {
@@ -644,7 +730,23 @@ void SnapkvSkvqCache::load(std::istream& in) {
              pre + "expected permutations with packed rows and reordering on");
     ns->tail.init(ns->dtype, ns->batch, ns->heads, d, true);
     ns->tail.load(r, kOp);
-    VQ_CHECK(ns->tail.count < s.window + s.recent,
+    ns->pending = r.boolean();
+    ns->win_hq = r.i64_in("win_hq", 0, ns->pending ? 256 * ns->heads : 0);
+    ns->win_rows = r.i64_in("win_rows", 0, std::min(c.snap_obs_window, ns->tail.count));
+    ns->win_q = r.vec_f32();
+    VQ_CHECK(!ns->pending || c.snap_evict_at == SnapEvictAt::kPromptEnd,
+             pre +
+                 "expected no pending eviction (snap_evict_at = prefill_call) but the state "
+                 "has one");
+    VQ_CHECK((ns->win_hq == 0) == (ns->win_rows == 0) &&
+                 (ns->win_hq == 0 || ns->win_hq % ns->heads == 0) &&
+                 static_cast<int64_t>(ns->win_q.size()) ==
+                     bh * (ns->win_hq / ns->heads) * ns->win_rows * d,
+             pre + "expected a query window [B, H_q (a multiple of H), rows, D] of " +
+                 std::to_string(ns->win_hq) + " heads and " + std::to_string(ns->win_rows) +
+                 " rows but got " + std::to_string(ns->win_q.size()) + " values");
+    // A pending prompt keeps every row at full precision until its selection and flush.
+    VQ_CHECK(ns->pending || ns->tail.count < s.window + s.recent,
              pre + "expected fewer than window + recent full-precision tail rows");
     // Positions strictly ascending per (b, h) and below offset.
     for (int64_t b = 0; b < ns->batch; ++b)

@@ -49,6 +49,7 @@ void prefill(const Model& model, const int32_t* prompt, int64_t n,
     done += chunks[i];
     if (on_progress) on_progress(done, n);
   }
+  for (const auto& c : caches) c->end_prompt();
 }
 
 GenerateResult generate(const Model& model, std::span<const int32_t> prompt,

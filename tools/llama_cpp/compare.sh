@@ -12,12 +12,12 @@
 #    512/1024/2048 (-p 0 -n 32 -d N).
 # 4. Our bench_e2e for the full cache (fp16 K/V) and the compressed caches at the same contexts
 #    and threads, then one Markdown table: tokens/s of each and our ratio to llama.cpp f16.
-# Both engines use OpenMP here; OMP_WAIT_POLICY defaults to passive (threads sleep at barriers),
-# which keeps a shared, oversubscribed machine from turning every barrier into a lost time
-# slice. Export OMP_WAIT_POLICY=active to measure spinning barriers on a dedicated machine.
+# Both engines use OpenMP here and run with the OpenMP runtime's default wait policy (threads
+# spin briefly at a barrier, then sleep), the right setting on a dedicated machine. On a shared,
+# oversubscribed machine export OMP_WAIT_POLICY=passive for both: spinning threads then steal
+# time slices from each other (but every barrier pays a wake-up: decode is 2-3x slower).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 threads=${1:-2}
 repeats=${2:-3}
 build=${3:-build}
