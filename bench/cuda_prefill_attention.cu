@@ -7,6 +7,7 @@
 // positions). Each: one warm-up, then --repeats runs timed with CUDA events (median, min, max).
 // Also a 4K prefill for scale. Keys, values and queries are filled on the device with N(0,1)-like
 // hashed values (content does not change the work).
+// bench/cuda_prefill_sdpa.py times PyTorch SDPA (tensor cores) on the same shapes.
 // Usage: cuda_prefill_attention [--repeats N] [--context N]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -1,5 +1,5 @@
-// GPU-resident KV caches (methods full, snapkv, skvq) with the protocol of the CPU caches
-// (caches.md §1, cache.h), and prefill attention over a DeviceCacheView.
+// GPU-resident KV caches (methods full, snapkv, skvq, streaming) with the protocol of the CPU
+// caches (caches.md §1, cache.h), and prefill attention over a DeviceCacheView.
 //
 // A DeviceKVCache is built for fixed B, H_kv and D (make_device_cache); every block it receives
 // is a *device* TensorView [B, H_kv, S, D] (f16, bf16 or f32, any element strides). Rows, packed
@@ -65,7 +65,8 @@ class DeviceKVCache {
 };
 
 // Validates cfg exactly as the CPU builder does (vq::Error naming the field; cfg.head_dim is
-// replaced by head_dim) and builds the device cache of cfg.method: "full", "snapkv" or "skvq".
+// replaced by head_dim) and builds the device cache of cfg.method: "full", "snapkv", "skvq" or
+// "streaming".
 // Other methods are refused with a vq::Error naming the method and the supported ones.
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg, int64_t batch,
                                                  int64_t heads, int64_t head_dim,

@@ -19,9 +19,10 @@ std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int6
   if (cfg.method == "full") return make_device_full_cache(batch, heads, head_dim, s);
   if (cfg.method == "snapkv") return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);
   if (cfg.method == "skvq") return make_device_skvq_cache(cfg, batch, heads, head_dim, s);
+  if (cfg.method == "streaming") return make_device_streaming_cache(cfg, batch, heads, head_dim, s);
   throw Error(
-      "[make_device_cache] method: expected one of full, snapkv, skvq (on the device) but "
-      "got '" +
+      "[make_device_cache] method: expected one of full, snapkv, skvq, streaming (on the "
+      "device) but got '" +
       cfg.method + "'");
 }
 

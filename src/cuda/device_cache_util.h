@@ -43,6 +43,8 @@ namespace vq::cuda {
 std::unique_ptr<DeviceKVCache> make_device_full_cache(int64_t b, int64_t h, int64_t d, Stream s);
 std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, int64_t b,
                                                         int64_t h, int64_t d, Stream s);
+std::unique_ptr<DeviceKVCache> make_device_streaming_cache(const CacheConfig& cfg, int64_t b,
+                                                           int64_t h, int64_t d, Stream s);
 std::unique_ptr<DeviceKVCache> make_device_skvq_cache(const CacheConfig& cfg, int64_t b, int64_t h,
                                                       int64_t d, Stream s);
 }  // namespace vq::cuda

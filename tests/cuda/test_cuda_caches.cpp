@@ -6,7 +6,8 @@
 // and figures (bytes_resident excepted: on the device it is what cudaMalloc holds, checked
 // against the byte formulas instead). decode_attention over each GPU view is checked against
 // attention_reference over the CPU view (dequantized), and prefill_attention over the views of
-// prefill calls likewise. Error cases: bad configs, shapes, max_ctx, trim, merge.
+// prefill calls likewise. Methods full, snapkv, skvq, streaming. Error cases: bad configs, shapes,
+// max_ctx, trim, merge.
 // SnapKV scores are not bit-exact on the device (expf differs from the host's exp by an ulp or
 // two; test_cuda_snapkv bounds the score difference): with continuous random data no two
 // competing scores come within that bound, so the selections must still be identical here.
@@ -371,6 +372,44 @@ TEST(CudaCaches, SnapKVMatchesCpu) {
               100 * w.prefill);
 }
 
+TEST(CudaCaches, StreamingMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  Worst w;
+  std::vector<Case> cases;
+  Case c;
+  c.cfg.method = "streaming";
+  c.cfg.streaming_n_sink = 4;
+  c.cfg.streaming_window = 32;
+  c.steps = {50, 1, 1, 1};
+  for (int i = 0; i < 70; ++i) c.steps.push_back(1);  // slides past the slack: run moved back
+  c.steps.insert(c.steps.end(), {100, 1, 3, 2});
+  c.name = "streaming sinks 4 window 32 f16 B1 H2 D64";
+  cases.push_back(c);
+  c.cfg.streaming_n_sink = 0;
+  c.cfg.streaming_window = 17;
+  c.B = 2;
+  c.D = 128;
+  c.dtype = DType::kBF16;
+  c.token_major = true;
+  c.steps = {1, 2, 17, 1, 129, 1};
+  c.name = "streaming no sinks window 17 bf16 token-major B2 H2 D128";
+  cases.push_back(c);
+  c.cfg.streaming_n_sink = 7;
+  c.cfg.streaming_window = 5;
+  c.B = 8;
+  c.H = 1;
+  c.D = 64;
+  c.Hq = 8;
+  c.dtype = DType::kF32;
+  c.token_major = false;
+  c.steps = {3, 3, 1, 127, 1, 1};
+  c.name = "streaming sinks 7 window 5 f32 B8 H1 D64";
+  cases.push_back(c);
+  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 4000 + i, w);
+  std::printf("[streaming] worst decode error %.3f%%, prefill %.3f%% of tolerance\n",
+              100 * w.decode, 100 * w.prefill);
+}
+
 // caches.md §3 worked example: B=1, H=2, D=128, S=64, budget 16.
 TEST(CudaCaches, SnapKVWorkedExample) {
   SKIP_WITHOUT_DEVICE();
@@ -457,6 +496,29 @@ TEST(CudaCaches, SkvqMatchesCpu) {
               100 * w.prefill);
 }
 
+// Path independence on the device (caches.md §4): one-shot prefill and token-by-token decode
+// give bit-identical stores (the flush rule depends only on the row count).
+TEST(CudaCaches, SkvqPathIndependence) {
+  SKIP_WITHOUT_DEVICE();
+  CacheConfig cfg;
+  cfg.method = "skvq";
+  cfg.skvq_window = 32;
+  cfg.skvq_recent = 3;
+  auto one = cuda::make_device_cache(cfg, 2, 2, 64);
+  auto step = cuda::make_device_cache(cfg, 2, 2, 64);
+  auto k = make_block(DType::kF16, 2, 2, 150, 64, 41, false);
+  auto v = make_block(DType::kF16, 2, 2, 150, 64, 42, false);
+  one->update_and_fetch(k->dev, v->dev);
+  for (int64_t i = 0; i < 150; ++i) {
+    TensorView ki = k->dev.slice_tokens(i, i + 1), vi = v->dev.slice_tokens(i, i + 1);
+    step->update_and_fetch(ki, vi);
+  }
+  expect_same_rows(gpu_rows(one->stored_view()), gpu_rows(step->stored_view()),
+                   "skvq one-shot vs token-by-token");
+  EXPECT_EQ(one->stats().bytes_accounted, step->stats().bytes_accounted);
+  EXPECT_EQ(one->stats().figure("quantized_tokens"), 128);
+}
+
 // caches.md §4 worked example (B=1, H=2, D=64, window 16, n_sink 4, group 16, 2 bits, S = 35),
 // and resident memory that follows the packed bytes over a long decode.
 TEST(CudaCaches, SkvqWorkedExampleAndResidentBytes) {
@@ -535,7 +597,7 @@ TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
     EXPECT_NE(std::string(e.what()).find("snapkv+skvq"), std::string::npos) << e.what();
   }
 
-  for (const char* method : {"full", "snapkv", "skvq"}) {
+  for (const char* method : {"full", "snapkv", "skvq", "streaming"}) {
     CacheConfig cfg;
     cfg.method = method;
     cfg.skvq_window = 16;

@@ -1,0 +1,199 @@
+// The GPU-resident StreamingLLM baseline (method "streaming"): the device twin of
+// vq::StreamingCache: the first streaming_n_sink positions plus the most recent streaming_window
+// rows, with the deferred contract (every call returns stored ++ new, then trims).
+//
+// Storage: keys and values [B, H, capacity, D] fp16 (bf16 when both inputs are bf16) in
+// cudaMalloc buffers; per (b, h) rows [0, n_sink_rows) are the sinks, rows [head, head + n_recent)
+// the recent run (positions offset - n_recent .. offset - 1), the same for every head, so a view
+// has at most two segments with implicit positions. Capacity follows the CPU's rules (steady size
+// sinks + window + slack; a prefill that grew the buffer gives it back after its step, the old
+// buffer retired until the next mutating call); moving the run back next to the sinks is a copy
+// into a fresh buffer (device copies may not overlap).
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "cuda/check.h"
+#include "cuda/device_cache_util.h"
+#include "veloxquant/error.h"
+
+namespace vq::cuda {
+
+namespace {
+
+constexpr int64_t kRowStep = 64;
+
+int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+class StreamingDeviceCache final : public DeviceKVCache {
+ public:
+  StreamingDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)
+      : DeviceKVCache(b, h, d, s), n_sink_(cfg.streaming_n_sink), window_(cfg.streaming_window) {
+    VQ_CHECK(n_sink_ >= 0,
+             "[cuda streaming] streaming_n_sink: expected >= 0 but got " + std::to_string(n_sink_));
+    VQ_CHECK(window_ >= 1,
+             "[cuda streaming] streaming_window: expected >= 1 but got " + std::to_string(window_));
+  }
+
+  std::string method() const override { return "streaming"; }
+
+  DeviceCacheView update_and_fetch(const TensorView& keys, const TensorView& values,
+                                   const DeviceUpdateOptions&) override {
+    detail::check_blocks(keys, values, batch_, heads_, head_dim_, "cuda streaming");
+    VQ_CHECK(offset_ + keys.shape[2] <= static_cast<int64_t>(INT32_MAX),
+             "[cuda streaming] expected positions to fit int32 but offset " +
+                 std::to_string(offset_) + " + S " + std::to_string(keys.shape[2]) + " does not");
+    synchronize(stream_);  // the previous view is invalid from here on
+    retired_k_ = DeviceBuffer();
+    retired_v_ = DeviceBuffer();
+    if (!has_data_) {
+      dtype_ =
+          keys.dtype == DType::kBF16 && values.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
+      has_data_ = true;
+    }
+    const int64_t s = keys.shape[2];
+    make_room(s);
+    detail::convert_block(keys, 0, s, k_.data(), dtype_, capacity_, head_ + n_recent_, stream_);
+    detail::convert_block(values, 0, s, v_.data(), dtype_, capacity_, head_ + n_recent_, stream_);
+    n_recent_ += s;
+    offset_ += s;
+    if (n_sink_rows_ < n_sink_) {  // the first positions of the run become sinks in place
+      const int64_t grow = std::min(n_sink_, offset_) - n_sink_rows_;
+      n_sink_rows_ += grow;
+      head_ += grow;
+      n_recent_ -= grow;
+    }
+    DeviceCacheView view = stored_view();
+    if (n_recent_ > window_) {  // deferred trim
+      head_ += n_recent_ - window_;
+      n_recent_ = window_;
+      if (s > 1 && capacity_ > steady_capacity()) relocate(steady_capacity(), true);
+    }
+    return view;
+  }
+
+  DeviceCacheView stored_view() const override {
+    DeviceCacheView view(batch_, heads_, head_dim_);
+    const int64_t row_bytes = head_dim_ * 2;
+    auto add = [&](int64_t row0, int64_t n, int64_t first_pos) {
+      DeviceSegment seg;
+      seg.n_rows = n;
+      seg.capacity = capacity_;
+      seg.first_pos = first_pos;
+      seg.dtype = dtype_;
+      seg.keys = k_.as<const char>() + row0 * row_bytes;
+      seg.values = v_.as<const char>() + row0 * row_bytes;
+      view.add_segment(seg);
+    };
+    const int64_t run_first = offset_ - n_recent_;
+    if (head_ == n_sink_rows_ && run_first == n_sink_rows_) {
+      if (n_sink_rows_ + n_recent_ > 0) add(0, n_sink_rows_ + n_recent_, 0);
+      return view;
+    }
+    if (n_sink_rows_ > 0) add(0, n_sink_rows_, 0);
+    if (n_recent_ > 0) add(head_, n_recent_, run_first);
+    return view;
+  }
+
+  int64_t offset() const override { return offset_; }
+  int64_t stored_rows() const override { return n_sink_rows_ + n_recent_; }
+  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const override {
+    VQ_CHECK(b >= 0 && b < batch_ && h >= 0 && h < heads_,
+             "[cuda streaming] expected (b, h) within [" + std::to_string(batch_) + ", " +
+                 std::to_string(heads_) + ") but got (" + std::to_string(b) + ", " +
+                 std::to_string(h) + ")");
+    std::vector<int32_t> out;
+    for (int64_t j = 0; j < n_sink_rows_; ++j) out.push_back(static_cast<int32_t>(j));
+    for (int64_t j = offset_ - n_recent_; j < offset_; ++j) out.push_back(static_cast<int32_t>(j));
+    return out;
+  }
+
+  CacheStats stats() const override {
+    CacheStats st;
+    st.method = method();
+    st.tokens_seen = offset_;
+    st.rows_stored = stored_rows();
+    const int64_t bhd2 = batch_ * heads_ * head_dim_ * 2;
+    const int64_t kept = stored_rows() * bhd2;
+    const int64_t full = offset_ * bhd2;
+    st.bytes_accounted = 2 * kept;
+    st.fp16_bytes = 2 * full;
+    st.bytes_resident = detail::held_bytes(k_) + detail::held_bytes(v_) +
+                        detail::held_bytes(retired_k_) + detail::held_bytes(retired_v_);
+    const double tokens_kept = static_cast<double>(batch_ * heads_ * stored_rows());
+    const double tokens_total = static_cast<double>(batch_ * heads_ * offset_);
+    const double kept_d = static_cast<double>(kept);
+    const double full_d = static_cast<double>(full);
+    st.figures = {
+        {"kept_key_bytes", kept_d},
+        {"kept_value_bytes", kept_d},
+        {"full_key_bytes", full_d},
+        {"full_value_bytes", full_d},
+        {"eviction_ratio", kept > 0 ? full_d / kept_d : 1.0},
+        {"tokens_kept", tokens_kept},
+        {"tokens_total", tokens_total},
+        {"keep_rate", tokens_total > 0 ? tokens_kept / tokens_total : 1.0},
+        {"sink_rows", static_cast<double>(n_sink_rows_)},
+        {"recent_rows", static_cast<double>(n_recent_)},
+    };
+    return st;
+  }
+
+ private:
+  int64_t steady_capacity() const {
+    const int64_t slack = std::max(kRowStep, round_up(window_ / 4, kRowStep));
+    return round_up(n_sink_ + window_ + slack, kRowStep);
+  }
+
+  // Sinks + recent run into a fresh buffer of new_cap rows (run at row n_sink_rows).
+  void relocate(int64_t new_cap, bool retire_old) {
+    const int64_t F = batch_ * heads_, row_bytes = head_dim_ * 2;
+    DeviceBuffer nk(static_cast<size_t>(F * new_cap * row_bytes));
+    DeviceBuffer nv(static_cast<size_t>(F * new_cap * row_bytes));
+    for (int kv = 0; kv < 2; ++kv) {
+      DeviceBuffer& dst = kv == 0 ? nk : nv;
+      const DeviceBuffer& src = kv == 0 ? k_ : v_;
+      detail::copy_frames(dst.data(), new_cap, 0, src.data(), capacity_, 0, F, n_sink_rows_,
+                          row_bytes, stream_);
+      detail::copy_frames(dst.data(), new_cap, n_sink_rows_, src.data(), capacity_, head_, F,
+                          n_recent_, row_bytes, stream_);
+    }
+    if (retire_old) {
+      retired_k_ = std::move(k_);
+      retired_v_ = std::move(v_);
+    } else {
+      synchronize(stream_);  // the old buffers are freed below
+    }
+    k_ = std::move(nk);
+    v_ = std::move(nv);
+    capacity_ = new_cap;
+    head_ = n_sink_rows_;
+  }
+
+  void make_room(int64_t extra) {
+    if (head_ + n_recent_ + extra <= capacity_) return;
+    const int64_t needed = n_sink_rows_ + n_recent_ + extra;
+    if (needed <= capacity_) {
+      relocate(capacity_, false);  // the CPU's in-place move, as a copy into a fresh buffer
+      return;
+    }
+    relocate(round_up(std::max(needed, steady_capacity()), kRowStep), false);
+  }
+
+  int64_t n_sink_ = 4, window_ = 512;
+  bool has_data_ = false;
+  DType dtype_ = DType::kF16;
+  int64_t offset_ = 0, n_sink_rows_ = 0, head_ = 0, n_recent_ = 0, capacity_ = 0;
+  DeviceBuffer k_, v_, retired_k_, retired_v_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceKVCache> make_device_streaming_cache(const CacheConfig& cfg, int64_t b,
+                                                           int64_t h, int64_t d, Stream s) {
+  return std::make_unique<StreamingDeviceCache>(cfg, b, h, d, s);
+}
+
+}  // namespace vq::cuda
