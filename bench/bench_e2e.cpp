@@ -3,6 +3,7 @@
 //
 //   bench_e2e [--model DIR] [--contexts 512,1024,2048] [--methods "full;snapkv:budget=256;..."]
 //             [--repeats 3] [--decode 32] [--threads N] [--prefill-step 512] [--csv FILE]
+//             [--no-bandwidth] [--cpu-time]
 //
 // Prompt: token ids of the held-out evaluation text (data/eval/heldout_ids.u16, uint16) when
 // present, else seeded random ids. Each repeat builds fresh caches, prefills the context in
@@ -15,6 +16,10 @@
 // line records the thread count, OMP_WAIT_POLICY and the load average: on a machine shared with
 // other jobs, OMP_WAIT_POLICY=passive avoids threads spinning at barriers while their partner
 // is descheduled (which can cost whole scheduler time slices per parallel region).
+// --no-bandwidth skips the bandwidth pass (bound columns "-"; for profiling). --cpu-time adds
+// prefill and decode tokens per CPU-second of the process (all threads' CPU time, from
+// CLOCK_PROCESS_CPUTIME_ID): with OMP_WAIT_POLICY=passive this counts work rather than waiting,
+// so it is a steadier A/B measure than wall time on a loaded machine.
 #include <omp.h>
 
 #include <algorithm>
@@ -23,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -41,6 +47,13 @@ using Clock = std::chrono::steady_clock;
 
 double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+// CPU seconds used by every thread of this process so far.
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 // Read bandwidth in bytes/s: every thread sums its share of a 1 GiB buffer; best of 7.
@@ -109,6 +122,7 @@ int main(int argc, char** argv) {
   std::string contexts_s = "512,1024,2048";
   std::string methods_s = "full;snapkv:budget=256;skvq;snapkv+skvq:budget=256;streaming:window=256";
   int repeats = 3, threads = 0;
+  bool bandwidth = true, cpu_time = false;
   int64_t decode = 32, step = 512;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -135,11 +149,15 @@ int main(int argc, char** argv) {
       step = std::stoll(next());
     } else if (a == "--csv") {
       csv_path = next();
+    } else if (a == "--no-bandwidth") {
+      bandwidth = false;
+    } else if (a == "--cpu-time") {
+      cpu_time = true;
     } else {
       std::fprintf(stderr,
                    "usage: bench_e2e [--model DIR] [--contexts 512,1024,2048] [--methods "
                    "\"full;snapkv:budget=256\"] [--repeats 3] [--decode 32] [--threads N] "
-                   "[--prefill-step 512] [--csv FILE]\n");
+                   "[--prefill-step 512] [--csv FILE] [--no-bandwidth] [--cpu-time]\n");
       return 2;
     }
   }
@@ -150,9 +168,10 @@ int main(int argc, char** argv) {
     const auto model = vq::Model::load(model_dir);
     const vq::ModelConfig& mc = model->config();
     const std::string root = std::filesystem::path(model_dir).parent_path().parent_path().string();
-    std::fprintf(stderr, "measuring read bandwidth (1 GiB, %d threads)...\n",
-                 omp_get_max_threads());
-    const double bw = measure_read_bandwidth();
+    if (bandwidth)
+      std::fprintf(stderr, "measuring read bandwidth (1 GiB, %d threads)...\n",
+                   omp_get_max_threads());
+    const double bw = bandwidth ? measure_read_bandwidth() : 0.0;
     const double wbytes = static_cast<double>(model->weight_bytes_per_token());
 
     std::printf(
@@ -173,8 +192,9 @@ int main(int argc, char** argv) {
         static_cast<long long>(decode), static_cast<long long>(step), load.c_str());
     std::printf(
         "| context | method | prefill tok/s | decode tok/s | decode bound tok/s | "
-        "%% of bound | cache MiB (accounted) | ratio to fp16 |\n");
-    std::printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
+        "%% of bound | cache MiB (accounted) | ratio to fp16 |%s\n",
+        cpu_time ? " prefill tok/CPU-s | decode tok/CPU-s |" : "");
+    std::printf("|---:|---|---:|---:|---:|---:|---:|---:|%s\n", cpu_time ? "---:|---:|" : "");
     std::ofstream csv;
     if (!csv_path.empty()) {
       csv.open(csv_path);
@@ -186,34 +206,50 @@ int main(int argc, char** argv) {
       const auto ids = prompt_ids(root, ctx, mc.vocab_size);
       for (const std::string& spec : split(methods_s, ';')) {
         const vq::CacheConfig cfg = vq::config_from_spec(spec);
-        std::vector<double> pre, dec;
+        std::vector<double> pre, dec, pre_cpu, dec_cpu;
         vq::CacheMemory mem;
         for (int r = 0; r < repeats + 1; ++r) {  // repeat 0 warms up and is dropped
           auto caches = model->make_caches(cfg);
           vq::ForwardScratch scratch;
           std::vector<float> logits;
+          const double c0 = cpu_seconds();
           auto t0 = Clock::now();
           vq::prefill(*model, ids.data(), ctx, caches, step, vq::DType::kF16, &logits, &scratch);
           auto t1 = Clock::now();
+          const double c1 = cpu_seconds();
           if (r == 0) mem = vq::cache_memory(caches, mc.n_kv_heads);
           vq::ForwardOptions fo;
           int32_t tok = vq::argmax(logits.data(), mc.vocab_size);
+          const double c2 = cpu_seconds();
           auto t2 = Clock::now();
           for (int64_t d = 0; d < decode; ++d) {
             model->forward(&tok, 1, 1, caches, fo, &logits, &scratch);
             tok = vq::argmax(logits.data(), mc.vocab_size);
           }
           auto t3 = Clock::now();
+          const double c3 = cpu_seconds();
           if (r == 0) continue;
           pre.push_back(static_cast<double>(ctx) / seconds(t0, t1));
           dec.push_back(static_cast<double>(decode) / seconds(t2, t3));
+          pre_cpu.push_back(static_cast<double>(ctx) / (c1 - c0));
+          dec_cpu.push_back(static_cast<double>(decode) / (c3 - c2));
         }
         const Stat p = stat(pre), d = stat(dec);
         const double bound = bw / (wbytes + static_cast<double>(mem.bytes_accounted));
-        std::printf("| %lld | %s | %.0f ± %.0f | %.1f ± %.1f | %.0f | %.0f%% | %.2f | %.3f |\n",
-                    static_cast<long long>(ctx), spec.c_str(), p.mean, p.sd, d.mean, d.sd, bound,
-                    100 * d.mean / bound, static_cast<double>(mem.bytes_accounted) / 1048576.0,
+        char bound_s[64] = "-", share_s[64] = "-";
+        if (bandwidth) {
+          std::snprintf(bound_s, sizeof bound_s, "%.0f", bound);
+          std::snprintf(share_s, sizeof share_s, "%.0f%%", 100 * d.mean / bound);
+        }
+        std::printf("| %lld | %s | %.0f ± %.0f | %.1f ± %.1f | %s | %s | %.2f | %.3f |",
+                    static_cast<long long>(ctx), spec.c_str(), p.mean, p.sd, d.mean, d.sd, bound_s,
+                    share_s, static_cast<double>(mem.bytes_accounted) / 1048576.0,
                     mem.ratio_to_fp16());
+        if (cpu_time) {
+          const Stat pc = stat(pre_cpu), dc = stat(dec_cpu);
+          std::printf(" %.0f ± %.0f | %.1f ± %.1f |", pc.mean, pc.sd, dc.mean, dc.sd);
+        }
+        std::printf("\n");
         std::fflush(stdout);
         if (csv.is_open())
           csv << ctx << ",\"" << spec << "\"," << p.mean << "," << p.sd << "," << d.mean << ","

@@ -365,6 +365,35 @@ TEST(FusedAttention, SkvqOptionsBitsMetaRotationWindows) {
   std::printf("[fused] %d option cases, worst share of the bound used: %.3g\n", n, worst);
 }
 
+// Prefill-sized calls (>= 8 queries per head) take the lanes-over-queries tiles for
+// full-precision rows (mixed with packed segments for SKVQ/SnapKV): same bound.
+TEST(FusedAttention, ManyQueriesPerHead) {
+  const auto methods = methods_built();
+  double worst = 0;
+  int n = 0;
+  for (const std::string& m : methods)
+    for (int64_t rep : {1, 3, 4})
+      for (int64_t len : {40, 129, 300})
+        for (int64_t nq : {int64_t{8}, int64_t{33}, std::min<int64_t>(len, 130)})
+          for (int64_t window : {int64_t{0}, int64_t{50}}) {
+            // Keep the sweep quick: the other methods once per length and GQA ratio.
+            if (m != "full" && (window > 0 || rep == 3 || nq != 33)) continue;
+            Case cs;
+            cs.cfg = method_cfg(m);
+            cs.n_rep = rep;
+            cs.d = (len + nq) % 3 == 0 ? 128 : 64;
+            cs.len = len;
+            cs.n_q = nq;
+            cs.window = window;
+            cs.batch = len == 40 && rep == 3 ? 2 : 1;
+            cs.dtype = len == 129 ? DType::kBF16 : DType::kF16;
+            const double used = run_case(cs, 7000 + n);
+            worst = std::max(worst, used);
+            ++n;
+          }
+  std::printf("[fused] %d many-query cases, worst share of the bound used: %.3g\n", n, worst);
+}
+
 // A window that hides every key of a query gives zeros, as the reference.
 TEST(FusedAttention, FullyMaskedQueryGivesZeros) {
   CacheConfig cfg = method_cfg("skvq");
@@ -407,6 +436,34 @@ TEST(FusedAttention, GqaEqualsMhaWithRepeatedKvHeads) {
   // Permutations pool per KV head over the same rows, so the repeated heads quantize
   // identically: the two computations are the same arithmetic, bit for bit.
   EXPECT_EQ(oa, ob);
+}
+
+// The same with prefill-sized calls (the lanes-over-queries tiles): each query's arithmetic is
+// independent of how many query heads share its KV head and of its lane mates.
+TEST(FusedAttention, GqaEqualsMhaWithRepeatedKvHeadsManyQueries) {
+  const int64_t rep = 3, len = 150, nq = 70;
+  const Tensor k = test::random_tensor(DType::kF16, 1, 2, len, 64, 40);
+  const Tensor v = test::random_tensor(DType::kF16, 1, 2, len, 64, 41);
+  Tensor kr(DType::kF16, 1, 2 * rep, len, 64), vr(DType::kF16, 1, 2 * rep, len, 64);
+  for (int64_t h = 0; h < 2 * rep; ++h)
+    for (int64_t s = 0; s < len; ++s)
+      for (int64_t c = 0; c < 64; ++c) {
+        kr.set(0, h, s, c, k.at(0, h / rep, s, c));
+        vr.set(0, h, s, c, v.at(0, h / rep, s, c));
+      }
+  FullCache a, b;
+  const CacheView va = a.update_and_fetch(k.view(), v.view());
+  const CacheView vb = b.update_and_fetch(kr.view(), vr.view());
+  const Tensor q = test::random_tensor(DType::kF32, 1, 2 * rep, nq, 64, 42, 1.5f);
+  for (int64_t window : {int64_t{0}, int64_t{40}}) {
+    AttentionParams p;
+    p.q_pos0 = len - nq;
+    p.window = window;
+    std::vector<float> oa(static_cast<size_t>(q.numel())), ob(oa.size());
+    attention(q.view(), va, p, oa.data());
+    attention(q.view(), vb, p, ob.data());
+    EXPECT_EQ(oa, ob) << "window " << window;
+  }
 }
 
 // Metamorphic: a sliding window over the whole view equals attention over only the rows inside

@@ -12,6 +12,8 @@
 //   acc'  += p * (c*s),  acc_lo[g] += p * lo_g                   out = R^T P^T (acc' + acc_lo)
 // with the un-transform applied once per query at the end. Full-precision rows are converted to
 // fp32 row by row. A query that sees no key gets zeros (as attention_reference).
+// Variant: prefill-sized calls (>= kManyQueries queries per head, AVX-512, D a multiple of 16
+// up to 128) run full-precision tiles with vector lanes over queries (many_tile below).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -453,6 +455,12 @@ struct Work {
   std::vector<float> klo, vlo;       // [n_groups, kTile] offsets of packed tiles (transposed)
   std::vector<float> tmp, dots;
   std::vector<int32_t> pos, vis;  // [kTile] positions; indices of visible rows
+  // Many-query path (full-precision segments, see many_tile): lanes run over queries.
+  int64_t mp = 0;               // M rounded up to 16 lanes
+  std::vector<float> qt;        // [D, Mp] scaled queries transposed (padding lanes 0)
+  std::vector<int32_t> qpos32;  // [Mp] query positions
+  std::vector<float> st;        // [kTile, Mp] logits, then weights, of one tile
+  std::vector<float> alpha;     // [Mp] this tile's rescale factor of each query's sums
 };
 
 KeyClass& key_class(Work& w, const PackedTensor& t) {
@@ -508,6 +516,220 @@ void rescale(Work& w, int64_t m, float f) {
   }
   w.l[static_cast<size_t>(m)] *= f;
 }
+
+#if defined(__AVX512F__)
+// ---- many-query path: full-precision rows, lanes over queries --------------------------------
+//
+// For prefill (n_q >= kManyQueries queries per head) a tile of kTile full-precision rows meets
+// all M queries of the item at once, with 16 queries per vector lane group:
+//   st[t][m] = sum_c k_t[c] * qt[c][m]        (key elements broadcast, 8 rows x 48 queries per
+//                                              register block: no horizontal sums)
+//   online softmax per lane (max, exp, sum down the tile's rows: vertical operations only)
+//   acc[m] = acc[m] * alpha_m + sum_t st[t][m] v_t   (5 queries x 64 channels per block)
+// Each query's arithmetic is independent of its lane mates and of the item's query block: its
+// logits are sequential fp32 FMA sums over the D channels, its weights use exp_nonpos16 (the
+// same operations as exp_nonpos, hence the same bits), its sum and accumulators run over the
+// tile's rows in order as in the general path. GQA and MHA with repeated heads therefore agree
+// bit for bit here too; only the logits' summation order differs from the general path.
+constexpr int64_t kManyQueries = 8;  // queries per head from which this path is taken
+
+// exp_nonpos on 16 lanes, the scalar version's operations in the same order (no contraction).
+inline __m512 exp_nonpos16(__m512 v) {
+  const __m512 lim = _mm512_set1_ps(-87.0f);
+  const __mmask16 ok = _mm512_cmp_ps_mask(v, lim, _CMP_GE_OQ);  // NaN and < -87 flush to 0
+  v = _mm512_mask_blend_ps(ok, lim, v);
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 k = _mm512_sub_ps(
+      _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
+  __m512 r = _mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 q = _mm512_set1_ps(1.9875691500E-4f);
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.3981999507E-3f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(8.3334519073E-3f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(4.1665795894E-2f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.6666665459E-1f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(5.0000001201E-1f));
+  q = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(q, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(ok, q, _mm512_castsi512_ps(bits));
+}
+
+// st[r][lanes of groups g0 .. g0 + QB) = kt[r] . qt for the 8 rows r of kt (row stride d).
+template <int QB>
+inline void qk_block(const float* __restrict qt, int64_t mp, const float* __restrict kt, int64_t d,
+                     float* __restrict st, int64_t g0) {
+  __m512 acc[8][QB];
+  for (int r = 0; r < 8; ++r)
+    for (int j = 0; j < QB; ++j) acc[r][j] = _mm512_setzero_ps();
+  const float* qg = qt + g0 * 16;
+  for (int64_t c = 0; c < d; ++c) {
+    __m512 qv[QB];
+    for (int j = 0; j < QB; ++j) qv[j] = _mm512_loadu_ps(qg + c * mp + 16 * j);
+    for (int r = 0; r < 8; ++r) {
+      const __m512 kb = _mm512_set1_ps(kt[r * d + c]);
+      for (int j = 0; j < QB; ++j) acc[r][j] = _mm512_fmadd_ps(kb, qv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < 8; ++r)
+    for (int j = 0; j < QB; ++j) _mm512_storeu_ps(st + r * mp + (g0 + j) * 16, acc[r][j]);
+}
+
+// acc[m] = acc[m] * alpha[m] + sum over the listed rows t of st[t][m] * vt[t] for the QP
+// queries m0 .. m0 + QP; NV = D / 16 vectors per row.
+template <int NV, int QP>
+inline void pv_block(float* __restrict acc, const float* __restrict st, int64_t mp,
+                     const float* __restrict alpha, const float* __restrict vt, const int32_t* rows,
+                     int64_t n_rows, int64_t m0) {
+  constexpr int64_t d = NV * 16;
+  __m512 a[QP][NV];
+  for (int i = 0; i < QP; ++i) {
+    const __m512 al = _mm512_set1_ps(alpha[m0 + i]);
+    for (int j = 0; j < NV; ++j)
+      a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + i) * d + 16 * j), al);
+  }
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t t = rows[r];
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(vt + t * d + 16 * j);
+    for (int i = 0; i < QP; ++i) {
+      const __m512 pb = _mm512_set1_ps(st[t * mp + m0 + i]);
+      for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pb, vv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < QP; ++i)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (m0 + i) * d + 16 * j, a[i][j]);
+}
+
+template <int NV>
+void pv_all(float* acc, const float* st, int64_t mp, const float* alpha, const float* vt,
+            const int32_t* rows, int64_t n_rows, int64_t M) {
+  constexpr int QP = NV <= 2 ? 8 : NV <= 4 ? 5 : NV <= 6 ? 3 : 2;  // <= 24 accumulators
+  int64_t m0 = 0;
+  for (; m0 + QP <= M; m0 += QP) pv_block<NV, QP>(acc, st, mp, alpha, vt, rows, n_rows, m0);
+  for (; m0 < M; ++m0) pv_block<NV, 1>(acc, st, mp, alpha, vt, rows, n_rows, m0);
+}
+
+bool many_supported(int64_t d) {
+  return d % 16 == 0 && d >= 16 && d <= 128;
+}
+
+// Queries of the item transposed into lanes: qt[c][m] = q[m][c], padding lanes 0.
+void build_many(Work& w) {
+  const int64_t M = w.m, d = w.d;
+  w.mp = (M + 15) / 16 * 16;
+  w.qt.assign(static_cast<size_t>(d * w.mp), 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < d; ++c) w.qt[static_cast<size_t>(c * w.mp + m)] = w.q[m * d + c];
+  w.qpos32.assign(static_cast<size_t>(w.mp), 0);
+  for (int64_t m = 0; m < M; ++m)
+    w.qpos32[static_cast<size_t>(m)] = static_cast<int32_t>(w.qpos[static_cast<size_t>(m)]);
+  w.st.resize(static_cast<size_t>(kTile * w.mp));
+  w.alpha.resize(static_cast<size_t>(w.mp));
+  w.mx.resize(static_cast<size_t>(w.mp), -std::numeric_limits<float>::infinity());
+  w.l.resize(static_cast<size_t>(w.mp), 0.0f);
+}
+
+// One tile of nt full-precision rows (keys/values already in w.kt / w.vt for the n_vis visible
+// rows w.vis, positions in w.pos) against every query of the item.
+void many_tile(Work& w, int64_t nt, int64_t n_vis, int64_t window) {
+  const int64_t M = w.m, d = w.d, mp = w.mp, n_groups = mp / 16;
+  float* st = w.st.data();
+  // ---- logits st[t][m] for the 8-row blocks that hold rows < nt
+  for (int64_t r0 = 0; r0 < nt; r0 += 8) {
+    const float* kt = w.kt.data() + r0 * d;
+    float* s = st + r0 * mp;
+    int64_t g = 0;
+    for (; g + 3 <= n_groups; g += 3) qk_block<3>(w.qt.data(), mp, kt, d, s, g);
+    if (n_groups - g == 2) qk_block<2>(w.qt.data(), mp, kt, d, s, g);
+    if (n_groups - g == 1) qk_block<1>(w.qt.data(), mp, kt, d, s, g);
+  }
+  // ---- masks and the online softmax, 16 queries per step
+  alignas(64) uint8_t row_vis[kTile] = {};
+  for (int64_t vi = 0; vi < n_vis; ++vi) row_vis[w.vis[static_cast<size_t>(vi)]] = 1;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i win = _mm512_set1_epi32(
+      static_cast<int32_t>(std::min<int64_t>(window, std::numeric_limits<int32_t>::max())));
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t l0 = g * 16;
+    const __mmask16 lanes =
+        M - l0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - l0)) - 1u);
+    const __m512i qp = _mm512_loadu_si512(w.qpos32.data() + l0);
+    __m512 tmax = neg_inf;
+    for (int64_t t = 0; t < nt; ++t) {
+      float* s = st + t * mp + l0;
+      __mmask16 m = 0;
+      if (row_vis[t]) {
+        const __m512i pt = _mm512_set1_epi32(w.pos[static_cast<size_t>(t)]);
+        m = _mm512_mask_cmp_epi32_mask(lanes, pt, qp, _MM_CMPINT_LE);  // pos_t <= q_pos
+        if (window > 0)  // q_pos - pos_t < window (the difference is >= 0 on these lanes)
+          m = _mm512_mask_cmp_epi32_mask(m, _mm512_sub_epi32(qp, pt), win, _MM_CMPINT_LT);
+      }
+      const __m512 x = _mm512_mask_blend_ps(m, neg_inf, _mm512_loadu_ps(s));
+      _mm512_storeu_ps(s, x);
+      tmax = _mm512_max_ps(tmax, x);
+    }
+    __m512 mx = _mm512_loadu_ps(w.mx.data() + l0);
+    const __mmask16 up = _mm512_cmp_ps_mask(tmax, mx, _CMP_GT_OQ);
+    // Rescale where the max rises over a finite one: std::exp per lane as the general path.
+    __mmask16 resc = _mm512_mask_cmp_ps_mask(up, mx, neg_inf, _CMP_NEQ_OQ);
+    alignas(64) float al[16];
+    _mm512_store_ps(al, _mm512_set1_ps(1.0f));
+    alignas(64) float mxa[16], tma[16];
+    _mm512_store_ps(mxa, mx);
+    _mm512_store_ps(tma, tmax);
+    for (int i = 0; i < 16; ++i)
+      if (resc & (1u << i)) {
+        al[i] = std::exp(mxa[i] - tma[i]);
+        for (ValClass& v : w.vcls) {  // packed accumulators of earlier segments
+          scal(v.acc.data() + (l0 + i) * d, al[i], d);
+          scal(v.acc_lo.data() + (l0 + i) * v.n_groups, al[i], v.n_groups);
+        }
+      }
+    const __m512 alpha = _mm512_load_ps(al);
+    _mm512_storeu_ps(w.alpha.data() + l0, alpha);
+    mx = _mm512_mask_blend_ps(up, mx, tmax);
+    _mm512_storeu_ps(w.mx.data() + l0, mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nt; ++t) {  // -inf (masked) - mx, or -inf - -inf = NaN, give 0
+      float* s = st + t * mp + l0;
+      const __m512 p = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+      _mm512_storeu_ps(s, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(w.l.data() + l0,
+                     _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(w.l.data() + l0), alpha), sum));
+  }
+  // ---- acc[m] = acc[m] * alpha_m + sum over visible rows of p v
+  const float* a = w.alpha.data();
+  switch (d / 16) {
+    case 1:
+      pv_all<1>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+      break;
+    case 2:
+      pv_all<2>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+      break;
+    case 3:
+      pv_all<3>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+      break;
+    case 4:
+      pv_all<4>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+      break;
+    case 5:
+      pv_all<5>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+      break;
+    case 6:
+      pv_all<6>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+      break;
+    case 7:
+      pv_all<7>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+      break;
+    default:
+      pv_all<8>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+      break;
+  }
+}
+#endif
 
 // PackedTensor of segment rows for head h: perm/signs offset to head h.
 PackedTensor head_tensor(const PackedTensor& t, int64_t h, int64_t d) {
@@ -592,6 +814,12 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
   w.pos.resize(static_cast<size_t>(kTile));
   w.vis.resize(static_cast<size_t>(kTile));
   const float neg_inf = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  // Decided by the call's queries per head (not the item's), so a query's arithmetic does not
+  // depend on how the queries were cut into items.
+  const bool many = n_q_all >= kManyQueries && many_supported(d);
+  if (many) build_many(w);
+#endif
 
   for (const ViewSegment& seg : view.segments) {
     if (seg.n_rows == 0) continue;
@@ -624,6 +852,25 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         }
       }
       if (n_vis == 0) continue;
+#if defined(__AVX512F__)
+      if (many && !packed) {
+        for (int64_t vi = 0; vi < n_vis; ++vi) {
+          const int64_t t = w.vis[static_cast<size_t>(vi)];
+          float* kt = w.kt.data() + t * d;
+          float* vt = w.vt.data() + t * d;
+          if (seg.keys.stride[3] == 1)
+            row_to_f32(seg.keys.row(b, kh, j0 + t), seg.keys.dtype, kt, d);
+          else
+            for (int64_t c = 0; c < d; ++c) kt[c] = seg.keys.at(b, kh, j0 + t, c);
+          if (seg.values.stride[3] == 1)
+            row_to_f32(seg.values.row(b, kh, j0 + t), seg.values.dtype, vt, d);
+          else
+            for (int64_t c = 0; c < d; ++c) vt[c] = seg.values.at(b, kh, j0 + t, c);
+        }
+        many_tile(w, nt, n_vis, p.window);
+        continue;
+      }
+#endif
       if (n_vis < nt) {  // offsets of skipped rows must be finite zeros (read by the lo terms)
         std::fill(w.klo.begin(), w.klo.end(), 0.0f);
         std::fill(w.vlo.begin(), w.vlo.end(), 0.0f);
