@@ -66,7 +66,7 @@ class DeviceKVCache {
 
 // Validates cfg exactly as the CPU builder does (vq::Error naming the field; cfg.head_dim is
 // replaced by head_dim) and builds the device cache of cfg.method: "full", "snapkv", "skvq" or
-// "streaming".
+// "streaming". SnapKV evicts after every multi-token call (snap_evict_at = prompt_end is refused).
 // Other methods are refused with a vq::Error naming the method and the supported ones.
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg, int64_t batch,
                                                  int64_t heads, int64_t head_dim,

@@ -17,7 +17,15 @@ std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int6
   cfg.head_dim = head_dim;
   validate(cfg);  // names the first bad field, its value and the allowed range
   if (cfg.method == "full") return make_device_full_cache(batch, heads, head_dim, s);
-  if (cfg.method == "snapkv") return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);
+  if (cfg.method == "snapkv") {
+    // The device cache evicts after every multi-token call (the seed's rule); the once-per-prompt
+    // rule (end_prompt) is not implemented on the device: refuse rather than differ silently.
+    VQ_CHECK(
+        cfg.snap_evict_at == SnapEvictAt::kPrefillCall,
+        "[make_device_cache] snap_evict_at: expected prefill_call (the only rule of the device "
+        "SnapKV cache) but got prompt_end");
+    return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);
+  }
   if (cfg.method == "skvq") return make_device_skvq_cache(cfg, batch, heads, head_dim, s);
   if (cfg.method == "streaming") return make_device_streaming_cache(cfg, batch, heads, head_dim, s);
   throw Error(

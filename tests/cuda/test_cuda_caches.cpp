@@ -661,5 +661,18 @@ TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
   EXPECT_EQ(gq->offset(), 0);
 }
 
+// Needs no device: the config is refused before anything is allocated.
+TEST(CudaCaches, RefusesPromptEndEviction) {
+  CacheConfig cfg;
+  cfg.method = "snapkv";
+  cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  try {
+    cuda::make_device_cache(cfg, 1, 2, 64);
+    ADD_FAILURE() << "snap_evict_at = prompt_end accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("snap_evict_at"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace vq
