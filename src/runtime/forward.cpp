@@ -7,6 +7,10 @@
 // returns the view (stored rows ++ these rows, per-row positions) and attention runs over it
 // (query head qh reads KV head qh / (H_q / H_kv)); o_proj, residual; RMSNorm, SwiGLU MLP,
 // residual. Then the final norm and the logits of the requested positions.
+// Threads: the matrix products and attention split their own work; the per-token steps
+// (RMSNorm fused with the residual add, RoPE with the head-major copies, SwiGLU) are split over
+// tokens with OpenMP when a call has at least kParallelTokens tokens (prefill), so no core idles
+// through them; each token's arithmetic is the same either way.
 #include <omp.h>
 
 #include <cmath>
@@ -20,6 +24,8 @@
 namespace vq {
 
 namespace {
+
+constexpr int64_t kParallelTokens = 8;  // per-token steps run on every thread from this many
 
 void linear(const Linear& l, const float* x, int64_t n_tokens, float* y) {
   kernels::matmul(x, n_tokens, l.in, l.in, l.w, l.dtype, l.out,
@@ -107,13 +113,20 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
   ap.window = c.sliding_window;
   ap.q_pos0 = offset;
 
+  const bool par = T >= kParallelTokens;
   for (int64_t li = 0; li < c.n_layers; ++li) {
     const Layer& L = layers_[static_cast<size_t>(li)];
-    for (int64_t t = 0; t < T; ++t)
+    // x += h (the previous layer's MLP output; none before layer 0), h = RMSNorm(x).
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < T; ++t) {
+      if (li > 0)
+        for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
       kernels::rmsnorm(x + t * Hd, L.attn_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
+    }
     const kernels::MatmulOut qkv[3] = {out_of(L.q, q), out_of(L.k, k), out_of(L.v, v)};
     kernels::matmul_multi(h, T, Hd, Hd, qkv, 3);
     // RoPE, then token-major [T, heads, D] -> head-major [B, heads, S, D].
+#pragma omp parallel for schedule(static) if (par)
     for (int64_t t = 0; t < T; ++t) {
       const int64_t b = t / seq, si = t % seq;
       apply_rope(q + t * Hq * D, Hq, D, cos_t + si * half, sin_t + si * half, c.rope.style);
@@ -140,6 +153,7 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
     const CacheView view = cache.update_and_fetch(k_view, v_view, uo);
     attention(q_view, view, ap, attn);
     // [B, H_q, S, D] -> [T, H_q * D]
+#pragma omp parallel for schedule(static) if (par)
     for (int64_t t = 0; t < T; ++t) {
       const int64_t b = t / seq, si = t % seq;
       for (int64_t hh = 0; hh < Hq; ++hh)
@@ -147,15 +161,23 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
                     static_cast<size_t>(D) * sizeof(float));
     }
     linear(L.o, attn_t, T, h);
-    for (size_t i = 0; i < uT * Hd; ++i) x[i] += h[i];
 
-    for (int64_t t = 0; t < T; ++t)
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
       kernels::rmsnorm(x + t * Hd, L.mlp_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
+    }
     const kernels::MatmulOut gate_up[2] = {out_of(L.gate, gate), out_of(L.up, up)};
     kernels::matmul_multi(h, T, Hd, Hd, gate_up, 2);
-    kernels::swiglu(gate, up, T * I, gate);
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < T; ++t) kernels::swiglu(gate + t * I, up + t * I, I, gate + t * I);
     linear(L.down, gate, T, h);
-    for (size_t i = 0; i < uT * Hd; ++i) x[i] += h[i];
+  }
+  // The last layer's MLP output.
+  if (c.n_layers > 0) {
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
   }
 
   if (opts.logits == ForwardOptions::Logits::kNone || logits == nullptr) return;

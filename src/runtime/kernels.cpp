@@ -139,18 +139,54 @@ void dot_rows(const float* x, int64_t n_tokens, int64_t ldx, const void* w, int6
 
 // ---- packed-panel path ----
 
-// P[k][j] = W[n0 + j][k0 + k] as fp32 for j < rows (rows <= kPanel), zero for j >= rows.
+// In-register transpose of a 16 x 16 fp32 block: r[i] (row i) becomes column i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved per 32-bit element
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + c], 128-bit lane l: rows g..g+3 of column 4l + c
+    const __m512d a = _mm512_castps_pd(t[g]), b = _mm512_castps_pd(t[g + 1]);
+    const __m512d c = _mm512_castps_pd(t[g + 2]), d = _mm512_castps_pd(t[g + 3]);
+    u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {  // gather the four row groups' 128-bit lanes per column
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+    const __m512 v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+    r[4 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+  }
+}
+
+// P[k][j] = W[n0 + j][k0 + k] as fp32 for j < rows (rows <= kPanel), zero for j >= rows:
+// 16 rows x 16 columns at a time, converted in registers and transposed there.
 template <DType WT>
 void pack_panel(const void* w, int64_t k_total, int64_t n0, int64_t rows, int64_t k0, int64_t kc,
-                float* tmp, float* P) {
+                float* P) {
   const size_t es = dtype_size(WT);
-  for (int64_t j = 0; j < kPanel; ++j) {
-    if (j < rows) {
-      to_f32(static_cast<const char*>(w) + ((n0 + j) * k_total + k0) * es, WT, tmp,
-             static_cast<size_t>(kc));
-      for (int64_t k = 0; k < kc; ++k) P[k * kPanel + j] = tmp[k];
-    } else {
-      for (int64_t k = 0; k < kc; ++k) P[k * kPanel + j] = 0.0f;
+  for (int64_t jh = 0; jh < kPanel; jh += 16) {
+    const int64_t vr = std::clamp<int64_t>(rows - jh, 0, 16);  // rows of this half
+    const char* base = static_cast<const char*>(w) + static_cast<size_t>((n0 + jh) * k_total) * es;
+    for (int64_t k = 0; k < kc; k += 16) {
+      const int64_t kn = std::min<int64_t>(16, kc - k);
+      const __mmask16 m = static_cast<__mmask16>(kn == 16 ? 0xFFFF : (1u << kn) - 1u);
+      __m512 r[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        const void* row = base + static_cast<size_t>(j * k_total) * es;
+        r[j] = j >= vr    ? _mm512_setzero_ps()
+               : kn == 16 ? load_w16<WT>(row, k0 + k)
+                          : load_w16_masked<WT>(row, k0 + k, m);
+      }
+      transpose16(r);
+      for (int64_t kk = 0; kk < kn; ++kk) _mm512_storeu_ps(P + (k + kk) * kPanel + jh, r[kk]);
     }
   }
 }
@@ -203,10 +239,9 @@ template <DType WT>
 void run_panel(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const MatmulOut& o,
                int64_t n0, int64_t rows) {
   const int64_t kb = std::min(k, kKBlock);
-  thread_local std::vector<float> panel_buf, tmp_buf;
+  thread_local std::vector<float> panel_buf;
   if (panel_buf.size() < static_cast<size_t>(kb * kPanel))
     panel_buf.resize(static_cast<size_t>(kb * kPanel));
-  if (tmp_buf.size() < static_cast<size_t>(kb)) tmp_buf.resize(static_cast<size_t>(kb));
   float* P = panel_buf.data();
   const __mmask16 m0 = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1u);
   const __mmask16 m1 = static_cast<__mmask16>(rows >= 32  ? 0xFFFF
@@ -214,7 +249,7 @@ void run_panel(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const M
                                                           : 0u);
   for (int64_t k0 = 0; k0 < k; k0 += kb) {
     const int64_t kc = std::min(kb, k - k0);
-    pack_panel<WT>(o.w, k, n0, rows, k0, kc, tmp_buf.data(), P);
+    pack_panel<WT>(o.w, k, n0, rows, k0, kc, P);
     for (int64_t t0 = 0; t0 < n_tokens; t0 += kMR)
       packed_micro_dispatch<kMR>(std::min(kMR, n_tokens - t0), P, kc, x + t0 * ldx + k0, ldx,
                                  o.y + t0 * o.ldy + n0, o.ldy, m0, m1, k0 == 0,
@@ -356,18 +391,84 @@ void matmul_reference(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, 
     }
 }
 
+#if VQ_KERNELS_AVX512
+namespace {
+
+// exp(x) for x <= 0 on 16 lanes (x < -87 and NaN give 0): Cody-Waite reduction by ln 2 and the
+// Cephes degree-6 polynomial, the operations of fused_attention.cpp's exp_nonpos (measured max
+// relative error 1.41 u, u = 2^-24, over [-87, 0]).
+inline __m512 exp_nonpos16(__m512 v) {
+  const __m512 lim = _mm512_set1_ps(-87.0f);
+  const __mmask16 ok = _mm512_cmp_ps_mask(v, lim, _CMP_GE_OQ);
+  v = _mm512_mask_blend_ps(ok, lim, v);
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 k = _mm512_sub_ps(
+      _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
+  __m512 r = _mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 q = _mm512_set1_ps(1.9875691500E-4f);
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.3981999507E-3f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(8.3334519073E-3f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(4.1665795894E-2f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.6666665459E-1f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(5.0000001201E-1f));
+  q = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(q, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(ok, q, _mm512_castsi512_ps(bits));
+}
+
+// silu(g) * u with e = exp(-|g|) in (0, 1]: g / (1 + e) for g >= 0, g e / (1 + e) for g < 0
+// (the same value as g / (1 + exp(-g)), without overflow).
+inline __m512 swiglu16(__m512 g, __m512 u) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 e = exp_nonpos16(_mm512_or_ps(g, sign));  // -|g|
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+  return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+}  // namespace
+#endif
+
 void rmsnorm(const float* x, const float* weight, int64_t n, double eps, float* out) {
   double ss = 0.0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  int64_t i = 0;
+#if VQ_KERNELS_AVX512
+  // Double lanes (products exact in double, 8-lane partial sums): the sum differs from the
+  // sequential one by ~n 2^-53 relative, far below the fp32 result's rounding.
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  for (; i + 16 <= n; i += 16) {
+    const __m512d x0 = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    const __m512d x1 = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
+    a0 = _mm512_add_pd(a0, _mm512_mul_pd(x0, x0));
+    a1 = _mm512_add_pd(a1, _mm512_mul_pd(x1, x1));
+  }
+  alignas(64) double lanes[8];
+  _mm512_store_pd(lanes, _mm512_add_pd(a0, a1));
+  for (double l : lanes) ss += l;
+#endif
+  for (; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
   const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
-  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+  for (int64_t j = 0; j < n; ++j) out[j] = weight[j] * (x[j] * inv);
 }
 
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+#if VQ_KERNELS_AVX512
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, swiglu16(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
+  if (i < n) {  // the same arithmetic on the masked tail
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(
+        out + i, m, swiglu16(_mm512_maskz_loadu_ps(m, gate + i), _mm512_maskz_loadu_ps(m, up + i)));
+  }
+#else
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     out[i] = g / (1.0f + std::exp(-g)) * up[i];
   }
+#endif
 }
 
 }  // namespace vq::kernels
