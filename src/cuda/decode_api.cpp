@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,30 @@ int sm_count() {
     VQ_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
     return v;
   }();
+  return n;
+}
+
+// The occupancy query of the tensor-core kernel, remembered per (device, kernel, stage size):
+// decode runs once per layer and token, and the query costs host time.
+int mma_blocks_per_sm_cached(const DecodeParams& dp) {
+  struct Entry {
+    int dev, kind, d, g, half, n;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  int dev = 0;
+  VQ_CUDA_CHECK(cudaGetDevice(&dev));
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    for (const Entry& e : cache)
+      if (e.dev == dev && e.kind == dp.use_mma && e.d == dp.head_dim && e.g == dp.group &&
+          e.half == dp.stage_half_bytes)
+        return e.n;
+  }
+  const int n = decode_mma_blocks_per_sm(dp);
+  const std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() < 256)
+    cache.push_back({dev, dp.use_mma, dp.head_dim, dp.group, dp.stage_half_bytes, n});
   return n;
 }
 
@@ -193,7 +218,7 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
   if (mma) {
     // stage rows: a multiple of 64 for the packed rows (or the f16 rows of an f16-only view),
     // a multiple of 16 for the f16 sinks / tail of a packed view, within the same stage bytes
-    dp.use_mma = any_packed ? 2 : 1;
+    dp.use_mma = !any_packed ? 1 : (dp.pk.k_meta == 0 && dp.pk.v_meta == 0 ? 3 : 2);
     int64_t half = 0;
     for (int i = 0; i < dp.n_segments; ++i) {
       DecodeSegmentParams& d = dp.seg[i];
@@ -223,7 +248,7 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
     half = std::max(half + 32, (merge + 5) / 6);
     dp.stage_half_bytes = static_cast<int32_t>((half + 15) / 16 * 16);
     dp.head_dim = static_cast<int32_t>(D);
-    const int bps = std::max(1, decode_mma_blocks_per_sm(dp));
+    const int bps = std::max(1, mma_blocks_per_sm_cached(dp));
     target_blocks = static_cast<int64_t>(bps) * sm_count();  // one wave
   }
 

@@ -138,26 +138,31 @@ void launch_split<2, 4>(const DecodeParams&, cudaStream_t);
 }  // namespace decode_impl
 
 namespace decode_mma {
-template <bool PK>
+template <int PK>
 int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
 template <>
-int mma_dispatch<false>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<0>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<true>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<1>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<2>(const DecodeParams&, cudaStream_t, bool);
 }  // namespace decode_mma
 
 int decode_mma_blocks_per_sm(const DecodeParams& p) {
-  return p.use_mma == 2 ? decode_mma::mma_dispatch<true>(p, nullptr, true)
-                        : decode_mma::mma_dispatch<false>(p, nullptr, true);
+  if (p.use_mma == 3) return decode_mma::mma_dispatch<2>(p, nullptr, true);
+  if (p.use_mma == 2) return decode_mma::mma_dispatch<1>(p, nullptr, true);
+  return decode_mma::mma_dispatch<0>(p, nullptr, true);
 }
 
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
   using namespace decode_impl;
   const int kb = p.k_bits, vb = p.v_bits;
   if (p.use_mma == 1) {
-    decode_mma::mma_dispatch<false>(p, s, false);
+    decode_mma::mma_dispatch<0>(p, s, false);
   } else if (p.use_mma == 2) {
-    decode_mma::mma_dispatch<true>(p, s, false);
+    decode_mma::mma_dispatch<1>(p, s, false);
+  } else if (p.use_mma == 3) {
+    decode_mma::mma_dispatch<2>(p, s, false);
   } else if (kb == 0 && vb == 0) {
     launch_split<0, 0>(p, s);
   } else if (kb == 2 && vb == 2) {

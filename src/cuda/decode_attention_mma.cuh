@@ -1,9 +1,10 @@
 // Internal: the tensor-core split kernel of fused decode attention, for views whose full-precision
 // segments are f16 and whose packed segments (if any) hold 2-bit keys and values in groups of a
 // multiple of 32 channels (records 4-byte aligned). Templated on the head dim D, the GQA group G
-// and PK (false: f16 segments only, true: f16 and 2-bit packed segments). Included by
-// decode_attention_mma_f16.cu / decode_attention_mma_k2v2.cu; the generic kernel in
-// decode_attention_kernel.cuh takes every other view. Same parameters, partials and combine.
+// and PK (0: f16 segments only; 1: f16 and 2-bit packed segments, any metadata type; 2: the same
+// with f16 metadata, read without a type switch). Included by decode_attention_mma_*.cu; the
+// generic kernel in decode_attention_kernel.cuh takes every other view. Same parameters, partials
+// and combine.
 //
 // One block = 4 warps = one (split, kv head, batch); the split's rows of one segment stream
 // through a 3-stage cp.async pipeline of tile_rows rows (a multiple of 64). f16 rows are staged
@@ -25,8 +26,14 @@
 //      the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the next
 //      channel, so a lane's codes are one byte per row and block, each code read where it lies
 //      (value 4^i c for the i-th code of the byte, undone by an exact power-of-two scale later).
-// Rows past the split end: f16 rows are zero-filled in shared memory, packed rows get p = 0,
-// scale = lo = 0 (their bytes are never trusted), and every logit of an invisible row is -inf.
+// Numerics: q and p are carried as fp16 hi + lo (about 2^-22 relative per term); packed values
+// use B = p * scale * 2^S per 16-row tile and 32-channel block, S putting the block's largest
+// scale in [2^14, 2^15) and undone (exactly) on the fp32 product, so no term overflows and a
+// term loses relative precision only below 2^-28 of that largest scale (fp16 subnormals: absolute
+// error at most 2^-25 * 2^-S per term). f16 value rows use B = p <= 1 (terms under 2^-14 carry an
+// absolute error of at most 2^-25 * |v|, within the fp32 accumulation budget of the tests). Rows
+// past the split end: f16 rows are zero-filled in shared memory, packed rows get p = 0, scale = lo
+// = 0 (their bytes are never trusted), and every logit of an invisible row is -inf.
 #pragma once
 
 #include "cuda/decode_attention_kernel.cuh"
@@ -43,6 +50,11 @@ using decode_impl::mma_16816;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kStages = 3;
+// Resident blocks the packed kernels aim for with G <= 4 (register cap 65536 / (128 * this)).
+#ifndef VQ_MMA_PACKED_MIN_BLOCKS
+#define VQ_MMA_PACKED_MIN_BLOCKS 4
+#endif
+constexpr int kPackedMinBlocks = VQ_MMA_PACKED_MIN_BLOCKS;
 
 template <int D, int G>
 struct MGeo {
@@ -51,11 +63,11 @@ struct MGeo {
   static constexpr int MT = D / 16;          // m-tiles of the value accumulator
 };
 
-// Shared memory besides the stages: queries [G][D], sigma [8], chunk sums [G][NCH], value bias
-// [warps][G][NCH].
+// Shared memory besides the stages: queries [G][D] and the transform's scratch [G][D], sigma [8],
+// chunk sums [G][NCH], value bias [warps][G][NCH].
 template <int D, int G>
 constexpr int mma_extra_smem() {
-  return (G * D + 8 + G * (D / 32) + kWarps * G * (D / 32)) * 4;
+  return (2 * G * D + 8 + G * (D / 32) + kWarps * G * (D / 32)) * 4;
 }
 // The block merge at the end reuses the stages: [warps][G] max and sum, [warps][G][D] accumulators.
 template <int D, int G>
@@ -74,24 +86,24 @@ __device__ __forceinline__ uint32_t lds16(const uint8_t* p) {
   return *reinterpret_cast<const uint16_t*>(p);
 }
 
-// fp16 pair of the magic-biased codes: (v | 0x6400 per half) - 1024, exact.
-__device__ __forceinline__ uint32_t code_pair(uint32_t v) {
-  const uint32_t u = v | 0x64006400u;
+// fp16 pair of the magic-biased codes: ((y & mask) | 0x6400 per half) - 1024, exact; the mask
+// and the OR in one lop3 (the magic number in a register: one immediate per instruction).
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t code_pair(uint32_t y) {
+  uint32_t u;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(u) : "r"(y), "n"(MASK), "r"(0x64006400u));
   const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&u),
                             __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// Part `part` (0: fp16 rounding hi of x, 1: fp16 rounding of x - hi) of two values, packed.
+// Part `part` (0: fp16 rounding hi of x, 1: fp16 rounding of x - hi) of two values, packed;
+// branch-free (the two parts sit in neighbouring lanes of a warp).
 __device__ __forceinline__ uint32_t split_pack(float x0, float x1, int part) {
-  const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
-  __half2 r;
-  if (part == 0) {
-    r = __halves2half2(h0, h1);
-  } else {
-    r = __halves2half2(__float2half_rn(x0 - __half2float(h0)),
-                       __float2half_rn(x1 - __half2float(h1)));
-  }
+  const __half2 hi = __floats2half2_rn(x0, x1);
+  const float2 f = __half22float2(hi);
+  const __half2 lo = __floats2half2_rn(x0 - f.x, x1 - f.y);
+  const __half2 r = part ? lo : hi;
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
@@ -103,10 +115,11 @@ __device__ __forceinline__ void ldsm_x4_trans(const uint8_t* addr, uint32_t& r0,
                : "r"(a));
 }
 
-// (lo, scale) of group g of a 4-byte aligned record at rec (meta: 0 f16, 1 f32, 2 fp8).
+// (lo, scale) of group g of a 4-byte aligned record at rec (meta: 0 f16, 1 f32, 2 fp8; MF: f16).
+template <bool MF>
 __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int meta, int g,
                                        float& lo, float& sc) {
-  if (meta == 0) {
+  if (MF || meta == 0) {
     const uint32_t w = lds32(rec + code_bytes + 4 * g);
     lo = decode_impl::f16_bits_to_f32(w);
     sc = decode_impl::f16_bits_to_f32(w >> 16);
@@ -120,10 +133,11 @@ __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int m
   }
 }
 
-template <int D, int G, bool PK>
-__global__ void __launch_bounds__(kThreads, 2)
+template <int D, int G, int PK>
+__global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : 3))
     decode_mma_kernel(const __grid_constant__ DecodeParams p) {
   using Gm = MGeo<D, G>;
+  constexpr bool MF = PK == 2;
   constexpr int NT = Gm::NT, NCH = Gm::NCH, MT = Gm::MT;
   constexpr int RB = 2 * D;  // f16 row bytes
   extern __shared__ __align__(16) uint8_t smem[];
@@ -133,6 +147,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* ssig = qs + G * D;                                       // [8]
   float* sqsum = ssig + 8;                                        // [G][NCH]
   float* sbias = sqsum + G * NCH;                                 // [warps][G][NCH]
+  float* qtmp = sbias + kWarps * G * NCH;                         // [G][D]
 
   decode_impl::grid_dependency_trigger();
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -142,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   int si = 0;
   while (si + 1 < p.n_segments && split >= p.seg[si + 1].split_begin) ++si;
   const DecodeSegmentParams& sg = p.seg[si];
-  const bool packed = PK && sg.packed != 0;
+  const bool packed = PK > 0 && sg.packed != 0;
   const int64_t r_begin = static_cast<int64_t>(split - sg.split_begin) * sg.rows_per_split;
   const int64_t r_end = min64(sg.n_rows, r_begin + sg.rows_per_split);
   const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
@@ -151,12 +166,46 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint8_t* vbase = sg.v + bh * sg.capacity * vrb;
   const int32_t* pos = sg.positions ? sg.positions + bh * sg.capacity : nullptr;
 
+  // ---- the first stages are in flight while the queries are prepared
+  const int64_t n_split_rows = r_end - r_begin;
+  const int n_tiles = static_cast<int>((n_split_rows + TR - 1) / TR);
+  auto issue = [&](int tt) {
+    const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
+    const int nr = static_cast<int>(min64(TR, r_end - r0));
+    uint8_t* sk = stages + (tt % kStages) * 2 * SH;
+    uint8_t* sv = sk + SH;
+    if (!packed) {
+      constexpr int CPR = D / 8;  // 16-byte chunks per row
+      const uint8_t* gk = kbase + r0 * RB;
+      const uint8_t* gv = vbase + r0 * RB;
+      for (int i = tid; i < nr * CPR; i += kThreads) {
+        const int r = i / CPR, c = i % CPR;
+        const int o = r * RB + 16 * (c ^ swz(r & 7));
+        cp_async16(sk + o, gk + 16 * i);
+        cp_async16(sv + o, gv + 16 * i);
+      }
+      const int nr16 = (nr + 15) & ~15;  // zero the rest of the last warp-tile
+      for (int i = nr * CPR + tid; i < nr16 * CPR; i += kThreads) {
+        *reinterpret_cast<uint4*>(sk + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(sv + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else {
+      decode_impl::copy_range(sk, kbase + r0 * krb, static_cast<int64_t>(nr) * krb, tid);
+      decode_impl::copy_range(sv, vbase + r0 * vrb, static_cast<int64_t>(nr) * vrb, tid);
+    }
+  };
+#pragma unroll
+  for (int tt = 0; tt < kStages - 1; ++tt) {
+    if (tt < n_tiles) issue(tt);
+    cp_async_commit();
+  }
+
   // ---- queries: scaled by scale * log2 e, transformed for packed keys, split hi/lo per lane
   const float* qg = p.q + (bh * G) * D;
   for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
   __syncthreads();
   if (packed && (p.pk.k_signs || p.pk.k_perm))
-    decode_impl::transform_queries<D, G>(qs, reinterpret_cast<float*>(stages), p.pk, kvh, tid);
+    decode_impl::transform_queries<D, G>(qs, qtmp, p.pk, kvh, tid);
   for (int h = warp; h < G; h += kWarps) {
     float mx = 0.0f;
     for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[h * D + d]));
@@ -204,7 +253,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int c = 0; c < NCH; ++c) qsum[nt][c] = h < G ? sqsum[h * NCH + c] : 0.0f;
   }
-  __syncthreads();  // the stage area served as scratch of the transform
 
   float m_run[NT], l_run[NT];
   float vacc[NT][MT][4];
@@ -221,42 +269,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int c = 0; c < NCH; ++c) vb[nt][c] = 0.0f;
   }
 
-  const int64_t n_split_rows = r_end - r_begin;
-  const int n_tiles = static_cast<int>((n_split_rows + TR - 1) / TR);
-  auto issue = [&](int tt) {
-    const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
-    const int nr = static_cast<int>(min64(TR, r_end - r0));
-    uint8_t* sk = stages + (tt % kStages) * 2 * SH;
-    uint8_t* sv = sk + SH;
-    if (!packed) {
-      constexpr int CPR = D / 8;  // 16-byte chunks per row
-      const uint8_t* gk = kbase + r0 * RB;
-      const uint8_t* gv = vbase + r0 * RB;
-      for (int i = tid; i < nr * CPR; i += kThreads) {
-        const int r = i / CPR, c = i % CPR;
-        const int o = r * RB + 16 * (c ^ swz(r & 7));
-        cp_async16(sk + o, gk + 16 * i);
-        cp_async16(sv + o, gv + 16 * i);
-      }
-      const int nr16 = (nr + 15) & ~15;  // zero the rest of the last warp-tile
-      for (int i = nr * CPR + tid; i < nr16 * CPR; i += kThreads) {
-        *reinterpret_cast<uint4*>(sk + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(sv + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    } else {
-      decode_impl::copy_range(sk, kbase + r0 * krb, static_cast<int64_t>(nr) * krb, tid);
-      decode_impl::copy_range(sv, vbase + r0 * vrb, static_cast<int64_t>(nr) * vrb, tid);
-    }
-  };
-#pragma unroll
-  for (int tt = 0; tt < kStages - 1; ++tt) {
-    if (tt < n_tiles) issue(tt);
-    cp_async_commit();
-  }
-
   const int hb = g >> 1, partb = g & 1;  // the B-operand column of this lane: head hb, part
   const uint32_t psel = static_cast<uint32_t>((g & 3) | ((4 + (g & 3)) << 8));
-  const int gsz = p.pk.group_size;
+  int grpc[NCH];  // metadata group of each 32-channel block
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) grpc[c] = (32 * c) / p.pk.group_size;
 
   for (int tt = 0; tt < n_tiles; ++tt) {
     if (tt + kStages - 1 < n_tiles) issue(tt + kStages - 1);
@@ -300,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           lg[nt][0] = (acc[nt][0] + acc[nt][1]) * sinv[nt];
           lg[nt][1] = (acc[nt][2] + acc[nt][3]) * sinv[nt];
         }
-      } else if constexpr (PK) {
+      } else if constexpr (PK > 0) {
         const uint8_t* rg = sk + kmis + (rb0 + g) * krb;
         const uint8_t* rg8 = rg + 8 * krb;
 #pragma unroll
@@ -310,13 +327,12 @@ __global__ void __launch_bounds__(kThreads, 2)
           uint32_t a[4], a8[4];
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
-            a[m] = code_pair((y0 >> (4 * m)) & 0x00030003u);
-            a8[m] = code_pair((y1 >> (4 * m)) & 0x00030003u);
+            a[m] = code_pair<0x00030003u>(y0 >> (4 * m));
+            a8[m] = code_pair<0x00030003u>(y1 >> (4 * m));
           }
-          const int grp = (32 * c) / gsz;
           float lo0, sc0, lo1, sc1;
-          meta_a(rg, p.pk.k_code_bytes, p.pk.k_meta, grp, lo0, sc0);
-          meta_a(rg8, p.pk.k_code_bytes, p.pk.k_meta, grp, lo1, sc1);
+          meta_a<MF>(rg, p.pk.k_code_bytes, p.pk.k_meta, grpc[c], lo0, sc0);
+          meta_a<MF>(rg8, p.pk.k_code_bytes, p.pk.k_meta, grpc[c], lo1, sc1);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -370,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           for (int j = 0; j < MT; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= al[nt];
-          if constexpr (PK) {
+          if constexpr (PK > 0) {
             const float ab = __shfl_sync(kFull, al[nt], hb);
 #pragma unroll
             for (int c = 0; c < NCH; ++c) vb[nt][c] *= ab;
@@ -409,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) mma_16816(vacc[nt][j], a0, a1, a2, a3, b0[nt], b1[nt]);
         }
-      } else if constexpr (PK) {
+      } else if constexpr (PK > 0) {
         const int ra = rb0 + 2 * t;
         const uint8_t* rec[4] = {sv + vmis + ra * vrb, sv + vmis + (ra + 1) * vrb,
                                  sv + vmis + (ra + 8) * vrb, sv + vmis + (ra + 9) * vrb};
@@ -422,23 +438,38 @@ __global__ void __launch_bounds__(kThreads, 2)
           const uint32_t yc =
               __byte_perm(lds32(rec[2] + 8 * c + wo), lds32(rec[3] + 8 * c + wo), psel);
           // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
-          const uint32_t e0 = code_pair(ya & 0x00030003u), e1 = code_pair(ya & 0x000C000Cu);
-          const uint32_t e2 = code_pair(yc & 0x00030003u), e3 = code_pair(yc & 0x000C000Cu);
-          const uint32_t f0 = code_pair(ya & 0x00300030u), f1 = code_pair(ya & 0x00C000C0u);
-          const uint32_t f2 = code_pair(yc & 0x00300030u), f3 = code_pair(yc & 0x00C000C0u);
-          const int grp = (32 * c) / gsz;
+          const uint32_t e0 = code_pair<0x00030003u>(ya), e1 = code_pair<0x000C000Cu>(ya);
+          const uint32_t e2 = code_pair<0x00030003u>(yc), e3 = code_pair<0x000C000Cu>(yc);
+          const uint32_t f0 = code_pair<0x00300030u>(ya), f1 = code_pair<0x00C000C0u>(ya);
+          const uint32_t f2 = code_pair<0x00300030u>(yc), f3 = code_pair<0x00C000C0u>(yc);
           float lo[4], sc[4];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            meta_a(rec[r], p.pk.v_code_bytes, p.pk.v_meta, grp, lo[r], sc[r]);
+            meta_a<MF>(rec[r], p.pk.v_code_bytes, p.pk.v_meta, grpc[c], lo[r], sc[r]);
             if (!ok[r]) lo[r] = sc[r] = 0.0f;
           }
+          // p * scale <= the block's largest scale (p <= 1): 2^S puts that in [2^14, 2^15), so
+          // the fp16 parts stay normal and finite whatever the scales (the same S for every lane)
+          float smax = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+          smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 1));
+          smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 2));
+          const int ex = min(max((__float_as_int(smax) >> 23) & 0xff, 15), 250);
+          const float up = __int_as_float((268 - ex) << 23);  // 2^S, S = 141 - ex
+          const float dn = __int_as_float((ex - 14) << 23);   // 2^-S
+#pragma unroll
+          for (int r = 0; r < 4; ++r) sc[r] *= up;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             const uint32_t bb0 = split_pack(pv[nt][0] * sc[0], pv[nt][1] * sc[1], partb);
             const uint32_t bb1 = split_pack(pv[nt][2] * sc[2], pv[nt][3] * sc[3], partb);
-            mma_16816(vacc[nt][2 * c], e0, e1, e2, e3, bb0, bb1);
-            mma_16816(vacc[nt][2 * c + 1], f0, f1, f2, f3, bb0, bb1);
+            float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_16816(c0, e0, e1, e2, e3, bb0, bb1);
+            mma_16816(c1, f0, f1, f2, f3, bb0, bb1);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              vacc[nt][2 * c][i] = fmaf(c0[i], dn, vacc[nt][2 * c][i]);
+              vacc[nt][2 * c + 1][i] = fmaf(c1[i], dn, vacc[nt][2 * c + 1][i]);
+            }
             float s = vb[nt][c];
             s = fmaf(pv[nt][0], lo[0], s);
             s = fmaf(pv[nt][1], lo[1], s);
@@ -468,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       wm[warp * G + h] = m_run[nt];
       wl[warp * G + h] = l;
     }
-    if constexpr (PK) {
+    if constexpr (PK > 0) {
 #pragma unroll
       for (int c = 0; c < NCH; ++c) {
         float s = vb[nt][c];
@@ -508,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int w = 0; w < kWarps; ++w) {
         const float f = exp2f(wm[w * G + h] - mx);
         float x = wacc[(w * G + h) * D + d];
-        if (PK && packed) x += sbias[(w * G + h) * NCH + d / 32];
+        if (PK > 0 && packed) x += sbias[(w * G + h) * NCH + d / 32];
         a += x * f;
         l += wl[w * G + h] * f;
       }
@@ -522,34 +553,36 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-template <int D, int G, bool PK>
+template <int D, int G, int PK>
 int mma_smem_bytes(const DecodeParams& p) {
   return kStages * 2 * p.stage_half_bytes + mma_extra_smem<D, G>();
 }
 
-template <int D, int G, bool PK>
+template <int D, int G, int PK>
 void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
   const int smem = mma_smem_bytes<D, G, PK>(p);
   auto kern = decode_mma_kernel<D, G, PK>;
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
                   static_cast<unsigned>(p.batch));
   kern<<<grid, kThreads, smem, s>>>(p);
   VQ_CUDA_LAUNCH_CHECK(decode_mma_kernel);
 }
 
-template <int D, int G, bool PK>
+template <int D, int G, int PK>
 int blocks_per_sm_dg(const DecodeParams& p) {
   const int smem = mma_smem_bytes<D, G, PK>(p);
   auto kern = decode_mma_kernel<D, G, PK>;
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   int n = 0;
   VQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, smem));
   return n;
 }
 
 // Launch (or, with query, the resident blocks per SM) of one PK for the view's D and G.
-template <bool PK>
+template <int PK>
 int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
 
 #define VQ_DECODE_MMA_INSTANTIATE(PK)                                                      \

@@ -126,17 +126,37 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * R;
   const int nr = static_cast<int>(p.n_rows_total - row0 < R ? p.n_rows_total - row0 : R);
 
-  for (int i = tid; i < nr * D; i += kThreads)
-    x[(i / D) * DP + i % D] = load_elem(p.rows, p.dtype, row0 * D + i);
+  // Element loops run a warp per row (no index division); the head of each row once per row.
+  const int lane = tid & 31, warp = tid >> 5;
+  int* shead = reinterpret_cast<int*>(codes + ((R * D + 3) & ~3));  // [R]
+  for (int r = tid; r < nr; r += kThreads)
+    shead[r] = static_cast<int>(((row0 + r) / p.rows_per_head) % p.n_heads);
+  if (p.dtype == 1 && D % 8 == 0 && reinterpret_cast<uintptr_t>(p.rows) % 16 == 0) {
+    const int D8 = D / 8;  // f16 rows: 8 elements per 16-byte load
+    const uint4* src =
+        reinterpret_cast<const uint4*>(static_cast<const __half*>(p.rows) + row0 * D);
+    for (int r = warp; r < nr; r += kThreads / 32)
+      for (int c8 = lane; c8 < D8; c8 += 32) {
+        const uint4 u = src[r * D8 + c8];
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+        float* dst = x + r * DP + 8 * c8;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+          dst[2 * k] = f.x;
+          dst[2 * k + 1] = f.y;
+        }
+      }
+  } else {
+    for (int r = warp; r < nr; r += kThreads / 32)
+      for (int c = lane; c < D; c += 32)
+        x[r * DP + c] = load_elem(p.rows, p.dtype, (row0 + r) * D + c);
+  }
   __syncthreads();
-  auto head_of = [&](int r) {
-    return static_cast<int>(((row0 + r) / p.rows_per_head) % p.n_heads);
-  };
   if (p.signs) {  // hadamard_rotate: x *= signs, then fwht_normalized
-    for (int i = tid; i < nr * D; i += kThreads) {
-      const int r = i / D, c = i % D;
-      x[r * DP + c] = __fmul_rn(x[r * DP + c], p.signs[static_cast<int64_t>(head_of(r)) * D + c]);
-    }
+    for (int r = warp; r < nr; r += kThreads / 32)
+      for (int c = lane; c < D; c += 32)
+        x[r * DP + c] = __fmul_rn(x[r * DP + c], p.signs[static_cast<int64_t>(shead[r]) * D + c]);
     __syncthreads();
     for (int span = 1; span < p.rot_block; span *= 2) {
       for (int i = tid; i < nr * D / 2; i += kThreads) {
@@ -149,15 +169,14 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
     }
-    for (int i = tid; i < nr * D; i += kThreads)
-      x[(i / D) * DP + i % D] = __fmul_rn(x[(i / D) * DP + i % D], p.rot_norm);
+    for (int r = warp; r < nr; r += kThreads / 32)
+      for (int c = lane; c < D; c += 32) x[r * DP + c] = __fmul_rn(x[r * DP + c], p.rot_norm);
     __syncthreads();
   }
-  for (int i = tid; i < nr * D; i += kThreads) {
-    const int r = i / D, c = i % D;
-    t[r * DP + c] =
-        p.perm ? x[r * DP + p.perm[static_cast<int64_t>(head_of(r)) * D + c]] : x[r * DP + c];
-  }
+  for (int r = warp; r < nr; r += kThreads / 32)
+    for (int c = lane; c < D; c += 32)
+      t[r * DP + c] =
+          p.perm ? x[r * DP + p.perm[static_cast<int64_t>(shead[r]) * D + c]] : x[r * DP + c];
   __syncthreads();
 
   // One (row, group) per thread: group_quantize_reference.
@@ -232,41 +251,41 @@ __global__ void __launch_bounds__(kThreads)
   // One record byte per thread.
   const int ms = p.meta == 1 ? 4 : (p.meta == 0 ? 2 : 1);
   const int rsb = p.row_stride;
-  for (int i = tid; i < nr * rsb; i += kThreads) {
-    const int r = i / rsb, byte = i % rsb;
-    const uint8_t* cr = codes + r * D;
-    uint32_t v = 0;
-    if (byte < p.packed_bytes) {
-      if (p.ternary) {
-        for (int m = 4; m >= 0; --m) {
-          const int j = 5 * byte + m;
-          v = v * 3u + (j < D ? cr[j] : 0u);
+  for (int r = warp; r < nr; r += kThreads / 32)
+    for (int byte = lane; byte < rsb; byte += 32) {
+      const uint8_t* cr = codes + r * D;
+      uint32_t v = 0;
+      if (byte < p.packed_bytes) {
+        if (p.ternary) {
+          for (int m = 4; m >= 0; --m) {
+            const int j = 5 * byte + m;
+            v = v * 3u + (j < D ? cr[j] : 0u);
+          }
+        } else {
+          const int b = p.bits;
+          const int j0 = (8 * byte) / b, j1 = (8 * byte + 7) / b;
+          for (int j = j0; j <= j1 && j < D; ++j) {
+            const int shift = j * b - 8 * byte;
+            v |= shift >= 0 ? (static_cast<uint32_t>(cr[j]) << shift)
+                            : (static_cast<uint32_t>(cr[j]) >> (-shift));
+          }
         }
-      } else {
-        const int b = p.bits;
-        const int j0 = (8 * byte) / b, j1 = (8 * byte + 7) / b;
-        for (int j = j0; j <= j1 && j < D; ++j) {
-          const int shift = j * b - 8 * byte;
-          v |= shift >= 0 ? (static_cast<uint32_t>(cr[j]) << shift)
-                          : (static_cast<uint32_t>(cr[j]) >> (-shift));
+      } else if (byte >= p.code_bytes) {
+        const int m = byte - p.code_bytes;
+        const int e = m / ms, eb = m % ms;
+        const float val = (e % 2 == 0) ? mlo[r * NG + e / 2] : msc[r * NG + e / 2];
+        uint32_t bits;
+        if (p.meta == 1) {
+          bits = __float_as_uint(val);
+        } else if (p.meta == 0) {
+          bits = __half_as_ushort(__float2half_rn(val));
+        } else {
+          bits = fp8_encode(val);
         }
+        v = bits >> (8 * eb);
       }
-    } else if (byte >= p.code_bytes) {
-      const int m = byte - p.code_bytes;
-      const int e = m / ms, eb = m % ms;
-      const float val = (e % 2 == 0) ? mlo[r * NG + e / 2] : msc[r * NG + e / 2];
-      uint32_t bits;
-      if (p.meta == 1) {
-        bits = __float_as_uint(val);
-      } else if (p.meta == 0) {
-        bits = __half_as_ushort(__float2half_rn(val));
-      } else {
-        bits = fp8_encode(val);
-      }
-      v = bits >> (8 * eb);
+      p.records[(row0 + r) * rsb + byte] = static_cast<uint8_t>(v & 0xffu);
     }
-    p.records[(row0 + r) * rsb + byte] = static_cast<uint8_t>(v & 0xffu);
-  }
 }
 
 __global__ void skvq_perm_kernel(const __grid_constant__ SkvqPermParams p) {
@@ -306,8 +325,9 @@ void skvq_quantize_launch(const SkvqQuantParams& p, cudaStream_t s) {
   const int D = p.head_dim, NG = p.n_groups;
   // About one (row, group) item per thread, 16..128 rows per block.
   const int rows = std::min(128, std::max(16, kThreads / NG));
-  const size_t smem =
-      static_cast<size_t>(rows) * (2 * (D + 1) + 2 * NG) * 4 + static_cast<size_t>(rows) * D;
+  const size_t smem = static_cast<size_t>(rows) * (2 * (D + 1) + 2 * NG) * 4 +
+                      static_cast<size_t>(rows) * D + 3 +
+                      static_cast<size_t>(rows) * 4;  // + the head of each row
   VQ_CHECK(smem <= 200 * 1024,
            "[skvq_quantize_rows] expected head_dim <= 256 but got " + std::to_string(D));
   VQ_CUDA_CHECK(cudaFuncSetAttribute(

@@ -207,6 +207,14 @@ HostView empty_view(int64_t B, int64_t H, int64_t D) {
 //    one rescale per 8-row tile, the warp/split merges and the final division (and for packed
 //    values the products p*scale, (p*scale)*c and p*lo): 2 gamma(9 n_vis / 8 + 64) * V;
 //  * the reference itself (fp32 products, double sums): 2^-23 |ref|.
+// The tensor-core kernel (f16 rows, 2-bit codes) stays inside these terms: it feeds q and p (or
+// p * scale * 2^S for packed values) to the tensor cores as fp16 hi + lo pairs, exact products
+// with fp32 accumulation; a pair carries its value to 2^-22 relative, which adds at most
+// 2^-22 sum |q_d k_d| <= 2^-22 ||q|| ||k_j|| to a logit (far below the gamma(D + ...) term, at
+// least 2^-17.3 ||q|| ||k_j|| here) and 2^-22 * 2V per value term (scale * code <= range <= 2V);
+// fp16 subnormal terms (p < 2^-14, or p * scale * 2^S < 2^-14) carry an absolute error of at most
+// 2^-25 |v| (f16 rows) or 3 * 2^-25 * 2^-S (packed, 2^-S <= 2^-14 * the block's largest scale),
+// i.e. at most n_vis * 2^-25 * V over all rows, inside 2 gamma(9 n_vis / 8 + 64) V.
 struct Check {
   double max_err = 0, max_ratio = 0, nmse_num = 0, nmse_den = 0;
   int64_t nonzero = 0;
