@@ -36,6 +36,18 @@ kernels::MatmulOut out_of(const Linear& l, float* y) {
   return {l.w, l.dtype, l.out, l.bias.empty() ? nullptr : l.bias.data(), y, l.out};
 }
 
+// f(t) for every token t, split statically over the threads when par (no parallel region at
+// all otherwise: decode pays nothing).
+template <typename F>
+void for_tokens(int64_t n_tokens, bool par, const F& f) {
+  if (par) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < n_tokens; ++t) f(t);
+  } else {
+    for (int64_t t = 0; t < n_tokens; ++t) f(t);
+  }
+}
+
 template <typename T>
 T* grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
@@ -117,17 +129,15 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
   for (int64_t li = 0; li < c.n_layers; ++li) {
     const Layer& L = layers_[static_cast<size_t>(li)];
     // x += h (the previous layer's MLP output; none before layer 0), h = RMSNorm(x).
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t t = 0; t < T; ++t) {
+    for_tokens(T, par, [&](int64_t t) {
       if (li > 0)
         for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
       kernels::rmsnorm(x + t * Hd, L.attn_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
-    }
+    });
     const kernels::MatmulOut qkv[3] = {out_of(L.q, q), out_of(L.k, k), out_of(L.v, v)};
     kernels::matmul_multi(h, T, Hd, Hd, qkv, 3);
     // RoPE, then token-major [T, heads, D] -> head-major [B, heads, S, D].
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t t = 0; t < T; ++t) {
+    for_tokens(T, par, [&](int64_t t) {
       const int64_t b = t / seq, si = t % seq;
       apply_rope(q + t * Hq * D, Hq, D, cos_t + si * half, sin_t + si * half, c.rope.style);
       apply_rope(k + t * Hkv * D, Hkv, D, cos_t + si * half, sin_t + si * half, c.rope.style);
@@ -146,39 +156,36 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
           from_f32(vs, static_cast<uint16_t*>(vbuf) + dst, kv_t, static_cast<size_t>(D));
         }
       }
-    }
+    });
     KVCache& cache = *caches[static_cast<size_t>(li)];
     UpdateOptions uo;
     uo.queries = opts.pass_queries ? &q_view : nullptr;
     const CacheView view = cache.update_and_fetch(k_view, v_view, uo);
     attention(q_view, view, ap, attn);
     // [B, H_q, S, D] -> [T, H_q * D]
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t t = 0; t < T; ++t) {
+    for_tokens(T, par, [&](int64_t t) {
       const int64_t b = t / seq, si = t % seq;
       for (int64_t hh = 0; hh < Hq; ++hh)
         std::memcpy(attn_t + (t * Hq + hh) * D, attn + ((b * Hq + hh) * seq + si) * D,
                     static_cast<size_t>(D) * sizeof(float));
-    }
+    });
     linear(L.o, attn_t, T, h);
 
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t t = 0; t < T; ++t) {
+    for_tokens(T, par, [&](int64_t t) {
       for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
       kernels::rmsnorm(x + t * Hd, L.mlp_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
-    }
+    });
     const kernels::MatmulOut gate_up[2] = {out_of(L.gate, gate), out_of(L.up, up)};
     kernels::matmul_multi(h, T, Hd, Hd, gate_up, 2);
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t t = 0; t < T; ++t) kernels::swiglu(gate + t * I, up + t * I, I, gate + t * I);
+    for_tokens(T, par,
+               [&](int64_t t) { kernels::swiglu(gate + t * I, up + t * I, I, gate + t * I); });
     linear(L.down, gate, T, h);
   }
   // The last layer's MLP output.
-  if (c.n_layers > 0) {
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t t = 0; t < T; ++t)
+  if (c.n_layers > 0)
+    for_tokens(T, par, [&](int64_t t) {
       for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
-  }
+    });
 
   if (opts.logits == ForwardOptions::Logits::kNone || logits == nullptr) return;
   const bool all = opts.logits == ForwardOptions::Logits::kAll;
