@@ -32,8 +32,8 @@
 // term loses relative precision only below 2^-28 of that largest scale (fp16 subnormals: absolute
 // error at most 2^-25 * 2^-S per term). f16 value rows use B = p <= 1 (terms under 2^-14 carry an
 // absolute error of at most 2^-25 * |v|, within the fp32 accumulation budget of the tests). Rows
-// past the split end: f16 rows are zero-filled in shared memory, packed rows get p = 0, scale = lo
-// = 0 (their bytes are never trusted), and every logit of an invisible row is -inf.
+// past the split end are zero-filled in shared memory (f16 rows when staged, packed bytes once
+// their tile has landed), so their p = 0 never meets a stale NaN; invisible rows get logit -inf.
 #pragma once
 
 #include "cuda/decode_attention_kernel.cuh"
@@ -169,6 +169,16 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   // ---- the first stages are in flight while the queries are prepared
   const int64_t n_split_rows = r_end - r_begin;
   const int n_tiles = static_cast<int>((n_split_rows + TR - 1) / TR);
+  // implicit positions first_pos + i: the visible rows are one interval [vis_lo, vis_hi) of the
+  // split's row index (i <= q_pos - first_pos, and i > q_pos - first_pos - window with a window)
+  int vis_lo = 0, vis_hi = 0;
+  {
+    const int64_t q_rel = p.q_pos - sg.first_pos - r_begin;
+    const int64_t lo = p.window > 0 ? q_rel - p.window + 1 : 0;
+    vis_lo = static_cast<int>(lo < 0 ? 0 : (lo > n_split_rows ? n_split_rows : lo));
+    const int64_t hi = q_rel + 1;
+    vis_hi = static_cast<int>(hi < 0 ? 0 : (hi > n_split_rows ? n_split_rows : hi));
+  }
   auto issue = [&](int tt) {
     const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
     const int nr = static_cast<int>(min64(TR, r_end - r0));
@@ -288,6 +298,15 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     const int kmis = decode_impl::misalign16(kbase + r0 * krb);
     const int vmis = decode_impl::misalign16(vbase + r0 * vrb);
     const int n_wt = (nr + 15) / 16;
+    const int row_rel = static_cast<int>(r0 - r_begin);
+    if (packed && nr < 16 * n_wt) {
+      // a partial last tile: zero the packed bytes of its missing rows (their metadata would
+      // otherwise be stale or uninitialised shared memory, and 0 * NaN is NaN)
+      uint8_t* zk = const_cast<uint8_t*>(sk);
+      for (int i = kmis + nr * krb + tid; i < kmis + 16 * n_wt * krb; i += kThreads) zk[i] = 0;
+      for (int i = vmis + nr * vrb + tid; i < vmis + 16 * n_wt * vrb; i += kThreads) zk[SH + i] = 0;
+      __syncthreads();
+    }
 
     for (int wt = warp; wt < n_wt; wt += kWarps) {
       const int rb0 = wt * 16;
@@ -347,10 +366,16 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int rl = rb0 + g + 8 * j;
-        bool vis = false;
-        if (rl < nr) {
-          const int64_t pj = pos ? static_cast<int64_t>(pos[r0 + rl]) : sg.first_pos + r0 + rl;
-          vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+        bool vis;
+        if (!pos) {
+          const int rel = row_rel + rl;
+          vis = rel >= vis_lo && rel < vis_hi;
+        } else {
+          vis = false;
+          if (rl < nr) {
+            const int64_t pj = pos[r0 + rl];
+            vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+          }
         }
         if (!vis) {
 #pragma unroll
@@ -429,7 +454,6 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         const int ra = rb0 + 2 * t;
         const uint8_t* rec[4] = {sv + vmis + ra * vrb, sv + vmis + (ra + 1) * vrb,
                                  sv + vmis + (ra + 8) * vrb, sv + vmis + (ra + 9) * vrb};
-        const bool ok[4] = {ra < nr, ra + 1 < nr, ra + 8 < nr, ra + 9 < nr};
         const int wo = 4 * (g >> 2);
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
@@ -446,7 +470,6 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             meta_a<MF>(rec[r], p.pk.v_code_bytes, p.pk.v_meta, grpc[c], lo[r], sc[r]);
-            if (!ok[r]) lo[r] = sc[r] = 0.0f;
           }
           // p * scale <= the block's largest scale (p <= 1): 2^S puts that in [2^14, 2^15), so
           // the fp16 parts stay normal and finite whatever the scales (the same S for every lane)

@@ -102,13 +102,14 @@ __device__ __forceinline__ float quant_code(float x, float lo, float scale, floa
 // <= levels + 1 <= 256, so the distance is < 2^-14. Within 2^-12 of a half-integer the exact
 // quant_code decides. NaN, +-inf and overflow behave as in quant_code (NaN -> 0, both clamp to
 // the same bound). Hence the code equals quant_code(x, lo, scale, levels) bit for bit.
+// Cheaper forms of the same steps: fmaxf(t, 0) equals `t > 0 ? t : 0` up to the sign of a zero
+// (NaN gives 0 either way) and the clamped t is never NaN, so fminf(t, levels) equals the second
+// ternary; rintf (ties to even) equals the 2^23 round trip on [0, levels]; both zeros give code 0.
 __device__ __forceinline__ float quant_code_fast(float x, float lo, float scale, float rcp,
                                                  float levels) {
-  float t = __fmul_rn(__fsub_rn(x, lo), rcp);
-  t = t > 0.0f ? t : 0.0f;
-  t = t < levels ? t : levels;
-  const float c = __fsub_rn(__fadd_rn(t, 0x1p23f), 0x1p23f);
-  if (fabsf(fabsf(__fsub_rn(t, c)) - 0.5f) < 0x1p-12f) return quant_code(x, lo, scale, levels);
+  const float t = fminf(fmaxf(__fmul_rn(__fsub_rn(x, lo), rcp), 0.0f), levels);
+  const float c = rintf(t);
+  if (fabsf(__fsub_rn(t, c)) > 0.5f - 0x1p-12f) return quant_code(x, lo, scale, levels);
   return c;
 }
 
