@@ -184,11 +184,14 @@ int main(int argc, char** argv) {
     std::string load = "?";
     if (std::ifstream la("/proc/loadavg"); la) std::getline(la, load);
     const char* wait = std::getenv("OMP_WAIT_POLICY");
+    char bw_s[96] = "read bandwidth not measured (--no-bandwidth)";
+    if (bandwidth)
+      std::snprintf(bw_s, sizeof bw_s,
+                    "measured read bandwidth %.1f GB/s (best of 7 passes over 1 GiB)", bw / 1e9);
     std::printf(
-        "threads %d (OMP_WAIT_POLICY=%s), measured read bandwidth %.1f GB/s (best of 7 "
-        "passes over 1 GiB), %d repeats, %lld decode tokens, prefill step %lld, K/V fp16; "
-        "load average at start: %s\n\n",
-        omp_get_max_threads(), wait ? wait : "default", bw / 1e9, repeats,
+        "threads %d (OMP_WAIT_POLICY=%s), %s, %d repeats, %lld decode tokens, prefill step "
+        "%lld, K/V fp16; load average at start: %s\n\n",
+        omp_get_max_threads(), wait ? wait : "default", bw_s, repeats,
         static_cast<long long>(decode), static_cast<long long>(step), load.c_str());
     std::printf(
         "| context | method | prefill tok/s | decode tok/s | decode bound tok/s | "
