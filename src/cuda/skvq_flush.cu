@@ -118,8 +118,9 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) uint8_t smem[];
   const int D = p.head_dim, NG = p.n_groups, R = rows_per_block;
   const int DP = D + 1;  // padded rows: threads on consecutive rows hit consecutive banks
-  float* x = reinterpret_cast<float*>(smem);  // [R][DP] original order, then rotated
-  float* t = x + R * DP;                      // [R][DP] stored order
+  const bool rot = p.signs != nullptr;
+  float* x = reinterpret_cast<float*>(smem);  // [R][DP] original order, then rotated (rot only)
+  float* t = rot ? x + R * DP : x;            // [R][DP] stored order
   float* mlo = t + R * DP;                    // [R][NG]
   float* msc = mlo + R * NG;                  // [R][NG]
   uint8_t* codes = reinterpret_cast<uint8_t*>(msc + R * NG);  // [R][D]
@@ -132,7 +133,15 @@ __global__ void __launch_bounds__(kThreads)
   int* shead = reinterpret_cast<int*>(codes + ((R * D + 3) & ~3));  // [R]
   for (int r = tid; r < nr; r += kThreads)
     shead[r] = static_cast<int>(((row0 + r) / p.rows_per_head) % p.n_heads);
-  if (p.dtype == 1 && D % 8 == 0 && reinterpret_cast<uintptr_t>(p.rows) % 16 == 0) {
+  __syncthreads();
+  const bool vec16 = p.dtype == 1 && D % 8 == 0 && reinterpret_cast<uintptr_t>(p.rows) % 16 == 0;
+  if (!rot && p.perm) {  // no rotation: gather straight into stored order (one buffer less)
+    for (int r = warp; r < nr; r += kThreads / 32) {
+      const int32_t* pm = p.perm + static_cast<int64_t>(shead[r]) * D;
+      for (int c = lane; c < D; c += 32)
+        t[r * DP + c] = load_elem(p.rows, p.dtype, (row0 + r) * D + pm[c]);
+    }
+  } else if (vec16) {
     const int D8 = D / 8;  // f16 rows: 8 elements per 16-byte load
     const uint4* src =
         reinterpret_cast<const uint4*>(static_cast<const __half*>(p.rows) + row0 * D);
@@ -154,7 +163,7 @@ __global__ void __launch_bounds__(kThreads)
         x[r * DP + c] = load_elem(p.rows, p.dtype, (row0 + r) * D + c);
   }
   __syncthreads();
-  if (p.signs) {  // hadamard_rotate: x *= signs, then fwht_normalized
+  if (rot) {  // hadamard_rotate: x *= signs, then fwht_normalized
     for (int r = warp; r < nr; r += kThreads / 32)
       for (int c = lane; c < D; c += 32)
         x[r * DP + c] = __fmul_rn(x[r * DP + c], p.signs[static_cast<int64_t>(shead[r]) * D + c]);
@@ -174,11 +183,13 @@ __global__ void __launch_bounds__(kThreads)
       for (int c = lane; c < D; c += 32) x[r * DP + c] = __fmul_rn(x[r * DP + c], p.rot_norm);
     __syncthreads();
   }
-  for (int r = warp; r < nr; r += kThreads / 32)
-    for (int c = lane; c < D; c += 32)
-      t[r * DP + c] =
-          p.perm ? x[r * DP + p.perm[static_cast<int64_t>(shead[r]) * D + c]] : x[r * DP + c];
-  __syncthreads();
+  if (rot) {  // stored order of the rotated rows (without rotation t is x, already in order)
+    for (int r = warp; r < nr; r += kThreads / 32)
+      for (int c = lane; c < D; c += 32)
+        t[r * DP + c] =
+            p.perm ? x[r * DP + p.perm[static_cast<int64_t>(shead[r]) * D + c]] : x[r * DP + c];
+    __syncthreads();
+  }
 
   // One (row, group) per thread: group_quantize_reference.
   const int g = p.group_size;
@@ -293,20 +304,20 @@ __global__ void skvq_perm_kernel(const __grid_constant__ SkvqPermParams p) {
   extern __shared__ float range[];  // [D]
   const int h = blockIdx.x, c = threadIdx.x, D = p.head_dim;
   if (c < D) {
+    // starts from the first pooled row and then folds every row in order (the first again: a
+    // no-op for these min/max, NaN included), so the loads can be issued ahead
     float mn = 0.0f, mx = 0.0f;
-    bool first = true;
-    for (int b = 0; b < p.batch; ++b)
+    if (p.n > 0 && p.batch > 0)
+      mn = mx = load_elem(p.rows, p.dtype, (static_cast<int64_t>(h) * p.n) * D + c);
+    for (int b = 0; b < p.batch; ++b) {
+      const int64_t base = ((static_cast<int64_t>(b) * p.n_heads + h) * p.n) * D + c;
+#pragma unroll 8
       for (int64_t i = 0; i < p.n; ++i) {
-        const int64_t idx = ((static_cast<int64_t>(b) * p.n_heads + h) * p.n + i) * D + c;
-        const float v = load_elem(p.rows, p.dtype, idx);
-        if (first) {
-          mn = mx = v;
-          first = false;
-        } else {
-          mn = (v < mn) ? v : mn;  // std::min(mn, v)
-          mx = (mx < v) ? v : mx;  // std::max(mx, v)
-        }
+        const float v = load_elem(p.rows, p.dtype, base + i * D);
+        mn = (v < mn) ? v : mn;  // std::min(mn, v)
+        mx = (mx < v) ? v : mx;  // std::max(mx, v)
       }
+    }
     const float r = __fsub_rn(mx, mn);
     range[c] = (p.n > 0 && p.batch > 0) ? (isnan(r) ? INFINITY : r) : 0.0f;
   }
@@ -326,7 +337,7 @@ void skvq_quantize_launch(const SkvqQuantParams& p, cudaStream_t s) {
   const int D = p.head_dim, NG = p.n_groups;
   // About one (row, group) item per thread, 16..128 rows per block.
   const int rows = std::min(128, std::max(16, kThreads / NG));
-  const size_t smem = static_cast<size_t>(rows) * (2 * (D + 1) + 2 * NG) * 4 +
+  const size_t smem = static_cast<size_t>(rows) * ((p.signs ? 2 : 1) * (D + 1) + 2 * NG) * 4 +
                       static_cast<size_t>(rows) * D + 3 +
                       static_cast<size_t>(rows) * 4;  // + the head of each row
   VQ_CHECK(smem <= 200 * 1024,
