@@ -28,7 +28,8 @@ struct DecodeSegmentParams {
   const uint8_t* v = nullptr;
   int32_t k_row_bytes = 0;  // D*elem_size, or the packed record stride
   int32_t v_row_bytes = 0;
-  int32_t tile_rows = 0;    // rows staged per pipeline step (multiple of 8)
+  int32_t tile_rows = 0;    // rows staged per pipeline step (multiple of 8; of 16 for the
+                            // tensor-core kernel, of 64 for its packed and f16-only views)
   int32_t split_begin = 0;  // index of this segment's first split
   int32_t n_splits = 0;
   int64_t rows_per_split = 0;

@@ -3,14 +3,18 @@
 // Scores, two passes over (key tile of 64 rows) x (query chunk of 32 rows) logit tiles staged in
 // shared memory (fp32, rows padded to D + 4 floats so 16-byte reads of 8 consecutive rows hit
 // distinct banks), each thread a 2 x 4 (query x key) block with sequential fp32 dot products:
-//   pass 1: per query row and key tile, max and sum of exp (fp32), and a NaN flag;
-//   combine: per query row M = max, Z = sum_t z_t exp(m_t - M) (double), 1/Z; +inf max or a NaN
-//            logit poisons the frame (the CPU gives NaN scores then);
+//   pass 1: per query row and key tile, max and sum of exp (fp32; 8 threads per row, joined by
+//           shuffles; the logit tile's rows padded to 72 floats), and a NaN flag;
+//   combine: a block per (query row, frame): M = max, Z = sum_t z_t exp(m_t - M) (double, strided
+//            over the threads, then warp and block sums), 1/Z; +inf max or a NaN logit poisons the
+//            frame (the CPU gives NaN scores then);
 //   pass 2: per key, p = exp(l - M) * (1/Z), summed per query head in double, then the mean of
 //           the per-head means, rounded once to fp32 (the CPU's order of operations).
 // Selection: one block of 1024 threads per frame: radix select of the k-th largest ranking key
-// (NaN -> -inf, -0 -> +0, mapped to an order-preserving uint32) in four 8-bit passes, then an
-// ascending compaction (block scans) of the rows above it plus the first rows equal to it.
+// (NaN -> -inf, -0 -> +0, mapped to an order-preserving uint32) in four 8-bit passes (lanes of a
+// warp with the same digit add to the shared histogram once, __match_any_sync; the digit is found
+// by one warp's scan of the 256 bins), then an ascending compaction (block scans) of the rows
+// above it plus the first rows equal to it.
 #include <cub/block/block_scan.cuh>
 
 #include <cuda_bf16.h>

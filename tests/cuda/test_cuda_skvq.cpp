@@ -3,7 +3,9 @@
 // permute, quantize_to_records) over bit widths 1..8 and 1.5, groups 32 / 128 / 48 (ragged) /
 // 5 (odd), metadata f16 / f32 / fp8, clip search on and off, input f16 / bf16 / f32, with and
 // without permutation and Hadamard rotation, on data with outliers, constant, zero, huge and tiny
-// rows; skvq_channel_perms vs a stable-sort reference written here (ties, NaN ranges); and the
+// rows; groups whose codes land on and one ulp around every rounding tie (the device divides by
+// the scale only near ties); skvq_channel_perms vs a stable-sort reference written here (ties, NaN
+// ranges); and the
 // records and permutations of real SKVQ caches (what their flush stored) reproduced byte for byte.
 // Skipped cleanly without a device.
 #include <gtest/gtest.h>
