@@ -170,8 +170,12 @@ struct DecodeOptions {
 // of 8, any metadata type, permutation and/or Hadamard rotation (the query is transformed, never
 // the keys; values are accumulated in stored order and un-transformed once). Every packed segment
 // of one view must share one format and one set of transforms. Anything else: vq::Error.
-// Numerics: fp32 products and accumulation, exp2 of log2e-scaled logits, splits merged by an
-// exact log-sum-exp combine. A query that sees no key gets zeros.
+// Numerics: fp32 accumulation, exp2 of log2e-scaled logits, splits merged by an exact log-sum-exp
+// combine. Products are fp32 on the CUDA-core path; the tensor-core path (f16 rows, 2-bit codes,
+// groups a multiple of 32) splits q and p (times the group scale, rescaled by 2^S per tile) into
+// fp16 hi + lo parts, whose products with fp16 rows or exact code integers are exact, so its error
+// stays within the fp32 bound of tests/cuda/test_cuda_decode.cpp. A query that sees no key gets
+// zeros.
 void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& view,
                       const AttentionParams& p, float* out, DecodeWorkspace& ws, Stream s = nullptr,
                       const DecodeOptions& opt = {});
