@@ -1,5 +1,5 @@
-// GPU-resident KV caches (methods full, snapkv, skvq, streaming) with the protocol of the CPU
-// caches (caches.md §1, cache.h), and prefill attention over a DeviceCacheView.
+// GPU-resident KV caches (methods full, snapkv, skvq, snapkv+skvq, streaming) with the protocol of
+// the CPU caches (caches.md §1, cache.h), and prefill attention over a DeviceCacheView.
 //
 // A DeviceKVCache is built for fixed B, H_kv and D (make_device_cache); every block it receives
 // is a *device* TensorView [B, H_kv, S, D] (f16, bf16 or f32, any element strides). Rows, packed
@@ -45,6 +45,11 @@ class DeviceKVCache {
   virtual std::vector<int32_t> stored_positions(int64_t b, int64_t h) const = 0;
   // The stored rows now (what the last update_and_fetch left stored), valid like a fetched view.
   virtual DeviceCacheView stored_view() const = 0;
+  // The prompt is over (KVCache::end_prompt): snapkv and snapkv+skvq with snap_evict_at =
+  // prompt_end run the selection (and flush) they owe, scored with the window queries of the last
+  // multi-token call; a single-token call while one is owed does the same first. Invalidates the
+  // last view. Every other cache: nothing.
+  virtual void end_prompt() {}
   virtual bool is_trimmable() const { return false; }
   // Refused (vq::Error, nothing changed) unless is_trimmable().
   virtual int64_t trim(int64_t n);
@@ -65,9 +70,10 @@ class DeviceKVCache {
 };
 
 // Validates cfg exactly as the CPU builder does (vq::Error naming the field; cfg.head_dim is
-// replaced by head_dim) and builds the device cache of cfg.method: "full", "snapkv", "skvq" or
-// "streaming". SnapKV evicts after every multi-token call (snap_evict_at = prompt_end is refused).
-// Other methods are refused with a vq::Error naming the method and the supported ones.
+// replaced by head_dim) and builds the device cache of cfg.method: "full", "snapkv", "skvq",
+// "snapkv+skvq" or "streaming", both snap_evict_at rules. snapkv+skvq with skvq_rotation =
+// hadamard is refused (vq::Error naming the field), as is any other method (naming the method
+// and the supported ones).
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg, int64_t batch,
                                                  int64_t heads, int64_t head_dim,
                                                  Stream s = nullptr);

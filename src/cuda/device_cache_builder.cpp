@@ -7,6 +7,9 @@
 
 namespace vq::cuda {
 
+std::unique_ptr<DeviceKVCache> make_device_snapkv_skvq_cache(const CacheConfig& cfg, int64_t b,
+                                                             int64_t h, int64_t d, Stream s);
+
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int64_t batch,
                                                  int64_t heads, int64_t head_dim, Stream s) {
   VQ_CHECK(batch >= 1 && heads >= 1 && head_dim >= 1,
@@ -17,20 +20,21 @@ std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int6
   cfg.head_dim = head_dim;
   validate(cfg);  // names the first bad field, its value and the allowed range
   if (cfg.method == "full") return make_device_full_cache(batch, heads, head_dim, s);
-  if (cfg.method == "snapkv") {
-    // The device cache evicts after every multi-token call (the seed's rule); the once-per-prompt
-    // rule (end_prompt) is not implemented on the device: refuse rather than differ silently.
-    VQ_CHECK(
-        cfg.snap_evict_at == SnapEvictAt::kPrefillCall,
-        "[make_device_cache] snap_evict_at: expected prefill_call (the only rule of the device "
-        "SnapKV cache) but got prompt_end");
-    return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);
-  }
+  if (cfg.method == "snapkv") return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);
   if (cfg.method == "skvq") return make_device_skvq_cache(cfg, batch, heads, head_dim, s);
+  if (cfg.method == "snapkv+skvq") {
+    // Scoring needs the packed keys back in the original channel order; the device has no
+    // inverse Hadamard rotation for that frame: refuse rather than differ.
+    VQ_CHECK(cfg.skvq_rotation == Rotation::kNone,
+             "[make_device_cache] skvq_rotation: expected none for method snapkv+skvq on the "
+             "device (its selection scores dequantized keys without an inverse rotation) but got "
+             "hadamard");
+    return make_device_snapkv_skvq_cache(cfg, batch, heads, head_dim, s);
+  }
   if (cfg.method == "streaming") return make_device_streaming_cache(cfg, batch, heads, head_dim, s);
   throw Error(
-      "[make_device_cache] method: expected one of full, snapkv, skvq, streaming (on the "
-      "device) but got '" +
+      "[make_device_cache] method: expected one of full, snapkv, skvq, snapkv+skvq, streaming "
+      "(on the device) but got '" +
       cfg.method + "'");
 }
 

@@ -9,6 +9,8 @@
 // selected with snap_select_frames (key proxy, or the last w real queries with their positions),
 // and the kept rows and positions are gathered (gather_rows) into fresh buffers; the old ones are
 // retired until the next mutating call, so the returned view never changes.
+// With snap_evict_at = prompt_end a multi-token call only keeps its last window queries (fp32 on
+// the device) and the selection runs once, at end_prompt() or before the first single-token call.
 // Selections equal the CPU's whenever no two competing scores are within the GPU scorer's error
 // bound of each other (its exp differs from the host's by an ulp or two: veloxquant/cuda.h).
 #include <algorithm>
@@ -59,11 +61,11 @@ class SnapKVDeviceCache final : public DeviceKVCache {
                    std::to_string(heads_) + " but got " + std::to_string(q.shape[1]));
     }
 
+    // A single-token call after a prompt whose eviction is still owed: the prompt is over.
+    const bool at_prompt_end = cfg_.snap_evict_at == SnapEvictAt::kPromptEnd;
+    if (at_prompt_end && pending_ && keys.shape[2] == 1) end_prompt();
     // The previous view is invalid from here on: release what only it used.
-    synchronize(stream_);
-    retired_k_ = DeviceBuffer();
-    retired_v_ = DeviceBuffer();
-    retired_pos_ = DeviceBuffer();
+    release_retired();
 
     if (!has_data_) {
       switch (cfg_.snap_dtype) {
@@ -91,8 +93,27 @@ class SnapKVDeviceCache final : public DeviceKVCache {
     offset_ += s;
 
     DeviceCacheView view = stored_view();
-    if (s > 1) evict_after_step(s, use_queries ? opts.queries : nullptr);
+    if (s > 1) {
+      if (at_prompt_end)
+        keep_query_window(use_queries ? opts.queries : nullptr, s);
+      else
+        evict_after_step(s, use_queries ? opts.queries : nullptr);
+    }
     return view;
+  }
+
+  void end_prompt() override {
+    if (!pending_) return;
+    release_retired();  // end_prompt invalidates the last view
+    TensorView q;
+    if (win_rows_ > 0)
+      q = TensorView::contiguous(win_q_.data(), DType::kF32, batch_, win_hq_, win_rows_, head_dim_);
+    // The window rows are the prompt's last win_rows_ positions: offset_ has not moved since.
+    evict_after_step(win_rows_, win_rows_ > 0 ? &q : nullptr);
+    pending_ = false;
+    win_hq_ = win_rows_ = 0;
+    win_q_ = DeviceBuffer();
+    release_retired();
   }
 
   DeviceCacheView stored_view() const override {
@@ -147,7 +168,7 @@ class SnapKVDeviceCache final : public DeviceKVCache {
     st.fp16_bytes = 2 * full;
     st.bytes_resident = detail::held_bytes(k_) + detail::held_bytes(v_) + detail::held_bytes(pos_) +
                         detail::held_bytes(retired_k_) + detail::held_bytes(retired_v_) +
-                        detail::held_bytes(retired_pos_);
+                        detail::held_bytes(retired_pos_) + detail::held_bytes(win_q_);
     const double tokens_kept = static_cast<double>(batch_ * heads_ * stored_rows());
     const double tokens_total = static_cast<double>(batch_ * heads_ * offset_);
     const double kept_d = static_cast<double>(kept);
@@ -168,6 +189,27 @@ class SnapKVDeviceCache final : public DeviceKVCache {
   }
 
  private:
+  void release_retired() {
+    synchronize(stream_);
+    retired_k_ = DeviceBuffer();
+    retired_v_ = DeviceBuffer();
+    retired_pos_ = DeviceBuffer();
+  }
+
+  // snap_evict_at = prompt_end: keeps the last min(obs_window, s) query rows of this call (fp32;
+  // none = key proxy) for the selection end_prompt() runs.
+  void keep_query_window(const TensorView* queries, int64_t s) {
+    pending_ = true;
+    win_hq_ = queries ? queries->shape[1] : 0;
+    win_rows_ = queries ? std::min(params_.obs_window, s) : 0;
+    win_q_ = DeviceBuffer();
+    if (win_rows_ > 0) {
+      win_q_ = DeviceBuffer(static_cast<size_t>(batch_ * win_hq_ * win_rows_ * head_dim_ * 4));
+      detail::convert_block(*queries, s - win_rows_, win_rows_, win_q_.data(), DType::kF32,
+                            win_rows_, 0, stream_);
+    }
+  }
+
   void reserve_rows(int64_t rows) {
     if (rows <= capacity_) return;
     const int64_t new_cap =
@@ -255,6 +297,11 @@ class SnapKVDeviceCache final : public DeviceKVCache {
   int64_t offset_ = 0, n_sel_ = 0, n_tail_ = 0, capacity_ = 0;
   DeviceBuffer k_, v_, pos_;
   DeviceBuffer retired_k_, retired_v_, retired_pos_;
+  // snap_evict_at = prompt_end: a selection is owed, scored with win_q_ [B, win_hq, win_rows, D]
+  // fp32 (none = key proxy).
+  bool pending_ = false;
+  int64_t win_hq_ = 0, win_rows_ = 0;
+  DeviceBuffer win_q_;
 };
 
 }  // namespace

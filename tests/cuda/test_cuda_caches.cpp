@@ -6,14 +6,20 @@
 // and figures (bytes_resident excepted: on the device it is what cudaMalloc holds, checked
 // against the byte formulas instead). decode_attention over each GPU view is checked against
 // attention_reference over the CPU view (dequantized), and prefill_attention over the views of
-// prefill calls likewise. Methods full, snapkv, skvq, streaming. Error cases: bad configs, shapes,
-// max_ctx, trim, merge.
+// prefill calls likewise. Methods full, snapkv, skvq, snapkv+skvq, streaming; snapkv and
+// snapkv+skvq also with snap_evict_at = prompt_end (end_prompt() on both caches, or the first
+// single-token call), and chunked prompt-end prefill against one-shot on the device. Error cases:
+// bad configs, shapes, max_ctx, trim, merge, the refused rotation of snapkv+skvq.
+// snapkv+skvq scores packed rows by their dequantized keys: the device dequantizes with the same
+// two roundings (code * scale, + lo) as the CPU, so its frame is bit-identical and the selections
+// meet the same ulp-of-expf argument as SnapKV alone.
 // SnapKV scores are not bit-exact on the device (expf differs from the host's exp by an ulp or
 // two; test_cuda_snapkv bounds the score difference): with continuous random data no two
 // competing scores come within that bound, so the selections must still be identical here.
 // Skipped cleanly without a device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -192,6 +198,7 @@ struct Case {
   bool queries = false;   // pass the real queries (SnapKV query scoring)
   bool attention = true;  // decode / prefill attention checks over the views
   std::vector<int64_t> steps;
+  std::vector<size_t> end_prompt_after;  // 1-based steps after which end_prompt() runs on both
   std::string name;
 };
 
@@ -263,6 +270,18 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
     // round their codes up to the metadata alignment, never down) minus the permutations the
     // formula counts at 4 bytes and the buffers hold at 4 bytes too.
     EXPECT_GE(gs.bytes_resident, gs.bytes_accounted) << vars;
+    if (std::find(cs.end_prompt_after.begin(), cs.end_prompt_after.end(),
+                  static_cast<size_t>(step)) != cs.end_prompt_after.end()) {
+      cpu->end_prompt();
+      gpu->end_prompt();
+      const std::string ev = vars + " after end_prompt";
+      ASSERT_EQ(cpu->offset(), gpu->offset()) << ev;
+      ASSERT_EQ(cpu->stored_rows(), gpu->stored_rows()) << ev;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          EXPECT_EQ(cpu->stored_positions(b, h), gpu->stored_positions(b, h)) << ev;
+      expect_same_stats(cpu->stats(), gpu->stats(), ev);
+    }
   }
 }
 
@@ -588,16 +607,7 @@ TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
     EXPECT_FALSE(cpu_msg.empty()) << spec;
     EXPECT_EQ(cpu_msg, gpu_msg) << spec;
   }
-  CacheConfig both;
-  both.method = "snapkv+skvq";
-  try {
-    cuda::make_device_cache(both, 1, 2, 64);
-    ADD_FAILURE() << "snapkv+skvq accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("snapkv+skvq"), std::string::npos) << e.what();
-  }
-
-  for (const char* method : {"full", "snapkv", "skvq", "streaming"}) {
+  for (const char* method : {"full", "snapkv", "skvq", "snapkv+skvq", "streaming"}) {
     CacheConfig cfg;
     cfg.method = method;
     cfg.skvq_window = 16;
@@ -639,7 +649,7 @@ TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
     if (std::string(method) != "full") {
       expect_refused([&] { gpu->trim(1); }, "not trimmable", "trim");
     }
-    if (std::string(method) == "skvq") {
+    if (std::string(method) == "skvq" || std::string(method) == "snapkv+skvq") {
       auto k6 = make_block(DType::kF16, 1, 2, 6, 64, 28, false);
       expect_refused([&] { gpu->update_and_fetch(k6->dev, k6->dev); }, "skvq_max_ctx", "max_ctx");
       auto k5 = make_block(DType::kF16, 1, 2, 5, 64, 29, false);
@@ -661,16 +671,203 @@ TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
   EXPECT_EQ(gq->offset(), 0);
 }
 
+TEST(CudaCaches, SnapkvSkvqMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  Worst w;
+  std::vector<Case> cases;
+  Case c;
+  c.cfg.method = "snapkv+skvq";
+  c.cfg.snap_budget = 40;
+  c.cfg.snap_obs_window = 8;
+  c.cfg.snap_n_sink = 4;
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 16;
+  // 50: evict to 40 (all full precision), flush two chunks; 37: selection over sinks ++ packed ++
+  // tail keeps some packed rows per head (equalised by early quantization); decode steps flush.
+  c.steps = {50, 37, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 30, 1, 2};
+  c.name = "snapkv+skvq key-proxy K2V2 g16 f16 B1 H2 D64";
+  cases.push_back(c);
+  c.cfg.snap_budget = 64;
+  c.cfg.snap_pool_kernel = 5;
+  c.cfg.skvq_bits_key = 4;
+  c.cfg.skvq_bits_value = 4;
+  c.cfg.skvq_group_size = 32;
+  c.cfg.skvq_meta = MetaType::kF32;
+  c.cfg.skvq_recent = 8;
+  c.cfg.skvq_window = 32;
+  c.cfg.skvq_n_sink = 5;
+  c.B = 2;
+  c.D = 128;
+  c.dtype = DType::kBF16;
+  c.token_major = true;
+  c.steps = {129, 1, 17, 1, 1, 40, 1};
+  c.name = "snapkv+skvq pool max 5 K4V4 g32 meta f32 recent 8 bf16 token-major B2 H2 D128";
+  cases.push_back(c);
+  c.cfg = CacheConfig{};
+  c.cfg.method = "snapkv+skvq";
+  c.cfg.snap_budget = 30;
+  c.cfg.snap_obs_window = 6;
+  c.cfg.snap_scoring = SnapScoring::kQuery;
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_bits_key = 2;
+  c.cfg.skvq_bits_value = 4;
+  c.cfg.skvq_group_size = 48;  // ragged last group at D = 64
+  c.cfg.skvq_meta = MetaType::kFP8E4M3;
+  c.cfg.skvq_reorder = false;
+  c.queries = true;
+  c.B = 8;
+  c.H = 1;
+  c.D = 64;
+  c.Hq = 4;
+  c.dtype = DType::kF16;
+  c.token_major = false;
+  c.steps = {33, 1, 1, 17, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 20};
+  c.name = "snapkv+skvq query scoring GQA 4 K2V4 g48 fp8 no reorder B8 H1 D64";
+  cases.push_back(c);
+  c.cfg = CacheConfig{};
+  c.cfg.method = "snapkv+skvq";
+  c.cfg.snap_budget = 3;  // below the sinks: the budget cuts into them
+  c.cfg.snap_n_sink = 4;
+  c.cfg.skvq_n_sink = 5;
+  c.cfg.skvq_window = 6;
+  c.cfg.skvq_group_size = 32;
+  c.queries = false;
+  c.B = 1;
+  c.H = 2;
+  c.D = 64;
+  c.Hq = 2;
+  c.dtype = DType::kF32;
+  // 2 + 1 + 1: the sinks grow to 4; 10 evicts to 3 rows (new sinks); six decode rows flush one
+  // packed chunk; 5 evicts every packed row (the budget keeps the 3 sinks only).
+  c.steps = {2, 1, 10, 1, 1, 1, 1, 1, 1, 1, 5, 1};
+  c.name = "snapkv+skvq budget 3 < sinks 4 window 6 f32 B1 H2 D64";
+  cases.push_back(c);
+  // Key codes decode_attention does not read (1.5-bit ternary, 3-bit codes across byte borders):
+  // the selection still scores their dequantized keys; rows, positions and figures only.
+  for (const double kb : {1.5, 3.0}) {
+    c.cfg = CacheConfig{};
+    c.cfg.method = "snapkv+skvq";
+    c.cfg.snap_budget = 40;
+    c.cfg.snap_obs_window = 8;
+    c.cfg.skvq_window = 16;
+    c.cfg.skvq_group_size = 16;
+    c.cfg.skvq_bits_key = kb;
+    c.cfg.skvq_bits_value = kb == 3.0 ? 1.5 : 3.0;
+    c.attention = false;
+    c.dtype = DType::kF16;
+    c.steps = {50, 37, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 30, 1};
+    c.name = "snapkv+skvq keys " + std::to_string(kb) + " bits, no attention, f16 B1 H2 D64";
+    cases.push_back(c);
+  }
+  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 5000 + i, w);
+  std::printf("[snapkv+skvq] worst decode error %.3f%%, prefill %.3f%% of tolerance\n",
+              100 * w.decode, 100 * w.prefill);
+}
+
+// snap_evict_at = prompt_end: the chunks of a prompt are stored whole, the selection runs once,
+// at end_prompt() (explicit) or before the first single-token call (implicit); decode calls after
+// that append; a later multi-token call starts a new prompt.
+TEST(CudaCaches, PromptEndMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  Worst w;
+  std::vector<Case> cases;
+  Case c;
+  c.cfg.method = "snapkv";
+  c.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  c.cfg.snap_budget = 24;
+  c.cfg.snap_obs_window = 8;
+  c.steps = {50, 37, 20, 1, 1, 1, 30, 1, 1};
+  c.name = "snapkv prompt_end implicit key-proxy f16 B1 H2 D64";
+  cases.push_back(c);
+  c.cfg.snap_scoring = SnapScoring::kQuery;
+  c.cfg.snap_pool_kernel = 3;
+  c.queries = true;
+  c.B = 2;
+  c.D = 128;
+  c.Hq = 8;
+  c.dtype = DType::kBF16;
+  c.token_major = true;
+  c.steps = {40, 5, 33, 1, 1, 17, 1};  // the last chunk (33) is longer than the window (8)
+  c.end_prompt_after = {3, 6};
+  c.name = "snapkv prompt_end explicit query scoring pool 3 bf16 token-major B2 H2 D128";
+  cases.push_back(c);
+  c.cfg = CacheConfig{};
+  c.cfg.method = "snapkv+skvq";
+  c.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  c.cfg.snap_budget = 40;
+  c.cfg.snap_obs_window = 8;
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_group_size = 16;
+  c.queries = false;
+  c.B = 1;
+  c.H = 2;
+  c.D = 64;
+  c.Hq = 8;
+  c.dtype = DType::kF16;
+  c.token_major = false;
+  c.steps = {50, 37, 20, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 30, 1, 1};
+  c.end_prompt_after = {};
+  c.name = "snapkv+skvq prompt_end implicit key-proxy K2V2 g16 f16 B1 H2 D64";
+  cases.push_back(c);
+  c.cfg.snap_scoring = SnapScoring::kQuery;
+  c.cfg.snap_obs_window = 6;
+  c.cfg.skvq_bits_key = 4;
+  c.cfg.skvq_bits_value = 4;
+  c.cfg.skvq_group_size = 32;
+  c.cfg.skvq_recent = 4;
+  c.queries = true;
+  c.B = 4;
+  c.H = 2;
+  c.D = 128;
+  c.Hq = 8;
+  c.steps = {3, 60, 4, 1, 1, 25, 1};  // the last chunk (4) is shorter than the window (6)
+  c.end_prompt_after = {3, 6};
+  c.name = "snapkv+skvq prompt_end explicit query scoring K4V4 g32 recent 4 B4 H2 D128";
+  cases.push_back(c);
+  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 6000 + i, w);
+  std::printf("[prompt_end] worst decode error %.3f%%, prefill %.3f%% of tolerance\n",
+              100 * w.decode, 100 * w.prefill);
+}
+
+// Metamorphic, on the device alone: with snap_evict_at = prompt_end a prompt fed in chunks stores
+// exactly what the one-shot prompt stores (key-proxy scoring: the frame and its last key rows are
+// the same), for snapkv and snapkv+skvq.
+TEST(CudaCaches, PromptEndChunkedEqualsOneShot) {
+  SKIP_WITHOUT_DEVICE();
+  for (const char* method : {"snapkv", "snapkv+skvq"}) {
+    CacheConfig cfg;
+    cfg.method = method;
+    cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+    cfg.snap_budget = 48;
+    cfg.skvq_window = 16;
+    auto one = cuda::make_device_cache(cfg, 2, 2, 64);
+    auto chunked = cuda::make_device_cache(cfg, 2, 2, 64);
+    auto k = make_block(DType::kF16, 2, 2, 150, 64, 51, false);
+    auto v = make_block(DType::kF16, 2, 2, 150, 64, 52, false);
+    one->update_and_fetch(k->dev, v->dev);
+    one->end_prompt();
+    for (auto [a, b] : {std::pair<int64_t, int64_t>{0, 40}, {40, 73}, {73, 150}})
+      chunked->update_and_fetch(k->dev.slice_tokens(a, b), v->dev.slice_tokens(a, b));
+    EXPECT_EQ(chunked->stored_rows(), 150) << method << ": nothing evicted before the end";
+    chunked->end_prompt();
+    EXPECT_EQ(one->stored_rows(), 48) << method;
+    expect_same_rows(gpu_rows(one->stored_view()), gpu_rows(chunked->stored_view()),
+                     std::string(method) + " one-shot vs chunked prompt");
+    EXPECT_EQ(one->stats().bytes_accounted, chunked->stats().bytes_accounted) << method;
+  }
+}
+
 // Needs no device: the config is refused before anything is allocated.
-TEST(CudaCaches, RefusesPromptEndEviction) {
+TEST(CudaCaches, RefusesRotationForSnapkvSkvq) {
   CacheConfig cfg;
-  cfg.method = "snapkv";
-  cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  cfg.method = "snapkv+skvq";
+  cfg.skvq_rotation = Rotation::kHadamard;
   try {
     cuda::make_device_cache(cfg, 1, 2, 64);
-    ADD_FAILURE() << "snap_evict_at = prompt_end accepted";
+    ADD_FAILURE() << "snapkv+skvq with skvq_rotation = hadamard accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("snap_evict_at"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("skvq_rotation"), std::string::npos) << e.what();
   }
 }
 
