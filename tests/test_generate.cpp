@@ -361,6 +361,32 @@ TEST_F(GenerateTest, EveryCacheMethodRunsEndToEnd) {
   }
 }
 
+// snap_evict_at = prompt_end through generate(): the prompt is selected once, when prefill ends.
+// With one prefill chunk that is the same selection the default schedule makes right after it,
+// so the tokens are identical; with chunks the rows stay until the prompt ends (none evicted by
+// an early chunk), and the stored rows afterwards are the budget plus the decode steps.
+TEST_F(GenerateTest, PromptEndEvictionInGenerate) {
+  const auto ids = prompt(70, 11);
+  for (const char* method : {"snapkv", "snapkv+skvq"}) {
+    SCOPED_TRACE(method);
+    CacheConfig c = small_config(method);
+    c.snap_scoring = SnapScoring::kQuery;
+    CacheConfig pe = c;
+    pe.snap_evict_at = SnapEvictAt::kPromptEnd;
+    GenerateOptions o;
+    o.max_tokens = 12;
+    o.stop_at_eos = false;
+    o.prefill_step_size = 128;  // one chunk
+    auto a = model_->make_caches(c), b = model_->make_caches(pe);
+    EXPECT_EQ(generate(*model_, ids, a, o).tokens, generate(*model_, ids, b, o).tokens);
+    o.prefill_step_size = 32;  // three chunks: 24, 23, 23
+    auto chunked = model_->make_caches(pe);
+    const GenerateResult r = generate(*model_, ids, chunked, o);
+    ASSERT_EQ(r.tokens.size(), 12u);
+    for (const auto& cache : chunked) EXPECT_EQ(cache->stored_rows(), c.snap_budget + 11);
+  }
+}
+
 TEST_F(GenerateTest, LosslessSettingsGiveTheFullCacheTokens) {
   const auto ids = prompt(60, 6);
   GenerateOptions o;
