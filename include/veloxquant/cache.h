@@ -97,6 +97,15 @@ struct CacheStats {
   double figure(const std::string& name) const;
 };
 
+// Stats of an evicting cache that keeps `stored_rows` full-precision fp16/bf16 rows per (b, h)
+// out of `offset` tokens (SnapKV, streaming; CPU and GPU): bytes accounted at 2 bytes per element
+// and the figures kept_/full_key_bytes, kept_/full_value_bytes, eviction_ratio, tokens_kept,
+// tokens_total, keep_rate (with seed_names also the seed's evicted_key_bytes and
+// evicted_value_bytes, which are the kept bytes). The caller sets bytes_resident and may append
+// figures.
+CacheStats eviction_stats(const std::string& method, int64_t batch, int64_t heads, int64_t head_dim,
+                          int64_t stored_rows, int64_t offset, bool seed_names);
+
 struct UpdateOptions {
   // This call's queries after RoPE, [B, H_q, S, D] (H_q a multiple of H_kv), or nullptr.
   // Used by SnapKV's query scoring; every other cache ignores them.

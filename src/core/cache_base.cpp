@@ -166,4 +166,34 @@ std::unique_ptr<KVCache> merge_batch(const std::vector<const KVCache*>& caches) 
   return caches[0]->merge_into_batch(caches);
 }
 
+CacheStats eviction_stats(const std::string& method, int64_t batch, int64_t heads, int64_t head_dim,
+                          int64_t stored_rows, int64_t offset, bool seed_names) {
+  CacheStats st;
+  st.method = method;
+  st.tokens_seen = offset;
+  st.rows_stored = stored_rows;
+  const int64_t bhd2 = batch * heads * head_dim * 2;  // bytes of one row of K (or V), all heads
+  const int64_t kept = stored_rows * bhd2;
+  const int64_t full = offset * bhd2;
+  st.bytes_accounted = 2 * kept;
+  st.fp16_bytes = 2 * full;
+  const double tokens_kept = static_cast<double>(batch * heads * stored_rows);
+  const double tokens_total = static_cast<double>(batch * heads * offset);
+  const double kept_d = static_cast<double>(kept);
+  const double full_d = static_cast<double>(full);
+  if (seed_names) st.figures = {{"evicted_key_bytes", kept_d}, {"evicted_value_bytes", kept_d}};
+  const std::vector<std::pair<std::string, double>> common = {
+      {"kept_key_bytes", kept_d},
+      {"kept_value_bytes", kept_d},
+      {"full_key_bytes", full_d},
+      {"full_value_bytes", full_d},
+      {"eviction_ratio", kept > 0 ? full_d / kept_d : 1.0},
+      {"tokens_kept", tokens_kept},
+      {"tokens_total", tokens_total},
+      {"keep_rate", tokens_total > 0 ? tokens_kept / tokens_total : 1.0},
+  };
+  st.figures.insert(st.figures.end(), common.begin(), common.end());
+  return st;
+}
+
 }  // namespace vq

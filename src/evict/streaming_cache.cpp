@@ -258,34 +258,13 @@ Mask StreamingCache::make_mask(int64_t n_queries, int64_t window) const {
 }
 
 CacheStats StreamingCache::stats() const {
-  CacheStats st;
-  st.method = method();
-  st.tokens_seen = offset_;
-  st.rows_stored = stored_rows();
-  const int64_t bhd2 = batch_ * heads_ * head_dim_ * 2;  // bytes of one row of K (or V), all heads
-  const int64_t kept = stored_rows() * bhd2;
-  const int64_t full = offset_ * bhd2;
-  st.bytes_accounted = 2 * kept;
-  st.fp16_bytes = 2 * full;
+  CacheStats st =
+      eviction_stats(method(), batch_, heads_, head_dim_, stored_rows(), offset_, false);
   st.bytes_resident = static_cast<int64_t>(
       (k_.capacity() + v_.capacity() + retired_k_.capacity() + retired_v_.capacity()) *
       sizeof(uint16_t));
-  const double tokens_kept = static_cast<double>(batch_ * heads_ * stored_rows());
-  const double tokens_total = static_cast<double>(batch_ * heads_ * offset_);
-  const double kept_d = static_cast<double>(kept);
-  const double full_d = static_cast<double>(full);
-  st.figures = {
-      {"kept_key_bytes", kept_d},
-      {"kept_value_bytes", kept_d},
-      {"full_key_bytes", full_d},
-      {"full_value_bytes", full_d},
-      {"eviction_ratio", kept > 0 ? full_d / kept_d : 1.0},
-      {"tokens_kept", tokens_kept},
-      {"tokens_total", tokens_total},
-      {"keep_rate", tokens_total > 0 ? tokens_kept / tokens_total : 1.0},
-      {"sink_rows", static_cast<double>(n_sink_rows_)},
-      {"recent_rows", static_cast<double>(n_recent_)},
-  };
+  st.figures.push_back({"sink_rows", static_cast<double>(n_sink_rows_)});
+  st.figures.push_back({"recent_rows", static_cast<double>(n_recent_)});
   return st;
 }
 
