@@ -4,7 +4,8 @@ the peers' JSON (tools/peers/*.py), so no figure is copied by hand.
 
   results_tables.py [--dir docs/results]
 
-Reads DIR/kld.json, DIR/passkey.json, DIR/peers_kvpress.json, DIR/peers_llamacpp.json.
+Reads DIR/kld.json, DIR/passkey.json, DIR/peers_kvpress.json, DIR/peers_llamacpp.json and, if
+present, DIR/attn_error.json.
 Sections: eviction (delta ppl and KL by budget), quantization (with bits per element, llama.cpp
 beside), composition, passkey by kept fraction (with kvpress beside), and the target checks.
 """
@@ -152,6 +153,16 @@ def passkey_tables(pk, kv):
     return "\n".join(out), "\n".join(out2)
 
 
+def attn_table(ae):
+    n = ae["n_layers"]
+    out = ["| method | " + " | ".join(f"layer {i}" for i in range(n)) + " | mean |",
+           "| --- |" + " ---: |" * (n + 1)]
+    for r in ae["rows"]:
+        out.append(f"| `{r['label']}` | " + " | ".join(f"{x:.4f}" for x in r["layer_rel_l2"]) +
+                   f" | {r['mean_rel_l2']:.4f} |")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dir", default="docs/results")
@@ -172,6 +183,10 @@ def main():
     print(t1 + "\n")
     print("### Passkey: quantization and composition\n")
     print(t2)
+    ae_path = os.path.join(a.dir, "attn_error.json")
+    if os.path.exists(ae_path):
+        print("\n### Attention-output error by layer (relative L2 against the full cache)\n")
+        print(attn_table(load(ae_path)))
 
 
 if __name__ == "__main__":
