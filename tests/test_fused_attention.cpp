@@ -410,6 +410,17 @@ TEST(FusedAttention, FullyMaskedQueryGivesZeros) {
   for (float x : out) EXPECT_EQ(x, 0.0f);
 }
 
+// [1, H, S, D] -> [1, H * rep, S, D]: head h of the result is head h / rep of t (MHA standing in
+// for GQA with rep query heads per KV head).
+Tensor repeat_heads(const Tensor& t, int64_t rep) {
+  const auto& sh = t.shape();
+  Tensor r(t.dtype(), sh[0], sh[1] * rep, sh[2], sh[3]);
+  for (int64_t h = 0; h < sh[1] * rep; ++h)
+    for (int64_t s = 0; s < sh[2]; ++s)
+      for (int64_t c = 0; c < sh[3]; ++c) r.set(0, h, s, c, t.at(0, h / rep, s, c));
+  return r;
+}
+
 // Metamorphic: GQA with n_rep query heads per KV head equals MHA over the KV heads repeated.
 TEST(FusedAttention, GqaEqualsMhaWithRepeatedKvHeads) {
   CacheConfig cfg = method_cfg("skvq");
@@ -417,13 +428,7 @@ TEST(FusedAttention, GqaEqualsMhaWithRepeatedKvHeads) {
   const int64_t rep = 4, len = 100;
   const Tensor k = test::random_tensor(DType::kF16, 1, 2, len, 64, 10);
   const Tensor v = test::random_tensor(DType::kF16, 1, 2, len, 64, 11);
-  Tensor kr(DType::kF16, 1, 2 * rep, len, 64), vr(DType::kF16, 1, 2 * rep, len, 64);
-  for (int64_t h = 0; h < 2 * rep; ++h)
-    for (int64_t s = 0; s < len; ++s)
-      for (int64_t c = 0; c < 64; ++c) {
-        kr.set(0, h, s, c, k.at(0, h / rep, s, c));
-        vr.set(0, h, s, c, v.at(0, h / rep, s, c));
-      }
+  const Tensor kr = repeat_heads(k, rep), vr = repeat_heads(v, rep);
   auto a = make_cache(cfg), b = make_cache(cfg);
   const CacheView va = a->update_and_fetch(k.view(), v.view());
   const CacheView vb = b->update_and_fetch(kr.view(), vr.view());
@@ -444,13 +449,7 @@ TEST(FusedAttention, GqaEqualsMhaWithRepeatedKvHeadsManyQueries) {
   const int64_t rep = 3, len = 150, nq = 70;
   const Tensor k = test::random_tensor(DType::kF16, 1, 2, len, 64, 40);
   const Tensor v = test::random_tensor(DType::kF16, 1, 2, len, 64, 41);
-  Tensor kr(DType::kF16, 1, 2 * rep, len, 64), vr(DType::kF16, 1, 2 * rep, len, 64);
-  for (int64_t h = 0; h < 2 * rep; ++h)
-    for (int64_t s = 0; s < len; ++s)
-      for (int64_t c = 0; c < 64; ++c) {
-        kr.set(0, h, s, c, k.at(0, h / rep, s, c));
-        vr.set(0, h, s, c, v.at(0, h / rep, s, c));
-      }
+  const Tensor kr = repeat_heads(k, rep), vr = repeat_heads(v, rep);
   FullCache a, b;
   const CacheView va = a.update_and_fetch(k.view(), v.view());
   const CacheView vb = b.update_and_fetch(kr.view(), vr.view());

@@ -854,6 +854,16 @@ void feed_chunked(KVCache& c, int64_t n, const std::vector<int64_t>& chunks, uin
   }
 }
 
+// Every (b, h) of two views holds the same positions and K/V bits.
+void expect_same_rows(const CacheView& a, const CacheView& b, const std::string& what) {
+  ASSERT_EQ(a.batch, b.batch) << what;
+  ASSERT_EQ(a.n_kv_heads, b.n_kv_heads) << what;
+  for (int64_t bb = 0; bb < a.batch; ++bb)
+    for (int64_t h = 0; h < a.n_kv_heads; ++h)
+      EXPECT_TRUE(view_head(a, bb, h) == view_head(b, bb, h))
+          << what << " (b, h) = (" << bb << ", " << h << ")";
+}
+
 TEST(SnapKVCache, PromptEndChunkedEqualsOneShotBitForBit) {
   // Metamorphic: with snap_evict_at = prompt_end, a prompt of 170 rows in chunks 50 + 60 + 60
   // stores exactly what the default schedule stores after the same 170 rows in one call (the
@@ -878,10 +888,7 @@ TEST(SnapKVCache, PromptEndChunkedEqualsOneShotBitForBit) {
     std::vector<CacheView> va, vb;
     feed(*one, {1, 1}, 77, 4, &va);
     feed(*chunked, {1, 1}, 77, 4, &vb);
-    for (int64_t b = 0; b < 2; ++b)
-      for (int64_t h = 0; h < 2; ++h)
-        EXPECT_TRUE(view_head(va.back(), b, h) == view_head(vb.back(), b, h))
-            << "variant " << variant << " (b, h) = (" << b << ", " << h << ")";
+    expect_same_rows(va.back(), vb.back(), "variant " + std::to_string(variant));
   }
 }
 
@@ -903,8 +910,7 @@ TEST(SnapKVCache, PromptEndRunsAtTheFirstDecodeStepWithoutEndPrompt) {
   feed(*b, {1}, 40, 2, &vb);
   EXPECT_FALSE(b->eviction_pending());
   EXPECT_EQ(vb[0].n_rows(), 21);
-  for (int64_t bb = 0; bb < 2; ++bb)
-    for (int64_t h = 0; h < 2; ++h) EXPECT_TRUE(view_head(va[0], bb, h) == view_head(vb[0], bb, h));
+  expect_same_rows(va[0], vb[0], "explicit vs implicit end of the prompt");
   // end_prompt again, or on the default schedule, changes nothing.
   const std::string before = saved(*a);
   a->end_prompt();
