@@ -11,6 +11,11 @@
 
 namespace vq {
 
+// x rounded up to a multiple of m (x >= 0, m >= 1): capacities of row stores.
+constexpr int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::kF32;

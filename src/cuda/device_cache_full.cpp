@@ -17,10 +17,6 @@ namespace {
 
 constexpr int64_t kStep = 256;
 
-int64_t round_up(int64_t n, int64_t step) {
-  return (n + step - 1) / step * step;
-}
-
 class FullDeviceCache final : public DeviceKVCache {
  public:
   FullDeviceCache(int64_t b, int64_t h, int64_t d, Stream s) : DeviceKVCache(b, h, d, s) {}

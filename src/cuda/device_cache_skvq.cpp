@@ -27,10 +27,6 @@ namespace {
 
 constexpr const char* kOp = "cuda skvq";
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
 class SkvqDeviceCache final : public DeviceKVCache {
  public:
   SkvqDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)

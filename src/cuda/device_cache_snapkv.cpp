@@ -28,10 +28,6 @@ namespace {
 
 constexpr int64_t kRowStep = 64;
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
 class SnapKVDeviceCache final : public DeviceKVCache {
  public:
   SnapKVDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)

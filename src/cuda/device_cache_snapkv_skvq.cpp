@@ -40,10 +40,6 @@ namespace {
 
 constexpr const char* kOp = "snapkv+skvq";
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
 class SnapkvSkvqDeviceCache final : public DeviceKVCache {
  public:
   SnapkvSkvqDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)

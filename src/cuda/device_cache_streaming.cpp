@@ -23,10 +23,6 @@ namespace {
 
 constexpr int64_t kRowStep = 64;
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
 class StreamingDeviceCache final : public DeviceKVCache {
  public:
   StreamingDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)

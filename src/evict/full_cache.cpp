@@ -29,10 +29,6 @@ namespace {
 constexpr size_t kHugePage = size_t{2} << 20;  // transparent huge page size on x86-64 Linux
 constexpr int64_t kMaxPositions = std::numeric_limits<int32_t>::max();  // positions are int32
 
-int64_t round_up(int64_t n, int64_t step) {
-  return (n + step - 1) / step * step;
-}
-
 std::string shape_str(const TensorView& t) {
   return "[" + std::to_string(t.shape[0]) + ", " + std::to_string(t.shape[1]) + ", " +
          std::to_string(t.shape[2]) + ", " + std::to_string(t.shape[3]) + "]";

@@ -32,10 +32,6 @@ namespace {
 constexpr int64_t kRowStep = 64;               // capacity granularity in rows
 constexpr size_t kHugePage = size_t{2} << 20;  // transparent huge page size on x86-64 Linux
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
 std::string shape_str(const TensorView& t) {
   return "[" + std::to_string(t.shape[0]) + ", " + std::to_string(t.shape[1]) + ", " +
          std::to_string(t.shape[2]) + ", " + std::to_string(t.shape[3]) + "]";

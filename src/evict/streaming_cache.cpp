@@ -23,10 +23,6 @@
 namespace vq {
 namespace {
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
 std::string shape_str(const std::array<int64_t, 4>& s) {
   return "[" + std::to_string(s[0]) + ", " + std::to_string(s[1]) + ", " + std::to_string(s[2]) +
          ", " + std::to_string(s[3]) + "]";

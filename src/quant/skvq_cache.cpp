@@ -42,10 +42,6 @@ std::string shape_str(const TensorView& t) {
 
 namespace {
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
 [[noreturn]] void fail(const char* op, const std::string& field, const std::string& expected,
                        const std::string& got) {
   throw Error(std::string("[") + op + "] " + field + ": expected " + expected + " but got " + got);
