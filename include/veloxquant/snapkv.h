@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "veloxquant/cache_config.h"
+#include "veloxquant/dtype.h"
 
 namespace vq {
 
@@ -102,6 +103,10 @@ struct SnapSelectParams {
 
   static SnapSelectParams from_config(const CacheConfig& cfg);
 };
+
+// Storage dtype of the SnapKV caches (CPU and GPU, alone or composed with SKVQ): snap_dtype auto
+// keeps bf16 when keys and values arrive in bf16 and stores fp16 otherwise.
+DType snap_storage_dtype(SnapDType mode, DType keys, DType values);
 
 // Real window queries of one KV head for query scoring.
 struct SnapQueryWindow {

@@ -64,18 +64,7 @@ class SnapKVDeviceCache final : public DeviceKVCache {
     release_retired();
 
     if (!has_data_) {
-      switch (cfg_.snap_dtype) {
-        case SnapDType::kAuto:
-          dtype_ = keys.dtype == DType::kBF16 && values.dtype == DType::kBF16 ? DType::kBF16
-                                                                              : DType::kF16;
-          break;
-        case SnapDType::kFloat16:
-          dtype_ = DType::kF16;
-          break;
-        case SnapDType::kBFloat16:
-          dtype_ = DType::kBF16;
-          break;
-      }
+      dtype_ = snap_storage_dtype(cfg_.snap_dtype, keys.dtype, values.dtype);
       has_data_ = true;
     }
     const int64_t s = keys.shape[2];

@@ -79,18 +79,7 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
     const int64_t F = batch_ * heads_;
     if (!has_data_) {
       skvq::Transforms tr = skvq::initial_transforms(s, heads_, kOp);  // may throw
-      switch (cfg_.snap_dtype) {
-        case SnapDType::kAuto:
-          dtype_ = keys.dtype == DType::kBF16 && values.dtype == DType::kBF16 ? DType::kBF16
-                                                                              : DType::kF16;
-          break;
-        case SnapDType::kFloat16:
-          dtype_ = DType::kF16;
-          break;
-        case SnapDType::kBFloat16:
-          dtype_ = DType::kBF16;
-          break;
-      }
+      dtype_ = snap_storage_dtype(cfg_.snap_dtype, keys.dtype, values.dtype);
       if (tr.has_perms()) {
         perm_k_ = DeviceBuffer::from_vector(tr.perm_k, stream_);
         perm_v_ = DeviceBuffer::from_vector(tr.perm_v, stream_);

@@ -171,18 +171,7 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
     batch_ = keys.shape[0];
     heads_ = keys.shape[1];
     head_dim_ = keys.shape[3];
-    switch (cfg_.snap_dtype) {
-      case SnapDType::kAuto:
-        dtype_ =
-            keys.dtype == DType::kBF16 && values.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
-        break;
-      case SnapDType::kFloat16:
-        dtype_ = DType::kF16;
-        break;
-      case SnapDType::kBFloat16:
-        dtype_ = DType::kBF16;
-        break;
-    }
+    dtype_ = snap_storage_dtype(cfg_.snap_dtype, keys.dtype, values.dtype);
     has_data_ = true;
   }
 

@@ -418,6 +418,18 @@ SnapSelectParams SnapSelectParams::from_config(const CacheConfig& cfg) {
   return p;
 }
 
+DType snap_storage_dtype(SnapDType mode, DType keys, DType values) {
+  switch (mode) {
+    case SnapDType::kFloat16:
+      return DType::kF16;
+    case SnapDType::kBFloat16:
+      return DType::kBF16;
+    case SnapDType::kAuto:
+      break;
+  }
+  return keys == DType::kBF16 && values == DType::kBF16 ? DType::kBF16 : DType::kF16;
+}
+
 int64_t snap_select_head(const float* keys, const int32_t* key_pos, int64_t n, int64_t head_dim,
                          const SnapQueryWindow* q, const SnapSelectParams& p, int64_t* out,
                          SnapScratch& scratch) {

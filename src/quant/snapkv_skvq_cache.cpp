@@ -475,18 +475,7 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
   if (!st.has_data) {
     skvq::Transforms tr = skvq::initial_transforms(s, keys.shape[1], kOp);  // may throw
     st.has_data = true;
-    switch (cfg.snap_dtype) {
-      case SnapDType::kAuto:
-        st.dtype =
-            keys.dtype == DType::kBF16 && values.dtype == DType::kBF16 ? DType::kBF16 : DType::kF16;
-        break;
-      case SnapDType::kFloat16:
-        st.dtype = DType::kF16;
-        break;
-      case SnapDType::kBFloat16:
-        st.dtype = DType::kBF16;
-        break;
-    }
+    st.dtype = snap_storage_dtype(cfg.snap_dtype, keys.dtype, values.dtype);
     st.batch = keys.shape[0];
     st.heads = keys.shape[1];
     st.tr = std::move(tr);
