@@ -38,6 +38,10 @@ struct TensorView {
   TensorView slice_tokens(int64_t s0, int64_t s1) const;
 };
 
+// Row (b, h, s) of a [B, H, S, D] view (any element strides) converted to dst_t into a contiguous
+// destination of D elements (through fp32 when the types differ: exact when widening).
+void convert_view_row(const TensorView& t, int64_t b, int64_t h, int64_t s, void* dst, DType dst_t);
+
 // Owning, 64-byte aligned, contiguous [B, H, S, D] buffer, zero-initialised.
 class Tensor {
  public:

@@ -28,20 +28,6 @@ std::string shape_str(const std::array<int64_t, 4>& s) {
          ", " + std::to_string(s[3]) + "]";
 }
 
-// Row (b, h, s) of t converted to dst_t (contiguous destination of t.shape[3] elements).
-void convert_view_row(const TensorView& t, int64_t b, int64_t h, int64_t s, void* dst,
-                      DType dst_t) {
-  const int64_t d = t.shape[3];
-  if (t.stride[3] == 1) {
-    convert_row(t.row(b, h, s), t.dtype, dst, dst_t, static_cast<size_t>(d));
-    return;
-  }
-  for (int64_t i = 0; i < d; ++i) {
-    const float x = t.at(b, h, s, i);
-    from_f32(&x, static_cast<char*>(dst) + i * static_cast<int64_t>(dtype_size(dst_t)), dst_t, 1);
-  }
-}
-
 }  // namespace
 
 std::unique_ptr<KVCache> make_streaming_cache(const CacheConfig& cfg) {

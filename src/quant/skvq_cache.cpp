@@ -76,18 +76,6 @@ void convert_row_to(const void* src, DType src_t, void* dst, DType dst_t, int64_
   convert_row(src, src_t, dst, dst_t, static_cast<size_t>(n));
 }
 
-void view_row_to(const TensorView& t, int64_t b, int64_t h, int64_t s, void* dst, DType dst_t) {
-  const int64_t d = t.shape[3];
-  if (t.stride[3] == 1) {
-    convert_row(t.row(b, h, s), t.dtype, dst, dst_t, static_cast<size_t>(d));
-    return;
-  }
-  for (int64_t i = 0; i < d; ++i) {
-    const float x = t.at(b, h, s, i);
-    from_f32(&x, static_cast<char*>(dst) + i * static_cast<int64_t>(dtype_size(dst_t)), dst_t, 1);
-  }
-}
-
 std::vector<int32_t> channel_range_perm(const float* rows, int64_t n, int64_t d) {
   std::vector<float> range(static_cast<size_t>(d), 0.0f);
   if (n > 0) {
@@ -558,9 +546,9 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
                         static_cast<size_t>(d));
     } else {
       tmp.resize(static_cast<size_t>(d) * es);
-      skvq::view_row_to(keys, b, h, p - st.offset, tmp.data(), st.dtype);
+      convert_view_row(keys, b, h, p - st.offset, tmp.data(), st.dtype);
       skvq::fast_to_f32(tmp.data(), st.dtype, out, static_cast<size_t>(d));
-      skvq::view_row_to(values, b, h, p - st.offset, tmp.data(), st.dtype);
+      convert_view_row(values, b, h, p - st.offset, tmp.data(), st.dtype);
       skvq::fast_to_f32(tmp.data(), st.dtype, out + d, static_cast<size_t>(d));
     }
   };
@@ -609,8 +597,8 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
                 std::memcpy(dk, st.tail.k_row(b, h, i), static_cast<size_t>(d) * es);
                 std::memcpy(dv, st.tail.v_row(b, h, i), static_cast<size_t>(d) * es);
               } else {
-                skvq::view_row_to(keys, b, h, i - st.offset, dk, st.dtype);
-                skvq::view_row_to(values, b, h, i - st.offset, dv, st.dtype);
+                convert_view_row(keys, b, h, i - st.offset, dk, st.dtype);
+                convert_view_row(values, b, h, i - st.offset, dv, st.dtype);
               }
             }
         st.sinks.count = s.n_sink;
@@ -667,8 +655,8 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = first_in; i < n_new; ++i) {
         const int64_t r = st.tail.count + (i - first_in);
-        skvq::view_row_to(keys, b, h, i, st.tail.k_row(b, h, r), st.dtype);
-        skvq::view_row_to(values, b, h, i, st.tail.v_row(b, h, r), st.dtype);
+        convert_view_row(keys, b, h, i, st.tail.k_row(b, h, r), st.dtype);
+        convert_view_row(values, b, h, i, st.tail.v_row(b, h, r), st.dtype);
       }
   st.tail.count += n_new - first_in;
   st.q_end = q_new;
@@ -862,7 +850,7 @@ std::vector<int32_t> skvq_channel_perms(const TensorView& block) {
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t b = 0; b < bsz; ++b)
       for (int64_t i = 0; i < n; ++i)
-        skvq::view_row_to(block, b, h, i, rows.data() + (b * n + i) * d, DType::kF32);
+        convert_view_row(block, b, h, i, rows.data() + (b * n + i) * d, DType::kF32);
     const auto p = skvq::channel_range_perm(rows.data(), bsz * n, d);
     std::copy(p.begin(), p.end(), out.begin() + h * d);
   }

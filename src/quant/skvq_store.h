@@ -124,8 +124,6 @@ struct FpRows {
 void fast_to_f32(const void* src, DType t, float* dst, size_t n);
 // Converts element row src (n values of src_t) to dst_t through fp32 when the types differ.
 void convert_row_to(const void* src, DType src_t, void* dst, DType dst_t, int64_t n);
-// Row (b, h, s) of a [B, H, S, D] view (any strides) converted to dst_t.
-void view_row_to(const TensorView& t, int64_t b, int64_t h, int64_t s, void* dst, DType dst_t);
 
 // Quantizes n rows of head h, given in original channel order as fp32 [n, D] (overwritten by
 // the transform), into records dst + i * row_stride.

@@ -227,8 +227,8 @@ void evict_frame(SnapSkvqState& st, const Settings& s, const CacheConfig& cfg,
             qwin.resize(static_cast<size_t>(n_rep * w_q * d));
             for (int64_t r = 0; r < n_rep; ++r)
               for (int64_t i = 0; i < w_q; ++i)
-                skvq::view_row_to(*queries, b, h * n_rep + r, n_new - w_q + i,
-                                  qwin.data() + (r * w_q + i) * d, DType::kF32);
+                convert_view_row(*queries, b, h * n_rep + r, n_new - w_q + i,
+                                 qwin.data() + (r * w_q + i) * d, DType::kF32);
             for (int64_t i = 0; i < w_q; ++i) qpos[i] = static_cast<int32_t>(st.offset - w_q + i);
             qw.data = qwin.data();
             qw.n_rep = n_rep;
@@ -387,9 +387,9 @@ void keep_query_window(SnapSkvqState& st, const TensorView* queries, int64_t n_n
   for (int64_t b = 0; b < st.batch; ++b)
     for (int64_t qh = 0; qh < st.win_hq; ++qh)
       for (int64_t i = 0; i < st.win_rows; ++i)
-        skvq::view_row_to(*queries, b, qh, n_new - st.win_rows + i,
-                          st.win_q.data() + ((b * st.win_hq + qh) * st.win_rows + i) * d,
-                          DType::kF32);
+        convert_view_row(*queries, b, qh, n_new - st.win_rows + i,
+                         st.win_q.data() + ((b * st.win_hq + qh) * st.win_rows + i) * d,
+                         DType::kF32);
 }
 
 }  // namespace
@@ -501,8 +501,8 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
     for (int64_t b = 0; b < bsz; ++b)
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t i = 0; i < to_sinks; ++i) {
-          skvq::view_row_to(keys, b, h, i, st.sinks.k_row(b, h, st.sinks.count + i), st.dtype);
-          skvq::view_row_to(values, b, h, i, st.sinks.v_row(b, h, st.sinks.count + i), st.dtype);
+          convert_view_row(keys, b, h, i, st.sinks.k_row(b, h, st.sinks.count + i), st.dtype);
+          convert_view_row(values, b, h, i, st.sinks.v_row(b, h, st.sinks.count + i), st.dtype);
         }
     st.sinks.count += to_sinks;
   }
@@ -511,8 +511,8 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = to_sinks; i < n_new; ++i) {
         const int64_t r = st.tail.count + i - to_sinks;
-        skvq::view_row_to(keys, b, h, i, st.tail.k_row(b, h, r), st.dtype);
-        skvq::view_row_to(values, b, h, i, st.tail.v_row(b, h, r), st.dtype);
+        convert_view_row(keys, b, h, i, st.tail.k_row(b, h, r), st.dtype);
+        convert_view_row(values, b, h, i, st.tail.v_row(b, h, r), st.dtype);
         st.tail.position(b, h, r) = static_cast<int32_t>(st.offset + i);
       }
   st.tail.count += n_new - to_sinks;
