@@ -13,6 +13,7 @@
 
 #include "veloxquant/cache_config.h"
 #include "veloxquant/dtype.h"
+#include "veloxquant/tensor.h"
 
 namespace vq {
 
@@ -102,6 +103,19 @@ struct SnapSelectParams {
   bool keep_window = false;
 
   static SnapSelectParams from_config(const CacheConfig& cfg);
+};
+
+// The window queries a prompt-end selection (snap_evict_at = prompt_end) scores with: the last
+// min(obs_window, S) rows of the latest multi-token call's queries, fp32 [B, hq, rows, D].
+struct SnapPromptWindow {
+  int64_t hq = 0, rows = 0;
+  std::vector<float> q;
+
+  // Keeps the last rows of queries [B, H_q, S, D]; nullptr keeps none (key-proxy scoring).
+  void keep(const TensorView* queries, int64_t obs_window);
+  // The kept rows as a view [B, hq, rows, D] written to *out, or nullptr when none are kept.
+  const TensorView* view(int64_t batch, int64_t head_dim, TensorView* out) const;
+  void clear();
 };
 
 // Storage dtype of the SnapKV caches (CPU and GPU, alone or composed with SKVQ): snap_dtype auto

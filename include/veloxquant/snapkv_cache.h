@@ -76,7 +76,6 @@ class SnapKVCache final : public KVCache {
                    const UpdateOptions& opts) const;
   void reserve_rows(int64_t rows);
   void evict_after_step(int64_t n_new, const TensorView* queries);
-  void keep_query_window(const TensorView* queries, int64_t s);
   CacheView make_view() const;
 
   // Uninitialised buffer of 2-byte elements: 64-byte aligned, or 2 MiB aligned and advised for
@@ -120,11 +119,9 @@ class SnapKVCache final : public KVCache {
   // Buffers the last view may still point at (freed at the next mutating call).
   RowBuffer retired_k_, retired_v_;
   std::vector<int32_t> retired_pos_;
-  // snap_evict_at = prompt_end: a selection is owed, scored with these window queries
-  // ([B, win_hq_, win_rows_, D] fp32, the prompt's last win_rows_ positions; none = key proxy).
+  // snap_evict_at = prompt_end: a selection is owed, scored with the kept window queries.
   bool pending_ = false;
-  int64_t win_hq_ = 0, win_rows_ = 0;
-  std::vector<float> win_q_;
+  SnapPromptWindow win_;
 };
 
 }  // namespace vq

@@ -179,41 +179,23 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   CacheView view = make_view();
   if (s > 1) {
     const bool use_queries = cfg_.snap_scoring == SnapScoring::kQuery && opts.queries != nullptr;
-    if (at_prompt_end)
-      keep_query_window(use_queries ? opts.queries : nullptr, s);
-    else
+    if (at_prompt_end) {
+      pending_ = true;
+      win_.keep(use_queries ? opts.queries : nullptr, params_.obs_window);
+    } else {
       evict_after_step(s, use_queries ? opts.queries : nullptr);
+    }
   }
   return view;
-}
-
-void SnapKVCache::keep_query_window(const TensorView* queries, int64_t s) {
-  pending_ = true;
-  win_hq_ = queries ? queries->shape[1] : 0;
-  win_rows_ = queries ? std::min(params_.obs_window, s) : 0;
-  win_q_.assign(static_cast<size_t>(batch_ * win_hq_ * win_rows_ * head_dim_), 0.0f);
-  for (int64_t b = 0; b < batch_; ++b)
-    for (int64_t qh = 0; qh < win_hq_; ++qh)
-      for (int64_t i = 0; i < win_rows_; ++i)
-        convert_view_row(*queries, b, qh, s - win_rows_ + i,
-                         win_q_.data() + ((b * win_hq_ + qh) * win_rows_ + i) * head_dim_,
-                         DType::kF32);
 }
 
 void SnapKVCache::end_prompt() {
   if (!pending_) return;
   TensorView q;
-  if (win_rows_ > 0) {
-    q.data = win_q_.data();
-    q.dtype = DType::kF32;
-    q.shape = {batch_, win_hq_, win_rows_, head_dim_};
-    q.stride = {win_hq_ * win_rows_ * head_dim_, win_rows_ * head_dim_, head_dim_, 1};
-  }
-  // The window rows are the prompt's last win_rows_ positions: offset_ has not moved since.
-  evict_after_step(win_rows_, win_rows_ > 0 ? &q : nullptr);
+  // The window rows are the prompt's last win_.rows positions: offset_ has not moved since.
+  evict_after_step(win_.rows, win_.view(batch_, head_dim_, &q));
   pending_ = false;
-  win_hq_ = win_rows_ = 0;
-  std::vector<float>().swap(win_q_);
+  win_.clear();
   // No view references the old rows any more (end_prompt invalidates the last view).
   retired_k_.reset();
   retired_v_.reset();
@@ -435,9 +417,9 @@ void SnapKVCache::save(std::ostream& out) const {
   kv.data = const_cast<uint16_t*>(v_.data());
   w.tensor(kv);
   w.boolean(pending_);
-  w.i64(win_hq_);
-  w.i64(win_rows_);
-  w.vec_f32(win_q_);
+  w.i64(win_.hq);
+  w.i64(win_.rows);
+  w.vec_f32(win_.q);
   w.write(out, method());
 }
 
@@ -523,9 +505,9 @@ void SnapKVCache::load(std::istream& in) {
   v_.swap(nv);
   sel_pos_.swap(sel_pos);
   pending_ = pending;
-  win_hq_ = win_hq;
-  win_rows_ = win_rows;
-  win_q_.swap(win_q);
+  win_.hq = win_hq;
+  win_.rows = win_rows;
+  win_.q.swap(win_q);
   retired_k_.reset();
   retired_v_.reset();
   std::vector<int32_t>().swap(retired_pos_);

@@ -418,6 +418,33 @@ SnapSelectParams SnapSelectParams::from_config(const CacheConfig& cfg) {
   return p;
 }
 
+void SnapPromptWindow::keep(const TensorView* queries, int64_t obs_window) {
+  const int64_t b_n = queries ? queries->shape[0] : 0, s = queries ? queries->shape[2] : 0;
+  const int64_t d = queries ? queries->shape[3] : 0;
+  hq = queries ? queries->shape[1] : 0;
+  rows = queries ? std::min(obs_window, s) : 0;
+  q.assign(static_cast<size_t>(b_n * hq * rows * d), 0.0f);
+  for (int64_t b = 0; b < b_n; ++b)
+    for (int64_t h = 0; h < hq; ++h)
+      for (int64_t i = 0; i < rows; ++i)
+        convert_view_row(*queries, b, h, s - rows + i, q.data() + ((b * hq + h) * rows + i) * d,
+                         DType::kF32);
+}
+
+const TensorView* SnapPromptWindow::view(int64_t batch, int64_t head_dim, TensorView* out) const {
+  if (rows == 0) return nullptr;
+  out->data = const_cast<float*>(q.data());
+  out->dtype = DType::kF32;
+  out->shape = {batch, hq, rows, head_dim};
+  out->stride = {hq * rows * head_dim, rows * head_dim, head_dim, 1};
+  return out;
+}
+
+void SnapPromptWindow::clear() {
+  hq = rows = 0;
+  std::vector<float>().swap(q);
+}
+
 DType snap_storage_dtype(SnapDType mode, DType keys, DType values) {
   switch (mode) {
     case SnapDType::kFloat16:

@@ -38,11 +38,10 @@ struct SnapSkvqState {
   std::vector<FpRows> retired_rows;
   std::vector<int32_t> view_tail_pos;    // [B, H, tail.count] for the last update's view
   std::vector<int32_t> stored_tail_pos;  // the same for the last stored_view()
-  // snap_evict_at = prompt_end: a selection (and the flush after it) is owed, scored with these
-  // window queries [B, win_hq, win_rows, D] fp32 (the prompt's last positions; none = key proxy).
+  // snap_evict_at = prompt_end: a selection (and the flush after it) is owed, scored with the
+  // kept window queries.
   bool pending = false;
-  int64_t win_hq = 0, win_rows = 0;
-  std::vector<float> win_q;
+  SnapPromptWindow win;
 
   int64_t packed() const {
     int64_t n = 0;
@@ -377,21 +376,6 @@ void flush_tail(SnapSkvqState& st, const Settings& s) {
   }
 }
 
-// Keeps the last min(obs_window, n_new) query rows of this call for a prompt-end selection.
-void keep_query_window(SnapSkvqState& st, const TensorView* queries, int64_t n_new, int64_t d,
-                       int64_t obs_window) {
-  st.pending = true;
-  st.win_hq = queries ? queries->shape[1] : 0;
-  st.win_rows = queries ? std::min(obs_window, n_new) : 0;
-  st.win_q.assign(static_cast<size_t>(st.batch * st.win_hq * st.win_rows * d), 0.0f);
-  for (int64_t b = 0; b < st.batch; ++b)
-    for (int64_t qh = 0; qh < st.win_hq; ++qh)
-      for (int64_t i = 0; i < st.win_rows; ++i)
-        convert_view_row(*queries, b, qh, n_new - st.win_rows + i,
-                         st.win_q.data() + ((b * st.win_hq + qh) * st.win_rows + i) * d,
-                         DType::kF32);
-}
-
 }  // namespace
 
 bool SnapkvSkvqCache::eviction_pending() const {
@@ -414,20 +398,12 @@ void SnapkvSkvqCache::end_prompt() {
   SnapSkvqState& st = *st_;
   if (!st.pending) return;
   TensorView q;
-  const int64_t d = set_->head_dim;
-  if (st.win_rows > 0) {
-    q.data = st.win_q.data();
-    q.dtype = DType::kF32;
-    q.shape = {st.batch, st.win_hq, st.win_rows, d};
-    q.stride = {st.win_hq * st.win_rows * d, st.win_rows * d, d, 1};
-  }
   st.retired_blocks.clear();
   st.retired_rows.clear();
-  evict_frame(st, *set_, *cfg_, st.win_rows > 0 ? &q : nullptr, st.win_rows);
+  evict_frame(st, *set_, *cfg_, st.win.view(st.batch, set_->head_dim, &q), st.win.rows);
   flush_tail(st, *set_);
   st.pending = false;
-  st.win_hq = st.win_rows = 0;
-  std::vector<float>().swap(st.win_q);
+  st.win.clear();
   // No view references the old rows any more (end_prompt invalidates the last view).
   st.retired_blocks.clear();
   st.retired_rows.clear();
@@ -551,7 +527,10 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
   // ---- 4. eviction (S > 1), 5. flush; with snap_evict_at = prompt_end both wait for the end
   // of the prompt (the rows stay at full precision meanwhile, as one-shot prefill keeps them)
   if (cfg.snap_evict_at == SnapEvictAt::kPromptEnd) {
-    if (n_new > 1) keep_query_window(st, queries, n_new, s.head_dim, cfg.snap_obs_window);
+    if (n_new > 1) {
+      st.pending = true;
+      st.win.keep(queries, cfg.snap_obs_window);
+    }
     if (st.pending) return view;
   } else if (n_new > 1) {
     evict_frame(st, s, cfg, queries, n_new);
@@ -653,9 +632,9 @@ void SnapkvSkvqCache::save(std::ostream& out) const {
     }
     st.tail.save(w);
     w.boolean(st.pending);
-    w.i64(st.win_hq);
-    w.i64(st.win_rows);
-    w.vec_f32(st.win_q);
+    w.i64(st.win.hq);
+    w.i64(st.win.rows);
+    w.vec_f32(st.win.q);
   }
   w.write(out, method());
 }
@@ -720,20 +699,20 @@ void SnapkvSkvqCache::load(std::istream& in) {
     ns->tail.init(ns->dtype, ns->batch, ns->heads, d, true);
     ns->tail.load(r, kOp);
     ns->pending = r.boolean();
-    ns->win_hq = r.i64_in("win_hq", 0, ns->pending ? 256 * ns->heads : 0);
-    ns->win_rows = r.i64_in("win_rows", 0, std::min(c.snap_obs_window, ns->tail.count));
-    ns->win_q = r.vec_f32();
+    ns->win.hq = r.i64_in("win_hq", 0, ns->pending ? 256 * ns->heads : 0);
+    ns->win.rows = r.i64_in("win_rows", 0, std::min(c.snap_obs_window, ns->tail.count));
+    ns->win.q = r.vec_f32();
     VQ_CHECK(!ns->pending || c.snap_evict_at == SnapEvictAt::kPromptEnd,
              pre +
                  "expected no pending eviction (snap_evict_at = prefill_call) but the state "
                  "has one");
-    VQ_CHECK((ns->win_hq == 0) == (ns->win_rows == 0) &&
-                 (ns->win_hq == 0 || ns->win_hq % ns->heads == 0) &&
-                 static_cast<int64_t>(ns->win_q.size()) ==
-                     bh * (ns->win_hq / ns->heads) * ns->win_rows * d,
+    VQ_CHECK((ns->win.hq == 0) == (ns->win.rows == 0) &&
+                 (ns->win.hq == 0 || ns->win.hq % ns->heads == 0) &&
+                 static_cast<int64_t>(ns->win.q.size()) ==
+                     bh * (ns->win.hq / ns->heads) * ns->win.rows * d,
              pre + "expected a query window [B, H_q (a multiple of H), rows, D] of " +
-                 std::to_string(ns->win_hq) + " heads and " + std::to_string(ns->win_rows) +
-                 " rows but got " + std::to_string(ns->win_q.size()) + " values");
+                 std::to_string(ns->win.hq) + " heads and " + std::to_string(ns->win.rows) +
+                 " rows but got " + std::to_string(ns->win.q.size()) + " values");
     // A pending prompt keeps every row at full precision until its selection and flush.
     VQ_CHECK(ns->pending || ns->tail.count < s.window + s.recent,
              pre + "expected fewer than window + recent full-precision tail rows");
