@@ -8,6 +8,9 @@ repeat, median and p10-p90), then reads that program's CSV and prints one Markdo
 every method's speed against SDPA, and the issue's targets with the measured ratios.
 
 Usage: python3 tools/bench_sdpa.py cuda_decode_attention.csv [--repeats 30] [--quick]
+                                  [--before OLD.csv] [--skip-prefill]
+--before adds the medians of another build's CSV (same run, same machine state) and their ratio
+to SDPA; --skip-prefill leaves out the 32K causal prefill (the cache-maintenance reference).
 """
 import argparse
 import csv
@@ -40,9 +43,16 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--before", default="")
+    ap.add_argument("--skip-prefill", action="store_true")
     args = ap.parse_args()
 
     rows = list(csv.DictReader(open(args.csv)))
+    before = {}
+    if args.before:
+        for r in csv.DictReader(open(args.before)):
+            if r["kind"] == "decode":
+                before[(int(r["batch"]), int(r["context"]), r["method"])] = float(r["median_us"])
     copy = next(r for r in rows if r["kind"] == "copy")
     copy_tbps = float(copy["tbps"])
     dev = torch.device("cuda")
@@ -65,25 +75,30 @@ def main():
     torch.cuda.empty_cache()
 
     # causal prefill at 32K (B 1): the reference time for the cache-maintenance operations
-    n = 32768
-    q = torch.randn(1, HQ, n, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(1, HKV, n, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(1, HKV, n, D, device=dev, dtype=torch.bfloat16)
-    pre = time_it(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                  flush, 3, max(5, args.repeats // 3))
-    del q, k, v
+    pre = None
+    if not args.skip_prefill:
+        n = 32768
+        q = torch.randn(1, HQ, n, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(1, HKV, n, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(1, HKV, n, D, device=dev, dtype=torch.bfloat16)
+        pre = time_it(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            flush, 3, max(5, args.repeats // 3))
+        del q, k, v
 
     print("\n## Decode attention on the H200: veloxquant fused kernels vs PyTorch SDPA (bf16)\n")
+    extra = " before us | before vs SDPA |" if before else ""
     print("| batch | context | method | median us | p10-p90 us | MB read | TB/s | % of copy BW | "
-          "speed-up vs SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "speed-up vs SDPA |" + extra)
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if before else ""))
     dec = [r for r in rows if r["kind"] == "decode"]
     for b in (1, 8):
         for ctx in ctxs:
             med, p10, p90, nb = sdpa[(b, ctx)]
             tb = nb / (med * 1e-6) / 1e12
             print(f"| {b} | {ctx} | torch SDPA bf16 | {med:.1f} | {p10:.1f}-{p90:.1f} | "
-                  f"{nb / 1e6:.1f} | {tb:.2f} | {100 * tb / copy_tbps:.0f}% | 1.00x |")
+                  f"{nb / 1e6:.1f} | {tb:.2f} | {100 * tb / copy_tbps:.0f}% | 1.00x |"
+                  + (" | |" if before else ""))
             for r in dec:
                 if int(r["batch"]) != b or int(r["context"]) != ctx:
                     continue
@@ -91,7 +106,11 @@ def main():
                 print(f"| {b} | {ctx} | {r['method']} | {m:.1f} | "
                       f"{float(r['p10_us']):.1f}-{float(r['p90_us']):.1f} | "
                       f"{float(r['bytes']) / 1e6:.1f} | {float(r['tbps']):.2f} | "
-                      f"{float(r['pct_copy']):.0f}% | {med / m:.2f}x |")
+                      f"{float(r['pct_copy']):.0f}% | {med / m:.2f}x |", end="")
+                o = before.get((b, ctx, r["method"]))
+                if before:
+                    print(f" {o:.1f} | {med / o:.2f}x |" if o else " | |", end="")
+                print()
     print(f"\nCopy bandwidth (cudaMemcpy D2D, read + write) in the same run: {copy_tbps:.2f} TB/s")
 
     def dec_row(b, ctx, method):
@@ -116,6 +135,12 @@ def main():
                   f"{pct:.0f}% | {'yes' if pct >= 75 else 'no'} |")
             print(f"| skvq K2V2 >= 4x faster than SDPA bf16 at 8 x {ctx // 1024}K | {sp:.2f}x | "
                   f"{'yes' if sp >= 4 else 'no'} |")
+    for ctx in (32768, 131072):
+        r = dec_row(8, ctx, "skvq K4V4 g32")
+        if r and (8, ctx) in sdpa:
+            sp = sdpa[(8, ctx)][0] / float(r["median_us"])
+            print(f"| skvq K4V4 g32 > 2x faster than SDPA bf16 at 8 x {ctx // 1024}K (brief) | "
+                  f"{sp:.2f}x | {'yes' if sp > 2 else 'no'} |")
     r = dec_row(1, 4096, "fp16 full")
     if r:
         m = float(r["median_us"])
@@ -125,7 +150,7 @@ def main():
                         ("snapkv select key-proxy", "SnapKV selection (key proxy)"),
                         ("snapkv select query", "SnapKV selection (queries)")):
         r = next((x for x in rows if x["kind"] == "maint" and x["method"] == name), None)
-        if r:
+        if r and pre:
             pct = 100 * float(r["median_us"]) / pre[0]
             print(f"| {label} at 32K <= 5% of prefill attention (SDPA causal 32K: "
                   f"{pre[0] / 1000:.2f} ms) | {float(r['median_us']):.0f} us = {pct:.1f}% | "

@@ -3,14 +3,18 @@
 //
 // Plan: every (b, kv head) gets about target / (B * H_kv) splits, each split at least 64 rows and a
 // whole number of pipeline tiles; a split never crosses a segment boundary (so its rows share one
-// format). Views of f16 rows and 2-bit codes (groups of a multiple of 32) go to the tensor-core
-// kernel, target = one wave of its resident blocks (occupancy query); others to the generic
-// kernel, target = 16 blocks per SM (about four waves of its ~4 resident blocks). The host work
-// is a few hundred operations and no allocation once the workspace is large enough.
+// format). Views of f16 rows and 2/2- or 4/4-bit codes (groups of a multiple of 32) go to the
+// tensor-core kernel, target = one wave of its resident blocks (occupancy query); others to the
+// generic kernel, target = 16 blocks per SM (about four waves of its ~4 resident blocks). The host
+// work is a few hundred operations and no allocation once the workspace is large enough. Tuning
+// knobs for the benchmark (environment, read once; unset = the defaults above):
+// VQ_DECODE_PACKED_STAGE_BYTES (K + V bytes per stage of packed rows, tensor-core kernel) and
+// VQ_DECODE_TARGET_BLOCKS (the split plan's block target).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -55,6 +59,14 @@ int mma_blocks_per_sm_cached(const DecodeParams& dp) {
   if (cache.size() < 256)
     cache.push_back({dev, dp.use_mma, dp.head_dim, dp.group, dp.stage_half_bytes, n});
   return n;
+}
+
+// A positive integer from the environment variable `name`, or 0 when unset or not one.
+int64_t env_knob(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) return 0;
+  const long long x = std::atoll(v);
+  return x > 0 ? static_cast<int64_t>(x) : 0;
 }
 
 int code_bits(const PackedRowFormat& f, const char* what) {
@@ -197,7 +209,8 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
     return;
   }
 
-  // ---- the tensor-core kernel takes f16 rows and 2-bit codes in groups of a multiple of 32
+  // ---- the tensor-core kernel takes f16 rows and 2/2- or 4/4-bit codes in groups of a multiple
+  // of 32 channels
   bool all_f16 = true, any_packed = false, packed_aligned = true;
   for (int i = 0; i < dp.n_segments; ++i) {
     const DecodeSegmentParams& d = dp.seg[i];
@@ -211,20 +224,24 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
     }
   }
   const bool mma =
-      all_f16 && (!any_packed ||
-                  (dp.k_bits == 2 && dp.v_bits == 2 && dp.pk.group_size % 32 == 0 &&
-                   dp.pk.k_code_bytes % 4 == 0 && dp.pk.v_code_bytes % 4 == 0 && packed_aligned));
+      all_f16 && (!any_packed || ((dp.k_bits == 2 || dp.k_bits == 4) && dp.v_bits == dp.k_bits &&
+                                  dp.pk.group_size % 32 == 0 && dp.pk.k_code_bytes % 4 == 0 &&
+                                  dp.pk.v_code_bytes % 4 == 0 && packed_aligned));
   int64_t target_blocks = 16 * static_cast<int64_t>(sm_count());
   if (mma) {
     // stage rows: a multiple of 64 for the packed rows (or the f16 rows of an f16-only view),
     // a multiple of 16 for the f16 sinks / tail of a packed view, within the same stage bytes
-    dp.use_mma = !any_packed ? 1 : (dp.pk.k_meta == 0 && dp.pk.v_meta == 0 ? 3 : 2);
+    const bool f16_meta = dp.pk.k_meta == 0 && dp.pk.v_meta == 0;
+    dp.use_mma = !any_packed ? 1 : (dp.k_bits == 2 ? (f16_meta ? 3 : 2) : (f16_meta ? 5 : 4));
     int64_t half = 0;
     for (int i = 0; i < dp.n_segments; ++i) {
       DecodeSegmentParams& d = dp.seg[i];
       const int64_t rb = d.k_row_bytes + d.v_row_bytes;
       if (d.packed || !any_packed) {
-        const int64_t budget = any_packed ? kDecodeMmaPackedStageBytes : kDecodeMmaStageBytes;
+        static const int64_t packed_stage = env_knob("VQ_DECODE_PACKED_STAGE_BYTES");
+        const int64_t budget = any_packed
+                                   ? (packed_stage > 0 ? packed_stage : kDecodeMmaPackedStageBytes)
+                                   : kDecodeMmaStageBytes;
         d.tile_rows = static_cast<int32_t>(std::clamp<int64_t>(budget / rb / 64 * 64, 64, 512));
       }
       half = std::max(half,
@@ -253,6 +270,8 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
   }
 
   // ---- plan the splits
+  static const int64_t target_knob = env_knob("VQ_DECODE_TARGET_BLOCKS");
+  if (target_knob > 0) target_blocks = target_knob;
   const int64_t per_bh = mma ? std::max<int64_t>(1, target_blocks / (B * H))
                              : std::max<int64_t>(1, (target_blocks + B * H - 1) / (B * H));
   int64_t rows_per_split = opt.rows_per_split > 0

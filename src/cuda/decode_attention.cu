@@ -138,31 +138,51 @@ void launch_split<2, 4>(const DecodeParams&, cudaStream_t);
 }  // namespace decode_impl
 
 namespace decode_mma {
-template <int PK>
+template <int PK, int KB>
 int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
 template <>
-int mma_dispatch<0>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<0, 2>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<1>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<1, 2>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<2>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<2, 2>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<1, 4>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<2, 4>(const DecodeParams&, cudaStream_t, bool);
 }  // namespace decode_mma
 
+namespace {
+// The tensor-core instance of p.use_mma (1..5, see DecodeParams): launch, or with query the
+// resident blocks per SM.
+int mma_run(const DecodeParams& p, cudaStream_t s, bool query) {
+  switch (p.use_mma) {
+    case 1:
+      return decode_mma::mma_dispatch<0, 2>(p, s, query);
+    case 2:
+      return decode_mma::mma_dispatch<1, 2>(p, s, query);
+    case 3:
+      return decode_mma::mma_dispatch<2, 2>(p, s, query);
+    case 4:
+      return decode_mma::mma_dispatch<1, 4>(p, s, query);
+    case 5:
+      return decode_mma::mma_dispatch<2, 4>(p, s, query);
+    default:
+      throw Error("[decode_attention] expected a tensor-core kind in 1..5 but got " +
+                  std::to_string(p.use_mma));
+  }
+}
+}  // namespace
+
 int decode_mma_blocks_per_sm(const DecodeParams& p) {
-  if (p.use_mma == 3) return decode_mma::mma_dispatch<2>(p, nullptr, true);
-  if (p.use_mma == 2) return decode_mma::mma_dispatch<1>(p, nullptr, true);
-  return decode_mma::mma_dispatch<0>(p, nullptr, true);
+  return mma_run(p, nullptr, true);
 }
 
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
   using namespace decode_impl;
   const int kb = p.k_bits, vb = p.v_bits;
-  if (p.use_mma == 1) {
-    decode_mma::mma_dispatch<0>(p, s, false);
-  } else if (p.use_mma == 2) {
-    decode_mma::mma_dispatch<1>(p, s, false);
-  } else if (p.use_mma == 3) {
-    decode_mma::mma_dispatch<2>(p, s, false);
+  if (p.use_mma != 0) {
+    mma_run(p, s, false);
   } else if (kb == 0 && vb == 0) {
     launch_split<0, 0>(p, s);
   } else if (kb == 2 && vb == 2) {

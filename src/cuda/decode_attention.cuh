@@ -65,8 +65,8 @@ struct DecodeParams {
   DecodePackedParams pk;
   int32_t k_bits = 0, v_bits = 0;  // 0 when the view has no packed segment
   // Tensor-core kernel (decode_attention_mma.cuh): 0 off, 1 f16 segments only, 2 f16 and 2-bit
-  // packed segments, 3 the same with f16 metadata; stage_half_bytes: bytes of K (and of V) per
-  // pipeline stage of that kernel.
+  // packed segments, 3 the same with f16 metadata, 4 f16 and 4-bit packed segments, 5 the same
+  // with f16 metadata; stage_half_bytes: bytes of K (and of V) per pipeline stage of that kernel.
   int32_t use_mma = 0;
   int32_t stage_half_bytes = 0;
 };

@@ -1,10 +1,10 @@
 // Internal: the tensor-core split kernel of fused decode attention, for views whose full-precision
-// segments are f16 and whose packed segments (if any) hold 2-bit keys and values in groups of a
-// multiple of 32 channels (records 4-byte aligned). Templated on the head dim D, the GQA group G
-// and PK (0: f16 segments only; 1: f16 and 2-bit packed segments, any metadata type; 2: the same
-// with f16 metadata, read without a type switch). Included by decode_attention_mma_*.cu; the
-// generic kernel in decode_attention_kernel.cuh takes every other view. Same parameters, partials
-// and combine.
+// segments are f16 and whose packed segments (if any) hold KB-bit keys and values (KB = 2 or 4)
+// in groups of a multiple of 32 channels (records 4-byte aligned). Templated on the head dim D,
+// the GQA group G, PK (0: f16 segments only; 1: f16 and packed segments, any metadata type; 2: the
+// same with f16 metadata, read without a type switch) and KB. Included by
+// decode_attention_mma_*.cu; the generic kernel in decode_attention_kernel.cuh takes every other
+// view. Same parameters, partials and combine.
 //
 // One block = 4 warps = one (split, kv head, batch); the split's rows of one segment stream
 // through a 3-stage cp.async pipeline of tile_rows rows (a multiple of 64). f16 rows are staged
@@ -19,6 +19,9 @@
 //      index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
 //      8 contiguous channels of rows g and g + 8. 2-bit codes become exact fp16 integers
 //      ((c | 0x6400) - 1024); per 32-channel block the logit gains scale * C / sigma + lo * sum q.
+//      KB = 4 (and the f16 rows of a KB = 4 view): K index k of k-step s holds channel
+//      32 c + 8 t + 2 s + (k >= 8) + 4 (k % 2), i.e. the nibble pairs (j, j + 4) of the lane's
+//      32-bit word of 8 codes, taken by masks without shifts (f16 rows: one byte permute).
 //  (2) online softmax per head (exp2 of log2e-scaled logits; running max per warp and head).
 //  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (hi/lo
 //      again; packed: p * scale of the row's group, and p * lo summed on the side). f16 values
@@ -26,6 +29,9 @@
 //      the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the next
 //      channel, so a lane's codes are one byte per row and block, each code read where it lies
 //      (value 4^i c for the i-th code of the byte, undone by an exact power-of-two scale later).
+//      KB = 4: the same channel map, a lane's codes are the 16 bits at byte 16 b + 2 g of a row
+//      (4 nibbles: channels +0..+3), made exact fp16 integers by mask + (x - 1024) for the low
+//      nibble of a byte and mask + (x / 16 - 64) for the high one (both exact).
 // Numerics: q and p are carried as fp16 hi + lo (about 2^-22 relative per term); packed values
 // use B = p * scale * 2^S per 16-row tile and 32-channel block, S putting the block's largest
 // scale in [2^14, 2^15) and undone (exactly) on the fp32 product, so no term overflows and a
@@ -97,6 +103,17 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t y) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// fp16 pair of the high nibbles of bytes 0 and 2 of y: ((y & 0x00f000f0) | 0x6400 per half) is
+// 1024 + 16 c, and (1024 + 16 c) / 16 - 64 = c (one fma, every step exact).
+__device__ __forceinline__ uint32_t code_pair_hi4(uint32_t y) {
+  uint32_t u;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(u) : "r"(y), "n"(0x00f000f0u), "r"(0x64006400u));
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&u),
+                            __halves2half2(__ushort_as_half(0x2c00), __ushort_as_half(0x2c00)),
+                            __halves2half2(__ushort_as_half(0xd400), __ushort_as_half(0xd400)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
 // Part `part` (0: fp16 rounding hi of x, 1: fp16 rounding of x - hi) of two values, packed;
 // branch-free (the two parts sit in neighbouring lanes of a warp).
 __device__ __forceinline__ uint32_t split_pack(float x0, float x1, int part) {
@@ -133,11 +150,13 @@ __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int m
   }
 }
 
-template <int D, int G, int PK>
+template <int D, int G, int PK, int KB>
 __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : 3))
     decode_mma_kernel(const __grid_constant__ DecodeParams p) {
   using Gm = MGeo<D, G>;
+  static_assert(KB == 2 || KB == 4, "2- or 4-bit codes");
   constexpr bool MF = PK == 2;
+  constexpr bool Q4 = PK > 0 && KB == 4;  // the K-index -> channel map of 4-bit codes
   constexpr int NT = Gm::NT, NCH = Gm::NCH, MT = Gm::MT;
   constexpr int RB = 2 * D;  // f16 row bytes
   extern __shared__ __align__(16) uint8_t smem[];
@@ -248,9 +267,9 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int i = 0; i < 4; ++i) {
         uint32_t w = 0u;
         if (h < G) {
-          const int ch = 32 * c + 8 * t + 2 * i;
+          const int ch = 32 * c + 8 * t + (Q4 ? i : 2 * i), ch1 = ch + (Q4 ? 4 : 1);
           const float sgm = ssig[h];
-          w = split_pack(qs[h * D + ch] * sgm, qs[h * D + ch + 1] * sgm, g & 1);
+          w = split_pack(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
         }
         qb[nt][c][i] = w;
       }
@@ -323,8 +342,14 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         const int sw = swz(g);
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
-          const uint4 ka = *reinterpret_cast<const uint4*>(rg + 16 * ((4 * c + t) ^ sw));
-          const uint4 kb = *reinterpret_cast<const uint4*>(rg8 + 16 * ((4 * c + t) ^ sw));
+          uint4 ka = *reinterpret_cast<const uint4*>(rg + 16 * ((4 * c + t) ^ sw));
+          uint4 kb = *reinterpret_cast<const uint4*>(rg8 + 16 * ((4 * c + t) ^ sw));
+          if constexpr (Q4) {  // channel pairs (0,1),(2,3),(4,5),(6,7) -> (0,4),(1,5),(2,6),(3,7)
+            ka = make_uint4(__byte_perm(ka.x, ka.z, 0x5410), __byte_perm(ka.x, ka.z, 0x7632),
+                            __byte_perm(ka.y, ka.w, 0x5410), __byte_perm(ka.y, ka.w, 0x7632));
+            kb = make_uint4(__byte_perm(kb.x, kb.z, 0x5410), __byte_perm(kb.x, kb.z, 0x7632),
+                            __byte_perm(kb.y, kb.w, 0x5410), __byte_perm(kb.y, kb.w, 0x7632));
+          }
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             mma_16816(acc[nt], ka.x, kb.x, ka.y, kb.y, qb[nt][c][0], qb[nt][c][1]);
@@ -341,13 +366,25 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         const uint8_t* rg8 = rg + 8 * krb;
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
-          const uint32_t x0 = lds16(rg + 8 * c + 2 * t), x1 = lds16(rg8 + 8 * c + 2 * t);
-          const uint32_t y0 = x0 | (x0 << 14), y1 = x1 | (x1 << 14);
           uint32_t a[4], a8[4];
+          if constexpr (KB == 2) {
+            const uint32_t x0 = lds16(rg + 8 * c + 2 * t), x1 = lds16(rg8 + 8 * c + 2 * t);
+            const uint32_t y0 = x0 | (x0 << 14), y1 = x1 | (x1 << 14);
 #pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            a[m] = code_pair<0x00030003u>(y0 >> (4 * m));
-            a8[m] = code_pair<0x00030003u>(y1 >> (4 * m));
+            for (int m = 0; m < 4; ++m) {
+              a[m] = code_pair<0x00030003u>(y0 >> (4 * m));
+              a8[m] = code_pair<0x00030003u>(y1 >> (4 * m));
+            }
+          } else {  // nibbles (j, j + 4) of the lane's 8 codes: j = 0, 1 in place, 2, 3 >> 8
+            const uint32_t w0 = lds32(rg + 16 * c + 4 * t), w1 = lds32(rg8 + 16 * c + 4 * t);
+            a[0] = code_pair<0x000f000fu>(w0);
+            a[1] = code_pair_hi4(w0);
+            a[2] = code_pair<0x000f000fu>(w0 >> 8);
+            a[3] = code_pair_hi4(w0 >> 8);
+            a8[0] = code_pair<0x000f000fu>(w1);
+            a8[1] = code_pair_hi4(w1);
+            a8[2] = code_pair<0x000f000fu>(w1 >> 8);
+            a8[3] = code_pair_hi4(w1 >> 8);
           }
           float lo0, sc0, lo1, sc1;
           meta_a<MF>(rg, p.pk.k_code_bytes, p.pk.k_meta, grpc[c], lo0, sc0);
@@ -454,18 +491,31 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         const int ra = rb0 + 2 * t;
         const uint8_t* rec[4] = {sv + vmis + ra * vrb, sv + vmis + (ra + 1) * vrb,
                                  sv + vmis + (ra + 8) * vrb, sv + vmis + (ra + 9) * vrb};
-        const int wo = 4 * (g >> 2);
+        const int wo = KB == 2 ? 4 * (g >> 2) : 4 * (g >> 1);
+        const int bstride = 4 * KB;  // bytes of a 32-channel block's codes
+        // KB = 4: the halfword (g & 1) of the word of rows ra and ra + 1 in the two halves
+        const uint32_t qsel = (g & 1) ? 0x7632u : 0x5410u;
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
-          const uint32_t ya =
-              __byte_perm(lds32(rec[0] + 8 * c + wo), lds32(rec[1] + 8 * c + wo), psel);
-          const uint32_t yc =
-              __byte_perm(lds32(rec[2] + 8 * c + wo), lds32(rec[3] + 8 * c + wo), psel);
-          // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
-          const uint32_t e0 = code_pair<0x00030003u>(ya), e1 = code_pair<0x000C000Cu>(ya);
-          const uint32_t e2 = code_pair<0x00030003u>(yc), e3 = code_pair<0x000C000Cu>(yc);
-          const uint32_t f0 = code_pair<0x00300030u>(ya), f1 = code_pair<0x00C000C0u>(ya);
-          const uint32_t f2 = code_pair<0x00300030u>(yc), f3 = code_pair<0x00C000C0u>(yc);
+          const uint32_t ya = __byte_perm(lds32(rec[0] + bstride * c + wo),
+                                          lds32(rec[1] + bstride * c + wo), KB == 2 ? psel : qsel);
+          const uint32_t yc = __byte_perm(lds32(rec[2] + bstride * c + wo),
+                                          lds32(rec[3] + bstride * c + wo), KB == 2 ? psel : qsel);
+          uint32_t e0, e1, e2, e3, f0, f1, f2, f3;
+          if constexpr (KB == 2) {
+            // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
+            e0 = code_pair<0x00030003u>(ya), e1 = code_pair<0x000C000Cu>(ya);
+            e2 = code_pair<0x00030003u>(yc), e3 = code_pair<0x000C000Cu>(yc);
+            f0 = code_pair<0x00300030u>(ya), f1 = code_pair<0x00C000C0u>(ya);
+            f2 = code_pair<0x00300030u>(yc), f3 = code_pair<0x00C000C0u>(yc);
+          } else {
+            // m-tile 2c: channels +0, +1 (nibbles 0, 1); m-tile 2c + 1: +2, +3 (>> 8); exact
+            const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
+            e0 = code_pair<0x000f000fu>(ya), e1 = code_pair_hi4(ya);
+            e2 = code_pair<0x000f000fu>(yc), e3 = code_pair_hi4(yc);
+            f0 = code_pair<0x000f000fu>(ya8), f1 = code_pair_hi4(ya8);
+            f2 = code_pair<0x000f000fu>(yc8), f3 = code_pair_hi4(yc8);
+          }
           float lo[4], sc[4];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
@@ -544,8 +594,13 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         } else {
           const int c = j >> 1, mu = j & 1;
           const int ch = 32 * c + 4 * g + 2 * mu;
-          dst[ch] = v0 * (mu ? 0.0625f : 1.0f);
-          dst[ch + 1] = v1 * (mu ? 0.015625f : 0.25f);
+          if constexpr (KB == 2) {  // undo the in-place code scales 1, 4, 16, 64 (exact)
+            dst[ch] = v0 * (mu ? 0.0625f : 1.0f);
+            dst[ch + 1] = v1 * (mu ? 0.015625f : 0.25f);
+          } else {
+            dst[ch] = v0;
+            dst[ch + 1] = v1;
+          }
         }
       }
     }
@@ -576,15 +631,15 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   }
 }
 
-template <int D, int G, int PK>
+template <int D, int G, int PK, int KB>
 int mma_smem_bytes(const DecodeParams& p) {
   return kStages * 2 * p.stage_half_bytes + mma_extra_smem<D, G>();
 }
 
-template <int D, int G, int PK>
+template <int D, int G, int PK, int KB>
 void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
-  const int smem = mma_smem_bytes<D, G, PK>(p);
-  auto kern = decode_mma_kernel<D, G, PK>;
+  const int smem = mma_smem_bytes<D, G, PK, KB>(p);
+  auto kern = decode_mma_kernel<D, G, PK, KB>;
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
@@ -593,10 +648,10 @@ void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
   VQ_CUDA_LAUNCH_CHECK(decode_mma_kernel);
 }
 
-template <int D, int G, int PK>
+template <int D, int G, int PK, int KB>
 int blocks_per_sm_dg(const DecodeParams& p) {
-  const int smem = mma_smem_bytes<D, G, PK>(p);
-  auto kern = decode_mma_kernel<D, G, PK>;
+  const int smem = mma_smem_bytes<D, G, PK, KB>(p);
+  auto kern = decode_mma_kernel<D, G, PK, KB>;
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   int n = 0;
@@ -604,25 +659,25 @@ int blocks_per_sm_dg(const DecodeParams& p) {
   return n;
 }
 
-// Launch (or, with query, the resident blocks per SM) of one PK for the view's D and G.
-template <int PK>
+// Launch (or, with query, the resident blocks per SM) of one (PK, KB) for the view's D and G.
+template <int PK, int KB>
 int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
 
-#define VQ_DECODE_MMA_INSTANTIATE(PK)                                                      \
-  template <>                                                                              \
-  int mma_dispatch<PK>(const DecodeParams& p, cudaStream_t s, bool query) {                \
-    auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, s), 0); }; \
-    const int D = p.head_dim, G = p.group;                                                 \
-    if (D == 64) {                                                                         \
-      if (G == 1) return pick(launch_mma_dg<64, 1, PK>, blocks_per_sm_dg<64, 1, PK>);      \
-      if (G == 2) return pick(launch_mma_dg<64, 2, PK>, blocks_per_sm_dg<64, 2, PK>);      \
-      if (G == 4) return pick(launch_mma_dg<64, 4, PK>, blocks_per_sm_dg<64, 4, PK>);      \
-      return pick(launch_mma_dg<64, 8, PK>, blocks_per_sm_dg<64, 8, PK>);                  \
-    }                                                                                      \
-    if (G == 1) return pick(launch_mma_dg<128, 1, PK>, blocks_per_sm_dg<128, 1, PK>);      \
-    if (G == 2) return pick(launch_mma_dg<128, 2, PK>, blocks_per_sm_dg<128, 2, PK>);      \
-    if (G == 4) return pick(launch_mma_dg<128, 4, PK>, blocks_per_sm_dg<128, 4, PK>);      \
-    return pick(launch_mma_dg<128, 8, PK>, blocks_per_sm_dg<128, 8, PK>);                  \
+#define VQ_DECODE_MMA_INSTANTIATE(PK, KB)                                                     \
+  template <>                                                                                 \
+  int mma_dispatch<PK, KB>(const DecodeParams& p, cudaStream_t s, bool query) {               \
+    auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, s), 0); };    \
+    const int D = p.head_dim, G = p.group;                                                    \
+    if (D == 64) {                                                                            \
+      if (G == 1) return pick(launch_mma_dg<64, 1, PK, KB>, blocks_per_sm_dg<64, 1, PK, KB>); \
+      if (G == 2) return pick(launch_mma_dg<64, 2, PK, KB>, blocks_per_sm_dg<64, 2, PK, KB>); \
+      if (G == 4) return pick(launch_mma_dg<64, 4, PK, KB>, blocks_per_sm_dg<64, 4, PK, KB>); \
+      return pick(launch_mma_dg<64, 8, PK, KB>, blocks_per_sm_dg<64, 8, PK, KB>);             \
+    }                                                                                         \
+    if (G == 1) return pick(launch_mma_dg<128, 1, PK, KB>, blocks_per_sm_dg<128, 1, PK, KB>); \
+    if (G == 2) return pick(launch_mma_dg<128, 2, PK, KB>, blocks_per_sm_dg<128, 2, PK, KB>); \
+    if (G == 4) return pick(launch_mma_dg<128, 4, PK, KB>, blocks_per_sm_dg<128, 4, PK, KB>); \
+    return pick(launch_mma_dg<128, 8, PK, KB>, blocks_per_sm_dg<128, 8, PK, KB>);             \
   }
 
 }  // namespace vq::cuda::decode_mma

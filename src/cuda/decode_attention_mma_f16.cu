@@ -1,9 +1,9 @@
-// Instances of the tensor-core decode split kernel (decode_attention_mma.cuh) for PK = 0:
-// views of f16 segments only, every head_dim and GQA group.
+// Instances of the tensor-core decode split kernel (decode_attention_mma.cuh) for PK = 0 (KB is
+// unused, 2): views of f16 segments only, every head_dim and GQA group.
 #include "cuda/decode_attention_mma.cuh"
 
 namespace vq::cuda::decode_mma {
 
-VQ_DECODE_MMA_INSTANTIATE(0)
+VQ_DECODE_MMA_INSTANTIATE(0, 2)
 
 }  // namespace vq::cuda::decode_mma

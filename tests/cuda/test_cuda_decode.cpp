@@ -207,14 +207,15 @@ HostView empty_view(int64_t B, int64_t H, int64_t D) {
 //    one rescale per 8-row tile, the warp/split merges and the final division (and for packed
 //    values the products p*scale, (p*scale)*c and p*lo): 2 gamma(9 n_vis / 8 + 64) * V;
 //  * the reference itself (fp32 products, double sums): 2^-23 |ref|.
-// The tensor-core kernel (f16 rows, 2-bit codes) stays inside these terms: it feeds q and p (or
-// p * scale * 2^S for packed values) to the tensor cores as fp16 hi + lo pairs, exact products
-// with fp32 accumulation; a pair carries its value to 2^-22 relative, which adds at most
-// 2^-22 sum |q_d k_d| <= 2^-22 ||q|| ||k_j|| to a logit (far below the gamma(D + ...) term, at
-// least 2^-17.3 ||q|| ||k_j|| here) and 2^-22 * 2V per value term (scale * code <= range <= 2V);
-// fp16 subnormal terms (p < 2^-14, or p * scale * 2^S < 2^-14) carry an absolute error of at most
-// 2^-25 |v| (f16 rows) or 3 * 2^-25 * 2^-S (packed, 2^-S <= 2^-14 * the block's largest scale),
-// i.e. at most n_vis * 2^-25 * V over all rows, inside 2 gamma(9 n_vis / 8 + 64) V.
+// The tensor-core kernel (f16 rows, 2/2- and 4/4-bit codes) stays inside these terms: codes are
+// exact fp16 integers, and it feeds q and p (or p * scale * 2^S for packed values) to the tensor
+// cores as fp16 hi + lo pairs, exact products with fp32 accumulation; a pair carries its value to
+// 2^-22 relative, which adds at most 2^-22 sum |q_d k_d| <= 2^-22 ||q|| ||k_j|| to a logit (far
+// below the gamma(D + ...) term, at least 2^-17.3 ||q|| ||k_j|| here) and 2^-22 * 2V per value
+// term (scale * code <= range <= 2V); fp16 subnormal terms (p < 2^-14, or p * scale * 2^S <
+// 2^-14) carry an absolute error of at most 2^-25 |v| (f16 rows) or c_max * 2^-25 * 2^-S (packed,
+// c_max = 2^bits - 1, 2^-S <= 2^-14 * the block's largest scale, and scale * c_max <= 2V), i.e. at
+// most n_vis * 2^-25 * V over all rows, inside 2 gamma(9 n_vis / 8 + 64) V.
 struct Check {
   double max_err = 0, max_ratio = 0, nmse_num = 0, nmse_den = 0;
   int64_t nonzero = 0;
@@ -357,39 +358,41 @@ TEST(CudaDecode, PackedFormats) {
   std::printf("[packed] worst error = %.3f%% of tolerance\n", 100 * worst);
 }
 
-// Sinks (f16) + packed middle with explicit, per-head, gapped positions (what snapkv+skvq keeps)
-// + f16 tail; a window and a query position that hides some rows.
+// Sinks (f16) + packed middle (2/2 and 4/4 bits) with explicit, per-head, gapped positions (what
+// snapkv+skvq keeps) + f16 tail; a window and a query position that hides some rows.
 TEST(CudaDecode, MixedSegmentsWithPositions) {
   SKIP_WITHOUT_DEVICE();
   double worst = 0;
   uint64_t seed = 500;
-  for (int64_t D : {64, 128})
-    for (int64_t G : {1, 4, 8})
-      for (int64_t B : {1, 8})
-        for (int64_t window : {0, 300}) {
-          const int64_t H = 2, n_sink = 5, n_mid = 127, n_tail = 17;
-          HostView hv = empty_view(B, H, D);
-          add_fp_segment(hv, DType::kF16, n_sink, 0, nullptr, ++seed);
-          std::mt19937_64 rng(seed);
-          std::vector<int32_t> pos(static_cast<size_t>(B * H * n_mid));
-          for (int64_t bh = 0; bh < B * H; ++bh) {
-            // ascending positions in [n_sink, 1000) with head-dependent gaps
-            std::vector<int32_t> all(995);
-            std::iota(all.begin(), all.end(), static_cast<int32_t>(n_sink));
-            std::shuffle(all.begin(), all.end(), rng);
-            std::sort(all.begin(), all.begin() + n_mid);
-            std::copy(all.begin(), all.begin() + n_mid, pos.begin() + bh * n_mid);
+  for (double bits : {2.0, 4.0})
+    for (int64_t D : {64, 128})
+      for (int64_t G : {1, 4, 8})
+        for (int64_t B : {1, 8})
+          for (int64_t window : {0, 300}) {
+            const int64_t H = 2, n_sink = 5, n_mid = 127, n_tail = 17;
+            HostView hv = empty_view(B, H, D);
+            add_fp_segment(hv, DType::kF16, n_sink, 0, nullptr, ++seed);
+            std::mt19937_64 rng(seed);
+            std::vector<int32_t> pos(static_cast<size_t>(B * H * n_mid));
+            for (int64_t bh = 0; bh < B * H; ++bh) {
+              // ascending positions in [n_sink, 1000) with head-dependent gaps
+              std::vector<int32_t> all(995);
+              std::iota(all.begin(), all.end(), static_cast<int32_t>(n_sink));
+              std::shuffle(all.begin(), all.end(), rng);
+              std::sort(all.begin(), all.begin() + n_mid);
+              std::copy(all.begin(), all.begin() + n_mid, pos.begin() + bh * n_mid);
+            }
+            const PackedSpec sp{bits, bits, 32, MetaType::kF16, true, false};
+            add_packed_segment(hv, sp, n_mid, 0, &pos, ++seed);
+            add_fp_segment(hv, DType::kF16, n_tail, 1000, nullptr, ++seed);
+            AttentionParams ap;
+            ap.window = window;
+            ap.q_pos0 = 1008;  // the last 8 tail rows are in the future: invisible
+            std::ostringstream vars;
+            vars << "mixed " << spec_str(sp) << " D=" << D << " G=" << G << " B=" << B
+                 << " window=" << window;
+            worst = std::max(worst, run_case(hv, H * G, ap, ++seed, vars.str()));
           }
-          const PackedSpec sp{2, 2, 32, MetaType::kF16, true, false};
-          add_packed_segment(hv, sp, n_mid, 0, &pos, ++seed);
-          add_fp_segment(hv, DType::kF16, n_tail, 1000, nullptr, ++seed);
-          AttentionParams ap;
-          ap.window = window;
-          ap.q_pos0 = 1008;  // the last 8 tail rows are in the future: invisible
-          std::ostringstream vars;
-          vars << "mixed D=" << D << " G=" << G << " B=" << B << " window=" << window;
-          worst = std::max(worst, run_case(hv, H * G, ap, ++seed, vars.str()));
-        }
   std::printf("[mixed] worst error = %.3f%% of tolerance\n", 100 * worst);
 }
 
