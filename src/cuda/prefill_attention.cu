@@ -8,6 +8,24 @@
 // window) is skipped before its rows are read. Each warp owns 4 query rows: lane j scores key j
 // (fp32 dot product), then an online softmax (running max, expf, fp32 sums) accumulates
 // p * v into D/32 outputs per lane. A query that sees no key gets zeros.
+// Prefill attention kernels (prefill_attention.cuh), two paths:
+// * Tensor cores (views whose segments are all f16 rows or packed records; D 64/128): one block of
+//   8 warps per (tile of 128 query rows, KV head, batch); rows t = i * n_rep + r, so the n_rep
+//   query heads of a KV head share each key tile. Tiles of 64 keys stream through a 2-stage
+//   pipeline: f16 rows by cp.async into swizzled fp16 planes (16-byte chunk c of row r at
+//   c ^ (r & 7): ldmatrix and ldmatrix.trans free of bank conflicts); packed records dequantized
+//   by the block (code * scale + lo, the CPU's two fp32 roundings, inverse channel permutation)
+//   and split into fp16 hi + lo planes. Each warp owns 16 rows: logits on mma.m16n8k16 (fp16
+//   inputs, fp32 accumulation) with the query as hi + lo fp16 parts of q * 2^sigma (sigma puts
+//   the row's max |q| in [2^11, 2^12)), so every product is exact and q is carried to 2^-22
+//   relative; packed keys add q_hi * k_lo (q_lo * k_lo, below 2^-22 |q k|, is dropped). Logits
+//   are scaled to log2 units (scale * log2 e * 2^-sigma, exact power-of-two part), masked by
+//   position and window (skipped when the whole tile is visible to the whole block), online
+//   softmax with exp2f in fp32; P V again on mma with P as hi + lo fp16 (and p_hi * v_lo for
+//   packed values). Tiles no row of the block sees are never loaded; heaviest tiles run first.
+//   Limits: dequantized values must lie within fp16's range (|x| < 65520).
+// * CUDA cores (every other view: f32 or bf16 rows), described below.
+//
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -191,11 +209,491 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(const PrefillParam
   }
 }
 
+// ---- tensor-core path ---------------------------------------------------------------------------
+
+constexpr int kTcWarps = 8;
+constexpr int kTcThreads = 32 * kTcWarps;
+constexpr int kTcBQ = 16 * kTcWarps;  // query rows per block (16 per warp)
+constexpr int kTcBK = 64;             // key rows per tile
+
+// Bytes of one pipeline stage: K hi, V hi (and K lo, V lo with packed segments) as [kTcBK][D]
+// fp16 planes, then the tile's key positions (int64).
+__host__ __device__ constexpr int tc_plane_bytes(int D) {
+  return kTcBK * D * 2;
+}
+__host__ __device__ constexpr int tc_stage_bytes(int D, bool lo) {
+  return (lo ? 4 : 2) * tc_plane_bytes(D) + kTcBK * 8;
+}
+
+// Byte offset of channel c (a multiple of 8 for whole chunks) of row r in a plane: the 16-byte
+// chunk c / 8 is stored at chunk (c / 8) ^ (r & 7), so ldmatrix's 8 rows hit 8 distinct bank
+// groups.
+template <int D>
+__device__ __forceinline__ int tc_off(int r, int c) {
+  return r * (2 * D) + 16 * ((c >> 3) ^ (r & 7)) + 2 * (c & 7);
+}
+
+__device__ __forceinline__ void tc_cp16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void tc_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void tc_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void tc_ldsm(const uint8_t* a, uint32_t (&r)[4]) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(a));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void tc_ldsm_t(const uint8_t* a, uint32_t (&r)[4]) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(a));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+// d += a * b on mma.m16n8k16 (fp16 inputs, fp32 accumulation).
+__device__ __forceinline__ void tc_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// hi = fp16 rounding of (x0, x1), lo = fp16 rounding of the remainders (exact in fp32).
+__device__ __forceinline__ void tc_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 f = __half22float2(h);
+  const __half2 l = __floats2half2_rn(x0 - f.x, x1 - f.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// Stored channels c0 .. c0 + 7 (c0 a multiple of 8, so the codes start on a byte) of a record,
+// dequantized like dequant(): code * scale + lo in fp32, two roundings.
+__device__ __forceinline__ void dequant8(const uint8_t* rec, int c0, const PrefillTensor& t,
+                                         float (&x)[8]) {
+  const int b = t.bits;
+  const uint8_t* cp = rec + (c0 * b) / 8;
+  uint64_t w = 0;
+  for (int i = 0; i < b; ++i) w |= static_cast<uint64_t>(cp[i]) << (8 * i);
+  const uint32_t mask = (1u << b) - 1u;
+  const uint8_t* meta = rec + t.code_bytes;
+  int gp = -1;
+  float lo = 0.0f, scale = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int g = (c0 + i) / t.group_size;
+    if (g != gp) {
+      lo = meta_at(meta, 2 * g, t.meta);
+      scale = meta_at(meta, 2 * g + 1, t.meta);
+      gp = g;
+    }
+    const uint32_t code = static_cast<uint32_t>(w >> (i * b)) & mask;
+    x[i] = __fadd_rn(__fmul_rn(static_cast<float>(code), scale), lo);
+  }
+}
+
+// One block of 8 warps per (tile of 128 rows t = i * n_rep + r, KV head, batch), heaviest
+// (latest) query tiles first. LO: the view has packed segments (lo planes staged).
+template <int D, bool LO>
+__global__ void __launch_bounds__(kTcThreads, 1)
+    prefill_tc_kernel(const __grid_constant__ PrefillParams p) {
+  constexpr int KS = D / 16;  // k-steps of the logits, n-tile pairs of the outputs
+  constexpr int RB = 2 * D;   // bytes of an fp16 row
+  constexpr int PB = tc_plane_bytes(D), SB = tc_stage_bytes(D, LO);
+  extern __shared__ __align__(128) uint8_t tsm[];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int64_t n_rep = p.n_rep, N = p.n_queries, T = n_rep * N;
+  const int64_t t0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kTcBQ;
+  const int64_t hq = static_cast<int64_t>(p.kv_heads) * n_rep;
+  const int64_t frame = static_cast<int64_t>(b) * p.kv_heads + h;
+  const int64_t t_last = (t0 + kTcBQ < T ? t0 + kTcBQ : T) - 1;
+  const int64_t qmin = p.q_pos0 + t0 / n_rep, qmax = p.q_pos0 + t_last / n_rep;
+  const int64_t win = p.window;
+
+  // ---- this lane's rows A = warp tile row g, B = row g + 8; queries as fp16 hi + lo fragments
+  const int64_t tA = t0 + warp * 16 + g, tB = tA + 8;
+  const int64_t qpA = p.q_pos0 + tA / n_rep, qpB = p.q_pos0 + tB / n_rep;
+  const float* qa =
+      tA < T ? p.q + ((static_cast<int64_t>(b) * hq + h * n_rep + tA % n_rep) * N + tA / n_rep) * D
+             : nullptr;
+  const float* qb =
+      tB < T ? p.q + ((static_cast<int64_t>(b) * hq + h * n_rep + tB % n_rep) * N + tB / n_rep) * D
+             : nullptr;
+  float cA, cB;  // logit multipliers scale * log2(e) * 2^-sigma of each row
+  uint32_t qh[KS][4], ql[KS][4];
+  {
+    float mA = 0.0f, mB = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int c = 16 * ks + 2 * t4 + 8 * hf;
+        if (qa) {
+          const float2 x = *reinterpret_cast<const float2*>(qa + c);
+          mA = fmaxf(mA, fmaxf(fabsf(x.x), fabsf(x.y)));
+        }
+        if (qb) {
+          const float2 x = *reinterpret_cast<const float2*>(qb + c);
+          mB = fmaxf(mB, fmaxf(fabsf(x.x), fabsf(x.y)));
+        }
+      }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      mA = fmaxf(mA, __shfl_xor_sync(0xffffffffu, mA, o));
+      mB = fmaxf(mB, __shfl_xor_sync(0xffffffffu, mB, o));
+    }
+    // sigma = 12 - e with max |q| in [2^(e-1), 2^e): the scaled row's largest |value| lies in
+    // [2^11, 2^12), far inside fp16's range, and its lo parts stay clear of fp16 subnormals.
+    int eA = 0, eB = 0;
+    if (mA > 0.0f && isfinite(mA)) {
+      frexpf(mA, &eA);
+      eA = 12 - eA;
+    }
+    if (mB > 0.0f && isfinite(mB)) {
+      frexpf(mB, &eB);
+      eB = 12 - eB;
+    }
+    const float sl2e = p.scale * 1.4426950408889634f;
+    cA = ldexpf(sl2e, -eA);
+    cB = ldexpf(sl2e, -eB);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int c = 16 * ks + 2 * t4 + 8 * hf;
+        float2 x = make_float2(0.0f, 0.0f), y = make_float2(0.0f, 0.0f);
+        if (qa) x = *reinterpret_cast<const float2*>(qa + c);
+        if (qb) y = *reinterpret_cast<const float2*>(qb + c);
+        tc_split(ldexpf(x.x, eA), ldexpf(x.y, eA), qh[ks][2 * hf], ql[ks][2 * hf]);
+        tc_split(ldexpf(y.x, eB), ldexpf(y.y, eB), qh[ks][2 * hf + 1], ql[ks][2 * hf + 1]);
+      }
+  }
+
+  // ---- tile schedule: the next tile (segment sg, first row j0) that some row of the block sees;
+  // full: every key of the tile is visible to every row of the block (no masking needed).
+  auto seek = [&](int& sg, int64_t& j0, bool& full) -> bool {
+    while (sg < p.n_segs) {
+      const PrefillSeg& seg = p.segs[sg];
+      if (j0 >= seg.n_rows) {
+        ++sg;
+        j0 = 0;
+        continue;
+      }
+      const int nt = static_cast<int>(seg.n_rows - j0 < kTcBK ? seg.n_rows - j0 : kTcBK);
+      if (!seg.positions) {  // implicit positions first_pos + j, increasing
+        const int64_t k0 = seg.first_pos + j0, k1 = k0 + nt - 1;
+        if (k0 > qmax) {  // this and every later row of the segment is in every row's future
+          ++sg;
+          j0 = 0;
+          continue;
+        }
+        if (win > 0 && qmin >= k1 + win) {  // out of every row's window: jump to the first row in
+          const int64_t jv = qmin - win + 1 - seg.first_pos;
+          const int64_t jt = (jv / kTcBK) * kTcBK;
+          j0 = jt > j0 + kTcBK ? jt : j0 + kTcBK;
+          continue;
+        }
+        full = nt == kTcBK && k1 <= qmin && (win <= 0 || qmax < k0 + win);
+        return true;
+      }
+      int any = 0, all = 1;
+      if (tid < kTcBK) {
+        if (tid < nt) {
+          const int64_t kp = seg.positions[frame * seg.capacity + j0 + tid];
+          any = kp <= qmax && (win <= 0 || qmin < kp + win);
+          all = kp <= qmin && (win <= 0 || qmax < kp + win);
+        } else {
+          all = 0;
+        }
+      }
+      any = __syncthreads_or(any);
+      all = __syncthreads_and(all);
+      if (any) {
+        full = all != 0;
+        return true;
+      }
+      j0 += kTcBK;
+    }
+    return false;
+  };
+
+  // Stages tile (sg, j0) into stage st: f16 rows by cp.async (rows past the end zeroed), packed
+  // records dequantized (code * scale + lo, the CPU's two roundings) and split into hi + lo planes
+  // in original channel order; positions (past the end: INT64_MAX, never visible).
+  auto issue = [&](int sg, int64_t j0, int st) {
+    const PrefillSeg& seg = p.segs[sg];
+    uint8_t* base = tsm + st * SB;
+    int64_t* spos = reinterpret_cast<int64_t*>(base + (LO ? 4 : 2) * PB);
+    const int nt = static_cast<int>(seg.n_rows - j0 < kTcBK ? seg.n_rows - j0 : kTcBK);
+    const int64_t row0 = frame * seg.capacity + j0;
+    if (tid < kTcBK)
+      spos[tid] = tid < nt ? (seg.positions ? static_cast<int64_t>(seg.positions[row0 + tid])
+                                            : seg.first_pos + j0 + tid)
+                           : LLONG_MAX;
+    if (!LO || !seg.packed) {
+      constexpr int CPR = D / 8;
+      const uint8_t* gk = static_cast<const uint8_t*>(seg.keys) + row0 * RB;
+      const uint8_t* gv = static_cast<const uint8_t*>(seg.values) + row0 * RB;
+      for (int i = tid; i < kTcBK * CPR; i += kTcThreads) {
+        const int r = i / CPR, c = i % CPR;
+        const int o = tc_off<D>(r, 8 * c);
+        if (r < nt) {
+          tc_cp16(base + o, gk + 16 * i);
+          tc_cp16(base + PB + o, gv + 16 * i);
+        } else {
+          *reinterpret_cast<uint4*>(base + o) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(base + PB + o) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    } else {
+      constexpr int OCT = D / 8;  // runs of 8 stored channels per row
+      for (int e = tid; e < kTcBK * OCT; e += kTcThreads) {
+        const int r = e / OCT, c0 = 8 * (e % OCT);
+        if (r >= nt) {  // rows past the end: zeros (identity channel order covers the row)
+          const int o = tc_off<D>(r, c0);
+#pragma unroll
+          for (int pl = 0; pl < 4; ++pl)
+            *reinterpret_cast<uint4*>(base + pl * PB + o) = make_uint4(0u, 0u, 0u, 0u);
+          continue;
+        }
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+          const PrefillTensor& pt = kv ? seg.pv : seg.pk;
+          float x[8];
+          dequant8(pt.data + (row0 + r) * pt.row_stride, c0, pt, x);
+          uint8_t* hi = base + kv * PB;
+          uint8_t* lo = base + (2 + kv) * PB;
+          if (pt.perm == nullptr) {
+            uint32_t h4[4], l4[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tc_split(x[2 * i], x[2 * i + 1], h4[i], l4[i]);
+            const int o = tc_off<D>(r, c0);
+            *reinterpret_cast<uint4*>(hi + o) = make_uint4(h4[0], h4[1], h4[2], h4[3]);
+            *reinterpret_cast<uint4*>(lo + o) = make_uint4(l4[0], l4[1], l4[2], l4[3]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const __half xh = __float2half_rn(x[i]);
+              const __half xl = __float2half_rn(x[i] - __half2float(xh));
+              const int o = tc_off<D>(r, pt.perm[h * D + c0 + i]);
+              *reinterpret_cast<__half*>(hi + o) = xh;
+              *reinterpret_cast<__half*>(lo + o) = xl;
+            }
+          }
+        }
+      }
+    }
+  };
+
+  float o[2 * KS][4];
+#pragma unroll
+  for (int n = 0; n < 2 * KS; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
+
+  int sg = 0;
+  int64_t j0 = 0;
+  bool full = false;
+  bool have = seek(sg, j0, full);
+  int st = 0;
+  if (have) issue(sg, j0, 0);
+  tc_commit();
+  while (have) {
+    int nsg = sg;
+    int64_t nj0 = j0 + kTcBK;
+    bool nfull = false;
+    const bool next = seek(nsg, nj0, nfull);
+    if (next) issue(nsg, nj0, st ^ 1);
+    tc_commit();
+    if (next)
+      tc_wait<1>();
+    else
+      tc_wait<0>();
+    __syncthreads();
+
+    const uint8_t* base = tsm + st * SB;
+    const int64_t* spos = reinterpret_cast<const int64_t*>(base + (LO ? 4 : 2) * PB);
+    const bool lo_tile = LO && p.segs[sg].packed;
+    // ---- logits of 16 rows x 64 keys: s[n] is n-tile n (keys 8n..8n+7)
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+    const int lr = lane & 7, lm = lane >> 3;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        const int key = 16 * np + 8 * (lm >> 1) + lr;
+        const int off = tc_off<D>(key, 16 * ks + 8 * (lm & 1));
+        uint32_t r[4];
+        tc_ldsm(base + off, r);
+        tc_mma(s[2 * np], qh[ks], r[0], r[1]);
+        tc_mma(s[2 * np], ql[ks], r[0], r[1]);
+        tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
+        tc_mma(s[2 * np + 1], ql[ks], r[2], r[3]);
+        if (lo_tile) {
+          tc_ldsm(base + 2 * PB + off, r);
+          tc_mma(s[2 * np], qh[ks], r[0], r[1]);
+          tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
+        }
+      }
+    // ---- scale (log2 units), mask, online softmax
+    float xA = -INFINITY, xB = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[n][e] * (e < 2 ? cA : cB);
+        if (!full) {
+          const int64_t kp = spos[8 * n + 2 * t4 + (e & 1)];
+          const int64_t qp = e < 2 ? qpA : qpB;
+          if (!(kp <= qp && (win <= 0 || qp < kp + win))) v = -INFINITY;
+        }
+        s[n][e] = v;
+        if (e < 2)
+          xA = fmaxf(xA, v);
+        else
+          xB = fmaxf(xB, v);
+      }
+#pragma unroll
+    for (int of = 1; of <= 2; of <<= 1) {
+      xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, of));
+      xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, of));
+    }
+    const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
+    const float zA = nA == -INFINITY ? 0.0f : nA, zB = nB == -INFINITY ? 0.0f : nB;
+    const float corrA = exp2f(mA - zA), corrB = exp2f(mB - zB);
+    mA = nA;
+    mB = nB;
+    float sA = 0.0f, sB = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      s[n][0] = exp2f(s[n][0] - zA);
+      s[n][1] = exp2f(s[n][1] - zA);
+      s[n][2] = exp2f(s[n][2] - zB);
+      s[n][3] = exp2f(s[n][3] - zB);
+      sA += s[n][0] + s[n][1];
+      sB += s[n][2] + s[n][3];
+    }
+    lA = lA * corrA + sA;
+    lB = lB * corrB + sB;
+#pragma unroll
+    for (int n = 0; n < 2 * KS; ++n) {
+      o[n][0] *= corrA;
+      o[n][1] *= corrA;
+      o[n][2] *= corrB;
+      o[n][3] *= corrB;
+    }
+    // ---- outputs += P V (P as fp16 hi + lo, V through ldmatrix.trans)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t ah[4], al[4];
+      tc_split(s[2 * kk][0], s[2 * kk][1], ah[0], al[0]);
+      tc_split(s[2 * kk][2], s[2 * kk][3], ah[1], al[1]);
+      tc_split(s[2 * kk + 1][0], s[2 * kk + 1][1], ah[2], al[2]);
+      tc_split(s[2 * kk + 1][2], s[2 * kk + 1][3], ah[3], al[3]);
+      const int key = 16 * kk + 8 * (lm & 1) + lr;
+#pragma unroll
+      for (int cp = 0; cp < KS; ++cp) {
+        const int off = tc_off<D>(key, 16 * cp + 8 * (lm >> 1));
+        uint32_t r[4];
+        tc_ldsm_t(base + PB + off, r);
+        tc_mma(o[2 * cp], ah, r[0], r[1]);
+        tc_mma(o[2 * cp], al, r[0], r[1]);
+        tc_mma(o[2 * cp + 1], ah, r[2], r[3]);
+        tc_mma(o[2 * cp + 1], al, r[2], r[3]);
+        if (lo_tile) {
+          tc_ldsm_t(base + 3 * PB + off, r);
+          tc_mma(o[2 * cp], ah, r[0], r[1]);
+          tc_mma(o[2 * cp + 1], ah, r[2], r[3]);
+        }
+      }
+    }
+    __syncthreads();  // stage st is free for the next issue
+    sg = nsg;
+    j0 = nj0;
+    full = nfull;
+    have = next;
+    st ^= 1;
+  }
+
+#pragma unroll
+  for (int of = 1; of <= 2; of <<= 1) {
+    lA += __shfl_xor_sync(0xffffffffu, lA, of);
+    lB += __shfl_xor_sync(0xffffffffu, lB, of);
+  }
+  const float iA = lA > 0.0f ? 1.0f / lA : 0.0f, iB = lB > 0.0f ? 1.0f / lB : 0.0f;
+  float* oa =
+      tA < T
+          ? p.out + ((static_cast<int64_t>(b) * hq + h * n_rep + tA % n_rep) * N + tA / n_rep) * D
+          : nullptr;
+  float* ob =
+      tB < T
+          ? p.out + ((static_cast<int64_t>(b) * hq + h * n_rep + tB % n_rep) * N + tB / n_rep) * D
+          : nullptr;
+#pragma unroll
+  for (int n = 0; n < 2 * KS; ++n) {
+    const int c = 8 * n + 2 * t4;
+    if (oa)
+      *reinterpret_cast<float2*>(oa + c) =
+          lA > 0.0f ? make_float2(o[n][0] * iA, o[n][1] * iA) : make_float2(0.0f, 0.0f);
+    if (ob)
+      *reinterpret_cast<float2*>(ob + c) =
+          lB > 0.0f ? make_float2(o[n][2] * iB, o[n][3] * iB) : make_float2(0.0f, 0.0f);
+  }
+}
+
 }  // namespace
 
 void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
   const int64_t T = static_cast<int64_t>(p.n_rep) * p.n_queries;
   if (T <= 0) return;
+  // The tensor-core path takes views whose segments are f16 rows (16-byte aligned) or packed
+  // (q and out 8-byte aligned: float2 accesses).
+  bool tc =
+      reinterpret_cast<uintptr_t>(p.q) % 8 == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
+  bool lo = false;
+  for (int i = 0; i < p.n_segs; ++i) {
+    const PrefillSeg& g = p.segs[i];
+    if (g.packed)
+      lo = true;
+    else if (g.dtype != 1 || reinterpret_cast<uintptr_t>(g.keys) % 16 != 0 ||
+             reinterpret_cast<uintptr_t>(g.values) % 16 != 0)
+      tc = false;
+  }
+  if (tc) {
+    const dim3 grid(static_cast<unsigned>((T + kTcBQ - 1) / kTcBQ),
+                    static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+    auto launch = [&](auto kernel, int smem) {
+      VQ_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      kernel<<<grid, kTcThreads, static_cast<size_t>(smem), s>>>(p);
+    };
+    if (p.head_dim == 64)
+      lo ? launch(prefill_tc_kernel<64, true>, 2 * tc_stage_bytes(64, true))
+         : launch(prefill_tc_kernel<64, false>, 2 * tc_stage_bytes(64, false));
+    else
+      lo ? launch(prefill_tc_kernel<128, true>, 2 * tc_stage_bytes(128, true))
+         : launch(prefill_tc_kernel<128, false>, 2 * tc_stage_bytes(128, false));
+    VQ_CUDA_LAUNCH_CHECK("prefill_attention");
+    return;
+  }
   const dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(p.kv_heads),
                   static_cast<unsigned>(p.batch));
   if (p.head_dim == 64)

@@ -1,8 +1,15 @@
 // SnapKV kernels (see snapkv.cuh).
 //
-// Scores, two passes over (key tile of 64 rows) x (query chunk of 32 rows) logit tiles staged in
-// shared memory (fp32, rows padded to D + 4 floats so 16-byte reads of 8 consecutive rows hit
-// distinct banks), each thread a 2 x 4 (query x key) block with sequential fp32 dot products:
+// Scores of f16 keys (D 64/128, W = n_rep * w <= 128 window rows): snap_tc_kernel, the same two
+// passes and combine as below with the logits on tensor cores (mma.m16n8k16, queries as fp16
+// hi + lo of q * 2^sigma: exact products, fp32 accumulation), one block of ceil(W / 16) warps per
+// 8 key tiles of 64 rows streamed by cp.async (swizzled fp16 rows, ldmatrix), the query
+// fragments loaded once per block; pass 2 sums every window row's probability of a key in double
+// (shuffles across the warp, then the warps) and divides by W once.
+// Scores of other keys (CUDA cores), two passes over (key tile of 64 rows) x (query chunk of 32
+// rows) logit tiles staged in shared memory (fp32, rows padded to D + 4 floats so 16-byte reads of
+// 8 consecutive rows hit distinct banks), each thread a 2 x 4 (query x key) block with sequential
+// fp32 dot products:
 //   pass 1: per query row and key tile, max and sum of exp (fp32; 8 threads per row, joined by
 //           shuffles; the logit tile's rows padded to 72 floats), and a NaN flag;
 //   combine: a block per (query row, frame): M = max, Z = sum_t z_t exp(m_t - M) (double, strided
@@ -268,6 +275,290 @@ __global__ void __launch_bounds__(kScoreThreads)
   }
 }
 
+// ---- tensor-core scores (f16 keys, D 64/128, at most 128 window rows) ---------------------------
+
+constexpr int kTcTiles = 8;  // 64-key tiles per block
+
+__device__ __forceinline__ void tc_cp16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void tc_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void tc_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void tc_ldsm(const uint8_t* a, uint32_t (&r)[4]) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(a));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void tc_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void tc_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 f = __half22float2(h);
+  const __half2 l = __floats2half2_rn(x0 - f.x, x1 - f.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+// Byte offset of channel c of key row r in a staged tile (16-byte chunks swizzled by r & 7).
+template <int D>
+__device__ __forceinline__ int tc_off(int r, int c) {
+  return r * (2 * D) + 16 * ((c >> 3) ^ (r & 7)) + 2 * (c & 7);
+}
+
+// Both passes. Block = ceil(W / 16) warps over kTcTiles key tiles of frame f; warp w owns window
+// rows 16 w .. 16 w + 15 (lane rows A = g, B = g + 8), its queries held as fp16 hi + lo
+// fragments of q * 2^sigma (sigma puts the row's max |q| in [2^11, 2^12): exact products, q
+// carried to 2^-22 relative). Logits of 16 rows x 64 keys on mma.m16n8k16 (fp32 accumulation),
+// times scale * 2^-sigma (exactly the fp32 product acc * scale), masked by position.
+//   PASS2 = false: per (tile, row) max, sum of expf(l - max) (fp32, 64 terms) and a NaN flag;
+//   PASS2 = true: per key, the double sum over all W rows of expf(l - M_i) * (1 / Z_i), divided
+//   by W (= the mean over heads of the per-head means: every head has w rows), rounded once.
+template <int D, bool PASS2>
+__global__ void __launch_bounds__(256) snap_tc_kernel(const __grid_constant__ SnapScoreParams p) {
+  constexpr int KS = D / 16;
+  constexpr int SB = kKT * D * 2;  // bytes of a staged tile
+  extern __shared__ __align__(128) uint8_t tsm[];
+  double* red = reinterpret_cast<double*>(tsm + 2 * SB);  // [warps][kKT]
+  const int W = p.n_rep * p.w;
+  const int nthr = blockDim.x, nw = nthr >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int f = blockIdx.y;
+  const int n_tiles = static_cast<int>((p.n + kKT - 1) / kKT);
+  const int tile0 = blockIdx.x * kTcTiles;
+  const int my_tiles = n_tiles - tile0 < kTcTiles ? n_tiles - tile0 : kTcTiles;
+  const int rA = warp * 16 + g, rB = rA + 8;
+  const bool vA = rA < W, vB = rB < W;
+
+  uint32_t qh[KS][4], ql[KS][4];
+  float cA, cB;
+  {
+    float mA = 0.0f, mB = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = 16 * ks + 2 * t4 + 8 * (e >> 1) + (e & 1);
+        if (vA) mA = fmaxf(mA, fabsf(load_query(p, f, rA, c)));
+        if (vB) mB = fmaxf(mB, fabsf(load_query(p, f, rB, c)));
+      }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      mA = fmaxf(mA, __shfl_xor_sync(0xffffffffu, mA, o));
+      mB = fmaxf(mB, __shfl_xor_sync(0xffffffffu, mB, o));
+    }
+    int eA = 0, eB = 0;
+    if (mA > 0.0f && isfinite(mA)) {
+      frexpf(mA, &eA);
+      eA = 12 - eA;
+    }
+    if (mB > 0.0f && isfinite(mB)) {
+      frexpf(mB, &eB);
+      eB = 12 - eB;
+    }
+    cA = ldexpf(p.scale, -eA);
+    cB = ldexpf(p.scale, -eB);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int c = 16 * ks + 2 * t4 + 8 * hf;
+        const float a0 = vA ? load_query(p, f, rA, c) : 0.0f;
+        const float a1 = vA ? load_query(p, f, rA, c + 1) : 0.0f;
+        const float b0 = vB ? load_query(p, f, rB, c) : 0.0f;
+        const float b1 = vB ? load_query(p, f, rB, c + 1) : 0.0f;
+        tc_split(ldexpf(a0, eA), ldexpf(a1, eA), qh[ks][2 * hf], ql[ks][2 * hf]);
+        tc_split(ldexpf(b0, eB), ldexpf(b1, eB), qh[ks][2 * hf + 1], ql[ks][2 * hf + 1]);
+      }
+  }
+  const int32_t qpA = (p.key_pos && vA) ? p.query_pos[rA % p.w] : 0;
+  const int32_t qpB = (p.key_pos && vB) ? p.query_pos[rB % p.w] : 0;
+  float MA = -INFINITY, MB = -INFINITY, zA = 0.0f, zB = 0.0f;
+  if (PASS2) {
+    if (vA) {
+      MA = p.row_stats[(static_cast<int64_t>(f) * W + rA) * 2];
+      zA = p.row_stats[(static_cast<int64_t>(f) * W + rA) * 2 + 1];
+    }
+    if (vB) {
+      MB = p.row_stats[(static_cast<int64_t>(f) * W + rB) * 2];
+      zB = p.row_stats[(static_cast<int64_t>(f) * W + rB) * 2 + 1];
+    }
+  }
+  const bool poisoned = PASS2 && p.poisoned[f] != 0;
+
+  const __half* keys = static_cast<const __half*>(p.keys) + static_cast<int64_t>(f) * p.n * D;
+  auto issue = [&](int tt, int st) {
+    const int64_t j0 = static_cast<int64_t>(tile0 + tt) * kKT;
+    const int nk = static_cast<int>(p.n - j0 < kKT ? p.n - j0 : kKT);
+    constexpr int CPR = D / 8;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(keys + j0 * D);
+    for (int i = tid; i < nk * CPR; i += nthr)
+      tc_cp16(tsm + st * SB + tc_off<D>(i / CPR, 8 * (i % CPR)), src + 16 * i);
+  };
+  if (my_tiles > 0) issue(0, 0);
+  tc_commit();
+  const int lr = lane & 7, lm = lane >> 3;
+  for (int tt = 0; tt < my_tiles; ++tt) {
+    const int st = tt & 1;
+    if (tt + 1 < my_tiles) issue(tt + 1, st ^ 1);
+    tc_commit();
+    if (tt + 1 < my_tiles)
+      tc_wait<1>();
+    else
+      tc_wait<0>();
+    __syncthreads();
+    const int tile = tile0 + tt;
+    const int64_t j0 = static_cast<int64_t>(tile) * kKT;
+    const int nk = static_cast<int>(p.n - j0 < kKT ? p.n - j0 : kKT);
+    const uint8_t* base = tsm + st * SB;
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+    if (warp * 16 < W) {  // warp-uniform
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t r[4];
+          tc_ldsm(base + tc_off<D>(16 * np + 8 * (lm >> 1) + lr, 16 * ks + 8 * (lm & 1)), r);
+          tc_mma(s[2 * np], qh[ks], r[0], r[1]);
+          tc_mma(s[2 * np], ql[ks], r[0], r[1]);
+          tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
+          tc_mma(s[2 * np + 1], ql[ks], r[2], r[3]);
+        }
+    }
+    // scaled, masked logits; NaN flags per row
+    int nanA = 0, nanB = 0;
+    float xA = -INFINITY, xB = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kj = 8 * n + 2 * t4 + (e & 1);
+        const bool rowB = e >= 2;
+        float l = s[n][e] * (rowB ? cB : cA);
+        if (kj >= nk || !(rowB ? vB : vA)) {
+          l = -INFINITY;
+        } else if (p.key_pos) {
+          if (p.key_pos[static_cast<int64_t>(f) * p.n + j0 + kj] > (rowB ? qpB : qpA))
+            l = -INFINITY;
+        }
+        s[n][e] = l;
+        if (rowB) {
+          nanB |= isnan(l) ? 1 : 0;
+          xB = fmaxf(xB, l);
+        } else {
+          nanA |= isnan(l) ? 1 : 0;
+          xA = fmaxf(xA, l);
+        }
+      }
+    if (!PASS2) {
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, o));
+        xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, o));
+        nanA |= __shfl_xor_sync(0xffffffffu, nanA, o);
+        nanB |= __shfl_xor_sync(0xffffffffu, nanB, o);
+      }
+      float sA = 0.0f, sB = 0.0f;
+      const bool okA = !isinf(xA), okB = !isinf(xB);
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        if (okA) sA += expf(s[n][0] - xA) + expf(s[n][1] - xA);
+        if (okB) sB += expf(s[n][2] - xB) + expf(s[n][3] - xB);
+      }
+#pragma unroll
+      for (int o = 1; o <= 2; o <<= 1) {
+        sA += __shfl_xor_sync(0xffffffffu, sA, o);
+        sB += __shfl_xor_sync(0xffffffffu, sB, o);
+      }
+      if (t4 == 0) {
+        float* sa = p.tile_stats + ((static_cast<int64_t>(f) * n_tiles + tile) * W + rA) * 3;
+        if (vA) {
+          sa[0] = xA;
+          sa[1] = sA;
+          sa[2] = nanA ? 1.0f : 0.0f;
+        }
+        if (vB) {
+          sa[24] = xB;  // row rB = rA + 8: 8 rows of 3 floats further
+          sa[25] = sB;
+          sa[26] = nanB ? 1.0f : 0.0f;
+        }
+      }
+    } else {
+      double acc[8][2];
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pa = MA == -INFINITY ? 0.0f : expf(s[n][e] - MA) * zA;
+          const float pb = MB == -INFINITY ? 0.0f : expf(s[n][2 + e] - MB) * zB;
+          acc[n][e] = static_cast<double>(pa) + static_cast<double>(pb);
+        }
+#pragma unroll
+      for (int o = 4; o <= 16; o <<= 1)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) acc[n][e] += __shfl_xor_sync(0xffffffffu, acc[n][e], o);
+      if (g == 0)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) red[warp * kKT + 8 * n + 2 * t4 + e] = acc[n][e];
+      __syncthreads();
+      for (int k = tid; k < nk; k += nthr) {
+        double tot = 0.0;
+        for (int w = 0; w < nw; ++w) tot += red[w * kKT + k];
+        p.scores[static_cast<int64_t>(f) * p.n + j0 + k] =
+            poisoned ? __uint_as_float(0x7fc00000u) : static_cast<float>(tot / W);
+      }
+    }
+    __syncthreads();  // the stage and red are free again
+  }
+}
+
+bool snap_tc_eligible(const SnapScoreParams& p) {
+  const int W = p.n_rep * p.w;
+  return p.dtype == 1 && (p.head_dim == 64 || p.head_dim == 128) && W >= 1 && W <= 128 &&
+         reinterpret_cast<uintptr_t>(p.keys) % 16 == 0;
+}
+
+template <int D>
+void snap_tc_scores(const SnapScoreParams& p, cudaStream_t s) {
+  const int n_tiles = static_cast<int>((p.n + kKT - 1) / kKT);
+  const int W = p.n_rep * p.w;
+  const int threads = 32 * ((W + 15) / 16);
+  const int smem = 2 * kKT * D * 2 + (threads / 32) * kKT * 8;
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(snap_tc_kernel<D, false>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(snap_tc_kernel<D, true>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  VQ_CUDA_CHECK(cudaMemsetAsync(p.poisoned, 0, static_cast<size_t>(p.n_frames) * 4, s));
+  const dim3 grid(static_cast<unsigned>((n_tiles + kTcTiles - 1) / kTcTiles),
+                  static_cast<unsigned>(p.n_frames));
+  snap_tc_kernel<D, false><<<grid, threads, smem, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(snap_tc_kernel);
+  snap_combine_kernel<<<dim3(static_cast<unsigned>(W), static_cast<unsigned>(p.n_frames)),
+                        kCombineThreads, 0, s>>>(p, n_tiles);
+  VQ_CUDA_LAUNCH_CHECK(snap_combine_kernel);
+  snap_tc_kernel<D, true><<<grid, threads, smem, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK(snap_tc_kernel);
+}
+
 // Order-preserving uint32 of the ranking key (NaN -> -inf, -0 -> +0).
 __device__ __forceinline__ uint32_t rank_bits(float s) {
   if (isnan(s)) s = -INFINITY;
@@ -416,6 +707,13 @@ int64_t snap_score_tile_stats_floats(int64_t n_frames, int64_t n, int64_t W) {
 
 void snap_scores_launch(const SnapScoreParams& p, cudaStream_t s) {
   if (p.n == 0 || p.n_frames == 0) return;
+  if (snap_tc_eligible(p)) {
+    if (p.head_dim == 64)
+      snap_tc_scores<64>(p, s);
+    else
+      snap_tc_scores<128>(p, s);
+    return;
+  }
   const int n_tiles = static_cast<int>((p.n + kKT - 1) / kKT);
   const size_t smem = static_cast<size_t>((kKT + kQT) * (p.head_dim + 4) + kQT * kLS) * 4;
   VQ_CHECK(p.head_dim % 4 == 0 && smem <= 200 * 1024,

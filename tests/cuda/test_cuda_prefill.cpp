@@ -6,8 +6,23 @@
 // (explicit per-head gapped positions, then an implicit tail). Awkward shapes: view lengths 1,
 // 17, 127, 129 (and 300), N queries 1, 17, 127, 129, GQA 1/4/8, head_dim 64/128, batch 1 and 8,
 // window off / on (including windows so small that some queries see no key), queries placed
-// after the view and inside it (causal). The tolerance is derived in cuda/attention_check.h.
-// Skipped cleanly without a device.
+// after the view and inside it (causal). Skipped cleanly without a device.
+// Tolerances (cuda/attention_check.h): views of f32 or bf16 rows run on the CUDA-core kernel and
+// are held to its bound (kPrefill). Views of f16 rows and packed records run on the tensor-core
+// kernel, held to the bound of the tensor-core decode kernel (kDecode), whose terms cover it:
+//  * logit: q enters as fp16 hi + lo of q * 2^sigma (|q - hi - lo| <= 2^-22 |q|, exact products),
+//    packed keys as hi + lo (2^-22 |k|) with q_lo * k_lo dropped (<= 2^-22 |q k|): at most
+//    12u sum |q_d k_d|; the fp32 accumulation runs 2 (f16) or 3 (packed) mma per 16 channels,
+//    each one alignment and rounding of at most 2^-22 of the terms' magnitude (products exact):
+//    at most 3 D / 16 * 4u sum |q_d k_d|; together <= (3D/4 + 12) u sum |q_d k_d|, inside
+//    gamma(D + log2 D + 3D/8 + 8) ||q|| ||k|| (Cauchy-Schwarz); the log2-unit scaling adds
+//    2u |logit| (the rounded scale * log2 e, the product), inside 4u |logit|;
+//  * weights: exp2f (2 ulp, the 2^-22 term); the rounding of the argument logit - running max
+//    moves weight p by at most u/e absolutely; p enters P V as hi + lo (2^-22 relative, fp16
+//    subnormals 2^-25 absolute); per 64-key tile one rescale (exp2f) and 8 or 12 mma per output
+//    chain; the row sums are per-lane fp32 sums of 16 terms per tile: all together at most
+//    2 n u V + 64u V for n visible rows (V = max |v|, the sum of weights >= 1), inside
+//    2 gamma(9n/8 + 64) V.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -51,8 +66,12 @@ double check_case(const CacheView& view, int64_t Hq, int64_t N, int64_t q_pos0, 
   const std::string vars = name + " Hq=" + std::to_string(Hq) + " N=" + std::to_string(N) +
                            " q_pos0=" + std::to_string(q_pos0) +
                            " window=" + std::to_string(window);
-  const auto c =
-      test::check_attention(dense.view, q, Hq, N, ap, out, test::AttnKernel::kPrefill, vars);
+  bool tc = true;  // the path the kernel takes: f16 rows and packed records -> tensor cores
+  for (const ViewSegment& s : view.segments)
+    if (s.n_rows > 0 && s.packed == nullptr && s.keys.dtype != DType::kF16) tc = false;
+  const auto c = test::check_attention(dense.view, q, Hq, N, ap, out,
+                                       tc ? test::AttnKernel::kDecode : test::AttnKernel::kPrefill,
+                                       vars + (tc ? " [tensor cores]" : " [cuda cores]"));
   EXPECT_GT(c.nonzero, 0) << vars << ": reference is all zeros";
   return c.worst_ratio;
 }
@@ -163,6 +182,15 @@ TEST(CudaPrefill, PackedAndMixedViews) {
   auto cache = filled_cache(sc, 2, 2, 128, DType::kBF16, {127, 1, 1, 17}, 900, &view);
   for (int64_t window : {int64_t{0}, int64_t{3}, int64_t{1}}) {
     worst = std::max(worst, check_case(view, 16, 17, 129, window, 13, "snapkv gapped"));
+    ++cases;
+  }
+  // The same with f16 rows (tensor-core path, explicit positions), over several key tiles.
+  CacheConfig sc16 = sc;
+  sc16.snap_budget = 150;
+  CacheView view16;
+  auto cache16 = filled_cache(sc16, 2, 2, 64, DType::kF16, {257, 1, 1, 70}, 901, &view16);
+  for (int64_t window : {int64_t{0}, int64_t{40}, int64_t{1}}) {
+    worst = std::max(worst, check_case(view16, 8, 33, 259, window, 14, "snapkv f16 gapped"));
     ++cases;
   }
   std::printf("[prefill packed/mixed] %d cases, worst error %.3f%% of tolerance\n", cases,

@@ -134,6 +134,12 @@ TEST(CudaSnapkv, PoolingMatchesCpuExactly) {
 // gamma(64 + 8) + 2^-20 relative; every score is a positive mean of such probabilities, so
 // |gpu - ref| <= ref * (max_i (e^(2 delta_i) - 1) + gamma(72) + 2^-20) + the final fp32 rounding
 // (u * ref) + 1e-30.
+// The tensor-core scorer (f16 keys, D 64/128, W <= 128) stays inside these terms: the query enters
+// as fp16 hi + lo (|q - hi - lo| <= 2^-22 |q| = 4u |q|, products with f16 keys exact), and its
+// fp32 accumulation is 2 mma per 16 channels, each one alignment and rounding of at most 4u of
+// the terms' magnitude: |delta l| <= scale * (D / 2 + 4) u sum |q_d k_d| <= scale * gamma(D + 1)
+// sum |q_d k_d|; its tile sums add 64 terms in a different order (16 per lane, then 2 adds), and
+// its pass 2 sums all W probabilities in double before one division by W (the same mean).
 double score_rel_tol(const std::vector<float>& keys, const std::vector<float>& q, int64_t n,
                      int64_t W, int64_t D) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
