@@ -1,7 +1,8 @@
 // Fused CPU attention (vq::attention) against dequantize-then-attention_reference, for every
 // cache method, GQA ratios 1/4/8, head_dim 64 and 128, lengths 1, 17, 127, 129, ragged groups,
 // decode and multi-query calls, sliding windows, rotation and metadata types; plus metamorphic
-// checks (GQA == MHA with repeated KV heads, sliding window == attention over the sliced rows).
+// checks (GQA == MHA with repeated KV heads, sliding window == attention over the sliced rows,
+// decode over rows read in place == over channel-strided copies, bit for bit).
 //
 // The bound (per output element, derived in comments at `bound_for`) is the fp32 rounding of
 // the fused kernel relative to the double-accumulated reference: u = 2^-24,
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -463,6 +465,69 @@ TEST(FusedAttention, GqaEqualsMhaWithRepeatedKvHeadsManyQueries) {
     attention(q.view(), vb, p, ob.data());
     EXPECT_EQ(oa, ob) << "window " << window;
   }
+}
+
+// A view of the same rows with a channel stride of 2 (a strided copy of k and v).
+TensorView strided_copy(const Tensor& t, std::vector<uint8_t>& buf) {
+  const TensorView src = t.view();
+  const size_t es = dtype_size(src.dtype);
+  buf.assign(static_cast<size_t>(src.numel()) * 2 * es, 0xFF);  // gaps hold NaN patterns
+  for (int64_t i = 0; i < src.numel(); ++i)
+    std::memcpy(buf.data() + static_cast<size_t>(2 * i) * es,
+                static_cast<const uint8_t*>(src.data) + static_cast<size_t>(i) * es, es);
+  TensorView r = src;
+  r.data = buf.data();
+  for (int a = 0; a < 4; ++a) r.stride[a] = src.stride[a] * 2;
+  return r;
+}
+
+// Decode-sized calls (< 8 queries per head) read contiguous full-precision rows in place,
+// converting fp16/bf16 in registers and summing 16 rows' logits by a transposed reduction; rows
+// with a channel stride take the row-by-row conversion to an fp32 tile. Both are specified as the
+// same fp32 operations in the same order, so the outputs must agree bit for bit (two segments,
+// ragged tiles, causal and sliding-window masks, every head_dim the in-place path takes).
+TEST(FusedAttention, DecodeRowsInPlaceEqualStridedRowsBitForBit) {
+  int n = 0;
+  for (DType dt : {DType::kF16, DType::kBF16, DType::kF32})
+    for (int64_t d : {32, 64, 96, 128})
+      for (int64_t len : {5, 40, 129})
+        for (int64_t nq : {1, 3, 7}) {
+          if (nq > len) continue;
+          const int64_t rep = (d / 32 + nq) % 4 + 1, window = len % 2 ? 0 : 21;
+          const uint64_t seed = 900 + 10 * static_cast<uint64_t>(n);
+          const Tensor k = test::random_tensor(dt, 1, 2, len, d, seed);
+          const Tensor v = test::random_tensor(dt, 1, 2, len, d, seed + 1);
+          const Tensor q = test::random_tensor(DType::kF32, 1, 2 * rep, nq, d, seed + 2, 1.5f);
+          std::vector<uint8_t> kb, vb;
+          const TensorView ks = strided_copy(k, kb), vs = strided_copy(v, vb);
+          const int64_t split = len / 3;  // two segments: rows [0, split) and [split, len)
+          auto make_view = [&](const TensorView& kk, const TensorView& vv) {
+            CacheView cv;
+            cv.batch = 1;
+            cv.n_kv_heads = 2;
+            cv.head_dim = d;
+            for (auto [s0, s1] : {std::pair{int64_t{0}, split}, std::pair{split, len}}) {
+              ViewSegment seg;
+              seg.n_rows = s1 - s0;
+              seg.first_pos = s0;
+              seg.keys = kk.slice_tokens(s0, s1);
+              seg.values = vv.slice_tokens(s0, s1);
+              cv.segments.push_back(seg);
+            }
+            return cv;
+          };
+          AttentionParams p;
+          p.q_pos0 = len - nq;
+          p.window = window;
+          std::vector<float> oa(static_cast<size_t>(q.numel())), ob(oa.size());
+          attention(q.view(), make_view(k.view(), v.view()), p, oa.data());
+          attention(q.view(), make_view(ks, vs), p, ob.data());
+          EXPECT_EQ(std::memcmp(oa.data(), ob.data(), oa.size() * 4), 0)
+              << "dtype " << dtype_name(dt) << " d " << d << " len " << len << " nq " << nq
+              << " rep " << rep;
+          ++n;
+        }
+  EXPECT_GT(n, 90);
 }
 
 // Metamorphic: a sliding window over the whole view equals attention over only the rows inside

@@ -12,8 +12,10 @@
 //   acc'  += p * (c*s),  acc_lo[g] += p * lo_g                   out = R^T P^T (acc' + acc_lo)
 // with the un-transform applied once per query at the end. Full-precision rows are converted to
 // fp32 row by row. A query that sees no key gets zeros (as attention_reference).
-// Variant: prefill-sized calls (>= kManyQueries queries per head, AVX-512, D a multiple of 16
-// up to 128) run full-precision tiles with vector lanes over queries (many_tile below).
+// Variants (AVX-512): prefill-sized calls (>= kManyQueries queries per head, D a multiple of 16
+// up to 128) run full-precision tiles with vector lanes over queries (many_tile below); smaller
+// calls (decode) read contiguous full-precision rows in place, D a multiple of 32 up to 128
+// (few_tile_logits / few_tile_values below: the general path's operations, bit for bit).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -32,10 +34,11 @@
 #include "veloxquant/hadamard.h"
 #include "veloxquant/packed.h"
 
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on their own internal
-// "undefined" vectors (_mm512_reduce_add_ps, _mm512_setr_epi32, ...): the warning is about the
-// headers, so it is off for this file's kernels.
+// GCC 12's AVX-512 intrinsic headers trip -W(maybe-)uninitialized on their own internal
+// "undefined" vectors (_mm512_reduce_add_ps, _mm512_setr_epi32, _mm512_cvtph_ps, ...; GCC bug
+// 105593): the warning is about the headers, so it is off for this file's kernels.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace vq {
 namespace {
@@ -736,6 +739,225 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// ---- few-query path: full-precision rows read in place (fp16/bf16/fp32), no fp32 tile -------
+//
+// For calls with fewer than kManyQueries queries per head (decode), full-precision segments with
+// contiguous rows and D a multiple of 32 up to 128 skip the row-by-row conversion to fp32 tiles:
+// keys and values are converted in registers (vcvtph2ps) as the dot products and the value
+// accumulation read them. The arithmetic is the general path's, operation for operation:
+//  * logit m of row t: one 16-lane accumulator, fmadd over the D / 16 blocks in order, then the
+//    horizontal sum of _mm512_reduce_add_ps (lanes i + 8, then i + 4, i + 2, i + 1). Sixteen
+//    rows are reduced together by a transposed tree (qk_16rows) that adds the same pairs of
+//    partial sums, so every logit is bit-identical to dot_many's (fp32 addition commutes).
+//  * acc[m] += p[m][t] v_t: an fmadd per channel over the visible rows in order (as
+//    accumulate_tile's 64- and 32-channel blocks), the accumulators in registers over the tile.
+// Converting fp16/bf16 to fp32 is exact, so reading the rows in place changes nothing.
+constexpr int64_t kFewBlock = 16;  // rows per transposed reduction
+
+bool few_supported(const ViewSegment& seg, int64_t d) {
+  return d % 32 == 0 && d <= 128 && seg.keys.stride[3] == 1 && seg.values.stride[3] == 1 &&
+         seg.keys.dtype == seg.values.dtype;
+}
+
+template <DType T>
+inline __m512 load_row16(const char* row, int64_t i) {
+  if constexpr (T == DType::kF32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  } else if constexpr (T == DType::kBF16) {
+    const __m256i raw = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(row) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(row) + i)));
+  }
+}
+
+// lg[q][s] = q_q . k_s for the QB queries qm[q] and the rows s < n (<= 16) at krow0 + s * ks
+// (rows past n repeat row n - 1; their sums are not stored). Row s's 16 lane sums a_s are
+// folded with their neighbours as they are produced: pairs of rows -> lanes i + (i + 8),
+// quadruples -> i + (i + 4), then i + (i + 2) and i + (i + 1) across the four quadruples. The
+// tree leaves row s in lane 4 (s % 4) + s / 4, put back in order by one permute.
+template <DType T, int QB>
+inline void qk_16rows(const float* const* qm, const char* krow0, int64_t ks, int64_t n, int64_t d,
+                      float* const* lg) {
+  __m512 c[QB][4];
+  for (int r = 0; r < 4; ++r) {
+    __m512 bq[QB][2];
+    for (int h = 0; h < 2; ++h) {
+      __m512 a[QB][2];
+      for (int e = 0; e < 2; ++e) {
+        const int64_t s = std::min<int64_t>(4 * r + 2 * h + e, n - 1);
+        const char* krow = krow0 + s * ks;
+        for (int q = 0; q < QB; ++q) a[q][e] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+          const __m512 x = load_row16<T>(krow, i);
+          for (int q = 0; q < QB; ++q)
+            a[q][e] = _mm512_fmadd_ps(_mm512_loadu_ps(qm[q] + i), x, a[q][e]);
+        }
+      }
+      for (int q = 0; q < QB; ++q)  // lanes 0-7: row 2p's i + (i + 8); lanes 8-15: row 2p + 1's
+        bq[q][h] = _mm512_add_ps(_mm512_shuffle_f32x4(a[q][0], a[q][1], 0x44),
+                                 _mm512_shuffle_f32x4(a[q][0], a[q][1], 0xEE));
+    }
+    for (int q = 0; q < QB; ++q)  // 128-bit lane k: row 4r + k's i + (i + 4), i < 4
+      c[q][r] = _mm512_add_ps(_mm512_shuffle_f32x4(bq[q][0], bq[q][1], 0x88),
+                              _mm512_shuffle_f32x4(bq[q][0], bq[q][1], 0xDD));
+  }
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __mmask16 keep = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+  for (int q = 0; q < QB; ++q) {
+    // lane k: rows k and k + 4 (c0, c1) / k + 8 and k + 12 (c2, c3), elements i + (i + 2)
+    const __m512d c0 = _mm512_castps_pd(c[q][0]), c1 = _mm512_castps_pd(c[q][1]);
+    const __m512d c2 = _mm512_castps_pd(c[q][2]), c3 = _mm512_castps_pd(c[q][3]);
+    const __m512 d0 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0, c1)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(c0, c1)));
+    const __m512 d1 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c2, c3)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(c2, c3)));
+    const __m512 sums =
+        _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
+    _mm512_mask_storeu_ps(lg[q], keep, _mm512_permutexvar_ps(order, sums));
+  }
+}
+
+// w.logits[m][t] for every query m and row t < nt of the tile starting at row j0.
+template <DType T>
+void few_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0, int64_t nt) {
+  const int64_t M = w.m, d = w.d;
+  const int64_t ks = seg.keys.stride[2] * static_cast<int64_t>(dtype_size(T));
+  const char* k0 = static_cast<const char*>(seg.keys.row(b, kh, j0));
+  for (int64_t s0 = 0; s0 < nt; s0 += kFewBlock) {
+    const int64_t n = std::min(kFewBlock, nt - s0);
+    const char* kr = k0 + s0 * ks;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const float* qm[4];
+      float* lg[4];
+      const int64_t qb = std::min<int64_t>(4, M - m0);
+      for (int64_t q = 0; q < qb; ++q) {
+        qm[q] = w.q.data() + (m0 + q) * d;
+        lg[q] = w.logits.data() + (m0 + q) * kTile + s0;
+      }
+      switch (qb) {
+        case 1:
+          qk_16rows<T, 1>(qm, kr, ks, n, d, lg);
+          break;
+        case 2:
+          qk_16rows<T, 2>(qm, kr, ks, n, d, lg);
+          break;
+        case 3:
+          qk_16rows<T, 3>(qm, kr, ks, n, d, lg);
+          break;
+        default:
+          qk_16rows<T, 4>(qm, kr, ks, n, d, lg);
+          break;
+      }
+    }
+  }
+}
+
+// acc[m] += sum over the listed rows t of probs[m][t] * v_t for the QP queries m0 .. m0 + QP,
+// NV = D / 16 vectors per row, rows at v0 + t * vs.
+template <DType T, int NV, int QP>
+inline void pv_rows(float* __restrict acc, const float* __restrict probs, const char* v0,
+                    int64_t vs, const int32_t* rows, int64_t n_rows, int64_t m0) {
+  constexpr int64_t d = NV * 16;
+  __m512 a[QP][NV];
+  for (int i = 0; i < QP; ++i)
+    for (int j = 0; j < NV; ++j) a[i][j] = _mm512_loadu_ps(acc + (m0 + i) * d + 16 * j);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t t = rows[r];
+    const char* vr = v0 + t * vs;
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load_row16<T>(vr, 16 * j);
+    for (int i = 0; i < QP; ++i) {
+      const __m512 pb = _mm512_set1_ps(probs[(m0 + i) * kTile + t]);
+      for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pb, vv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < QP; ++i)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (m0 + i) * d + 16 * j, a[i][j]);
+}
+
+template <DType T, int NV>
+void pv_few(float* acc, const float* probs, const char* v0, int64_t vs, const int32_t* rows,
+            int64_t n_rows, int64_t M) {
+  constexpr int QP = NV <= 2 ? 8 : NV <= 4 ? 4 : 2;  // <= 16 accumulators
+  int64_t m0 = 0;
+  for (; m0 + QP <= M; m0 += QP) pv_rows<T, NV, QP>(acc, probs, v0, vs, rows, n_rows, m0);
+  switch (M - m0) {  // the rest in one pass (fewer than QP queries)
+    case 0:
+      break;
+    case 1:
+      pv_rows<T, NV, 1>(acc, probs, v0, vs, rows, n_rows, m0);
+      break;
+    case 2:
+      pv_rows<T, NV, 2>(acc, probs, v0, vs, rows, n_rows, m0);
+      break;
+    case 3:
+      pv_rows<T, NV, 3>(acc, probs, v0, vs, rows, n_rows, m0);
+      break;
+    default:
+      for (; m0 < M; ++m0) pv_rows<T, NV, 1>(acc, probs, v0, vs, rows, n_rows, m0);
+      break;
+  }
+}
+
+// w.acc[m] += sum over the tile's visible rows of w.probs[m][t] v_t.
+template <DType T>
+void few_values(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0, int64_t n_vis) {
+  const int64_t vs = seg.values.stride[2] * static_cast<int64_t>(dtype_size(T));
+  const char* v0 = static_cast<const char*>(seg.values.row(b, kh, j0));
+  const int32_t* rows = w.vis.data();
+  float* acc = w.acc.data();
+  const float* pr = w.probs.data();
+  switch (w.d / 16) {
+    case 2:
+      pv_few<T, 2>(acc, pr, v0, vs, rows, n_vis, w.m);
+      break;
+    case 4:
+      pv_few<T, 4>(acc, pr, v0, vs, rows, n_vis, w.m);
+      break;
+    case 6:
+      pv_few<T, 6>(acc, pr, v0, vs, rows, n_vis, w.m);
+      break;
+    default:
+      pv_few<T, 8>(acc, pr, v0, vs, rows, n_vis, w.m);
+      break;
+  }
+}
+
+void few_tile_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0,
+                     int64_t nt) {
+  switch (seg.keys.dtype) {
+    case DType::kF16:
+      few_logits<DType::kF16>(w, seg, b, kh, j0, nt);
+      return;
+    case DType::kBF16:
+      few_logits<DType::kBF16>(w, seg, b, kh, j0, nt);
+      return;
+    case DType::kF32:
+      few_logits<DType::kF32>(w, seg, b, kh, j0, nt);
+      return;
+  }
+}
+
+void few_tile_values(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0,
+                     int64_t n_vis) {
+  switch (seg.values.dtype) {
+    case DType::kF16:
+      few_values<DType::kF16>(w, seg, b, kh, j0, n_vis);
+      return;
+    case DType::kBF16:
+      few_values<DType::kBF16>(w, seg, b, kh, j0, n_vis);
+      return;
+    case DType::kF32:
+      few_values<DType::kF32>(w, seg, b, kh, j0, n_vis);
+      return;
+  }
+}
+#endif
+
 // PackedTensor of segment rows for head h: perm/signs offset to head h.
 PackedTensor head_tensor(const PackedTensor& t, int64_t h, int64_t d) {
   PackedTensor r = t;
@@ -843,6 +1065,11 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
     w.vlo.assign(static_cast<size_t>(kTile * std::max(vg, 1)), 0.0f);
     w.tmp.resize(static_cast<size_t>(std::max<int64_t>({d, kg, vg})));
     const float* qsrc = packed ? kc->q.data() : w.q.data();
+#if defined(__AVX512F__)
+    const bool few = !packed && !many && few_supported(seg, d);
+#else
+    const bool few = false;
+#endif
     for (int64_t j0 = 0; j0 < seg.n_rows; j0 += kTile) {
       const int64_t nt = std::min(kTile, seg.n_rows - j0);
       // ---- positions; rows no query of this item can see are skipped entirely
@@ -881,9 +1108,21 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         std::fill(w.vlo.begin(), w.vlo.end(), 0.0f);
       }
       // ---- keys of the visible rows -> fp32 tile; logits [M, kTile]
-      for (int64_t m = 0; m < M; ++m)
+#if defined(__AVX512F__)
+      if (few) {  // every row's logits from the rows in place, then the hidden rows' -inf
+        few_tile_logits(w, seg, b, kh, j0, nt);
+        if (n_vis < nt) {
+          alignas(64) uint8_t shown[kTile] = {};
+          for (int64_t vi = 0; vi < n_vis; ++vi) shown[w.vis[static_cast<size_t>(vi)]] = 1;
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t t = 0; t < nt; ++t)
+              if (!shown[t]) w.logits[static_cast<size_t>(m * kTile + t)] = neg_inf;
+        }
+      }
+#endif
+      for (int64_t m = 0; m < M && !few; ++m)
         std::fill(w.logits.begin() + m * kTile, w.logits.begin() + m * kTile + nt, neg_inf);
-      for (int64_t vi = 0; vi < n_vis; ++vi) {
+      for (int64_t vi = 0; vi < n_vis && !few; ++vi) {
         const int64_t t = w.vis[static_cast<size_t>(vi)];
         float* kt = w.kt.data() + t * d;
         if (packed) {
@@ -939,6 +1178,12 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         w.l[static_cast<size_t>(m)] += sum;
       }
       // ---- values of the visible rows -> fp32 tile, then acc[m] += sum_t p[m, t] v_t
+#if defined(__AVX512F__)
+      if (few) {
+        few_tile_values(w, seg, b, kh, j0, n_vis);
+        continue;
+      }
+#endif
       for (int64_t vi = 0; vi < n_vis; ++vi) {
         const int64_t t = w.vis[static_cast<size_t>(vi)];
         float* vt = w.vt.data() + t * d;
