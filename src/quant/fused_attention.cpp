@@ -779,34 +779,43 @@ inline __m512 load_row16(const char* row, int64_t i) {
 // folded with their neighbours as they are produced: pairs of rows -> lanes i + (i + 8),
 // quadruples -> i + (i + 4), then i + (i + 2) and i + (i + 1) across the four quadruples. The
 // tree leaves row s in lane 4 (s % 4) + s / 4, put back in order by one permute.
-template <DType T, int QB>
-inline void qk_16rows(const float* const* qm, const char* krow0, int64_t ks, int64_t n, int64_t d,
+template <DType T, int QB, int NV>
+inline void qk_16rows(const float* const* qm, const char* krow0, int64_t ks, int64_t n,
                       float* const* lg) {
   __m512 c[QB][4];
+#pragma GCC unroll 16
   for (int r = 0; r < 4; ++r) {
     __m512 bq[QB][2];
+#pragma GCC unroll 16
     for (int h = 0; h < 2; ++h) {
       __m512 a[QB][2];
+#pragma GCC unroll 16
       for (int e = 0; e < 2; ++e) {
         const int64_t s = std::min<int64_t>(4 * r + 2 * h + e, n - 1);
         const char* krow = krow0 + s * ks;
+#pragma GCC unroll 16
         for (int q = 0; q < QB; ++q) a[q][e] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d; i += 16) {
-          const __m512 x = load_row16<T>(krow, i);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) {
+          const __m512 x = load_row16<T>(krow, 16 * j);
+#pragma GCC unroll 4
           for (int q = 0; q < QB; ++q)
-            a[q][e] = _mm512_fmadd_ps(_mm512_loadu_ps(qm[q] + i), x, a[q][e]);
+            a[q][e] = _mm512_fmadd_ps(_mm512_loadu_ps(qm[q] + 16 * j), x, a[q][e]);
         }
       }
+#pragma GCC unroll 16
       for (int q = 0; q < QB; ++q)  // lanes 0-7: row 2p's i + (i + 8); lanes 8-15: row 2p + 1's
         bq[q][h] = _mm512_add_ps(_mm512_shuffle_f32x4(a[q][0], a[q][1], 0x44),
                                  _mm512_shuffle_f32x4(a[q][0], a[q][1], 0xEE));
     }
+#pragma GCC unroll 16
     for (int q = 0; q < QB; ++q)  // 128-bit lane k: row 4r + k's i + (i + 4), i < 4
       c[q][r] = _mm512_add_ps(_mm512_shuffle_f32x4(bq[q][0], bq[q][1], 0x88),
                               _mm512_shuffle_f32x4(bq[q][0], bq[q][1], 0xDD));
   }
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __mmask16 keep = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+#pragma GCC unroll 16
   for (int q = 0; q < QB; ++q) {
     // lane k: rows k and k + 4 (c0, c1) / k + 8 and k + 12 (c2, c3), elements i + (i + 2)
     const __m512d c0 = _mm512_castps_pd(c[q][0]), c1 = _mm512_castps_pd(c[q][1]);
@@ -822,9 +831,9 @@ inline void qk_16rows(const float* const* qm, const char* krow0, int64_t ks, int
 }
 
 // w.logits[m][t] for every query m and row t < nt of the tile starting at row j0.
-template <DType T>
+template <DType T, int NV>
 void few_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0, int64_t nt) {
-  const int64_t M = w.m, d = w.d;
+  const int64_t M = w.m, d = NV * 16;
   const int64_t ks = seg.keys.stride[2] * static_cast<int64_t>(dtype_size(T));
   const char* k0 = static_cast<const char*>(seg.keys.row(b, kh, j0));
   for (int64_t s0 = 0; s0 < nt; s0 += kFewBlock) {
@@ -840,16 +849,16 @@ void few_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t 
       }
       switch (qb) {
         case 1:
-          qk_16rows<T, 1>(qm, kr, ks, n, d, lg);
+          qk_16rows<T, 1, NV>(qm, kr, ks, n, lg);
           break;
         case 2:
-          qk_16rows<T, 2>(qm, kr, ks, n, d, lg);
+          qk_16rows<T, 2, NV>(qm, kr, ks, n, lg);
           break;
         case 3:
-          qk_16rows<T, 3>(qm, kr, ks, n, d, lg);
+          qk_16rows<T, 3, NV>(qm, kr, ks, n, lg);
           break;
         default:
-          qk_16rows<T, 4>(qm, kr, ks, n, d, lg);
+          qk_16rows<T, 4, NV>(qm, kr, ks, n, lg);
           break;
       }
     }
@@ -863,19 +872,26 @@ inline void pv_rows(float* __restrict acc, const float* __restrict probs, const 
                     int64_t vs, const int32_t* rows, int64_t n_rows, int64_t m0) {
   constexpr int64_t d = NV * 16;
   __m512 a[QP][NV];
+#pragma GCC unroll 16
   for (int i = 0; i < QP; ++i)
+#pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) a[i][j] = _mm512_loadu_ps(acc + (m0 + i) * d + 16 * j);
   for (int64_t r = 0; r < n_rows; ++r) {
     const int64_t t = rows[r];
     const char* vr = v0 + t * vs;
     __m512 vv[NV];
+#pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) vv[j] = load_row16<T>(vr, 16 * j);
+#pragma GCC unroll 16
     for (int i = 0; i < QP; ++i) {
       const __m512 pb = _mm512_set1_ps(probs[(m0 + i) * kTile + t]);
+#pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pb, vv[j], a[i][j]);
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < QP; ++i)
+#pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (m0 + i) * d + 16 * j, a[i][j]);
 }
 
@@ -927,17 +943,35 @@ void few_values(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t 
   }
 }
 
+template <DType T>
+void few_logits_d(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0, int64_t nt) {
+  switch (w.d / 16) {
+    case 2:
+      few_logits<T, 2>(w, seg, b, kh, j0, nt);
+      return;
+    case 4:
+      few_logits<T, 4>(w, seg, b, kh, j0, nt);
+      return;
+    case 6:
+      few_logits<T, 6>(w, seg, b, kh, j0, nt);
+      return;
+    default:
+      few_logits<T, 8>(w, seg, b, kh, j0, nt);
+      return;
+  }
+}
+
 void few_tile_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0,
                      int64_t nt) {
   switch (seg.keys.dtype) {
     case DType::kF16:
-      few_logits<DType::kF16>(w, seg, b, kh, j0, nt);
+      few_logits_d<DType::kF16>(w, seg, b, kh, j0, nt);
       return;
     case DType::kBF16:
-      few_logits<DType::kBF16>(w, seg, b, kh, j0, nt);
+      few_logits_d<DType::kBF16>(w, seg, b, kh, j0, nt);
       return;
     case DType::kF32:
-      few_logits<DType::kF32>(w, seg, b, kh, j0, nt);
+      few_logits_d<DType::kF32>(w, seg, b, kh, j0, nt);
       return;
   }
 }
