@@ -3,16 +3,18 @@
 // context's rows (query i sees rows 0..i), contexts 4K and 32K:
 //   * f16 rows (full cache)                         -> tensor-core kernel
 //   * SKVQ K2V2 g32 view (5 f16 sinks, a packed K2V2 segment, 128-row f16 tail) -> tensor cores
-//   * bf16 rows (full cache)                        -> the CUDA-core kernel (the previous path)
+//   * bf16 rows (full cache)                        -> the CUDA-core kernel
 // and, at 32K, the SnapKV selection exactly as bench/cuda_decode_attention.cu times it (scores +
 // top-2048 + compaction of K and V by gather_rows; 4 sinks, window 32; key proxy, and real
-// queries n_rep 4 x w 32), for f16 keys (tensor-core scorer) and bf16 keys (the CUDA-core scorer,
-// the previous path). Keys, values and queries: hashed N(0,1)-like values filled on the device.
+// queries n_rep 4 x w 32) for f16 keys (tensor-core scorer) and bf16 keys (CUDA-core scorer),
+// with the f16 selection alone and the score-independent top-k alone as a breakdown. Linked
+// against an older library build (--tag), the same program gives the before figures.
+// Keys, values and queries: hashed N(0,1)-like values filled on the device.
 // Timing: warm-up, then --repeats runs timed with CUDA events, median, min and max (selection:
 // 3 warm-ups, L2 evicted by a 64 MB memset before each run, as the decode benchmark does).
-// Also a sanity figure: max |tensor-core - CUDA-core| at 4K over the same (f16-valued) rows.
+// Also a sanity figure: max |f16 rows - f32 rows| outputs at 4K over the same (f16-valued) rows.
 // bench/cuda_prefill_sdpa.py times PyTorch SDPA on the same shapes for the ratios.
-// Usage: cuda_prefill_attention [--repeats N] [--context N]
+// Usage: cuda_prefill_attention [--repeats N] [--context N] [--tag NAME] [--skip-bf16]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -102,9 +104,13 @@ Timing time_ms(const std::function<void()>& f, int warmup, int repeats, cudaStre
 
 int main(int argc, char** argv) {
   int repeats = 5;
+  std::string tag = "this build";
+  bool skip_bf16 = false;
   std::vector<int64_t> contexts = {4096, 32768};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--repeats") && i + 1 < argc) repeats = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--tag") && i + 1 < argc) tag = argv[++i];
+    if (!std::strcmp(argv[i], "--skip-bf16")) skip_bf16 = true;
     if (!std::strcmp(argv[i], "--context") && i + 1 < argc) contexts = {std::atoll(argv[++i])};
   }
   if (!vq::cuda::is_available()) {
@@ -119,8 +125,10 @@ int main(int argc, char** argv) {
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s));
     std::printf(
-        "\n| context | prefill attention over | path | median ms | min ms | max ms | TFLOP/s |\n"
-        "|---|---|---|---|---|---|---|\n");
+        "\n| context | prefill attention over (%s) | path in this build | median ms | min ms | max "
+        "ms "
+        "| TFLOP/s |\n|---|---|---|---|---|---|---|\n",
+        tag.c_str());
     for (int64_t n : contexts) {
       const int64_t ne = B * H * n * D;
       vq::cuda::DeviceBuffer kh(static_cast<size_t>(ne) * 2), vh(kh.size());
@@ -159,10 +167,12 @@ int main(int argc, char** argv) {
       const vq::cuda::DeviceCacheView vq2 =
           qc->update_and_fetch(tv(kh, vq::DType::kF16), tv(vh, vq::DType::kF16));
       run("skvq K2V2 g32 (sinks + packed + tail)", "tensor cores", vq2, repeats);
-      auto bfc = vq::cuda::make_device_cache(full, B, H, D, s);
-      const vq::cuda::DeviceCacheView vbf16 =
-          bfc->update_and_fetch(tv(kbf, vq::DType::kBF16), tv(vbf, vq::DType::kBF16));
-      run("bf16 rows", "CUDA cores (previous)", vbf16, n > 8192 ? std::min(repeats, 3) : repeats);
+      if (!skip_bf16) {
+        auto bfc = vq::cuda::make_device_cache(full, B, H, D, s);
+        const vq::cuda::DeviceCacheView vbf16 =
+            bfc->update_and_fetch(tv(kbf, vq::DType::kBF16), tv(vbf, vq::DType::kBF16));
+        run("bf16 rows", "CUDA cores", vbf16, n > 8192 ? std::min(repeats, 3) : repeats);
+      }
       if (n <= 4096) {  // sanity: both paths over the same f16 values (f32 rows -> CUDA cores)
         vq::cuda::DeviceBuffer k32(static_cast<size_t>(ne) * 4), v32(k32.size());
         fill_rows<<<4096, 256, 0, s>>>(kh.as<__half>(), nullptr, k32.as<float>(), ne, 1);
@@ -183,7 +193,7 @@ int main(int argc, char** argv) {
           amax = std::max(amax, std::abs(static_cast<double>(b[i])));
         }
         std::printf(
-            "| %lld | sanity: max abs(tensor cores - CUDA cores), same values | %.3g "
+            "| %lld | sanity: max abs(f16 rows - f32 rows outputs), same values | %.3g "
             "(max abs out %.3g) | | | | |\n",
             static_cast<long long>(n), worst, amax);
       }
@@ -212,31 +222,46 @@ int main(int argc, char** argv) {
       vq::cuda::DecodeWorkspace scratch;
       const auto qv = vq::TensorView::contiguous(qw.data(), vq::DType::kF32, 1, Hq, 32, D);
       std::printf(
-          "\n| SnapKV selection at 32K (scores + top-2048 + compaction) | keys | scorer | median "
-          "us | min us | max us |\n|---|---|---|---|---|---|\n");
+          "\n| SnapKV at 32K (%s) | keys | what | median us | min us | max us |\n"
+          "|---|---|---|---|---|---|\n",
+          tag.c_str());
+      auto row = [&](const char* mode, const char* keys, const char* what,
+                     const std::function<void()>& fn) {
+        const Timing tm = time_ms(fn, 3, repeats < 10 ? 10 : repeats, s, flush.data(), flush_bytes);
+        std::printf("| %s | %s | %s | %.1f | %.1f | %.1f |\n", mode, keys, what, 1000 * tm.median,
+                    1000 * tm.lo, 1000 * tm.hi);
+        std::fflush(stdout);
+      };
       for (int dt = 0; dt < 2; ++dt) {
         const vq::DType t = dt == 0 ? vq::DType::kF16 : vq::DType::kBF16;
         vq::cuda::DeviceBuffer& kb = dt == 0 ? kh : kbf;
         vq::cuda::DeviceBuffer& vb = dt == 0 ? vh : vbf;
         const auto kv = vq::TensorView::contiguous(kb.data(), t, 1, H, n, D);
         for (int mode = 0; mode < 2; ++mode) {
-          const Timing tm = time_ms(
+          const char* mname = mode ? "real queries n_rep 4 x w 32" : "key proxy (window 32)";
+          auto select = [&] {
+            vq::cuda::snap_select_frames(kv, mode ? &qv : nullptr, nullptr, nullptr, sp,
+                                         idx.as<int32_t>(), scratch, s);
+          };
+          row(mname, dt == 0 ? "f16" : "bf16", "selection (scores + top-2048 + compaction of K, V)",
               [&] {
-                vq::cuda::snap_select_frames(kv, mode ? &qv : nullptr, nullptr, nullptr, sp,
-                                             idx.as<int32_t>(), scratch, s);
+                select();
                 vq::cuda::gather_rows(kb.data(), H, n, D * 2, idx.as<int32_t>(), count, ko.data(),
                                       nullptr, 0, po.as<int32_t>(), s);
                 vq::cuda::gather_rows(vb.data(), H, n, D * 2, idx.as<int32_t>(), count, vo.data(),
                                       nullptr, 0, nullptr, s);
-              },
-              3, repeats < 10 ? 10 : repeats, s, flush.data(), flush_bytes);
-          std::printf("| %s | %s | %s | %.1f | %.1f | %.1f |\n",
-                      mode ? "real queries n_rep 4 x w 32" : "key proxy (window 32)",
-                      dt == 0 ? "f16" : "bf16", dt == 0 ? "tensor cores" : "CUDA cores (previous)",
-                      1000 * tm.median, 1000 * tm.lo, 1000 * tm.hi);
-          std::fflush(stdout);
+              });
+          if (dt == 0)
+            row(mname, "f16", "  of which scores + top-2048 (snap_select_frames)", select);
         }
       }
+      // the score-independent part: top-2048 + index compaction over given scores
+      vq::cuda::DeviceBuffer sc(static_cast<size_t>(H * n) * 4);
+      fill_f32<<<1024, 256, 0, s>>>(sc.as<float>(), H * n, 5);
+      CHECK(cudaGetLastError());
+      row("-", "-", "  top-2048 + index compaction alone (snap_select)", [&] {
+        vq::cuda::snap_select(sc.as<float>(), H, n, count, sp.n_sink, -1, idx.as<int32_t>(), s);
+      });
     }
     CHECK(cudaStreamDestroy(s));
   } catch (const std::exception& e) {

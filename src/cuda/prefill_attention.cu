@@ -1,4 +1,22 @@
-// Prefill attention kernel (prefill_attention.cuh): one block of 4 warps per (tile of 16 query
+// Prefill attention kernels (prefill_attention.cuh), two paths:
+// * Tensor cores (views whose segments are all f16 rows or packed records; D 64/128): one block of
+//   4 or 8 warps per (tile of 16 query rows per warp, KV head, batch); rows t = i * n_rep + r, so
+//   the n_rep query heads of a KV head share each key tile. Tiles of 64 keys stream through a
+//   2-stage pipeline: rows by cp.async into swizzled fp16 planes (16-byte chunk c of row r at c ^
+//   (r & 7): ldmatrix and ldmatrix.trans free of bank conflicts). Packed segments are first
+//   dequantized once per call (prefill_dequant_kernel: code * scale + lo, the CPU's two fp32
+//   roundings, inverse channel permutation) into fp16 hi + lo planes of K and V in
+//   stream-ordered scratch (8 bytes per row and channel, freed after the kernel), streamed with
+//   their lo planes; re-dequantizing every tile in each query block cost 4.5x the f16 time. Each
+//   warp owns 16 rows: logits on mma.m16n8k16 (fp16 inputs, fp32 accumulation) with the query as hi
+//   + lo fp16 parts of q * 2^sigma (sigma puts the row's max |q| in [2^11, 2^12)), so every product
+//   is exact and q is carried to 2^-22 relative; packed keys add q_hi * k_lo (q_lo * k_lo, below
+//   2^-22 |q k|, is dropped). Logits are scaled to log2 units (scale * log2 e * 2^-sigma, exact
+//   power-of-two part), masked by position and window (skipped when the whole tile is visible to
+//   the whole block), online softmax with exp2f in fp32; P V again on mma with P as hi + lo fp16
+//   (and p_hi * v_lo for packed values). Tiles no row of the block sees are never loaded; heaviest
+//   tiles run first. Limits: dequantized values must lie within fp16's range (|x| < 65520).
+// * CUDA cores (every other view: f32 or bf16 rows): one block of 4 warps per (tile of 16 query
 // rows, KV head, batch); the rows of a tile are (query i, head r of the GQA group) pairs ordered
 // t = i * n_rep + r, so the n_rep query heads sharing a KV head read each key tile once.
 // Keys and values are staged 32 rows at a time in shared memory as fp32 ([32][D + 1]: the pad
@@ -8,29 +26,13 @@
 // window) is skipped before its rows are read. Each warp owns 4 query rows: lane j scores key j
 // (fp32 dot product), then an online softmax (running max, expf, fp32 sums) accumulates
 // p * v into D/32 outputs per lane. A query that sees no key gets zeros.
-// Prefill attention kernels (prefill_attention.cuh), two paths:
-// * Tensor cores (views whose segments are all f16 rows or packed records; D 64/128): one block of
-//   8 warps per (tile of 128 query rows, KV head, batch); rows t = i * n_rep + r, so the n_rep
-//   query heads of a KV head share each key tile. Tiles of 64 keys stream through a 2-stage
-//   pipeline: f16 rows by cp.async into swizzled fp16 planes (16-byte chunk c of row r at
-//   c ^ (r & 7): ldmatrix and ldmatrix.trans free of bank conflicts); packed records dequantized
-//   by the block (code * scale + lo, the CPU's two fp32 roundings, inverse channel permutation)
-//   and split into fp16 hi + lo planes. Each warp owns 16 rows: logits on mma.m16n8k16 (fp16
-//   inputs, fp32 accumulation) with the query as hi + lo fp16 parts of q * 2^sigma (sigma puts
-//   the row's max |q| in [2^11, 2^12)), so every product is exact and q is carried to 2^-22
-//   relative; packed keys add q_hi * k_lo (q_lo * k_lo, below 2^-22 |q k|, is dropped). Logits
-//   are scaled to log2 units (scale * log2 e * 2^-sigma, exact power-of-two part), masked by
-//   position and window (skipped when the whole tile is visible to the whole block), online
-//   softmax with exp2f in fp32; P V again on mma with P as hi + lo fp16 (and p_hi * v_lo for
-//   packed values). Tiles no row of the block sees are never loaded; heaviest tiles run first.
-//   Limits: dequantized values must lie within fp16's range (|x| < 65520).
-// * CUDA cores (every other view: f32 or bf16 rows), described below.
-//
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 
 #include "cuda/check.h"
 #include "cuda/prefill_attention.cuh"
@@ -211,10 +213,9 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(const PrefillParam
 
 // ---- tensor-core path ---------------------------------------------------------------------------
 
-constexpr int kTcWarps = 8;
-constexpr int kTcThreads = 32 * kTcWarps;
-constexpr int kTcBQ = 16 * kTcWarps;  // query rows per block (16 per warp)
-constexpr int kTcBK = 64;             // key rows per tile
+// Warps per block (16 query rows each): NW = 4 with two resident blocks per multiprocessor (one
+// block's softmax overlaps the other's mma), NW = 8 with one.
+constexpr int kTcBK = 64;  // key rows per tile
 
 // Bytes of one pipeline stage: K hi, V hi (and K lo, V lo with packed segments) as [kTcBK][D]
 // fp16 planes, then the tile's key positions (int64).
@@ -302,10 +303,49 @@ __device__ __forceinline__ void dequant8(const uint8_t* rec, int c0, const Prefi
   }
 }
 
+// Packed segment -> fp16 hi + lo rows [F, n_rows, D] in original channel order (the tensor-core
+// kernel's input): thread per (frame, row, run of 8 stored channels), dequant8 then the split.
+__global__ void prefill_dequant_kernel(const PrefillSeg seg, int kv_heads, int D, __half* khi,
+                                       __half* vhi, __half* klo, __half* vlo) {
+  const int64_t f = blockIdx.y;
+  const int h = static_cast<int>(f % kv_heads);
+  const int oct = D / 8;
+  const int64_t n = seg.n_rows * oct;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / oct;
+    const int c0 = 8 * static_cast<int>(e % oct);
+    const int64_t src = f * seg.capacity + r, dst = (f * seg.n_rows + r) * D;
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      const PrefillTensor& pt = kv ? seg.pv : seg.pk;
+      __half* hi = (kv ? vhi : khi) + dst;
+      __half* lo = (kv ? vlo : klo) + dst;
+      float x[8];
+      dequant8(pt.data + src * pt.row_stride, c0, pt, x);
+      if (pt.perm == nullptr) {
+        uint32_t h4[4], l4[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tc_split(x[2 * i], x[2 * i + 1], h4[i], l4[i]);
+        *reinterpret_cast<uint4*>(hi + c0) = make_uint4(h4[0], h4[1], h4[2], h4[3]);
+        *reinterpret_cast<uint4*>(lo + c0) = make_uint4(l4[0], l4[1], l4[2], l4[3]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const __half xh = __float2half_rn(x[i]);
+          const int c = pt.perm[static_cast<int64_t>(h) * D + c0 + i];
+          hi[c] = xh;
+          lo[c] = __float2half_rn(x[i] - __half2float(xh));
+        }
+      }
+    }
+  }
+}
+
 // One block of 8 warps per (tile of 128 rows t = i * n_rep + r, KV head, batch), heaviest
 // (latest) query tiles first. LO: the view has packed segments (lo planes staged).
-template <int D, bool LO>
-__global__ void __launch_bounds__(kTcThreads, 1)
+template <int D, bool LO, int NW>
+__global__ void __launch_bounds__(32 * NW, 8 / NW)
     prefill_tc_kernel(const __grid_constant__ PrefillParams p) {
   constexpr int KS = D / 16;  // k-steps of the logits, n-tile pairs of the outputs
   constexpr int RB = 2 * D;   // bytes of an fp16 row
@@ -316,6 +356,7 @@ __global__ void __launch_bounds__(kTcThreads, 1)
   const int g = lane >> 2, t4 = lane & 3;
   const int h = blockIdx.y, b = blockIdx.z;
   const int64_t n_rep = p.n_rep, N = p.n_queries, T = n_rep * N;
+  constexpr int kTcBQ = 16 * NW, kTcThreads = 32 * NW;
   const int64_t t0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kTcBQ;
   const int64_t hq = static_cast<int64_t>(p.kv_heads) * n_rep;
   const int64_t frame = static_cast<int64_t>(b) * p.kv_heads + h;
@@ -438,61 +479,35 @@ __global__ void __launch_bounds__(kTcThreads, 1)
     uint8_t* base = tsm + st * SB;
     int64_t* spos = reinterpret_cast<int64_t*>(base + (LO ? 4 : 2) * PB);
     const int nt = static_cast<int>(seg.n_rows - j0 < kTcBK ? seg.n_rows - j0 : kTcBK);
-    const int64_t row0 = frame * seg.capacity + j0;
     if (tid < kTcBK)
-      spos[tid] = tid < nt ? (seg.positions ? static_cast<int64_t>(seg.positions[row0 + tid])
-                                            : seg.first_pos + j0 + tid)
-                           : LLONG_MAX;
-    if (!LO || !seg.packed) {
-      constexpr int CPR = D / 8;
-      const uint8_t* gk = static_cast<const uint8_t*>(seg.keys) + row0 * RB;
-      const uint8_t* gv = static_cast<const uint8_t*>(seg.values) + row0 * RB;
-      for (int i = tid; i < kTcBK * CPR; i += kTcThreads) {
-        const int r = i / CPR, c = i % CPR;
-        const int o = tc_off<D>(r, 8 * c);
-        if (r < nt) {
-          tc_cp16(base + o, gk + 16 * i);
-          tc_cp16(base + PB + o, gv + 16 * i);
-        } else {
-          *reinterpret_cast<uint4*>(base + o) = make_uint4(0u, 0u, 0u, 0u);
-          *reinterpret_cast<uint4*>(base + PB + o) = make_uint4(0u, 0u, 0u, 0u);
+      spos[tid] = tid < nt
+                      ? (seg.positions
+                             ? static_cast<int64_t>(seg.positions[frame * seg.capacity + j0 + tid])
+                             : seg.first_pos + j0 + tid)
+                      : LLONG_MAX;
+    const bool lo_seg = LO && seg.packed;
+    const int64_t off = (frame * seg.rows_cap + j0) * RB;
+    const uint8_t* gk = static_cast<const uint8_t*>(seg.keys) + off;
+    const uint8_t* gv = static_cast<const uint8_t*>(seg.values) + off;
+    const uint8_t* gkl = lo_seg ? static_cast<const uint8_t*>(seg.keys_lo) + off : nullptr;
+    const uint8_t* gvl = lo_seg ? static_cast<const uint8_t*>(seg.values_lo) + off : nullptr;
+    constexpr int CPR = D / 8;
+    for (int i = tid; i < kTcBK * CPR; i += kTcThreads) {
+      const int r = i / CPR, c = i % CPR;
+      const int o = tc_off<D>(r, 8 * c);
+      if (r < nt) {
+        tc_cp16(base + o, gk + 16 * i);
+        tc_cp16(base + PB + o, gv + 16 * i);
+        if (lo_seg) {
+          tc_cp16(base + 2 * PB + o, gkl + 16 * i);
+          tc_cp16(base + 3 * PB + o, gvl + 16 * i);
         }
-      }
-    } else {
-      constexpr int OCT = D / 8;  // runs of 8 stored channels per row
-      for (int e = tid; e < kTcBK * OCT; e += kTcThreads) {
-        const int r = e / OCT, c0 = 8 * (e % OCT);
-        if (r >= nt) {  // rows past the end: zeros (identity channel order covers the row)
-          const int o = tc_off<D>(r, c0);
-#pragma unroll
-          for (int pl = 0; pl < 4; ++pl)
-            *reinterpret_cast<uint4*>(base + pl * PB + o) = make_uint4(0u, 0u, 0u, 0u);
-          continue;
-        }
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv) {
-          const PrefillTensor& pt = kv ? seg.pv : seg.pk;
-          float x[8];
-          dequant8(pt.data + (row0 + r) * pt.row_stride, c0, pt, x);
-          uint8_t* hi = base + kv * PB;
-          uint8_t* lo = base + (2 + kv) * PB;
-          if (pt.perm == nullptr) {
-            uint32_t h4[4], l4[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) tc_split(x[2 * i], x[2 * i + 1], h4[i], l4[i]);
-            const int o = tc_off<D>(r, c0);
-            *reinterpret_cast<uint4*>(hi + o) = make_uint4(h4[0], h4[1], h4[2], h4[3]);
-            *reinterpret_cast<uint4*>(lo + o) = make_uint4(l4[0], l4[1], l4[2], l4[3]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              const __half xh = __float2half_rn(x[i]);
-              const __half xl = __float2half_rn(x[i] - __half2float(xh));
-              const int o = tc_off<D>(r, pt.perm[h * D + c0 + i]);
-              *reinterpret_cast<__half*>(hi + o) = xh;
-              *reinterpret_cast<__half*>(lo + o) = xl;
-            }
-          }
+      } else {
+        *reinterpret_cast<uint4*>(base + o) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(base + PB + o) = make_uint4(0u, 0u, 0u, 0u);
+        if (lo_seg) {
+          *reinterpret_cast<uint4*>(base + 2 * PB + o) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(base + 3 * PB + o) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
     }
@@ -678,20 +693,74 @@ void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
       tc = false;
   }
   if (tc) {
-    const dim3 grid(static_cast<unsigned>((T + kTcBQ - 1) / kTcBQ),
+    // Packed segments are dequantized once per call into stream-ordered scratch (fp16 hi + lo
+    // planes of K and V: 8 bytes per row and channel), which the kernel streams like f16 rows.
+    PrefillParams q = p;
+    const int64_t F = static_cast<int64_t>(p.batch) * p.kv_heads, D = p.head_dim;
+    size_t bytes = 0;
+    for (int i = 0; i < p.n_segs; ++i)
+      if (p.segs[i].packed) bytes += static_cast<size_t>(4 * F * p.segs[i].n_rows * D) * 2;
+    void* ws = nullptr;
+    if (bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&ws, bytes, s));
+    size_t used = 0;
+    for (int i = 0; i < q.n_segs; ++i) {
+      PrefillSeg& g = q.segs[i];
+      if (!g.packed) {
+        g.rows_cap = g.capacity;
+        continue;
+      }
+      const size_t plane = static_cast<size_t>(F * g.n_rows * D) * 2;
+      __half* base = reinterpret_cast<__half*>(static_cast<uint8_t*>(ws) + used);
+      __half* khi = base;
+      __half* vhi = base + plane / 2;
+      __half* klo = base + plane;
+      __half* vlo = base + 3 * plane / 2;
+      used += 4 * plane;
+      const int64_t items = g.n_rows * (D / 8);
+      const dim3 dg(static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 4096)),
+                    static_cast<unsigned>(F));
+      prefill_dequant_kernel<<<dg, 256, 0, s>>>(g, p.kv_heads, p.head_dim, khi, vhi, klo, vlo);
+      VQ_CUDA_LAUNCH_CHECK("prefill_dequant");
+      g.rows_cap = g.n_rows;
+      g.keys = khi;
+      g.values = vhi;
+      g.keys_lo = klo;
+      g.values_lo = vlo;
+    }
+    // Blocks of 4 warps (2 per multiprocessor) for f16 views; 8 warps for views with packed
+    // segments (their 4 planes per stage leave room for one block). VQ_PREFILL_TC_WARPS=4|8
+    // overrides (benchmarking).
+    static const int env_nw = [] {
+      const char* e = std::getenv("VQ_PREFILL_TC_WARPS");
+      return e ? std::atoi(e) : 0;
+    }();
+    const int nw = (env_nw == 4 || env_nw == 8) ? env_nw : (lo ? 8 : 4);
+    const dim3 grid(static_cast<unsigned>((T + 16 * nw - 1) / (16 * nw)),
                     static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
     auto launch = [&](auto kernel, int smem) {
       VQ_CUDA_CHECK(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      kernel<<<grid, kTcThreads, static_cast<size_t>(smem), s>>>(p);
+      kernel<<<grid, 32 * nw, static_cast<size_t>(smem), s>>>(q);
     };
-    if (p.head_dim == 64)
-      lo ? launch(prefill_tc_kernel<64, true>, 2 * tc_stage_bytes(64, true))
-         : launch(prefill_tc_kernel<64, false>, 2 * tc_stage_bytes(64, false));
-    else
-      lo ? launch(prefill_tc_kernel<128, true>, 2 * tc_stage_bytes(128, true))
-         : launch(prefill_tc_kernel<128, false>, 2 * tc_stage_bytes(128, false));
+    const int sm_lo = 2 * tc_stage_bytes(p.head_dim, true);
+    const int sm_f = 2 * tc_stage_bytes(p.head_dim, false);
+    if (p.head_dim == 64) {
+      if (nw == 4)
+        lo ? launch(prefill_tc_kernel<64, true, 4>, sm_lo)
+           : launch(prefill_tc_kernel<64, false, 4>, sm_f);
+      else
+        lo ? launch(prefill_tc_kernel<64, true, 8>, sm_lo)
+           : launch(prefill_tc_kernel<64, false, 8>, sm_f);
+    } else {
+      if (nw == 4)
+        lo ? launch(prefill_tc_kernel<128, true, 4>, sm_lo)
+           : launch(prefill_tc_kernel<128, false, 4>, sm_f);
+      else
+        lo ? launch(prefill_tc_kernel<128, true, 8>, sm_lo)
+           : launch(prefill_tc_kernel<128, false, 8>, sm_f);
+    }
     VQ_CUDA_LAUNCH_CHECK("prefill_attention");
+    if (ws) VQ_CUDA_CHECK(cudaFreeAsync(ws, s));
     return;
   }
   const dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(p.kv_heads),

@@ -24,6 +24,12 @@ struct PrefillSeg {
   const void* keys = nullptr;
   const void* values = nullptr;
   PrefillTensor pk, pv;
+  // Tensor-core path only (set by prefill_attention_launch): rows of frame f start at f*rows_cap
+  // in keys/values; a packed segment's rows there are its dequantized values as fp16 hi parts,
+  // with the lo parts (x - hi, rounded to fp16) in keys_lo/values_lo.
+  int64_t rows_cap = 0;
+  const void* keys_lo = nullptr;
+  const void* values_lo = nullptr;
 };
 
 constexpr int kPrefillMaxSegs = 8;
