@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,20 @@ class DeviceKVCache {
   // Refused (vq::Error, nothing changed) unless is_trimmable().
   virtual int64_t trim(int64_t n);
   virtual CacheStats stats() const = 0;
+  // Mask for the next update_and_fetch with n_queries tokens (window 0 = none), with the CPU
+  // semantics (KVCache::make_mask over offset() and stored_positions(), built on the host): causal
+  // only while the stored rows are positions 0..n-1, explicit per (b, h) once eviction made them
+  // non-contiguous; snapkv and snapkv+skvq with a prompt-end eviction owed answer a single query
+  // like their CPU twins (the rows that will stay; a windowed one is refused).
+  virtual Mask make_mask(int64_t n_queries, int64_t window = 0) const;
+  // State in the CPU cache's format (cache.h save/load, binary_io.h framing): a device cache
+  // writes exactly the stream the CPU cache of the same config writes after the same calls, and
+  // loads any such stream (a CPU cache's or a device cache's). load() first validates the frame
+  // with the CPU cache's own load (the same refusals and messages: another method, other
+  // settings, truncated, corrupted, inconsistent), then requires this cache's B, H and D; it is
+  // all-or-nothing (on error nothing changed) and invalidates the last view. Both synchronise.
+  virtual void save(std::ostream& out) const = 0;
+  virtual void load(std::istream& in) = 0;
   // Merging caches into one batch is refused, like the CPU SnapKV and SKVQ caches.
   void merge_batch(const std::vector<const DeviceKVCache*>& others) const;
 
@@ -71,9 +86,8 @@ class DeviceKVCache {
 
 // Validates cfg exactly as the CPU builder does (vq::Error naming the field; cfg.head_dim is
 // replaced by head_dim) and builds the device cache of cfg.method: "full", "snapkv", "skvq",
-// "snapkv+skvq" or "streaming", both snap_evict_at rules. snapkv+skvq with skvq_rotation =
-// hadamard is refused (vq::Error naming the field), as is any other method (naming the method
-// and the supported ones).
+// "snapkv+skvq" or "streaming", both snap_evict_at rules, skvq_rotation none or hadamard; any
+// other method is refused (vq::Error naming the method and the supported ones).
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg, int64_t batch,
                                                  int64_t heads, int64_t head_dim,
                                                  Stream s = nullptr);

@@ -19,18 +19,11 @@ std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int6
   CacheConfig cfg = cfg_in;
   cfg.head_dim = head_dim;
   validate(cfg);  // names the first bad field, its value and the allowed range
-  if (cfg.method == "full") return make_device_full_cache(batch, heads, head_dim, s);
+  if (cfg.method == "full") return make_device_full_cache(cfg, batch, heads, head_dim, s);
   if (cfg.method == "snapkv") return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);
   if (cfg.method == "skvq") return make_device_skvq_cache(cfg, batch, heads, head_dim, s);
-  if (cfg.method == "snapkv+skvq") {
-    // Scoring needs the packed keys back in the original channel order; the device has no
-    // inverse Hadamard rotation for that frame: refuse rather than differ.
-    VQ_CHECK(cfg.skvq_rotation == Rotation::kNone,
-             "[make_device_cache] skvq_rotation: expected none for method snapkv+skvq on the "
-             "device (its selection scores dequantized keys without an inverse rotation) but got "
-             "hadamard");
+  if (cfg.method == "snapkv+skvq")
     return make_device_snapkv_skvq_cache(cfg, batch, heads, head_dim, s);
-  }
   if (cfg.method == "streaming") return make_device_streaming_cache(cfg, batch, heads, head_dim, s);
   throw Error(
       "[make_device_cache] method: expected one of full, snapkv, skvq, snapkv+skvq, streaming "

@@ -1,15 +1,61 @@
 // What every GPU-resident cache shares (include/veloxquant/cuda_cache.h): the refusals of trim
-// and merge, segment download for tests, and the helpers of device_cache_util.h.
+// and merge, make_mask (KVCache::make_mask itself, run over the device cache's positions through
+// a read-only host adaptor), segment download for tests, and the helpers of device_cache_util.h
+// (state frames are validated by the CPU cache's own load before a device cache parses them).
 #include <cuda_runtime_api.h>
 
+#include <cstring>
+#include <istream>
+#include <sstream>
 #include <string>
 
 #include "cuda/check.h"
 #include "cuda/device_cache_kernels.cuh"
 #include "cuda/device_cache_util.h"
 #include "veloxquant/error.h"
+#include "veloxquant/full_cache.h"
+#include "veloxquant/skvq_cache.h"
+#include "veloxquant/snapkv_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
+#include "veloxquant/streaming_cache.h"
 
 namespace vq::cuda {
+
+namespace {
+
+// The device cache as a read-only KVCache, so that KVCache::make_mask (the CPU rule: causal only
+// for the contiguous run 0..n-1, explicit from each (b, h)'s own positions otherwise) runs
+// unchanged over its offset and positions. Before any row is seen it reports no batch / heads,
+// like the CPU caches (one mask row set shared by every (b, h)).
+class MaskSource final : public KVCache {
+ public:
+  explicit MaskSource(const DeviceKVCache& c) : c_(c) {}
+  std::string method() const override { return c_.method(); }
+  CacheView update_and_fetch(const TensorView&, const TensorView&, const UpdateOptions&) override {
+    throw Error("[make_mask] internal: the mask source is read-only");
+  }
+  int64_t offset() const override { return c_.offset(); }
+  int64_t stored_rows() const override { return c_.stored_rows(); }
+  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const override {
+    return c_.stored_positions(b, h);
+  }
+  int64_t batch() const override { return c_.offset() > 0 ? c_.batch() : 0; }
+  int64_t n_kv_heads() const override { return c_.offset() > 0 ? c_.n_kv_heads() : 0; }
+  CacheStats stats() const override { return c_.stats(); }
+  void save(std::ostream& out) const override { c_.save(out); }
+  void load(std::istream&) override {
+    throw Error("[make_mask] internal: the mask source is read-only");
+  }
+
+ private:
+  const DeviceKVCache& c_;
+};
+
+}  // namespace
+
+Mask DeviceKVCache::make_mask(int64_t n_queries, int64_t window) const {
+  return MaskSource(*this).make_mask(n_queries, window);
+}
 
 int64_t DeviceKVCache::trim(int64_t n) {
   throw Error("[trim] expected a trimmable cache but got device method '" + method() +
@@ -92,6 +138,173 @@ void copy_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src, 
 void fill_positions(int32_t* pos, int64_t frames, int64_t cap, int64_t row0, int64_t n,
                     int64_t first, Stream s) {
   fill_positions_launch(pos, frames, cap, row0, n, static_cast<int32_t>(first), to_stream(s));
+}
+
+void download_frames(void* dst, int64_t dst_cap, const void* src, int64_t src_cap, int64_t src_row0,
+                     int64_t frames, int64_t n, int64_t row_bytes, Stream s) {
+  if (frames <= 0 || n <= 0) return;
+  VQ_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(dst_cap * row_bytes),
+                                  static_cast<const char*>(src) + src_row0 * row_bytes,
+                                  static_cast<size_t>(src_cap * row_bytes),
+                                  static_cast<size_t>(n * row_bytes), static_cast<size_t>(frames),
+                                  cudaMemcpyDeviceToHost, to_stream(s)));
+  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+}
+
+void upload_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src, int64_t src_cap,
+                   int64_t frames, int64_t n, int64_t row_bytes, Stream s) {
+  if (frames <= 0 || n <= 0) return;
+  VQ_CUDA_CHECK(cudaMemcpy2DAsync(
+      static_cast<char*>(dst) + dst_row0 * row_bytes, static_cast<size_t>(dst_cap * row_bytes), src,
+      static_cast<size_t>(src_cap * row_bytes), static_cast<size_t>(n * row_bytes),
+      static_cast<size_t>(frames), cudaMemcpyHostToDevice, to_stream(s)));
+  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+}
+
+Tensor download_rows(const void* src, DType t, int64_t batch, int64_t heads, int64_t n,
+                     int64_t head_dim, int64_t cap, int64_t row0, Stream s) {
+  Tensor out(t, batch, heads, n, head_dim);
+  download_frames(out.data(), n, src, cap, row0, batch * heads, n,
+                  head_dim * static_cast<int64_t>(dtype_size(t)), s);
+  return out;
+}
+
+DeviceBuffer upload_rows(const TensorView& host, int64_t cap, Stream s) {
+  const int64_t F = host.shape[0] * host.shape[1], n = host.shape[2];
+  const int64_t row_bytes = host.shape[3] * static_cast<int64_t>(dtype_size(host.dtype));
+  if (cap <= 0) return DeviceBuffer();
+  DeviceBuffer d(static_cast<size_t>(F * cap * row_bytes));
+  upload_frames(d.data(), cap, 0, host.data, n, F, n, row_bytes, s);
+  return d;
+}
+
+skvq::FpRows download_fp_rows(DType t, int64_t batch, int64_t heads, int64_t head_dim,
+                              const DeviceBuffer& k, const DeviceBuffer& v, const DeviceBuffer* pos,
+                              int64_t n, int64_t cap, int64_t row0, Stream s) {
+  skvq::FpRows fp;
+  fp.init(t, batch, heads, head_dim, pos != nullptr);
+  fp.reserve_append(n);
+  fp.count = n;
+  const int64_t F = batch * heads, rb = head_dim * static_cast<int64_t>(dtype_size(t));
+  download_frames(fp.buf_k.data(), fp.cap, k.data(), cap, row0, F, n, rb, s);
+  download_frames(fp.buf_v.data(), fp.cap, v.data(), cap, row0, F, n, rb, s);
+  if (pos) download_frames(fp.pos.data(), fp.cap, pos->data(), cap, row0, F, n, 4, s);
+  return fp;
+}
+
+DeviceBuffer upload_fp_rows(const skvq::FpRows& fp, bool values, int64_t cap, Stream s) {
+  if (fp.count == 0) return DeviceBuffer();
+  const int64_t F = fp.batch * fp.heads, rb = fp.d * static_cast<int64_t>(fp.es());
+  DeviceBuffer d(static_cast<size_t>(F * cap * rb));
+  upload_frames(d.data(), cap, 0, values ? fp.v_row(0, 0, 0) : fp.k_row(0, 0, 0), fp.cap, F,
+                fp.count, rb, s);
+  return d;
+}
+
+std::vector<uint8_t> download_store(const DeviceBuffer& src, int64_t frames, int64_t n, int64_t cap,
+                                    int64_t row_bytes, Stream s) {
+  std::vector<uint8_t> out(static_cast<size_t>(frames * n * row_bytes));
+  download_frames(out.data(), n, src.data(), cap, 0, frames, n, row_bytes, s);
+  return out;
+}
+
+std::vector<uint8_t> slice_frames(const std::vector<uint8_t>& src, int64_t frames, int64_t n,
+                                  int64_t r0, int64_t rows, int64_t row_bytes) {
+  std::vector<uint8_t> out(static_cast<size_t>(frames * rows * row_bytes));
+  for (int64_t f = 0; f < frames; ++f)
+    std::memcpy(out.data() + f * rows * row_bytes, src.data() + (f * n + r0) * row_bytes,
+                static_cast<size_t>(rows * row_bytes));
+  return out;
+}
+
+void write_state_head(StateWriter& w, bool has_data, DType dtype, int64_t batch, int64_t heads,
+                      int64_t head_dim, int64_t offset) {
+  w.boolean(has_data);
+  w.u8(static_cast<uint8_t>(dtype));
+  w.i64(has_data ? batch : 0);
+  w.i64(has_data ? heads : 0);
+  w.i64(has_data ? head_dim : 0);
+  w.i64(offset);
+}
+
+StateHead read_state_head(StateReader& r, const char* op, int64_t batch, int64_t heads,
+                          int64_t head_dim) {
+  StateHead st;
+  st.has_data = r.boolean();
+  st.dtype = static_cast<DType>(r.u8());
+  const int64_t b = r.i64(), h = r.i64(), d = r.i64();
+  check_state_shape(op, st.has_data, b, h, d, batch, heads, head_dim);
+  st.offset = r.i64();
+  return st;
+}
+
+Mask pending_single_query_mask(const char* op, int64_t window, int64_t keep_count) {
+  VQ_CHECK(window == 0, std::string("[") + op +
+                            "] make_mask: expected end_prompt() before a windowed single-query "
+                            "mask while a prompt-end eviction is pending (its positions are not "
+                            "chosen yet)");
+  Mask m;
+  m.kind = Mask::Kind::kNone;
+  m.n_queries = 1;
+  m.n_keys = keep_count + 1;
+  return m;
+}
+
+skvq::FpRows read_fp_rows(StateReader& r, DType t, int64_t batch, int64_t heads, int64_t head_dim,
+                          bool explicit_positions, const char* op) {
+  skvq::FpRows fp;
+  fp.init(t, batch, heads, head_dim, explicit_positions);
+  fp.load(r, op);
+  return fp;
+}
+
+DeviceBuffer upload_blocks(const std::vector<const void*>& blocks, const std::vector<int64_t>& rows,
+                           int64_t frames, int64_t cap, int64_t row_bytes, Stream s) {
+  if (cap <= 0) return DeviceBuffer();
+  DeviceBuffer d(static_cast<size_t>(frames * cap * row_bytes));
+  int64_t r0 = 0;
+  for (size_t c = 0; c < blocks.size(); ++c) {
+    upload_frames(d.data(), cap, r0, blocks[c], rows[c], frames, rows[c], row_bytes, s);
+    r0 += rows[c];
+  }
+  return d;
+}
+
+void upload_transforms(const skvq::Transforms& t, DeviceBuffer& perm_k, DeviceBuffer& perm_v,
+                       DeviceBuffer& signs, Stream s) {
+  perm_k = t.has_perms() ? DeviceBuffer::from_vector(t.perm_k, s) : DeviceBuffer();
+  perm_v = t.has_perms() ? DeviceBuffer::from_vector(t.perm_v, s) : DeviceBuffer();
+  signs = t.signs.empty() ? DeviceBuffer() : DeviceBuffer::from_vector(t.signs, s);
+}
+
+std::string read_validated_frame(std::istream& in, const CacheConfig& cfg) {
+  // One frame off the stream (framing, checksum and method checked), re-framed byte for byte.
+  StateReader r(in, cfg.method);
+  std::string payload(r.remaining(), '\0');
+  r.bytes(payload.data(), payload.size());
+  StateWriter w;
+  w.bytes(payload.data(), payload.size());
+  std::string frame = w.frame(cfg.method);
+  // The CPU cache of the same config loads it: every field and consistency check of the format.
+  std::unique_ptr<KVCache> cpu;
+  if (cfg.method == "full") cpu = std::make_unique<FullCache>();
+  if (cfg.method == "snapkv") cpu = make_snapkv_cache(cfg);
+  if (cfg.method == "streaming") cpu = make_streaming_cache(cfg);
+  if (cfg.method == "skvq") cpu = make_skvq_cache(cfg, 0);
+  if (cfg.method == "snapkv+skvq") cpu = make_snapkv_skvq_cache(cfg, 0);
+  VQ_CHECK(cpu != nullptr, "[load_state] internal: no CPU cache for method '" + cfg.method + "'");
+  std::istringstream mem(frame);
+  cpu->load(mem);
+  return frame;
+}
+
+void check_state_shape(const char* op, bool has_data, int64_t b, int64_t h, int64_t d,
+                       int64_t batch, int64_t heads, int64_t head_dim) {
+  VQ_CHECK(!has_data || (b == batch && h == heads && d == head_dim),
+           std::string("[") + op + "] load: expected a state of batch " + std::to_string(batch) +
+               ", KV heads " + std::to_string(heads) + ", head_dim " + std::to_string(head_dim) +
+               " (fixed when the device cache was built) but got " + std::to_string(b) + ", " +
+               std::to_string(h) + ", " + std::to_string(d) + "; nothing was changed");
 }
 
 }  // namespace detail

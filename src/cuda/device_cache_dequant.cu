@@ -1,7 +1,9 @@
 // Kernel of device_cache_dequant.cuh: one thread per (frame, row, stored channel). The code is
 // read from the little-endian bit stream of the record (or the base-3 digits of a ternary byte),
 // the group's (lo, scale) from the metadata that follows the codes (f16, f32 or fp8 e4m3, decoded
-// exactly), and code * scale + lo is rounded twice like the CPU's dequantize_record.
+// exactly), and code * scale + lo is rounded twice like the CPU's dequantize_record. With a
+// rotation a second kernel un-rotates each row (one thread per row: D <= a few hundred floats, the
+// CPU's fast Walsh-Hadamard transform in the same order of operations).
 #include <cuda_fp16.h>
 
 #include "cuda/check.h"
@@ -56,6 +58,31 @@ __global__ void dequant_rows_kernel(DequantRowsParams p) {
   }
 }
 
+// One thread per (frame, row): vq::hadamard_unrotate in place (fwht_normalized, then signs).
+__global__ void unrotate_rows_kernel(DequantRowsParams p) {
+  const int64_t D = p.head_dim;
+  const int64_t total = p.n_frames * p.n;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e % p.n, f = e / p.n;
+    float* x = p.dst + (f * p.dst_cap + p.dst_row0 + i) * D;
+    const float* sg = p.signs + (f % p.heads) * D;
+    const int64_t block = p.rot_block;
+    for (int64_t b0 = 0; b0 < D; b0 += block) {
+      float* v = x + b0;
+      for (int64_t span = 1; span < block; span *= 2)
+        for (int64_t k = 0; k < block; k += 2 * span)
+          for (int64_t j = k; j < k + span; ++j) {
+            const float a = v[j], c = v[j + span];
+            v[j] = __fadd_rn(a, c);
+            v[j + span] = __fsub_rn(a, c);
+          }
+      for (int64_t j = 0; j < block; ++j) v[j] = __fmul_rn(v[j], p.rot_norm);
+    }
+    for (int64_t j = 0; j < D; ++j) x[j] = __fmul_rn(x[j], sg[j]);
+  }
+}
+
 }  // namespace
 
 void dequant_rows_launch(const DequantRowsParams& p, cudaStream_t s) {
@@ -65,6 +92,11 @@ void dequant_rows_launch(const DequantRowsParams& p, cudaStream_t s) {
   const unsigned grid = static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
   dequant_rows_kernel<<<grid, 256, 0, s>>>(p);
   VQ_CUDA_LAUNCH_CHECK("dequant_rows");
+  if (!p.signs) return;
+  const int64_t rows = p.n_frames * p.n;
+  const int64_t rblocks = (rows + 127) / 128;
+  unrotate_rows_kernel<<<static_cast<unsigned>(rblocks < 65536 ? rblocks : 65536), 128, 0, s>>>(p);
+  VQ_CUDA_LAUNCH_CHECK("unrotate_rows");
 }
 
 }  // namespace vq::cuda

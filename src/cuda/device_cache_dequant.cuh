@@ -1,7 +1,8 @@
 // Dequantization of packed SKVQ records (packed.h record format) into fp32 rows in the original
 // channel order, for the snapkv+skvq device cache's scoring frame (device_cache_snapkv_skvq.cpp).
 // Layouts: a frame f = b*H + h; the record store is [F, src_cap, row_stride] bytes; the output is
-// [F, dst_cap, D] fp32; perm (optional) [H, D] int32: stored channel j holds channel perm[h*D + j].
+// [F, dst_cap, D] fp32; perm (optional) [H, D] int32: stored channel j holds channel perm[h*D + j];
+// signs (optional) [H, D] of +-1: the records hold Hadamard-rotated rows (hadamard.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,11 +24,18 @@ struct DequantRowsParams {
   int64_t n_frames = 0, heads = 1, n = 0;  // n rows per frame
   float* dst = nullptr;
   int64_t dst_cap = 0, dst_row0 = 0;
+  // Inverse rotation (after the inverse permutation): signs device [H, D] or nullptr, the
+  // power-of-two block (hadamard_block(D)) and its norm, float(1 / sqrt(double(rot_block))).
+  const float* signs = nullptr;
+  int32_t rot_block = 0;
+  float rot_norm = 1.0f;
 };
 
 // dst[(f*dst_cap + dst_row0 + i)*D + perm[h*D + j]] = code_j * scale_g + lo_g of record
 // (f, src_row0 + i), computed in fp32 with one rounding per operation (no FMA), exactly as
-// vq::dequantize_record + the inverse permutation of vq::dequantize_row (no rotation).
+// vq::dequantize_record + the inverse permutation of vq::dequantize_row; with signs, then each
+// row is un-rotated like vq::hadamard_unrotate (butterflies of span 1, 2, 4, ... per block in
+// its order, * norm, * sign), so the rows are bit-identical to vq::dequantize_row's.
 void dequant_rows_launch(const DequantRowsParams& p, cudaStream_t s);
 
 }  // namespace vq::cuda

@@ -3,8 +3,12 @@
 // keys block's dtype (later blocks converted, round to nearest even); capacity grows like the
 // CPU's (max(needed, 1.25 x capacity) rounded up to 256 rows), the stored rows copied once per
 // growth. The view is one segment with implicit positions 0 .. offset-1. Trimmable.
+// State: vq::FullCache's stream (has_data, dtype, B, H, D, offset, keys and values [B, H, offset,
+// D]); a loaded cache holds its rows rounded up to 256, as the CPU's.
 #include <algorithm>
 #include <climits>
+#include <istream>
+#include <ostream>
 #include <string>
 
 #include "cuda/check.h"
@@ -19,7 +23,8 @@ constexpr int64_t kStep = 256;
 
 class FullDeviceCache final : public DeviceKVCache {
  public:
-  FullDeviceCache(int64_t b, int64_t h, int64_t d, Stream s) : DeviceKVCache(b, h, d, s) {}
+  FullDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)
+      : DeviceKVCache(b, h, d, s), cfg_(cfg) {}
 
   std::string method() const override { return "full"; }
 
@@ -89,6 +94,37 @@ class FullDeviceCache final : public DeviceKVCache {
     return dropped;
   }
 
+  void save(std::ostream& out) const override {
+    StateWriter w;
+    detail::write_state_head(w, has_data_, dtype_, batch_, heads_, head_dim_, offset_);
+    if (has_data_) {
+      for (const DeviceBuffer* b : {&k_, &v_})
+        w.tensor(detail::download_rows(b->data(), dtype_, batch_, heads_, offset_, head_dim_,
+                                       capacity_, 0, stream_)
+                     .view());
+    }
+    w.write(out, method());
+  }
+
+  void load(std::istream& in) override {
+    const std::string frame = detail::read_validated_frame(in, cfg_);
+    StateReader r = StateReader::from_bytes(frame, method());
+    FullDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
+    const detail::StateHead head =
+        detail::read_state_head(r, "cuda full_cache", batch_, heads_, head_dim_);
+    fresh.has_data_ = head.has_data;
+    fresh.dtype_ = head.dtype;
+    fresh.offset_ = head.offset;
+    if (fresh.has_data_) {
+      fresh.capacity_ = round_up(fresh.offset_, kStep);
+      const Tensor k = r.tensor(), v = r.tensor();
+      fresh.k_ = detail::upload_rows(k.view(), fresh.capacity_, stream_);
+      fresh.v_ = detail::upload_rows(v.view(), fresh.capacity_, stream_);
+    }
+    synchronize(stream_);  // the last view is over
+    *this = std::move(fresh);
+  }
+
   CacheStats stats() const override {
     CacheStats s;
     s.method = method();
@@ -109,6 +145,7 @@ class FullDeviceCache final : public DeviceKVCache {
   }
 
  private:
+  CacheConfig cfg_;
   bool has_data_ = false;
   DType dtype_ = DType::kF16;
   int64_t offset_ = 0, capacity_ = 0;
@@ -117,8 +154,9 @@ class FullDeviceCache final : public DeviceKVCache {
 
 }  // namespace
 
-std::unique_ptr<DeviceKVCache> make_device_full_cache(int64_t b, int64_t h, int64_t d, Stream s) {
-  return std::make_unique<FullDeviceCache>(b, h, d, s);
+std::unique_ptr<DeviceKVCache> make_device_full_cache(const CacheConfig& cfg, int64_t b, int64_t h,
+                                                      int64_t d, Stream s) {
+  return std::make_unique<FullDeviceCache>(cfg, b, h, d, s);
 }
 
 }  // namespace vq::cuda

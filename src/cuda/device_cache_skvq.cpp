@@ -11,8 +11,14 @@
 // skvq_quantize_rows (bit-identical to the CPU quantizer) into the record store, and the tail
 // drops them (its buffer shrinks when it is more than twice its rows: the fp16 copies are freed).
 // The view is [sinks][packed][tail], one segment each.
+// State: vq::SkvqCache's stream, written and read with its own pieces (skvq::Settings,
+// Transforms and FpRows of quant/skvq_store.h): the packed store is cut into (and rebuilt from)
+// the CPU's per-chunk blocks.
 #include <algorithm>
 #include <climits>
+#include <cstring>
+#include <istream>
+#include <ostream>
 #include <string>
 
 #include "cuda/check.h"
@@ -30,7 +36,7 @@ constexpr const char* kOp = "cuda skvq";
 class SkvqDeviceCache final : public DeviceKVCache {
  public:
   SkvqDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)
-      : DeviceKVCache(b, h, d, s), set_(skvq::Settings::from_config(cfg, 0, kOp)) {}
+      : DeviceKVCache(b, h, d, s), cfg_(cfg), set_(skvq::Settings::from_config(cfg, 0, kOp)) {}
 
   std::string method() const override { return "skvq"; }
 
@@ -50,11 +56,7 @@ class SkvqDeviceCache final : public DeviceKVCache {
     const int64_t F = batch_ * heads_, D = head_dim_, w = s.window;
     if (!has_data_) {
       skvq::Transforms tr = skvq::initial_transforms(s, heads_, kOp);  // may throw
-      if (!tr.signs.empty()) signs_ = DeviceBuffer::from_vector(tr.signs, stream_);
-      if (tr.has_perms()) {
-        perm_k_ = DeviceBuffer::from_vector(tr.perm_k, stream_);
-        perm_v_ = DeviceBuffer::from_vector(tr.perm_v, stream_);
-      }
+      detail::upload_transforms(tr, perm_k_, perm_v_, signs_, stream_);
       tr_ = std::move(tr);
       dtype_ = keys.dtype;
       has_data_ = true;
@@ -196,6 +198,100 @@ class SkvqDeviceCache final : public DeviceKVCache {
     return p;
   }
 
+  void save(std::ostream& out) const override {
+    const skvq::Settings& s = set_;
+    const int64_t F = batch_ * heads_, w = s.window;
+    StateWriter wr;
+    s.save(wr);
+    wr.boolean(has_data_);
+    if (has_data_) {
+      wr.u8(static_cast<uint8_t>(dtype_));
+      wr.i64(batch_);
+      wr.i64(heads_);
+      wr.i64(offset_);
+      wr.i64(q_end_);
+      wr.i64(comp_k_);
+      wr.i64(comp_v_);
+      tr_.save(wr);
+      detail::download_fp_rows(dtype_, batch_, heads_, head_dim_, sk_, sv_, nullptr, n_sinks_,
+                               n_sinks_, 0, stream_)
+          .save(wr);
+      // The packed store as the CPU's blocks: chunk 0 holds positions n_sink .. w-1, chunk c
+      // positions c*w .. c*w + w-1; per block the records [B, H, rows, row_stride].
+      const std::vector<uint8_t> rec[2] = {
+          detail::download_store(pk_, F, n_packed_, pcap_, s.fk.row_stride, stream_),
+          detail::download_store(pv_, F, n_packed_, pcap_, s.fv.row_stride, stream_)};
+      const int64_t n_blocks = q_end_ / w;
+      wr.u64(static_cast<uint64_t>(n_blocks));
+      for (int64_t c = 0; c < n_blocks; ++c) {
+        const int64_t first = c == 0 ? s.n_sink : c * w, rows = c * w + w - first;
+        wr.i64(rows);
+        wr.i64(first);
+        for (int kv = 0; kv < 2; ++kv) {  // the block's records start at store row first - n_sink
+          const std::vector<uint8_t> blob =
+              detail::slice_frames(rec[kv], F, n_packed_, first - s.n_sink, rows,
+                                   kv == 0 ? s.fk.row_stride : s.fv.row_stride);
+          wr.blob(blob.data(), blob.size());
+        }
+      }
+      detail::download_fp_rows(dtype_, batch_, heads_, head_dim_, tk_, tv_, nullptr, tcount_, tcap_,
+                               tstart_, stream_)
+          .save(wr);
+    }
+    wr.write(out, method());
+  }
+
+  void load(std::istream& in) override {
+    const skvq::Settings& s = set_;
+    const std::string frame = detail::read_validated_frame(in, cfg_);
+    StateReader r = StateReader::from_bytes(frame, method());
+    s.check_saved(r, kOp);
+    SkvqDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
+    fresh.has_data_ = r.boolean();
+    if (fresh.has_data_) {
+      const int64_t D = head_dim_, F = batch_ * heads_;
+      fresh.dtype_ = static_cast<DType>(r.u8());
+      const int64_t b = r.i64(), h = r.i64();
+      detail::check_state_shape(kOp, true, b, h, D, batch_, heads_, head_dim_);
+      fresh.offset_ = r.i64();
+      fresh.q_end_ = r.i64();
+      fresh.comp_k_ = r.i64();
+      fresh.comp_v_ = r.i64();
+      fresh.tr_ = skvq::Transforms::load(r, heads_, D, kOp);
+      detail::upload_transforms(fresh.tr_, fresh.perm_k_, fresh.perm_v_, fresh.signs_, stream_);
+      const skvq::FpRows sinks =
+          detail::read_fp_rows(r, fresh.dtype_, batch_, heads_, D, false, kOp);
+      fresh.n_sinks_ = sinks.count;  // compact, as after chunk 0
+      fresh.sk_ = detail::upload_fp_rows(sinks, false, sinks.count, stream_);
+      fresh.sv_ = detail::upload_fp_rows(sinks, true, sinks.count, stream_);
+      const uint64_t n_blocks = r.u64();
+      std::vector<std::string> blobs[2];
+      std::vector<int64_t> rows;
+      for (uint64_t c = 0; c < n_blocks; ++c) {
+        rows.push_back(r.i64());
+        r.i64();  // first position: the chunk's (the CPU load checked it)
+        blobs[0].push_back(r.blob());
+        blobs[1].push_back(r.blob());
+      }
+      for (const int64_t n : rows) fresh.n_packed_ += n;
+      fresh.pcap_ = fresh.n_packed_ > 0 ? round_up(fresh.n_packed_, 64) : 0;
+      for (int kv = 0; kv < 2; ++kv) {
+        std::vector<const void*> src;
+        for (const std::string& b : blobs[kv]) src.push_back(b.data());
+        (kv == 0 ? fresh.pk_ : fresh.pv_) = detail::upload_blocks(
+            src, rows, F, fresh.pcap_, kv == 0 ? s.fk.row_stride : s.fv.row_stride, stream_);
+      }
+      const skvq::FpRows tail =
+          detail::read_fp_rows(r, fresh.dtype_, batch_, heads_, D, false, kOp);
+      fresh.tcount_ = tail.count;
+      fresh.tcap_ = tail.cap;
+      fresh.tk_ = detail::upload_fp_rows(tail, false, tail.cap, stream_);
+      fresh.tv_ = detail::upload_fp_rows(tail, true, tail.cap, stream_);
+    }
+    synchronize(stream_);  // the last view is over
+    *this = std::move(fresh);
+  }
+
   CacheStats stats() const override {
     const skvq::Settings& s = set_;
     const int64_t bh = batch_ * heads_, d = head_dim_;
@@ -276,6 +372,7 @@ class SkvqDeviceCache final : public DeviceKVCache {
     pcap_ = new_cap;
   }
 
+  CacheConfig cfg_;
   skvq::Settings set_;
   skvq::Transforms tr_;
   bool has_data_ = false;

@@ -13,8 +13,13 @@
 // the device) and the selection runs once, at end_prompt() or before the first single-token call.
 // Selections equal the CPU's whenever no two competing scores are within the GPU scorer's error
 // bound of each other (its exp differs from the host's by an ulp or two: veloxquant/cuda.h).
+// State: vq::SnapKVCache's stream (snap_* settings, shape, offset, n_sel, n_tail, the explicit
+// positions, rows [B, H, n, D], the owed prompt-end selection and its window queries); a loaded
+// cache holds its rows rounded up to 64, as the CPU's.
 #include <algorithm>
 #include <climits>
+#include <istream>
+#include <ostream>
 #include <string>
 
 #include "cuda/check.h"
@@ -139,6 +144,92 @@ class SnapKVDeviceCache final : public DeviceKVCache {
       pos_.download(out.data(), out.size() * 4,
                     static_cast<size_t>((b * heads_ + h) * capacity_) * 4, stream_);
     return out;
+  }
+
+  Mask make_mask(int64_t n_queries, int64_t window) const override {
+    if (pending_ && n_queries == 1)
+      return detail::pending_single_query_mask("cuda snapkv", window,
+                                               snap_keep_count(stored_rows(), params_));
+    return DeviceKVCache::make_mask(n_queries, window);
+  }
+
+  void save(std::ostream& out) const override {
+    const int64_t F = batch_ * heads_, n = n_sel_ + n_tail_;
+    StateWriter w;
+    w.i64(cfg_.snap_budget);  // the snap_* settings, in the CPU's order
+    w.i64(cfg_.snap_obs_window);
+    w.i64(cfg_.snap_n_sink);
+    w.u8(static_cast<uint8_t>(cfg_.snap_dtype));
+    w.u8(static_cast<uint8_t>(cfg_.snap_scoring));
+    w.i64(cfg_.snap_pool_kernel);
+    w.u8(static_cast<uint8_t>(cfg_.snap_pool));
+    w.boolean(cfg_.snap_keep_window);
+    w.u8(static_cast<uint8_t>(cfg_.snap_evict_at));
+    detail::write_state_head(w, has_data_, dtype_, batch_, heads_, head_dim_, offset_);
+    w.i64(n_sel_);
+    w.i64(n_tail_);
+    std::vector<int32_t> sel(static_cast<size_t>(has_data_ ? F * n_sel_ : 0));
+    detail::download_frames(sel.data(), n_sel_, pos_.data(), capacity_, 0, F, n_sel_, 4, stream_);
+    w.vec_i32(sel);
+    for (const DeviceBuffer* b : {&k_, &v_}) {
+      if (has_data_)
+        w.tensor(detail::download_rows(b->data(), dtype_, batch_, heads_, n, head_dim_, capacity_,
+                                       0, stream_)
+                     .view());
+      else
+        w.tensor(Tensor(dtype_, 0, 0, 0, 0).view());
+    }
+    w.boolean(pending_);
+    w.i64(win_hq_);
+    w.i64(win_rows_);
+    w.vec_f32(win_q_.to_vector<float>(static_cast<size_t>(batch_ * win_hq_ * win_rows_ * head_dim_),
+                                      stream_));
+    w.write(out, method());
+  }
+
+  void load(std::istream& in) override {
+    const std::string frame = detail::read_validated_frame(in, cfg_);
+    StateReader r = StateReader::from_bytes(frame, method());
+    r.i64();  // the snap_* settings: equal to cfg_ (the CPU load checked them)
+    r.i64();
+    r.i64();
+    r.u8();
+    r.u8();
+    r.i64();
+    r.u8();
+    r.boolean();
+    r.u8();
+    SnapKVDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
+    const detail::StateHead head =
+        detail::read_state_head(r, "cuda snapkv", batch_, heads_, head_dim_);
+    fresh.has_data_ = head.has_data;
+    fresh.dtype_ = head.dtype;
+    fresh.offset_ = head.offset;
+    fresh.n_sel_ = r.i64();
+    fresh.n_tail_ = r.i64();
+    const std::vector<int32_t> sel = r.vec_i32();
+    const Tensor k = r.tensor(), v = r.tensor();
+    const int64_t n = fresh.n_sel_ + fresh.n_tail_, F = batch_ * heads_;
+    if (n > 0) {
+      fresh.capacity_ = round_up(n, kRowStep);
+      fresh.k_ = detail::upload_rows(k.view(), fresh.capacity_, stream_);
+      fresh.v_ = detail::upload_rows(v.view(), fresh.capacity_, stream_);
+      std::vector<int32_t> pos(static_cast<size_t>(F * n));  // explicit, then the implicit run
+      for (int64_t f = 0; f < F; ++f)
+        for (int64_t i = 0; i < n; ++i)
+          pos[static_cast<size_t>(f * n + i)] = i < fresh.n_sel_
+                                                    ? sel[static_cast<size_t>(f * fresh.n_sel_ + i)]
+                                                    : static_cast<int32_t>(fresh.offset_ - n + i);
+      fresh.pos_ = DeviceBuffer(static_cast<size_t>(F * fresh.capacity_ * 4));
+      detail::upload_frames(fresh.pos_.data(), fresh.capacity_, 0, pos.data(), n, F, n, 4, stream_);
+    }
+    fresh.pending_ = r.boolean();
+    fresh.win_hq_ = r.i64();
+    fresh.win_rows_ = r.i64();
+    const std::vector<float> q = r.vec_f32();
+    if (!q.empty()) fresh.win_q_ = DeviceBuffer::from_vector(q, stream_);
+    synchronize(stream_);  // the last view is over
+    *this = std::move(fresh);
   }
 
   CacheStats stats() const override {

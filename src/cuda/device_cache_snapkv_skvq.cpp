@@ -19,10 +19,20 @@
 // rows than the most are quantized early (skvq_quantize_rows, bit-identical to the CPU), the
 // other tail rows are copied. Flush: while the tail holds >= window + skvq_recent rows its oldest
 // `window` rows are packed and appended. Buffers the returned view still reads are retired until
-// the next mutating call. Hadamard rotation is refused by make_device_cache (no device inverse
-// rotation for the scoring frame).
+// the next mutating call. With skvq_rotation = hadamard (rotation replaces reordering, as on the
+// CPU) keys, and values with skvq_rotate_values, are rotated before grouping (skvq_quantize_rows
+// with the signs), the scoring frame un-rotates the dequantized keys exactly as the CPU's
+// dequantize_row (dequant_rows), and the view's packed segment carries the signs (decode_attention
+// rotates the query; prefill_attention refuses rotated segments, as for the skvq device cache).
+// State: vq::SnapkvSkvqCache's stream, written and read with its own pieces (skvq::Settings,
+// Transforms and FpRows of quant/skvq_store.h): the packed store is cut into (and rebuilt from)
+// the CPU's blocks (block_rows_), each with its records and explicit positions.
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <cstring>
+#include <istream>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -80,10 +90,7 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
     if (!has_data_) {
       skvq::Transforms tr = skvq::initial_transforms(s, heads_, kOp);  // may throw
       dtype_ = snap_storage_dtype(cfg_.snap_dtype, keys.dtype, values.dtype);
-      if (tr.has_perms()) {
-        perm_k_ = DeviceBuffer::from_vector(tr.perm_k, stream_);
-        perm_v_ = DeviceBuffer::from_vector(tr.perm_v, stream_);
-      }
+      detail::upload_transforms(tr, perm_k_, perm_v_, signs_, stream_);
       tr_ = std::move(tr);
       has_data_ = true;
     }
@@ -178,6 +185,11 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
       seg.v_data = pv_.as<const uint8_t>();
       seg.k_perm = perm_k_.as<const int32_t>();
       seg.v_perm = perm_v_.as<const int32_t>();
+      for (int kv = 0; kv < 2; ++kv)
+        if (rotated(kv == 1)) {
+          (kv == 0 ? seg.k_signs : seg.v_signs) = signs_.as<const float>();
+          (kv == 0 ? seg.k_rot_block : seg.v_rot_block) = tr_.rot_block;
+        }
       view.add_segment(seg);
     }
     if (tcount_ > 0) {
@@ -212,6 +224,144 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
     return p;
   }
 
+  Mask make_mask(int64_t n_queries, int64_t window) const override {
+    if (pending_ && n_queries == 1)
+      return detail::pending_single_query_mask("cuda snapkv+skvq", window,
+                                               snap_keep_count(stored_rows(), params_));
+    return DeviceKVCache::make_mask(n_queries, window);
+  }
+
+  void save(std::ostream& out) const override {
+    const skvq::Settings& s = set_;
+    const CacheConfig& c = cfg_;
+    const int64_t F = batch_ * heads_;
+    StateWriter w;
+    s.save(w);
+    w.i64(c.snap_budget);  // the snap_* settings, in the CPU's order
+    w.i64(c.snap_obs_window);
+    w.i64(c.snap_n_sink);
+    w.i64(c.snap_pool_kernel);
+    w.u8(static_cast<uint8_t>(c.snap_pool));
+    w.boolean(c.snap_keep_window);
+    w.u8(static_cast<uint8_t>(c.snap_scoring));
+    w.u8(static_cast<uint8_t>(c.snap_dtype));
+    w.u8(static_cast<uint8_t>(c.snap_evict_at));
+    w.boolean(has_data_);
+    if (has_data_) {
+      w.u8(static_cast<uint8_t>(dtype_));
+      w.i64(batch_);
+      w.i64(heads_);
+      w.i64(offset_);
+      tr_.save(w);
+      detail::download_fp_rows(dtype_, batch_, heads_, head_dim_, sk_, sv_, nullptr, n_sinks_,
+                               scap_, 0, stream_)
+          .save(w);
+      const std::vector<uint8_t> rec[2] = {
+          detail::download_store(pk_, F, n_packed_, pcap_, s.fk.row_stride, stream_),
+          detail::download_store(pv_, F, n_packed_, pcap_, s.fv.row_stride, stream_)};
+      const std::vector<uint8_t> pos =
+          detail::download_store(ppos_, F, n_packed_, pcap_, 4, stream_);
+      w.u64(block_rows_.size());
+      int64_t r0 = 0;  // first record of the block in the store
+      for (const int64_t rows : block_rows_) {
+        w.i64(rows);
+        for (int kv = 0; kv < 2; ++kv) {
+          const std::vector<uint8_t> blob = detail::slice_frames(
+              rec[kv], F, n_packed_, r0, rows, kv == 0 ? s.fk.row_stride : s.fv.row_stride);
+          w.blob(blob.data(), blob.size());
+        }
+        const std::vector<uint8_t> bp = detail::slice_frames(pos, F, n_packed_, r0, rows, 4);
+        std::vector<int32_t> bpos(static_cast<size_t>(F * rows));
+        if (!bp.empty()) std::memcpy(bpos.data(), bp.data(), bp.size());
+        w.vec_i32(bpos);
+        r0 += rows;
+      }
+      detail::download_fp_rows(dtype_, batch_, heads_, head_dim_, tk_, tv_, &tpos_, tcount_, tcap_,
+                               tstart_, stream_)
+          .save(w);
+      w.boolean(pending_);
+      w.i64(win_hq_);
+      w.i64(win_rows_);
+      w.vec_f32(win_q_.to_vector<float>(
+          static_cast<size_t>(batch_ * win_hq_ * win_rows_ * head_dim_), stream_));
+    }
+    w.write(out, method());
+  }
+
+  void load(std::istream& in) override {
+    const skvq::Settings& s = set_;
+    const std::string frame = detail::read_validated_frame(in, cfg_);
+    StateReader r = StateReader::from_bytes(frame, method());
+    s.check_saved(r, kOp);
+    r.i64();  // the snap_* settings: equal to cfg_ (the CPU load checked them)
+    r.i64();
+    r.i64();
+    r.i64();
+    r.u8();
+    r.boolean();
+    r.u8();
+    r.u8();
+    r.u8();
+    SnapkvSkvqDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
+    fresh.has_data_ = r.boolean();
+    if (fresh.has_data_) {
+      const int64_t D = head_dim_, F = batch_ * heads_;
+      fresh.dtype_ = static_cast<DType>(r.u8());
+      const int64_t b = r.i64(), h = r.i64();
+      detail::check_state_shape(kOp, true, b, h, D, batch_, heads_, head_dim_);
+      fresh.offset_ = r.i64();
+      fresh.tr_ = skvq::Transforms::load(r, heads_, D, kOp);
+      detail::upload_transforms(fresh.tr_, fresh.perm_k_, fresh.perm_v_, fresh.signs_, stream_);
+      const skvq::FpRows sinks =
+          detail::read_fp_rows(r, fresh.dtype_, batch_, heads_, D, false, kOp);
+      fresh.n_sinks_ = sinks.count;
+      if (sinks.count > 0) {  // room for the sinks still to come while they grow
+        fresh.scap_ = std::max(sinks.count, n_s_max_);
+        fresh.sk_ = detail::upload_fp_rows(sinks, false, fresh.scap_, stream_);
+        fresh.sv_ = detail::upload_fp_rows(sinks, true, fresh.scap_, stream_);
+      }
+      const uint64_t n_blocks = r.u64();
+      std::vector<std::string> blobs[2];
+      std::vector<std::vector<int32_t>> bpos;
+      for (uint64_t c = 0; c < n_blocks; ++c) {
+        fresh.block_rows_.push_back(r.i64());
+        blobs[0].push_back(r.blob());
+        blobs[1].push_back(r.blob());
+        bpos.push_back(r.vec_i32());
+      }
+      for (const int64_t n : fresh.block_rows_) fresh.n_packed_ += n;
+      fresh.pcap_ = fresh.n_packed_ > 0 ? round_up(fresh.n_packed_, 64) : 0;
+      std::vector<const void*> src[3];  // key records, value records, positions
+      for (uint64_t c = 0; c < n_blocks; ++c) {
+        src[0].push_back(blobs[0][c].data());
+        src[1].push_back(blobs[1][c].data());
+        src[2].push_back(bpos[c].data());
+      }
+      const int64_t row_bytes[3] = {s.fk.row_stride, s.fv.row_stride, 4};
+      DeviceBuffer* dst[3] = {&fresh.pk_, &fresh.pv_, &fresh.ppos_};
+      for (int i = 0; i < 3; ++i)
+        *dst[i] =
+            detail::upload_blocks(src[i], fresh.block_rows_, F, fresh.pcap_, row_bytes[i], stream_);
+      const skvq::FpRows tail = detail::read_fp_rows(r, fresh.dtype_, batch_, heads_, D, true, kOp);
+      fresh.tcount_ = tail.count;
+      fresh.tcap_ = tail.cap;
+      fresh.tk_ = detail::upload_fp_rows(tail, false, tail.cap, stream_);
+      fresh.tv_ = detail::upload_fp_rows(tail, true, tail.cap, stream_);
+      if (tail.count > 0) {
+        fresh.tpos_ = DeviceBuffer(static_cast<size_t>(F * tail.cap * 4));
+        detail::upload_frames(fresh.tpos_.data(), tail.cap, 0, tail.pos.data(), tail.cap, F,
+                              tail.count, 4, stream_);
+      }
+      fresh.pending_ = r.boolean();
+      fresh.win_hq_ = r.i64();
+      fresh.win_rows_ = r.i64();
+      const std::vector<float> q = r.vec_f32();
+      if (!q.empty()) fresh.win_q_ = DeviceBuffer::from_vector(q, stream_);
+    }
+    synchronize(stream_);  // the last view is over
+    *this = std::move(fresh);
+  }
+
   CacheStats stats() const override {
     const skvq::Settings& s = set_;
     const int64_t bh = batch_ * heads_, d = head_dim_;
@@ -233,7 +383,7 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
     cs.fp16_bytes = 2 * fp16_k;
     cs.bytes_resident = 0;
     for (const DeviceBuffer* b :
-         {&sk_, &sv_, &pk_, &pv_, &ppos_, &tk_, &tv_, &tpos_, &perm_k_, &perm_v_, &win_q_})
+         {&sk_, &sv_, &pk_, &pv_, &ppos_, &tk_, &tv_, &tpos_, &perm_k_, &perm_v_, &signs_, &win_q_})
       cs.bytes_resident += detail::held_bytes(*b);
     for (const DeviceBuffer& b : retired_) cs.bytes_resident += detail::held_bytes(b);
     const double tokens_kept = static_cast<double>(bh * rows);
@@ -368,12 +518,18 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
     perm_v_ = std::move(pv);
   }
 
+  // Whether the K (values = false) or V records are Hadamard-rotated.
+  bool rotated(bool values) const {
+    return signs_.data() != nullptr && (!values || tr_.rotate_values);
+  }
+
   // Packs rows [F, n, D] (dtype_, contiguous) into records [F, n, row_stride] of K or V.
   void quantize(const DeviceBuffer& rows, int64_t n, bool values, DeviceBuffer& rec) const {
     skvq_quantize_rows(TensorView::contiguous(rows.data(), dtype_, batch_, heads_, n, head_dim_),
                        values ? set_.fv : set_.fk, values ? set_.qv : set_.qk,
-                       (values ? perm_v_ : perm_k_).as<const int32_t>(), nullptr, 0,
-                       rec.as<uint8_t>(), stream_);
+                       (values ? perm_v_ : perm_k_).as<const int32_t>(),
+                       rotated(values) ? signs_.as<const float>() : nullptr,
+                       rotated(values) ? tr_.rot_block : 0, rec.as<uint8_t>(), stream_);
   }
 
   // Keeps the last min(obs_window, n_new) query rows of this call (fp32) for the prompt-end
@@ -416,6 +572,11 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
       dp.meta = static_cast<int32_t>(set_.fk.meta);
       dp.head_dim = static_cast<int32_t>(D);
       dp.perm = perm_k_.as<const int32_t>();
+      if (rotated(false)) {
+        dp.signs = signs_.as<const float>();
+        dp.rot_block = tr_.rot_block;
+        dp.rot_norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(tr_.rot_block)));
+      }
       dp.n_frames = F;
       dp.heads = heads_;
       dp.n = n_p;
@@ -628,7 +789,7 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
   int64_t n_packed_ = 0, pcap_ = 0;
   std::vector<int64_t> block_rows_;  // rows of the CPU's packed blocks, in order
   int64_t tcap_ = 0, tstart_ = 0, tcount_ = 0;
-  DeviceBuffer perm_k_, perm_v_;
+  DeviceBuffer perm_k_, perm_v_, signs_;
   DeviceBuffer sk_, sv_, pk_, pv_, ppos_, tk_, tv_, tpos_;
   std::vector<DeviceBuffer> retired_;
   // snap_evict_at = prompt_end: a selection (and the flush after it) is owed, scored with the

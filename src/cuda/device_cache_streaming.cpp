@@ -9,8 +9,12 @@
 // sinks + window + slack; a prefill that grew the buffer gives it back after its step, the old
 // buffer retired until the next mutating call); moving the run back next to the sinks is a copy
 // into a fresh buffer (device copies may not overlap).
+// State: vq::StreamingCache's stream (settings, shape, offset, sink and recent counts, then the
+// sink rows and the recent run of K, then of V); a loaded cache has the steady capacity.
 #include <algorithm>
 #include <climits>
+#include <istream>
+#include <ostream>
 #include <string>
 
 #include "cuda/check.h"
@@ -26,7 +30,10 @@ constexpr int64_t kRowStep = 64;
 class StreamingDeviceCache final : public DeviceKVCache {
  public:
   StreamingDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)
-      : DeviceKVCache(b, h, d, s), n_sink_(cfg.streaming_n_sink), window_(cfg.streaming_window) {
+      : DeviceKVCache(b, h, d, s),
+        cfg_(cfg),
+        n_sink_(cfg.streaming_n_sink),
+        window_(cfg.streaming_window) {
     VQ_CHECK(n_sink_ >= 0,
              "[cuda streaming] streaming_n_sink: expected >= 0 but got " + std::to_string(n_sink_));
     VQ_CHECK(window_ >= 1,
@@ -106,6 +113,55 @@ class StreamingDeviceCache final : public DeviceKVCache {
     return out;
   }
 
+  void save(std::ostream& out) const override {
+    StateWriter w;
+    w.i64(n_sink_);
+    w.i64(window_);
+    detail::write_state_head(w, has_data_, dtype_, batch_, heads_, head_dim_, offset_);
+    w.i64(n_sink_rows_);
+    w.i64(n_recent_);
+    const int64_t b = has_data_ ? batch_ : 0, h = has_data_ ? heads_ : 0,
+                  d = has_data_ ? head_dim_ : 0;
+    for (const DeviceBuffer* buf : {&k_, &v_}) {  // sinks, then the recent run
+      w.tensor(
+          detail::download_rows(buf->data(), dtype_, b, h, n_sink_rows_, d, capacity_, 0, stream_)
+              .view());
+      w.tensor(
+          detail::download_rows(buf->data(), dtype_, b, h, n_recent_, d, capacity_, head_, stream_)
+              .view());
+    }
+    w.write(out, method());
+  }
+
+  void load(std::istream& in) override {
+    const std::string frame = detail::read_validated_frame(in, cfg_);
+    StateReader r = StateReader::from_bytes(frame, method());
+    r.i64();  // streaming_n_sink and streaming_window: equal to cfg_ (the CPU load checked them)
+    r.i64();
+    StreamingDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
+    const detail::StateHead head =
+        detail::read_state_head(r, "cuda streaming", batch_, heads_, head_dim_);
+    fresh.has_data_ = head.has_data;
+    fresh.dtype_ = head.dtype;
+    fresh.offset_ = head.offset;
+    fresh.n_sink_rows_ = r.i64();
+    fresh.n_recent_ = r.i64();
+    fresh.head_ = fresh.n_sink_rows_;
+    fresh.capacity_ = fresh.has_data_ ? fresh.steady_capacity() : 0;
+    const int64_t F = batch_ * heads_, row_bytes = head_dim_ * 2;
+    for (DeviceBuffer* buf : {&fresh.k_, &fresh.v_}) {
+      const Tensor sinks = r.tensor(), run = r.tensor();
+      if (!fresh.has_data_) continue;
+      *buf = DeviceBuffer(static_cast<size_t>(F * fresh.capacity_ * row_bytes));
+      detail::upload_frames(buf->data(), fresh.capacity_, 0, sinks.data(), fresh.n_sink_rows_, F,
+                            fresh.n_sink_rows_, row_bytes, stream_);
+      detail::upload_frames(buf->data(), fresh.capacity_, fresh.head_, run.data(), fresh.n_recent_,
+                            F, fresh.n_recent_, row_bytes, stream_);
+    }
+    synchronize(stream_);  // the last view is over
+    *this = std::move(fresh);
+  }
+
   CacheStats stats() const override {
     CacheStats st =
         eviction_stats(method(), batch_, heads_, head_dim_, stored_rows(), offset_, false);
@@ -157,6 +213,7 @@ class StreamingDeviceCache final : public DeviceKVCache {
     relocate(round_up(std::max(needed, steady_capacity()), kRowStep), false);
   }
 
+  CacheConfig cfg_;
   int64_t n_sink_ = 4, window_ = 512;
   bool has_data_ = false;
   DType dtype_ = DType::kF16;

@@ -124,6 +124,9 @@ int64_t DeviceKVCache::trim(int64_t) {
 void DeviceKVCache::merge_batch(const std::vector<const DeviceKVCache*>&) const {
   not_built("cuda::DeviceKVCache::merge_batch");
 }
+Mask DeviceKVCache::make_mask(int64_t, int64_t) const {
+  not_built("cuda::DeviceKVCache::make_mask");
+}
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig&, int64_t, int64_t, int64_t,
                                                  Stream) {
   not_built("cuda::make_device_cache");

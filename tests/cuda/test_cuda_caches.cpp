@@ -8,8 +8,14 @@
 // attention_reference over the CPU view (dequantized), and prefill_attention over the views of
 // prefill calls likewise. Methods full, snapkv, skvq, snapkv+skvq, streaming; snapkv and
 // snapkv+skvq also with snap_evict_at = prompt_end (end_prompt() on both caches, or the first
-// single-token call), and chunked prompt-end prefill against one-shot on the device. Error cases:
-// bad configs, shapes, max_ctx, trim, merge, the refused rotation of snapkv+skvq.
+// single-token call), and chunked prompt-end prefill against one-shot on the device; snapkv+skvq
+// also with a Hadamard rotation. After every step: make_mask of both caches (1 and 4 queries,
+// with and without a window) agree entry for entry, and the state files too: the device cache
+// saves the CPU cache's bytes exactly, a CPU cache loads them and a device cache loads the CPU's
+// (positions, figures, and saving again gives the same bytes); from the middle of each case on,
+// both sides continue from the loaded caches. Error cases: bad configs, shapes, max_ctx, trim,
+// merge; state files refused (corrupted, truncated, another method, other settings, another
+// batch) with the CPU's message and nothing changed.
 // snapkv+skvq scores packed rows by their dequantized keys: the device dequantizes with the same
 // two roundings (code * scale, + lo) as the CPU, so its frame is bit-identical and the selections
 // meet the same ulp-of-expf argument as SnapKV alone.
@@ -20,10 +26,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,6 +76,14 @@ std::unique_ptr<Block> make_block(DType t, int64_t B, int64_t H, int64_t S, int6
   blk->dev = v;
   blk->dev.data = blk->buf.data();
   return blk;
+}
+
+// Keys and values [B, H, S, D] of dtype t, contiguous (seeds seed and seed + 1).
+struct KV {
+  std::unique_ptr<Block> k, v;
+};
+KV make_kv(DType t, int64_t B, int64_t H, int64_t S, int64_t D, uint64_t seed) {
+  return {make_block(t, B, H, S, D, seed, false), make_block(t, B, H, S, D, seed + 1, false)};
 }
 
 // ---- rows of a view, per (b, h) -----------------------------------------------------------------
@@ -180,6 +196,110 @@ void expect_same_stats(const CacheStats& c, const CacheStats& g, const std::stri
   }
 }
 
+// ---- masks and state files ----------------------------------------------------------------------
+
+// The message of the vq::Error f throws, or "" when it throws none.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void expect_same_mask(const Mask& c, const Mask& g, int64_t B, int64_t H, const std::string& vars) {
+  ASSERT_EQ(static_cast<int>(c.kind), static_cast<int>(g.kind)) << vars;
+  ASSERT_EQ(c.n_queries, g.n_queries) << vars;
+  ASSERT_EQ(c.n_keys, g.n_keys) << vars;
+  if (c.kind != Mask::Kind::kExplicit) return;
+  int64_t bad = 0;  // visible() broadcasts a mask made before any row was seen
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < c.n_queries; ++i)
+        for (int64_t j = 0; j < c.n_keys; ++j)
+          bad += c.visible(b, h, i, j) != g.visible(b, h, i, j);
+  EXPECT_EQ(bad, 0) << vars << ": mask entries that differ";
+}
+
+// make_mask of both caches for 1 and 4 queries, without and with a window of 7: the same mask,
+// or both refused (a windowed single query while a prompt-end eviction is owed).
+void expect_same_masks(const KVCache& cpu, const cuda::DeviceKVCache& gpu, int64_t B, int64_t H,
+                       const std::string& vars) {
+  for (const int64_t nq : {int64_t{1}, int64_t{4}})
+    for (const int64_t window : {int64_t{0}, int64_t{7}}) {
+      const std::string mv =
+          vars + " mask n_queries " + std::to_string(nq) + " window " + std::to_string(window);
+      Mask cm, gm;
+      const std::string c_err = error_of([&] { cm = cpu.make_mask(nq, window); });
+      const std::string g_err = error_of([&] { gm = gpu.make_mask(nq, window); });
+      ASSERT_EQ(c_err.empty(), g_err.empty()) << mv << ": " << c_err << " / " << g_err;
+      if (c_err.empty()) expect_same_mask(cm, gm, B, H, mv);
+    }
+}
+
+template <class C>
+std::string save_bytes(const C& c) {
+  std::ostringstream out;
+  c.save(out);
+  return out.str();
+}
+
+template <class C>
+void load_bytes(C& c, const std::string& bytes) {
+  std::istringstream in(bytes);
+  c.load(in);
+}
+
+void expect_same_bytes(const std::string& a, const std::string& b, const std::string& vars) {
+  ASSERT_EQ(a.size(), b.size()) << vars << ": state sizes";
+  const auto d = std::mismatch(a.begin(), a.end(), b.begin());
+  EXPECT_TRUE(d.first == a.end()) << vars << ": states differ first at byte "
+                                  << (d.first - a.begin()) << " of " << a.size();
+}
+
+void expect_same_state(const KVCache& cpu, const cuda::DeviceKVCache& gpu, int64_t B, int64_t H,
+                       const std::string& vars) {
+  ASSERT_EQ(cpu.offset(), gpu.offset()) << vars;
+  ASSERT_EQ(cpu.stored_rows(), gpu.stored_rows()) << vars;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      EXPECT_EQ(cpu.stored_positions(b, h), gpu.stored_positions(b, h)) << vars;
+  expect_same_stats(cpu.stats(), gpu.stats(), vars);
+}
+
+// State exchange after a step: the device cache writes the CPU cache's bytes exactly; a CPU cache
+// loads them and writes them back unchanged; a device cache loads the CPU's bytes, matches the
+// CPU cache (positions, figures) and writes them back unchanged (the device round trip).
+// Returns the two loaded caches.
+std::pair<std::unique_ptr<KVCache>, std::unique_ptr<cuda::DeviceKVCache>> exchange_state(
+    const CacheConfig& cfg, const KVCache& cpu, const cuda::DeviceKVCache& gpu, int64_t B,
+    int64_t H, int64_t D, const std::string& vars) {
+  const std::string bc = save_bytes(cpu), bg = save_bytes(gpu);
+  expect_same_bytes(bc, bg, vars + " device save vs CPU save");
+  // A state the CPU cache's own load refuses (a CPU-side bound, see the report): the device
+  // load, which validates with the CPU's, must refuse it with the same message; nothing more can
+  // be exchanged at this step.
+  const std::string cpu_refusal = error_of([&] { load_bytes(*make_cache(cfg), bc); });
+  if (!cpu_refusal.empty()) {
+    auto g = cuda::make_device_cache(cfg, B, H, D);
+    EXPECT_EQ(cpu_refusal, error_of([&] { load_bytes(*g, bc); })) << vars;
+    EXPECT_EQ(g->offset(), 0) << vars;
+    std::printf("[state] %s: the CPU cache refuses its own state (%s); the device alike\n",
+                vars.c_str(), cpu_refusal.c_str());
+    return {nullptr, nullptr};
+  }
+  auto cpu2 = make_cache(cfg);
+  load_bytes(*cpu2, bg);
+  expect_same_bytes(bc, save_bytes(*cpu2), vars + " device save -> CPU load -> CPU save");
+  auto gpu2 = cuda::make_device_cache(cfg, B, H, D);
+  load_bytes(*gpu2, bc);
+  expect_same_state(cpu, *gpu2, B, H, vars + " CPU save -> device load");
+  expect_same_bytes(bc, save_bytes(*gpu2), vars + " CPU save -> device load -> device save");
+  return {std::move(cpu2), std::move(gpu2)};
+}
+
 std::vector<float> random_q(int64_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -200,7 +320,49 @@ struct Case {
   std::vector<int64_t> steps;
   std::vector<size_t> end_prompt_after;  // 1-based steps after which end_prompt() runs on both
   std::string name;
+
+  // Blocks [b, h, S, d] of dtype t (token-major memory or not), hq query heads; chainable.
+  Case& blocks(int64_t b, int64_t h, int64_t d, int64_t hq, DType t, bool tm = false) {
+    B = b;
+    H = h;
+    D = d;
+    Hq = hq;
+    dtype = t;
+    token_major = tm;
+    return *this;
+  }
+  // This case with the given steps and name.
+  Case with(std::vector<int64_t> s, std::string n) const {
+    Case c = *this;
+    c.steps = std::move(s);
+    c.name = std::move(n);
+    return c;
+  }
 };
+
+// prefix, then n single-token steps, then suffix.
+std::vector<int64_t> steps(std::vector<int64_t> prefix, int n, std::vector<int64_t> suffix) {
+  prefix.insert(prefix.end(), static_cast<size_t>(n), 1);
+  prefix.insert(prefix.end(), suffix.begin(), suffix.end());
+  return prefix;
+}
+
+// skvq K4V4, group 32, fp32 metadata, 8 recent rows kept, window 32 (a case of skvq and of
+// snapkv+skvq).
+void set_k4v4_meta_f32_recent8(CacheConfig& c) {
+  c.skvq_bits_key = 4;
+  c.skvq_bits_value = 4;
+  c.skvq_group_size = 32;
+  c.skvq_meta = MetaType::kF32;
+  c.skvq_recent = 8;
+  c.skvq_window = 32;
+}
+
+CacheConfig config(const char* method) {
+  CacheConfig c;
+  c.method = method;
+  return c;
+}
 
 struct Worst {
   double decode = 0, prefill = 0;
@@ -259,13 +421,9 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
         }
       }
     }
-    ASSERT_EQ(cpu->offset(), gpu->offset()) << vars;
-    ASSERT_EQ(cpu->stored_rows(), gpu->stored_rows()) << vars;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h)
-        EXPECT_EQ(cpu->stored_positions(b, h), gpu->stored_positions(b, h)) << vars;
+    expect_same_state(*cpu, *gpu, B, H, vars);
+    if (::testing::Test::HasFatalFailure()) return;
     const CacheStats gs = gpu->stats();
-    expect_same_stats(cpu->stats(), gs, vars);
     // Resident bytes are real allocations that hold at least what the formula counts (records
     // round their codes up to the metadata alignment, never down) minus the permutations the
     // formula counts at 4 bytes and the buffers hold at 4 bytes too.
@@ -274,49 +432,40 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
                   static_cast<size_t>(step)) != cs.end_prompt_after.end()) {
       cpu->end_prompt();
       gpu->end_prompt();
-      const std::string ev = vars + " after end_prompt";
-      ASSERT_EQ(cpu->offset(), gpu->offset()) << ev;
-      ASSERT_EQ(cpu->stored_rows(), gpu->stored_rows()) << ev;
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h)
-          EXPECT_EQ(cpu->stored_positions(b, h), gpu->stored_positions(b, h)) << ev;
-      expect_same_stats(cpu->stats(), gpu->stats(), ev);
+      expect_same_state(*cpu, *gpu, B, H, vars + " after end_prompt");
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    expect_same_masks(*cpu, *gpu, B, H, vars);
+    auto [cpu2, gpu2] = exchange_state(cfg, *cpu, *gpu, B, H, D, vars);
+    if (step == static_cast<int>(cs.steps.size() + 1) / 2 && cpu2) {
+      // From the middle on, both sides continue from loaded state (the CPU cache from the device's
+      // bytes, the device cache from the CPU's): every later step must still match bit for bit.
+      cpu = std::move(cpu2);
+      gpu = std::move(gpu2);
     }
   }
+}
+
+// Every case, seeds seed0 + i; prints the worst attention errors as a fraction of the tolerance.
+void run_cases(const char* label, const std::vector<Case>& cases, uint64_t seed0) {
+  Worst w;
+  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], seed0 + i, w);
+  std::printf("[%s] worst decode error %.3f%%, prefill %.3f%% of tolerance\n", label,
+              100 * w.decode, 100 * w.prefill);
 }
 
 // ---- tests --------------------------------------------------------------------------------------
 
 TEST(CudaCaches, FullMatchesCpu) {
   SKIP_WITHOUT_DEVICE();
-  Worst w;
-  std::vector<Case> cases;
   Case c;
-  c.cfg.method = "full";
-  c.steps = {17, 1, 1, 300, 1, 129};
-  c.name = "full f16 B1 H2 D64";
-  cases.push_back(c);
-  c.B = 2;
-  c.H = 1;
-  c.D = 128;
-  c.Hq = 4;
-  c.dtype = DType::kBF16;
-  c.token_major = true;
-  c.steps = {1, 127, 1};
-  c.name = "full bf16 token-major B2 H1 D128";
-  cases.push_back(c);
-  c.B = 8;
-  c.H = 2;
-  c.D = 64;
-  c.Hq = 2;
-  c.dtype = DType::kF32;
-  c.token_major = false;
-  c.steps = {129, 1};
-  c.name = "full f32 B8 H2 D64";
-  cases.push_back(c);
-  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 1000 + i, w);
-  std::printf("[full] worst decode error %.3f%%, prefill %.3f%% of tolerance\n", 100 * w.decode,
-              100 * w.prefill);
+  c.cfg = config("full");
+  run_cases("full",
+            {c.with({17, 1, 1, 300, 1, 129}, "full f16 B1 H2 D64"),
+             c.blocks(2, 1, 128, 4, DType::kBF16, true)
+                 .with({1, 127, 1}, "full bf16 token-major B2 H1 D128"),
+             c.blocks(8, 2, 64, 2, DType::kF32).with({129, 1}, "full f32 B8 H2 D64")},
+            1000);
 }
 
 TEST(CudaCaches, FullTrimMatchesCpu) {
@@ -327,106 +476,65 @@ TEST(CudaCaches, FullTrimMatchesCpu) {
   auto cpu = make_cache(cfg);
   auto gpu = cuda::make_device_cache(cfg, 1, 2, 64);
   ASSERT_TRUE(gpu->is_trimmable());
-  auto k = make_block(DType::kF16, 1, 2, 40, 64, 5, false);
-  auto v = make_block(DType::kF16, 1, 2, 40, 64, 6, false);
-  cpu->update_and_fetch(k->host, v->host);
-  gpu->update_and_fetch(k->dev, v->dev);
+  const KV kv = make_kv(DType::kF16, 1, 2, 40, 64, 5);
+  cpu->update_and_fetch(kv.k->host, kv.v->host);
+  gpu->update_and_fetch(kv.k->dev, kv.v->dev);
   EXPECT_EQ(cpu->trim(7), gpu->trim(7));
   EXPECT_EQ(cpu->trim(100), gpu->trim(100) + 0);
   EXPECT_THROW(gpu->trim(-1), Error);
-  auto k2 = make_block(DType::kF16, 1, 2, 9, 64, 7, false);
-  auto v2 = make_block(DType::kF16, 1, 2, 9, 64, 8, false);
-  const CacheView cv = cpu->update_and_fetch(k2->host, v2->host);
-  const cuda::DeviceCacheView gv = gpu->update_and_fetch(k2->dev, v2->dev);
+  const KV kv2 = make_kv(DType::kF16, 1, 2, 9, 64, 7);
+  const CacheView cv = cpu->update_and_fetch(kv2.k->host, kv2.v->host);
+  const cuda::DeviceCacheView gv = gpu->update_and_fetch(kv2.k->dev, kv2.v->dev);
   expect_same_rows(cpu_rows(cv), gpu_rows(gv), "full after trim");
   expect_same_stats(cpu->stats(), gpu->stats(), "full after trim");
 }
 
 TEST(CudaCaches, SnapKVMatchesCpu) {
   SKIP_WITHOUT_DEVICE();
-  Worst w;
   std::vector<Case> cases;
   Case c;
-  c.cfg.method = "snapkv";
+  c.cfg = config("snapkv");
   c.cfg.snap_budget = 24;
   c.cfg.snap_obs_window = 8;
   c.cfg.snap_n_sink = 4;
-  c.steps = {50, 37, 1, 1, 1, 20, 1, 2};
-  c.name = "snapkv key-proxy f16 B1 H2 D64";
-  cases.push_back(c);
-  c.dtype = DType::kBF16;
+  cases.push_back(c.with({50, 37, 1, 1, 1, 20, 1, 2}, "snapkv key-proxy f16 B1 H2 D64"));
   c.cfg.snap_pool_kernel = 5;
-  c.B = 2;
-  c.H = 2;
-  c.D = 128;
-  c.Hq = 8;
-  c.token_major = true;
-  c.steps = {129, 1, 17, 1};
-  c.name = "snapkv pool max 5 bf16 token-major B2 H2 D128";
-  cases.push_back(c);
+  c.blocks(2, 2, 128, 8, DType::kBF16, true);
+  cases.push_back(c.with({129, 1, 17, 1}, "snapkv pool max 5 bf16 token-major B2 H2 D128"));
   c.cfg.snap_pool_kernel = 3;
   c.cfg.snap_pool = PoolKind::kAvg;
   c.cfg.snap_keep_window = true;
-  c.dtype = DType::kF32;
-  c.token_major = false;
-  c.steps = {127, 1, 40};
-  c.name = "snapkv keep-window avg 3 f32 B2 H2 D128";
-  cases.push_back(c);
-  c.cfg = CacheConfig{};
-  c.cfg.method = "snapkv";
+  c.blocks(2, 2, 128, 8, DType::kF32);
+  cases.push_back(c.with({127, 1, 40}, "snapkv keep-window avg 3 f32 B2 H2 D128"));
+  c.cfg = config("snapkv");
   c.cfg.snap_budget = 20;
   c.cfg.snap_obs_window = 6;
   c.cfg.snap_scoring = SnapScoring::kQuery;
   c.queries = true;
-  c.B = 8;
-  c.H = 1;
-  c.D = 64;
-  c.Hq = 4;
-  c.dtype = DType::kF16;
-  c.steps = {33, 1, 1, 17, 2};
-  c.name = "snapkv query scoring GQA 4 B8 H1 D64";
-  cases.push_back(c);
-  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 2000 + i, w);
-  std::printf("[snapkv] worst decode error %.3f%%, prefill %.3f%% of tolerance\n", 100 * w.decode,
-              100 * w.prefill);
+  c.blocks(8, 1, 64, 4, DType::kF16);
+  cases.push_back(c.with({33, 1, 1, 17, 2}, "snapkv query scoring GQA 4 B8 H1 D64"));
+  run_cases("snapkv", cases, 2000);
 }
 
 TEST(CudaCaches, StreamingMatchesCpu) {
   SKIP_WITHOUT_DEVICE();
-  Worst w;
-  std::vector<Case> cases;
   Case c;
-  c.cfg.method = "streaming";
+  c.cfg = config("streaming");
   c.cfg.streaming_n_sink = 4;
   c.cfg.streaming_window = 32;
-  c.steps = {50, 1, 1, 1};
-  for (int i = 0; i < 70; ++i) c.steps.push_back(1);  // slides past the slack: run moved back
-  c.steps.insert(c.steps.end(), {100, 1, 3, 2});
-  c.name = "streaming sinks 4 window 32 f16 B1 H2 D64";
-  cases.push_back(c);
+  std::vector<Case> cases = {
+      // 73 single steps slide past the slack: the run is moved back
+      c.with(steps({50}, 73, {100, 1, 3, 2}), "streaming sinks 4 window 32 f16 B1 H2 D64")};
   c.cfg.streaming_n_sink = 0;
   c.cfg.streaming_window = 17;
-  c.B = 2;
-  c.D = 128;
-  c.dtype = DType::kBF16;
-  c.token_major = true;
-  c.steps = {1, 2, 17, 1, 129, 1};
-  c.name = "streaming no sinks window 17 bf16 token-major B2 H2 D128";
-  cases.push_back(c);
+  c.blocks(2, 2, 128, 8, DType::kBF16, true);
+  cases.push_back(
+      c.with({1, 2, 17, 1, 129, 1}, "streaming no sinks window 17 bf16 token-major B2 H2 D128"));
   c.cfg.streaming_n_sink = 7;
   c.cfg.streaming_window = 5;
-  c.B = 8;
-  c.H = 1;
-  c.D = 64;
-  c.Hq = 8;
-  c.dtype = DType::kF32;
-  c.token_major = false;
-  c.steps = {3, 3, 1, 127, 1, 1};
-  c.name = "streaming sinks 7 window 5 f32 B8 H1 D64";
-  cases.push_back(c);
-  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 4000 + i, w);
-  std::printf("[streaming] worst decode error %.3f%%, prefill %.3f%% of tolerance\n",
-              100 * w.decode, 100 * w.prefill);
+  c.blocks(8, 1, 64, 8, DType::kF32);
+  cases.push_back(c.with({3, 3, 1, 127, 1, 1}, "streaming sinks 7 window 5 f32 B8 H1 D64"));
+  run_cases("streaming", cases, 4000);
 }
 
 // caches.md §3 worked example: B=1, H=2, D=128, S=64, budget 16.
@@ -436,18 +544,16 @@ TEST(CudaCaches, SnapKVWorkedExample) {
   cfg.method = "snapkv";
   cfg.snap_budget = 16;
   auto gpu = cuda::make_device_cache(cfg, 1, 2, 128);
-  auto k = make_block(DType::kF16, 1, 2, 64, 128, 9, false);
-  auto v = make_block(DType::kF16, 1, 2, 64, 128, 10, false);
-  const cuda::DeviceCacheView view = gpu->update_and_fetch(k->dev, v->dev);
+  const KV kv = make_kv(DType::kF16, 1, 2, 64, 128, 9);
+  const cuda::DeviceCacheView view = gpu->update_and_fetch(kv.k->dev, kv.v->dev);
   EXPECT_EQ(view.n_rows(), 64);  // deferred eviction: this step sees every row
   CacheStats s = gpu->stats();
   EXPECT_EQ(s.figure("kept_key_bytes"), 8192);
   EXPECT_EQ(s.figure("full_key_bytes"), 32768);
   EXPECT_EQ(s.figure("eviction_ratio"), 4.0);
   EXPECT_EQ(s.figure("keep_rate"), 0.25);
-  auto k1 = make_block(DType::kF16, 1, 2, 1, 128, 11, false);
-  auto v1 = make_block(DType::kF16, 1, 2, 1, 128, 12, false);
-  gpu->update_and_fetch(k1->dev, v1->dev);
+  const KV kv1 = make_kv(DType::kF16, 1, 2, 1, 128, 11);
+  gpu->update_and_fetch(kv1.k->dev, kv1.v->dev);
   s = gpu->stats();
   EXPECT_EQ(s.figure("kept_key_bytes"), 8192 + 512);
   EXPECT_EQ(s.figure("full_key_bytes"), 32768 + 512);
@@ -455,64 +561,35 @@ TEST(CudaCaches, SnapKVWorkedExample) {
 
 TEST(CudaCaches, SkvqMatchesCpu) {
   SKIP_WITHOUT_DEVICE();
-  Worst w;
   std::vector<Case> cases;
   Case c;
-  c.cfg.method = "skvq";
+  c.cfg = config("skvq");
   c.cfg.skvq_window = 16;
   c.cfg.skvq_n_sink = 4;
   c.cfg.skvq_group_size = 16;
-  c.steps = {35, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 40, 1, 3};
-  c.name = "skvq K2V2 g16 f16 B1 H2 D64";
-  cases.push_back(c);
-  c.cfg.skvq_bits_key = 4;
-  c.cfg.skvq_bits_value = 4;
-  c.cfg.skvq_group_size = 32;
-  c.cfg.skvq_meta = MetaType::kF32;
-  c.cfg.skvq_recent = 8;
-  c.cfg.skvq_window = 32;
-  c.B = 2;
-  c.D = 128;
-  c.dtype = DType::kBF16;
-  c.token_major = true;
-  c.steps = {17, 1, 129, 1, 1, 40};
-  c.name = "skvq K4V4 g32 meta f32 recent 8 bf16 token-major B2 H2 D128";
-  cases.push_back(c);
-  c.cfg = CacheConfig{};
-  c.cfg.method = "skvq";
+  cases.push_back(c.with(steps({35}, 13, {40, 1, 3}), "skvq K2V2 g16 f16 B1 H2 D64"));
+  set_k4v4_meta_f32_recent8(c.cfg);
+  c.blocks(2, 2, 128, 8, DType::kBF16, true);
+  cases.push_back(c.with({17, 1, 129, 1, 1, 40},
+                         "skvq K4V4 g32 meta f32 recent 8 bf16 token-major B2 H2 D128"));
+  c.cfg = config("skvq");
   c.cfg.skvq_window = 16;
   c.cfg.skvq_bits_key = 2;
   c.cfg.skvq_bits_value = 4;
   c.cfg.skvq_group_size = 48;  // ragged last group at D = 64
   c.cfg.skvq_meta = MetaType::kFP8E4M3;
   c.cfg.skvq_reorder = false;
-  c.B = 8;
-  c.H = 1;
-  c.D = 64;
-  c.Hq = 1;
-  c.dtype = DType::kF32;
-  c.token_major = false;
-  c.steps = {1, 17, 127, 1};
-  c.name = "skvq K2V4 g48 fp8 no reorder f32 B8 H1 D64";
-  cases.push_back(c);
-  c.cfg = CacheConfig{};
-  c.cfg.method = "skvq";
+  c.blocks(8, 1, 64, 1, DType::kF32);
+  cases.push_back(c.with({1, 17, 127, 1}, "skvq K2V4 g48 fp8 no reorder f32 B8 H1 D64"));
+  c.cfg = config("skvq");
   c.cfg.skvq_window = 32;
   c.cfg.skvq_bits_key = 4;
   c.cfg.skvq_bits_value = 2;
   c.cfg.skvq_rotation = Rotation::kHadamard;
   c.cfg.skvq_rotate_values = true;
-  c.B = 1;
-  c.H = 2;
-  c.D = 128;
-  c.Hq = 16;
-  c.dtype = DType::kF16;
-  c.steps = {70, 1, 33};
-  c.name = "skvq K4V2 hadamard keys+values B1 H2 D128";
-  cases.push_back(c);
-  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 3000 + i, w);
-  std::printf("[skvq] worst decode error %.3f%%, prefill %.3f%% of tolerance\n", 100 * w.decode,
-              100 * w.prefill);
+  c.blocks(1, 2, 128, 16, DType::kF16);
+  cases.push_back(c.with({70, 1, 33}, "skvq K4V2 hadamard keys+values B1 H2 D128"));
+  run_cases("skvq", cases, 3000);
 }
 
 // Path independence on the device (caches.md §4): one-shot prefill and token-by-token decode
@@ -525,11 +602,10 @@ TEST(CudaCaches, SkvqPathIndependence) {
   cfg.skvq_recent = 3;
   auto one = cuda::make_device_cache(cfg, 2, 2, 64);
   auto step = cuda::make_device_cache(cfg, 2, 2, 64);
-  auto k = make_block(DType::kF16, 2, 2, 150, 64, 41, false);
-  auto v = make_block(DType::kF16, 2, 2, 150, 64, 42, false);
-  one->update_and_fetch(k->dev, v->dev);
+  const KV kv = make_kv(DType::kF16, 2, 2, 150, 64, 41);
+  one->update_and_fetch(kv.k->dev, kv.v->dev);
   for (int64_t i = 0; i < 150; ++i) {
-    TensorView ki = k->dev.slice_tokens(i, i + 1), vi = v->dev.slice_tokens(i, i + 1);
+    TensorView ki = kv.k->dev.slice_tokens(i, i + 1), vi = kv.v->dev.slice_tokens(i, i + 1);
     step->update_and_fetch(ki, vi);
   }
   expect_same_rows(gpu_rows(one->stored_view()), gpu_rows(step->stored_view()),
@@ -548,9 +624,8 @@ TEST(CudaCaches, SkvqWorkedExampleAndResidentBytes) {
   cfg.skvq_n_sink = 4;
   cfg.skvq_group_size = 16;
   auto gpu = cuda::make_device_cache(cfg, 1, 2, 64);
-  auto k = make_block(DType::kF16, 1, 2, 35, 64, 13, false);
-  auto v = make_block(DType::kF16, 1, 2, 35, 64, 14, false);
-  gpu->update_and_fetch(k->dev, v->dev);
+  const KV kv = make_kv(DType::kF16, 1, 2, 35, 64, 13);
+  gpu->update_and_fetch(kv.k->dev, kv.v->dev);
   const CacheStats s = gpu->stats();
   EXPECT_EQ(s.figure("compressed_key_bytes"), 1792);
   EXPECT_EQ(s.figure("fp16_key_bytes"), 8960);
@@ -562,9 +637,8 @@ TEST(CudaCaches, SkvqWorkedExampleAndResidentBytes) {
   CacheConfig big;
   big.method = "skvq";
   auto g2 = cuda::make_device_cache(big, 1, 8, 128);
-  auto kb = make_block(DType::kF16, 1, 8, 4096, 128, 15, false);
-  auto vb = make_block(DType::kF16, 1, 8, 4096, 128, 16, false);
-  g2->update_and_fetch(kb->dev, vb->dev);
+  const KV kvb = make_kv(DType::kF16, 1, 8, 4096, 128, 15);
+  g2->update_and_fetch(kvb.k->dev, kvb.v->dev);
   const CacheStats s2 = g2->stats();
   std::printf("[skvq resident] accounted %lld, resident %lld, fp16 %lld bytes\n",
               static_cast<long long>(s2.bytes_accounted), static_cast<long long>(s2.bytes_resident),
@@ -591,19 +665,10 @@ TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
   bad[2].second.method = "skvq";
   bad[2].second.skvq_n_sink = 200;
   for (const auto& [spec, cfg] : bad) {
-    std::string cpu_msg, gpu_msg;
-    try {
-      CacheConfig c = cfg;
-      c.head_dim = 64;
-      make_cache(c);
-    } catch (const Error& e) {
-      cpu_msg = e.what();
-    }
-    try {
-      cuda::make_device_cache(cfg, 1, 2, 64);
-    } catch (const Error& e) {
-      gpu_msg = e.what();
-    }
+    CacheConfig c = cfg;
+    c.head_dim = 64;
+    const std::string cpu_msg = error_of([&] { make_cache(c); });
+    const std::string gpu_msg = error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64); });
     EXPECT_FALSE(cpu_msg.empty()) << spec;
     EXPECT_EQ(cpu_msg, gpu_msg) << spec;
   }
@@ -614,19 +679,14 @@ TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
     cfg.skvq_max_ctx = 40;
     cfg.snap_budget = 10;
     auto gpu = cuda::make_device_cache(cfg, 1, 2, 64);
-    auto k = make_block(DType::kF16, 1, 2, 35, 64, 21, false);
-    auto v = make_block(DType::kF16, 1, 2, 35, 64, 22, false);
-    gpu->update_and_fetch(k->dev, v->dev);
+    const KV kv = make_kv(DType::kF16, 1, 2, 35, 64, 21);
+    gpu->update_and_fetch(kv.k->dev, kv.v->dev);
     const Rows before = gpu_rows(gpu->stored_view());
     const CacheStats st = gpu->stats();
     auto expect_refused = [&](auto&& f, const std::string& needle, const std::string& what) {
-      try {
-        f();
-        ADD_FAILURE() << method << " " << what << ": accepted";
-      } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-            << method << " " << what << ": " << e.what();
-      }
+      const std::string msg = error_of(f);
+      EXPECT_NE(msg.find(needle), std::string::npos)
+          << method << " " << what << ": '" << msg << "' (empty: accepted)";
       EXPECT_EQ(gpu->offset(), 35) << method << " " << what;
       expect_same_rows(before, gpu_rows(gpu->stored_view()), std::string(method) + " " + what);
       EXPECT_EQ(gpu->stats().bytes_accounted, st.bytes_accounted) << method << " " << what;
@@ -673,10 +733,9 @@ TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
 
 TEST(CudaCaches, SnapkvSkvqMatchesCpu) {
   SKIP_WITHOUT_DEVICE();
-  Worst w;
   std::vector<Case> cases;
   Case c;
-  c.cfg.method = "snapkv+skvq";
+  c.cfg = config("snapkv+skvq");
   c.cfg.snap_budget = 40;
   c.cfg.snap_obs_window = 8;
   c.cfg.snap_n_sink = 4;
@@ -685,27 +744,17 @@ TEST(CudaCaches, SnapkvSkvqMatchesCpu) {
   c.cfg.skvq_group_size = 16;
   // 50: evict to 40 (all full precision), flush two chunks; 37: selection over sinks ++ packed ++
   // tail keeps some packed rows per head (equalised by early quantization); decode steps flush.
-  c.steps = {50, 37, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 30, 1, 2};
-  c.name = "snapkv+skvq key-proxy K2V2 g16 f16 B1 H2 D64";
-  cases.push_back(c);
+  cases.push_back(
+      c.with(steps({50, 37}, 16, {30, 1, 2}), "snapkv+skvq key-proxy K2V2 g16 f16 B1 H2 D64"));
   c.cfg.snap_budget = 64;
   c.cfg.snap_pool_kernel = 5;
-  c.cfg.skvq_bits_key = 4;
-  c.cfg.skvq_bits_value = 4;
-  c.cfg.skvq_group_size = 32;
-  c.cfg.skvq_meta = MetaType::kF32;
-  c.cfg.skvq_recent = 8;
-  c.cfg.skvq_window = 32;
+  set_k4v4_meta_f32_recent8(c.cfg);
   c.cfg.skvq_n_sink = 5;
-  c.B = 2;
-  c.D = 128;
-  c.dtype = DType::kBF16;
-  c.token_major = true;
-  c.steps = {129, 1, 17, 1, 1, 40, 1};
-  c.name = "snapkv+skvq pool max 5 K4V4 g32 meta f32 recent 8 bf16 token-major B2 H2 D128";
-  cases.push_back(c);
-  c.cfg = CacheConfig{};
-  c.cfg.method = "snapkv+skvq";
+  c.blocks(2, 2, 128, 8, DType::kBF16, true);
+  cases.push_back(
+      c.with({129, 1, 17, 1, 1, 40, 1},
+             "snapkv+skvq pool max 5 K4V4 g32 meta f32 recent 8 bf16 token-major B2 H2 D128"));
+  c.cfg = config("snapkv+skvq");
   c.cfg.snap_budget = 30;
   c.cfg.snap_obs_window = 6;
   c.cfg.snap_scoring = SnapScoring::kQuery;
@@ -716,53 +765,48 @@ TEST(CudaCaches, SnapkvSkvqMatchesCpu) {
   c.cfg.skvq_meta = MetaType::kFP8E4M3;
   c.cfg.skvq_reorder = false;
   c.queries = true;
-  c.B = 8;
-  c.H = 1;
-  c.D = 64;
-  c.Hq = 4;
-  c.dtype = DType::kF16;
-  c.token_major = false;
-  c.steps = {33, 1, 1, 17, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 20};
-  c.name = "snapkv+skvq query scoring GQA 4 K2V4 g48 fp8 no reorder B8 H1 D64";
-  cases.push_back(c);
-  c.cfg = CacheConfig{};
-  c.cfg.method = "snapkv+skvq";
+  c.blocks(8, 1, 64, 4, DType::kF16);
+  cases.push_back(c.with(steps({33, 1, 1, 17, 2}, 14, {20}),
+                         "snapkv+skvq query scoring GQA 4 K2V4 g48 fp8 no reorder B8 H1 D64"));
+  c.cfg = config("snapkv+skvq");
   c.cfg.snap_budget = 3;  // below the sinks: the budget cuts into them
   c.cfg.snap_n_sink = 4;
   c.cfg.skvq_n_sink = 5;
   c.cfg.skvq_window = 6;
   c.cfg.skvq_group_size = 32;
   c.queries = false;
-  c.B = 1;
-  c.H = 2;
-  c.D = 64;
-  c.Hq = 2;
-  c.dtype = DType::kF32;
+  c.blocks(1, 2, 64, 2, DType::kF32);
   // 2 + 1 + 1: the sinks grow to 4; 10 evicts to 3 rows (new sinks); six decode rows flush one
   // packed chunk; 5 evicts every packed row (the budget keeps the 3 sinks only).
-  c.steps = {2, 1, 10, 1, 1, 1, 1, 1, 1, 1, 5, 1};
-  c.name = "snapkv+skvq budget 3 < sinks 4 window 6 f32 B1 H2 D64";
-  cases.push_back(c);
+  cases.push_back(c.with(steps({2, 1, 10}, 7, {5, 1}),
+                         "snapkv+skvq budget 3 < sinks 4 window 6 f32 B1 H2 D64"));
   // Key codes decode_attention does not read (1.5-bit ternary, 3-bit codes across byte borders):
   // the selection still scores their dequantized keys; rows, positions and figures only.
-  for (const double kb : {1.5, 3.0}) {
-    c.cfg = CacheConfig{};
-    c.cfg.method = "snapkv+skvq";
+  // Then skvq_rotation = hadamard (no reordering): keys rotated, or keys and values; the selection
+  // scores keys un-rotated on the device like the CPU's dequantize_row. D = 96 has three
+  // Hadamard blocks of 32 (decode_attention reads D 64 / 128 only: rows, positions, figures).
+  c.blocks(1, 2, 64, 2, DType::kF16);
+  for (const double kb : {1.5, 3.0, 2.0, 4.0, 2.5}) {
+    const bool rot = kb == 2.0 || kb == 4.0 || kb == 2.5;
+    c.cfg = config("snapkv+skvq");
     c.cfg.snap_budget = 40;
     c.cfg.snap_obs_window = 8;
     c.cfg.skvq_window = 16;
     c.cfg.skvq_group_size = 16;
-    c.cfg.skvq_bits_key = kb;
-    c.cfg.skvq_bits_value = kb == 3.0 ? 1.5 : 3.0;
-    c.attention = false;
-    c.dtype = DType::kF16;
-    c.steps = {50, 37, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 30, 1};
-    c.name = "snapkv+skvq keys " + std::to_string(kb) + " bits, no attention, f16 B1 H2 D64";
-    cases.push_back(c);
+    c.cfg.skvq_bits_key = rot ? std::floor(kb) : kb;
+    c.cfg.skvq_bits_value = rot ? std::floor(kb) : kb == 3.0 ? 1.5 : 3.0;
+    c.cfg.skvq_rotation = rot ? Rotation::kHadamard : Rotation::kNone;
+    c.cfg.skvq_rotate_values = kb != 2.0;
+    c.attention = kb == 2.0 || kb == 4.0;
+    if (kb == 4.0) c.blocks(2, 2, 128, 8, DType::kBF16);
+    if (kb == 2.5) c.blocks(1, 2, 96, 2, DType::kF16);
+    const std::string what =
+        rot ? "hadamard keys" + std::string(kb != 2.0 ? "+values" : "") + " K" +
+                  std::to_string(static_cast<int>(kb)) + " D" + std::to_string(c.D)
+            : "keys " + std::to_string(kb) + " bits, no attention, f16 B1 H2 D64";
+    cases.push_back(c.with(steps({50, 37}, 16, {30, 1}), "snapkv+skvq " + what));
   }
-  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 5000 + i, w);
-  std::printf("[snapkv+skvq] worst decode error %.3f%%, prefill %.3f%% of tolerance\n",
-              100 * w.decode, 100 * w.prefill);
+  run_cases("snapkv+skvq", cases, 5000);
 }
 
 // snap_evict_at = prompt_end: the chunks of a prompt are stored whole, the selection runs once,
@@ -770,46 +814,33 @@ TEST(CudaCaches, SnapkvSkvqMatchesCpu) {
 // that append; a later multi-token call starts a new prompt.
 TEST(CudaCaches, PromptEndMatchesCpu) {
   SKIP_WITHOUT_DEVICE();
-  Worst w;
   std::vector<Case> cases;
   Case c;
-  c.cfg.method = "snapkv";
+  c.cfg = config("snapkv");
   c.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
   c.cfg.snap_budget = 24;
   c.cfg.snap_obs_window = 8;
-  c.steps = {50, 37, 20, 1, 1, 1, 30, 1, 1};
-  c.name = "snapkv prompt_end implicit key-proxy f16 B1 H2 D64";
-  cases.push_back(c);
+  cases.push_back(c.with({50, 37, 20, 1, 1, 1, 30, 1, 1},
+                         "snapkv prompt_end implicit key-proxy f16 B1 H2 D64"));
   c.cfg.snap_scoring = SnapScoring::kQuery;
   c.cfg.snap_pool_kernel = 3;
   c.queries = true;
-  c.B = 2;
-  c.D = 128;
-  c.Hq = 8;
-  c.dtype = DType::kBF16;
-  c.token_major = true;
-  c.steps = {40, 5, 33, 1, 1, 17, 1};  // the last chunk (33) is longer than the window (8)
+  c.blocks(2, 2, 128, 8, DType::kBF16, true);
   c.end_prompt_after = {3, 6};
-  c.name = "snapkv prompt_end explicit query scoring pool 3 bf16 token-major B2 H2 D128";
-  cases.push_back(c);
-  c.cfg = CacheConfig{};
-  c.cfg.method = "snapkv+skvq";
+  cases.push_back(  // the last chunk (33) is longer than the window (8)
+      c.with({40, 5, 33, 1, 1, 17, 1},
+             "snapkv prompt_end explicit query scoring pool 3 bf16 token-major B2 H2 D128"));
+  c.cfg = config("snapkv+skvq");
   c.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
   c.cfg.snap_budget = 40;
   c.cfg.snap_obs_window = 8;
   c.cfg.skvq_window = 16;
   c.cfg.skvq_group_size = 16;
   c.queries = false;
-  c.B = 1;
-  c.H = 2;
-  c.D = 64;
-  c.Hq = 8;
-  c.dtype = DType::kF16;
-  c.token_major = false;
-  c.steps = {50, 37, 20, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 30, 1, 1};
+  c.blocks(1, 2, 64, 8, DType::kF16);
   c.end_prompt_after = {};
-  c.name = "snapkv+skvq prompt_end implicit key-proxy K2V2 g16 f16 B1 H2 D64";
-  cases.push_back(c);
+  cases.push_back(c.with(steps({50, 37, 20}, 16, {30, 1, 1}),
+                         "snapkv+skvq prompt_end implicit key-proxy K2V2 g16 f16 B1 H2 D64"));
   c.cfg.snap_scoring = SnapScoring::kQuery;
   c.cfg.snap_obs_window = 6;
   c.cfg.skvq_bits_key = 4;
@@ -817,17 +848,12 @@ TEST(CudaCaches, PromptEndMatchesCpu) {
   c.cfg.skvq_group_size = 32;
   c.cfg.skvq_recent = 4;
   c.queries = true;
-  c.B = 4;
-  c.H = 2;
-  c.D = 128;
-  c.Hq = 8;
-  c.steps = {3, 60, 4, 1, 1, 25, 1};  // the last chunk (4) is shorter than the window (6)
+  c.blocks(4, 2, 128, 8, DType::kF16);
   c.end_prompt_after = {3, 6};
-  c.name = "snapkv+skvq prompt_end explicit query scoring K4V4 g32 recent 4 B4 H2 D128";
-  cases.push_back(c);
-  for (size_t i = 0; i < cases.size(); ++i) run_case(cases[i], 6000 + i, w);
-  std::printf("[prompt_end] worst decode error %.3f%%, prefill %.3f%% of tolerance\n",
-              100 * w.decode, 100 * w.prefill);
+  cases.push_back(  // the last chunk (4) is shorter than the window (6)
+      c.with({3, 60, 4, 1, 1, 25, 1},
+             "snapkv+skvq prompt_end explicit query scoring K4V4 g32 recent 4 B4 H2 D128"));
+  run_cases("prompt_end", cases, 6000);
 }
 
 // Metamorphic, on the device alone: with snap_evict_at = prompt_end a prompt fed in chunks stores
@@ -843,12 +869,11 @@ TEST(CudaCaches, PromptEndChunkedEqualsOneShot) {
     cfg.skvq_window = 16;
     auto one = cuda::make_device_cache(cfg, 2, 2, 64);
     auto chunked = cuda::make_device_cache(cfg, 2, 2, 64);
-    auto k = make_block(DType::kF16, 2, 2, 150, 64, 51, false);
-    auto v = make_block(DType::kF16, 2, 2, 150, 64, 52, false);
-    one->update_and_fetch(k->dev, v->dev);
+    const KV kv = make_kv(DType::kF16, 2, 2, 150, 64, 51);
+    one->update_and_fetch(kv.k->dev, kv.v->dev);
     one->end_prompt();
     for (auto [a, b] : {std::pair<int64_t, int64_t>{0, 40}, {40, 73}, {73, 150}})
-      chunked->update_and_fetch(k->dev.slice_tokens(a, b), v->dev.slice_tokens(a, b));
+      chunked->update_and_fetch(kv.k->dev.slice_tokens(a, b), kv.v->dev.slice_tokens(a, b));
     EXPECT_EQ(chunked->stored_rows(), 150) << method << ": nothing evicted before the end";
     chunked->end_prompt();
     EXPECT_EQ(one->stored_rows(), 48) << method;
@@ -858,16 +883,72 @@ TEST(CudaCaches, PromptEndChunkedEqualsOneShot) {
   }
 }
 
-// Needs no device: the config is refused before anything is allocated.
-TEST(CudaCaches, RefusesRotationForSnapkvSkvq) {
-  CacheConfig cfg;
-  cfg.method = "snapkv+skvq";
-  cfg.skvq_rotation = Rotation::kHadamard;
-  try {
-    cuda::make_device_cache(cfg, 1, 2, 64);
-    ADD_FAILURE() << "snapkv+skvq with skvq_rotation = hadamard accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("skvq_rotation"), std::string::npos) << e.what();
+// Device load refuses what the CPU load refuses, with the CPU's message, and then holds exactly
+// what it held: a corrupted byte, a truncated stream, another method's state, a state saved under
+// other settings. A state of another batch than the device cache was built for is refused by the
+// device (the CPU cache takes its shape from the file). An empty state empties a used cache, which
+// then fills again like a fresh CPU cache.
+TEST(CudaCaches, StateRefusalsMatchCpuAndChangeNothing) {
+  SKIP_WITHOUT_DEVICE();
+  for (const char* method : {"full", "snapkv", "skvq", "snapkv+skvq", "streaming"}) {
+    CacheConfig cfg;
+    cfg.method = method;
+    cfg.head_dim = 64;
+    cfg.snap_budget = 10;
+    cfg.skvq_window = 16;
+    cfg.streaming_window = 8;
+    const KV kv = make_kv(DType::kF16, 1, 2, 35, 64, 61);
+    const KV kv2 = make_kv(DType::kF16, 1, 2, 20, 64, 63);
+    auto saved_after = [&](const CacheConfig& c, bool both) {
+      auto cpu = make_cache(c);
+      cpu->update_and_fetch(kv.k->host, kv.v->host);
+      if (both) cpu->update_and_fetch(kv2.k->host, kv2.v->host);
+      return save_bytes(*cpu);
+    };
+    const std::string good = saved_after(cfg, false);
+    auto gpu = cuda::make_device_cache(cfg, 1, 2, 64);
+    gpu->update_and_fetch(kv.k->dev, kv.v->dev);
+    gpu->update_and_fetch(kv2.k->dev, kv2.v->dev);
+    const std::string held = save_bytes(*gpu);
+    expect_same_bytes(saved_after(cfg, true), held, std::string(method) + " two blocks");
+
+    std::vector<std::pair<std::string, std::string>> bad;
+    std::string corrupt = good;
+    corrupt[corrupt.size() / 2] = static_cast<char>(corrupt[corrupt.size() / 2] ^ 0x5a);
+    bad.emplace_back("corrupted byte", corrupt);
+    bad.emplace_back("truncated", good.substr(0, good.size() - 9));
+    CacheConfig other = cfg;
+    other.method = std::string(method) == "full" ? "snapkv" : "full";
+    bad.emplace_back("another method's state", saved_after(other, false));
+    other = cfg;
+    other.snap_budget = 11;
+    other.skvq_window = 32;
+    other.streaming_window = 9;
+    if (std::string(method) != "full")
+      bad.emplace_back("other settings", saved_after(other, false));
+    for (const auto& [what, bytes] : bad) {
+      const std::string vars = std::string(method) + " " + what;
+      const std::string cpu_msg = error_of([&] { load_bytes(*make_cache(cfg), bytes); });
+      const std::string gpu_msg = error_of([&] { load_bytes(*gpu, bytes); });
+      EXPECT_FALSE(gpu_msg.empty()) << vars << ": accepted";
+      EXPECT_EQ(cpu_msg, gpu_msg) << vars;
+      expect_same_bytes(held, save_bytes(*gpu), vars + ": state after the refused load");
+      EXPECT_EQ(gpu->offset(), 55) << vars;
+    }
+
+    auto gpu_b2 = cuda::make_device_cache(cfg, 2, 2, 64);
+    const std::string b2_msg = error_of([&] { load_bytes(*gpu_b2, good); });
+    EXPECT_NE(b2_msg.find("fixed when the device cache was built"), std::string::npos)
+        << method << ": a batch-1 state into a batch-2 device cache: '" << b2_msg << "'";
+    EXPECT_EQ(gpu_b2->offset(), 0) << method;
+
+    const std::string empty = save_bytes(*make_cache(cfg));
+    load_bytes(*gpu, empty);
+    EXPECT_EQ(gpu->offset(), 0) << method;
+    EXPECT_EQ(gpu->stored_rows(), 0) << method;
+    expect_same_bytes(empty, save_bytes(*gpu), std::string(method) + " emptied");
+    gpu->update_and_fetch(kv.k->dev, kv.v->dev);
+    expect_same_bytes(good, save_bytes(*gpu), std::string(method) + " refilled after emptying");
   }
 }
 
