@@ -486,5 +486,34 @@ TEST(SnapkvSkvq, PromptEndPendingSurvivesSaveLoadAndMaskCountsSurvivors) {
   EXPECT_EQ(a->stored_rows(), cfg.snap_budget);
 }
 
+// A first prompt chunk shorter than the sink count leaves every row (and so every window query
+// row) among the sinks with an empty tail: the saved state must load, and both caches must go on
+// bit for bit (found by the GPU cache's state exchange test).
+TEST(SnapkvSkvq, PromptEndChunkInsideSinksSurvivesSaveLoad) {
+  CacheConfig cfg = both_cfg();
+  cfg.snap_scoring = SnapScoring::kQuery;
+  cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  const Tensor k = rnd(1, 2, 3, 64, 80), v = rnd(1, 2, 3, 64, 81);
+  const Tensor q = rnd(1, 2, 3, 64, 82, DType::kF32);
+  auto a = make_cache(cfg), b = make_cache(cfg);
+  const TensorView qv = q.view();
+  UpdateOptions o;
+  o.queries = &qv;
+  a->update_and_fetch(k.view(), v.view(), o);
+  std::istringstream in(state_of(*a));
+  ASSERT_NO_THROW(b->load(in));
+  EXPECT_EQ(state_of(*a), state_of(*b));
+  const Tensor k2 = rnd(1, 2, 120, 64, 83), v2 = rnd(1, 2, 120, 64, 84);
+  const Tensor q2 = rnd(1, 2, 120, 64, 85, DType::kF32);
+  const TensorView qv2 = q2.view();
+  o.queries = &qv2;
+  a->update_and_fetch(k2.view(), v2.view(), o);
+  b->update_and_fetch(k2.view(), v2.view(), o);
+  a->end_prompt();
+  b->end_prompt();
+  EXPECT_EQ(state_of(*a), state_of(*b));
+  EXPECT_EQ(a->stored_rows(), cfg.snap_budget);
+}
+
 }  // namespace
 }  // namespace vq

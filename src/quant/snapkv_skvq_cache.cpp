@@ -700,7 +700,10 @@ void SnapkvSkvqCache::load(std::istream& in) {
     ns->tail.load(r, kOp);
     ns->pending = r.boolean();
     ns->win.hq = r.i64_in("win_hq", 0, ns->pending ? 256 * ns->heads : 0);
-    ns->win.rows = r.i64_in("win_rows", 0, std::min(c.snap_obs_window, ns->tail.count));
+    // The window rows are the last rows of the last prompt chunk; a chunk shorter than the sink
+    // count stores them among the full-precision sinks, so both stores bound them.
+    ns->win.rows =
+        r.i64_in("win_rows", 0, std::min(c.snap_obs_window, ns->sinks.count + ns->tail.count));
     ns->win.q = r.vec_f32();
     VQ_CHECK(!ns->pending || c.snap_evict_at == SnapEvictAt::kPromptEnd,
              pre +
