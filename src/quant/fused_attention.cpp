@@ -1108,8 +1108,21 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
       const int64_t nt = std::min(kTile, seg.n_rows - j0);
       // ---- positions; rows no query of this item can see are skipped entirely
       int64_t n_vis = 0;
-      bool every = true;  // every listed row is visible to every query of the item
-      for (int64_t t = 0; t < nt; ++t) {
+      bool every = true;     // every listed row is visible to every query of the item
+      if (!seg.positions) {  // consecutive positions p0 + t: the visible rows are one run
+        const int64_t p0 = seg.first_pos + j0;
+        for (int64_t t = 0; t < nt; ++t)
+          w.pos[static_cast<size_t>(t)] = static_cast<int32_t>(p0 + t);
+        // visible: p0 + t <= qpos_max and (no window or qpos_min < p0 + t + window)
+        const int64_t lo = p.window == 0 ? 0 : std::max<int64_t>(0, qpos_min - p.window + 1 - p0);
+        const int64_t hi = std::min(nt, qpos_max - p0 + 1);
+        for (int64_t t = lo; t < hi; ++t)
+          w.vis[static_cast<size_t>(n_vis++)] = static_cast<int32_t>(t);
+        // every visible row also <= qpos_min and within the window of qpos_max
+        every = n_vis == 0 ||
+                (p0 + hi - 1 <= qpos_min && (p.window == 0 || qpos_max < p0 + lo + p.window));
+      }
+      for (int64_t t = 0; t < nt && seg.positions; ++t) {
         const int64_t pj = seg.position(b, kh, j0 + t, n_hkv);
         w.pos[static_cast<size_t>(t)] = static_cast<int32_t>(pj);
         if (pj <= qpos_max && (p.window == 0 || qpos_min < pj + p.window)) {
@@ -1207,9 +1220,16 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         }
         for (int64_t t = 0; t < nt; ++t) pr[t] = lr[t] - mxm;  // -inf stays -inf -> weight 0
         exp_nonpos(pr, pr, nt);
-        float sum = 0.0f;
-        for (int64_t t = 0; t < nt; ++t) sum += pr[t];
-        w.l[static_cast<size_t>(m)] += sum;
+      }
+      // Each query's weights summed over t in order, four queries' sums interleaved (their
+      // dependency chains overlap). A query whose tile is all hidden adds zeros: l + 0 = l.
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* pr[4];
+        for (int64_t j = 0; j < 4; ++j) pr[j] = w.probs.data() + std::min(m0 + j, M - 1) * kTile;
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t t = 0; t < nt; ++t)
+          for (int j = 0; j < 4; ++j) sum[j] += pr[j][t];
+        for (int64_t j = 0; j < 4 && m0 + j < M; ++j) w.l[static_cast<size_t>(m0 + j)] += sum[j];
       }
       // ---- values of the visible rows -> fp32 tile, then acc[m] += sum_t p[m, t] v_t
 #if defined(__AVX512F__)
