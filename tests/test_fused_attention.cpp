@@ -2,7 +2,8 @@
 // cache method, GQA ratios 1/4/8, head_dim 64 and 128, lengths 1, 17, 127, 129, ragged groups,
 // decode and multi-query calls, sliding windows, rotation and metadata types; plus metamorphic
 // checks (GQA == MHA with repeated KV heads, sliding window == attention over the sliced rows,
-// decode over rows read in place == over channel-strided copies, bit for bit).
+// decode over rows read in place == over channel-strided copies, and a many-query call over
+// packed rows == one-query calls, bit for bit).
 //
 // The bound (per output element, derived in comments at `bound_for`) is the fp32 rounding of
 // the fused kernel relative to the double-accumulated reference: u = 2^-24,
@@ -528,6 +529,55 @@ TEST(FusedAttention, DecodeRowsInPlaceEqualStridedRowsBitForBit) {
           ++n;
         }
   EXPECT_GT(n, 90);
+}
+
+// Prefill-sized calls (>= 8 queries per head) over packed rows take the lanes-over-queries tiles,
+// decode-sized calls the general per-query path; both are specified as the same fp32 operations
+// per query, so over a view of packed rows only, a 16-query call equals 16 one-query calls bit
+// for bit (causal masks that hide rows from the early queries, sliding windows, GQA, rotation).
+TEST(FusedAttention, ManyQueriesOverPackedRowsEqualOneQueryCallsBitForBit) {
+  int n = 0;
+  for (int64_t d : {64, 96, 128})
+    for (int64_t rep : {1, 3})
+      for (int64_t window : {int64_t{0}, int64_t{30}}) {
+        CacheConfig cfg = method_cfg("skvq");
+        cfg.head_dim = d;
+        if (d == 96) {
+          cfg.skvq_rotation = Rotation::kHadamard;
+          cfg.skvq_rotate_values = true;
+        }
+        auto cache = make_cache(cfg);
+        const int64_t len = 150, nq = 16;
+        const uint64_t seed = 3000 + 10 * static_cast<uint64_t>(n);
+        const Tensor k = test::random_tensor(DType::kF16, 1, 2, len, d, seed);
+        const Tensor v = test::random_tensor(DType::kF16, 1, 2, len, d, seed + 1);
+        const CacheView full_view = cache->update_and_fetch(k.view(), v.view());
+        CacheView view = full_view;
+        view.segments.clear();
+        for (const ViewSegment& seg : full_view.segments)
+          if (seg.packed) view.segments.push_back(seg);
+        ASSERT_FALSE(view.segments.empty()) << "the SKVQ cache should hold packed rows";
+        const Tensor q = test::random_tensor(DType::kF32, 1, 2 * rep, nq, d, seed + 2, 1.5f);
+        for (int64_t q0 : {int64_t{20}, len - nq}) {
+          AttentionParams p;
+          p.q_pos0 = q0;
+          p.window = window;
+          std::vector<float> many(static_cast<size_t>(q.numel())),
+              one(static_cast<size_t>(2 * rep * d));
+          attention(q.view(), view, p, many.data());
+          for (int64_t i = 0; i < nq; ++i) {
+            AttentionParams pi = p;
+            pi.q_pos0 = q0 + i;
+            attention(q.view().slice_tokens(i, i + 1), view, pi, one.data());
+            for (int64_t h = 0; h < 2 * rep; ++h)
+              EXPECT_EQ(std::memcmp(one.data() + h * d, many.data() + (h * nq + i) * d, d * 4), 0)
+                  << "d " << d << " rep " << rep << " window " << window << " q0 " << q0
+                  << " query " << i << " head " << h;
+          }
+        }
+        ++n;
+      }
+  EXPECT_EQ(n, 12);
 }
 
 // Metamorphic: a sliding window over the whole view equals attention over only the rows inside

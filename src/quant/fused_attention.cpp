@@ -15,7 +15,9 @@
 // Variants (AVX-512): prefill-sized calls (>= kManyQueries queries per head, D a multiple of 16
 // up to 128) run full-precision tiles with vector lanes over queries (many_tile below); smaller
 // calls (decode) read contiguous full-precision rows in place, D a multiple of 32 up to 128
-// (few_tile_logits / few_tile_values below: the general path's operations, bit for bit).
+// (few_tile_logits / few_tile_values below); prefill-sized calls over packed rows, D a multiple
+// of 32 up to 128, run lanes over queries too (many_packed_tile). Both do the general path's
+// operations per query, bit for bit.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -433,6 +435,8 @@ struct KeyClass {
   int32_t group_size = 0, n_groups = 0;
   std::vector<float> q;     // [M, D]
   std::vector<float> qsum;  // [M, n_groups]
+  std::vector<float> qt;    // many-query path: q transposed [D, Mp] (padding lanes 0)
+  std::vector<float> qst;   // many-query path: qsum transposed [n_groups, Mp]
 };
 
 // Value accumulators in one stored channel order.
@@ -740,6 +744,191 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
 #endif
 
 #if defined(__AVX512F__)
+// ---- many-query path over packed rows: lanes over queries, the general path's arithmetic -----
+//
+// Prefill-sized calls over packed segments (SKVQ's quantized rows), D a multiple of 32 up to 128:
+// a tile's rows meet 16 queries per vector, with the operations of the general path per query:
+//  * logit: the 16 lane partial sums of dot_many (an fmadd chain over the D / 16 blocks) are 16
+//    vectors over queries here, added in _mm512_reduce_add_ps's tree (i + 8, i + 4, i + 2,
+//    i + 1), then + lo_g * qsum_g for g in order;
+//  * softmax: the loop's max per query, std::exp rescale where the max rises (rescale()),
+//    exp_nonpos's operations (exp_nonpos16_exact), the weights summed over the rows in order;
+//  * acc' += p (c s) as accumulate_tile (an fmadd chain over the visible rows per channel) and
+//    acc_lo[g] += dot(p, lo_g) with dot's 16-lane split and sequential lane sum.
+// So every logit, weight and accumulator is bit-identical to the general path's.
+
+// exp_nonpos on 16 lanes with the same operations (no FMA contraction: multiply, then add).
+inline __m512 exp_nonpos16_exact(__m512 v) {
+  const __m512 lim = _mm512_set1_ps(-87.0f);
+  const __mmask16 ok = _mm512_cmp_ps_mask(v, lim, _CMP_GE_OQ);
+  v = _mm512_mask_blend_ps(ok, lim, v);
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 k = _mm512_sub_ps(
+      _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
+  __m512 r = _mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 q = _mm512_set1_ps(1.9875691500E-4f);
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.3981999507E-3f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(8.3334519073E-3f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(4.1665795894E-2f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.6666665459E-1f));
+  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(5.0000001201E-1f));
+  q = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(q, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(ok, q, _mm512_castsi512_ps(bits));
+}
+
+// dot_many's logit of row k for the 16 queries at qt (qt[c * mp + lane]).
+template <int NV>
+inline __m512 dot_lanes(const float* __restrict qt, int64_t mp, const float* __restrict k) {
+  __m512 s1[8];
+#pragma GCC unroll 8
+  for (int l = 0; l < 8; ++l) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(qt + (16 * j + l) * mp), _mm512_set1_ps(k[16 * j + l]),
+                          a);
+      b = _mm512_fmadd_ps(_mm512_loadu_ps(qt + (16 * j + l + 8) * mp),
+                          _mm512_set1_ps(k[16 * j + l + 8]), b);
+    }
+    s1[l] = _mm512_add_ps(b, a);  // lane l + 8 and lane l
+  }
+  __m512 s2[4];
+#pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) s2[l] = _mm512_add_ps(s1[l + 4], s1[l]);
+  const __m512 s30 = _mm512_add_ps(s2[2], s2[0]), s31 = _mm512_add_ps(s2[3], s2[1]);
+  return _mm512_add_ps(s30, s31);
+}
+
+// The transposed class queries and group sums of the many-query packed path.
+void build_class_lanes(const Work& w, KeyClass& kc) {
+  const int64_t M = w.m, d = w.d, mp = w.mp;
+  kc.qt.assign(static_cast<size_t>(d * mp), 0.0f);
+  kc.qst.assign(static_cast<size_t>(kc.n_groups * mp), 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < d; ++c) kc.qt[static_cast<size_t>(c * mp + m)] = kc.q[m * d + c];
+    for (int32_t g = 0; g < kc.n_groups; ++g)
+      kc.qst[static_cast<size_t>(g * mp + m)] = kc.qsum[static_cast<size_t>(m * kc.n_groups + g)];
+  }
+}
+
+// One tile of nt packed rows (keys and values unpacked in w.kt / w.vt, offsets in w.klo / w.vlo
+// as [group][kTile], zeros for hidden rows) against every query of the item.
+template <int NV>
+void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n_vis, bool every,
+                      int64_t window) {
+  const int64_t M = w.m, d = NV * 16, mp = w.mp, n_lg = mp / 16;
+  const int32_t kg = kc.n_groups, vg = vc.n_groups;
+  float* st = w.st.data();
+  alignas(64) uint8_t row_vis[kTile] = {};
+  for (int64_t vi = 0; vi < n_vis; ++vi) row_vis[w.vis[static_cast<size_t>(vi)]] = 1;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // ---- logits st[t][m]: hidden rows -inf
+  for (int64_t t = 0; t < nt; ++t) {
+    float* s = st + t * mp;
+    if (!row_vis[t]) {
+      for (int64_t g = 0; g < n_lg; ++g) _mm512_storeu_ps(s + g * 16, neg_inf);
+      continue;
+    }
+    const float* kt = w.kt.data() + t * d;
+    for (int64_t g = 0; g < n_lg; ++g) {
+      __m512 l = dot_lanes<NV>(kc.qt.data() + g * 16, mp, kt);
+      for (int32_t gi = 0; gi < kg; ++gi)
+        l = _mm512_add_ps(l,
+                          _mm512_mul_ps(_mm512_set1_ps(w.klo[static_cast<size_t>(gi * kTile + t)]),
+                                        _mm512_loadu_ps(kc.qst.data() + gi * mp + g * 16)));
+      _mm512_storeu_ps(s + g * 16, l);
+    }
+  }
+  // ---- masks, online softmax, 16 queries per step
+  const __m512i win = _mm512_set1_epi32(
+      static_cast<int32_t>(std::min<int64_t>(window, std::numeric_limits<int32_t>::max())));
+  for (int64_t g = 0; g < n_lg; ++g) {
+    const int64_t l0 = g * 16;
+    const __mmask16 lanes =
+        M - l0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - l0)) - 1u);
+    const __m512i qp = _mm512_loadu_si512(w.qpos32.data() + l0);
+    __m512 tmax = neg_inf;
+    for (int64_t t = 0; t < nt; ++t) {
+      float* s = st + t * mp + l0;
+      __m512 x = _mm512_loadu_ps(s);
+      if (!every && row_vis[t]) {  // per-query causal / window test of a visible row
+        const __m512i pt = _mm512_set1_epi32(w.pos[static_cast<size_t>(t)]);
+        __mmask16 m = _mm512_cmp_epi32_mask(pt, qp, _MM_CMPINT_LE);  // pos_t <= q_pos
+        if (window > 0)
+          m = _mm512_mask_cmp_epi32_mask(m, _mm512_sub_epi32(qp, pt), win, _MM_CMPINT_LT);
+        x = _mm512_mask_blend_ps(m, neg_inf, x);
+        _mm512_storeu_ps(s, x);
+      }
+      tmax = _mm512_max_ps(x, tmax);  // x > tmax ? x : tmax, as the general path's loop
+    }
+    __m512 mx = _mm512_loadu_ps(w.mx.data() + l0);
+    const __mmask16 up = _mm512_cmp_ps_mask(tmax, mx, _CMP_GT_OQ);
+    const __mmask16 resc = _mm512_mask_cmp_ps_mask(up & lanes, mx, neg_inf, _CMP_NEQ_OQ);
+    if (resc) {
+      alignas(64) float mxa[16], tma[16];
+      _mm512_store_ps(mxa, mx);
+      _mm512_store_ps(tma, tmax);
+      for (int i = 0; i < 16; ++i)
+        if (resc & (1u << i)) rescale(w, l0 + i, std::exp(mxa[i] - tma[i]));
+    }
+    mx = _mm512_mask_blend_ps(up, mx, tmax);
+    _mm512_storeu_ps(w.mx.data() + l0, mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nt; ++t) {  // -inf - mx (or -inf - -inf = NaN) gives 0
+      float* s = st + t * mp + l0;
+      const __m512 p = exp_nonpos16_exact(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+      _mm512_storeu_ps(s, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(w.l.data() + l0, _mm512_add_ps(_mm512_loadu_ps(w.l.data() + l0), sum));
+    // ---- acc_lo[m][gv] += dot(p[m], lo_gv, nt): 16 lane sums over steps of 16 rows, then the
+    // rows past the last full step, then the 16 lane sums in order
+    alignas(64) float res[16];
+    for (int32_t gv = 0; gv < vg; ++gv) {
+      const float* lo = w.vlo.data() + gv * kTile;
+      __m512 a[16];
+      for (int l = 0; l < 16; ++l) a[l] = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= nt; i += 16)
+        for (int l = 0; l < 16; ++l)
+          a[l] = _mm512_add_ps(a[l], _mm512_mul_ps(_mm512_loadu_ps(st + (i + l) * mp + l0),
+                                                   _mm512_set1_ps(lo[i + l])));
+      __m512 sv = _mm512_setzero_ps();
+      for (; i < nt; ++i)
+        sv = _mm512_add_ps(sv,
+                           _mm512_mul_ps(_mm512_loadu_ps(st + i * mp + l0), _mm512_set1_ps(lo[i])));
+      for (int l = 0; l < 16; ++l) sv = _mm512_add_ps(sv, a[l]);
+      _mm512_store_ps(res, sv);
+      for (int64_t li = 0; li < 16 && l0 + li < M; ++li)
+        vc.acc_lo[static_cast<size_t>((l0 + li) * vg + gv)] += res[li];
+    }
+  }
+  // ---- acc'[m] += sum over visible rows of p v (alpha 1: the rescales were applied above)
+  std::fill(w.alpha.begin(), w.alpha.end(), 1.0f);
+  pv_all<NV>(vc.acc.data(), st, mp, w.alpha.data(), w.vt.data(), w.vis.data(), n_vis, M);
+}
+
+void many_packed_dispatch(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n_vis,
+                          bool every, int64_t window) {
+  switch (w.d / 16) {
+    case 2:
+      many_packed_tile<2>(w, kc, vc, nt, n_vis, every, window);
+      return;
+    case 4:
+      many_packed_tile<4>(w, kc, vc, nt, n_vis, every, window);
+      return;
+    case 6:
+      many_packed_tile<6>(w, kc, vc, nt, n_vis, every, window);
+      return;
+    default:
+      many_packed_tile<8>(w, kc, vc, nt, n_vis, every, window);
+      return;
+  }
+}
+
 // ---- few-query path: full-precision rows read in place (fp16/bf16/fp32), no fp32 tile -------
 //
 // For calls with fewer than kManyQueries queries per head (decode), full-precision segments with
@@ -1154,6 +1343,20 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         std::fill(w.klo.begin(), w.klo.end(), 0.0f);
         std::fill(w.vlo.begin(), w.vlo.end(), 0.0f);
       }
+#if defined(__AVX512F__)
+      if (many && packed && d % 32 == 0) {  // lanes over queries (many_packed_tile)
+        if (kc->qt.empty()) build_class_lanes(w, *kc);
+        for (int64_t vi = 0; vi < n_vis; ++vi) {
+          const int64_t t = w.vis[static_cast<size_t>(vi)];
+          unpack_scaled(pk.record(b, kh, j0 + t), pk.fmt, w.kt.data() + t * d, w.tmp.data());
+          for (int32_t g = 0; g < kg; ++g) w.klo[static_cast<size_t>(g * kTile + t)] = w.tmp[g];
+          unpack_scaled(pv.record(b, kh, j0 + t), pv.fmt, w.vt.data() + t * d, w.tmp.data());
+          for (int32_t g = 0; g < vg; ++g) w.vlo[static_cast<size_t>(g * kTile + t)] = w.tmp[g];
+        }
+        many_packed_dispatch(w, *kc, *vc, nt, n_vis, every, p.window);
+        continue;
+      }
+#endif
       // ---- keys of the visible rows -> fp32 tile; logits [M, kTile]
 #if defined(__AVX512F__)
       if (few) {  // every row's logits from the rows in place, then the hidden rows' -inf
