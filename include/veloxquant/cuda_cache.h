@@ -111,12 +111,16 @@ HostSegment download_segment(const DeviceCacheView& view, size_t i, Stream s = n
 // p.q_pos0 + i; out device [B, H_q, N, D] fp32 contiguous. Same semantics as
 // attention_reference (attention.h) over every row of view: key j visible when pos_j <= pos_i
 // and, with p.window > 0, pos_i < pos_j + window, each row using its own position; query head qh
-// reads KV head qh / (H_q / H_kv). Tiled over keys (32 rows per tile, staged in shared memory as
-// fp32; packed records dequantized there, code*scale + lo with one rounding each, inverse channel
-// permutation), online softmax with fp32 accumulation. A query that sees no key gets zeros.
+// reads KV head qh / (H_q / H_kv). Two kernels, both tiled over keys with an online softmax and
+// fp32 accumulation: views whose full-precision rows are f16 run on tensor cores (mma with q, p
+// and dequantized packed rows as fp16 hi + lo parts, so products stay exact; packed segments are
+// dequantized once per call into stream-ordered scratch, code*scale + lo with the CPU's roundings,
+// inverse channel permutation and Hadamard un-rotation); views with f32/bf16 rows on CUDA cores
+// (fp32 tiles in shared memory). A query that sees no key gets zeros.
 // Supported: D in {64, 128}; H_q a multiple of H_kv; full-precision segments f16/bf16/f32; packed
-// segments with integer bits 1..8, any metadata type, a channel permutation (no Hadamard
-// rotation). Anything else: vq::Error.
+// segments with 1.5-bit or integer 1..8-bit codes, any metadata type, a channel permutation; a
+// Hadamard rotation or 1.5-bit codes only with f16 full-precision rows (tensor-core path).
+// Anything else: vq::Error.
 void prefill_attention(const float* q, int64_t n_q_heads, int64_t n_queries,
                        const DeviceCacheView& view, const AttentionParams& p, float* out,
                        Stream s = nullptr);

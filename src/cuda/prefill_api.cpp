@@ -6,6 +6,7 @@
 #include "cuda/check.h"
 #include "cuda/prefill_attention.cuh"
 #include "veloxquant/cuda_cache.h"
+#include "veloxquant/hadamard.h"
 
 namespace vq::cuda {
 
@@ -14,12 +15,8 @@ namespace {
 PrefillTensor packed_tensor(const PackedRowFormat& f, const uint8_t* data, const int32_t* perm,
                             const float* signs, size_t seg_index, const char* which) {
   const std::string where = "segment " + std::to_string(seg_index) + " " + which;
-  VQ_CHECK(signs == nullptr,
-           "[prefill_attention] expected packed rows without a Hadamard rotation "
-           "but " +
-               where + " is rotated");
-  VQ_CHECK(!f.spec.ternary() && f.spec.bits() >= 1 && f.spec.bits() <= 8,
-           "[prefill_attention] expected integer code bits 1..8 but " + where + " has " +
+  VQ_CHECK(f.spec.ternary() || (f.spec.bits() >= 1 && f.spec.bits() <= 8),
+           "[prefill_attention] expected 1.5-bit or integer code bits 1..8 but " + where + " has " +
                std::to_string(f.spec.bits_value()));
   VQ_CHECK(f.group_size >= 1 && data != nullptr,
            "[prefill_attention] expected packed records with group_size >= 1 in " + where);
@@ -27,10 +24,20 @@ PrefillTensor packed_tensor(const PackedRowFormat& f, const uint8_t* data, const
   t.data = data;
   t.perm = perm;
   t.bits = f.spec.bits();
+  t.ternary = f.spec.ternary() ? 1 : 0;
   t.group_size = f.group_size;
   t.code_bytes = f.code_bytes;
   t.row_stride = f.row_stride;
   t.meta = static_cast<int32_t>(f.meta);
+  if (signs != nullptr) {
+    const int64_t block = hadamard_block(f.head_dim);
+    VQ_CHECK(block > 0 && f.head_dim % block == 0,
+             "[prefill_attention] expected a power-of-two rotation block dividing head_dim " +
+                 std::to_string(f.head_dim) + " in " + where);
+    t.signs = signs;
+    t.rot_block = static_cast<int32_t>(block);
+    t.rot_norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)));
+  }
   return t;
 }
 

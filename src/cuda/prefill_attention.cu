@@ -15,17 +15,20 @@
 //   power-of-two part), masked by position and window (skipped when the whole tile is visible to
 //   the whole block), online softmax with exp2f in fp32; P V again on mma with P as hi + lo fp16
 //   (and p_hi * v_lo for packed values). Tiles no row of the block sees are never loaded; heaviest
-//   tiles run first. Limits: dequantized values must lie within fp16's range (|x| < 65520).
-// * CUDA cores (every other view: f32 or bf16 rows): one block of 4 warps per (tile of 16 query
-// rows, KV head, batch); the rows of a tile are (query i, head r of the GQA group) pairs ordered
-// t = i * n_rep + r, so the n_rep query heads sharing a KV head read each key tile once.
-// Keys and values are staged 32 rows at a time in shared memory as fp32 ([32][D + 1]: the pad
-// makes lane j's reads of row j conflict-free); packed records are dequantized there
-// (code * scale + lo, one rounding each, no FMA: the CPU's dequantize_record values) and put
-// back in original channel order. A tile no query row of the block can see (by position and
-// window) is skipped before its rows are read. Each warp owns 4 query rows: lane j scores key j
-// (fp32 dot product), then an online softmax (running max, expf, fp32 sums) accumulates
-// p * v into D/32 outputs per lane. A query that sees no key gets zeros.
+//   tiles run first. Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by
+//   the device caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the
+//   un-rotation included) and then split into the same planes. Limits: dequantized values must
+//   lie within fp16's range (|x| < 65520).
+// * CUDA cores (every other view: f32 or bf16 rows; rotated or 1.5-bit packed rows refused): one
+// block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a tile are (query i,
+// head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query heads sharing a KV
+// head read each key tile once. Keys and values are staged 32 rows at a time in shared memory as
+// fp32 ([32][D + 1]: the pad makes lane j's reads of row j conflict-free); packed records are
+// dequantized there (code * scale + lo, one rounding each, no FMA: the CPU's dequantize_record
+// values) and put back in original channel order. A tile no query row of the block can see (by
+// position and window) is skipped before its rows are read. Each warp owns 4 query rows: lane j
+// scores key j (fp32 dot product), then an online softmax (running max, expf, fp32 sums)
+// accumulates p * v into D/32 outputs per lane. A query that sees no key gets zeros.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -35,6 +38,7 @@
 #include <cstdlib>
 
 #include "cuda/check.h"
+#include "cuda/device_cache_dequant.cuh"
 #include "cuda/prefill_attention.cuh"
 
 namespace vq::cuda {
@@ -340,6 +344,24 @@ __global__ void prefill_dequant_kernel(const PrefillSeg seg, int kv_heads, int D
       }
     }
   }
+}
+
+// fp32 rows -> fp16 hi + lo planes (hi = x rounded to fp16, lo = x - hi rounded to fp16), the split
+// of tc_split, for packed segments dequantized by dequant_rows_launch (rotated or 1.5-bit codes).
+__global__ void prefill_split_kernel(const float* x, int64_t n, __half* hi, __half* lo) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const __half xh = __float2half_rn(x[e]);
+    hi[e] = xh;
+    lo[e] = __float2half_rn(x[e] - __half2float(xh));
+  }
+}
+
+// A packed tensor the dequant8 path cannot take: 1.5-bit codes or a Hadamard rotation. Such
+// segments are dequantized by the device caches' dequant_rows (the CPU's dequantize_row
+// operations, un-rotation included) into fp32 scratch, then split.
+bool needs_general_dequant(const PrefillTensor& t) {
+  return t.ternary != 0 || t.signs != nullptr;
 }
 
 // One block of 8 warps per (tile of 128 rows t = i * n_rep + r, KV head, batch), heaviest
@@ -692,16 +714,31 @@ void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
              reinterpret_cast<uintptr_t>(g.values) % 16 != 0)
       tc = false;
   }
+  bool general = false;  // some packed segment needs dequant_rows (rotation or 1.5-bit codes)
+  for (int i = 0; i < p.n_segs; ++i)
+    if (p.segs[i].packed &&
+        (needs_general_dequant(p.segs[i].pk) || needs_general_dequant(p.segs[i].pv)))
+      general = true;
+  VQ_CHECK(tc || !general,
+           "[prefill_attention] expected a view for the tensor-core path (full-precision rows "
+           "f16 and 16-byte aligned, q and out 8-byte aligned) with Hadamard-rotated or 1.5-bit "
+           "packed segments, but the view has other rows or alignment");
   if (tc) {
     // Packed segments are dequantized once per call into stream-ordered scratch (fp16 hi + lo
     // planes of K and V: 8 bytes per row and channel), which the kernel streams like f16 rows.
+    // Rotated or 1.5-bit ones go through fp32 rows first (one scratch reused, stream-ordered).
     PrefillParams q = p;
     const int64_t F = static_cast<int64_t>(p.batch) * p.kv_heads, D = p.head_dim;
-    size_t bytes = 0;
+    size_t bytes = 0, f32_bytes = 0;
     for (int i = 0; i < p.n_segs; ++i)
-      if (p.segs[i].packed) bytes += static_cast<size_t>(4 * F * p.segs[i].n_rows * D) * 2;
+      if (p.segs[i].packed) {
+        bytes += static_cast<size_t>(4 * F * p.segs[i].n_rows * D) * 2;
+        if (needs_general_dequant(p.segs[i].pk) || needs_general_dequant(p.segs[i].pv))
+          f32_bytes = std::max(f32_bytes, static_cast<size_t>(F * p.segs[i].n_rows * D) * 4);
+      }
     void* ws = nullptr;
-    if (bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&ws, bytes, s));
+    if (bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&ws, bytes + f32_bytes, s));
+    float* f32 = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + bytes);
     size_t used = 0;
     for (int i = 0; i < q.n_segs; ++i) {
       PrefillSeg& g = q.segs[i];
@@ -716,11 +753,41 @@ void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
       __half* klo = base + plane;
       __half* vlo = base + 3 * plane / 2;
       used += 4 * plane;
-      const int64_t items = g.n_rows * (D / 8);
-      const dim3 dg(static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 4096)),
-                    static_cast<unsigned>(F));
-      prefill_dequant_kernel<<<dg, 256, 0, s>>>(g, p.kv_heads, p.head_dim, khi, vhi, klo, vlo);
-      VQ_CUDA_LAUNCH_CHECK("prefill_dequant");
+      if (needs_general_dequant(g.pk) || needs_general_dequant(g.pv)) {
+        const int64_t n = F * g.n_rows * D;
+        const unsigned sg = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536));
+        for (int kv = 0; kv < 2; ++kv) {
+          const PrefillTensor& t = kv ? g.pv : g.pk;
+          DequantRowsParams d;
+          d.records = t.data;
+          d.src_cap = g.capacity;
+          d.row_stride = t.row_stride;
+          d.code_bytes = t.code_bytes;
+          d.bits = t.bits;
+          d.ternary = t.ternary;
+          d.group_size = t.group_size;
+          d.meta = t.meta;
+          d.head_dim = p.head_dim;
+          d.perm = t.perm;
+          d.n_frames = F;
+          d.heads = p.kv_heads;
+          d.n = g.n_rows;
+          d.dst = f32;
+          d.dst_cap = g.n_rows;
+          d.signs = t.signs;
+          d.rot_block = t.rot_block;
+          d.rot_norm = t.rot_norm;
+          dequant_rows_launch(d, s);
+          prefill_split_kernel<<<sg, 256, 0, s>>>(f32, n, kv ? vhi : khi, kv ? vlo : klo);
+          VQ_CUDA_LAUNCH_CHECK("prefill_split");
+        }
+      } else {
+        const int64_t items = g.n_rows * (D / 8);
+        const dim3 dg(static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 4096)),
+                      static_cast<unsigned>(F));
+        prefill_dequant_kernel<<<dg, 256, 0, s>>>(g, p.kv_heads, p.head_dim, khi, vhi, klo, vlo);
+        VQ_CUDA_LAUNCH_CHECK("prefill_dequant");
+      }
       g.rows_cap = g.n_rows;
       g.keys = khi;
       g.values = vhi;

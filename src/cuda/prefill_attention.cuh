@@ -14,7 +14,13 @@ struct PrefillTensor {  // one packed tensor (keys or values) of a segment
   const uint8_t* data = nullptr;
   const int32_t* perm = nullptr;  // [H, D] or nullptr: stored channel j = original perm[j]
   int32_t bits = 0, group_size = 0, code_bytes = 0, row_stride = 0;
-  int32_t meta = 0;  // vq::MetaType: 0 f16, 1 f32, 2 fp8 e4m3
+  int32_t meta = 0;     // vq::MetaType: 0 f16, 1 f32, 2 fp8 e4m3
+  int32_t ternary = 0;  // 1.5-bit codes (five per byte); tensor-core path only
+  // Hadamard rotation (tensor-core path only): signs device [H, D] or nullptr, the power-of-two
+  // block hadamard_block(D) and float(1 / sqrt(double(rot_block))).
+  const float* signs = nullptr;
+  int32_t rot_block = 0;
+  float rot_norm = 1.0f;
 };
 
 struct PrefillSeg {

@@ -2,7 +2,8 @@
 // over the same view (packed rows dequantized on the host by dequantize_view). Views are built
 // by the CPU caches themselves and uploaded (DeviceCacheView::upload): full-precision caches of
 // each dtype, SKVQ caches (full-precision sinks, packed middle with channel permutations, tail:
-// mixed views; K2V2, K4V4, K4V2, K8V8, metadata f16/f32/fp8, ragged groups) and SnapKV caches
+// mixed views; K2V2, K4V4, K4V2, K8V8, 1.5-bit codes, Hadamard rotation, metadata f16/f32/fp8,
+// ragged groups) and SnapKV caches
 // (explicit per-head gapped positions, then an implicit tail). Awkward shapes: view lengths 1,
 // 17, 127, 129 (and 300), N queries 1, 17, 127, 129, GQA 1/4/8, head_dim 64/128, batch 1 and 8,
 // window off / on (including windows so small that some queries see no key), queries placed
@@ -141,11 +142,15 @@ TEST(CudaPrefill, PackedAndMixedViews) {
     int64_t g;
     MetaType meta;
     bool reorder;
+    Rotation rot = Rotation::kNone;
   };
   const Q qs[] = {{2, 2, 32, MetaType::kF16, true},
                   {4, 4, 32, MetaType::kF32, true},
                   {4, 2, 48, MetaType::kFP8E4M3, false},
-                  {8, 8, 128, MetaType::kF16, true}};
+                  {8, 8, 128, MetaType::kF16, true},
+                  {2, 2, 32, MetaType::kF16, true, Rotation::kHadamard},
+                  {1.5, 1.5, 16, MetaType::kF16, false},
+                  {1.5, 4, 32, MetaType::kF32, true, Rotation::kHadamard}};
   int qi = 0;
   for (int64_t D : {64, 128})
     for (const Q& q : qs) {
@@ -156,15 +161,17 @@ TEST(CudaPrefill, PackedAndMixedViews) {
       cfg.skvq_group_size = q.g;
       cfg.skvq_meta = q.meta;
       cfg.skvq_reorder = q.reorder;
+      cfg.skvq_rotation = q.rot;
       cfg.skvq_window = 32;
       cfg.skvq_n_sink = 5;
       const int64_t B = (qi++ % 2) ? 8 : 1;
       CacheView view;
       auto cache = filled_cache(cfg, B, 2, D, DType::kF16, {129, 17}, 300 + qi, &view);
       EXPECT_TRUE(view.has_packed());
-      const std::string name = "skvq K" + std::to_string(static_cast<int>(q.kb)) + "V" +
-                               std::to_string(static_cast<int>(q.vb)) + " g" + std::to_string(q.g) +
-                               " meta" + std::to_string(static_cast<int>(q.meta)) + " D" +
+      const std::string name = "skvq K" + std::to_string(q.kb) + "V" + std::to_string(q.vb) + " g" +
+                               std::to_string(q.g) + " meta" +
+                               std::to_string(static_cast<int>(q.meta)) +
+                               (q.rot == Rotation::kHadamard ? " hadamard" : "") + " D" +
                                std::to_string(D) + " B" + std::to_string(B);
       for (int64_t g : {1, 4}) {
         worst = std::max(worst, check_case(view, 2 * g, 17, 129, 0, 11 + qi, name));
@@ -219,14 +226,18 @@ TEST(CudaPrefill, RefusesUnsupported) {
   const cuda::DeviceCacheView d64 = cuda::DeviceCacheView::upload(v64);
   expect_error([&] { cuda::prefill_attention_host(random_q(3 * 64, 1), 3, 1, d64, {}); },
                "multiple of H_kv");
+  // Rotated packed rows take the tensor-core path only: with bf16 full-precision rows (the
+  // CUDA-core path) they are refused.
   CacheConfig rc;
   rc.method = "skvq";
   rc.skvq_window = 16;
   rc.skvq_rotation = Rotation::kHadamard;
   CacheView vr;
-  auto cr = filled_cache(rc, 1, 2, 64, DType::kF16, {40}, 1, &vr);
+  auto cr = filled_cache(rc, 1, 2, 64, DType::kBF16, {40}, 1, &vr);
+  ASSERT_TRUE(vr.has_packed());
   const cuda::DeviceCacheView dr = cuda::DeviceCacheView::upload(vr);
-  expect_error([&] { cuda::prefill_attention_host(random_q(2 * 64, 1), 2, 1, dr, {}); }, "rotat");
+  expect_error([&] { cuda::prefill_attention_host(random_q(2 * 64, 1), 2, 1, dr, {}); },
+               "tensor-core path");
 }
 
 }  // namespace
