@@ -1021,10 +1021,8 @@ inline void qk_16rows(const float* const* qm, const char* krow0, int64_t ks, int
 
 // w.logits[m][t] for every query m and row t < nt of the tile starting at row j0.
 template <DType T, int NV>
-void few_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0, int64_t nt) {
+void few_logits(Work& w, const float* qs, const char* k0, int64_t ks, int64_t nt) {
   const int64_t M = w.m, d = NV * 16;
-  const int64_t ks = seg.keys.stride[2] * static_cast<int64_t>(dtype_size(T));
-  const char* k0 = static_cast<const char*>(seg.keys.row(b, kh, j0));
   for (int64_t s0 = 0; s0 < nt; s0 += kFewBlock) {
     const int64_t n = std::min(kFewBlock, nt - s0);
     const char* kr = k0 + s0 * ks;
@@ -1033,7 +1031,7 @@ void few_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t 
       float* lg[4];
       const int64_t qb = std::min<int64_t>(4, M - m0);
       for (int64_t q = 0; q < qb; ++q) {
-        qm[q] = w.q.data() + (m0 + q) * d;
+        qm[q] = qs + (m0 + q) * d;
         lg[q] = w.logits.data() + (m0 + q) * kTile + s0;
       }
       switch (qb) {
@@ -1108,13 +1106,10 @@ void pv_few(float* acc, const float* probs, const char* v0, int64_t vs, const in
   }
 }
 
-// w.acc[m] += sum over the tile's visible rows of w.probs[m][t] v_t.
+// acc[m] += sum over the tile's visible rows of w.probs[m][t] v_t, rows at v0 + t * vs.
 template <DType T>
-void few_values(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0, int64_t n_vis) {
-  const int64_t vs = seg.values.stride[2] * static_cast<int64_t>(dtype_size(T));
-  const char* v0 = static_cast<const char*>(seg.values.row(b, kh, j0));
+void few_values(Work& w, float* acc, const char* v0, int64_t vs, int64_t n_vis) {
   const int32_t* rows = w.vis.data();
-  float* acc = w.acc.data();
   const float* pr = w.probs.data();
   switch (w.d / 16) {
     case 2:
@@ -1132,50 +1127,55 @@ void few_values(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t 
   }
 }
 
+// Logits of the rows at k0 + t * ks (t < nt) for the queries qs [M, D].
 template <DType T>
-void few_logits_d(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0, int64_t nt) {
+void few_logits_d(Work& w, const float* qs, const char* k0, int64_t ks, int64_t nt) {
   switch (w.d / 16) {
     case 2:
-      few_logits<T, 2>(w, seg, b, kh, j0, nt);
+      few_logits<T, 2>(w, qs, k0, ks, nt);
       return;
     case 4:
-      few_logits<T, 4>(w, seg, b, kh, j0, nt);
+      few_logits<T, 4>(w, qs, k0, ks, nt);
       return;
     case 6:
-      few_logits<T, 6>(w, seg, b, kh, j0, nt);
+      few_logits<T, 6>(w, qs, k0, ks, nt);
       return;
     default:
-      few_logits<T, 8>(w, seg, b, kh, j0, nt);
+      few_logits<T, 8>(w, qs, k0, ks, nt);
       return;
   }
 }
 
 void few_tile_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0,
                      int64_t nt) {
+  const char* k0 = static_cast<const char*>(seg.keys.row(b, kh, j0));
+  const int64_t ks = seg.keys.stride[2] * static_cast<int64_t>(dtype_size(seg.keys.dtype));
   switch (seg.keys.dtype) {
     case DType::kF16:
-      few_logits_d<DType::kF16>(w, seg, b, kh, j0, nt);
+      few_logits_d<DType::kF16>(w, w.q.data(), k0, ks, nt);
       return;
     case DType::kBF16:
-      few_logits_d<DType::kBF16>(w, seg, b, kh, j0, nt);
+      few_logits_d<DType::kBF16>(w, w.q.data(), k0, ks, nt);
       return;
     case DType::kF32:
-      few_logits_d<DType::kF32>(w, seg, b, kh, j0, nt);
+      few_logits_d<DType::kF32>(w, w.q.data(), k0, ks, nt);
       return;
   }
 }
 
 void few_tile_values(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0,
                      int64_t n_vis) {
+  const char* v0 = static_cast<const char*>(seg.values.row(b, kh, j0));
+  const int64_t vs = seg.values.stride[2] * static_cast<int64_t>(dtype_size(seg.values.dtype));
   switch (seg.values.dtype) {
     case DType::kF16:
-      few_values<DType::kF16>(w, seg, b, kh, j0, n_vis);
+      few_values<DType::kF16>(w, w.acc.data(), v0, vs, n_vis);
       return;
     case DType::kBF16:
-      few_values<DType::kBF16>(w, seg, b, kh, j0, n_vis);
+      few_values<DType::kBF16>(w, w.acc.data(), v0, vs, n_vis);
       return;
     case DType::kF32:
-      few_values<DType::kF32>(w, seg, b, kh, j0, n_vis);
+      few_values<DType::kF32>(w, w.acc.data(), v0, vs, n_vis);
       return;
   }
 }
@@ -1290,8 +1290,11 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
     const float* qsrc = packed ? kc->q.data() : w.q.data();
 #if defined(__AVX512F__)
     const bool few = !packed && !many && few_supported(seg, d);
+    // Packed rows in decode: unpacked to the fp32 tile as before, then the few-query kernels
+    // over the tile (the same operations as dot_many / accumulate_tile).
+    const bool few_packed = packed && !many && d % 32 == 0 && d <= 128;
 #else
-    const bool few = false;
+    const bool few = false, few_packed = false;
 #endif
     for (int64_t j0 = 0; j0 < seg.n_rows; j0 += kTile) {
       const int64_t nt = std::min(kTile, seg.n_rows - j0);
@@ -1383,10 +1386,23 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         } else {
           for (int64_t c = 0; c < d; ++c) kt[c] = seg.keys.at(b, kh, j0 + t, c);
         }
+        if (few_packed) continue;  // logits of the whole tile below
         dot_many(qsrc, M, kt, d, w.dots.data());
         for (int64_t m = 0; m < M; ++m)
           w.logits[static_cast<size_t>(m * kTile + t)] = w.dots[static_cast<size_t>(m)];
       }
+#if defined(__AVX512F__)
+      if (few_packed) {  // hidden rows hold stale (finite) tile rows: their logits become -inf
+        few_logits_d<DType::kF32>(w, qsrc, reinterpret_cast<const char*>(w.kt.data()), d * 4, nt);
+        if (n_vis < nt) {
+          alignas(64) uint8_t shown[kTile] = {};
+          for (int64_t vi = 0; vi < n_vis; ++vi) shown[w.vis[static_cast<size_t>(vi)]] = 1;
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t t = 0; t < nt; ++t)
+              if (!shown[t]) w.logits[static_cast<size_t>(m * kTile + t)] = neg_inf;
+        }
+      }
+#endif
       if (packed)  // + sum_g lo_g * qsum_g, vectorised over the tile's rows
         for (int64_t m = 0; m < M; ++m) {
           float* lr = w.logits.data() + m * kTile;
@@ -1453,10 +1469,15 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
           for (int64_t c = 0; c < d; ++c) vt[c] = seg.values.at(b, kh, j0 + t, c);
         }
       }
+#if defined(__AVX512F__)
+      if (few_packed)
+        few_values<DType::kF32>(w, vc->acc.data(), reinterpret_cast<const char*>(w.vt.data()),
+                                d * 4, n_vis);
+#endif
       for (int64_t m = 0; m < M; ++m) {
         const float* pr = w.probs.data() + m * kTile;
         float* acc = packed ? vc->acc.data() + m * d : w.acc.data() + m * d;
-        accumulate_tile(acc, pr, w.vt.data(), w.vis.data(), n_vis, d);
+        if (!few_packed) accumulate_tile(acc, pr, w.vt.data(), w.vis.data(), n_vis, d);
         if (packed) {
           float* al = vc->acc_lo.data() + m * vg;
           for (int32_t g = 0; g < vg; ++g) al[g] += dot(pr, w.vlo.data() + g * kTile, nt);
