@@ -166,10 +166,13 @@ struct DecodeOptions {
 // q_pos0 < pos_j + window), query head qh reading KV head qh / (H_q / H_kv).
 // q device [B, H_q, D] fp32 contiguous; out device [B, H_q, D] fp32 contiguous.
 // Supported: D in {64, 128}; H_q / H_kv in {1, 2, 4, 8}; full-precision segments f16 / bf16 / f32;
-// packed segments with key/value bits (2,2), (4,4), (8,8), (4,2) or (2,4), group_size a multiple
-// of 8, any metadata type, permutation and/or Hadamard rotation (the query is transformed, never
-// the keys; values are accumulated in stored order and un-transformed once). Every packed segment
-// of one view must share one format and one set of transforms. Anything else: vq::Error.
+// packed segments of every SKVQ format. Fused (read in place): key/value bits (2,2), (4,4), (8,8),
+// (4,2) or (2,4), group_size a multiple of 8, any metadata type, permutation and/or Hadamard
+// rotation (the query is transformed, never the keys; values are accumulated in stored order and
+// un-transformed once); every packed segment of one view must then share one format and one set
+// of transforms. Other formats (1.5-bit codes, other bit pairs, other groups) are first
+// dequantized into stream-ordered fp32 scratch (the CPU's dequantize_row values) and attended to
+// as f32 rows: exact but not fused. Anything else: vq::Error.
 // Numerics: fp32 accumulation, exp2 of log2e-scaled logits, splits merged by an exact log-sum-exp
 // combine. Products are fp32 on the CUDA-core path; the tensor-core path (f16 rows, 2-bit codes,
 // groups a multiple of 32) splits q and p (times the group scale, rescaled by 2^S per tile) into

@@ -10,7 +10,8 @@
 // work is a few hundred operations and no allocation once the workspace is large enough. Tuning
 // knobs for the benchmark (environment, read once; unset = the defaults above):
 // VQ_DECODE_PACKED_STAGE_BYTES (K + V bytes per stage of packed rows, tensor-core kernel) and
-// VQ_DECODE_TARGET_BLOCKS (the split plan's block target).
+// VQ_DECODE_TARGET_BLOCKS (the split plan's block target). Packed segments of a format no split
+// kernel reads in place (fused_format) are dequantized into fp32 scratch first (unfused fallback).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 
 #include "cuda/check.h"
 #include "cuda/decode_attention.cuh"
+#include "cuda/device_cache_dequant.cuh"
 #include "veloxquant/cuda.h"
 
 namespace vq::cuda {
@@ -70,11 +72,67 @@ int64_t env_knob(const char* name) {
   return x > 0 ? static_cast<int64_t>(x) : 0;
 }
 
-int code_bits(const PackedRowFormat& f, const char* what) {
-  VQ_CHECK(!f.spec.ternary(), std::string("[decode_attention] expected integer ") + what +
-                                  " bits (2, 4 or 8) but got 1.5-bit (ternary) codes");
-  return f.spec.bits();
+// Packed formats the split kernels read in place: key/value bits (2,2), (4,4), (8,8), (4,2) or
+// (2,4) and one group size, a multiple of 8. Every other SKVQ format (1.5-bit codes, other bit
+// pairs, other groups) is dequantized first (dequantized_segment).
+bool fused_format(const DeviceSegment& sg) {
+  const PackedRowFormat &k = sg.k_fmt, &v = sg.v_fmt;
+  if (k.spec.ternary() || v.spec.ternary()) return false;
+  const int kb = k.spec.bits(), vb = v.spec.bits();
+  const bool pair =
+      (kb == vb && (kb == 2 || kb == 4 || kb == 8)) || (kb == 4 && vb == 2) || (kb == 2 && vb == 4);
+  return pair && k.group_size == v.group_size && k.group_size % 8 == 0;
 }
+
+// Rows per (b, h) of the fp32 copy of a packed segment: its capacity when it has explicit
+// positions (they are indexed by the capacity), else its rows.
+int64_t dequantized_capacity(const DeviceSegment& sg) {
+  return sg.positions ? (sg.capacity > 0 ? sg.capacity : sg.n_rows) : sg.n_rows;
+}
+
+// Queues the dequantization of a packed segment into fp32 rows k, v [B*H, cap, D] (original
+// channel order: dequant_rows, the CPU's dequantize_row operations, un-rotation included).
+void dequantize_segment(const DeviceSegment& sg, int64_t frames, int64_t heads, int64_t cap,
+                        float* k, float* v, cudaStream_t st) {
+  for (int kv = 0; kv < 2; ++kv) {
+    const PackedRowFormat& f = kv ? sg.v_fmt : sg.k_fmt;
+    DequantRowsParams d;
+    d.records = kv ? sg.v_data : sg.k_data;
+    d.src_cap = sg.capacity > 0 ? sg.capacity : sg.n_rows;
+    d.row_stride = static_cast<int32_t>(f.row_stride);
+    d.code_bytes = static_cast<int32_t>(f.code_bytes);
+    d.bits = f.spec.bits();
+    d.ternary = f.spec.ternary() ? 1 : 0;
+    d.group_size = static_cast<int32_t>(f.group_size);
+    d.meta = static_cast<int32_t>(f.meta);
+    d.head_dim = static_cast<int32_t>(f.head_dim);
+    d.perm = kv ? sg.v_perm : sg.k_perm;
+    d.n_frames = frames;
+    d.heads = heads;
+    d.n = sg.n_rows;
+    d.dst = kv ? v : k;
+    d.dst_cap = cap;
+    d.signs = kv ? sg.v_signs : sg.k_signs;
+    if (d.signs) {
+      const int32_t blk = kv ? sg.v_rot_block : sg.k_rot_block;
+      VQ_CHECK(blk >= 1 && f.head_dim % blk == 0 && (blk & (blk - 1)) == 0,
+               "[decode_attention] expected a power-of-two rotation block dividing " +
+                   std::to_string(f.head_dim) + " but got " + std::to_string(blk));
+      d.rot_block = blk;
+      d.rot_norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(blk)));
+    }
+    dequant_rows_launch(d, st);
+  }
+}
+
+// Stream-ordered scratch freed (on the stream, after the queued kernels) when it goes out of scope.
+struct StreamScratch {
+  void* p = nullptr;
+  cudaStream_t st = nullptr;
+  ~StreamScratch() {
+    if (p) (void)cudaFreeAsync(p, st);
+  }
+};
 
 bool same_fmt(const PackedRowFormat& a, const PackedRowFormat& b) {
   return a.head_dim == b.head_dim && a.group_size == b.group_size && a.code_bytes == b.code_bytes &&
@@ -126,10 +184,47 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
   dp.q_pos = p.q_pos0;
   dp.window = p.window;
 
+  cudaStream_t st = detail::to_stream(s);
+  // Packed segments of a format the split kernels do not read in place: fp32 copies in one
+  // stream-ordered allocation, attended to as full-precision rows (not fused: they are read
+  // three times, as codes, written and read as fp32).
+  StreamScratch deq{nullptr, st};
+  size_t deq_bytes = 0;
+  for (const DeviceSegment& sg : view.segments())
+    if (sg.n_rows > 0 && sg.packed && !fused_format(sg))
+      deq_bytes += static_cast<size_t>(2 * B * H * dequantized_capacity(sg) * D) * 4;
+  if (deq_bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&deq.p, deq_bytes, st));
+  size_t deq_used = 0;
+
   const DeviceSegment* pk_first = nullptr;
   int64_t total_rows = 0;
   for (const DeviceSegment& sg : view.segments()) {
     if (sg.n_rows == 0) continue;
+    if (sg.packed && !fused_format(sg)) {
+      VQ_CHECK(dp.n_segments < kDecodeMaxSegments,
+               "[decode_attention] expected at most " + std::to_string(kDecodeMaxSegments) +
+                   " non-empty segments but got more (merge them on upload)");
+      VQ_CHECK(sg.k_data && sg.v_data && sg.k_fmt.head_dim == D && sg.v_fmt.head_dim == D,
+               "[decode_attention] expected packed records of head_dim " + std::to_string(D));
+      const int64_t cap = dequantized_capacity(sg);
+      float* k = reinterpret_cast<float*>(static_cast<uint8_t*>(deq.p) + deq_used);
+      float* v = k + B * H * cap * D;
+      deq_used += static_cast<size_t>(2 * B * H * cap * D) * 4;
+      dequantize_segment(sg, B * H, H, cap, k, v, st);
+      DecodeSegmentParams& d = dp.seg[dp.n_segments++];
+      d.n_rows = sg.n_rows;
+      d.capacity = cap;
+      d.first_pos = sg.first_pos;
+      d.positions = sg.positions;
+      d.packed = 0;
+      d.dtype = static_cast<int>(DType::kF32);
+      d.k = reinterpret_cast<const uint8_t*>(k);
+      d.v = reinterpret_cast<const uint8_t*>(v);
+      d.k_row_bytes = d.v_row_bytes = static_cast<int32_t>(D * 4);
+      d.tile_rows = tile_rows_for(d.k_row_bytes, d.v_row_bytes);
+      total_rows += sg.n_rows;
+      continue;
+    }
     VQ_CHECK(dp.n_segments < kDecodeMaxSegments,
              "[decode_attention] expected at most " + std::to_string(kDecodeMaxSegments) +
                  " non-empty segments but got more (merge them on upload)");
@@ -144,8 +239,8 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
     if (sg.packed) {
       if (!pk_first) {
         pk_first = &sg;
-        dp.k_bits = code_bits(sg.k_fmt, "key");
-        dp.v_bits = code_bits(sg.v_fmt, "value");
+        dp.k_bits = sg.k_fmt.spec.bits();
+        dp.v_bits = sg.v_fmt.spec.bits();
         VQ_CHECK(sg.k_fmt.group_size == sg.v_fmt.group_size && sg.k_fmt.group_size % 8 == 0,
                  "[decode_attention] expected one key/value group_size, a multiple of 8, but "
                  "got " +
@@ -204,7 +299,6 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
     d.tile_rows = tile_rows_for(d.k_row_bytes, d.v_row_bytes);
     total_rows += sg.n_rows;
   }
-  cudaStream_t st = detail::to_stream(s);
   if (total_rows == 0) {  // nothing to attend to: zeros, like the reference
     VQ_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(B * n_q_heads * D) * 4, st));
     return;
