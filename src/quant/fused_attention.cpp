@@ -826,14 +826,15 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
   for (int64_t vi = 0; vi < n_vis; ++vi) row_vis[w.vis[static_cast<size_t>(vi)]] = 1;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // ---- logits st[t][m]: hidden rows -inf
-  for (int64_t t = 0; t < nt; ++t) {
-    float* s = st + t * mp;
-    if (!row_vis[t]) {
-      for (int64_t g = 0; g < n_lg; ++g) _mm512_storeu_ps(s + g * 16, neg_inf);
-      continue;
-    }
-    const float* kt = w.kt.data() + t * d;
-    for (int64_t g = 0; g < n_lg; ++g) {
+  // (query groups outside: a group's transposed queries, D x 64 bytes, stay in L1 over the rows)
+  for (int64_t g = 0; g < n_lg; ++g)
+    for (int64_t t = 0; t < nt; ++t) {
+      float* s = st + t * mp;
+      if (!row_vis[t]) {
+        _mm512_storeu_ps(s + g * 16, neg_inf);
+        continue;
+      }
+      const float* kt = w.kt.data() + t * d;
       __m512 l = dot_lanes<NV>(kc.qt.data() + g * 16, mp, kt);
       for (int32_t gi = 0; gi < kg; ++gi)
         l = _mm512_add_ps(l,
@@ -841,7 +842,6 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
                                         _mm512_loadu_ps(kc.qst.data() + gi * mp + g * 16)));
       _mm512_storeu_ps(s + g * 16, l);
     }
-  }
   // ---- masks, online softmax, 16 queries per step
   const __m512i win = _mm512_set1_epi32(
       static_cast<int32_t>(std::min<int64_t>(window, std::numeric_limits<int32_t>::max())));
