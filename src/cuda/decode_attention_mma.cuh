@@ -18,7 +18,8 @@
 //      in neighbouring columns of one lane. Channel map of chunk c (32 channels), k-step s, K
 //      index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
 //      8 contiguous channels of rows g and g + 8. 2-bit codes become exact fp16 integers
-//      ((c | 0x6400) - 1024); per 32-channel block the logit gains scale * C / sigma + lo * sum q.
+//      ((c | 0x6400) - 1024), those of k-pairs 1 and 3 read in place as 16 c (q there carries
+//      2^-4); per 32-channel block the logit gains scale * C / sigma + lo * sum q.
 //      KB = 4 (and the f16 rows of a KB = 4 view): K index k of k-step s holds channel
 //      32 c + 8 t + 2 s + (k >= 8) + 4 (k % 2), i.e. the nibble pairs (j, j + 4) of the lane's
 //      32-bit word of 8 codes, taken by masks without shifts (f16 rows: one byte permute).
@@ -33,10 +34,12 @@
 //      (4 nibbles: channels +0..+3), made exact fp16 integers by mask + (x - 1024) for the low
 //      nibble of a byte and mask + (x / 16 - 64) for the high one (both exact).
 // Numerics: q and p are carried as fp16 hi + lo (about 2^-22 relative per term); packed values
-// use B = p * scale * 2^S per 16-row tile and 32-channel block, S putting the block's largest
-// scale in [2^14, 2^15) and undone (exactly) on the fp32 product, so no term overflows and a
-// term loses relative precision only below 2^-28 of that largest scale (fp16 subnormals: absolute
-// error at most 2^-25 * 2^-S per term). f16 value rows use B = p <= 1 (terms under 2^-14 carry an
+// use B = p * scale * 2^S per 32-channel block, S warp-uniform and raised (the block's fp32
+// accumulators rescaled exactly) whenever a row's scale exceeds the binade of the largest seen
+// so far in the split, so S puts that scale in [2^14, 2^15) and the products accumulate in the
+// mma accumulators directly (2^-S applied once at the merge); no term overflows and a term loses
+// relative precision only below 2^-28 of that largest scale (fp16 subnormals: absolute error at
+// most 2^-25 * 2^-S per term). f16 value rows use B = p <= 1 (terms under 2^-14 carry an
 // absolute error of at most 2^-25 * |v|, within the fp32 accumulation budget of the tests). Rows
 // past the split end are zero-filled in shared memory (f16 rows when staged, packed bytes once
 // their tile has landed), so their p = 0 never meets a stale NaN; invisible rows get logit -inf.
@@ -268,7 +271,10 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         uint32_t w = 0u;
         if (h < G) {
           const int ch = 32 * c + 8 * t + (Q4 ? i : 2 * i), ch1 = ch + (Q4 ? 4 : 1);
-          const float sgm = ssig[h];
+          // 2-bit packed keys: k-pairs 1 and 3 of the lane read their codes 16 times their value
+          // in place (masks instead of shifts); q carries the exact inverse 2^-4
+          const float f = (PK > 0 && KB == 2 && packed && (i & 1)) ? 0x1p-4f : 1.0f;
+          const float sgm = ssig[h] * f;
           w = split_pack(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
         }
         qb[nt][c][i] = w;
@@ -279,8 +285,11 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   for (int nt = 0; nt < NT; ++nt) {
     const int h = t + 4 * nt;
     sinv[nt] = h < G ? 1.0f / ssig[h] : 0.0f;
+    // MF: the logits of packed keys are accumulated times sigma (bounded metadata, so no overflow:
+    // |scale|, |lo| <= 65504, sigma-scaled chunk sums <= 2^17, C <= 2^19) and scaled back once
 #pragma unroll
-    for (int c = 0; c < NCH; ++c) qsum[nt][c] = h < G ? sqsum[h * NCH + c] : 0.0f;
+    for (int c = 0; c < NCH; ++c)
+      qsum[nt][c] = h < G ? sqsum[h * NCH + c] * (MF ? ssig[h] : 1.0f) : 0.0f;
   }
 
   float m_run[NT], l_run[NT];
@@ -303,6 +312,13 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   int grpc[NCH];  // metadata group of each 32-channel block
 #pragma unroll
   for (int c = 0; c < NCH; ++c) grpc[c] = (32 * c) / p.pk.group_size;
+  // packed values: one power of two 2^S per 32-channel block, warp-uniform, kept while the split
+  // streams (S puts the largest scale seen so far in [2^14, 2^15); a larger one rescales the
+  // block's accumulators exactly, as the online softmax does), so the products p * scale * 2^S
+  // accumulate in the mma's fp32 accumulators directly; exv = that scale's biased exponent
+  int exv[NCH];
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) exv[c] = 15;
 
   for (int tt = 0; tt < n_tiles; ++tt) {
     if (tt + kStages - 1 < n_tiles) issue(tt + kStages - 1);
@@ -370,11 +386,17 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           if constexpr (KB == 2) {
             const uint32_t x0 = lds16(rg + 8 * c + 2 * t), x1 = lds16(rg8 + 8 * c + 2 * t);
             const uint32_t y0 = x0 | (x0 << 14), y1 = x1 | (x1 << 14);
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-              a[m] = code_pair<0x00030003u>(y0 >> (4 * m));
-              a8[m] = code_pair<0x00030003u>(y1 >> (4 * m));
-            }
+            // codes (2m, 2m + 1) of the 8 at halves (lo, hi): m = 0, 1 in place (x 1, x 16),
+            // m = 2, 3 the same after one shift by 8
+            const uint32_t z0 = y0 >> 8, z1 = y1 >> 8;
+            a[0] = code_pair<0x00030003u>(y0);
+            a8[0] = code_pair<0x00030003u>(y1);
+            a[1] = code_pair<0x00300030u>(y0);
+            a8[1] = code_pair<0x00300030u>(y1);
+            a[2] = code_pair<0x00030003u>(z0);
+            a8[2] = code_pair<0x00030003u>(z1);
+            a[3] = code_pair<0x00300030u>(z0);
+            a8[3] = code_pair<0x00300030u>(z1);
           } else {  // nibbles (j, j + 4) of the lane's 8 codes: j = 0, 1 in place, 2, 3 >> 8
             const uint32_t w0 = lds32(rg + 16 * c + 4 * t), w1 = lds32(rg8 + 16 * c + 4 * t);
             a[0] = code_pair<0x000f000fu>(w0);
@@ -394,9 +416,17 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
             float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma_16816(cc, a[0], a8[0], a[1], a8[1], qb[nt][c][0], qb[nt][c][1]);
             mma_16816(cc, a[2], a8[2], a[3], a8[3], qb[nt][c][2], qb[nt][c][3]);
-            const float s0 = (cc[0] + cc[1]) * sinv[nt], s1 = (cc[2] + cc[3]) * sinv[nt];
+            const float s0 = MF ? cc[0] + cc[1] : (cc[0] + cc[1]) * sinv[nt];
+            const float s1 = MF ? cc[2] + cc[3] : (cc[2] + cc[3]) * sinv[nt];
             lg[nt][0] = fmaf(sc0, s0, fmaf(lo0, qsum[nt][c], lg[nt][0]));
             lg[nt][1] = fmaf(sc1, s1, fmaf(lo1, qsum[nt][c], lg[nt][1]));
+          }
+        }
+        if constexpr (MF) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            lg[nt][0] *= sinv[nt];  // exact (a power of two)
+            lg[nt][1] *= sinv[nt];
           }
         }
       }
@@ -521,28 +551,35 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           for (int r = 0; r < 4; ++r) {
             meta_a<MF>(rec[r], p.pk.v_code_bytes, p.pk.v_meta, grpc[c], lo[r], sc[r]);
           }
-          // p * scale <= the block's largest scale (p <= 1): 2^S puts that in [2^14, 2^15), so
-          // the fp16 parts stay normal and finite whatever the scales (the same S for every lane)
-          float smax = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
-          smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 1));
-          smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 2));
-          const int ex = min(max((__float_as_int(smax) >> 23) & 0xff, 15), 250);
-          const float up = __int_as_float((268 - ex) << 23);  // 2^S, S = 141 - ex
-          const float dn = __int_as_float((ex - 14) << 23);   // 2^-S
+          // p * scale <= the largest scale seen (p <= 1): 2^S puts that in [2^14, 2^15), so the
+          // fp16 parts stay normal and finite whatever the scales (the same S for every lane); a
+          // scale of a larger binade (rare after the first tile) raises S for the whole warp
+          const float smax = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+          if (__any_sync(kFull, smax >= __int_as_float(min(exv[c] + 1, 255) << 23))) {
+            float m = fmaxf(smax, __shfl_xor_sync(kFull, smax, 1));
+            m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));  // the lanes t share the rows of a tile
+            const int ex = max(exv[c], min(max((__float_as_int(m) >> 23) & 0xff, 15), 250));
+            if (ex > exv[c]) {
+              const float f = ldexpf(1.0f, exv[c] - ex);  // exact, or below 2^-126 of the new
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  vacc[nt][2 * c][i] *= f;
+                  vacc[nt][2 * c + 1][i] *= f;
+                }
+              exv[c] = ex;
+            }
+          }
+          const float up = __int_as_float((268 - exv[c]) << 23);  // 2^S, S = 141 - ex
 #pragma unroll
           for (int r = 0; r < 4; ++r) sc[r] *= up;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             const uint32_t bb0 = split_pack(pv[nt][0] * sc[0], pv[nt][1] * sc[1], partb);
             const uint32_t bb1 = split_pack(pv[nt][2] * sc[2], pv[nt][3] * sc[3], partb);
-            float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_16816(c0, e0, e1, e2, e3, bb0, bb1);
-            mma_16816(c1, f0, f1, f2, f3, bb0, bb1);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              vacc[nt][2 * c][i] = fmaf(c0[i], dn, vacc[nt][2 * c][i]);
-              vacc[nt][2 * c + 1][i] = fmaf(c1[i], dn, vacc[nt][2 * c + 1][i]);
-            }
+            mma_16816(vacc[nt][2 * c], e0, e1, e2, e3, bb0, bb1);
+            mma_16816(vacc[nt][2 * c + 1], f0, f1, f2, f3, bb0, bb1);
             float s = vb[nt][c];
             s = fmaf(pv[nt][0], lo[0], s);
             s = fmaf(pv[nt][1], lo[1], s);
@@ -586,8 +623,13 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       float* dst = wacc + (warp * G + h) * D;
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
-        const float v0 = vacc[nt][j][0] + vacc[nt][j][1];
-        const float v1 = vacc[nt][j][2] + vacc[nt][j][3];
+        float v0 = vacc[nt][j][0] + vacc[nt][j][1];
+        float v1 = vacc[nt][j][2] + vacc[nt][j][3];
+        if (packed) {  // undo 2^S of the block (exact)
+          const float dn = __int_as_float((exv[j >> 1] - 14) << 23);  // 2^-S
+          v0 *= dn;
+          v1 *= dn;
+        }
         if (!packed) {
           dst[16 * j + g] = v0;
           dst[16 * j + g + 8] = v1;
