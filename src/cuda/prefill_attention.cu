@@ -18,7 +18,8 @@
 //   tiles run first. Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by
 //   the device caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the
 //   un-rotation included) and then split into the same planes. Limits: dequantized values must
-//   lie within fp16's range (|x| < 65520).
+//   lie within fp16's range (|x| < 65520). The mma, ldmatrix, cp.async, swizzle, hi + lo split and
+//   query-fragment helpers are tc_common.cuh's (shared with the SnapKV scores).
 // * CUDA cores (every other view: f32 or bf16 rows; rotated or 1.5-bit packed rows refused): one
 // block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a tile are (query i,
 // head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query heads sharing a KV
@@ -40,6 +41,7 @@
 #include "cuda/check.h"
 #include "cuda/device_cache_dequant.cuh"
 #include "cuda/prefill_attention.cuh"
+#include "cuda/tc_common.cuh"
 
 namespace vq::cuda {
 
@@ -230,58 +232,6 @@ __host__ __device__ constexpr int tc_stage_bytes(int D, bool lo) {
   return (lo ? 4 : 2) * tc_plane_bytes(D) + kTcBK * 8;
 }
 
-// Byte offset of channel c (a multiple of 8 for whole chunks) of row r in a plane: the 16-byte
-// chunk c / 8 is stored at chunk (c / 8) ^ (r & 7), so ldmatrix's 8 rows hit 8 distinct bank
-// groups.
-template <int D>
-__device__ __forceinline__ int tc_off(int r, int c) {
-  return r * (2 * D) + 16 * ((c >> 3) ^ (r & 7)) + 2 * (c & 7);
-}
-
-__device__ __forceinline__ void tc_cp16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void tc_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void tc_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void tc_ldsm(const uint8_t* a, uint32_t (&r)[4]) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(a));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-__device__ __forceinline__ void tc_ldsm_t(const uint8_t* a, uint32_t (&r)[4]) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(a));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-// d += a * b on mma.m16n8k16 (fp16 inputs, fp32 accumulation).
-__device__ __forceinline__ void tc_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// hi = fp16 rounding of (x0, x1), lo = fp16 rounding of the remainders (exact in fp32).
-__device__ __forceinline__ void tc_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  const float2 f = __half22float2(h);
-  const __half2 l = __floats2half2_rn(x0 - f.x, x1 - f.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-}
-
 // Stored channels c0 .. c0 + 7 (c0 a multiple of 8, so the codes start on a byte) of a record,
 // dequantized like dequant(): code * scale + lo in fp32, two roundings.
 __device__ __forceinline__ void dequant8(const uint8_t* rec, int c0, const PrefillTensor& t,
@@ -398,51 +348,15 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
   float cA, cB;  // logit multipliers scale * log2(e) * 2^-sigma of each row
   uint32_t qh[KS][4], ql[KS][4];
   {
-    float mA = 0.0f, mB = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int c = 16 * ks + 2 * t4 + 8 * hf;
-        if (qa) {
-          const float2 x = *reinterpret_cast<const float2*>(qa + c);
-          mA = fmaxf(mA, fmaxf(fabsf(x.x), fabsf(x.y)));
-        }
-        if (qb) {
-          const float2 x = *reinterpret_cast<const float2*>(qb + c);
-          mB = fmaxf(mB, fmaxf(fabsf(x.x), fabsf(x.y)));
-        }
-      }
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      mA = fmaxf(mA, __shfl_xor_sync(0xffffffffu, mA, o));
-      mB = fmaxf(mB, __shfl_xor_sync(0xffffffffu, mB, o));
-    }
-    // sigma = 12 - e with max |q| in [2^(e-1), 2^e): the scaled row's largest |value| lies in
-    // [2^11, 2^12), far inside fp16's range, and its lo parts stay clear of fp16 subnormals.
-    int eA = 0, eB = 0;
-    if (mA > 0.0f && isfinite(mA)) {
-      frexpf(mA, &eA);
-      eA = 12 - eA;
-    }
-    if (mB > 0.0f && isfinite(mB)) {
-      frexpf(mB, &eB);
-      eB = 12 - eB;
-    }
+    const auto load = [&](int row, int c) {
+      const float* q = row ? qb : qa;
+      return q ? *reinterpret_cast<const float2*>(q + c) : make_float2(0.0f, 0.0f);
+    };
+    int eA, eB;
+    tc_query_frags<D>(load, t4, qh, ql, eA, eB);
     const float sl2e = p.scale * 1.4426950408889634f;
     cA = ldexpf(sl2e, -eA);
     cB = ldexpf(sl2e, -eB);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int c = 16 * ks + 2 * t4 + 8 * hf;
-        float2 x = make_float2(0.0f, 0.0f), y = make_float2(0.0f, 0.0f);
-        if (qa) x = *reinterpret_cast<const float2*>(qa + c);
-        if (qb) y = *reinterpret_cast<const float2*>(qb + c);
-        tc_split(ldexpf(x.x, eA), ldexpf(x.y, eA), qh[ks][2 * hf], ql[ks][2 * hf]);
-        tc_split(ldexpf(y.x, eB), ldexpf(y.y, eB), qh[ks][2 * hf + 1], ql[ks][2 * hf + 1]);
-      }
   }
 
   // ---- tile schedule: the next tile (segment sg, first row j0) that some row of the block sees;
@@ -571,25 +485,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-    const int lr = lane & 7, lm = lane >> 3;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        const int key = 16 * np + 8 * (lm >> 1) + lr;
-        const int off = tc_off<D>(key, 16 * ks + 8 * (lm & 1));
-        uint32_t r[4];
-        tc_ldsm(base + off, r);
-        tc_mma(s[2 * np], qh[ks], r[0], r[1]);
-        tc_mma(s[2 * np], ql[ks], r[0], r[1]);
-        tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
-        tc_mma(s[2 * np + 1], ql[ks], r[2], r[3]);
-        if (lo_tile) {
-          tc_ldsm(base + 2 * PB + off, r);
-          tc_mma(s[2 * np], qh[ks], r[0], r[1]);
-          tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
-        }
-      }
+    tc_logits64<D>(base, lo_tile ? base + 2 * PB : nullptr, qh, ql, lane, s);
     // ---- scale (log2 units), mask, online softmax
     float xA = -INFINITY, xB = -INFINITY;
 #pragma unroll
@@ -638,6 +534,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
       o[n][3] *= corrB;
     }
     // ---- outputs += P V (P as fp16 hi + lo, V through ldmatrix.trans)
+    const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t ah[4], al[4];

@@ -5,7 +5,8 @@
 // hi + lo of q * 2^sigma: exact products, fp32 accumulation), one block of ceil(W / 16) warps per
 // 8 key tiles of 64 rows streamed by cp.async (swizzled fp16 rows, ldmatrix), the query
 // fragments loaded once per block; pass 2 sums every window row's probability of a key in double
-// (shuffles across the warp, then the warps) and divides by W once.
+// (shuffles across the warp, then the warps) and divides by W once. Its query fragments and
+// logits are tc_common.cuh's helpers (shared with the prefill kernel).
 // Scores of other keys (CUDA cores), two passes over (key tile of 64 rows) x (query chunk of 32
 // rows) logit tiles staged in shared memory (fp32, rows padded to D + 4 floats so 16-byte reads of
 // 8 consecutive rows hit distinct banks), each thread a 2 x 4 (query x key) block with sequential
@@ -31,6 +32,7 @@
 
 #include "cuda/check.h"
 #include "cuda/snapkv.cuh"
+#include "cuda/tc_common.cuh"
 
 namespace vq::cuda {
 
@@ -279,44 +281,6 @@ __global__ void __launch_bounds__(kScoreThreads)
 
 constexpr int kTcTiles = 8;  // 64-key tiles per block
 
-__device__ __forceinline__ void tc_cp16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void tc_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void tc_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void tc_ldsm(const uint8_t* a, uint32_t (&r)[4]) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(a));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-__device__ __forceinline__ void tc_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void tc_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  const float2 f = __half22float2(h);
-  const __half2 l = __floats2half2_rn(x0 - f.x, x1 - f.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-}
-// Byte offset of channel c of key row r in a staged tile (16-byte chunks swizzled by r & 7).
-template <int D>
-__device__ __forceinline__ int tc_off(int r, int c) {
-  return r * (2 * D) + 16 * ((c >> 3) ^ (r & 7)) + 2 * (c & 7);
-}
-
 // Both passes. Block = ceil(W / 16) warps over kTcTiles key tiles of frame f; warp w owns window
 // rows 16 w .. 16 w + 15 (lane rows A = g, B = g + 8), its queries held as fp16 hi + lo
 // fragments of q * 2^sigma (sigma puts the row's max |q| in [2^11, 2^12): exact products, q
@@ -344,43 +308,15 @@ __global__ void __launch_bounds__(256) snap_tc_kernel(const __grid_constant__ Sn
   uint32_t qh[KS][4], ql[KS][4];
   float cA, cB;
   {
-    float mA = 0.0f, mB = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 16 * ks + 2 * t4 + 8 * (e >> 1) + (e & 1);
-        if (vA) mA = fmaxf(mA, fabsf(load_query(p, f, rA, c)));
-        if (vB) mB = fmaxf(mB, fabsf(load_query(p, f, rB, c)));
-      }
-#pragma unroll
-    for (int o = 1; o <= 2; o <<= 1) {
-      mA = fmaxf(mA, __shfl_xor_sync(0xffffffffu, mA, o));
-      mB = fmaxf(mB, __shfl_xor_sync(0xffffffffu, mB, o));
-    }
-    int eA = 0, eB = 0;
-    if (mA > 0.0f && isfinite(mA)) {
-      frexpf(mA, &eA);
-      eA = 12 - eA;
-    }
-    if (mB > 0.0f && isfinite(mB)) {
-      frexpf(mB, &eB);
-      eB = 12 - eB;
-    }
+    const auto load = [&](int row, int c) {
+      const int r = row ? rB : rA;
+      return (row ? vB : vA) ? make_float2(load_query(p, f, r, c), load_query(p, f, r, c + 1))
+                             : make_float2(0.0f, 0.0f);
+    };
+    int eA, eB;
+    tc_query_frags<D>(load, t4, qh, ql, eA, eB);
     cA = ldexpf(p.scale, -eA);
     cB = ldexpf(p.scale, -eB);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int c = 16 * ks + 2 * t4 + 8 * hf;
-        const float a0 = vA ? load_query(p, f, rA, c) : 0.0f;
-        const float a1 = vA ? load_query(p, f, rA, c + 1) : 0.0f;
-        const float b0 = vB ? load_query(p, f, rB, c) : 0.0f;
-        const float b1 = vB ? load_query(p, f, rB, c + 1) : 0.0f;
-        tc_split(ldexpf(a0, eA), ldexpf(a1, eA), qh[ks][2 * hf], ql[ks][2 * hf]);
-        tc_split(ldexpf(b0, eB), ldexpf(b1, eB), qh[ks][2 * hf + 1], ql[ks][2 * hf + 1]);
-      }
   }
   const int32_t qpA = (p.key_pos && vA) ? p.query_pos[rA % p.w] : 0;
   const int32_t qpB = (p.key_pos && vB) ? p.query_pos[rB % p.w] : 0;
@@ -408,7 +344,6 @@ __global__ void __launch_bounds__(256) snap_tc_kernel(const __grid_constant__ Sn
   };
   if (my_tiles > 0) issue(0, 0);
   tc_commit();
-  const int lr = lane & 7, lm = lane >> 3;
   for (int tt = 0; tt < my_tiles; ++tt) {
     const int st = tt & 1;
     if (tt + 1 < my_tiles) issue(tt + 1, st ^ 1);
@@ -427,19 +362,7 @@ __global__ void __launch_bounds__(256) snap_tc_kernel(const __grid_constant__ Sn
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-    if (warp * 16 < W) {  // warp-uniform
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          uint32_t r[4];
-          tc_ldsm(base + tc_off<D>(16 * np + 8 * (lm >> 1) + lr, 16 * ks + 8 * (lm & 1)), r);
-          tc_mma(s[2 * np], qh[ks], r[0], r[1]);
-          tc_mma(s[2 * np], ql[ks], r[0], r[1]);
-          tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
-          tc_mma(s[2 * np + 1], ql[ks], r[2], r[3]);
-        }
-    }
+    if (warp * 16 < W) tc_logits64<D>(base, nullptr, qh, ql, lane, s);  // warp-uniform
     // scaled, masked logits; NaN flags per row
     int nanA = 0, nanB = 0;
     float xA = -INFINITY, xB = -INFINITY;
