@@ -217,6 +217,26 @@ std::vector<uint8_t> slice_frames(const std::vector<uint8_t>& src, int64_t frame
   return out;
 }
 
+HostRecords download_records(const DeviceBuffer& pk, const DeviceBuffer& pv, int64_t frames,
+                             int64_t n, int64_t cap, int64_t k_stride, int64_t v_stride, Stream s) {
+  HostRecords h;
+  h.k = download_store(pk, frames, n, cap, k_stride, s);
+  h.v = download_store(pv, frames, n, cap, v_stride, s);
+  h.frames = frames;
+  h.n = n;
+  h.k_stride = k_stride;
+  h.v_stride = v_stride;
+  return h;
+}
+
+void HostRecords::write_block(StateWriter& w, int64_t r0, int64_t rows) const {
+  for (int kv = 0; kv < 2; ++kv) {
+    const std::vector<uint8_t> blob =
+        slice_frames(kv == 0 ? k : v, frames, n, r0, rows, kv == 0 ? k_stride : v_stride);
+    w.blob(blob.data(), blob.size());
+  }
+}
+
 void write_state_head(StateWriter& w, bool has_data, DType dtype, int64_t batch, int64_t heads,
                       int64_t head_dim, int64_t offset) {
   w.boolean(has_data);
@@ -227,15 +247,13 @@ void write_state_head(StateWriter& w, bool has_data, DType dtype, int64_t batch,
   w.i64(offset);
 }
 
-StateHead read_state_head(StateReader& r, const char* op, int64_t batch, int64_t heads,
-                          int64_t head_dim) {
-  StateHead st;
-  st.has_data = r.boolean();
-  st.dtype = static_cast<DType>(r.u8());
+void read_state_head(StateReader& r, const char* op, int64_t batch, int64_t heads, int64_t head_dim,
+                     bool& has_data, DType& dtype, int64_t& offset) {
+  has_data = r.boolean();
+  dtype = static_cast<DType>(r.u8());
   const int64_t b = r.i64(), h = r.i64(), d = r.i64();
-  check_state_shape(op, st.has_data, b, h, d, batch, heads, head_dim);
-  st.offset = r.i64();
-  return st;
+  check_state_shape(op, has_data, b, h, d, batch, heads, head_dim);
+  offset = r.i64();
 }
 
 Mask pending_single_query_mask(const char* op, int64_t window, int64_t keep_count) {
@@ -277,7 +295,7 @@ void upload_transforms(const skvq::Transforms& t, DeviceBuffer& perm_k, DeviceBu
   signs = t.signs.empty() ? DeviceBuffer() : DeviceBuffer::from_vector(t.signs, s);
 }
 
-std::string read_validated_frame(std::istream& in, const CacheConfig& cfg) {
+StateReader read_validated_state(std::istream& in, const CacheConfig& cfg) {
   // One frame off the stream (framing, checksum and method checked), re-framed byte for byte.
   StateReader r(in, cfg.method);
   std::string payload(r.remaining(), '\0');
@@ -295,7 +313,7 @@ std::string read_validated_frame(std::istream& in, const CacheConfig& cfg) {
   VQ_CHECK(cpu != nullptr, "[load_state] internal: no CPU cache for method '" + cfg.method + "'");
   std::istringstream mem(frame);
   cpu->load(mem);
-  return frame;
+  return StateReader::from_bytes(frame, cfg.method);
 }
 
 void check_state_shape(const char* op, bool has_data, int64_t b, int64_t h, int64_t d,

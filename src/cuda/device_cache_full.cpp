@@ -107,14 +107,10 @@ class FullDeviceCache final : public DeviceKVCache {
   }
 
   void load(std::istream& in) override {
-    const std::string frame = detail::read_validated_frame(in, cfg_);
-    StateReader r = StateReader::from_bytes(frame, method());
+    StateReader r = detail::read_validated_state(in, cfg_);
     FullDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
-    const detail::StateHead head =
-        detail::read_state_head(r, "cuda full_cache", batch_, heads_, head_dim_);
-    fresh.has_data_ = head.has_data;
-    fresh.dtype_ = head.dtype;
-    fresh.offset_ = head.offset;
+    detail::read_state_head(r, "cuda full_cache", batch_, heads_, head_dim_, fresh.has_data_,
+                            fresh.dtype_, fresh.offset_);
     if (fresh.has_data_) {
       fresh.capacity_ = round_up(fresh.offset_, kStep);
       const Tensor k = r.tensor(), v = r.tensor();

@@ -218,21 +218,15 @@ class SkvqDeviceCache final : public DeviceKVCache {
           .save(wr);
       // The packed store as the CPU's blocks: chunk 0 holds positions n_sink .. w-1, chunk c
       // positions c*w .. c*w + w-1; per block the records [B, H, rows, row_stride].
-      const std::vector<uint8_t> rec[2] = {
-          detail::download_store(pk_, F, n_packed_, pcap_, s.fk.row_stride, stream_),
-          detail::download_store(pv_, F, n_packed_, pcap_, s.fv.row_stride, stream_)};
+      const detail::HostRecords rec = detail::download_records(
+          pk_, pv_, F, n_packed_, pcap_, s.fk.row_stride, s.fv.row_stride, stream_);
       const int64_t n_blocks = q_end_ / w;
       wr.u64(static_cast<uint64_t>(n_blocks));
       for (int64_t c = 0; c < n_blocks; ++c) {
         const int64_t first = c == 0 ? s.n_sink : c * w, rows = c * w + w - first;
         wr.i64(rows);
         wr.i64(first);
-        for (int kv = 0; kv < 2; ++kv) {  // the block's records start at store row first - n_sink
-          const std::vector<uint8_t> blob =
-              detail::slice_frames(rec[kv], F, n_packed_, first - s.n_sink, rows,
-                                   kv == 0 ? s.fk.row_stride : s.fv.row_stride);
-          wr.blob(blob.data(), blob.size());
-        }
+        rec.write_block(wr, first - s.n_sink, rows);  // records from store row first - n_sink
       }
       detail::download_fp_rows(dtype_, batch_, heads_, head_dim_, tk_, tv_, nullptr, tcount_, tcap_,
                                tstart_, stream_)
@@ -243,8 +237,7 @@ class SkvqDeviceCache final : public DeviceKVCache {
 
   void load(std::istream& in) override {
     const skvq::Settings& s = set_;
-    const std::string frame = detail::read_validated_frame(in, cfg_);
-    StateReader r = StateReader::from_bytes(frame, method());
+    StateReader r = detail::read_validated_state(in, cfg_);
     s.check_saved(r, kOp);
     SkvqDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
     fresh.has_data_ = r.boolean();

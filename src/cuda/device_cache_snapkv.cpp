@@ -188,8 +188,7 @@ class SnapKVDeviceCache final : public DeviceKVCache {
   }
 
   void load(std::istream& in) override {
-    const std::string frame = detail::read_validated_frame(in, cfg_);
-    StateReader r = StateReader::from_bytes(frame, method());
+    StateReader r = detail::read_validated_state(in, cfg_);
     r.i64();  // the snap_* settings: equal to cfg_ (the CPU load checked them)
     r.i64();
     r.i64();
@@ -200,11 +199,8 @@ class SnapKVDeviceCache final : public DeviceKVCache {
     r.boolean();
     r.u8();
     SnapKVDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
-    const detail::StateHead head =
-        detail::read_state_head(r, "cuda snapkv", batch_, heads_, head_dim_);
-    fresh.has_data_ = head.has_data;
-    fresh.dtype_ = head.dtype;
-    fresh.offset_ = head.offset;
+    detail::read_state_head(r, "cuda snapkv", batch_, heads_, head_dim_, fresh.has_data_,
+                            fresh.dtype_, fresh.offset_);
     fresh.n_sel_ = r.i64();
     fresh.n_tail_ = r.i64();
     const std::vector<int32_t> sel = r.vec_i32();

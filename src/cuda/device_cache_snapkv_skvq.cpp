@@ -256,20 +256,15 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
       detail::download_fp_rows(dtype_, batch_, heads_, head_dim_, sk_, sv_, nullptr, n_sinks_,
                                scap_, 0, stream_)
           .save(w);
-      const std::vector<uint8_t> rec[2] = {
-          detail::download_store(pk_, F, n_packed_, pcap_, s.fk.row_stride, stream_),
-          detail::download_store(pv_, F, n_packed_, pcap_, s.fv.row_stride, stream_)};
+      const detail::HostRecords rec = detail::download_records(
+          pk_, pv_, F, n_packed_, pcap_, s.fk.row_stride, s.fv.row_stride, stream_);
       const std::vector<uint8_t> pos =
           detail::download_store(ppos_, F, n_packed_, pcap_, 4, stream_);
       w.u64(block_rows_.size());
       int64_t r0 = 0;  // first record of the block in the store
       for (const int64_t rows : block_rows_) {
         w.i64(rows);
-        for (int kv = 0; kv < 2; ++kv) {
-          const std::vector<uint8_t> blob = detail::slice_frames(
-              rec[kv], F, n_packed_, r0, rows, kv == 0 ? s.fk.row_stride : s.fv.row_stride);
-          w.blob(blob.data(), blob.size());
-        }
+        rec.write_block(w, r0, rows);
         const std::vector<uint8_t> bp = detail::slice_frames(pos, F, n_packed_, r0, rows, 4);
         std::vector<int32_t> bpos(static_cast<size_t>(F * rows));
         if (!bp.empty()) std::memcpy(bpos.data(), bp.data(), bp.size());
@@ -290,8 +285,7 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
 
   void load(std::istream& in) override {
     const skvq::Settings& s = set_;
-    const std::string frame = detail::read_validated_frame(in, cfg_);
-    StateReader r = StateReader::from_bytes(frame, method());
+    StateReader r = detail::read_validated_state(in, cfg_);
     s.check_saved(r, kOp);
     r.i64();  // the snap_* settings: equal to cfg_ (the CPU load checked them)
     r.i64();

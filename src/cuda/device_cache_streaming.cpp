@@ -134,16 +134,12 @@ class StreamingDeviceCache final : public DeviceKVCache {
   }
 
   void load(std::istream& in) override {
-    const std::string frame = detail::read_validated_frame(in, cfg_);
-    StateReader r = StateReader::from_bytes(frame, method());
+    StateReader r = detail::read_validated_state(in, cfg_);
     r.i64();  // streaming_n_sink and streaming_window: equal to cfg_ (the CPU load checked them)
     r.i64();
     StreamingDeviceCache fresh(cfg_, batch_, heads_, head_dim_, stream_);
-    const detail::StateHead head =
-        detail::read_state_head(r, "cuda streaming", batch_, heads_, head_dim_);
-    fresh.has_data_ = head.has_data;
-    fresh.dtype_ = head.dtype;
-    fresh.offset_ = head.offset;
+    detail::read_state_head(r, "cuda streaming", batch_, heads_, head_dim_, fresh.has_data_,
+                            fresh.dtype_, fresh.offset_);
     fresh.n_sink_rows_ = r.i64();
     fresh.n_recent_ = r.i64();
     fresh.head_ = fresh.n_sink_rows_;

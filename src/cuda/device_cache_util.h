@@ -75,18 +75,25 @@ std::vector<uint8_t> download_store(const DeviceBuffer& src, int64_t frames, int
 std::vector<uint8_t> slice_frames(const std::vector<uint8_t>& src, int64_t frames, int64_t n,
                                   int64_t r0, int64_t rows, int64_t row_bytes);
 
+// Host copies of a packed key and value record store pair (download_store of each: rows 0 .. n-1
+// of [F, cap, row_stride]), written block by block into a state as the CPU's SKVQ caches do.
+struct HostRecords {
+  std::vector<uint8_t> k, v;
+  int64_t frames = 0, n = 0, k_stride = 0, v_stride = 0;
+  // Rows [r0, r0 + rows) of every frame: the key records, then the value records, a blob each.
+  void write_block(StateWriter& w, int64_t r0, int64_t rows) const;
+};
+HostRecords download_records(const DeviceBuffer& pk, const DeviceBuffer& pv, int64_t frames,
+                             int64_t n, int64_t cap, int64_t k_stride, int64_t v_stride, Stream s);
+
 // The state header of the full, snapkv and streaming streams: has_data, dtype, B, H, D (zeros
 // before any row, as the CPU caches write them), offset.
 void write_state_head(StateWriter& w, bool has_data, DType dtype, int64_t batch, int64_t heads,
                       int64_t head_dim, int64_t offset);
-struct StateHead {
-  bool has_data = false;
-  DType dtype = DType::kF16;
-  int64_t offset = 0;
-};
-// Reads it back, refusing (check_state_shape) other B, H, D than the cache's.
-StateHead read_state_head(StateReader& r, const char* op, int64_t batch, int64_t heads,
-                          int64_t head_dim);
+// Reads it back into has_data, dtype and offset, refusing (check_state_shape) other B, H, D than
+// the cache's.
+void read_state_head(StateReader& r, const char* op, int64_t batch, int64_t heads, int64_t head_dim,
+                     bool& has_data, DType& dtype, int64_t& offset);
 
 // SnapKV caches with a prompt-end eviction owed: the mask of a single query (every row that
 // will stay, keep_count, and itself); a windowed one is refused (vq::Error naming op).
@@ -105,10 +112,10 @@ DeviceBuffer upload_blocks(const std::vector<const void*>& blocks, const std::ve
 void upload_transforms(const skvq::Transforms& t, DeviceBuffer& perm_k, DeviceBuffer& perm_v,
                        DeviceBuffer& signs, Stream s);
 
-// Reads one state frame of `method` from in and validates it with the load() of the CPU cache
-// of cfg (cfg.method == method): the CPU's refusals, checks and messages, nothing changed on
-// error. Returns the frame's bytes for a second, trusted parse (StateReader::from_bytes).
-std::string read_validated_frame(std::istream& in, const CacheConfig& cfg);
+// Reads one state frame of cfg.method from in and validates it with the load() of the CPU cache
+// of cfg: the CPU's refusals, checks and messages, nothing changed on error. Returns the frame
+// parsed a second, trusted time (StateReader::from_bytes), for the device cache's own load.
+StateReader read_validated_state(std::istream& in, const CacheConfig& cfg);
 
 // Refuses (vq::Error, nothing changed) a state of other B, H, D than the cache's.
 void check_state_shape(const char* op, bool has_data, int64_t b, int64_t h, int64_t d,
