@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "cuda/attention_check.h"
+#include "cuda/cuda_test_util.h"
 #include "util/test_util.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cuda.h"
@@ -46,9 +47,6 @@
 
 namespace vq {
 namespace {
-
-#define SKIP_WITHOUT_DEVICE() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device"
 
 // ---- blocks on host and device ------------------------------------------------------------------
 
@@ -300,13 +298,7 @@ std::pair<std::unique_ptr<KVCache>, std::unique_ptr<cuda::DeviceKVCache>> exchan
   return {std::move(cpu2), std::move(gpu2)};
 }
 
-std::vector<float> random_q(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> q(static_cast<size_t>(n));
-  for (auto& x : q) x = nd(rng);
-  return q;
-}
+using test::random_q;
 
 // ---- the driver ---------------------------------------------------------------------------------
 

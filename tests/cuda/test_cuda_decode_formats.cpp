@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda/attention_check.h"
+#include "cuda/cuda_test_util.h"
 #include "util/test_util.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cuda.h"
@@ -27,16 +28,7 @@
 namespace vq {
 namespace {
 
-#define SKIP_WITHOUT_DEVICE() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device"
-
-std::vector<float> random_q(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> q(static_cast<size_t>(n));
-  for (auto& x : q) x = nd(rng);
-  return q;
-}
+using test::random_q;
 
 struct Format {
   double kb, vb;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cuda/attention_check.h"
+#include "cuda/cuda_test_util.h"
 #include "util/test_util.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cuda.h"
@@ -43,16 +44,7 @@
 namespace vq {
 namespace {
 
-#define SKIP_WITHOUT_DEVICE() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device"
-
-std::vector<float> random_q(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> q(static_cast<size_t>(n));
-  for (auto& x : q) x = nd(rng);
-  return q;
-}
+using test::random_q;
 
 // Runs prefill attention of N queries (positions q_pos0 ..) over the uploaded view and checks it.
 double check_case(const CacheView& view, int64_t Hq, int64_t N, int64_t q_pos0, int64_t window,

@@ -16,15 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "cuda/cuda_test_util.h"
 #include "util/test_util.h"
 #include "veloxquant/cuda.h"
 #include "veloxquant/snapkv.h"
 
 namespace vq {
 namespace {
-
-#define SKIP_WITHOUT_DEVICE() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device"
 
 constexpr double kU = 0x1p-24;
 inline double gamma(double n) {
