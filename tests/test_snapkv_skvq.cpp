@@ -465,17 +465,29 @@ TEST(SnapkvSkvq, PromptEndChunkedEqualsOneShot) {
   }
 }
 
-TEST(SnapkvSkvq, PromptEndPendingSurvivesSaveLoadAndMaskCountsSurvivors) {
+// both_cfg() scored by the real queries, evicting at the end of the prompt.
+CacheConfig prompt_end_cfg() {
   CacheConfig cfg = both_cfg();
   cfg.snap_scoring = SnapScoring::kQuery;
   cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
-  const Tensor k = rnd(1, 2, 150, 64, 70), v = rnd(1, 2, 150, 64, 71);
-  const Tensor q = rnd(1, 2, 150, 64, 72, DType::kF32);
-  auto a = make_cache(cfg), b = make_cache(cfg);
+  return cfg;
+}
+
+// A prompt chunk of s rows [1, 2, s, 64] with its queries: keys, values and queries drawn from
+// seeds seed, seed + 1, seed + 2 (the same chunk for the same seed).
+void prompt_chunk(KVCache& c, int64_t s, uint64_t seed) {
+  const Tensor k = rnd(1, 2, s, 64, seed), v = rnd(1, 2, s, 64, seed + 1);
+  const Tensor q = rnd(1, 2, s, 64, seed + 2, DType::kF32);
   const TensorView qv = q.view();
   UpdateOptions o;
   o.queries = &qv;
-  a->update_and_fetch(k.view(), v.view(), o);
+  c.update_and_fetch(k.view(), v.view(), o);
+}
+
+TEST(SnapkvSkvq, PromptEndPendingSurvivesSaveLoadAndMaskCountsSurvivors) {
+  const CacheConfig cfg = prompt_end_cfg();
+  auto a = make_cache(cfg), b = make_cache(cfg);
+  prompt_chunk(*a, 150, 70);
   EXPECT_EQ(a->make_mask(1).n_keys, cfg.snap_budget + 1);
   EXPECT_THROW(a->make_mask(1, 32), Error);
   std::istringstream in(state_of(*a));
@@ -490,25 +502,14 @@ TEST(SnapkvSkvq, PromptEndPendingSurvivesSaveLoadAndMaskCountsSurvivors) {
 // row) among the sinks with an empty tail: the saved state must load, and both caches must go on
 // bit for bit (found by the GPU cache's state exchange test).
 TEST(SnapkvSkvq, PromptEndChunkInsideSinksSurvivesSaveLoad) {
-  CacheConfig cfg = both_cfg();
-  cfg.snap_scoring = SnapScoring::kQuery;
-  cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
-  const Tensor k = rnd(1, 2, 3, 64, 80), v = rnd(1, 2, 3, 64, 81);
-  const Tensor q = rnd(1, 2, 3, 64, 82, DType::kF32);
+  const CacheConfig cfg = prompt_end_cfg();
   auto a = make_cache(cfg), b = make_cache(cfg);
-  const TensorView qv = q.view();
-  UpdateOptions o;
-  o.queries = &qv;
-  a->update_and_fetch(k.view(), v.view(), o);
+  prompt_chunk(*a, 3, 80);
   std::istringstream in(state_of(*a));
   ASSERT_NO_THROW(b->load(in));
   EXPECT_EQ(state_of(*a), state_of(*b));
-  const Tensor k2 = rnd(1, 2, 120, 64, 83), v2 = rnd(1, 2, 120, 64, 84);
-  const Tensor q2 = rnd(1, 2, 120, 64, 85, DType::kF32);
-  const TensorView qv2 = q2.view();
-  o.queries = &qv2;
-  a->update_and_fetch(k2.view(), v2.view(), o);
-  b->update_and_fetch(k2.view(), v2.view(), o);
+  prompt_chunk(*a, 120, 83);
+  prompt_chunk(*b, 120, 83);
   a->end_prompt();
   b->end_prompt();
   EXPECT_EQ(state_of(*a), state_of(*b));
