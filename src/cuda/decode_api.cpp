@@ -328,6 +328,17 @@ void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& 
     // a multiple of 16 for the f16 sinks / tail of a packed view, within the same stage bytes
     const bool f16_meta = dp.pk.k_meta == 0 && dp.pk.v_meta == 0;
     dp.use_mma = !any_packed ? 1 : (dp.k_bits == 2 ? (f16_meta ? 3 : 2) : (f16_meta ? 5 : 4));
+    if (any_packed && f16_meta && dp.pk.group_size == 32) {
+      // records of D bits / 8 code bytes + D / 8 bytes of f16 metadata: the instance with every
+      // record offset a compile-time constant (fewer instructions per row)
+      const int64_t cb = D * dp.k_bits / 8;
+      bool fixed = dp.pk.k_code_bytes == cb && dp.pk.v_code_bytes == cb;
+      for (int i = 0; i < dp.n_segments; ++i) {
+        const DecodeSegmentParams& d = dp.seg[i];
+        if (d.packed) fixed = fixed && d.k_row_bytes == cb + D / 8 && d.v_row_bytes == cb + D / 8;
+      }
+      if (fixed) dp.use_mma = dp.k_bits == 2 ? 6 : 7;
+    }
     int64_t half = 0;
     for (int i = 0; i < dp.n_segments; ++i) {
       DecodeSegmentParams& d = dp.seg[i];

@@ -150,10 +150,14 @@ template <>
 int mma_dispatch<1, 4>(const DecodeParams&, cudaStream_t, bool);
 template <>
 int mma_dispatch<2, 4>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<3, 2>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<3, 4>(const DecodeParams&, cudaStream_t, bool);
 }  // namespace decode_mma
 
 namespace {
-// The tensor-core instance of p.use_mma (1..5, see DecodeParams): launch, or with query the
+// The tensor-core instance of p.use_mma (1..7, see DecodeParams): launch, or with query the
 // resident blocks per SM.
 int mma_run(const DecodeParams& p, cudaStream_t s, bool query) {
   switch (p.use_mma) {
@@ -167,8 +171,12 @@ int mma_run(const DecodeParams& p, cudaStream_t s, bool query) {
       return decode_mma::mma_dispatch<1, 4>(p, s, query);
     case 5:
       return decode_mma::mma_dispatch<2, 4>(p, s, query);
+    case 6:
+      return decode_mma::mma_dispatch<3, 2>(p, s, query);
+    case 7:
+      return decode_mma::mma_dispatch<3, 4>(p, s, query);
     default:
-      throw Error("[decode_attention] expected a tensor-core kind in 1..5 but got " +
+      throw Error("[decode_attention] expected a tensor-core kind in 1..7 but got " +
                   std::to_string(p.use_mma));
   }
 }

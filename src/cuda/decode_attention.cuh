@@ -66,7 +66,9 @@ struct DecodeParams {
   int32_t k_bits = 0, v_bits = 0;  // 0 when the view has no packed segment
   // Tensor-core kernel (decode_attention_mma.cuh): 0 off, 1 f16 segments only, 2 f16 and 2-bit
   // packed segments, 3 the same with f16 metadata, 4 f16 and 4-bit packed segments, 5 the same
-  // with f16 metadata; stage_half_bytes: bytes of K (and of V) per pipeline stage of that kernel.
+  // with f16 metadata, 6 and 7: 2- and 4-bit codes with f16 metadata in groups of 32 and records
+  // of D bits / 8 + D / 8 bytes (offsets fixed at compile time); stage_half_bytes: bytes of K (and
+  // of V) per pipeline stage of that kernel.
   int32_t use_mma = 0;
   int32_t stage_half_bytes = 0;
 };

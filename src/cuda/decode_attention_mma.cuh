@@ -2,7 +2,9 @@
 // segments are f16 and whose packed segments (if any) hold KB-bit keys and values (KB = 2 or 4)
 // in groups of a multiple of 32 channels (records 4-byte aligned). Templated on the head dim D,
 // the GQA group G, PK (0: f16 segments only; 1: f16 and packed segments, any metadata type; 2: the
-// same with f16 metadata, read without a type switch) and KB. Included by
+// same with f16 metadata, read without a type switch; 3: f16 metadata in groups of 32 and records
+// of D KB / 8 code bytes + D / 8 metadata bytes, every record offset a compile-time constant) and
+// KB. Included by
 // decode_attention_mma_*.cu; the generic kernel in decode_attention_kernel.cuh takes every other
 // view. Same parameters, partials and combine.
 //
@@ -34,12 +36,12 @@
 //      (4 nibbles: channels +0..+3), made exact fp16 integers by mask + (x - 1024) for the low
 //      nibble of a byte and mask + (x / 16 - 64) for the high one (both exact).
 // Numerics: q and p are carried as fp16 hi + lo (about 2^-22 relative per term); packed values
-// use B = p * scale * 2^S per 32-channel block, S warp-uniform and raised (the block's fp32
-// accumulators rescaled exactly) whenever a row's scale exceeds the binade of the largest seen
-// so far in the split, so S puts that scale in [2^14, 2^15) and the products accumulate in the
-// mma accumulators directly (2^-S applied once at the merge); no term overflows and a term loses
-// relative precision only below 2^-28 of that largest scale (fp16 subnormals: absolute error at
-// most 2^-25 * 2^-S per term). f16 value rows use B = p <= 1 (terms under 2^-14 carry an
+// use B = (p * 2^S) * scale, S warp-uniform and raised (the fp32 accumulators rescaled exactly)
+// whenever a row's scale exceeds the binade of the largest seen so far in the split (any channel
+// block), so S puts that scale in [2^14, 2^15) and the products accumulate in the mma accumulators
+// directly (2^-S applied once at the merge); no term overflows and a term loses relative precision
+// only below 2^-28 of that largest scale (fp16 subnormals: absolute error at most 2^-25 * 2^-S per
+// term). f16 value rows use B = p <= 1 (terms under 2^-14 carry an
 // absolute error of at most 2^-25 * |v|, within the fp32 accumulation budget of the tests). Rows
 // past the split end are zero-filled in shared memory (f16 rows when staged, packed bytes once
 // their tile has landed), so their p = 0 never meets a stale NaN; invisible rows get logit -inf.
@@ -158,7 +160,9 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     decode_mma_kernel(const __grid_constant__ DecodeParams p) {
   using Gm = MGeo<D, G>;
   static_assert(KB == 2 || KB == 4, "2- or 4-bit codes");
-  constexpr bool MF = PK == 2;
+  constexpr bool MF = PK >= 2;
+  constexpr bool FIX = PK == 3;  // compile-time record layout (group 32, f16 metadata)
+  constexpr int KREC = D * KB / 8 + D / 8;
   constexpr bool Q4 = PK > 0 && KB == 4;  // the K-index -> channel map of 4-bit codes
   constexpr int NT = Gm::NT, NCH = Gm::NCH, MT = Gm::MT;
   constexpr int RB = 2 * D;  // f16 row bytes
@@ -183,7 +187,10 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   const int64_t r_begin = static_cast<int64_t>(split - sg.split_begin) * sg.rows_per_split;
   const int64_t r_end = min64(sg.n_rows, r_begin + sg.rows_per_split);
   const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
-  const int krb = sg.k_row_bytes, vrb = sg.v_row_bytes, TR = sg.tile_rows;
+  const int krb = FIX ? (packed ? KREC : RB) : sg.k_row_bytes;
+  const int vrb = FIX ? (packed ? KREC : RB) : sg.v_row_bytes;
+  const int TR = sg.tile_rows;
+  const int kcb = FIX ? D * KB / 8 : p.pk.k_code_bytes, vcb = FIX ? D * KB / 8 : p.pk.v_code_bytes;
   const uint8_t* kbase = sg.k + bh * sg.capacity * krb;
   const uint8_t* vbase = sg.v + bh * sg.capacity * vrb;
   const int32_t* pos = sg.positions ? sg.positions + bh * sg.capacity : nullptr;
@@ -201,6 +208,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     const int64_t hi = q_rel + 1;
     vis_hi = static_cast<int>(hi < 0 ? 0 : (hi > n_split_rows ? n_split_rows : hi));
   }
+  // kept in registers: otherwise the 64-bit bound arithmetic is redone for every row
+  asm volatile("" : "+r"(vis_lo), "+r"(vis_hi));
   auto issue = [&](int tt) {
     const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
     const int nr = static_cast<int>(min64(TR, r_end - r0));
@@ -311,14 +320,12 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   const uint32_t psel = static_cast<uint32_t>((g & 3) | ((4 + (g & 3)) << 8));
   int grpc[NCH];  // metadata group of each 32-channel block
 #pragma unroll
-  for (int c = 0; c < NCH; ++c) grpc[c] = (32 * c) / p.pk.group_size;
-  // packed values: one power of two 2^S per 32-channel block, warp-uniform, kept while the split
-  // streams (S puts the largest scale seen so far in [2^14, 2^15); a larger one rescales the
-  // block's accumulators exactly, as the online softmax does), so the products p * scale * 2^S
-  // accumulate in the mma's fp32 accumulators directly; exv = that scale's biased exponent
-  int exv[NCH];
-#pragma unroll
-  for (int c = 0; c < NCH; ++c) exv[c] = 15;
+  for (int c = 0; c < NCH; ++c) grpc[c] = FIX ? c : (32 * c) / p.pk.group_size;
+  // packed values: one power of two 2^S, warp-uniform, kept while the split streams (S puts the
+  // largest scale seen so far in [2^14, 2^15); a larger one rescales the accumulators exactly, as
+  // the online softmax does), so the products p * 2^S * scale accumulate in the mma's fp32
+  // accumulators directly; exv = that scale's biased exponent
+  int exv = 15;
 
   for (int tt = 0; tt < n_tiles; ++tt) {
     if (tt + kStages - 1 < n_tiles) issue(tt + kStages - 1);
@@ -409,8 +416,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
             a8[3] = code_pair_hi4(w1 >> 8);
           }
           float lo0, sc0, lo1, sc1;
-          meta_a<MF>(rg, p.pk.k_code_bytes, p.pk.k_meta, grpc[c], lo0, sc0);
-          meta_a<MF>(rg8, p.pk.k_code_bytes, p.pk.k_meta, grpc[c], lo1, sc1);
+          meta_a<MF>(rg, kcb, p.pk.k_meta, grpc[c], lo0, sc0);
+          meta_a<MF>(rg8, kcb, p.pk.k_meta, grpc[c], lo1, sc1);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -525,6 +532,14 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         const int bstride = 4 * KB;  // bytes of a 32-channel block's codes
         // KB = 4: the halfword (g & 1) of the word of rows ra and ra + 1 in the two halves
         const uint32_t qsel = (g & 1) ? 0x7632u : 0x5410u;
+        float pu[NT][4];  // p * 2^S (exact)
+        {
+          const float up = __int_as_float((268 - exv) << 23);  // 2^S, S = 141 - exv
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pu[nt][r] = pv[nt][r] * up;
+        }
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
           const uint32_t ya = __byte_perm(lds32(rec[0] + bstride * c + wo),
@@ -549,35 +564,34 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           float lo[4], sc[4];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            meta_a<MF>(rec[r], p.pk.v_code_bytes, p.pk.v_meta, grpc[c], lo[r], sc[r]);
+            meta_a<MF>(rec[r], vcb, p.pk.v_meta, grpc[c], lo[r], sc[r]);
           }
           // p * scale <= the largest scale seen (p <= 1): 2^S puts that in [2^14, 2^15), so the
           // fp16 parts stay normal and finite whatever the scales (the same S for every lane); a
           // scale of a larger binade (rare after the first tile) raises S for the whole warp
           const float smax = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
-          if (__any_sync(kFull, smax >= __int_as_float(min(exv[c] + 1, 255) << 23))) {
+          if (__any_sync(kFull, smax >= __int_as_float((exv + 1) << 23))) {
             float m = fmaxf(smax, __shfl_xor_sync(kFull, smax, 1));
             m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));  // the lanes t share the rows of a tile
-            const int ex = max(exv[c], min(max((__float_as_int(m) >> 23) & 0xff, 15), 250));
-            if (ex > exv[c]) {
-              const float f = ldexpf(1.0f, exv[c] - ex);  // exact, or below 2^-126 of the new
+            const int ex = max(exv, min(max((__float_as_int(m) >> 23) & 0xff, 15), 250));
+            if (ex > exv) {
+              const float f = ldexpf(1.0f, exv - ex);  // exact, or below 2^-126 of the new
 #pragma unroll
-              for (int nt = 0; nt < NT; ++nt)
+              for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                  vacc[nt][2 * c][i] *= f;
-                  vacc[nt][2 * c + 1][i] *= f;
-                }
-              exv[c] = ex;
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                  for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= f;
+#pragma unroll
+                for (int r = 0; r < 4; ++r) pu[nt][r] *= f;
+              }
+              exv = ex;
             }
           }
-          const float up = __int_as_float((268 - exv[c]) << 23);  // 2^S, S = 141 - ex
-#pragma unroll
-          for (int r = 0; r < 4; ++r) sc[r] *= up;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t bb0 = split_pack(pv[nt][0] * sc[0], pv[nt][1] * sc[1], partb);
-            const uint32_t bb1 = split_pack(pv[nt][2] * sc[2], pv[nt][3] * sc[3], partb);
+            const uint32_t bb0 = split_pack(pu[nt][0] * sc[0], pu[nt][1] * sc[1], partb);
+            const uint32_t bb1 = split_pack(pu[nt][2] * sc[2], pu[nt][3] * sc[3], partb);
             mma_16816(vacc[nt][2 * c], e0, e1, e2, e3, bb0, bb1);
             mma_16816(vacc[nt][2 * c + 1], f0, f1, f2, f3, bb0, bb1);
             float s = vb[nt][c];
@@ -625,8 +639,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int j = 0; j < MT; ++j) {
         float v0 = vacc[nt][j][0] + vacc[nt][j][1];
         float v1 = vacc[nt][j][2] + vacc[nt][j][3];
-        if (packed) {  // undo 2^S of the block (exact)
-          const float dn = __int_as_float((exv[j >> 1] - 14) << 23);  // 2^-S
+        if (packed) {                                         // undo 2^S of the block (exact)
+          const float dn = __int_as_float((exv - 14) << 23);  // 2^-S
           v0 *= dn;
           v1 *= dn;
         }

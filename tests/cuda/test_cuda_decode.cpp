@@ -214,10 +214,11 @@ HostView empty_view(int64_t B, int64_t H, int64_t D) {
 // below the gamma(D + ...) term, at least 2^-17.3 ||q|| ||k_j|| here) and 2^-22 * 2V per value
 // term (scale * code <= range <= 2V); fp16 subnormal terms (p < 2^-14, or p * scale * 2^S <
 // 2^-14) carry an absolute error of at most 2^-25 |v| (f16 rows) or c_max * 2^-25 * 2^-S (packed,
-// c_max = 2^bits - 1, 2^-S <= 2^-14 * the largest scale of the block among the split's rows
-// streamed so far, and scale * c_max <= 2V: the tests draw hidden rows like visible ones, and even
-// a hidden row's scale 2^20 times larger keeps the term under n_vis * 2^-19 * V), i.e. at most
-// n_vis * 2^-25 * V over all rows, inside 2 gamma(9 n_vis / 8 + 64) V. 2-bit keys: the q pairs of
+// c_max = 2^bits - 1, 2^-S <= 2^-14 * the largest scale, of any channel block, among the split's
+// rows streamed so far, and scale * c_max <= 2V with V over every channel; rows hidden by position
+// or window count too: the tests draw them like visible ones, and even one 2^15 times larger keeps
+// a term under 2^-39 * 2^15 * 2V = 2^-23 V), i.e. at most n_vis * 2^-23 * V over all rows, inside
+// 2 gamma(9 n_vis / 8 + 64) V. 2-bit keys: the q pairs of
 // k-pairs 1 and 3 are pre-scaled by 2^-4 (codes read 16 times their value in place), so their lo
 // part turns subnormal below 2^-3 * 2^-11 of max |q| * sigma: at most 2^-25 * 2^4 / sigma <=
 // 2^-32 max |q| per channel, i.e. at most 2^-31 D ||q|| ||k_j|| on a logit (scale * c <= 2
