@@ -3,7 +3,7 @@
 //
 //   bench_e2e [--model DIR] [--contexts 512,1024,2048] [--methods "full;snapkv:budget=256;..."]
 //             [--repeats 3] [--decode 32] [--threads N] [--prefill-step 512] [--csv FILE]
-//             [--no-bandwidth] [--cpu-time]
+//             [--no-bandwidth] [--cpu-time] [--matmul exact|bf16|exact,bf16]
 //
 // Prompt: token ids of the held-out evaluation text (data/eval/heldout_ids.u16, uint16) when
 // present, else seeded random ids. Each repeat builds fresh caches, prefills the context in
@@ -20,6 +20,10 @@
 // prefill and decode tokens per CPU-second of the process (all threads' CPU time, from
 // CLOCK_PROCESS_CPUTIME_ID): with OMP_WAIT_POLICY=passive this counts work rather than waiting,
 // so it is a steadier A/B measure than wall time on a loaded machine.
+// --matmul picks ForwardOptions::matmul (default exact); a list (exact,bf16) measures each mode
+// in turn within every repeat (alternating, so a noisy neighbour hits both alike), one row per
+// mode: method "<spec>" for exact, "<spec> (bf16 matmul)" for bf16; the CSV gets a last column
+// "matmul".
 #include <omp.h>
 
 #include <algorithm>
@@ -124,6 +128,7 @@ int main(int argc, char** argv) {
   int repeats = 3, threads = 0;
   bool bandwidth = true, cpu_time = false;
   int64_t decode = 32, step = 512;
+  std::string matmul_s = "exact";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -153,16 +158,26 @@ int main(int argc, char** argv) {
       bandwidth = false;
     } else if (a == "--cpu-time") {
       cpu_time = true;
+    } else if (a == "--matmul") {
+      matmul_s = next();
     } else {
       std::fprintf(stderr,
                    "usage: bench_e2e [--model DIR] [--contexts 512,1024,2048] [--methods "
                    "\"full;snapkv:budget=256\"] [--repeats 3] [--decode 32] [--threads N] "
-                   "[--prefill-step 512] [--csv FILE] [--no-bandwidth] [--cpu-time]\n");
+                   "[--prefill-step 512] [--csv FILE] [--no-bandwidth] [--cpu-time] "
+                   "[--matmul exact|bf16|exact,bf16]\n");
       return 2;
     }
   }
   try {
     if (threads > 0) omp_set_num_threads(threads);
+    std::vector<vq::MatmulPrecision> modes;
+    for (const std::string& m : split(matmul_s, ',')) {
+      if (m != "exact" && m != "bf16")
+        throw vq::Error("[bench_e2e] --matmul: expected exact, bf16 or a list of them but got " +
+                        m);
+      modes.push_back(m == "bf16" ? vq::MatmulPrecision::kBF16 : vq::MatmulPrecision::kExact);
+    }
     if (model_dir.empty()) model_dir = vq::find_shipped_model();
     if (model_dir.empty()) throw vq::Error("[bench_e2e] no --model and no shipped model found");
     const auto model = vq::Model::load(model_dir);
@@ -202,62 +217,71 @@ int main(int argc, char** argv) {
     if (!csv_path.empty()) {
       csv.open(csv_path);
       csv << "context,method,prefill_mean,prefill_sd,decode_mean,decode_sd,bound,cache_bytes,"
-             "ratio\n";
+             "ratio,matmul\n";
     }
     for (const std::string& cs : split(contexts_s, ',')) {
       const int64_t ctx = std::stoll(cs);
       const auto ids = prompt_ids(root, ctx, mc.vocab_size);
       for (const std::string& spec : split(methods_s, ';')) {
         const vq::CacheConfig cfg = vq::config_from_spec(spec);
-        std::vector<double> pre, dec, pre_cpu, dec_cpu;
+        const size_t nm = modes.size();
+        std::vector<std::vector<double>> pre(nm), dec(nm), pre_cpu(nm), dec_cpu(nm);
         vq::CacheMemory mem;
         for (int r = 0; r < repeats + 1; ++r) {  // repeat 0 warms up and is dropped
-          auto caches = model->make_caches(cfg);
-          vq::ForwardScratch scratch;
-          std::vector<float> logits;
-          const double c0 = cpu_seconds();
-          auto t0 = Clock::now();
-          vq::prefill(*model, ids.data(), ctx, caches, step, vq::DType::kF16, &logits, &scratch);
-          auto t1 = Clock::now();
-          const double c1 = cpu_seconds();
-          if (r == 0) mem = vq::cache_memory(caches, mc.n_kv_heads);
-          vq::ForwardOptions fo;
-          int32_t tok = vq::argmax(logits.data(), mc.vocab_size);
-          const double c2 = cpu_seconds();
-          auto t2 = Clock::now();
-          for (int64_t d = 0; d < decode; ++d) {
-            model->forward(&tok, 1, 1, caches, fo, &logits, &scratch);
-            tok = vq::argmax(logits.data(), mc.vocab_size);
+          for (size_t mi = 0; mi < nm; ++mi) {
+            auto caches = model->make_caches(cfg);
+            vq::ForwardScratch scratch;
+            std::vector<float> logits;
+            const double c0 = cpu_seconds();
+            auto t0 = Clock::now();
+            vq::prefill(*model, ids.data(), ctx, caches, step, vq::DType::kF16, &logits, &scratch,
+                        {}, modes[mi]);
+            auto t1 = Clock::now();
+            const double c1 = cpu_seconds();
+            if (r == 0) mem = vq::cache_memory(caches, mc.n_kv_heads);
+            vq::ForwardOptions fo;
+            fo.matmul = modes[mi];
+            int32_t tok = vq::argmax(logits.data(), mc.vocab_size);
+            const double c2 = cpu_seconds();
+            auto t2 = Clock::now();
+            for (int64_t d = 0; d < decode; ++d) {
+              model->forward(&tok, 1, 1, caches, fo, &logits, &scratch);
+              tok = vq::argmax(logits.data(), mc.vocab_size);
+            }
+            auto t3 = Clock::now();
+            const double c3 = cpu_seconds();
+            if (r == 0) continue;
+            pre[mi].push_back(static_cast<double>(ctx) / seconds(t0, t1));
+            dec[mi].push_back(static_cast<double>(decode) / seconds(t2, t3));
+            pre_cpu[mi].push_back(static_cast<double>(ctx) / (c1 - c0));
+            dec_cpu[mi].push_back(static_cast<double>(decode) / (c3 - c2));
           }
-          auto t3 = Clock::now();
-          const double c3 = cpu_seconds();
-          if (r == 0) continue;
-          pre.push_back(static_cast<double>(ctx) / seconds(t0, t1));
-          dec.push_back(static_cast<double>(decode) / seconds(t2, t3));
-          pre_cpu.push_back(static_cast<double>(ctx) / (c1 - c0));
-          dec_cpu.push_back(static_cast<double>(decode) / (c3 - c2));
         }
-        const Stat p = stat(pre), d = stat(dec);
-        const double bound = bw / (wbytes + static_cast<double>(mem.bytes_accounted));
-        char bound_s[64] = "-", share_s[64] = "-";
-        if (bandwidth) {
-          std::snprintf(bound_s, sizeof bound_s, "%.0f", bound);
-          std::snprintf(share_s, sizeof share_s, "%.0f%%", 100 * d.mean / bound);
+        for (size_t mi = 0; mi < nm; ++mi) {
+          const bool bf = modes[mi] == vq::MatmulPrecision::kBF16;
+          const std::string label = bf ? spec + " (bf16 matmul)" : spec;
+          const Stat p = stat(pre[mi]), d = stat(dec[mi]);
+          const double bound = bw / (wbytes + static_cast<double>(mem.bytes_accounted));
+          char bound_s[64] = "-", share_s[64] = "-";
+          if (bandwidth) {
+            std::snprintf(bound_s, sizeof bound_s, "%.0f", bound);
+            std::snprintf(share_s, sizeof share_s, "%.0f%%", 100 * d.mean / bound);
+          }
+          std::printf("| %lld | %s | %.0f ± %.0f | %.1f ± %.1f | %s | %s | %.2f | %.3f |",
+                      static_cast<long long>(ctx), label.c_str(), p.mean, p.sd, d.mean, d.sd,
+                      bound_s, share_s, static_cast<double>(mem.bytes_accounted) / 1048576.0,
+                      mem.ratio_to_fp16());
+          if (cpu_time) {
+            const Stat pc = stat(pre_cpu[mi]), dc = stat(dec_cpu[mi]);
+            std::printf(" %.0f ± %.0f | %.1f ± %.1f |", pc.mean, pc.sd, dc.mean, dc.sd);
+          }
+          std::printf("\n");
+          std::fflush(stdout);
+          if (csv.is_open())
+            csv << ctx << ",\"" << spec << "\"," << p.mean << "," << p.sd << "," << d.mean << ","
+                << d.sd << "," << bound << "," << mem.bytes_accounted << "," << mem.ratio_to_fp16()
+                << "," << (bf ? "bf16" : "exact") << "\n";
         }
-        std::printf("| %lld | %s | %.0f ± %.0f | %.1f ± %.1f | %s | %s | %.2f | %.3f |",
-                    static_cast<long long>(ctx), spec.c_str(), p.mean, p.sd, d.mean, d.sd, bound_s,
-                    share_s, static_cast<double>(mem.bytes_accounted) / 1048576.0,
-                    mem.ratio_to_fp16());
-        if (cpu_time) {
-          const Stat pc = stat(pre_cpu), dc = stat(dec_cpu);
-          std::printf(" %.0f ± %.0f | %.1f ± %.1f |", pc.mean, pc.sd, dc.mean, dc.sd);
-        }
-        std::printf("\n");
-        std::fflush(stdout);
-        if (csv.is_open())
-          csv << ctx << ",\"" << spec << "\"," << p.mean << "," << p.sd << "," << d.mean << ","
-              << d.sd << "," << bound << "," << mem.bytes_accounted << "," << mem.ratio_to_fp16()
-              << "\n";
       }
     }
   } catch (const std::exception& e) {

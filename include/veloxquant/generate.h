@@ -56,6 +56,8 @@ struct GenerateOptions {
   std::vector<int32_t> stop_ids;
   bool stop_at_eos = true;
   DType kv_dtype = DType::kF16;  // K/V handed to the caches (ForwardOptions::kv_dtype)
+  // Arithmetic of the matrix products, prefill and decode (ForwardOptions::matmul).
+  MatmulPrecision matmul = MatmulPrecision::kExact;
   // Called with each generated token; return false to stop.
   std::function<bool(int32_t)> on_token;
   // Called after each prefill chunk with (prompt tokens done, prompt tokens in all).
@@ -87,7 +89,8 @@ std::vector<int64_t> prefill_chunks(int64_t n, int64_t step);
 void prefill(const Model& model, const int32_t* prompt, int64_t n,
              const std::vector<std::unique_ptr<KVCache>>& caches, int64_t step, DType kv_dtype,
              std::vector<float>* last_logits, ForwardScratch* scratch = nullptr,
-             const std::function<void(int64_t, int64_t)>& on_progress = {});
+             const std::function<void(int64_t, int64_t)>& on_progress = {},
+             MatmulPrecision matmul = MatmulPrecision::kExact);
 
 // Batch 1 generation. The caches must be fresh (offset 0) or hold a context the prompt continues.
 GenerateResult generate(const Model& model, std::span<const int32_t> prompt,

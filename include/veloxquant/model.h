@@ -96,6 +96,20 @@ struct Linear {
   std::vector<float> bias;  // [out] or empty
 };
 
+// Arithmetic of the products of activations with bf16 weight matrices (q/k/v/o, gate/up/down,
+// lm_head; prefill and decode alike). kExact: activations fp32, weights widened exactly, fp32
+// FMAs. kBF16 (opt-in): activations rounded to bf16 (nearest even, as vcvtne2ps2bf16), exact
+// bf16 x bf16 products summed in fp32 (vdpbf16ps on avx512_bf16 CPUs, else a portable path with
+// the same rounded activations): about twice the arithmetic rate, llama.cpp's arithmetic on bf16
+// weights. fp32/fp16 weights, attention, norms, RoPE and softmax are exact in both.
+enum class MatmulPrecision : uint8_t { kExact, kBF16 };
+
+// The value new ForwardOptions get for `matmul` (kExact unless set): for tools whose forward
+// calls are made by library code that takes no ForwardOptions (eval). Not thread-safe to change
+// while other threads build ForwardOptions.
+MatmulPrecision default_matmul_precision();
+void set_default_matmul_precision(MatmulPrecision p);
+
 struct ForwardOptions {
   // dtype of the K/V blocks handed to the caches. fp16 is the default (what a deployed cache
   // holds, and what the byte figures count); fp32 keeps the cache exact for golden tests.
@@ -104,6 +118,7 @@ struct ForwardOptions {
   Logits logits = Logits::kLast;  // which positions of each sequence get logits
   // Hand this call's queries to the caches (UpdateOptions::queries; SnapKV query scoring).
   bool pass_queries = true;
+  MatmulPrecision matmul = default_matmul_precision();
 };
 
 // Reusable buffers for forward(); keep one per generation loop to avoid reallocations.

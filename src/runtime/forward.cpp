@@ -11,6 +11,8 @@
 // (RMSNorm fused with the residual add, RoPE with the head-major copies, SwiGLU) are split over
 // tokens with OpenMP when a call has at least kParallelTokens tokens (prefill), so no core idles
 // through them; each token's arithmetic is the same either way.
+// ForwardOptions::matmul picks the matrix products' arithmetic (kernels::Precision) for every
+// product of this call, the logits included.
 #include <omp.h>
 
 #include <cmath>
@@ -27,9 +29,11 @@ namespace {
 
 constexpr int64_t kParallelTokens = 8;  // per-token steps run on every thread from this many
 
-void linear(const Linear& l, const float* x, int64_t n_tokens, float* y) {
+MatmulPrecision g_default_matmul = MatmulPrecision::kExact;
+
+void linear(const Linear& l, const float* x, int64_t n_tokens, float* y, kernels::Precision p) {
   kernels::matmul(x, n_tokens, l.in, l.in, l.w, l.dtype, l.out,
-                  l.bias.empty() ? nullptr : l.bias.data(), y, l.out);
+                  l.bias.empty() ? nullptr : l.bias.data(), y, l.out, p);
 }
 
 kernels::MatmulOut out_of(const Linear& l, float* y) {
@@ -56,6 +60,13 @@ T* grow(std::vector<T>& v, size_t n) {
 
 }  // namespace
 
+MatmulPrecision default_matmul_precision() {
+  return g_default_matmul;
+}
+void set_default_matmul_precision(MatmulPrecision p) {
+  g_default_matmul = p;
+}
+
 void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
                     const std::vector<std::unique_ptr<KVCache>>& caches, const ForwardOptions& opts,
                     std::vector<float>* logits, ForwardScratch* scratch) const {
@@ -79,6 +90,8 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
 
   ForwardScratch local;
   ForwardScratch& s = scratch ? *scratch : local;
+  const kernels::Precision mp = opts.matmul == MatmulPrecision::kBF16 ? kernels::Precision::kBF16
+                                                                      : kernels::Precision::kExact;
   const int64_t T = batch * seq, Hd = c.hidden_size, D = c.head_dim, half = D / 2;
   const int64_t Hq = c.n_heads, Hkv = c.n_kv_heads, I = c.intermediate_size;
   const size_t uT = static_cast<size_t>(T);
@@ -135,7 +148,7 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
       kernels::rmsnorm(x + t * Hd, L.attn_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
     });
     const kernels::MatmulOut qkv[3] = {out_of(L.q, q), out_of(L.k, k), out_of(L.v, v)};
-    kernels::matmul_multi(h, T, Hd, Hd, qkv, 3);
+    kernels::matmul_multi(h, T, Hd, Hd, qkv, 3, mp);
     // RoPE, then token-major [T, heads, D] -> head-major [B, heads, S, D].
     for_tokens(T, par, [&](int64_t t) {
       const int64_t b = t / seq, si = t % seq;
@@ -169,17 +182,17 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
         std::memcpy(attn_t + (t * Hq + hh) * D, attn + ((b * Hq + hh) * seq + si) * D,
                     static_cast<size_t>(D) * sizeof(float));
     });
-    linear(L.o, attn_t, T, h);
+    linear(L.o, attn_t, T, h, mp);
 
     for_tokens(T, par, [&](int64_t t) {
       for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
       kernels::rmsnorm(x + t * Hd, L.mlp_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
     });
     const kernels::MatmulOut gate_up[2] = {out_of(L.gate, gate), out_of(L.up, up)};
-    kernels::matmul_multi(h, T, Hd, Hd, gate_up, 2);
+    kernels::matmul_multi(h, T, Hd, Hd, gate_up, 2, mp);
     for_tokens(T, par,
                [&](int64_t t) { kernels::swiglu(gate + t * I, up + t * I, I, gate + t * I); });
-    linear(L.down, gate, T, h);
+    linear(L.down, gate, T, h, mp);
   }
   // The last layer's MLP output.
   if (c.n_layers > 0)
@@ -199,7 +212,7 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
                        fin + (b * per_seq + j) * Hd);
     }
   logits->resize(static_cast<size_t>(n_out * c.vocab_size));
-  linear(lm_head_, fin, n_out, logits->data());
+  linear(lm_head_, fin, n_out, logits->data(), mp);
 }
 
 }  // namespace vq

@@ -33,7 +33,7 @@ std::vector<int64_t> prefill_chunks(int64_t n, int64_t step) {
 void prefill(const Model& model, const int32_t* prompt, int64_t n,
              const std::vector<std::unique_ptr<KVCache>>& caches, int64_t step, DType kv_dtype,
              std::vector<float>* last_logits, ForwardScratch* scratch,
-             const std::function<void(int64_t, int64_t)>& on_progress) {
+             const std::function<void(int64_t, int64_t)>& on_progress, MatmulPrecision matmul) {
   VQ_CHECK(n >= 1,
            "[prefill] expected a prompt of at least one token but got " + std::to_string(n));
   const std::vector<int64_t> chunks = prefill_chunks(n, step);
@@ -41,6 +41,7 @@ void prefill(const Model& model, const int32_t* prompt, int64_t n,
   ForwardScratch& s = scratch ? *scratch : local;
   ForwardOptions fo;
   fo.kv_dtype = kv_dtype;
+  fo.matmul = matmul;
   int64_t done = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
     const bool last = i + 1 == chunks.size();
@@ -69,12 +70,13 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt,
 
   auto t0 = std::chrono::steady_clock::now();
   prefill(model, prompt.data(), static_cast<int64_t>(prompt.size()), caches, opts.prefill_step_size,
-          opts.kv_dtype, &logits, &scratch, opts.on_prefill_progress);
+          opts.kv_dtype, &logits, &scratch, opts.on_prefill_progress, opts.matmul);
   r.prefill_seconds = seconds_since(t0);
   if (opts.max_tokens == 0) return r;
 
   ForwardOptions fo;
   fo.kv_dtype = opts.kv_dtype;
+  fo.matmul = opts.matmul;
   fo.logits = ForwardOptions::Logits::kLast;
   t0 = std::chrono::steady_clock::now();
   int32_t token = sampler.sample(logits.data(), cfg.vocab_size);

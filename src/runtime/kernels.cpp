@@ -12,9 +12,18 @@
 //   x[t][k] * P[k][0:32] per k (no horizontal sums). Each weight is read and converted once per
 //   call, and a panel (<= 256 KiB) stays in L2 while all tokens pass over it.
 // Output rows are split statically over the OpenMP threads in both.
+// Precision::kBF16 with bf16 weights (avx512_bf16 CPUs): X is first rounded to bf16 pairs
+// Xp[T][Kp/2] (uint32: k even in the low half, Kp = K rounded up to 32, zero padded); the same
+// two formulations then run vdpbf16ps on the raw weight bits: dot products of 32 bf16 per step
+// into 4 x 16 lanes per token, or panels P[k/2][32] of weight pairs (a 16 x 16 transpose of
+// 32-bit words, no conversion) swept by MR = 12 tokens x 32 rows with a broadcast x pair.
+// Summation orders (for the tests' bounds): packed, each output is one fp32 chain starting at
+// the bias; dot, each lane is a chain of ceil(K/32) pair steps at most, then 2 + 4 tree levels
+// and the bias. Without avx512_bf16, kBF16 runs the exact kernels on bf16-rounded X.
 #include "runtime/kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -257,6 +266,185 @@ void run_panel(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const M
   }
 }
 
+// ---- bf16 dot-product path (vdpbf16ps; compiled for avx512_bf16 per function) ----
+
+#define VQ_BF16_TARGET __attribute__((target("avx512bf16")))
+
+constexpr int64_t kKBlockBF16 = 4096;  // K per packed block: a panel is 4096 / 2 * 128 B = 256 KiB
+
+inline __mmask32 mask32(int64_t n) {  // the low n bits (n <= 32)
+  return n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << n) - 1u);
+}
+
+// 32 weights w[i, i + 32) (elements >= k read as zero) as 16 pairs.
+inline __m512i load_w32_bf16(const uint16_t* w, int64_t i, int64_t k) {
+  if (i + 32 <= k) return _mm512_loadu_si512(w + i);
+  return _mm512_maskz_loadu_epi16(mask32(k - i), w + i);
+}
+
+VQ_BF16_TARGET inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// Rows [t0, t1) of X rounded into Xp[t][Kp / 2] (Kp multiple of 32; zero beyond k).
+VQ_BF16_TARGET void round_rows_bf16(const float* x, int64_t k, int64_t ldx, int64_t t0, int64_t t1,
+                                    uint32_t* xp, int64_t kp) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* xr = x + t * ldx;
+    uint32_t* out = xp + t * (kp / 2);
+    for (int64_t i = 0; i < kp; i += 32) {
+      const __mmask16 m0 = static_cast<__mmask16>(mask32(std::clamp<int64_t>(k - i, 0, 16)));
+      const __mmask16 m1 = static_cast<__mmask16>(mask32(std::clamp<int64_t>(k - i - 16, 0, 16)));
+      const __m512 lo = _mm512_maskz_loadu_ps(m0, xr + i);
+      const __m512 hi = _mm512_maskz_loadu_ps(m1, xr + i + 16);
+      _mm512_storeu_si512(out + i / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+}
+
+VQ_BF16_TARGET void round_bf16_vec(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                     _mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i))));
+  for (; i < n; i += 16) {
+    const __mmask16 m = static_cast<__mmask16>(mask32(std::min<int64_t>(16, n - i)));
+    const __m256i r =
+        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i)));
+    _mm256_mask_storeu_epi16(out + i, m, r);
+  }
+}
+
+// y[c * ldy] = sum over k of Xp[c] . wrow (+ bias) for C tokens and one weight row: 128 weights
+// per step into 4 accumulators per token, then 32 per step into the first one.
+template <int C>
+VQ_BF16_TARGET void row_dot_bf16(const uint32_t* xp, int64_t ldxp, const uint16_t* wrow, int64_t k,
+                                 float bias, float* y, int64_t ldy) {
+  __m512 acc[C][4];
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 128 <= k; i += 128) {
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(wrow + i + 32 * j);
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < 4; ++j)
+        acc[c][j] = dp(acc[c][j], wv[j], _mm512_loadu_si512(xp + c * ldxp + (i + 32 * j) / 2));
+  }
+  for (; i < k; i += 32) {
+    const __m512i wv = load_w32_bf16(wrow, i, k);
+    for (int c = 0; c < C; ++c)
+      acc[c][0] = dp(acc[c][0], wv, _mm512_loadu_si512(xp + c * ldxp + i / 2));
+  }
+  for (int c = 0; c < C; ++c)
+    y[c * ldy] = hsum(_mm512_add_ps(_mm512_add_ps(acc[c][0], acc[c][1]),
+                                    _mm512_add_ps(acc[c][2], acc[c][3]))) +
+                 bias;
+}
+
+VQ_BF16_TARGET void dot_rows_bf16(const uint32_t* xp, int64_t ldxp, int64_t n_tokens,
+                                  const MatmulOut& o, int64_t k, int64_t n0, int64_t rows) {
+  for (int64_t r = n0; r < n0 + rows; ++r) {
+    const uint16_t* wrow = static_cast<const uint16_t*>(o.w) + r * k;
+    const float b = o.bias ? o.bias[r] : 0.0f;
+    switch (n_tokens) {
+      case 1:
+        row_dot_bf16<1>(xp, ldxp, wrow, k, b, o.y + r, o.ldy);
+        break;
+      case 2:
+        row_dot_bf16<2>(xp, ldxp, wrow, k, b, o.y + r, o.ldy);
+        break;
+      default:
+        row_dot_bf16<3>(xp, ldxp, wrow, k, b, o.y + r, o.ldy);
+        break;
+    }
+  }
+}
+
+// P[p][j] = the weight pair W[n0 + j][k0 + 2p, k0 + 2p + 2) (zero beyond k and for j >= rows),
+// p < kc / 2 (kc a multiple of 32): 16 rows x 16 pairs at a time, transposed as 32-bit words.
+VQ_BF16_TARGET void pack_panel_bf16(const uint16_t* w, int64_t k, int64_t n0, int64_t rows,
+                                    int64_t k0, int64_t kc, uint32_t* P) {
+  for (int64_t jh = 0; jh < kPanel; jh += 16) {
+    const int64_t vr = std::clamp<int64_t>(rows - jh, 0, 16);
+    for (int64_t kk = 0; kk < kc; kk += 32) {
+      __m512 r[16];
+      for (int64_t j = 0; j < 16; ++j)
+        r[j] = j >= vr ? _mm512_setzero_ps()
+                       : _mm512_castsi512_ps(load_w32_bf16(w + (n0 + jh + j) * k, k0 + kk, k));
+      transpose16(r);
+      for (int64_t p = 0; p < 16; ++p)
+        _mm512_storeu_ps(reinterpret_cast<float*>(P + (kk / 2 + p) * kPanel + jh), r[p]);
+    }
+  }
+}
+
+template <int MR>
+VQ_BF16_TARGET void packed_micro_bf16(const uint32_t* P, int64_t npairs, const uint32_t* xp,
+                                      int64_t ldxp, float* y, int64_t ldy, __mmask16 m0,
+                                      __mmask16 m1, bool first, const float* bias) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) {
+    if (first) {
+      acc[m][0] = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+      acc[m][1] = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    } else {
+      acc[m][0] = _mm512_maskz_loadu_ps(m0, y + m * ldy);
+      acc[m][1] = _mm512_maskz_loadu_ps(m1, y + m * ldy + 16);
+    }
+  }
+  for (int64_t p = 0; p < npairs; ++p) {
+    const __m512i w0 = _mm512_loadu_si512(P + p * kPanel);
+    const __m512i w1 = _mm512_loadu_si512(P + p * kPanel + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xp[m * ldxp + p]));
+      acc[m][0] = dp(acc[m][0], w0, xb);
+      acc[m][1] = dp(acc[m][1], w1, xb);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(y + m * ldy, m0, acc[m][0]);
+    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, acc[m][1]);
+  }
+}
+
+template <int MR>
+VQ_BF16_TARGET void packed_micro_bf16_dispatch(int64_t mr, const uint32_t* P, int64_t npairs,
+                                               const uint32_t* xp, int64_t ldxp, float* y,
+                                               int64_t ldy, __mmask16 m0, __mmask16 m1, bool first,
+                                               const float* bias) {
+  if constexpr (MR > 1) {
+    if (mr < MR) {
+      packed_micro_bf16_dispatch<MR - 1>(mr, P, npairs, xp, ldxp, y, ldy, m0, m1, first, bias);
+      return;
+    }
+  }
+  packed_micro_bf16<MR>(P, npairs, xp, ldxp, y, ldy, m0, m1, first, bias);
+}
+
+VQ_BF16_TARGET void run_panel_bf16(const uint32_t* xp, int64_t ldxp, int64_t n_tokens, int64_t k,
+                                   const MatmulOut& o, int64_t n0, int64_t rows) {
+  const int64_t kp = (k + 31) / 32 * 32;
+  const int64_t kb = std::min(kp, kKBlockBF16);
+  thread_local std::vector<uint32_t> panel_buf;
+  if (panel_buf.size() < static_cast<size_t>(kb / 2 * kPanel))
+    panel_buf.resize(static_cast<size_t>(kb / 2 * kPanel));
+  uint32_t* P = panel_buf.data();
+  const __mmask16 m0 = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1u);
+  const __mmask16 m1 = static_cast<__mmask16>(rows >= 32  ? 0xFFFF
+                                              : rows > 16 ? (1u << (rows - 16)) - 1u
+                                                          : 0u);
+  const uint16_t* w = static_cast<const uint16_t*>(o.w);
+  for (int64_t k0 = 0; k0 < kp; k0 += kb) {
+    const int64_t kc = std::min(kb, kp - k0);
+    pack_panel_bf16(w, k, n0, rows, k0, kc, P);
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += kMR)
+      packed_micro_bf16_dispatch<kMR>(std::min(kMR, n_tokens - t0), P, kc / 2,
+                                      xp + t0 * ldxp + k0 / 2, ldxp, o.y + t0 * o.ldy + n0, o.ldy,
+                                      m0, m1, k0 == 0, o.bias ? o.bias + n0 : nullptr);
+  }
+}
+
 #else  // portable version: the compiler vectorises the inner K loop
 
 template <DType WT>
@@ -332,18 +520,10 @@ void run_unit(Path path, const float* x, int64_t n_tokens, int64_t k, int64_t ld
   }
 }
 
-}  // namespace
-
-void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const MatmulOut* outs,
-                  int n_outs) {
-  if (n_tokens <= 0 || n_outs <= 0) return;
-  if (k == 0) {
-    for (int i = 0; i < n_outs; ++i)
-      for (int64_t t = 0; t < n_tokens; ++t)
-        for (int64_t r = 0; r < outs[i].n; ++r)
-          outs[i].y[t * outs[i].ldy + r] = outs[i].bias ? outs[i].bias[r] : 0.0f;
-    return;
-  }
+// Every unit of every output: exact kernels on x, except bf16 outputs when xp (X rounded to bf16
+// pairs, row stride ldxp) is given, which run the vdpbf16ps kernels.
+void run_outputs(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const MatmulOut* outs,
+                 int n_outs, const uint32_t* xp, int64_t ldxp) {
   const Path path = choose_path(n_tokens);
   const int64_t ur = unit_rows(path);
   std::vector<int64_t> first_unit(static_cast<size_t>(n_outs) + 1, 0);
@@ -358,6 +538,19 @@ void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, cons
     while (u >= first_unit[static_cast<size_t>(i) + 1]) ++i;
     const MatmulOut& o = outs[i];
     const int64_t n0 = (u - first_unit[static_cast<size_t>(i)]) * ur;
+#if VQ_KERNELS_AVX512
+    if (xp != nullptr && o.dtype == DType::kBF16) {
+      const int64_t rows = std::min(ur, o.n - n0);
+      if (path == Path::kPacked)
+        run_panel_bf16(xp, ldxp, n_tokens, k, o, n0, rows);
+      else
+        dot_rows_bf16(xp, ldxp, n_tokens, o, k, n0, rows);
+      continue;
+    }
+#else
+    (void)xp;
+    (void)ldxp;
+#endif
     switch (o.dtype) {
       case DType::kF32:
         run_unit<DType::kF32>(path, x, n_tokens, k, ldx, o, n0);
@@ -372,10 +565,121 @@ void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, cons
   }
 }
 
+std::atomic<bool> g_force_portable_bf16{false};
+
+bool cpu_has_bf16() {
+#if VQ_KERNELS_AVX512 && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+constexpr int64_t kParallelRoundTokens = 16;  // round X on every thread from this many tokens
+
+}  // namespace
+
+bool bf16_dot_active() {
+  return cpu_has_bf16() && !g_force_portable_bf16.load();
+}
+
+void force_portable_bf16(bool on) {
+  g_force_portable_bf16.store(on);
+}
+
+uint16_t bf16_round(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  if ((b & 0x7F800000u) == 0) return static_cast<uint16_t>((b >> 16) & 0x8000u);  // 0, subnormal
+  if ((b & 0x7F800000u) == 0x7F800000u) {
+    if ((b & 0x007FFFFFu) != 0) return static_cast<uint16_t>((b >> 16) | 0x0040u);  // quiet NaN
+    return static_cast<uint16_t>(b >> 16);                                          // +-inf
+  }
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
+#if VQ_KERNELS_AVX512
+  if (bf16_dot_active()) {
+    round_bf16_vec(x, n, out);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_round(x[i]);
+}
+
+void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const MatmulOut* outs,
+                  int n_outs, Precision prec) {
+  if (n_tokens <= 0 || n_outs <= 0) return;
+  if (k == 0) {
+    for (int i = 0; i < n_outs; ++i)
+      for (int64_t t = 0; t < n_tokens; ++t)
+        for (int64_t r = 0; r < outs[i].n; ++r)
+          outs[i].y[t * outs[i].ldy + r] = outs[i].bias ? outs[i].bias[r] : 0.0f;
+    return;
+  }
+  bool any_bf16 = false;
+  for (int i = 0; i < n_outs; ++i) any_bf16 = any_bf16 || outs[i].dtype == DType::kBF16;
+  if (prec == Precision::kExact || !any_bf16) {
+    run_outputs(x, n_tokens, k, ldx, outs, n_outs, nullptr, 0);
+    return;
+  }
+  const bool par = n_tokens >= kParallelRoundTokens;
+#if VQ_KERNELS_AVX512
+  if (bf16_dot_active()) {
+    const int64_t kp = (k + 31) / 32 * 32;
+    thread_local std::vector<uint32_t> xp_buf;
+    if (xp_buf.size() < static_cast<size_t>(n_tokens * kp / 2))
+      xp_buf.resize(static_cast<size_t>(n_tokens * kp / 2));
+    uint32_t* xp = xp_buf.data();
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < n_tokens; ++t) round_rows_bf16(x, k, ldx, t, t + 1, xp, kp);
+    run_outputs(x, n_tokens, k, ldx, outs, n_outs, xp, kp / 2);
+    return;
+  }
+#endif
+  // Portable: the exact kernels on X rounded to bf16 values (products of two bf16 values are
+  // exact in fp32, so this is exact products summed in fp32); other dtypes see the original X.
+  thread_local std::vector<float> xr_buf;
+  if (xr_buf.size() < static_cast<size_t>(n_tokens * k))
+    xr_buf.resize(static_cast<size_t>(n_tokens * k));
+  float* xr = xr_buf.data();
+#pragma omp parallel for schedule(static) if (par)
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t i = 0; i < k; ++i) {
+      const uint32_t b = static_cast<uint32_t>(bf16_round(x[t * ldx + i])) << 16;
+      std::memcpy(xr + t * k + i, &b, sizeof b);
+    }
+  std::vector<MatmulOut> rounded, other;
+  for (int i = 0; i < n_outs; ++i)
+    (outs[i].dtype == DType::kBF16 ? rounded : other).push_back(outs[i]);
+  run_outputs(xr, n_tokens, k, k, rounded.data(), static_cast<int>(rounded.size()), nullptr, 0);
+  if (!other.empty())
+    run_outputs(x, n_tokens, k, ldx, other.data(), static_cast<int>(other.size()), nullptr, 0);
+}
+
 void matmul(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w, DType w_dtype,
-            int64_t n, const float* bias, float* y, int64_t ldy) {
+            int64_t n, const float* bias, float* y, int64_t ldy, Precision prec) {
   const MatmulOut o{w, w_dtype, n, bias, y, ldy};
-  matmul_multi(x, n_tokens, k, ldx, &o, 1);
+  matmul_multi(x, n_tokens, k, ldx, &o, 1, prec);
+}
+
+void matmul_bf16_reference(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,
+                           DType w_dtype, int64_t n, const float* bias, float* y, int64_t ldy) {
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t r = 0; r < n; ++r) {
+      double s = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const uint32_t b = static_cast<uint32_t>(bf16_round(x[t * ldx + i])) << 16;
+        float xb;
+        std::memcpy(&xb, &b, sizeof xb);
+        s += static_cast<double>(xb) *
+             static_cast<double>(load_f32(w, w_dtype, static_cast<size_t>(r * k + i)));
+      }
+      if (bias) s += bias[r];
+      y[t * ldy + r] = static_cast<float>(s);
+    }
 }
 
 void matmul_reference(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void* w,

@@ -8,6 +8,8 @@
 //   folder eval report     re-renders saved sweep JSON (tables + charts), optionally with peer rows
 // Every subcommand takes --methods "full,snapkv:budget=256,skvq:bits_key=4:bits_value=4,...";
 // progress goes to stderr, the table to stdout (Markdown; --json or --csv) or --out FILE.
+// --matmul bf16 runs every forward pass with ForwardOptions::matmul = kBF16 (the process-wide
+// default; the tables' model name gets " (bf16 matmul)").
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -34,6 +36,7 @@ struct Common {
   std::string out;
   int64_t prefill_step = 512;
   std::string kv_dtype = "float16";
+  std::string matmul = "exact";
   std::vector<std::string> peers;
 };
 
@@ -61,6 +64,12 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
   c->add_flag("--csv", a.csv, "print CSV instead of Markdown");
   c->add_option("--out", a.out, "write the table to this file instead of stdout");
   c->add_option("--prefill-step", a.prefill_step, "prefill chunk length (prefill_step_size)")
+      ->capture_default_str();
+  c->add_option(
+       "--matmul", a.matmul,
+       "matrix-product arithmetic: exact (fp32) or bf16 (activations rounded to bf16, fp32 "
+       "sums; bf16 weights only)")
+      ->check(CLI::IsMember({"exact", "bf16"}))
       ->capture_default_str();
   c->add_option("--kv-dtype", a.kv_dtype, "dtype of K/V blocks handed to the caches")
       ->capture_default_str();
@@ -102,6 +111,13 @@ EvalSettings settings_of(const Common& a) {
   s.progress = !a.quiet;
   s.model_name = std::filesystem::path(a.model_dir).filename().string();
   if (s.model_name.empty()) s.model_name = a.model_dir;
+  // The eval library builds its own ForwardOptions: --matmul sets their process-wide default,
+  // and the model name in the tables says so.
+  VQ_CHECK(a.matmul == "exact" || a.matmul == "bf16",
+           "[eval] --matmul: expected exact or bf16 but got " + a.matmul);
+  set_default_matmul_precision(a.matmul == "bf16" ? MatmulPrecision::kBF16
+                                                  : MatmulPrecision::kExact);
+  if (a.matmul == "bf16") s.model_name += " (bf16 matmul)";
   return s;
 }
 

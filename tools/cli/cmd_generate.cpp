@@ -51,9 +51,16 @@ struct GenerateArgs {
   int64_t prefill_step = 512;
   int threads = 0;
   std::string kv_dtype = "float16";
+  std::string matmul = "exact";
   bool ignore_eos = false;
   bool json = false;
 };
+
+MatmulPrecision matmul_from_string(const std::string& s) {
+  if (s == "exact") return MatmulPrecision::kExact;
+  if (s == "bf16") return MatmulPrecision::kBF16;
+  throw Error("[generate] --matmul: expected exact or bf16 but got " + s);
+}
 
 std::string read_file(const std::string& path, const std::string& what) {
   std::ifstream in(path, std::ios::binary);
@@ -178,6 +185,7 @@ int run_generate(const GenerateArgs& a) {
   o.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
   o.stop_at_eos = !a.ignore_eos;
   o.kv_dtype = dtype_from_string(a.kv_dtype);
+  o.matmul = matmul_from_string(a.matmul);
   std::string text;
   std::optional<StreamDecoder> stream;
   if (tok) stream.emplace(*tok, /*skip_special_tokens=*/true);
@@ -215,6 +223,7 @@ int run_generate(const GenerateArgs& a) {
         {"model", model_dir},
         {"cache", nlohmann::json::parse(config_to_json(cfg))},
         {"kv_dtype", dtype_name(o.kv_dtype)},
+        {"matmul", a.matmul},
         {"threads", threads},
         {"prompt_tokens", r.prompt_tokens},
         {"generated_tokens", r.tokens.size()},
@@ -245,14 +254,14 @@ int run_generate(const GenerateArgs& a) {
   std::fflush(stdout);
   std::fprintf(
       stderr,
-      "\n--- %s | cache %s | kv %s | %d threads\n"
+      "\n--- %s | cache %s | kv %s | matmul %s | %d threads\n"
       "tokens   : %lld prompt, %zu generated (stop: %s)\n"
       "prefill  : %8.1f tokens/s (%.3f s)\n"
       "decode   : %8.1f tokens/s (%lld steps, %.3f s)\n"
       "cache    : summed over %lld layers: %lld tokens seen, %lld rows kept "
       "(%lld per head), %lld bytes accounted, %lld bytes resident, ratio to fp16 %.3f\n"
       "peak RSS : %.1f MiB\n",
-      model_dir.c_str(), cfg.method.c_str(), dtype_name(o.kv_dtype), threads,
+      model_dir.c_str(), cfg.method.c_str(), dtype_name(o.kv_dtype), a.matmul.c_str(), threads,
       static_cast<long long>(r.prompt_tokens), r.tokens.size(), r.stop_reason.c_str(),
       r.prefill_tokens_per_s(), r.prefill_seconds, r.decode_tokens_per_s(),
       static_cast<long long>(r.decode_steps), r.decode_seconds,
@@ -289,6 +298,11 @@ void add_generate_command(CLI::App& app, int* status) {
   cmd->add_option("--threads", a->threads, "OpenMP threads (0 = all cores)")->capture_default_str();
   cmd->add_option("--kv-dtype", a->kv_dtype,
                   "K/V dtype handed to the caches: float16, bfloat16, float32")
+      ->capture_default_str();
+  cmd->add_option("--matmul", a->matmul,
+                  "matrix-product arithmetic: exact (fp32) or bf16 (activations rounded to bf16, "
+                  "fp32 sums; bf16 weights only)")
+      ->check(CLI::IsMember({"exact", "bf16"}))
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", a->ignore_eos, "do not stop at the end-of-sequence token");
   cmd->add_flag("--json", a->json, "print the result as one JSON object");
