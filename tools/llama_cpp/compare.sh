@@ -12,6 +12,10 @@
 #    512/1024/2048 (-p 0 -n 32 -d N).
 # 4. Our bench_e2e for the full cache (fp16 K/V) and the compressed caches at the same contexts
 #    and threads, then one Markdown table: tokens/s of each and our ratio to llama.cpp f16.
+#    Every cache runs in both matrix-product modes (--matmul exact,bf16, alternating within each
+#    repeat): "veloxquant <cache>" is the exact fp32 mode (the default), "veloxquant <cache>
+#    (bf16 matmul)" the opt-in bf16 mode (activations rounded to bf16, fp32 sums: llama.cpp's
+#    arithmetic on this bf16 GGUF).
 # Both engines use OpenMP here and run with the OpenMP runtime's default wait policy (threads
 # spin briefly at a barrier, then sleep), the right setting on a dedicated machine. On a shared,
 # oversubscribed machine export OMP_WAIT_POLICY=passive for both: spinning threads then steal
@@ -47,7 +51,7 @@ for ct in f16 q8_0 q4_0; do
     -p 0 -n 32 -d 512,1024,2048 -o json >"$work/tg_$ct.json"
 done
 "$build/bench/bench_e2e" --threads "$threads" --repeats "$repeats" --decode 32 \
-  --csv "$work/ours.csv" >"$work/ours.md"
+  --matmul exact,bf16 --csv "$work/ours.csv" >"$work/ours.md"
 
 python3 - "$work" <<'PY'
 import csv, json, sys
@@ -72,6 +76,7 @@ for ctx in (512, 1024, 2048):
         if int(r["context"]) != ctx:
             continue
         p, t = float(r["prefill_mean"]), float(r["decode_mean"])
-        print(f"| {ctx} | veloxquant {r['method']} | {p:.0f} ± {float(r['prefill_sd']):.0f} | "
+        mode = " (bf16 matmul)" if r.get("matmul", "exact") == "bf16" else ""
+        print(f"| {ctx} | veloxquant {r['method']}{mode} | {p:.0f} ± {float(r['prefill_sd']):.0f} | "
               f"{t:.1f} ± {float(r['decode_sd']):.1f} | {p / p16:.2f} | {t / t16:.2f} |")
 PY
