@@ -20,8 +20,9 @@
 //      in neighbouring columns of one lane. Channel map of chunk c (32 channels), k-step s, K
 //      index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
 //      8 contiguous channels of rows g and g + 8. 2-bit codes become exact fp16 integers
-//      ((c | 0x6400) - 1024), those of k-pairs 1 and 3 read in place as 16 c (q there carries
-//      2^-4); per 32-channel block the logit gains scale * C / sigma + lo * sum q.
+//      ((c | 0x6400) - 1024); packed 2-bit keys take the KB = 4 map below, the lane's 2 code
+//      bytes spread to bytes 0 and 2 so that K pair i reads codes (i, i + 4) as 4^i c in place
+//      (q there carries 4^-i); per 32-channel block the logit gains scale * C / sigma + lo * sum q.
 //      KB = 4 (and the f16 rows of a KB = 4 view): K index k of k-step s holds channel
 //      32 c + 8 t + 2 s + (k >= 8) + 4 (k % 2), i.e. the nibble pairs (j, j + 4) of the lane's
 //      32-bit word of 8 codes, taken by masks without shifts (f16 rows: one byte permute).
@@ -127,6 +128,14 @@ __device__ __forceinline__ uint32_t split_pack(float x0, float x1, int part) {
   const __half2 lo = __floats2half2_rn(x0 - f.x, x1 - f.y);
   const __half2 r = part ? lo : hi;
   return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// 2^x of x <= 0 on the special function unit (exp2f's approximation without its subnormal
+// fix-up: a result below 2^-126 becomes 0, an absolute change under 2^-126)
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ void ldsm_x4_trans(const uint8_t* addr, uint32_t& r0, uint32_t& r1,
@@ -270,6 +279,10 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   }
   __syncthreads();
   uint32_t qb[NT][NCH][4];
+  // 2-bit packed keys take the 4-bit channel map (K pair i of the lane = channels (i, i + 4) of its
+  // 8), their codes read 4^i times their value in place; q carries the exact inverse 4^-i
+  const bool k2p = PK > 0 && KB == 2 && packed;
+  const bool qmap4 = Q4 || k2p;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int h = (g >> 1) + 4 * nt;
@@ -279,10 +292,12 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int i = 0; i < 4; ++i) {
         uint32_t w = 0u;
         if (h < G) {
-          const int ch = 32 * c + 8 * t + (Q4 ? i : 2 * i), ch1 = ch + (Q4 ? 4 : 1);
-          // 2-bit packed keys: k-pairs 1 and 3 of the lane read their codes 16 times their value
-          // in place (masks instead of shifts); q carries the exact inverse 2^-4
-          const float f = (PK > 0 && KB == 2 && packed && (i & 1)) ? 0x1p-4f : 1.0f;
+          const int ch = 32 * c + 8 * t + (qmap4 ? i : 2 * i), ch1 = ch + (qmap4 ? 4 : 1);
+          const float f = k2p ? (i == 0   ? 1.0f
+                                 : i == 1 ? 0.25f
+                                 : i == 2 ? 0.0625f
+                                          : 0.015625f)
+                              : 1.0f;
           const float sgm = ssig[h] * f;
           w = split_pack(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
         }
@@ -391,19 +406,18 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         for (int c = 0; c < NCH; ++c) {
           uint32_t a[4], a8[4];
           if constexpr (KB == 2) {
-            const uint32_t x0 = lds16(rg + 8 * c + 2 * t), x1 = lds16(rg8 + 8 * c + 2 * t);
-            const uint32_t y0 = x0 | (x0 << 14), y1 = x1 | (x1 << 14);
-            // codes (2m, 2m + 1) of the 8 at halves (lo, hi): m = 0, 1 in place (x 1, x 16),
-            // m = 2, 3 the same after one shift by 8
-            const uint32_t z0 = y0 >> 8, z1 = y1 >> 8;
+            // the lane's 8 codes (2 bytes) spread to bytes 0 and 2: codes (m, m + 4) then sit at
+            // bits 2m of the two halves, read in place as 4^m times their value
+            const uint32_t y0 = __byte_perm(lds16(rg + 8 * c + 2 * t), 0u, 0x4140);
+            const uint32_t y1 = __byte_perm(lds16(rg8 + 8 * c + 2 * t), 0u, 0x4140);
             a[0] = code_pair<0x00030003u>(y0);
             a8[0] = code_pair<0x00030003u>(y1);
-            a[1] = code_pair<0x00300030u>(y0);
-            a8[1] = code_pair<0x00300030u>(y1);
-            a[2] = code_pair<0x00030003u>(z0);
-            a8[2] = code_pair<0x00030003u>(z1);
-            a[3] = code_pair<0x00300030u>(z0);
-            a8[3] = code_pair<0x00300030u>(z1);
+            a[1] = code_pair<0x000C000Cu>(y0);
+            a8[1] = code_pair<0x000C000Cu>(y1);
+            a[2] = code_pair<0x00300030u>(y0);
+            a8[2] = code_pair<0x00300030u>(y1);
+            a[3] = code_pair<0x00C000C0u>(y0);
+            a8[3] = code_pair<0x00C000C0u>(y1);
           } else {  // nibbles (j, j + 4) of the lane's 8 codes: j = 0, 1 in place, 2, 3 >> 8
             const uint32_t w0 = lds32(rg + 16 * c + 4 * t), w1 = lds32(rg8 + 16 * c + 4 * t);
             a[0] = code_pair<0x000f000fu>(w0);
@@ -470,9 +484,9 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           al[nt] = 1.0f;
           pr[nt][0] = pr[nt][1] = 0.0f;
         } else {
-          al[nt] = exp2f(m_run[nt] - m_new);
-          pr[nt][0] = exp2f(lg[nt][0] - m_new);
-          pr[nt][1] = exp2f(lg[nt][1] - m_new);
+          al[nt] = ex2_ftz(m_run[nt] - m_new);
+          pr[nt][0] = ex2_ftz(lg[nt][0] - m_new);
+          pr[nt][1] = ex2_ftz(lg[nt][1] - m_new);
         }
         l_run[nt] = fmaf(l_run[nt], al[nt], pr[nt][0] + pr[nt][1]);
         m_run[nt] = m_new;

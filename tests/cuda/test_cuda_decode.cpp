@@ -218,11 +218,12 @@ HostView empty_view(int64_t B, int64_t H, int64_t D) {
 // rows streamed so far, and scale * c_max <= 2V with V over every channel; rows hidden by position
 // or window count too: the tests draw them like visible ones, and even one 2^15 times larger keeps
 // a term under 2^-39 * 2^15 * 2V = 2^-23 V), i.e. at most n_vis * 2^-23 * V over all rows, inside
-// 2 gamma(9 n_vis / 8 + 64) V. 2-bit keys: the q pairs of
-// k-pairs 1 and 3 are pre-scaled by 2^-4 (codes read 16 times their value in place), so their lo
-// part turns subnormal below 2^-3 * 2^-11 of max |q| * sigma: at most 2^-25 * 2^4 / sigma <=
-// 2^-32 max |q| per channel, i.e. at most 2^-31 D ||q|| ||k_j|| on a logit (scale * c <= 2
-// max |k_g|), under 2^-6 of the gamma(D + ...) term.
+// 2 gamma(9 n_vis / 8 + 64) V. Packed 2-bit keys: the q pair of
+// k-pair i is pre-scaled by 4^-i >= 2^-6 (codes read 4^i times their value in place), so a lo
+// part in fp16's subnormal range errs by at most 2^-25, i.e. 2^-25 * 4^i / sigma <= 2^-30
+// max |q| per channel, i.e. at most 2^-29 D ||q|| ||k_j|| on a logit (scale * c <= 2 max |k_g|),
+// under 2^-5 of the gamma(D + ...) term. exp2 on the special function unit without subnormal
+// results: a weight under 2^-126 becomes 0, inside the same subnormal bound.
 struct Check {
   double max_err = 0, max_ratio = 0, nmse_num = 0, nmse_den = 0;
   int64_t nonzero = 0;
