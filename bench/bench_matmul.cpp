@@ -7,6 +7,8 @@
 // tiles of 256 rows and calls cblas_sgemm per tile ("convert+sgemm", what using BLAS for bf16
 // weights costs), and a "sgemm (fp32 weights)" variant gives BLAS fp32 weights converted once
 // beforehand (twice the memory; its ideal case). Bytes/s counts the bf16 weight bytes.
+// BM_ours_bf16_dot is the opt-in bf16 mode (Precision::kBF16: activations rounded to bf16,
+// vdpbf16ps where the CPU has avx512_bf16, else the portable path; see kernels.h).
 // Run with OMP_NUM_THREADS and OPENBLAS_NUM_THREADS equal (1 or 2).
 #include <benchmark/benchmark.h>
 #include <cblas.h>
@@ -49,6 +51,17 @@ void BM_ours_bf16(benchmark::State& st) {
   for (auto _ : st) {
     vq::kernels::matmul(p.x.data(), p.t, p.k, p.k, p.w.data(), vq::DType::kBF16, p.n, nullptr,
                         p.y.data(), p.n);
+    benchmark::DoNotOptimize(p.y.data());
+  }
+  set_counters(st, p);
+}
+
+void BM_ours_bf16_dot(benchmark::State& st) {
+  Problem p(st.range(0), st.range(1), st.range(2));
+  st.SetLabel(vq::kernels::bf16_dot_active() ? "vdpbf16ps" : "portable");
+  for (auto _ : st) {
+    vq::kernels::matmul(p.x.data(), p.t, p.k, p.k, p.w.data(), vq::DType::kBF16, p.n, nullptr,
+                        p.y.data(), p.n, vq::kernels::Precision::kBF16);
     benchmark::DoNotOptimize(p.y.data());
   }
   set_counters(st, p);
@@ -103,6 +116,7 @@ void shapes(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_ours_bf16)->Apply(shapes);
+BENCHMARK(BM_ours_bf16_dot)->Apply(shapes);
 BENCHMARK(BM_openblas_convert_sgemm)->Apply(shapes);
 BENCHMARK(BM_openblas_sgemm_f32_weights)->Apply(shapes);
 
