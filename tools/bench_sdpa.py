@@ -135,12 +135,6 @@ def main():
                   f"{pct:.0f}% | {'yes' if pct >= 75 else 'no'} |")
             print(f"| skvq K2V2 >= 4x faster than SDPA bf16 at 8 x {ctx // 1024}K | {sp:.2f}x | "
                   f"{'yes' if sp >= 4 else 'no'} |")
-    for ctx in (32768, 131072):
-        r = dec_row(8, ctx, "skvq K4V4 g32")
-        if r and (8, ctx) in sdpa:
-            sp = sdpa[(8, ctx)][0] / float(r["median_us"])
-            print(f"| skvq K4V4 g32 > 2x faster than SDPA bf16 at 8 x {ctx // 1024}K (brief) | "
-                  f"{sp:.2f}x | {'yes' if sp > 2 else 'no'} |")
     r = dec_row(1, 4096, "fp16 full")
     if r:
         m = float(r["median_us"])
