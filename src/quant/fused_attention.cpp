@@ -370,7 +370,7 @@ void unpack_scaled(const uint8_t* rec, const PackedRowFormat& f, float* __restri
     if (small) sc[gi] = meta_value(meta, 2 * gi + 1, f.meta);
   }
   const int bx2 = f.spec.bits_x2;
-  const bool pow2 = bx2 == 2 || bx2 == 4 || bx2 == 8 || bx2 == 16;
+  [[maybe_unused]] const bool pow2 = bx2 == 2 || bx2 == 4 || bx2 == 8 || bx2 == 16;
 #if defined(__AVX512F__)
   if (small && pow2 && g % 16 == 0 && d % 16 == 0) {
     switch (bx2) {
