@@ -29,6 +29,8 @@
 
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
+
+#include "core/exp_nonpos16.h"
 #endif
 
 #include "veloxquant/attention.h"
@@ -757,28 +759,6 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
 //    acc_lo[g] += dot(p, lo_g) with dot's 16-lane split and sequential lane sum.
 // So every logit, weight and accumulator is bit-identical to the general path's.
 
-// exp_nonpos on 16 lanes with the same operations (no FMA contraction: multiply, then add).
-inline __m512 exp_nonpos16_exact(__m512 v) {
-  const __m512 lim = _mm512_set1_ps(-87.0f);
-  const __mmask16 ok = _mm512_cmp_ps_mask(v, lim, _CMP_GE_OQ);
-  v = _mm512_mask_blend_ps(ok, lim, v);
-  const __m512 shift = _mm512_set1_ps(12582912.0f);
-  const __m512 k = _mm512_sub_ps(
-      _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
-  __m512 r = _mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 q = _mm512_set1_ps(1.9875691500E-4f);
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.3981999507E-3f));
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(8.3334519073E-3f));
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(4.1665795894E-2f));
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.6666665459E-1f));
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(5.0000001201E-1f));
-  q = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(q, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(ok, q, _mm512_castsi512_ps(bits));
-}
-
 // dot_many's logit of row k for the 16 queries at qt (qt[c * mp + lane]).
 template <int NV>
 inline __m512 dot_lanes(const float* __restrict qt, int64_t mp, const float* __restrict k) {
@@ -879,7 +859,7 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < nt; ++t) {  // -inf - mx (or -inf - -inf = NaN) gives 0
       float* s = st + t * mp + l0;
-      const __m512 p = exp_nonpos16_exact(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+      const __m512 p = simd::exp_nonpos16_exact(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
       _mm512_storeu_ps(s, p);
       sum = _mm512_add_ps(sum, p);
     }

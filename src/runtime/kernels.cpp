@@ -36,6 +36,8 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
+
+#include "core/exp_nonpos16.h"
 #define VQ_KERNELS_AVX512 1
 #endif
 
@@ -200,12 +202,11 @@ void pack_panel(const void* w, int64_t k_total, int64_t n0, int64_t rows, int64_
   }
 }
 
-// y[m][0:32] (+)= sum_k x[m][k] * P[k][0:32] for MR tokens; lanes >= `valid` are not stored.
-// first: start from the bias (or 0) instead of the partial sums already in y.
+// The MR x 32 accumulators of a micro-kernel: the bias (or 0) on the first K block, else the
+// partial sums already in y; lanes masked off by m0 / m1 start at 0.
 template <int MR>
-void packed_micro(const float* P, int64_t kc, const float* x, int64_t ldx, float* y, int64_t ldy,
-                  __mmask16 m0, __mmask16 m1, bool first, const float* bias) {
-  __m512 acc[MR][2];
+inline void load_acc(__m512 (&acc)[MR][2], bool first, const float* bias, const float* y,
+                     int64_t ldy, __mmask16 m0, __mmask16 m1) {
   for (int m = 0; m < MR; ++m) {
     if (first) {
       acc[m][0] = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
@@ -215,6 +216,15 @@ void packed_micro(const float* P, int64_t kc, const float* x, int64_t ldx, float
       acc[m][1] = _mm512_maskz_loadu_ps(m1, y + m * ldy + 16);
     }
   }
+}
+
+// y[m][0:32] (+)= sum_k x[m][k] * P[k][0:32] for MR tokens; lanes >= `valid` are not stored.
+// first: start from the bias (or 0) instead of the partial sums already in y.
+template <int MR>
+void packed_micro(const float* P, int64_t kc, const float* x, int64_t ldx, float* y, int64_t ldy,
+                  __mmask16 m0, __mmask16 m1, bool first, const float* bias) {
+  __m512 acc[MR][2];
+  load_acc<MR>(acc, first, bias, y, ldy, m0, m1);
   for (int64_t k = 0; k < kc; ++k) {
     const __m512 w0 = _mm512_loadu_ps(P + k * kPanel);
     const __m512 w1 = _mm512_loadu_ps(P + k * kPanel + 16);
@@ -384,15 +394,7 @@ VQ_BF16_TARGET void packed_micro_bf16(const uint32_t* P, int64_t npairs, const u
                                       int64_t ldxp, float* y, int64_t ldy, __mmask16 m0,
                                       __mmask16 m1, bool first, const float* bias) {
   __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) {
-    if (first) {
-      acc[m][0] = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-      acc[m][1] = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-    } else {
-      acc[m][0] = _mm512_maskz_loadu_ps(m0, y + m * ldy);
-      acc[m][1] = _mm512_maskz_loadu_ps(m1, y + m * ldy + 16);
-    }
-  }
+  load_acc<MR>(acc, first, bias, y, ldy, m0, m1);
   for (int64_t p = 0; p < npairs; ++p) {
     const __m512i w0 = _mm512_loadu_si512(P + p * kPanel);
     const __m512i w1 = _mm512_loadu_si512(P + p * kPanel + 16);
@@ -698,35 +700,11 @@ void matmul_reference(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, 
 #if VQ_KERNELS_AVX512
 namespace {
 
-// exp(x) for x <= 0 on 16 lanes (x < -87 and NaN give 0): Cody-Waite reduction by ln 2 and the
-// Cephes degree-6 polynomial, the operations of fused_attention.cpp's exp_nonpos (measured max
-// relative error 1.41 u, u = 2^-24, over [-87, 0]).
-inline __m512 exp_nonpos16(__m512 v) {
-  const __m512 lim = _mm512_set1_ps(-87.0f);
-  const __mmask16 ok = _mm512_cmp_ps_mask(v, lim, _CMP_GE_OQ);
-  v = _mm512_mask_blend_ps(ok, lim, v);
-  const __m512 shift = _mm512_set1_ps(12582912.0f);
-  const __m512 k = _mm512_sub_ps(
-      _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)), shift), shift);
-  __m512 r = _mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 q = _mm512_set1_ps(1.9875691500E-4f);
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.3981999507E-3f));
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(8.3334519073E-3f));
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(4.1665795894E-2f));
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(1.6666665459E-1f));
-  q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(5.0000001201E-1f));
-  q = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(q, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(ok, q, _mm512_castsi512_ps(bits));
-}
-
 // silu(g) * u with e = exp(-|g|) in (0, 1]: g / (1 + e) for g >= 0, g e / (1 + e) for g < 0
 // (the same value as g / (1 + exp(-g)), without overflow).
 inline __m512 swiglu16(__m512 g, __m512 u) {
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  const __m512 e = exp_nonpos16(_mm512_or_ps(g, sign));  // -|g|
+  const __m512 e = simd::exp_nonpos16_exact(_mm512_or_ps(g, sign));  // -|g|
   const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
   return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
