@@ -543,6 +543,35 @@ TEST(EvalReport, FormatsAgreeAndJsonRoundTrips) {
   EXPECT_THROW(text_result_from_json("not json"), Error);
 }
 
+// The settings' matrix-product mode reaches every forward call and the JSON: on bf16 weights the
+// bf16 mode rounds activations, so the full-cache perplexity differs from the exact run (it
+// would be identical if the setting were dropped); the JSON records it, reads it back, and a
+// file written before the field existed reads as exact.
+TEST(EvalReport, MatmulModeReachesForwardAndJson) {
+  test::TinyModelSpec spec;
+  spec.dtype = DType::kBF16;
+  const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-eval-bf16"), spec);
+  drop_dangling_merges(dir);
+  const auto m = Model::load(dir);
+  const auto docs = random_docs(1, 40, m->config().vocab_size, 9);
+  TextEvalOptions o;
+  o.prefill = 32;
+  o.decode = 8;
+  EvalSettings exact = quiet_settings(16), bf16 = quiet_settings(16);
+  bf16.matmul = MatmulPrecision::kBF16;
+  const auto re = eval_text(*m, docs, parse_eval_methods("full"), o, exact);
+  const auto rb = eval_text(*m, docs, parse_eval_methods("full"), o, bf16);
+  EXPECT_NE(re.ppl_full, rb.ppl_full);
+  const std::string js = render(rb, ReportFormat::kJson);
+  auto j = nlohmann::json::parse(js);
+  EXPECT_EQ(j.at("settings").at("matmul"), "bf16");
+  EXPECT_EQ(text_result_from_json(js).settings.matmul, MatmulPrecision::kBF16);
+  j["settings"].erase("matmul");
+  EXPECT_EQ(text_result_from_json(j.dump()).settings.matmul, MatmulPrecision::kExact);
+  j["settings"]["matmul"] = "fp8";
+  EXPECT_THROW(text_result_from_json(j.dump()), Error);
+}
+
 TEST(EvalReport, PeerRowsJoinTablesAndCharts) {
   const std::string dir = test::make_temp_dir("vq-eval-peer");
   const std::string path = dir + "/peer.json";

@@ -22,6 +22,7 @@
 
 #include "veloxquant/cache_config.h"
 #include "veloxquant/dtype.h"
+#include "veloxquant/model.h"
 
 namespace vq {
 
@@ -63,10 +64,11 @@ struct MemoryFigures {
 };
 
 struct EvalSettings {
-  int64_t prefill_step = 512;    // chunk length of every prefill
-  DType kv_dtype = DType::kF16;  // dtype of the K/V blocks handed to the caches
-  bool progress = true;          // progress lines on stderr
-  std::string model_name;        // shown in reports
+  int64_t prefill_step = 512;                        // chunk length of every prefill
+  DType kv_dtype = DType::kF16;                      // dtype of the K/V blocks handed to the caches
+  MatmulPrecision matmul = MatmulPrecision::kExact;  // ForwardOptions::matmul of every forward
+  bool progress = true;                              // progress lines on stderr
+  std::string model_name;                            // shown in reports
 };
 
 // ---- perplexity and KL divergence ---------------------------------------------------------------

@@ -104,12 +104,6 @@ struct Linear {
 // weights. fp32/fp16 weights, attention, norms, RoPE and softmax are exact in both.
 enum class MatmulPrecision : uint8_t { kExact, kBF16 };
 
-// The value new ForwardOptions get for `matmul` (kExact unless set): for tools whose forward
-// calls are made by library code that takes no ForwardOptions (eval). Not thread-safe to change
-// while other threads build ForwardOptions.
-MatmulPrecision default_matmul_precision();
-void set_default_matmul_precision(MatmulPrecision p);
-
 struct ForwardOptions {
   // dtype of the K/V blocks handed to the caches. fp16 is the default (what a deployed cache
   // holds, and what the byte figures count); fp32 keeps the cache exact for golden tests.
@@ -118,7 +112,7 @@ struct ForwardOptions {
   Logits logits = Logits::kLast;  // which positions of each sequence get logits
   // Hand this call's queries to the caches (UpdateOptions::queries; SnapKV query scoring).
   bool pass_queries = true;
-  MatmulPrecision matmul = default_matmul_precision();
+  MatmulPrecision matmul = MatmulPrecision::kExact;
 };
 
 // Reusable buffers for forward(); keep one per generation loop to avoid reallocations.

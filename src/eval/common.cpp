@@ -16,10 +16,11 @@
 namespace vq::eval_detail {
 
 void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& caches, int64_t step,
-             DType kv_dtype, ForwardScratch& scratch, std::vector<float>* logits) {
+             const EvalSettings& st, ForwardScratch& scratch, std::vector<float>* logits) {
   VQ_CHECK(step >= 1, "[eval] expected prefill_step >= 1 but got " + std::to_string(step));
   ForwardOptions fo;
-  fo.kv_dtype = kv_dtype;
+  fo.kv_dtype = st.kv_dtype;
+  fo.matmul = st.matmul;
   for (int64_t s0 = 0; s0 < n; s0 += step) {
     const int64_t len = std::min(step, n - s0);
     const bool last = s0 + len == n;
@@ -29,10 +30,11 @@ void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& ca
   for (const auto& c : caches) c->end_prompt();  // SnapKV with snap_evict_at = prompt_end
 }
 
-void decode_step(const Model& model, int32_t id, const Caches& caches, DType kv_dtype,
+void decode_step(const Model& model, int32_t id, const Caches& caches, const EvalSettings& st,
                  ForwardScratch& scratch, std::vector<float>* logits) {
   ForwardOptions fo;
-  fo.kv_dtype = kv_dtype;
+  fo.kv_dtype = st.kv_dtype;
+  fo.matmul = st.matmul;
   fo.logits = ForwardOptions::Logits::kLast;
   model.forward(&id, 1, 1, caches, fo, logits, &scratch);
 }

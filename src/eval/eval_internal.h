@@ -21,13 +21,14 @@ using Caches = std::vector<std::unique_ptr<KVCache>>;
 
 MemoryFigures memory_of(const Caches& caches);
 
-// Feeds ids[0, n) in chunks of `step` tokens. With logits != nullptr the last chunk's last
-// position's logits are written to *logits, else no logits are computed.
+// Feeds ids[0, n) in chunks of `step` tokens (K/V dtype and matrix-product mode from st). With
+// logits != nullptr the last chunk's last position's logits are written to *logits, else no
+// logits are computed.
 void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& caches, int64_t step,
-             DType kv_dtype, ForwardScratch& scratch, std::vector<float>* logits);
+             const EvalSettings& st, ForwardScratch& scratch, std::vector<float>* logits);
 
 // One decode step (S == 1); *logits = [vocab].
-void decode_step(const Model& model, int32_t id, const Caches& caches, DType kv_dtype,
+void decode_step(const Model& model, int32_t id, const Caches& caches, const EvalSettings& st,
                  ForwardScratch& scratch, std::vector<float>* logits);
 
 // log-softmax of logits[0, n) in double: out[i] = x[i] - logsumexp(x).

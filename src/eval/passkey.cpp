@@ -120,7 +120,7 @@ std::vector<int32_t> greedy(const Model& model, const Caches& caches, std::vecto
   int32_t tok = static_cast<int32_t>(eval_detail::argmax(logits.data(), V));
   out.push_back(tok);
   for (int64_t i = 1; i < n; ++i) {
-    eval_detail::decode_step(model, tok, caches, st.kv_dtype, scratch, &logits);
+    eval_detail::decode_step(model, tok, caches, st, scratch, &logits);
     if (i == 1 && mem) *mem = eval_detail::memory_of(caches);
     tok = static_cast<int32_t>(eval_detail::argmax(logits.data(), V));
     out.push_back(tok);
@@ -141,10 +141,10 @@ bool run_prompt(const Model& model, const Tokenizer& tok, const EncodedPrompt& p
     std::vector<int32_t> all = p.context;
     all.insert(all.end(), p.question.begin(), p.question.end());
     eval_detail::prefill(model, all.data(), static_cast<int64_t>(all.size()), caches,
-                         st.prefill_step, st.kv_dtype, scratch, &logits);
+                         st.prefill_step, st, scratch, &logits);
   } else {
     eval_detail::prefill(model, p.context.data(), static_cast<int64_t>(p.context.size()), caches,
-                         st.prefill_step, st.kv_dtype, scratch, &logits);
+                         st.prefill_step, st, scratch, &logits);
   }
   if (!p.key_positions.empty()) {
     // Right after the compression of the context (aware: of the whole prompt).
@@ -154,8 +154,7 @@ bool run_prompt(const Model& model, const Tokenizer& tok, const EncodedPrompt& p
     score.needle_prompts += 1;
   }
   if (!aware) {
-    for (int32_t q : p.question)
-      eval_detail::decode_step(model, q, caches, st.kv_dtype, scratch, &logits);
+    for (int32_t q : p.question) eval_detail::decode_step(model, q, caches, st, scratch, &logits);
   }
   const std::vector<int32_t> gen = greedy(model, caches, logits, p.n_answer, st, scratch, mem);
   return strip(tok.decode(gen, true)) == p.src->answer;

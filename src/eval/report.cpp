@@ -96,7 +96,8 @@ const std::vector<std::string> kMemCsvHeader = {"context",         "rows_kept", 
 json settings_json(const EvalSettings& s) {
   return json{{"model", s.model_name},
               {"prefill_step", s.prefill_step},
-              {"kv_dtype", dtype_name(s.kv_dtype)}};
+              {"kv_dtype", dtype_name(s.kv_dtype)},
+              {"matmul", s.matmul == MatmulPrecision::kBF16 ? "bf16" : "exact"}};
 }
 
 std::string peer_val(const PeerRow& p, const std::string& k, const char* fmt, double scale = 1) {
@@ -630,6 +631,11 @@ EvalSettings settings_from(const nlohmann::json& j) {
   s.model_name = j.at("model").get<std::string>();
   s.prefill_step = j.at("prefill_step").get<int64_t>();
   s.kv_dtype = dtype_from_string(j.at("kv_dtype").get<std::string>());
+  // Files written before the mode existed were all computed exact.
+  const std::string mm = j.value("matmul", std::string("exact"));
+  VQ_CHECK(mm == "exact" || mm == "bf16",
+           "[eval] settings.matmul: expected exact or bf16 but got '" + mm + "'");
+  s.matmul = mm == "bf16" ? MatmulPrecision::kBF16 : MatmulPrecision::kExact;
   s.progress = false;
   return s;
 }

@@ -118,11 +118,11 @@ TextEvalResult eval_text(const Model& model, const std::vector<std::vector<int32
   auto run = [&](const CacheConfig& cfg, auto&& score, MemoryFigures* mem, double* rows_end,
                  const std::vector<int32_t>& ids) {
     const Caches caches = model.make_caches(cfg);
-    eval_detail::prefill(model, ids.data(), P - 1, caches, settings.prefill_step, settings.kv_dtype,
-                         scratch, nullptr);
+    eval_detail::prefill(model, ids.data(), P - 1, caches, settings.prefill_step, settings, scratch,
+                         nullptr);
     for (int64_t t = 0; t < T; ++t) {
-      eval_detail::decode_step(model, ids[static_cast<size_t>(P - 1 + t)], caches,
-                               settings.kv_dtype, scratch, &logits);
+      eval_detail::decode_step(model, ids[static_cast<size_t>(P - 1 + t)], caches, settings,
+                               scratch, &logits);
       if (t == 0) *mem = eval_detail::memory_of(caches);
       score(t, logits.data());
     }
@@ -263,12 +263,12 @@ AttnErrorResult eval_attn_error(const Model& model, const std::vector<std::vecto
         taps.push_back(tap.get());
         caches.push_back(std::move(tap));
       }
-      eval_detail::prefill(model, ids.data(), P - 1, caches, settings.prefill_step,
-                           settings.kv_dtype, scratch, nullptr);
+      eval_detail::prefill(model, ids.data(), P - 1, caches, settings.prefill_step, settings,
+                           scratch, nullptr);
       for (auto* t : taps) t->active = true;
       for (int64_t t = 0; t < T; ++t) {
-        eval_detail::decode_step(model, ids[static_cast<size_t>(P - 1 + t)], caches,
-                                 settings.kv_dtype, scratch, &logits);
+        eval_detail::decode_step(model, ids[static_cast<size_t>(P - 1 + t)], caches, settings,
+                                 scratch, &logits);
         if (t == 0) {
           const MemoryFigures m = eval_detail::memory_of(caches);
           row.mem.context = m.context;

@@ -29,8 +29,6 @@ namespace {
 
 constexpr int64_t kParallelTokens = 8;  // per-token steps run on every thread from this many
 
-MatmulPrecision g_default_matmul = MatmulPrecision::kExact;
-
 void linear(const Linear& l, const float* x, int64_t n_tokens, float* y, kernels::Precision p) {
   kernels::matmul(x, n_tokens, l.in, l.in, l.w, l.dtype, l.out,
                   l.bias.empty() ? nullptr : l.bias.data(), y, l.out, p);
@@ -59,13 +57,6 @@ T* grow(std::vector<T>& v, size_t n) {
 }
 
 }  // namespace
-
-MatmulPrecision default_matmul_precision() {
-  return g_default_matmul;
-}
-void set_default_matmul_precision(MatmulPrecision p) {
-  g_default_matmul = p;
-}
 
 void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
                     const std::vector<std::unique_ptr<KVCache>>& caches, const ForwardOptions& opts,

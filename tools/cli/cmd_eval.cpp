@@ -111,12 +111,11 @@ EvalSettings settings_of(const Common& a) {
   s.progress = !a.quiet;
   s.model_name = std::filesystem::path(a.model_dir).filename().string();
   if (s.model_name.empty()) s.model_name = a.model_dir;
-  // The eval library builds its own ForwardOptions: --matmul sets their process-wide default,
-  // and the model name in the tables says so.
+  // The settings carry the matrix-product mode into every forward call and into the JSON; the
+  // model name in the tables says so too.
   VQ_CHECK(a.matmul == "exact" || a.matmul == "bf16",
            "[eval] --matmul: expected exact or bf16 but got " + a.matmul);
-  set_default_matmul_precision(a.matmul == "bf16" ? MatmulPrecision::kBF16
-                                                  : MatmulPrecision::kExact);
+  s.matmul = a.matmul == "bf16" ? MatmulPrecision::kBF16 : MatmulPrecision::kExact;
   if (a.matmul == "bf16") s.model_name += " (bf16 matmul)";
   return s;
 }
