@@ -25,6 +25,7 @@
 #include <exception>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX2__)
@@ -1126,38 +1127,36 @@ void few_logits_d(Work& w, const float* qs, const char* k0, int64_t ks, int64_t 
   }
 }
 
+// Calls f(std::integral_constant<DType, T>{}) for the row dtype t (f16, bf16 or f32).
+template <typename F>
+void with_row_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::kF16:
+      f(std::integral_constant<DType, DType::kF16>{});
+      return;
+    case DType::kBF16:
+      f(std::integral_constant<DType, DType::kBF16>{});
+      return;
+    case DType::kF32:
+      f(std::integral_constant<DType, DType::kF32>{});
+      return;
+  }
+}
+
 void few_tile_logits(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0,
                      int64_t nt) {
   const char* k0 = static_cast<const char*>(seg.keys.row(b, kh, j0));
   const int64_t ks = seg.keys.stride[2] * static_cast<int64_t>(dtype_size(seg.keys.dtype));
-  switch (seg.keys.dtype) {
-    case DType::kF16:
-      few_logits_d<DType::kF16>(w, w.q.data(), k0, ks, nt);
-      return;
-    case DType::kBF16:
-      few_logits_d<DType::kBF16>(w, w.q.data(), k0, ks, nt);
-      return;
-    case DType::kF32:
-      few_logits_d<DType::kF32>(w, w.q.data(), k0, ks, nt);
-      return;
-  }
+  with_row_dtype(seg.keys.dtype,
+                 [&](auto t) { few_logits_d<decltype(t)::value>(w, w.q.data(), k0, ks, nt); });
 }
 
 void few_tile_values(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t j0,
                      int64_t n_vis) {
   const char* v0 = static_cast<const char*>(seg.values.row(b, kh, j0));
   const int64_t vs = seg.values.stride[2] * static_cast<int64_t>(dtype_size(seg.values.dtype));
-  switch (seg.values.dtype) {
-    case DType::kF16:
-      few_values<DType::kF16>(w, w.acc.data(), v0, vs, n_vis);
-      return;
-    case DType::kBF16:
-      few_values<DType::kBF16>(w, w.acc.data(), v0, vs, n_vis);
-      return;
-    case DType::kF32:
-      few_values<DType::kF32>(w, w.acc.data(), v0, vs, n_vis);
-      return;
-  }
+  with_row_dtype(seg.values.dtype,
+                 [&](auto t) { few_values<decltype(t)::value>(w, w.acc.data(), v0, vs, n_vis); });
 }
 #endif
 
