@@ -124,4 +124,9 @@ class SnapKVCache final : public KVCache {
   SnapPromptWindow win_;
 };
 
+class StateWriter;
+// The snap_* settings heading a SnapKV state (CPU and GPU caches write the same stream); a load
+// must match them.
+void write_snapkv_settings(StateWriter& w, const CacheConfig& c);
+
 }  // namespace vq

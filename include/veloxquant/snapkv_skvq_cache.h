@@ -88,4 +88,9 @@ class SnapkvSkvqCache final : public KVCache {
   std::unique_ptr<skvq::SnapSkvqState> st_;
 };
 
+class StateWriter;
+// The snap_* settings of a snapkv+skvq state, after the SKVQ settings (CPU and GPU caches write
+// the same stream; their order differs from the SnapKV cache's); a load must match them.
+void write_snapkv_skvq_settings(StateWriter& w, const CacheConfig& c);
+
 }  // namespace vq

@@ -26,6 +26,7 @@
 #include "cuda/device_cache_util.h"
 #include "veloxquant/error.h"
 #include "veloxquant/snapkv.h"
+#include "veloxquant/snapkv_cache.h"
 
 namespace vq::cuda {
 
@@ -156,15 +157,7 @@ class SnapKVDeviceCache final : public DeviceKVCache {
   void save(std::ostream& out) const override {
     const int64_t F = batch_ * heads_, n = n_sel_ + n_tail_;
     StateWriter w;
-    w.i64(cfg_.snap_budget);  // the snap_* settings, in the CPU's order
-    w.i64(cfg_.snap_obs_window);
-    w.i64(cfg_.snap_n_sink);
-    w.u8(static_cast<uint8_t>(cfg_.snap_dtype));
-    w.u8(static_cast<uint8_t>(cfg_.snap_scoring));
-    w.i64(cfg_.snap_pool_kernel);
-    w.u8(static_cast<uint8_t>(cfg_.snap_pool));
-    w.boolean(cfg_.snap_keep_window);
-    w.u8(static_cast<uint8_t>(cfg_.snap_evict_at));
+    write_snapkv_settings(w, cfg_);
     detail::write_state_head(w, has_data_, dtype_, batch_, heads_, head_dim_, offset_);
     w.i64(n_sel_);
     w.i64(n_tail_);

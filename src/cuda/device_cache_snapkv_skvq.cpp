@@ -43,6 +43,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/snapkv.h"
+#include "veloxquant/snapkv_skvq_cache.h"
 
 namespace vq::cuda {
 
@@ -237,15 +238,7 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
     const int64_t F = batch_ * heads_;
     StateWriter w;
     s.save(w);
-    w.i64(c.snap_budget);  // the snap_* settings, in the CPU's order
-    w.i64(c.snap_obs_window);
-    w.i64(c.snap_n_sink);
-    w.i64(c.snap_pool_kernel);
-    w.u8(static_cast<uint8_t>(c.snap_pool));
-    w.boolean(c.snap_keep_window);
-    w.u8(static_cast<uint8_t>(c.snap_scoring));
-    w.u8(static_cast<uint8_t>(c.snap_dtype));
-    w.u8(static_cast<uint8_t>(c.snap_evict_at));
+    write_snapkv_skvq_settings(w, c);
     w.boolean(has_data_);
     if (has_data_) {
       w.u8(static_cast<uint8_t>(dtype_));

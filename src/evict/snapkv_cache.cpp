@@ -360,10 +360,7 @@ CacheStats SnapKVCache::stats() const {
 
 // ---- state ------------------------------------------------------------------------------------
 
-namespace {
-
-// The snap_* settings a state file was written under; a load must match them.
-void write_settings(StateWriter& w, const CacheConfig& c) {
+void write_snapkv_settings(StateWriter& w, const CacheConfig& c) {
   w.i64(c.snap_budget);
   w.i64(c.snap_obs_window);
   w.i64(c.snap_n_sink);
@@ -374,6 +371,8 @@ void write_settings(StateWriter& w, const CacheConfig& c) {
   w.boolean(c.snap_keep_window);
   w.u8(static_cast<uint8_t>(c.snap_evict_at));
 }
+
+namespace {
 
 void expect_setting(const char* field, int64_t mine, int64_t file) {
   VQ_CHECK(mine == file, std::string("[load_state] snapkv: expected ") + field + " " +
@@ -397,7 +396,7 @@ void read_settings(StateReader& r, const CacheConfig& c) {
 
 void SnapKVCache::save(std::ostream& out) const {
   StateWriter w;
-  write_settings(w, cfg_);
+  write_snapkv_settings(w, cfg_);
   w.boolean(has_data_);
   w.u8(static_cast<uint8_t>(dtype_));
   w.i64(batch_);

@@ -601,11 +601,7 @@ CacheStats SnapkvSkvqCache::stats() const {
   return cs;
 }
 
-void SnapkvSkvqCache::save(std::ostream& out) const {
-  const SnapSkvqState& st = *st_;
-  const CacheConfig& c = *cfg_;
-  StateWriter w;
-  set_->save(w);
+void write_snapkv_skvq_settings(StateWriter& w, const CacheConfig& c) {
   w.i64(c.snap_budget);
   w.i64(c.snap_obs_window);
   w.i64(c.snap_n_sink);
@@ -615,6 +611,14 @@ void SnapkvSkvqCache::save(std::ostream& out) const {
   w.u8(static_cast<uint8_t>(c.snap_scoring));
   w.u8(static_cast<uint8_t>(c.snap_dtype));
   w.u8(static_cast<uint8_t>(c.snap_evict_at));
+}
+
+void SnapkvSkvqCache::save(std::ostream& out) const {
+  const SnapSkvqState& st = *st_;
+  const CacheConfig& c = *cfg_;
+  StateWriter w;
+  set_->save(w);
+  write_snapkv_skvq_settings(w, c);
   w.boolean(st.has_data);
   if (st.has_data) {
     w.u8(static_cast<uint8_t>(st.dtype));
