@@ -1,5 +1,5 @@
 // Matrix products of the forward pass: our kernel (bf16 weights read in place, see
-// src/runtime/kernels.h) against OpenBLAS on the same problem, at the shipped model's shapes
+// src/ops/kernels.h) against OpenBLAS on the same problem, at the shipped model's shapes
 // (hidden 384, intermediate 1024, vocab 8192) and Llama-3.2-1B's (hidden 2048, intermediate
 // 8192), for decode (1 token) and prefill (128 and 512 tokens).
 //
@@ -16,7 +16,7 @@
 #include <random>
 #include <vector>
 
-#include "runtime/kernels.h"
+#include "ops/kernels.h"
 #include "veloxquant/dtype.h"
 
 namespace {

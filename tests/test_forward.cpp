@@ -11,7 +11,7 @@
 #include <fstream>
 #include <random>
 
-#include "runtime/kernels.h"
+#include "ops/kernels.h"
 #include "util/tiny_model.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/error.h"

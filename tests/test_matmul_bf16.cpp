@@ -17,7 +17,7 @@
 #include <random>
 #include <vector>
 
-#include "runtime/kernels.h"
+#include "ops/kernels.h"
 #include "util/tiny_model.h"
 #include "veloxquant/dtype.h"
 #include "veloxquant/model.h"

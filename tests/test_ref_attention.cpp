@@ -1,4 +1,4 @@
-// Tests of attention_reference (src/core/ref_attention.cpp), the oracle of every later attention
+// Tests of attention_reference (src/ops/ref_attention.cpp), the oracle of every later attention
 // kernel: against a double-precision brute force written here (different loop order, double
 // products, explicit position lookup), with a tolerance derived from the reference's fp32
 // products; and metamorphic checks that must hold bit for bit: GQA == MHA with repeated KV

@@ -27,7 +27,7 @@ void attention_reference(const TensorView& q, const CacheView& view, const Atten
                          float* out);
 
 // Fast path used by the runtime: fused over packed rows, multi-threaded over heads.
-// Implemented in src/quant (fused_attention.cpp).
+// Implemented in src/ops (fused_attention.cpp).
 void attention(const TensorView& q, const CacheView& view, const AttentionParams& p, float* out);
 
 }  // namespace vq

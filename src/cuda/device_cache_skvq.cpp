@@ -12,7 +12,7 @@
 // drops them (its buffer shrinks when it is more than twice its rows: the fp16 copies are freed).
 // The view is [sinks][packed][tail], one segment each.
 // State: vq::SkvqCache's stream, written and read with its own pieces (skvq::Settings,
-// Transforms and FpRows of quant/skvq_store.h): the packed store is cut into (and rebuilt from)
+// Transforms and FpRows of kv/skvq_store.h): the packed store is cut into (and rebuilt from)
 // the CPU's per-chunk blocks.
 #include <algorithm>
 #include <climits>
@@ -23,7 +23,7 @@
 
 #include "cuda/check.h"
 #include "cuda/device_cache_util.h"
-#include "quant/skvq_store.h"
+#include "kv/skvq_store.h"
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 

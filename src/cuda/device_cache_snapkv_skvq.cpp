@@ -25,7 +25,7 @@
 // dequantize_row (dequant_rows), and the view's packed segment carries the signs (decode_attention
 // rotates the query; prefill_attention refuses rotated segments, as for the skvq device cache).
 // State: vq::SnapkvSkvqCache's stream, written and read with its own pieces (skvq::Settings,
-// Transforms and FpRows of quant/skvq_store.h): the packed store is cut into (and rebuilt from)
+// Transforms and FpRows of kv/skvq_store.h): the packed store is cut into (and rebuilt from)
 // the CPU's blocks (block_rows_), each with its records and explicit positions.
 #include <algorithm>
 #include <climits>
@@ -39,7 +39,7 @@
 #include "cuda/check.h"
 #include "cuda/device_cache_dequant.cuh"
 #include "cuda/device_cache_util.h"
-#include "quant/skvq_store.h"
+#include "kv/skvq_store.h"
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/snapkv.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "quant/skvq_store.h"
+#include "kv/skvq_store.h"
 #include "veloxquant/binary_io.h"
 
 #include "veloxquant/cuda.h"

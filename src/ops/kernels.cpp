@@ -20,7 +20,7 @@
 // Summation orders (for the tests' bounds): packed, each output is one fp32 chain starting at
 // the bias; dot, each lane is a chain of ceil(K/32) pair steps at most, then 2 + 4 tree levels
 // and the bias. Without avx512_bf16, kBF16 runs the exact kernels on bf16-rounded X.
-#include "runtime/kernels.h"
+#include "ops/kernels.h"
 
 #include <algorithm>
 #include <atomic>
@@ -37,7 +37,7 @@
 #endif
 #include <immintrin.h>
 
-#include "core/exp_nonpos16.h"
+#include "ops/exp_nonpos16.h"
 #define VQ_KERNELS_AVX512 1
 #endif
 

@@ -18,7 +18,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "runtime/kernels.h"
+#include "ops/kernels.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/error.h"
 #include "veloxquant/model.h"

@@ -22,7 +22,7 @@
 #include <numeric>
 #include <ostream>
 
-#include "quant/skvq_store.h"
+#include "kv/skvq_store.h"
 #include "veloxquant/error.h"
 #include "veloxquant/hadamard.h"
 

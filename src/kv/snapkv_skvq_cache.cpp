@@ -17,7 +17,7 @@
 #include <istream>
 #include <ostream>
 
-#include "quant/skvq_store.h"
+#include "kv/skvq_store.h"
 #include "veloxquant/error.h"
 #include "veloxquant/snapkv.h"
 

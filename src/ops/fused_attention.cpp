@@ -31,7 +31,7 @@
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 
-#include "core/exp_nonpos16.h"
+#include "ops/exp_nonpos16.h"
 #endif
 
 #include "veloxquant/attention.h"
