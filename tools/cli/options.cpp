@@ -56,7 +56,8 @@ CLI::Option* add_int_option(CLI::App* app, const std::string& name, int64_t* tar
   const std::string opt = name.substr(0, name.find(','));
   auto* o = app->add_option_function<std::string>(
       name, [=](const std::string& s) { *target = parse_int_in_range(s, lo, hi, cmd, opt, note); },
-      help + " (" + range_text(lo, hi, note) + ")");
+      help + "; " + range_text(lo, hi, note));
+  o->type_name("INT");
   o->default_str(std::to_string(*target));
   return o;
 }
@@ -71,7 +72,8 @@ CLI::Option* add_int_list_option(CLI::App* app, const std::string& name,
         target->clear();
         for (const auto& s : items) target->push_back(parse_int_in_range(s, lo, hi, cmd, opt));
       },
-      help + " (integers in [" + std::to_string(lo) + ", " + std::to_string(hi) + "])");
+      help + "; integers in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  o->type_name("INT,...");
   o->delimiter(',');
   return o;
 }
@@ -80,7 +82,9 @@ CLI::Option* add_uint64_option(CLI::App* app, const std::string& name, uint64_t*
                                const std::string& help, const std::string& cmd) {
   const std::string opt = name.substr(0, name.find(','));
   auto* o = app->add_option_function<std::string>(
-      name, [=](const std::string& s) { *target = parse_uint64(s, cmd, opt); }, help);
+      name, [=](const std::string& s) { *target = parse_uint64(s, cmd, opt); },
+      help + "; an integer in [0, " + std::to_string(UINT64_MAX) + "]");
+  o->type_name("INT");
   o->default_str(std::to_string(*target));
   return o;
 }
