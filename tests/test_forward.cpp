@@ -593,5 +593,61 @@ TEST(ModelLoad, BadConfigOrFilesRefused) {
   std::filesystem::remove_all(dir);
 }
 
+// NaN/Inf weights are refused at load naming the tensor and the element (every dtype), unless
+// LoadOptions::check_finite is off.
+TEST(ModelLoad, NonFiniteWeightsRefusedUnlessOptedOut) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(t));
+    test::TinyModelSpec spec;
+    spec.dtype = t;
+    const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-load-nan"), spec);
+    ASSERT_NO_THROW(Model::load(dir));
+    test::poke_tiny_model_weight(dir, "model.layers.1.mlp.down_proj.weight", 17, std::nanf(""));
+    expect_load_refused(dir, {"model.layers.1.mlp.down_proj.weight", "expected finite weights",
+                              "element 17 is nan", "--no-check-weights"});
+    LoadOptions lo;
+    lo.check_finite = false;
+    EXPECT_NO_THROW(Model::load(dir, lo));
+    test::poke_tiny_model_weight(dir, "model.layers.1.mlp.down_proj.weight", 17, 0.5f);
+    test::poke_tiny_model_weight(dir, "model.norm.weight", 5, -INFINITY);
+    expect_load_refused(dir, {"model.norm.weight", "element 5 is -inf"});
+    std::filesystem::remove_all(dir);
+  }
+}
+
+// A config that uses fewer layers than the checkpoint holds is refused naming the unused
+// tensors (a few of them), unless LoadOptions::allow_unused_tensors.
+TEST(ModelLoad, UnusedCheckpointTensorsRefused) {
+  test::TinyModelSpec spec;
+  spec.n_layers = 3;
+  const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-load-unused"), spec);
+  ASSERT_NO_THROW(Model::load(dir));
+  spec.n_layers = 2;
+  std::ofstream(dir + "/config.json") << test::tiny_model_config_json(spec);
+  expect_load_refused(dir, {"expected every checkpoint tensor to be used", "(2 layers)",
+                            "9 are not", "model.layers.2.", "(4 more)"});
+  LoadOptions lo;
+  lo.allow_unused_tensors = true;
+  EXPECT_EQ(Model::load(dir, lo)->config().n_layers, 2);
+  std::filesystem::remove_all(dir);
+}
+
+// A tokenizer with ids the model cannot embed is refused naming both sizes; a smaller one (a
+// padded model vocabulary) is accepted.
+TEST(ModelLoad, TokenizerLargerThanTheModelRefused) {
+  ModelConfig c;
+  c.vocab_size = 320;
+  EXPECT_NO_THROW(check_tokenizer_vocab(320, c));
+  EXPECT_NO_THROW(check_tokenizer_vocab(300, c));
+  try {
+    check_tokenizer_vocab(512, c, "tok.json");
+    FAIL() << "a 512-id tokenizer on a 320-id model was accepted";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("at most 320 ids"), std::string::npos) << m;
+    EXPECT_NE(m.find("tok.json has 512"), std::string::npos) << m;
+  }
+}
+
 }  // namespace
 }  // namespace vq

@@ -413,6 +413,59 @@ TEST(FusedAttention, FullyMaskedQueryGivesZeros) {
   for (float x : out) EXPECT_EQ(x, 0.0f);
 }
 
+// A NaN key makes the softmax of every query that sees it NaN in attention_reference; an Inf
+// key channel gives a +inf logit (NaN output) or a -inf one (weight 0) by the query's sign. The
+// fused attention used to drop NaN rows silently: its outputs must be NaN exactly where the
+// reference's are, and agree elsewhere. Decode (1 query), few and many queries per head,
+// full-precision and packed rows.
+TEST(FusedAttention, NanAndInfKeysGiveNanAsTheReference) {
+  int n_nan_cases = 0;
+  for (const std::string& m : methods_built())
+    for (int64_t n_q : {1, 5, 40}) {
+      SCOPED_TRACE(m + " n_q " + std::to_string(n_q));
+      CacheConfig cfg = method_cfg(m);
+      cfg.head_dim = 64;
+      auto cache = make_cache(cfg);
+      const int64_t len = 100, h_kv = 2, rep = 2, d = 64, pre = len - n_q;
+      Tensor k = test::random_tensor(DType::kF16, 1, h_kv, len, d, 11);
+      const Tensor v = test::random_tensor(DType::kF16, 1, h_kv, len, d, 12);
+      k.set(0, 0, 6, 3, std::nanf(""));   // kv head 0: a NaN channel in an old row
+      k.set(0, 1, len - 3, 0, INFINITY);  // kv head 1: an Inf channel in a recent row
+      if (pre > 0)
+        cache->update_and_fetch(k.view().slice_tokens(0, pre), v.view().slice_tokens(0, pre));
+      const CacheView view =
+          cache->update_and_fetch(k.view().slice_tokens(pre, len), v.view().slice_tokens(pre, len));
+      const Tensor q = test::random_tensor(DType::kF32, 1, h_kv * rep, n_q, d, 13);
+      AttentionParams p;
+      p.q_pos0 = pre;
+      std::vector<float> fused(static_cast<size_t>(q.numel())), ref(fused.size());
+      attention(q.view(), view, p, fused.data());
+      const DenseView dense = dequantize_view(view, DType::kF32);
+      attention_reference(q.view(), dense.view, p, ref.data());
+      int n_nan = 0, n_finite = 0;
+      for (size_t i = 0; i < fused.size(); ++i) {
+        ASSERT_EQ(std::isnan(fused[i]), std::isnan(ref[i]))
+            << "element " << i << ": fused " << fused[i] << ", reference " << ref[i];
+        if (std::isnan(ref[i])) {
+          ++n_nan;
+        } else {
+          ++n_finite;
+          // Both read the same rows (packed ones dequantized for the reference): what differs
+          // is fp32 vs double summation over <= 100 rows of O(1) logits and values, about 1e-6;
+          // 1e-3 only guards against a dropped or extra row (EveryMethodGqaHeadDimsLengths
+          // holds the derived bound).
+          EXPECT_NEAR(fused[i], ref[i], 1e-3) << "element " << i;
+        }
+      }
+      EXPECT_GT(n_finite, 0);
+      if (m == "full") {
+        EXPECT_GT(n_nan, 0) << "the NaN key is visible to every query";
+      }
+      n_nan_cases += n_nan > 0;
+    }
+  EXPECT_GT(n_nan_cases, 0);
+}
+
 // [1, H, S, D] -> [1, H * rep, S, D]: head h of the result is head h / rep of t (MHA standing in
 // for GQA with rep query heads per KV head).
 Tensor repeat_heads(const Tensor& t, int64_t rep) {

@@ -428,5 +428,119 @@ TEST_F(GenerateTest, LosslessSettingsGiveTheFullCacheTokens) {
   }
 }
 
+// A step near INT64_MAX: ceil(n / step) used to be computed as (n + step - 1) / step, which
+// overflows (SIGFPE or a huge allocation in the CLI).
+TEST(Prefill, HugeStepDoesNotOverflow) {
+  EXPECT_EQ(prefill_chunks(5, INT64_MAX), std::vector<int64_t>{5});
+  EXPECT_EQ(prefill_chunks(2049, INT64_MAX - 1), std::vector<int64_t>{2049});
+  EXPECT_EQ(prefill_chunks(INT64_MAX, INT64_MAX), std::vector<int64_t>{INT64_MAX});
+  EXPECT_EQ(prefill_chunks(INT64_MAX - 2, INT64_MAX / 2 + 1),
+            (std::vector<int64_t>{INT64_MAX / 2, INT64_MAX / 2 - 1}));
+}
+
+// A tiny model whose max_position_embeddings is 48: prompts past it are refused, generation
+// stops before a token would take position 48.
+TEST_F(GenerateTest, PositionsBoundedByTheModel) {
+  test::TinyModelSpec spec;
+  spec.max_position_embeddings = 48;
+  const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-gen-pos"), spec);
+  const auto model = Model::load(dir);
+  GenerateOptions o;
+  o.max_tokens = 100;
+  o.stop_at_eos = false;
+  {
+    auto caches = model->make_caches(CacheConfig{});
+    try {
+      generate(*model, prompt(49), caches, o);
+      ADD_FAILURE() << "a 49-token prompt on a 48-position model was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("max_position_embeddings 48"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(caches[0]->offset(), 0) << "refused before any forward call";
+  }
+  {
+    auto caches = model->make_caches(CacheConfig{});
+    const GenerateResult r = generate(*model, prompt(40), caches, o);
+    EXPECT_EQ(r.tokens.size(), 8u);  // positions 40..47
+    EXPECT_EQ(r.stop_reason, "max_position");
+    EXPECT_EQ(caches[0]->offset(), 47);  // the last token is sampled, never forwarded
+  }
+  {
+    auto caches = model->make_caches(CacheConfig{});
+    const GenerateResult r = generate(*model, prompt(48), caches, o);
+    EXPECT_TRUE(r.tokens.empty());
+    EXPECT_EQ(r.stop_reason, "max_position");
+  }
+  {  // a cached context counts: 30 cached + 20 new > 48
+    auto caches = model->make_caches(CacheConfig{});
+    o.max_tokens = 1;
+    generate(*model, prompt(30), caches, o);
+    EXPECT_THROW(generate(*model, prompt(20), caches, o), Error);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// NaN weights make every logit NaN: generation is refused with a message instead of argmax
+// returning token 0 for every step.
+TEST_F(GenerateTest, NonFiniteLogitsRefused) {
+  const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-gen-nan"));
+  test::poke_tiny_model_weight(dir, "model.norm.weight", 3, std::nanf(""));
+  LoadOptions lo;
+  lo.check_finite = false;  // the load-time check would refuse it (test_model_config)
+  const auto model = Model::load(dir, lo);
+  auto caches = model->make_caches(CacheConfig{});
+  GenerateOptions o;
+  o.max_tokens = 5;
+  try {
+    const GenerateResult r = generate(*model, prompt(10), caches, o);
+    ADD_FAILURE() << "all-NaN logits gave " << r.tokens.size() << " tokens, first "
+                  << (r.tokens.empty() ? -1 : r.tokens[0]);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected finite logits"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// sample_vocab keeps generation to ids a smaller tokenizer can decode.
+TEST_F(GenerateTest, SampleVocabBoundsTheIds) {
+  const auto ids = prompt(12);
+  GenerateOptions o;
+  o.max_tokens = 16;
+  o.stop_at_eos = false;
+  auto c1 = model_->make_caches(CacheConfig{});
+  const GenerateResult all = generate(*model_, ids, c1, o);
+  const int32_t top = *std::max_element(all.tokens.begin(), all.tokens.end());
+  ASSERT_GT(top, 0);
+  o.sample_vocab = top;  // the largest id greedy picks is now out of reach
+  auto c2 = model_->make_caches(CacheConfig{});
+  const GenerateResult bounded = generate(*model_, ids, c2, o);
+  for (int32_t t : bounded.tokens) EXPECT_LT(t, top);
+  o.sample_vocab = 321;
+  EXPECT_THROW(generate(*model_, ids, c2, o), Error);
+}
+
+// The memory parts: activation buffers grow with the prefill chunk, the caches' bytes are
+// reported at the prompt's end and at the run's end.
+TEST_F(GenerateTest, MemoryPartsFollowThePrefillStep) {
+  const auto ids = prompt(64);
+  GenerateOptions o;
+  o.max_tokens = 2;
+  o.stop_at_eos = false;
+  o.prefill_step_size = 64;
+  auto c1 = model_->make_caches(CacheConfig{});
+  const GenerateResult big = generate(*model_, ids, c1, o);
+  o.prefill_step_size = 8;
+  auto c2 = model_->make_caches(CacheConfig{});
+  const GenerateResult small = generate(*model_, ids, c2, o);
+  EXPECT_GT(big.activation_bytes, 4 * small.activation_bytes);
+  EXPECT_GT(small.activation_bytes, 0);
+  // The full cache holds 64 rows per head and layer of fp16 K and V at least (capacity slack
+  // allowed): 2 layers x 2 KV heads x 64 rows x 16 dims x 2 (K, V) x 2 bytes.
+  EXPECT_GE(small.cache_bytes_prompt, 2 * 2 * 64 * 16 * 2 * 2);
+  EXPECT_GE(big.cache_bytes_end, big.cache_bytes_prompt);  // one more row after decode
+  EXPECT_EQ(big.cache_bytes_peak(), big.cache_bytes_end);
+}
+
 }  // namespace
 }  // namespace vq

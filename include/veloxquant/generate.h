@@ -8,8 +8,16 @@
 // window's queries then always sees a full window in the last chunk. The whole prompt is
 // prefilled (the last prompt token is not held back for the first decode step, unlike mlx_lm's
 // generate_step), so the first generated token sees the prompt before any eviction.
+//
+// Positions are bounded by the model (ModelConfig::max_position_embeddings, when > 0): a prompt
+// that does not fit (cache offset + prompt length > max_position_embeddings) is refused before
+// any forward call; generation stops (stop_reason "max_position") before a token would take a
+// position >= max_position_embeddings, so at most max_position_embeddings - prompt tokens are
+// generated. Logits of which not one is finite (NaN/Inf weights or activations) are refused
+// with vq::Error naming the step instead of sampling token 0.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -58,6 +66,10 @@ struct GenerateOptions {
   DType kv_dtype = DType::kF16;  // K/V handed to the caches (ForwardOptions::kv_dtype)
   // Arithmetic of the matrix products, prefill and decode (ForwardOptions::matmul).
   MatmulPrecision matmul = MatmulPrecision::kExact;
+  // Tokens are sampled among ids [0, sample_vocab) only; 0 = the model's vocab_size. A
+  // tokenizer smaller than the model's (padded) vocabulary sets its own size here, so no id it
+  // cannot decode is generated. Must be <= vocab_size.
+  int64_t sample_vocab = 0;
   // Called with each generated token; return false to stop.
   std::function<bool(int32_t)> on_token;
   // Called after each prefill chunk with (prompt tokens done, prompt tokens in all).
@@ -67,10 +79,18 @@ struct GenerateOptions {
 struct GenerateResult {
   std::vector<int32_t> tokens;  // generated ids (a stop token included)
   int64_t prompt_tokens = 0;
-  std::string stop_reason;  // "eos", "max_tokens" or "callback"
+  std::string stop_reason;  // "eos", "max_tokens", "max_position" or "callback"
   double prefill_seconds = 0;
   double decode_seconds = 0;  // the single-token forward steps and their sampling
   int64_t decode_steps = 0;   // single-token forward calls (tokens.size() - 1 at most)
+  // Memory parts (bytes) for the peak-memory breakdown: the forward pass's activation buffers
+  // (scratch_bytes after the run: sized by the largest call, the prefill chunk) and the caches'
+  // resident bytes summed over layers after the last prefill chunk, before end_prompt (the
+  // prompt held in full: the most an evicting cache holds) and at the end of the run.
+  int64_t activation_bytes = 0;
+  int64_t cache_bytes_prompt = 0;
+  int64_t cache_bytes_end = 0;
+  int64_t cache_bytes_peak() const { return std::max(cache_bytes_prompt, cache_bytes_end); }
 
   double prefill_tokens_per_s() const {
     return prefill_seconds > 0 ? static_cast<double>(prompt_tokens) / prefill_seconds : 0.0;

@@ -121,12 +121,37 @@ struct ForwardScratch {
   std::vector<uint16_t> k16, v16;
 };
 
+// Checks Model::load makes beyond presence, dtype and shape.
+struct LoadOptions {
+  // Every weight the model uses is scanned for NaN and Inf (refused naming the tensor, the file
+  // and the first bad element). One read of the checkpoint, split over the OpenMP threads
+  // (about 0.1 s for models/vq-mini-llama); false skips it (the CLI's --no-check-weights).
+  bool check_finite = true;
+  // Tensors of the checkpoint that the config does not use (a config with fewer layers than
+  // the checkpoint, a bias the config does not enable) are refused, naming a few of them,
+  // unless this is true. Always ignored: lm_head.weight when the embeddings are tied and
+  // *.rotary_emb.inv_freq buffers (RoPE is computed from the config).
+  bool allow_unused_tensors = false;
+};
+
+// Buffers of ForwardScratch in bytes (their capacity): the activations of the largest forward
+// call made with it (the prefill chunk).
+uint64_t scratch_bytes(const ForwardScratch& s);
+
+// Refuses a tokenizer the model cannot serve: tokenizer_vocab (Tokenizer::vocab_size(), one past
+// its largest id) above the model's vocab_size means ids the embedding has no row for:
+// "[model] expected a tokenizer of at most <model vocab> ids (the model's vocab_size) but
+// <what> has <n>". A tokenizer smaller than the model is accepted (models pad their vocabulary);
+// generation then samples only ids the tokenizer has (GenerateOptions::sample_vocab).
+void check_tokenizer_vocab(int64_t tokenizer_vocab, const ModelConfig& cfg,
+                           const std::string& what = "the tokenizer");
+
 class Model {
  public:
   // Loads <dir>/config.json and the safetensors weights. Every tensor is checked for presence,
   // dtype (F32/F16/BF16) and shape; a missing or misshapen one is refused naming it with
-  // expected vs found.
-  static std::unique_ptr<Model> load(const std::string& dir);
+  // expected vs found. Then the LoadOptions checks: finiteness and no unused tensors.
+  static std::unique_ptr<Model> load(const std::string& dir, const LoadOptions& opts = {});
   ~Model();
 
   const ModelConfig& config() const { return cfg_; }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "veloxquant/error.h"
 
@@ -24,16 +25,33 @@ std::vector<int64_t> prefill_chunks(int64_t n, int64_t step) {
   VQ_CHECK(n >= 0, "[prefill] expected a non-negative prompt length but got " + std::to_string(n));
   std::vector<int64_t> chunks;
   if (n == 0) return chunks;
-  const int64_t n_chunks = (n + step - 1) / step;
+  const int64_t n_chunks = n / step + (n % step != 0);  // ceil(n / step) without n + step - 1
   const int64_t base = n / n_chunks, extra = n % n_chunks;
   for (int64_t i = 0; i < n_chunks; ++i) chunks.push_back(base + (i < extra ? 1 : 0));
   return chunks;
 }
 
-void prefill(const Model& model, const int32_t* prompt, int64_t n,
-             const std::vector<std::unique_ptr<KVCache>>& caches, int64_t step, DType kv_dtype,
-             std::vector<float>* last_logits, ForwardScratch* scratch,
-             const std::function<void(int64_t, int64_t)>& on_progress, MatmulPrecision matmul) {
+namespace {
+
+int64_t resident_bytes(const std::vector<std::unique_ptr<KVCache>>& caches) {
+  int64_t b = 0;
+  for (const auto& c : caches) b += c->stats().bytes_resident;
+  return b;
+}
+
+// True when at least one of logits [n] is finite.
+bool any_finite(const float* logits, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (std::isfinite(logits[i])) return true;
+  return false;
+}
+
+// prefill() that also returns the caches' resident bytes before end_prompt.
+int64_t prefill_impl(const Model& model, const int32_t* prompt, int64_t n,
+                     const std::vector<std::unique_ptr<KVCache>>& caches, int64_t step,
+                     DType kv_dtype, std::vector<float>* last_logits, ForwardScratch* scratch,
+                     const std::function<void(int64_t, int64_t)>& on_progress,
+                     MatmulPrecision matmul, bool measure) {
   VQ_CHECK(n >= 1,
            "[prefill] expected a prompt of at least one token but got " + std::to_string(n));
   const std::vector<int64_t> chunks = prefill_chunks(n, step);
@@ -50,7 +68,19 @@ void prefill(const Model& model, const int32_t* prompt, int64_t n,
     done += chunks[i];
     if (on_progress) on_progress(done, n);
   }
+  const int64_t before_end = measure ? resident_bytes(caches) : 0;
   for (const auto& c : caches) c->end_prompt();
+  return before_end;
+}
+
+}  // namespace
+
+void prefill(const Model& model, const int32_t* prompt, int64_t n,
+             const std::vector<std::unique_ptr<KVCache>>& caches, int64_t step, DType kv_dtype,
+             std::vector<float>* last_logits, ForwardScratch* scratch,
+             const std::function<void(int64_t, int64_t)>& on_progress, MatmulPrecision matmul) {
+  prefill_impl(model, prompt, n, caches, step, kv_dtype, last_logits, scratch, on_progress, matmul,
+               /*measure=*/false);
 }
 
 GenerateResult generate(const Model& model, std::span<const int32_t> prompt,
@@ -60,27 +90,69 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt,
   VQ_CHECK(opts.max_tokens >= 0,
            "[generate] max_tokens: expected >= 0 but got " + std::to_string(opts.max_tokens));
   const ModelConfig& cfg = model.config();
+  VQ_CHECK(opts.sample_vocab >= 0 && opts.sample_vocab <= cfg.vocab_size,
+           "[generate] sample_vocab: expected a value in [0, " + std::to_string(cfg.vocab_size) +
+               "] (the model's vocab_size; 0 = all) but got " + std::to_string(opts.sample_vocab));
+  const int64_t n_sample = opts.sample_vocab > 0 ? opts.sample_vocab : cfg.vocab_size;
+  // Positions: the prompt takes [offset, offset + n), generated token i position offset + n + i.
+  const int64_t n_prompt = static_cast<int64_t>(prompt.size());
+  const int64_t offset = caches.empty() || !caches[0] ? 0 : caches[0]->offset();
+  const int64_t max_pos = cfg.max_position_embeddings;
+  if (max_pos > 0)
+    VQ_CHECK(offset + n_prompt <= max_pos,
+             "[generate] expected the prompt to fit the model's max_position_embeddings " +
+                 std::to_string(max_pos) + " but it takes positions [" + std::to_string(offset) +
+                 ", " + std::to_string(offset + n_prompt) + ") (" + std::to_string(n_prompt) +
+                 " prompt tokens" +
+                 (offset > 0 ? " after " + std::to_string(offset) + " cached" : std::string()) +
+                 ")");
   const std::vector<int32_t>& stop = opts.stop_ids.empty() ? cfg.eos_token_ids : opts.stop_ids;
   Sampler sampler(opts.sampling);
   GenerateResult r;
-  r.prompt_tokens = static_cast<int64_t>(prompt.size());
+  r.prompt_tokens = n_prompt;
   r.stop_reason = "max_tokens";
   ForwardScratch scratch;
   std::vector<float> logits;
+  // Samples generated token i from logits, refusing logits without one finite value.
+  auto sample = [&](int64_t i) {
+    VQ_CHECK(any_finite(logits.data(), cfg.vocab_size),
+             "[generate] expected finite logits but all " + std::to_string(cfg.vocab_size) +
+                 " logits for generated token " + std::to_string(i) + " (position " +
+                 std::to_string(offset + n_prompt + i) +
+                 ") are NaN or infinite: NaN/Inf weights or activations (Model::load checks the "
+                 "weights unless LoadOptions::check_finite is false)");
+    return sampler.sample(logits.data(), n_sample);
+  };
 
   auto t0 = std::chrono::steady_clock::now();
-  prefill(model, prompt.data(), static_cast<int64_t>(prompt.size()), caches, opts.prefill_step_size,
-          opts.kv_dtype, &logits, &scratch, opts.on_prefill_progress, opts.matmul);
+  r.cache_bytes_prompt =
+      prefill_impl(model, prompt.data(), n_prompt, caches, opts.prefill_step_size, opts.kv_dtype,
+                   &logits, &scratch, opts.on_prefill_progress, opts.matmul, /*measure=*/true);
   r.prefill_seconds = seconds_since(t0);
-  if (opts.max_tokens == 0) return r;
+  auto finish = [&] {
+    r.activation_bytes = static_cast<int64_t>(scratch_bytes(scratch));
+    r.cache_bytes_end = resident_bytes(caches);
+    return r;
+  };
+  if (opts.max_tokens == 0) return finish();
 
   ForwardOptions fo;
   fo.kv_dtype = opts.kv_dtype;
   fo.matmul = opts.matmul;
   fo.logits = ForwardOptions::Logits::kLast;
   t0 = std::chrono::steady_clock::now();
-  int32_t token = sampler.sample(logits.data(), cfg.vocab_size);
   while (true) {
+    const int64_t i = static_cast<int64_t>(r.tokens.size());
+    if (max_pos > 0 && offset + n_prompt + i >= max_pos) {  // token i would not fit
+      r.stop_reason = "max_position";
+      break;
+    }
+    if (i > 0) {  // forward the previous token (at position offset + n_prompt + i - 1)
+      const int32_t prev = r.tokens.back();
+      model.forward(&prev, 1, 1, caches, fo, &logits, &scratch);
+      ++r.decode_steps;
+    }
+    const int32_t token = sample(i);
     r.tokens.push_back(token);
     const bool keep_going = !opts.on_token || opts.on_token(token);
     if (opts.stop_at_eos && std::find(stop.begin(), stop.end(), token) != stop.end()) {
@@ -92,12 +164,9 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt,
       break;
     }
     if (static_cast<int64_t>(r.tokens.size()) >= opts.max_tokens) break;
-    model.forward(&token, 1, 1, caches, fo, &logits, &scratch);
-    ++r.decode_steps;
-    token = sampler.sample(logits.data(), cfg.vocab_size);
   }
   r.decode_seconds = seconds_since(t0);
-  return r;
+  return finish();
 }
 
 CacheMemory cache_memory(const std::vector<std::unique_ptr<KVCache>>& caches,

@@ -11,7 +11,8 @@
 //   logit = (q'.(c*s)) + sum_g lo_g * sum_{i in g} q'_i         q' = P R q, computed once
 //   acc'  += p * (c*s),  acc_lo[g] += p * lo_g                   out = R^T P^T (acc' + acc_lo)
 // with the un-transform applied once per query at the end. Full-precision rows are converted to
-// fp32 row by row. A query that sees no key gets zeros (as attention_reference).
+// fp32 row by row. A query that sees no key gets zeros, and one whose visible keys give a NaN
+// or +inf logit gets NaN (both as attention_reference).
 // Variants (AVX-512): prefill-sized calls (>= kManyQueries queries per head, D a multiple of 16
 // up to 128) run full-precision tiles with vector lanes over queries (many_tile below); smaller
 // calls (decode) read contiguous full-precision rows in place, D a multiple of 32 up to 128
@@ -458,6 +459,10 @@ struct Work {
   std::vector<int64_t> qpos;  // [M]
   std::vector<float> acc;     // [M, D] full-precision rows' sum
   std::vector<float> mx, l;   // [M] running max and sum
+  // [M + 16] 1 when a key visible to the query gave a NaN or +inf logit (a NaN/Inf key or
+  // query): the query's output is NaN, as attention_reference's softmax gives, instead of the
+  // online softmax silently dropping the row.
+  std::vector<uint8_t> bad;
   std::vector<KeyClass> kcls;
   std::vector<ValClass> vcls;
   std::vector<float> logits, probs;  // [M, kTile]
@@ -639,6 +644,12 @@ void build_many(Work& w) {
   w.l.resize(static_cast<size_t>(w.mp), 0.0f);
 }
 
+// Marks the queries l0 + i of the lanes i set in bad (see Work::bad).
+inline void note_bad(Work& w, int64_t l0, __mmask16 bad) {
+  for (int i = 0; bad && i < 16; ++i)
+    if (bad & (1u << i)) w.bad[static_cast<size_t>(l0 + i)] = 1;
+}
+
 // One tile of nt full-precision rows (keys/values already in w.kt / w.vt for the n_vis visible
 // rows w.vis, positions in w.pos) against every query of the item.
 // every: each of the nt rows is visible to every query of the item.
@@ -666,9 +677,14 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
         M - l0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - l0)) - 1u);
     const __m512i qp = _mm512_loadu_si512(w.qpos32.data() + l0);
     __m512 tmax = neg_inf;
+    const __m512 pos_inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    __mmask16 bad = 0;               // lanes with a NaN or +inf logit of a visible row
     if (every && lanes == 0xFFFF) {  // nothing to mask: the tile's max only
-      for (int64_t t = 0; t < nt; ++t)
-        tmax = _mm512_max_ps(tmax, _mm512_loadu_ps(st + t * mp + l0));
+      for (int64_t t = 0; t < nt; ++t) {
+        const __m512 x = _mm512_loadu_ps(st + t * mp + l0);
+        bad |= _mm512_cmp_ps_mask(x, pos_inf, _CMP_NLT_UQ);
+        tmax = _mm512_max_ps(tmax, x);
+      }
     } else {
       for (int64_t t = 0; t < nt; ++t) {
         float* s = st + t * mp + l0;
@@ -681,9 +697,11 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
         }
         const __m512 x = _mm512_mask_blend_ps(m, neg_inf, _mm512_loadu_ps(s));
         _mm512_storeu_ps(s, x);
+        bad |= _mm512_cmp_ps_mask(x, pos_inf, _CMP_NLT_UQ);
         tmax = _mm512_max_ps(tmax, x);
       }
     }
+    note_bad(w, l0, bad & lanes);
     __m512 mx = _mm512_loadu_ps(w.mx.data() + l0);
     const __mmask16 up = _mm512_cmp_ps_mask(tmax, mx, _CMP_GT_OQ);
     // Rescale where the max rises over a finite one: std::exp per lane as the general path.
@@ -832,6 +850,8 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
         M - l0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - l0)) - 1u);
     const __m512i qp = _mm512_loadu_si512(w.qpos32.data() + l0);
     __m512 tmax = neg_inf;
+    const __m512 pos_inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    __mmask16 bad = 0;  // lanes with a NaN or +inf logit of a visible row
     for (int64_t t = 0; t < nt; ++t) {
       float* s = st + t * mp + l0;
       __m512 x = _mm512_loadu_ps(s);
@@ -843,8 +863,10 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
         x = _mm512_mask_blend_ps(m, neg_inf, x);
         _mm512_storeu_ps(s, x);
       }
+      bad |= _mm512_cmp_ps_mask(x, pos_inf, _CMP_NLT_UQ);
       tmax = _mm512_max_ps(x, tmax);  // x > tmax ? x : tmax, as the general path's loop
     }
+    note_bad(w, l0, bad & lanes);
     __m512 mx = _mm512_loadu_ps(w.mx.data() + l0);
     const __mmask16 up = _mm512_cmp_ps_mask(tmax, mx, _CMP_GT_OQ);
     const __mmask16 resc = _mm512_mask_cmp_ps_mask(up & lanes, mx, neg_inf, _CMP_NEQ_OQ);
@@ -1232,6 +1254,7 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
   w.acc.assign(static_cast<size_t>(M * d), 0.0f);
   w.mx.assign(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
   w.l.assign(static_cast<size_t>(M), 0.0f);
+  w.bad.assign(static_cast<size_t>(M + 16), 0);
   w.kcls.clear();
   w.vcls.clear();
   w.logits.resize(static_cast<size_t>(M * kTile));
@@ -1406,7 +1429,12 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         const float* lr = w.logits.data() + m * kTile;
         float* pr = w.probs.data() + m * kTile;
         float tmax = neg_inf;
-        for (int64_t t = 0; t < nt; ++t) tmax = lr[t] > tmax ? lr[t] : tmax;
+        bool bad = false;  // a visible row's logit is NaN or +inf (hidden rows hold -inf)
+        for (int64_t t = 0; t < nt; ++t) {
+          tmax = lr[t] > tmax ? lr[t] : tmax;
+          bad |= !(lr[t] < std::numeric_limits<float>::infinity());
+        }
+        if (bad) w.bad[static_cast<size_t>(m)] = 1;
         if (tmax == neg_inf) {
           std::fill(pr, pr + nt, 0.0f);
           continue;
@@ -1470,6 +1498,10 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
       const int64_t m = r * nq + i;
       float* o = out + ((b * q.shape[1] + kh * n_rep + r) * n_q_all + i0 + i) * d;
       const float lm = w.l[static_cast<size_t>(m)];
+      if (w.bad[static_cast<size_t>(m)]) {
+        std::fill(o, o + d, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
       if (lm == 0.0f) {
         std::fill(o, o + d, 0.0f);
         continue;

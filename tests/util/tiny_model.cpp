@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -236,6 +237,30 @@ std::string write_tiny_model(const std::string& dir, const TinyModelSpec& s) {
   std::ofstream(dir + "/config.json") << tiny_model_config_json(s);
   if (s.write_tokenizer) std::ofstream(dir + "/tokenizer.json") << tiny_tokenizer_json(s).dump(1);
   return dir;
+}
+
+void poke_tiny_model_weight(const std::string& dir, const std::string& name, int64_t index,
+                            float value) {
+  const std::string path = dir + "/model.safetensors";
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  VQ_CHECK(f.is_open(), "[poke_tiny_model_weight] cannot open " + path);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const SafetensorsHeader h = parse_safetensors_header(bytes.data(), bytes.size(), path);
+  for (const SafetensorsEntry& e : h.entries) {
+    if (e.name != name) continue;
+    const size_t es = dtype_size(e.dtype);
+    VQ_CHECK(index >= 0 && static_cast<uint64_t>(index) * es < e.nbytes(),
+             "[poke_tiny_model_weight] index " + std::to_string(index) + " outside " + name);
+    uint8_t elem[4];
+    from_f32(&value, elem, e.dtype, 1);
+    f.clear();
+    f.seekp(
+        static_cast<std::streamoff>(h.data_offset + e.begin + static_cast<uint64_t>(index) * es));
+    f.write(reinterpret_cast<const char*>(elem), static_cast<std::streamsize>(es));
+    VQ_CHECK(f.good(), "[poke_tiny_model_weight] write to " + path + " failed");
+    return;
+  }
+  throw Error("[poke_tiny_model_weight] no tensor " + name + " in " + path);
 }
 
 }  // namespace vq::test

@@ -47,4 +47,9 @@ int64_t tiny_model_eos(const TinyModelSpec& spec);
 // The config.json text write_tiny_model writes for spec.
 std::string tiny_model_config_json(const TinyModelSpec& spec);
 
+// Overwrites element `index` of tensor `name` in <dir>/model.safetensors (a one-file checkpoint)
+// with value, in the tensor's dtype (e.g. a NaN or Inf for the load-time finiteness checks).
+void poke_tiny_model_weight(const std::string& dir, const std::string& name, int64_t index,
+                            float value);
+
 }  // namespace vq::test

@@ -3,11 +3,10 @@
 // and each layer's recorded keys and values give one channel permutation per KV head. Use the
 // file with the cache option skvq_perm_file (e.g. --cache-opt perm_file=perms.json).
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include "commands.h"
+#include "options.h"
 #include "veloxquant/calibrate.h"
 #include "veloxquant/error.h"
 #include "veloxquant/model.h"
@@ -26,13 +25,11 @@ struct CalibrateArgs {
 int run_calibrate(const CalibrateArgs& a) {
   std::string dir = a.model_dir.empty() ? find_shipped_model() : a.model_dir;
   if (dir.empty()) throw Error("[calibrate] --model: no model folder given and none shipped");
-  std::ifstream in(a.text_file, std::ios::binary);
-  if (!in) throw Error("[calibrate] --text-file: cannot read '" + a.text_file + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
+  const std::string text = read_text_file(a.text_file, "calibrate", "--text-file");
   const auto model = Model::load(dir);
   const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
-  std::vector<int32_t> ids = tok.encode(ss.str());
+  check_tokenizer_vocab(tok.vocab_size(), model->config(), dir + "/tokenizer.json");
+  std::vector<int32_t> ids = tok.encode(text);
   int64_t limit = a.max_tokens;
   if (model->config().max_position_embeddings > 0)
     limit = std::min(limit, model->config().max_position_embeddings);
@@ -53,8 +50,8 @@ void add_calibrate_command(CLI::App& app, int* status) {
   cmd->add_option("--model", a->model_dir, "model folder (default: the shipped model)");
   cmd->add_option("--text-file", a->text_file, "calibration text (UTF-8)")->required();
   cmd->add_option("--out", a->out, "permutation file to write");
-  cmd->add_option("--max-tokens", a->max_tokens, "calibration tokens at most")
-      ->check(CLI::Range(1, 1 << 20));
+  add_int_option(cmd, "--max-tokens", &a->max_tokens, 1, 1 << 20, "calibration tokens at most",
+                 "calibrate");
   cmd->callback([a, status] { *status = run_calibrate(*a); });
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "options.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cache_config.h"
 #include "veloxquant/error.h"
@@ -105,11 +106,11 @@ int run_demo(const DemoOptions& o) {
 void add_demo_command(CLI::App& app, int* status) {
   auto* opts = new DemoOptions();  // lives as long as the app (process)
   auto* cmd = app.add_subcommand("demo", "every cache method over one synthetic long sequence");
-  cmd->add_option("--heads", opts->heads, "KV heads")->check(CLI::Range(1, 64));
-  cmd->add_option("--head-dim", opts->head_dim, "head dimension")->check(CLI::Range(1, 512));
-  cmd->add_option("--prefill", opts->prefill, "prompt tokens")->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--chunk", opts->chunk, "prefill chunk")->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--decode", opts->decode, "decode steps")->check(CLI::Range(0, 1 << 20));
+  add_int_option(cmd, "--heads", &opts->heads, 1, 64, "KV heads", "demo");
+  add_int_option(cmd, "--head-dim", &opts->head_dim, 1, 512, "head dimension", "demo");
+  add_int_option(cmd, "--prefill", &opts->prefill, 1, 1 << 20, "prompt tokens", "demo");
+  add_int_option(cmd, "--chunk", &opts->chunk, 1, 1 << 20, "prefill chunk", "demo");
+  add_int_option(cmd, "--decode", &opts->decode, 0, 1 << 20, "decode steps", "demo");
   cmd->add_option("--methods", opts->methods, "cache specs, e.g. snapkv:budget=256")
       ->delimiter(',');
   cmd->callback([opts, status] { *status = run_demo(*opts); });

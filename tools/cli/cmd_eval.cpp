@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "options.h"
 #include "veloxquant/error.h"
 #include "veloxquant/eval.h"
 #include "veloxquant/model.h"
@@ -63,8 +64,8 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
   c->add_flag("--json", a.json, "print JSON instead of Markdown");
   c->add_flag("--csv", a.csv, "print CSV instead of Markdown");
   c->add_option("--out", a.out, "write the table to this file instead of stdout");
-  c->add_option("--prefill-step", a.prefill_step, "prefill chunk length (prefill_step_size)")
-      ->capture_default_str();
+  add_int_option(c, "--prefill-step", &a.prefill_step, 1, kMaxTokenCount,
+                 "prefill chunk length (prefill_step_size)", "eval");
   c->add_option(
        "--matmul", a.matmul,
        "matrix-product arithmetic: exact (fp32) or bf16 (activations rounded to bf16, fp32 "
@@ -80,20 +81,22 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
 void add_text(CLI::App* c, TextArgs& a) {
   c->add_option("--data", a.data, "token rows, little-endian uint16 [n_docs, row_len]")
       ->capture_default_str();
-  c->add_option("--row-len", a.row_len, "tokens per row of --data (0 = model context)");
-  c->add_option("--prefill,-P", a.prefill, "context tokens P before the first scored token")
-      ->capture_default_str();
-  c->add_option("--decode,-T", a.decode, "scored tokens T (one decode step each)")
-      ->capture_default_str();
-  c->add_option("--docs", a.docs, "use at most N documents (0 = all)")->capture_default_str();
+  add_int_option(c, "--row-len", &a.row_len, 0, kMaxTokenCount,
+                 "tokens per row of --data (0 = model context)", "eval");
+  add_int_option(c, "--prefill,-P", &a.prefill, 0, kMaxTokenCount,
+                 "context tokens P before the first scored token", "eval");
+  add_int_option(c, "--decode,-T", &a.decode, 0, kMaxTokenCount,
+                 "scored tokens T (one decode step each)", "eval");
+  add_int_option(c, "--docs", &a.docs, 0, kMaxTokenCount, "use at most N documents (0 = all)",
+                 "eval");
 }
 
 void add_passkey(CLI::App* c, PasskeyArgs& a) {
   c->add_option("--data", a.data, "passkey prompts (JSONL)")->capture_default_str();
-  c->add_option("--prompts", a.prompts, "use at most N prompts, spread evenly (0 = all)")
-      ->capture_default_str();
-  c->add_option("--lengths", a.lengths, "only these target lengths (e.g. 512 1024)")
-      ->delimiter(',');
+  add_int_option(c, "--prompts", &a.prompts, 0, kMaxTokenCount,
+                 "use at most N prompts, spread evenly (0 = all)", "eval");
+  add_int_list_option(c, "--lengths", &a.lengths, 1, kMaxTokenCount,
+                      "only these target lengths (e.g. 512,1024)", "eval");
   c->add_option("--mode", a.mode, "aware | agnostic | both")
       ->check(CLI::IsMember({"aware", "agnostic", "both"}))
       ->capture_default_str();
@@ -265,6 +268,7 @@ void add_eval_command(CLI::App& app, int* status) {
   pc->callback([status] {
     const auto model = Model::load(common.model_dir);
     const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
+    check_tokenizer_vocab(tok.vocab_size(), model->config(), common.model_dir + "/tokenizer.json");
     const auto prompts = load_passkey_jsonl(pk.data);
     const auto methods = parse_eval_methods(common.methods);
     const auto peers = peers_of(common);
@@ -278,18 +282,22 @@ void add_eval_command(CLI::App& app, int* status) {
       "sweep", "kld + passkey for the methods; tables (md/json/csv) and SVG charts in --out-dir");
   add_common(sw, common);
   sw->add_option("--text-data", text.data, "token rows for ppl/kld")->capture_default_str();
-  sw->add_option("--prefill,-P", text.prefill, "context tokens P")->capture_default_str();
-  sw->add_option("--decode,-T", text.decode, "scored tokens T")->capture_default_str();
-  sw->add_option("--docs", text.docs, "documents for ppl/kld (0 = all)")->capture_default_str();
+  add_int_option(sw, "--prefill,-P", &text.prefill, 0, kMaxTokenCount, "context tokens P", "eval");
+  add_int_option(sw, "--decode,-T", &text.decode, 0, kMaxTokenCount, "scored tokens T", "eval");
+  add_int_option(sw, "--docs", &text.docs, 0, kMaxTokenCount, "documents for ppl/kld (0 = all)",
+                 "eval");
   sw->add_option("--passkey-data", pk.data, "passkey prompts (JSONL)")->capture_default_str();
-  sw->add_option("--prompts", pk.prompts, "passkey prompts (0 = all)")->capture_default_str();
-  sw->add_option("--lengths", pk.lengths, "only these passkey target lengths")->delimiter(',');
+  add_int_option(sw, "--prompts", &pk.prompts, 0, kMaxTokenCount, "passkey prompts (0 = all)",
+                 "eval");
+  add_int_list_option(sw, "--lengths", &pk.lengths, 1, kMaxTokenCount,
+                      "only these passkey target lengths", "eval");
   sw->add_option("--out-dir", out_dir, "folder for the tables and charts")->capture_default_str();
   add_chart_args(sw, charts);
   sw->callback([status] {
     std::filesystem::create_directories(out_dir);
     const auto model = Model::load(common.model_dir);
     const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
+    check_tokenizer_vocab(tok.vocab_size(), model->config(), common.model_dir + "/tokenizer.json");
     const auto methods = parse_eval_methods(common.methods);
     const auto peers = peers_of(common);
     const EvalSettings st = settings_of(common);

@@ -4,12 +4,16 @@
 //       [--cache-config FILE.json] (--prompt TEXT | --prompt-file F | --prompt-ids 1,2,3)
 //       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
 //       [--prefill-step N] [--threads N] [--kv-dtype float16|bfloat16|float32] [--ignore-eos]
-//       [--json]
+//       [--no-check-weights] [--json]
 //
 // Streams the generated text to stdout (complete UTF-8 characters only), shows a prefill
 // progress bar on stderr when stderr is a terminal and the prompt spans several chunks, and ends
 // with a summary on stderr: tokens, prefill/decode tokens/s, the caches' memory summed over
-// layers, peak RSS. --json prints one JSON object with the same content to stdout instead.
+// layers, and the peak memory with its parts: measured peak RSS = mapped weights + activation
+// buffers of the prefill chunk (GenerateResult::activation_bytes) + the caches' peak resident
+// bytes + the rest (runtime, tokenizer, allocator). --json prints one JSON object with the same
+// content to stdout instead. Integer options are range-checked (options.h); the prompt must fit
+// the model's max_position_embeddings and generation stops at it (stop: max_position).
 // --model defaults to the shipped model (find_shipped_model). A model folder without
 // tokenizer.json needs --prompt-ids and prints ids.
 #include <omp.h>
@@ -19,7 +23,6 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -27,6 +30,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "options.h"
 #include "veloxquant/cache_config.h"
 #include "veloxquant/error.h"
 #include "veloxquant/generate.h"
@@ -49,10 +53,11 @@ struct GenerateArgs {
   float top_p = 1.0f;
   uint64_t seed = 0;
   int64_t prefill_step = 512;
-  int threads = 0;
+  int64_t threads = 0;
   std::string kv_dtype = "float16";
   std::string matmul = "exact";
   bool ignore_eos = false;
+  bool no_check_weights = false;
   bool json = false;
 };
 
@@ -60,14 +65,6 @@ MatmulPrecision matmul_from_string(const std::string& s) {
   if (s == "exact") return MatmulPrecision::kExact;
   if (s == "bf16") return MatmulPrecision::kBF16;
   throw Error("[generate] --matmul: expected exact or bf16 but got " + s);
-}
-
-std::string read_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("[generate] cannot read " + what + " " + path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 // key=value with the key as a config field, or without its method prefix (budget ->
@@ -144,16 +141,21 @@ int run_generate(const GenerateArgs& a) {
           "[generate] --model: no model folder given and the shipped model "
           "(models/vq-mini-llama) was not found");
   }
-  if (a.threads > 0) omp_set_num_threads(a.threads);
-  const auto model = Model::load(model_dir);
+  apply_threads(a.threads);
+  LoadOptions lo;
+  lo.check_finite = !a.no_check_weights;
+  const auto model = Model::load(model_dir, lo);
   const ModelConfig& mc = model->config();
   std::optional<Tokenizer> tok;
-  if (std::filesystem::exists(model_dir + "/tokenizer.json"))
+  if (std::filesystem::exists(model_dir + "/tokenizer.json")) {
     tok.emplace(Tokenizer::from_file(model_dir + "/tokenizer.json"));
+    check_tokenizer_vocab(tok->vocab_size(), mc, model_dir + "/tokenizer.json");
+  }
 
   // Cache config: file, then --cache, then --cache-opt assignments.
   CacheConfig cfg;
-  if (!a.cache_config.empty()) cfg = config_from_json(read_file(a.cache_config, "cache config"));
+  if (!a.cache_config.empty())
+    cfg = config_from_json(read_text_file(a.cache_config, "generate", "--cache-config"));
   if (!a.cache.empty()) cfg.method = a.cache;
   for (const auto& o : a.cache_opts) apply_cache_opt(cfg, o);
   auto caches = model->make_caches(cfg);
@@ -171,7 +173,11 @@ int run_generate(const GenerateArgs& a) {
     if (!tok)
       throw Error("[generate] " + model_dir +
                   " has no tokenizer.json: give the prompt as --prompt-ids");
-    const std::string text = a.prompt.empty() ? read_file(a.prompt_file, "prompt file") : a.prompt;
+    const std::string text =
+        a.prompt.empty() ? read_text_file(a.prompt_file, "generate", "--prompt-file") : a.prompt;
+    if (text.empty())
+      throw Error("[generate] --prompt-file: expected a prompt but '" + a.prompt_file +
+                  "' is empty");
     ids = tok->encode(text, /*add_special_tokens=*/true);
   }
   for (int32_t id : ids)
@@ -186,6 +192,7 @@ int run_generate(const GenerateArgs& a) {
   o.stop_at_eos = !a.ignore_eos;
   o.kv_dtype = dtype_from_string(a.kv_dtype);
   o.matmul = matmul_from_string(a.matmul);
+  if (tok) o.sample_vocab = std::min<int64_t>(tok->vocab_size(), mc.vocab_size);
   std::string text;
   std::optional<StreamDecoder> stream;
   if (tok) stream.emplace(*tok, /*skip_special_tokens=*/true);
@@ -217,6 +224,14 @@ int run_generate(const GenerateArgs& a) {
   const CacheMemory mem = cache_memory(caches, mc.n_kv_heads);
   const long rss = peak_rss_kib();
   const int threads = omp_get_max_threads();
+  // Peak memory and its parts: the measured peak RSS, the mapped weights (every page is read by
+  // a forward pass), the activation buffers (sized by the prefill chunk) and the caches at their
+  // peak; the rest is the runtime, the tokenizer and the allocator.
+  const int64_t rss_bytes = static_cast<int64_t>(rss) * 1024;
+  const int64_t weight_bytes = static_cast<int64_t>(model->checkpoint_bytes());
+  const int64_t other_bytes = rss_bytes - weight_bytes - r.activation_bytes - r.cache_bytes_peak();
+  const int64_t chunk = prefill_chunks(r.prompt_tokens, a.prefill_step).front();
+  const bool hit_max_pos = r.stop_reason == "max_position";
 
   if (a.json) {
     nlohmann::json j = {
@@ -246,12 +261,29 @@ int run_generate(const GenerateArgs& a) {
           {"bytes_resident", mem.bytes_resident},
           {"fp16_bytes", mem.fp16_bytes},
           {"ratio_to_fp16", mem.ratio_to_fp16()}}},
-        {"peak_rss_bytes", static_cast<int64_t>(rss) * 1024}};
+        {"peak_rss_bytes", rss_bytes},
+        {"peak_memory",
+         {{"peak_rss_bytes", rss_bytes},
+          {"weights_bytes", weight_bytes},
+          {"activation_bytes", r.activation_bytes},
+          {"prefill_chunk_tokens", chunk},
+          {"cache_bytes_peak", r.cache_bytes_peak()},
+          {"cache_bytes_prompt", r.cache_bytes_prompt},
+          {"cache_bytes_end", r.cache_bytes_end},
+          {"other_bytes", other_bytes}}},
+        {"max_position_embeddings", mc.max_position_embeddings}};
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
   std::printf("\n");
   std::fflush(stdout);
+  const auto mib = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
+  if (hit_max_pos)
+    std::fprintf(stderr,
+                 "\nveloxquant: generation stopped at the model's max_position_embeddings (%lld "
+                 "positions: %lld prompt + %zu generated tokens)\n",
+                 static_cast<long long>(mc.max_position_embeddings),
+                 static_cast<long long>(r.prompt_tokens), r.tokens.size());
   std::fprintf(
       stderr,
       "\n--- %s | cache %s | kv %s | matmul %s | %d threads\n"
@@ -260,7 +292,11 @@ int run_generate(const GenerateArgs& a) {
       "decode   : %8.1f tokens/s (%lld steps, %.3f s)\n"
       "cache    : summed over %lld layers: %lld tokens seen, %lld rows kept "
       "(%lld per head), %lld bytes accounted, %lld bytes resident, ratio to fp16 %.3f\n"
-      "peak RSS : %.1f MiB\n",
+      "peak RSS : %.1f MiB = weights %.1f MiB (mapped) + activations %.1f MiB (prefill chunk "
+      "of %lld tokens) + cache %.1f MiB (peak resident) + other %.1f MiB (runtime, tokenizer, "
+      "allocator)\n"
+      "           cache resident %.1f MiB at the prompt's end, %.1f MiB at the run's end; "
+      "--prefill-step bounds the activations\n",
       model_dir.c_str(), cfg.method.c_str(), dtype_name(o.kv_dtype), a.matmul.c_str(), threads,
       static_cast<long long>(r.prompt_tokens), r.tokens.size(), r.stop_reason.c_str(),
       r.prefill_tokens_per_s(), r.prefill_seconds, r.decode_tokens_per_s(),
@@ -268,7 +304,9 @@ int run_generate(const GenerateArgs& a) {
       static_cast<long long>(mem.n_layers), static_cast<long long>(mem.tokens_seen),
       static_cast<long long>(mem.rows_kept), static_cast<long long>(mem.rows_kept_per_head),
       static_cast<long long>(mem.bytes_accounted), static_cast<long long>(mem.bytes_resident),
-      mem.ratio_to_fp16(), static_cast<double>(rss) / 1024.0);
+      mem.ratio_to_fp16(), static_cast<double>(rss) / 1024.0, mib(weight_bytes),
+      mib(r.activation_bytes), static_cast<long long>(chunk), mib(r.cache_bytes_peak()),
+      mib(other_bytes), mib(r.cache_bytes_prompt), mib(r.cache_bytes_end));
   return 0;
 }
 
@@ -287,15 +325,19 @@ void add_generate_command(CLI::App& app, int* status) {
   cmd->add_option("--prompt", a->prompt, "prompt text");
   cmd->add_option("--prompt-file", a->prompt_file, "file holding the prompt text");
   cmd->add_option("--prompt-ids", a->prompt_ids, "prompt as comma-separated token ids");
-  cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate at most")
-      ->capture_default_str();
+  add_int_option(cmd, "--max-tokens", &a->max_tokens, 0, kMaxTokenCount,
+                 "tokens to generate at most (generation also stops at the model's "
+                 "max_position_embeddings)",
+                 "generate");
   cmd->add_option("--temperature", a->temperature, "0 = greedy")->capture_default_str();
-  cmd->add_option("--top-k", a->top_k, "0 = off")->capture_default_str();
+  add_int_option(cmd, "--top-k", &a->top_k, 0, kMaxTokenCount, "0 = off", "generate");
   cmd->add_option("--top-p", a->top_p, "1 = off")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "sampling seed")->capture_default_str();
-  cmd->add_option("--prefill-step", a->prefill_step, "prompt tokens per prefill chunk at most")
-      ->capture_default_str();
-  cmd->add_option("--threads", a->threads, "OpenMP threads (0 = all cores)")->capture_default_str();
+  add_uint64_option(cmd, "--seed", &a->seed, "sampling seed", "generate");
+  add_int_option(cmd, "--prefill-step", &a->prefill_step, 1, kMaxTokenCount,
+                 "prompt tokens per prefill chunk at most (smaller: less activation memory, "
+                 "slower prefill)",
+                 "generate");
+  add_threads_option(cmd, &a->threads, "generate");
   cmd->add_option("--kv-dtype", a->kv_dtype,
                   "K/V dtype handed to the caches: float16, bfloat16, float32")
       ->capture_default_str();
@@ -305,6 +347,8 @@ void add_generate_command(CLI::App& app, int* status) {
       ->check(CLI::IsMember({"exact", "bf16"}))
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", a->ignore_eos, "do not stop at the end-of-sequence token");
+  cmd->add_flag("--no-check-weights", a->no_check_weights,
+                "skip the scan of the weights for NaN/Inf at load (faster start)");
   cmd->add_flag("--json", a->json, "print the result as one JSON object");
   cmd->callback([a, status] { *status = run_generate(*a); });
 }

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# CLI-only behaviour of the veloxquant tool (registered as the ctest `cli_options`): bad option
+# values are refused with exit status 2 and a message naming the option and the allowed range
+# (no crash, no hang, no saturation); a directory as --prompt-file, a prompt past the model's
+# max_position_embeddings and an over-large --prefill-step are handled; the generate summary
+# reports peak memory with its parts. Usage: test_cli_options.sh path/to/veloxquant SOURCE_DIR
+# (the repository root: the shipped model models/vq-mini-llama).
+set -u
+VQ="$1"
+SRC="$2"
+MODEL="$SRC/models/vq-mini-llama"
+fails=0
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# expect STATUS NEEDLE -- ARGS...: runs veloxquant ARGS (60 s at most), checks the exit status and
+# that stderr+stdout contain NEEDLE.
+expect() {
+  local want="$1" needle="$2"
+  shift 3
+  local out rc
+  out=$(timeout 60 "$VQ" "$@" 2>&1)
+  rc=$?
+  local cmd="veloxquant $*"
+  cmd="${cmd:0:120}"
+  if [[ $rc -ne $want ]] || [[ "$out" != *"$needle"* ]]; then
+    echo "FAIL: $cmd -> exit $rc (want $want), output:"
+    echo "$out" | tail -5 | cut -c1-400
+    echo "  (expected to contain: $needle)"
+    fails=$((fails + 1))
+  else
+    echo "ok: $cmd"
+  fi
+}
+
+# Thread counts bounded by the machine; negative refused.
+expect 2 "--threads: expected an integer in [0, " -- generate --prompt-ids 1,2 --threads 100000
+expect 2 "--threads: expected an integer in [0, " -- generate --prompt-ids 1,2 --threads -1
+# Integer options: out of range or not an integer is refused, not saturated.
+expect 2 "--max-tokens: expected an integer in [0, 2147483647] but got '99999999999999999999'" \
+  -- generate --prompt-ids 1,2 --max-tokens 99999999999999999999
+expect 2 "--max-tokens: expected an integer in [0, 2147483647] but got '-3'" \
+  -- generate --prompt-ids 1,2 --max-tokens -3
+expect 2 "--top-k: expected an integer" -- generate --prompt-ids 1,2 --top-k 1e3
+expect 2 "--seed: expected an integer in [0, 18446744073709551615] but got '-1'" \
+  -- generate --prompt-ids 1,2 --seed -1
+expect 2 "--prefill-step: expected an integer in [1, 2147483647] but got '9223372036854775807'" \
+  -- generate --prompt-ids 1,2 --prefill-step 9223372036854775807
+expect 2 "--prefill-step: expected an integer in [1, 2147483647] but got '0'" \
+  -- generate --prompt-ids 1,2 --prefill-step 0
+expect 2 "[eval] --docs: expected an integer in [0, 2147483647] but got '99999999999999999999'" \
+  -- eval ppl --methods full --docs 99999999999999999999
+expect 2 "[eval] --prefill: expected an integer" -- eval kld --methods full -P 12abc
+expect 2 "[eval] --lengths: expected an integer in [1, 2147483647] but got '-512'" \
+  -- eval passkey --methods full --lengths 256,-512
+expect 2 "[calibrate] --max-tokens: expected an integer in [1, 1048576] but got '99999999999999999999'" \
+  -- calibrate --text-file x --max-tokens 99999999999999999999
+expect 2 "[demo] --heads: expected an integer in [1, 64] but got '4294967297'" \
+  -- demo --heads 4294967297
+# A directory as the prompt file; an empty prompt file.
+expect 2 "--prompt-file: expected a readable file but '$tmp' is a directory" \
+  -- generate --prompt-file "$tmp" --max-tokens 1
+: > "$tmp/empty.txt"
+expect 2 "--prompt-file: expected a prompt but '$tmp/empty.txt' is empty" \
+  -- generate --prompt-file "$tmp/empty.txt" --max-tokens 1
+expect 2 "[calibrate] --text-file: expected a readable file but '$tmp' is a directory" \
+  -- calibrate --text-file "$tmp"
+# Positions bounded by the model: the shipped weights under a config.json whose
+# max_position_embeddings is 16.
+mkdir -p "$tmp/model16"
+for f in "$MODEL"/*; do ln -s "$f" "$tmp/model16/"; done
+rm "$tmp/model16/config.json"
+sed 's/"max_position_embeddings": *[0-9]*/"max_position_embeddings": 16/' "$MODEL/config.json" \
+  > "$tmp/model16/config.json"
+expect 2 "expected the prompt to fit the model's max_position_embeddings 16" \
+  -- generate --model "$tmp/model16" --prompt-ids "$(seq -s, 3 19)" --max-tokens 1
+expect 0 "4 generated (stop: max_position)" \
+  -- generate --model "$tmp/model16" --prompt-ids "$(seq -s, 3 14)" --max-tokens 100 \
+  --ignore-eos --prefill-step 2147483647
+expect 0 "generation stopped at the model's max_position_embeddings (16 positions" \
+  -- generate --model "$tmp/model16" --prompt-ids "$(seq -s, 3 14)" --max-tokens 100 --ignore-eos
+# The summary's memory parts.
+expect 0 "MiB = weights " -- generate --model "$MODEL" --prompt-ids 5,6,7 --max-tokens 2 --threads 1
+expect 0 "activations " -- generate --model "$MODEL" --prompt-ids 5,6,7 --max-tokens 2
+expect 0 '"activation_bytes"' -- generate --model "$MODEL" --prompt-ids 5,6,7 --max-tokens 2 --json
+
+if [[ $fails -ne 0 ]]; then
+  echo "$fails case(s) failed"
+  exit 1
+fi
+echo "all cases passed"
