@@ -26,9 +26,11 @@ struct PackedSegment;  // veloxquant/packed.h
 // One run of rows shared by every (b, h): rows [0, n_rows) of this segment.
 struct ViewSegment {
   int64_t n_rows = 0;
-  // Positions [B, H, n_rows] int32, contiguous; nullptr means the implicit run
-  // first_pos, first_pos + 1, ... (the same for every (b, h)).
+  // Positions [B, H, pos_stride] int32 (row i of (b, h) at (b*H + h)*pos_stride + i; pos_stride 0
+  // means n_rows); nullptr means the implicit run first_pos, first_pos + 1, ... (the same for
+  // every (b, h)).
   const int32_t* positions = nullptr;
+  int64_t pos_stride = 0;
   int64_t first_pos = 0;
   // Full-precision rows [B, H, n_rows, D] (used when packed == nullptr).
   TensorView keys;
@@ -37,7 +39,7 @@ struct ViewSegment {
   const PackedSegment* packed = nullptr;
 
   int32_t position(int64_t b, int64_t h, int64_t i, int64_t n_heads) const {
-    return positions ? positions[(b * n_heads + h) * n_rows + i]
+    return positions ? positions[(b * n_heads + h) * (pos_stride ? pos_stride : n_rows) + i]
                      : static_cast<int32_t>(first_pos + i);
   }
 };

@@ -1,15 +1,15 @@
-// The full-precision KV cache (caches.md §2): the exact baseline every compressed cache is
+// The full-precision KV cache (docs/design.md §C2): the exact baseline every compressed cache is
 // compared with.
 //
-// Storage: keys and values each in one buffer [B, H, capacity, D] in the dtype of the first
-// keys block (later blocks, and values of another dtype, are converted). Rows [0, offset()) of
-// each (b, h) are valid. capacity is a multiple of 256 rows; when a call does not fit it grows
-// geometrically (max(needed, 2 x capacity), rounded up to 256), so a decode append costs
-// amortised O(1). update_and_fetch returns one full-precision segment with implicit positions
-// 0 .. offset()-1 (a strided view into the buffers, valid until the next mutating call).
+// Storage: one row store (src/kv/row_store.h) of keys and values [B, H, capacity, D] in the dtype
+// of the first keys block (later blocks, and values of another dtype, are converted), on the CPU
+// or on the device of the backend it was built with. Rows [0, offset()) of each (b, h) are valid.
+// capacity is a multiple of 256 rows; when a call does not fit it grows geometrically
+// (max(needed, 1.25 x capacity), rounded up to 256), so a decode append costs amortised O(1).
+// update_and_fetch returns one full-precision segment with implicit positions 0 .. offset()-1 (a
+// strided view into the store, valid until the next mutating call).
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <memory>
 
@@ -19,11 +19,20 @@
 
 namespace vq {
 
+namespace kv {
+class RowBackend;
+class RowStore;
+}  // namespace kv
+
 class FullCache final : public KVCache {
  public:
   static constexpr int64_t kStep = 256;  // capacity granularity, in rows
 
-  FullCache() = default;
+  // A cache whose rows live on `backend`'s device (the CPU by default); blocks handed to it must
+  // be memory of that device.
+  FullCache();
+  explicit FullCache(const kv::RowBackend& backend);
+  ~FullCache() override;
 
   std::string method() const override { return "full"; }
   CacheView update_and_fetch(const TensorView& keys, const TensorView& values,
@@ -53,42 +62,24 @@ class FullCache final : public KVCache {
   int64_t capacity() const { return st_.capacity; }
   int64_t head_dim() const { return st_.head_dim; }
   DType dtype() const { return st_.dtype; }
-  // Views of the stored rows [B, H, offset(), D] (strided into the buffers).
+  // Views of the stored rows [B, H, offset(), D] (strided into the store).
   TensorView keys() const;
   TensorView values() const;
+  // The view of what is stored now (what the last update_and_fetch returned).
+  CacheView stored_view() const;
 
  private:
-  // A [B, H, capacity, D] buffer like Tensor, but not zero-initialised (rows past offset() are
-  // never read) and, from 2 MiB up, 2 MiB-aligned and advised for transparent huge pages: a
-  // growth then faults in 512x fewer pages, which dominates its cost on a fresh buffer.
-  class RowStore {
-   public:
-    RowStore() = default;
-    RowStore(DType t, int64_t b, int64_t h, int64_t cap, int64_t d);
-    TensorView view() const;  // [B, H, capacity, D], contiguous
-    size_t capacity_bytes() const { return bytes_; }
-
-   private:
-    struct Free {
-      void operator()(void* p) const;
-    };
-    std::unique_ptr<void, Free> data_;
-    size_t bytes_ = 0;
-    DType dtype_ = DType::kF16;
-    std::array<int64_t, 4> shape_{0, 0, 0, 0};
-  };
-
   // Everything a load() or merge replaces at once.
   struct State {
     bool has_data = false;  // B, H, D and dtype are fixed by the first call
     DType dtype = DType::kF16;
     int64_t batch = 0, heads = 0, head_dim = 0;
     int64_t offset = 0, capacity = 0;
-    RowStore keys, values;  // [B, H, capacity, D]
+    std::unique_ptr<kv::RowStore> rows;  // [B, H, capacity, D] keys and values
   };
-  static State with_capacity(const State& shape_of, int64_t capacity);
-  static TensorView rows_view(const RowStore& t, int64_t rows);
+  State with_capacity(const State& shape_of, int64_t capacity) const;
 
+  const kv::RowBackend* backend_;
   State st_;
 };
 

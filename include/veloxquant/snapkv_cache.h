@@ -1,4 +1,4 @@
-// The SnapKV cache (caches.md §3): prefill-time eviction with the deferred-eviction contract.
+// The SnapKV cache (docs/design.md §C3): prefill-time eviction with the deferred-eviction contract.
 //
 // Every update_and_fetch returns stored rows ++ this call's S new rows, un-evicted, with
 // positions stored_pos ++ [offset, offset + S). After the step, when S > 1, the selection of
@@ -11,18 +11,18 @@
 // whole prompt, at end_prompt() or at the first single-token call (before its row is appended).
 // Chunked prefill then stores exactly what one-shot prefill with the default schedule stores.
 //
-// Storage: keys and values in one buffer each, [B, H, capacity, D] in fp16 or bf16 (snap_dtype).
-// Rows [0, n_sel) of each (b, h) are the survivors of the last eviction, with explicit per-head
-// positions [B, H, n_sel]; rows [n_sel, n_sel + n_tail) are the rows appended since, whose
-// positions are the contiguous run offset - n_tail .. offset - 1 shared by every head. So a view
-// has up to two segments (explicit positions, then implicit), and a decode append is amortised
-// O(1) (geometric growth). Eviction gathers into fresh buffers and keeps the old ones alive
-// until the next mutating call, so the returned view is never changed by it.
+// Storage: one row store (src/kv/row_store.h) on the CPU or on the device of the backend it was
+// built with: keys and values [B, H, capacity, D] in fp16 or bf16 (snap_dtype) and the positions
+// of every row [B, H, capacity]. Rows [0, n_sel) of each (b, h) are the survivors of the last
+// eviction (explicit positions in the view); rows [n_sel, n_sel + n_tail) are the rows appended
+// since, whose positions are the contiguous run offset - n_tail .. offset - 1 shared by every head
+// (an implicit segment in the view). So a view has up to two segments, and a decode append is
+// amortised O(1) (geometric growth, 64-row steps). Eviction gathers into a fresh store and keeps
+// the old one alive until the next mutating call, so the returned view is never changed by it.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-#include <utility>
 #include <vector>
 
 #include "veloxquant/cache.h"
@@ -31,12 +31,22 @@
 
 namespace vq {
 
+namespace kv {
+class RowBackend;
+class RowStore;
+class QueryRows;
+}  // namespace kv
+
 // Validates the snap_* fields and builds the cache.
 std::unique_ptr<KVCache> make_snapkv_cache(const CacheConfig& cfg);
 
 class SnapKVCache final : public KVCache {
  public:
+  // Rows live on `backend`'s device (the CPU by default); blocks and queries handed to the cache
+  // must be memory of that device.
   explicit SnapKVCache(const CacheConfig& cfg);
+  SnapKVCache(const CacheConfig& cfg, const kv::RowBackend& backend);
+  ~SnapKVCache() override;
 
   std::string method() const override { return "snapkv"; }
   // keys, values: [B, H, S, D] (f32, f16 or bf16, any strides; the same shape). With
@@ -70,40 +80,16 @@ class SnapKVCache final : public KVCache {
   DType storage_dtype() const { return dtype_; }
   // Rows allocated per (b, h) in the live store.
   int64_t capacity() const { return capacity_; }
+  // The view of what is stored now (what the last update_and_fetch returned).
+  CacheView stored_view() const;
 
  private:
   void check_input(const TensorView& keys, const TensorView& values,
                    const UpdateOptions& opts) const;
   void reserve_rows(int64_t rows);
   void evict_after_step(int64_t n_new, const TensorView* queries);
-  CacheView make_view() const;
 
-  // Uninitialised buffer of 2-byte elements: 64-byte aligned, or 2 MiB aligned and advised for
-  // transparent huge pages when large, so growth costs neither a zero fill nor many page faults.
-  class RowBuffer {
-   public:
-    RowBuffer() = default;
-    explicit RowBuffer(size_t n_elements);
-    uint16_t* data() { return p_.get(); }
-    const uint16_t* data() const { return p_.get(); }
-    size_t bytes() const { return bytes_; }  // allocated, alignment padding included
-    void swap(RowBuffer& o) noexcept {
-      p_.swap(o.p_);
-      std::swap(bytes_, o.bytes_);
-    }
-    void reset() {
-      p_.reset();
-      bytes_ = 0;
-    }
-
-   private:
-    struct Free {
-      void operator()(uint16_t* p) const;
-    };
-    std::unique_ptr<uint16_t, Free> p_;
-    size_t bytes_ = 0;
-  };
-
+  const kv::RowBackend* backend_;
   CacheConfig cfg_;
   SnapSelectParams params_;
 
@@ -114,14 +100,12 @@ class SnapKVCache final : public KVCache {
   int64_t n_sel_ = 0;   // rows with explicit positions
   int64_t n_tail_ = 0;  // rows with implicit positions offset_ - n_tail_ .. offset_ - 1
   int64_t capacity_ = 0;
-  RowBuffer k_, v_;               // [B, H, capacity_, D]
-  std::vector<int32_t> sel_pos_;  // [B, H, n_sel_]
-  // Buffers the last view may still point at (freed at the next mutating call).
-  RowBuffer retired_k_, retired_v_;
-  std::vector<int32_t> retired_pos_;
-  // snap_evict_at = prompt_end: a selection is owed, scored with the kept window queries.
+  std::unique_ptr<kv::RowStore> rows_;     // [B, H, capacity_, D] and positions
+  std::unique_ptr<kv::RowStore> retired_;  // what the last view may still point at
+  // snap_evict_at = prompt_end: a selection is owed, scored with the kept window queries
+  // ([B, H_q, rows, D] fp32 on the backend's device, or none: key proxy).
   bool pending_ = false;
-  SnapPromptWindow win_;
+  std::unique_ptr<kv::QueryRows> win_;
 };
 
 class StateWriter;

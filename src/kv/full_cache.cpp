@@ -1,24 +1,20 @@
-// The full-precision cache (caches.md §2; layout in veloxquant/full_cache.h).
+// The full-precision cache (docs/design.md §C2; layout in veloxquant/full_cache.h), a policy over
+// a row store (src/kv/row_store.h): the same code whatever device holds the rows.
 //
-// Buffers are [B, H, capacity, D]; growth copies the stored rows once into a buffer of
-// max(needed, 1.25 x capacity) rows rounded up to 256, so n decode appends copy at most 5n rows
-// in total (amortised O(1) each: a growth copying c rows buys c/4 appends) while the slack stays
-// below a quarter of the capacity plus one 256-row step (resident bytes track accounted bytes).
-// Every call validates its input completely before changing anything; growth builds the new buffers
-// aside and swaps them in, so a failure (including std::bad_alloc) leaves the cache as it was.
-// Buffers are not zero-filled: only rows below offset() are ever read, saved or shown in a view.
+// Growth copies the stored rows once into a store of max(needed, 1.25 x capacity) rows rounded up
+// to 256, so n decode appends copy at most 5n rows in total (amortised O(1) each: a growth copying
+// c rows buys c/4 appends) while the slack stays below a quarter of the capacity plus one 256-row
+// step (resident bytes track accounted bytes). Every call validates its input completely before
+// changing anything; growth builds the new store aside and swaps it in, so a failure (including
+// std::bad_alloc) leaves the cache as it was. Stores are not zero-filled: only rows below offset()
+// are ever read, saved or shown in a view.
 #include "veloxquant/full_cache.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <new>
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
+#include "kv/row_store.h"
 #include "veloxquant/binary_io.h"
 #include "veloxquant/error.h"
 
@@ -26,28 +22,11 @@ namespace vq {
 
 namespace {
 
-constexpr size_t kHugePage = size_t{2} << 20;  // transparent huge page size on x86-64 Linux
 constexpr int64_t kMaxPositions = std::numeric_limits<int32_t>::max();  // positions are int32
 
 std::string shape_str(const TensorView& t) {
   return "[" + std::to_string(t.shape[0]) + ", " + std::to_string(t.shape[1]) + ", " +
          std::to_string(t.shape[2]) + ", " + std::to_string(t.shape[3]) + "]";
-}
-
-// Copies row (b, h, s) of src (any strides, any dtype) to a contiguous row of D elements.
-void copy_row(const TensorView& src, int64_t b, int64_t h, int64_t s, void* dst, DType dst_t) {
-  const int64_t d = src.shape[3];
-  const void* row = src.row(b, h, s);
-  if (src.stride[3] == 1) {
-    convert_row(row, src.dtype, dst, dst_t, static_cast<size_t>(d));
-    return;
-  }
-  const size_t es = dtype_size(src.dtype);
-  for (int64_t i = 0; i < d; ++i) {
-    const char* p = static_cast<const char*>(row) + i * src.stride[3] * static_cast<int64_t>(es);
-    convert_row(p, src.dtype, static_cast<char*>(dst) + i * static_cast<int64_t>(dtype_size(dst_t)),
-                dst_t, 1);
-  }
 }
 
 void check_block(const TensorView& t, const char* name) {
@@ -64,31 +43,11 @@ void check_block(const TensorView& t, const char* name) {
 
 }  // namespace
 
-void FullCache::RowStore::Free::operator()(void* p) const {
-  std::free(p);
-}
+FullCache::FullCache() : backend_(&kv::cpu_backend()) {}
+FullCache::FullCache(const kv::RowBackend& backend) : backend_(&backend) {}
+FullCache::~FullCache() = default;
 
-FullCache::RowStore::RowStore(DType t, int64_t b, int64_t h, int64_t cap, int64_t d)
-    : dtype_(t), shape_{b, h, cap, d} {
-  const size_t bytes = static_cast<size_t>(b * h * cap * d) * dtype_size(t);
-  if (bytes == 0) return;
-  const size_t align = bytes >= kHugePage ? kHugePage : 64;
-  const size_t rounded = (bytes + align - 1) / align * align;  // aligned_alloc needs a multiple
-  void* p = std::aligned_alloc(align, rounded);
-  if (!p) throw std::bad_alloc();
-#ifdef __linux__
-  // Advice only: where THP is off, or the call fails, the buffer simply uses 4 KiB pages.
-  if (align == kHugePage) (void)madvise(p, rounded, MADV_HUGEPAGE);
-#endif
-  data_.reset(p);
-  bytes_ = rounded;
-}
-
-TensorView FullCache::RowStore::view() const {
-  return TensorView::contiguous(data_.get(), dtype_, shape_[0], shape_[1], shape_[2], shape_[3]);
-}
-
-FullCache::State FullCache::with_capacity(const State& shape_of, int64_t capacity) {
+FullCache::State FullCache::with_capacity(const State& shape_of, int64_t capacity) const {
   State s;
   s.has_data = shape_of.has_data;
   s.dtype = shape_of.dtype;
@@ -97,22 +56,31 @@ FullCache::State FullCache::with_capacity(const State& shape_of, int64_t capacit
   s.head_dim = shape_of.head_dim;
   s.offset = 0;
   s.capacity = capacity;
-  s.keys = RowStore(s.dtype, s.batch, s.heads, capacity, s.head_dim);
-  s.values = RowStore(s.dtype, s.batch, s.heads, capacity, s.head_dim);
+  s.rows = backend_->make({s.dtype, s.batch, s.heads, s.head_dim}, capacity, false);
   return s;
 }
 
-TensorView FullCache::rows_view(const RowStore& t, int64_t rows) {
-  TensorView v = t.view();  // [B, H, capacity, D]
-  v.shape[2] = rows;        // strides keep the capacity: rows [0, rows) of every (b, h)
-  return v;
-}
-
 TensorView FullCache::keys() const {
-  return rows_view(st_.keys, st_.offset);
+  return st_.rows ? st_.rows->keys(0, st_.offset) : TensorView{};
 }
 TensorView FullCache::values() const {
-  return rows_view(st_.values, st_.offset);
+  return st_.rows ? st_.rows->values(0, st_.offset) : TensorView{};
+}
+
+CacheView FullCache::stored_view() const {
+  CacheView view;
+  view.batch = st_.batch;
+  view.n_kv_heads = st_.heads;
+  view.head_dim = st_.head_dim;
+  if (st_.offset == 0) return view;
+  ViewSegment seg;
+  seg.n_rows = st_.offset;
+  seg.positions = nullptr;
+  seg.first_pos = 0;
+  seg.keys = keys();
+  seg.values = values();
+  view.segments.push_back(seg);
+  return view;
 }
 
 CacheView FullCache::update_and_fetch(const TensorView& keys, const TensorView& values,
@@ -146,39 +114,14 @@ CacheView FullCache::update_and_fetch(const TensorView& keys, const TensorView& 
     const int64_t cap = round_up(std::max(new_offset, st_.capacity + st_.capacity / 4), kStep);
     grown = with_capacity(shape, cap);
     grown.offset = st_.offset;
-    const size_t row_bytes = static_cast<size_t>(n_d) * dtype_size(grown.dtype);
-    for (int64_t b = 0; b < n_b && st_.offset > 0; ++b)
-      for (int64_t h = 0; h < n_h; ++h) {
-        std::memcpy(grown.keys.view().row(b, h, 0), st_.keys.view().row(b, h, 0),
-                    row_bytes * static_cast<size_t>(st_.offset));
-        std::memcpy(grown.values.view().row(b, h, 0), st_.values.view().row(b, h, 0),
-                    row_bytes * static_cast<size_t>(st_.offset));
-      }
+    if (st_.offset > 0) grown.rows->copy_rows(*st_.rows, st_.offset);
     dst = &grown;
   }
-  // Write the new rows (the input may even point into the old buffers: they are still alive).
-  const TensorView kd = dst->keys.view(), vd = dst->values.view();
-  for (int64_t b = 0; b < n_b; ++b)
-    for (int64_t h = 0; h < n_h; ++h)
-      for (int64_t s = 0; s < n_s; ++s) {
-        copy_row(keys, b, h, s, kd.row(b, h, dst->offset + s), dst->dtype);
-        copy_row(values, b, h, s, vd.row(b, h, dst->offset + s), dst->dtype);
-      }
+  // Write the new rows (the input may even point into the old store: it is still alive).
+  dst->rows->write_block(keys, values, 0, n_s, dst->offset);
   dst->offset = new_offset;
   if (dst != &st_) st_ = std::move(grown);
-
-  CacheView view;
-  view.batch = n_b;
-  view.n_kv_heads = n_h;
-  view.head_dim = n_d;
-  ViewSegment seg;
-  seg.n_rows = new_offset;
-  seg.positions = nullptr;
-  seg.first_pos = 0;
-  seg.keys = rows_view(st_.keys, new_offset);
-  seg.values = rows_view(st_.values, new_offset);
-  view.segments.push_back(seg);
-  return view;
+  return stored_view();
 }
 
 std::vector<int32_t> FullCache::stored_positions(int64_t b, int64_t h) const {
@@ -215,7 +158,7 @@ CacheStats FullCache::stats() const {
   const int64_t elems = st_.offset * st_.batch * st_.heads * st_.head_dim;  // per K or V
   const int64_t es = static_cast<int64_t>(dtype_size(st_.dtype));
   s.bytes_accounted = elems * 2 * es;
-  s.bytes_resident = static_cast<int64_t>(st_.keys.capacity_bytes() + st_.values.capacity_bytes());
+  s.bytes_resident = st_.rows ? st_.rows->resident_bytes() : 0;
   s.fp16_bytes = elems * 2 * 2;
   s.figures = {
       {"key_bytes", static_cast<double>(elems * es)},
@@ -266,14 +209,7 @@ void FullCache::load(std::istream& in) {
     r.expect_end();
     State full = with_capacity(s, round_up(s.offset, kStep));
     full.offset = s.offset;
-    const size_t row_bytes = static_cast<size_t>(s.head_dim) * dtype_size(s.dtype);
-    for (int64_t b = 0; b < s.batch && s.offset > 0; ++b)
-      for (int64_t h = 0; h < s.heads; ++h) {
-        std::memcpy(full.keys.view().row(b, h, 0), k.view().row(b, h, 0),
-                    row_bytes * static_cast<size_t>(s.offset));
-        std::memcpy(full.values.view().row(b, h, 0), v.view().row(b, h, 0),
-                    row_bytes * static_cast<size_t>(s.offset));
-      }
+    full.rows->upload(k.view(), v.view(), s.offset, nullptr);
     st_ = std::move(full);
     return;
   }
@@ -283,6 +219,8 @@ void FullCache::load(std::istream& in) {
 
 std::unique_ptr<KVCache> FullCache::merge_into_batch(
     const std::vector<const KVCache*>& caches) const {
+  VQ_CHECK(backend_->device() == kv::Device::kCpu,
+           "[merge_batch] expected caches in host memory but got rows on " + backend_->name());
   std::vector<const FullCache*> fc;
   for (size_t i = 0; i < caches.size(); ++i) {
     const auto* c = dynamic_cast<const FullCache*>(caches[i]);
@@ -319,13 +257,18 @@ std::unique_ptr<KVCache> FullCache::merge_into_batch(
   m.offset = first.offset;
   const size_t bytes = static_cast<size_t>(first.head_dim) * dtype_size(first.dtype) *
                        static_cast<size_t>(first.offset);
+  const TensorView mk = m.rows->keys(0, m.offset), mv = m.rows->values(0, m.offset);
   int64_t b_out = 0;
-  for (const FullCache* c : fc)
+  for (const FullCache* c : fc) {
+    VQ_CHECK(c->backend_->device() == kv::Device::kCpu,
+             "[merge_batch] expected caches in host memory but got rows on " + c->backend_->name());
+    const TensorView ck = c->keys(), cv = c->values();
     for (int64_t b = 0; b < c->st_.batch; ++b, ++b_out)
       for (int64_t h = 0; h < first.heads; ++h) {
-        std::memcpy(m.keys.view().row(b_out, h, 0), c->st_.keys.view().row(b, h, 0), bytes);
-        std::memcpy(m.values.view().row(b_out, h, 0), c->st_.values.view().row(b, h, 0), bytes);
+        std::memcpy(mk.row(b_out, h, 0), ck.row(b, h, 0), bytes);
+        std::memcpy(mv.row(b_out, h, 0), cv.row(b, h, 0), bytes);
       }
+  }
   out->st_ = std::move(m);
   return out;
 }

@@ -1,36 +1,30 @@
-// SnapKV cache: deferred eviction over stored ++ new rows (see veloxquant/snapkv_cache.h).
+// SnapKV cache: deferred eviction over stored ++ new rows (see veloxquant/snapkv_cache.h), a
+// policy over a row store (src/kv/row_store.h): the same code whatever device holds the rows.
 //
-// Layout: k_, v_ are [B, H, capacity_, D] raw fp16/bf16 bits; per (b, h) rows [0, n_sel_) carry
-// explicit positions sel_pos_ [B, H, n_sel_], rows [n_sel_, n_sel_ + n_tail_) the implicit run
-// offset_ - n_tail_ .. offset_ - 1. An evicting call (S > 1 with fewer kept rows than the frame)
-// scores each (b, h) in parallel (OpenMP) on an fp32 copy of its frame, gathers the kept rows into
-// fresh buffers and retires the old ones until the next mutating call.
+// Layout: one store [B, H, capacity_, D] of fp16/bf16 rows with positions; per (b, h) rows
+// [0, n_sel_) are the survivors of the last eviction, rows [n_sel_, n_sel_ + n_tail_) the run
+// offset_ - n_tail_ .. offset_ - 1 (their positions are written too, so a selection reads every
+// row's position from the store). An evicting call (S > 1 with fewer kept rows than the frame)
+// asks the backend for the selection of every (b, h), gathers the kept rows into a fresh store and
+// retires the old one until the next mutating call.
 // Byte figures follow the seed: 2 bytes per element whatever the storage dtype.
 #include "veloxquant/snapkv_cache.h"
 
 #include <algorithm>
 #include <array>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <istream>
-#include <new>
 #include <ostream>
 #include <string>
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
+#include "kv/row_store.h"
 #include "veloxquant/binary_io.h"
 #include "veloxquant/error.h"
 
 namespace vq {
 namespace {
 
-constexpr int64_t kRowStep = 64;               // capacity granularity in rows
-constexpr size_t kHugePage = size_t{2} << 20;  // transparent huge page size on x86-64 Linux
+constexpr int64_t kRowStep = 64;  // capacity granularity in rows
 
 std::string shape_str(const TensorView& t) {
   return "[" + std::to_string(t.shape[0]) + ", " + std::to_string(t.shape[1]) + ", " +
@@ -55,29 +49,14 @@ std::unique_ptr<KVCache> make_snapkv_cache(const CacheConfig& cfg) {
   return std::make_unique<SnapKVCache>(cfg);
 }
 
-SnapKVCache::SnapKVCache(const CacheConfig& cfg)
-    : cfg_(cfg), params_(SnapSelectParams::from_config(cfg)) {
+SnapKVCache::SnapKVCache(const CacheConfig& cfg) : SnapKVCache(cfg, kv::cpu_backend()) {}
+
+SnapKVCache::SnapKVCache(const CacheConfig& cfg, const kv::RowBackend& backend)
+    : backend_(&backend), cfg_(cfg), params_(SnapSelectParams::from_config(cfg)) {
   check_params(cfg);
 }
 
-SnapKVCache::RowBuffer::RowBuffer(size_t n_elements) {
-  const size_t bytes = n_elements * sizeof(uint16_t);
-  if (bytes == 0) return;
-  const size_t align = bytes >= kHugePage ? kHugePage : 64;
-  const size_t rounded = (bytes + align - 1) / align * align;  // aligned_alloc needs a multiple
-  void* p = std::aligned_alloc(align, rounded);
-  if (!p) throw std::bad_alloc();
-#ifdef __linux__
-  // Advice only: without transparent huge pages the buffer simply uses 4 KiB pages.
-  if (align == kHugePage) (void)madvise(p, rounded, MADV_HUGEPAGE);
-#endif
-  p_.reset(static_cast<uint16_t*>(p));
-  bytes_ = rounded;
-}
-
-void SnapKVCache::RowBuffer::Free::operator()(uint16_t* p) const {
-  std::free(p);
-}
+SnapKVCache::~SnapKVCache() = default;
 
 // ---- input ------------------------------------------------------------------------------------
 
@@ -123,19 +102,10 @@ void SnapKVCache::reserve_rows(int64_t rows) {
   if (rows <= capacity_) return;
   // Geometric growth (x1.5, at least one step) keeps a decode append amortised O(1).
   const int64_t new_cap = round_up(std::max({rows, capacity_ + capacity_ / 2, kRowStep}), kRowStep);
-  const int64_t bh = batch_ * heads_;
-  const int64_t d = head_dim_;
-  const int64_t n_rows = n_sel_ + n_tail_;
-  RowBuffer nk(static_cast<size_t>(bh * new_cap * d));
-  RowBuffer nv(static_cast<size_t>(bh * new_cap * d));
-  for (int64_t i = 0; i < bh && n_rows > 0; ++i) {
-    std::memcpy(nk.data() + i * new_cap * d, k_.data() + i * capacity_ * d,
-                static_cast<size_t>(n_rows * d) * 2);
-    std::memcpy(nv.data() + i * new_cap * d, v_.data() + i * capacity_ * d,
-                static_cast<size_t>(n_rows * d) * 2);
-  }
-  k_.swap(nk);
-  v_.swap(nv);
+  auto grown = backend_->make({dtype_, batch_, heads_, head_dim_}, new_cap, true);
+  if (rows_) grown->copy_rows(*rows_, n_sel_ + n_tail_);
+  // No view refers to the old store any more (update_and_fetch invalidated the last one).
+  rows_ = std::move(grown);
   capacity_ = new_cap;
 }
 
@@ -146,9 +116,7 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   check_input(keys, values, opts);  // nothing changes before this passes
 
   // The previous view is invalid from here on: release what only it used.
-  retired_k_.reset();
-  retired_v_.reset();
-  std::vector<int32_t>().swap(retired_pos_);
+  retired_.reset();
 
   const bool at_prompt_end = cfg_.snap_evict_at == SnapEvictAt::kPromptEnd;
   if (at_prompt_end && pending_ && keys.shape[2] == 1) end_prompt();  // the prompt is over
@@ -164,24 +132,19 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   const int64_t s = keys.shape[2];
   const int64_t n_old = n_sel_ + n_tail_;
   reserve_rows(n_old + s);
-  const int64_t d = head_dim_;
-  for (int64_t b = 0; b < batch_; ++b)
-    for (int64_t h = 0; h < heads_; ++h) {
-      const int64_t base = ((b * heads_ + h) * capacity_ + n_old) * d;
-      for (int64_t i = 0; i < s; ++i) {
-        convert_view_row(keys, b, h, i, k_.data() + base + i * d, dtype_);
-        convert_view_row(values, b, h, i, v_.data() + base + i * d, dtype_);
-      }
-    }
+  rows_->write_block(keys, values, 0, s, n_old);
+  rows_->fill_positions(n_old, s, offset_);
   n_tail_ += s;
   offset_ += s;
 
-  CacheView view = make_view();
+  CacheView view = stored_view();
   if (s > 1) {
     const bool use_queries = cfg_.snap_scoring == SnapScoring::kQuery && opts.queries != nullptr;
     if (at_prompt_end) {
       pending_ = true;
-      win_.keep(use_queries ? opts.queries : nullptr, params_.obs_window);
+      win_.reset();
+      if (use_queries)
+        win_ = backend_->keep_queries(*opts.queries, std::min(params_.obs_window, s));
     } else {
       evict_after_step(s, use_queries ? opts.queries : nullptr);
     }
@@ -191,44 +154,39 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
 
 void SnapKVCache::end_prompt() {
   if (!pending_) return;
-  TensorView q;
-  // The window rows are the prompt's last win_.rows positions: offset_ has not moved since.
-  evict_after_step(win_.rows, win_.view(batch_, head_dim_, &q));
+  // The window rows are the prompt's last rows: offset_ has not moved since they were kept.
+  if (win_) {
+    const TensorView q = win_->view();
+    evict_after_step(win_->rows, &q);
+  } else {
+    evict_after_step(std::min(params_.obs_window, n_tail_), nullptr);
+  }
   pending_ = false;
-  win_.clear();
+  win_.reset();
   // No view references the old rows any more (end_prompt invalidates the last view).
-  retired_k_.reset();
-  retired_v_.reset();
-  std::vector<int32_t>().swap(retired_pos_);
+  retired_.reset();
 }
 
-CacheView SnapKVCache::make_view() const {
+CacheView SnapKVCache::stored_view() const {
   CacheView view;
   view.batch = batch_;
   view.n_kv_heads = heads_;
   view.head_dim = head_dim_;
-  auto rows_view = [&](const RowBuffer& buf, int64_t row0, int64_t n) {
-    TensorView t;
-    t.data = const_cast<uint16_t*>(buf.data()) + row0 * head_dim_;
-    t.dtype = dtype_;
-    t.shape = {batch_, heads_, n, head_dim_};
-    t.stride = {heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1};
-    return t;
-  };
   if (n_sel_ > 0) {
     ViewSegment seg;
     seg.n_rows = n_sel_;
-    seg.positions = sel_pos_.data();
-    seg.keys = rows_view(k_, 0, n_sel_);
-    seg.values = rows_view(v_, 0, n_sel_);
+    seg.positions = rows_->positions();
+    seg.pos_stride = capacity_;
+    seg.keys = rows_->keys(0, n_sel_);
+    seg.values = rows_->values(0, n_sel_);
     view.segments.push_back(seg);
   }
   if (n_tail_ > 0) {
     ViewSegment seg;
     seg.n_rows = n_tail_;
     seg.first_pos = offset_ - n_tail_;
-    seg.keys = rows_view(k_, n_sel_, n_tail_);
-    seg.values = rows_view(v_, n_sel_, n_tail_);
+    seg.keys = rows_->keys(n_sel_, n_tail_);
+    seg.values = rows_->values(n_sel_, n_tail_);
     view.segments.push_back(seg);
   }
   return view;
@@ -239,82 +197,21 @@ void SnapKVCache::evict_after_step(int64_t n_new, const TensorView* queries) {
   const int64_t count = snap_keep_count(n, params_);
   if (count >= n) return;  // nothing to evict: every row stays where it is
 
-  const int64_t bh_total = batch_ * heads_;
-  const int64_t d = head_dim_;
-  const int64_t new_cap = round_up(count, kRowStep);
-  RowBuffer nk(static_cast<size_t>(bh_total * new_cap * d));
-  RowBuffer nv(static_cast<size_t>(bh_total * new_cap * d));
-  std::vector<int32_t> npos(static_cast<size_t>(bh_total * count));
-
   // Query window: the last w_q of this call's queries, positions offset_ - w_q .. offset_ - 1.
-  const int64_t n_rep = queries ? queries->shape[1] / heads_ : 0;
-  const int64_t w_q = queries ? std::min(std::clamp<int64_t>(params_.obs_window, 1, n), n_new) : 0;
-
-  std::exception_ptr failure;
-#pragma omp parallel
-  {
-    SnapScratch scratch;
-    std::vector<float> frame;
-    std::vector<int32_t> pos(static_cast<size_t>(n));
-    std::vector<float> qwin;
-    std::vector<int32_t> qpos(static_cast<size_t>(w_q));
-    std::vector<int64_t> idx(static_cast<size_t>(count));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < bh_total; ++bh) {
-      try {
-        const int64_t b = bh / heads_;
-        const int64_t h = bh % heads_;
-        const uint16_t* krows = k_.data() + bh * capacity_ * d;
-        const uint16_t* vrows = v_.data() + bh * capacity_ * d;
-        for (int64_t j = 0; j < n_sel_; ++j) pos[j] = sel_pos_[bh * n_sel_ + j];
-        for (int64_t j = 0; j < n_tail_; ++j)
-          pos[n_sel_ + j] = static_cast<int32_t>(offset_ - n_tail_ + j);
-        const bool scored = count > std::min(std::max<int64_t>(params_.n_sink, 0), count);
-        if (scored) {  // the fp32 frame is only read when scores matter
-          frame.resize(static_cast<size_t>(n * d));
-          to_f32(krows, dtype_, frame.data(), static_cast<size_t>(n * d));
-        }
-        SnapQueryWindow qw;
-        if (queries && scored) {
-          qwin.resize(static_cast<size_t>(n_rep * w_q * d));
-          for (int64_t r = 0; r < n_rep; ++r)
-            for (int64_t i = 0; i < w_q; ++i)
-              convert_view_row(*queries, b, h * n_rep + r, n_new - w_q + i,
-                               qwin.data() + (r * w_q + i) * d, DType::kF32);
-          for (int64_t i = 0; i < w_q; ++i) qpos[i] = static_cast<int32_t>(offset_ - w_q + i);
-          qw.data = qwin.data();
-          qw.n_rep = n_rep;
-          qw.w = w_q;
-          qw.positions = qpos.data();
-        }
-        const int64_t got =
-            snap_select_head(scored ? frame.data() : nullptr, queries ? pos.data() : nullptr, n, d,
-                             queries && scored ? &qw : nullptr, params_, idx.data(), scratch);
-        VQ_CHECK(got == count, "[snapkv] internal: head selected " + std::to_string(got) +
-                                   " rows, expected " + std::to_string(count));
-        uint16_t* dk = nk.data() + bh * new_cap * d;
-        uint16_t* dv = nv.data() + bh * new_cap * d;
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t j = idx[i];
-          std::memcpy(dk + i * d, krows + j * d, static_cast<size_t>(d) * 2);
-          std::memcpy(dv + i * d, vrows + j * d, static_cast<size_t>(d) * 2);
-          npos[bh * count + i] = pos[j];
-        }
-      } catch (...) {
-#pragma omp critical(vq_snapkv_failure)
-        if (!failure) failure = std::current_exception();
-      }
-    }
+  TensorView qwin;
+  if (queries) {
+    const int64_t w_q = std::min(std::clamp<int64_t>(params_.obs_window, 1, n), n_new);
+    qwin = queries->slice_tokens(queries->shape[2] - w_q, queries->shape[2]);
   }
-  if (failure) std::rethrow_exception(failure);
+  const auto idx = backend_->snap_select(*rows_, n, queries ? &qwin : nullptr,
+                                         offset_ - (queries ? qwin.shape[2] : 0), params_);
+  const int64_t new_cap = round_up(count, kRowStep);
+  auto kept = backend_->make({dtype_, batch_, heads_, head_dim_}, new_cap, true);
+  kept->gather(*rows_, *idx, 0);
 
-  // The returned view still points at the old buffers: retire them instead of freeing.
-  retired_k_.swap(k_);
-  retired_v_.swap(v_);
-  retired_pos_.swap(sel_pos_);
-  k_.swap(nk);
-  v_.swap(nv);
-  sel_pos_.swap(npos);
+  // The returned view still points at the old store: retire it instead of freeing.
+  retired_ = std::move(rows_);
+  rows_ = std::move(kept);
   capacity_ = new_cap;
   n_sel_ = count;
   n_tail_ = 0;
@@ -327,9 +224,14 @@ std::vector<int32_t> SnapKVCache::stored_positions(int64_t b, int64_t h) const {
            "[snapkv] expected (b, h) within [" + std::to_string(batch_) + ", " +
                std::to_string(heads_) + ") but got (" + std::to_string(b) + ", " +
                std::to_string(h) + ")");
-  std::vector<int32_t> out(static_cast<size_t>(n_sel_ + n_tail_));
-  const int64_t bh = b * heads_ + h;
-  for (int64_t j = 0; j < n_sel_; ++j) out[j] = sel_pos_[bh * n_sel_ + j];
+  const int64_t n = n_sel_ + n_tail_;
+  std::vector<int32_t> out(static_cast<size_t>(n));
+  if (n_sel_ > 0) {
+    // The explicit positions of every frame live with the rows (on the backend's device).
+    const std::vector<int32_t> all = rows_->download_positions(n_sel_);
+    const int64_t bh = b * heads_ + h;
+    for (int64_t j = 0; j < n_sel_; ++j) out[j] = all[bh * n_sel_ + j];
+  }
   for (int64_t j = 0; j < n_tail_; ++j)
     out[n_sel_ + j] = static_cast<int32_t>(offset_ - n_tail_ + j);
   return out;
@@ -352,9 +254,9 @@ Mask SnapKVCache::make_mask(int64_t n_queries, int64_t window) const {
 
 CacheStats SnapKVCache::stats() const {
   CacheStats st = eviction_stats(method(), batch_, heads_, head_dim_, stored_rows(), offset_, true);
-  st.bytes_resident =
-      static_cast<int64_t>(k_.bytes() + v_.bytes() + retired_k_.bytes() + retired_v_.bytes() +
-                           (sel_pos_.capacity() + retired_pos_.capacity()) * sizeof(int32_t));
+  st.bytes_resident = (rows_ ? rows_->resident_bytes() : 0) +
+                      (retired_ ? retired_->resident_bytes() : 0) +
+                      (win_ ? win_->resident_bytes() : 0);
   return st;
 }
 
@@ -405,20 +307,22 @@ void SnapKVCache::save(std::ostream& out) const {
   w.i64(offset_);
   w.i64(n_sel_);
   w.i64(n_tail_);
-  w.vec_i32(sel_pos_);
+  w.vec_i32(n_sel_ > 0 ? rows_->download_positions(n_sel_) : std::vector<int32_t>{});
   const int64_t n = n_sel_ + n_tail_;
-  TensorView kv;
-  kv.dtype = dtype_;
-  kv.shape = {batch_, heads_, n, head_dim_};
-  kv.stride = {heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1};
-  kv.data = const_cast<uint16_t*>(k_.data());
-  w.tensor(kv);
-  kv.data = const_cast<uint16_t*>(v_.data());
-  w.tensor(kv);
+  if (n > 0) {
+    w.tensor(rows_->download(false, n).view());
+    w.tensor(rows_->download(true, n).view());
+  } else {
+    TensorView none;  // [B, H, 0, D] of the storage dtype
+    none.dtype = dtype_;
+    none.shape = {batch_, heads_, 0, head_dim_};
+    w.tensor(none);
+    w.tensor(none);
+  }
   w.boolean(pending_);
-  w.i64(win_.hq);
-  w.i64(win_.rows);
-  w.vec_f32(win_.q);
+  w.i64(win_ ? win_->hq : 0);
+  w.i64(win_ ? win_->rows : 0);
+  w.vec_f32(win_ ? win_->download() : std::vector<float>{});
   w.write(out, method());
 }
 
@@ -481,16 +385,20 @@ void SnapKVCache::load(std::istream& in) {
 
   // Build the new state aside, then swap it in (nothing above touched *this).
   const int64_t cap = n > 0 ? round_up(n, kRowStep) : 0;
-  RowBuffer nk(static_cast<size_t>(batch * heads * cap * head_dim));
-  RowBuffer nv(static_cast<size_t>(batch * heads * cap * head_dim));
-  const auto* sk = static_cast<const uint16_t*>(keys.data());
-  const auto* sv = static_cast<const uint16_t*>(values.data());
-  for (int64_t bh = 0; bh < batch * heads && n > 0; ++bh) {
-    std::memcpy(nk.data() + bh * cap * head_dim, sk + bh * n * head_dim,
-                static_cast<size_t>(n * head_dim) * 2);
-    std::memcpy(nv.data() + bh * cap * head_dim, sv + bh * n * head_dim,
-                static_cast<size_t>(n * head_dim) * 2);
+  std::unique_ptr<kv::RowStore> rows;
+  if (has_data) {
+    rows = backend_->make({dtype, batch, heads, head_dim}, cap, true);
+    // Positions of every row: the explicit ones, then the tail's run.
+    std::vector<int32_t> pos(static_cast<size_t>(batch * heads * n));
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+      for (int64_t j = 0; j < n_sel; ++j) pos[bh * n + j] = sel_pos[bh * n_sel + j];
+      for (int64_t j = 0; j < n_tail; ++j)
+        pos[bh * n + n_sel + j] = static_cast<int32_t>(offset - n_tail + j);
+    }
+    rows->upload(keys.view(), values.view(), n, &pos);
   }
+  std::unique_ptr<kv::QueryRows> win;
+  if (win_rows > 0) win = backend_->upload_queries(batch, win_hq, win_rows, head_dim, win_q);
   has_data_ = has_data;
   dtype_ = dtype;
   batch_ = batch;
@@ -500,16 +408,10 @@ void SnapKVCache::load(std::istream& in) {
   n_sel_ = n_sel;
   n_tail_ = n_tail;
   capacity_ = cap;
-  k_.swap(nk);
-  v_.swap(nv);
-  sel_pos_.swap(sel_pos);
+  rows_ = std::move(rows);
+  retired_.reset();
   pending_ = pending;
-  win_.hq = win_hq;
-  win_.rows = win_rows;
-  win_.q.swap(win_q);
-  retired_k_.reset();
-  retired_v_.reset();
-  std::vector<int32_t>().swap(retired_pos_);
+  win_ = std::move(win);
 }
 
 }  // namespace vq

@@ -1,0 +1,123 @@
+// Device caches that are the CPU policies themselves (docs/design.md §3): a cache policy
+// (vq::FullCache, vq::SnapKVCache) built over the CUDA row backend, behind the DeviceKVCache
+// interface. The policy's views already point at device memory; they are handed out as
+// DeviceCacheViews without a copy (one DeviceSegment per full-precision segment, capacity taken
+// from the view's strides). The adapter adds what a device cache promises beyond the policy: B, H
+// and D fixed at construction (checked on every block and on load) and the device messages.
+#include <istream>
+#include <memory>
+#include <string>
+#include <type_traits>
+
+#include "cuda/device_cache_util.h"
+#include "cuda/row_store_cuda.h"
+#include "veloxquant/error.h"
+#include "veloxquant/full_cache.h"
+#include "veloxquant/snapkv_cache.h"
+
+namespace vq::cuda {
+namespace {
+
+// A device view over the policy's view (no copy): full-precision segments whose rows are
+// [B, H, capacity, D] with element strides (H*cap*D, cap*D, D, 1) and positions, when explicit,
+// [B, H, capacity].
+DeviceCacheView device_view(const CacheView& v, int64_t batch, int64_t heads, int64_t head_dim) {
+  DeviceCacheView out(batch, heads, head_dim);
+  for (const ViewSegment& seg : v.segments) {
+    VQ_CHECK(seg.packed == nullptr, "[cuda cache] internal: packed segments are not adapted here");
+    const TensorView& k = seg.keys;
+    const int64_t cap = k.stride[1] / head_dim;
+    VQ_CHECK(k.stride[3] == 1 && k.stride[2] == head_dim && k.stride[1] == cap * head_dim &&
+                 k.stride[0] == heads * k.stride[1] && seg.values.stride == k.stride &&
+                 (seg.positions == nullptr || seg.pos_stride == cap),
+             "[cuda cache] internal: expected row-store views [B, H, capacity, D]");
+    DeviceSegment ds;
+    ds.n_rows = seg.n_rows;
+    ds.capacity = cap;
+    ds.positions = seg.positions;
+    ds.first_pos = seg.first_pos;
+    ds.dtype = k.dtype;
+    ds.keys = k.data;
+    ds.values = seg.values.data;
+    out.add_segment(ds);
+  }
+  return out;
+}
+
+template <class Policy>
+class PolicyDeviceCache final : public DeviceKVCache {
+ public:
+  PolicyDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)
+      : DeviceKVCache(b, h, d, s), cfg_(cfg), backend_(make_row_backend(s)), p_(make()) {}
+
+  std::string method() const override { return p_->method(); }
+
+  DeviceCacheView update_and_fetch(const TensorView& keys, const TensorView& values,
+                                   const DeviceUpdateOptions& opts) override {
+    detail::check_blocks(keys, values, batch_, heads_, head_dim_, op().c_str());
+    UpdateOptions o;
+    o.queries = opts.queries;
+    const CacheView v = p_->update_and_fetch(keys, values, o);
+    return device_view(v, batch_, heads_, head_dim_);
+  }
+  DeviceCacheView stored_view() const override {
+    return device_view(p_->stored_view(), batch_, heads_, head_dim_);
+  }
+  int64_t offset() const override { return p_->offset(); }
+  int64_t stored_rows() const override { return p_->stored_rows(); }
+  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const override {
+    VQ_CHECK(b >= 0 && b < batch_ && h >= 0 && h < heads_,
+             "[" + op() + "] stored_positions: expected 0 <= b < " + std::to_string(batch_) +
+                 " and 0 <= h < " + std::to_string(heads_) + " but got (" + std::to_string(b) +
+                 ", " + std::to_string(h) + ")");
+    if (p_->offset() == 0) return {};
+    return p_->stored_positions(b, h);
+  }
+  void end_prompt() override { p_->end_prompt(); }
+  bool is_trimmable() const override { return p_->is_trimmable(); }
+  int64_t trim(int64_t n) override {
+    if (!p_->is_trimmable()) return DeviceKVCache::trim(n);
+    return p_->trim(n);
+  }
+  CacheStats stats() const override { return p_->stats(); }
+  Mask make_mask(int64_t n_queries, int64_t window) const override {
+    return p_->make_mask(n_queries, window);
+  }
+  void save(std::ostream& out) const override { p_->save(out); }
+  void load(std::istream& in) override {
+    std::unique_ptr<Policy> fresh = make();
+    fresh->load(in);  // the policy's own checks and messages; nothing here changed on error
+    detail::check_state_shape(op().c_str(), fresh->batch() > 0, fresh->batch(), fresh->n_kv_heads(),
+                              head_dim_of(*fresh), batch_, heads_, head_dim_);
+    p_ = std::move(fresh);
+  }
+
+ private:
+  std::unique_ptr<Policy> make() const {
+    if constexpr (std::is_same_v<Policy, FullCache>) {
+      return std::make_unique<FullCache>(*backend_);
+    } else {
+      return std::make_unique<Policy>(cfg_, *backend_);
+    }
+  }
+  static int64_t head_dim_of(const Policy& p) { return p.head_dim(); }
+  std::string op() const { return "cuda " + std::string(p_ ? p_->method() : "cache"); }
+
+  CacheConfig cfg_;
+  std::unique_ptr<kv::RowBackend> backend_;  // outlives the policy's stores
+  std::unique_ptr<Policy> p_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceKVCache> make_device_full_cache(const CacheConfig& cfg, int64_t b, int64_t h,
+                                                      int64_t d, Stream s) {
+  return std::make_unique<PolicyDeviceCache<FullCache>>(cfg, b, h, d, s);
+}
+
+std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, int64_t b,
+                                                        int64_t h, int64_t d, Stream s) {
+  return std::make_unique<PolicyDeviceCache<SnapKVCache>>(cfg, b, h, d, s);
+}
+
+}  // namespace vq::cuda

@@ -1,0 +1,227 @@
+// The CUDA row backend (src/kv/row_store.h): stores in cudaMalloc memory ([F, capacity, D] keys
+// and values, [F, capacity] positions), every copy queued on the backend's stream (block
+// conversion, frame-wise copies, gathers), and the SnapKV selection of snap_select_frames over a
+// contiguous copy of the frames. A store synchronises its stream before its memory is freed, so a
+// store dropped while work that reads it is queued stays valid until that work is done.
+#include "cuda/row_store_cuda.h"
+
+#include <algorithm>
+#include <string>
+
+#include "cuda/device_cache_util.h"
+#include "veloxquant/error.h"
+
+namespace vq::cuda {
+namespace {
+
+class CudaRowIndex final : public kv::RowIndex {
+ public:
+  DeviceBuffer idx;  // [F, count] int32
+  const int32_t* data() const override { return idx.as<const int32_t>(); }
+};
+
+class CudaRowStore final : public kv::RowStore {
+ public:
+  CudaRowStore(const kv::RowShape& s, int64_t cap, bool with_pos, Stream stream) : stream_(stream) {
+    shape_ = s;
+    capacity_ = cap;
+    with_pos_ = with_pos;
+    const size_t rows = static_cast<size_t>(s.frames() * cap);
+    kb_ = DeviceBuffer(rows * static_cast<size_t>(s.row_bytes()));
+    vb_ = DeviceBuffer(rows * static_cast<size_t>(s.row_bytes()));
+    if (with_pos) pb_ = DeviceBuffer(rows * sizeof(int32_t));
+    k_ = kb_.data();
+    v_ = vb_.data();
+    pos_ = pb_.as<int32_t>();
+  }
+  ~CudaRowStore() override {
+    // Queued work may still read this memory.
+    try {
+      synchronize(stream_);
+    } catch (...) {  // a sticky device error: nothing left to protect
+    }
+  }
+
+  void copy_rows(const kv::RowStore& src, int64_t n) override {
+    const int64_t F = shape_.frames(), rb = shape_.row_bytes();
+    detail::copy_frames(k_, capacity_, 0, src_k(src), src.capacity(), 0, F, n, rb, stream_);
+    detail::copy_frames(v_, capacity_, 0, src_v(src), src.capacity(), 0, F, n, rb, stream_);
+    if (pos_ && src.positions())
+      detail::copy_frames(pos_, capacity_, 0, src.positions(), src.capacity(), 0, F, n, 4, stream_);
+  }
+
+  void write_block(const TensorView& keys, const TensorView& values, int64_t s0, int64_t n,
+                   int64_t row0) override {
+    detail::convert_block(keys, s0, n, k_, shape_.dtype, capacity_, row0, stream_);
+    detail::convert_block(values, s0, n, v_, shape_.dtype, capacity_, row0, stream_);
+  }
+
+  void fill_positions(int64_t row0, int64_t n, int64_t first) override {
+    detail::fill_positions(pos_, shape_.frames(), capacity_, row0, n, first, stream_);
+  }
+
+  void gather(const kv::RowStore& src, const kv::RowIndex& idx, int64_t src_first) override {
+    const int64_t F = shape_.frames(), rb = shape_.row_bytes(), count = idx.count;
+    if (count <= 0) return;
+    // gather_rows writes [F, count] contiguous: gather straight into this store when its
+    // capacity is the count, else through a contiguous scratch.
+    const bool direct = capacity_ == count;
+    DeviceBuffer tk, tv, tp;
+    if (!direct) {
+      tk = DeviceBuffer(static_cast<size_t>(F * count * rb));
+      tv = DeviceBuffer(static_cast<size_t>(F * count * rb));
+      if (pos_) tp = DeviceBuffer(static_cast<size_t>(F * count * 4));
+    }
+    void* dk = direct ? k_ : tk.data();
+    void* dv = direct ? v_ : tv.data();
+    int32_t* dp = pos_ ? (direct ? pos_ : tp.as<int32_t>()) : nullptr;
+    gather_rows(src_k(src), F, src.capacity(), rb, idx.data(), count, dk, src.positions(),
+                static_cast<int32_t>(src_first), dp, stream_);
+    gather_rows(src_v(src), F, src.capacity(), rb, idx.data(), count, dv, nullptr, 0, nullptr,
+                stream_);
+    if (!direct) {
+      detail::copy_frames(k_, capacity_, 0, tk.data(), count, 0, F, count, rb, stream_);
+      detail::copy_frames(v_, capacity_, 0, tv.data(), count, 0, F, count, rb, stream_);
+      if (pos_) detail::copy_frames(pos_, capacity_, 0, tp.data(), count, 0, F, count, 4, stream_);
+      synchronize(stream_);  // the scratch is freed on return
+    }
+  }
+
+  Tensor download(bool values, int64_t n) const override {
+    return detail::download_rows(values ? v_ : k_, shape_.dtype, shape_.batch, shape_.heads, n,
+                                 shape_.head_dim, capacity_, 0, stream_);
+  }
+
+  std::vector<int32_t> download_positions(int64_t n) const override {
+    std::vector<int32_t> out(static_cast<size_t>(shape_.frames() * n));
+    if (pos_ && n > 0)
+      detail::download_frames(out.data(), n, pos_, capacity_, 0, shape_.frames(), n, 4, stream_);
+    return out;
+  }
+
+  void upload(const TensorView& keys, const TensorView& values, int64_t n,
+              const std::vector<int32_t>* positions) override {
+    if (n <= 0) return;
+    const int64_t F = shape_.frames(), rb = shape_.row_bytes();
+    detail::upload_frames(k_, capacity_, 0, keys.data, n, F, n, rb, stream_);
+    detail::upload_frames(v_, capacity_, 0, values.data, n, F, n, rb, stream_);
+    if (positions && pos_)
+      detail::upload_frames(pos_, capacity_, 0, positions->data(), n, F, n, 4, stream_);
+  }
+
+  int64_t resident_bytes() const override {
+    return detail::held_bytes(kb_) + detail::held_bytes(vb_) + detail::held_bytes(pb_);
+  }
+
+  // The raw store pointers of another store of this backend.
+  static const void* src_k(const kv::RowStore& s) { return static_cast<const CudaRowStore&>(s).k_; }
+  static const void* src_v(const kv::RowStore& s) { return static_cast<const CudaRowStore&>(s).v_; }
+
+ private:
+  Stream stream_;
+  DeviceBuffer kb_, vb_, pb_;
+};
+
+class CudaQueryRows final : public kv::QueryRows {
+ public:
+  DeviceBuffer q;  // [B, hq, rows, D] fp32
+  Stream stream = nullptr;
+  const float* data() const override { return q.as<const float>(); }
+  int64_t resident_bytes() const override { return detail::held_bytes(q); }
+  std::vector<float> download() const override {
+    return q.to_vector<float>(static_cast<size_t>(batch * hq * rows * head_dim), stream);
+  }
+};
+
+class CudaBackend final : public kv::RowBackend {
+ public:
+  explicit CudaBackend(Stream s) : stream_(s) {}
+
+  kv::Device device() const override { return kv::Device::kCuda; }
+  std::string name() const override { return "cuda"; }
+
+  std::unique_ptr<kv::RowStore> make(const kv::RowShape& shape, int64_t capacity,
+                                     bool with_positions) const override {
+    return std::make_unique<CudaRowStore>(shape, capacity, with_positions, stream_);
+  }
+
+  std::unique_ptr<kv::QueryRows> keep_queries(const TensorView& queries,
+                                              int64_t rows) const override {
+    auto out = std::make_unique<CudaQueryRows>();
+    out->batch = queries.shape[0];
+    out->hq = queries.shape[1];
+    out->rows = rows;
+    out->head_dim = queries.shape[3];
+    out->stream = stream_;
+    if (rows > 0) {
+      out->q = DeviceBuffer(static_cast<size_t>(out->batch * out->hq * rows * out->head_dim * 4));
+      detail::convert_block(queries, queries.shape[2] - rows, rows, out->q.data(), DType::kF32,
+                            rows, 0, stream_);
+    }
+    return out;
+  }
+
+  std::unique_ptr<kv::QueryRows> upload_queries(int64_t batch, int64_t hq, int64_t rows,
+                                                int64_t head_dim,
+                                                const std::vector<float>& q) const override {
+    auto out = std::make_unique<CudaQueryRows>();
+    out->batch = batch;
+    out->hq = hq;
+    out->rows = rows;
+    out->head_dim = head_dim;
+    out->stream = stream_;
+    out->q = DeviceBuffer::from_vector(q, stream_);
+    return out;
+  }
+
+  std::unique_ptr<kv::RowIndex> snap_select(const kv::RowStore& rows, int64_t n,
+                                            const TensorView* q, int64_t q_first,
+                                            const SnapSelectParams& p) const override {
+    const kv::RowShape& sh = rows.shape();
+    const int64_t F = sh.frames(), D = sh.head_dim, rb = sh.row_bytes();
+    const int64_t count = snap_keep_count(n, p);
+    // The frame, contiguous [B, H, n, D], and its positions [B, H, n].
+    DeviceBuffer frame(static_cast<size_t>(F * n * rb));
+    detail::copy_frames(frame.data(), n, 0, CudaRowStore::src_k(rows), rows.capacity(), 0, F, n, rb,
+                        stream_);
+    const TensorView frame_keys =
+        TensorView::contiguous(frame.data(), sh.dtype, sh.batch, sh.heads, n, D);
+    DeviceBuffer frame_pos, qbuf, qpos;
+    TensorView qv;
+    if (q) {
+      const int64_t hq = q->shape[1], w = q->shape[2];
+      frame_pos = DeviceBuffer(static_cast<size_t>(F * n * 4));
+      detail::copy_frames(frame_pos.data(), n, 0, rows.positions(), rows.capacity(), 0, F, n, 4,
+                          stream_);
+      qbuf = DeviceBuffer(static_cast<size_t>(sh.batch * hq * w * D * 4));
+      detail::convert_block(*q, 0, w, qbuf.data(), DType::kF32, w, 0, stream_);
+      qpos = DeviceBuffer(static_cast<size_t>(w * 4));
+      detail::fill_positions(qpos.as<int32_t>(), 1, w, 0, w, q_first, stream_);
+      qv = TensorView::contiguous(qbuf.data(), DType::kF32, sh.batch, hq, w, D);
+    }
+    auto out = std::make_unique<CudaRowIndex>();
+    out->count = count;
+    out->idx = DeviceBuffer(static_cast<size_t>(std::max<int64_t>(F * count, 1) * 4));
+    DecodeWorkspace ws;
+    const int64_t got = snap_select_frames(
+        frame_keys, q ? &qv : nullptr, q ? frame_pos.as<int32_t>() : nullptr,
+        q ? qpos.as<int32_t>() : nullptr, p, out->idx.as<int32_t>(), ws, stream_);
+    VQ_CHECK(got == count, "[cuda snapkv] internal: selected " + std::to_string(got) +
+                               " rows per head, expected " + std::to_string(count));
+    vq::cuda::synchronize(stream_);  // the frame copies are freed on return
+    return out;
+  }
+
+  void synchronize() const override { vq::cuda::synchronize(stream_); }
+
+ private:
+  Stream stream_;
+};
+
+}  // namespace
+
+std::unique_ptr<kv::RowBackend> make_row_backend(Stream s) {
+  return std::make_unique<CudaBackend>(s);
+}
+
+}  // namespace vq::cuda

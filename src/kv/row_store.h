@@ -1,0 +1,150 @@
+// Row stores: where a cache policy's full-precision rows live (docs/design.md §3).
+//
+// A RowStore holds the rows of one layer on one device: keys and values [F = B*H, capacity, D] of
+// one dtype (frame f = b*H + h), and optionally positions [F, capacity] int32. A store has a fixed
+// capacity; policies grow by making a larger store (make) and copying rows into it (copy_rows).
+// Data movement is the store's: block conversion, frame-wise copies, gathers by index, host bytes
+// for state files. Views returned by keys()/values()/positions() point at the store's device memory
+// and stay valid while the store lives. Everything is queued in order on the store's device (the
+// CUDA store on its stream); download_* synchronise.
+//
+// RowBackend is one device's factory of stores plus the ops a policy dispatches on the rows (the
+// SnapKV selection). Implementations: the CPU backend (src/kv/row_store_cpu.cpp) and the CUDA
+// backend (src/cuda/row_store_cuda.cpp, made by vq::cuda::row_backend()).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "veloxquant/snapkv.h"
+#include "veloxquant/tensor.h"
+
+namespace vq::kv {
+
+enum class Device : uint8_t { kCpu, kCuda };
+
+struct RowShape {
+  DType dtype = DType::kF16;
+  int64_t batch = 0, heads = 0, head_dim = 0;
+  int64_t frames() const { return batch * heads; }
+  int64_t row_bytes() const { return head_dim * static_cast<int64_t>(dtype_size(dtype)); }
+};
+
+// Indices on a backend's device: [F, count] int32 (a selection of rows of every frame).
+class RowIndex {
+ public:
+  virtual ~RowIndex() = default;
+  int64_t count = 0;
+  virtual const int32_t* data() const = 0;
+};
+
+class RowStore {
+ public:
+  virtual ~RowStore() = default;
+
+  const RowShape& shape() const { return shape_; }
+  int64_t capacity() const { return capacity_; }
+  bool has_positions() const { return with_pos_; }
+
+  // Rows [0, n) of every frame (and their positions, when both stores have them) from src, a
+  // store of the same backend and shape with capacity >= n; n <= capacity().
+  virtual void copy_rows(const RowStore& src, int64_t n) = 0;
+  // Rows [s0, s0 + n) of blocks keys / values [B, H, S, D] (any float dtype and element strides,
+  // memory of this store's device) converted into rows [row0, row0 + n) of every frame.
+  virtual void write_block(const TensorView& keys, const TensorView& values, int64_t s0, int64_t n,
+                           int64_t row0) = 0;
+  // positions[f, row0 + i] = first + i for i < n.
+  virtual void fill_positions(int64_t row0, int64_t n, int64_t first) = 0;
+  // Rows [0, idx.count) of every frame = src rows idx[f, i] (positions too: src's, or
+  // src_first + index when src has none). src: same backend and shape.
+  virtual void gather(const RowStore& src, const RowIndex& idx, int64_t src_first) = 0;
+
+  // [B, H, n, D] views of rows [row0, row0 + n) (strided by capacity), on the store's device.
+  TensorView keys(int64_t row0, int64_t n) const { return view(k_, row0, n); }
+  TensorView values(int64_t row0, int64_t n) const { return view(v_, row0, n); }
+  // positions [F, capacity] from row 0, or nullptr.
+  const int32_t* positions() const { return pos_; }
+
+  // Host copies of rows [0, n) of every frame: [B, H, n, D] contiguous, and positions [F, n].
+  virtual Tensor download(bool values, int64_t n) const = 0;
+  virtual std::vector<int32_t> download_positions(int64_t n) const = 0;
+  // Rows [0, n) of every frame from host tensors [B, H, n, D] of the store's dtype (contiguous),
+  // positions from host [F, n] when given.
+  virtual void upload(const TensorView& keys, const TensorView& values, int64_t n,
+                      const std::vector<int32_t>* positions) = 0;
+
+  // Bytes this store's allocations hold.
+  virtual int64_t resident_bytes() const = 0;
+
+ protected:
+  TensorView view(void* base, int64_t row0, int64_t n) const {
+    TensorView t;
+    t.data = static_cast<char*>(base) + row0 * shape_.row_bytes();
+    t.dtype = shape_.dtype;
+    t.shape = {shape_.batch, shape_.heads, n, shape_.head_dim};
+    t.stride = {shape_.heads * capacity_ * shape_.head_dim, capacity_ * shape_.head_dim,
+                shape_.head_dim, 1};
+    return t;
+  }
+  RowShape shape_;
+  int64_t capacity_ = 0;
+  bool with_pos_ = false;
+  void* k_ = nullptr;  // [F, capacity, D]
+  void* v_ = nullptr;
+  int32_t* pos_ = nullptr;  // [F, capacity] or nullptr
+};
+
+// fp32 window queries kept on a backend's device: [B, hq, rows, D] contiguous.
+class QueryRows {
+ public:
+  virtual ~QueryRows() = default;
+  int64_t batch = 0, hq = 0, rows = 0, head_dim = 0;
+  // The view of the kept rows (device memory of the backend).
+  TensorView view() const {
+    return TensorView::contiguous(const_cast<float*>(data()), DType::kF32, batch, hq, rows,
+                                  head_dim);
+  }
+  virtual const float* data() const = 0;
+  virtual int64_t resident_bytes() const = 0;
+  // Host copy [B, hq, rows, D] (synchronises).
+  virtual std::vector<float> download() const = 0;
+};
+
+class RowBackend {
+ public:
+  virtual ~RowBackend() = default;
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;
+
+  // An uninitialised store (positions too when with_positions).
+  virtual std::unique_ptr<RowStore> make(const RowShape& shape, int64_t capacity,
+                                         bool with_positions) const = 0;
+
+  // The last `rows` rows of queries [B, H_q, S, D] (this backend's memory, any float dtype and
+  // strides) as fp32.
+  virtual std::unique_ptr<QueryRows> keep_queries(const TensorView& queries,
+                                                  int64_t rows) const = 0;
+  // Window queries from host values [B, hq, rows, D] (a state file's).
+  virtual std::unique_ptr<QueryRows> upload_queries(int64_t batch, int64_t hq, int64_t rows,
+                                                    int64_t head_dim,
+                                                    const std::vector<float>& q) const = 0;
+
+  // SnapKV selection of every frame of rows [0, n) of `rows` (snap_select_head per (b, h): key
+  // proxy when q == nullptr, else query scoring with q [B, H*n_rep, w, D] fp32 at positions
+  // q_first .. q_first + w - 1 against the rows' positions). Returns [F, snap_keep_count] ascending
+  // indices. Exact: the tie and NaN rules of veloxquant/snapkv.h on every backend.
+  virtual std::unique_ptr<RowIndex> snap_select(const RowStore& rows, int64_t n,
+                                                const TensorView* q, int64_t q_first,
+                                                const SnapSelectParams& p) const = 0;
+
+  // Waits for the backend's queued work (the CUDA stream); nothing on the CPU.
+  virtual void synchronize() const {}
+};
+
+// The CPU backend (a process-wide instance; stores are plain aligned host memory, large ones
+// advised for transparent huge pages).
+const RowBackend& cpu_backend();
+
+}  // namespace vq::kv
