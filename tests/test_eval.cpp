@@ -1,4 +1,4 @@
-// Tests of the evaluation engine (veloxquant/eval.h) and its reports.
+// Tests of the evaluation engine (veloxquant/eval.h) and of its reports (tools/cli/report.h).
 // Engine tests run on a tiny random Llama (tests/util/tiny_model.h): lossless settings give
 // delta = 0 and KL = 0 exactly, the KL / perplexity aggregation against independent oracles, the
 // decode-step protocol against one-shot prefill (metamorphic), the attention-error tap against a
@@ -16,6 +16,7 @@
 #include <random>
 #include <sstream>
 
+#include "cli/report.h"
 #include "eval/eval_internal.h"
 #include "util/test_util.h"
 #include "util/tiny_model.h"
@@ -23,6 +24,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/eval.h"
 #include "veloxquant/full_cache.h"
+#include "veloxquant/generate.h"
 #include "veloxquant/model.h"
 #include "veloxquant/streaming_cache.h"
 #include "veloxquant/tokenizer.h"
@@ -343,6 +345,57 @@ TEST(EvalText, DecodeStepProtocolEqualsOneShotPrefill) {
   EXPECT_NEAR(std::log(r.ppl_full), nll / T, 1.2e-3);
 }
 
+// The state bytes of every layer's cache (KVCache::save), concatenated.
+std::string cache_state(const std::vector<std::unique_ptr<KVCache>>& caches) {
+  std::ostringstream o;
+  for (const auto& c : caches) c->save(o);
+  return o.str();
+}
+
+// One prefill schedule (issue 12.6): generate's prefill and the evaluation engine's cut a prompt
+// into the same chunks, so a SnapKV cache that evicts after every prefill call ends in the same
+// state with the same last logits. Both equal a hand-driven 8 + 8 + 4 forward loop (the rule of
+// veloxquant/prefill_schedule.h); generate used to cut 7 + 7 + 6, which selects other rows.
+TEST(EvalPrefill, GenerateAndEvalCutThePromptAlike) {
+  const Model& m = tiny_model();
+  const auto ids = random_docs(1, 20, m.config().vocab_size, 12)[0];
+  CacheConfig cfg;
+  cfg.method = "snapkv";
+  cfg.snap_budget = 5;
+  cfg.snap_obs_window = 3;
+  cfg.snap_n_sink = 1;
+  cfg.snap_scoring = SnapScoring::kQuery;
+  const int64_t step = 8;
+
+  const auto by_generate = m.make_caches(cfg);
+  std::vector<float> lg_generate;
+  prefill(m, ids.data(), 20, by_generate, step, DType::kF16, &lg_generate);
+
+  const auto by_eval = m.make_caches(cfg);
+  std::vector<float> lg_eval;
+  ForwardScratch scratch;
+  eval_detail::prefill(m, ids.data(), 20, by_eval, step, quiet_settings(step), scratch, &lg_eval);
+
+  const auto by_hand = m.make_caches(cfg);
+  std::vector<float> lg_hand;
+  ForwardOptions fo;
+  int64_t done = 0;
+  for (int64_t len : {8, 8, 4}) {
+    fo.logits = done + len == 20 ? ForwardOptions::Logits::kLast : ForwardOptions::Logits::kNone;
+    m.forward(ids.data() + done, 1, len, by_hand, fo, done + len == 20 ? &lg_hand : nullptr);
+    done += len;
+  }
+  for (const auto& c : by_hand) c->end_prompt();
+
+  EXPECT_EQ(prefill_chunks(20, step), (std::vector<int64_t>{8, 8, 4}));
+  EXPECT_EQ(cache_state(by_generate), cache_state(by_hand));
+  EXPECT_EQ(cache_state(by_eval), cache_state(by_hand));
+  EXPECT_EQ(lg_generate, lg_hand);
+  EXPECT_EQ(lg_eval, lg_hand);
+  for (int64_t h = 0; h < by_generate[0]->n_kv_heads(); ++h)
+    EXPECT_EQ(by_generate[0]->stored_positions(0, h), by_eval[0]->stored_positions(0, h));
+}
+
 TEST(EvalText, BadOptionsRefused) {
   const Model& m = tiny_model();
   const auto docs = random_docs(1, 40, m.config().vocab_size, 5);
@@ -511,6 +564,170 @@ TEST(EvalPasskey, BookkeepingByLengthDepthAndMode) {
   EXPECT_THROW(eval_passkey(m, tok, prompts, {}, bad, quiet_settings(32)), Error);
 }
 
+// A passkey JSONL with other field names (or a missing length bucket) is refused with the line
+// and the field named, instead of running every prompt in one length bucket (issue 17).
+TEST(EvalPasskey, PromptFileFieldsValidatedByName) {
+  const std::string dir = test::make_temp_dir("vq-eval-pkbad");
+  auto refused = [&](const std::string& lines, const std::string& expect) {
+    const std::string path = dir + "/bad.jsonl";
+    std::ofstream(path) << lines;
+    try {
+      load_passkey_jsonl(path);
+      ADD_FAILURE() << "accepted: " << lines;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
+    }
+  };
+  const std::string ok = R"({"prompt": "a b", "answer": "1", "target_length": 8, "depth": 0.5})"
+                         "\n";
+  // Other field names: "text"/"key" instead of "prompt"/"answer".
+  refused(ok + R"({"text": "a b", "key": "12", "target_length": 8, "depth": 0.5})",
+          "line 2: expected the field \"prompt\"");
+  refused(R"({"prompt": "a b", "key": "12", "target_length": 8, "depth": 0.5})",
+          "line 1: expected the field \"answer\"");
+  // No length bucket, a bad one, a depth out of range, a mistyped question.
+  refused(R"({"prompt": "a", "answer": "1", "depth": 0.5})", "\"length\"");
+  refused(R"({"prompt": "a", "answer": "1", "target_length": "512", "depth": 0.5})",
+          "field \"target_length\": expected an integer >= 1");
+  refused(R"({"prompt": "a", "answer": "1", "length": 8, "depth": 50})", "field \"depth\"");
+  refused(R"({"prompt": "a", "answer": "1", "length": 8, "depth": 0.5, "question": 3})",
+          "field \"question\"");
+  refused(ok + "[1, 2]\n", "line 2: expected a JSON object");
+  refused(ok + "{not json\n", "line 2: expected a JSON object but got a parse error");
+  // length alone is the bucket; the question field is kept.
+  const std::string path = dir + "/ok.jsonl";
+  std::ofstream(path)
+      << ok << R"({"prompt": "c d", "answer": "2", "length": 16, "depth": 0, "question": " Q?"})"
+      << "\n";
+  const auto p = load_passkey_jsonl(path);
+  ASSERT_EQ(p.size(), 2u);
+  EXPECT_EQ(p[1].target_length, 16);
+  EXPECT_EQ(p[1].length, 16);
+  EXPECT_EQ(p[1].question, " Q?");
+  EXPECT_EQ(p[0].question, "");
+}
+
+// A prompt set with its own wording of the question runs (issue 17): through each prompt's
+// "question" field, or PasskeyOptions::question (the CLI's --question); a question in a field
+// that the prompt does not contain follows the prompt. The same tokens reach the model either
+// way, so the scores agree.
+TEST(EvalPasskey, OwnQuestionFieldOrOption) {
+  const Model& m = tiny_model();
+  const Tokenizer tok = Tokenizer::from_file(m.dir() + "/tokenizer.json");
+  const std::string dir = test::make_temp_dir("vq-eval-pkq");
+  auto prompts = load_passkey_jsonl(write_passkey_file(dir));
+  const std::string shipped_q = " What is the pass key?";
+  const std::string own_q = " Which number was hidden?";
+  for (auto& p : prompts) p.prompt.replace(p.prompt.rfind(shipped_q), shipped_q.size(), own_q);
+  PasskeyOptions o;
+  o.question_agnostic = false;
+  EXPECT_THROW(eval_passkey(m, tok, prompts, {}, o, quiet_settings(32)), Error);  // not worded so
+  o.question = own_q;
+  const auto by_option = eval_passkey(m, tok, prompts, {}, o, quiet_settings(32));
+  EXPECT_EQ(by_option.full.aware.total, 4);
+  auto with_field = prompts;
+  for (auto& p : with_field) p.question = own_q;
+  const auto by_field = eval_passkey(m, tok, with_field, {}, PasskeyOptions{}, quiet_settings(32));
+  EXPECT_EQ(by_field.full.aware.correct, by_option.full.aware.correct);
+  EXPECT_EQ(by_field.full.aware.needle_prompts, 4);
+  // The question kept apart from the prompt: prompt = context only.
+  auto apart = with_field;
+  for (auto& p : apart) {
+    const size_t at = p.prompt.rfind(own_q);
+    p.question = p.prompt.substr(at);
+    p.prompt = p.prompt.substr(0, at);
+  }
+  const auto by_apart = eval_passkey(m, tok, apart, {}, PasskeyOptions{}, quiet_settings(32));
+  EXPECT_EQ(by_apart.full.aware.correct, by_option.full.aware.correct);
+  EXPECT_EQ(by_apart.full.aware.needle_rows_kept_sum, by_option.full.aware.needle_rows_kept_sum);
+}
+
+// The needle is located by its text, leading space included (issue 17: matching the key's digits
+// tokenized without their leading space found the key in 5 of 200 prompts of a tokenizer that
+// merges the space with the first digit). Here the tokenizer gets the merge "Ġ 4": " 4711" is
+// [Ġ4, 7, 1, 1] in the context while "4711" alone is [4, 7, 1, 1]. Every prompt's key must be
+// found, and the full cache keeps all of its rows; the table states the coverage.
+TEST(EvalPasskey, NeedleFoundWhenTheTokenizerMergesTheLeadingSpace) {
+  const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-eval-needle"));
+  drop_dangling_merges(dir);
+  {
+    const std::string path = dir + "/tokenizer.json";
+    nlohmann::json j;
+    {
+      std::ifstream in(path);
+      j = nlohmann::json::parse(in);
+    }
+    // Reuse the first padding token's id for the new merge "Ġ4".
+    auto& added = j.at("added_tokens");
+    ASSERT_NE(added.at(0).at("content"), "<|eos|>");
+    const auto pad = added.at(0);
+    const int64_t id = pad.at("id").get<int64_t>();
+    added.erase(0);
+    auto& model = j.at("model");
+    model.at("vocab").erase(pad.at("content").get<std::string>());
+    model.at("vocab")["Ġ4"] = id;
+    model.at("merges").push_back("Ġ 4");
+    std::ofstream(path) << j.dump();
+  }
+  const auto m = Model::load(dir);
+  const Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
+  ASSERT_EQ(tok.encode(" 4711", false).size(), 4u);  // the merge is in effect
+  const auto prompts = load_passkey_jsonl(write_passkey_file(test::make_temp_dir("vq-eval-pkn")));
+  PasskeyOptions o;
+  o.question_agnostic = false;
+  const auto r = eval_passkey(*m, tok, prompts, parse_eval_methods("streaming:budget=16"), o,
+                              quiet_settings(32));
+  EXPECT_EQ(r.full.aware.needle_prompts, 4);
+  EXPECT_EQ(r.full.aware.needle_rows_kept(), 1.0);
+  EXPECT_EQ(r.full.aware.needle_heads_whole(), 1.0);
+  EXPECT_EQ(r.rows[0].aware.needle_prompts, 4);
+  const std::string md = render(r, ReportFormat::kMarkdown);
+  EXPECT_NE(md.find("over the 4 of 4 prompts whose key was found"), std::string::npos) << md;
+}
+
+// Memory figures with P < T (-P 1 scores every position): taken after the last scored token, not
+// at context 1 where no compression has happened yet (issue 17: "context 1", 16 bits per
+// element, resident 256x fp16).
+TEST(EvalText, MemoryFiguresWithASmallPAreTakenAtTheEnd) {
+  const Model& m = tiny_model();
+  const auto docs = random_docs(1, 80, m.config().vocab_size, 21);
+  TextEvalOptions o;
+  o.prefill = 1;
+  o.decode = 79;
+  o.kld = false;
+  EXPECT_EQ(memory_step(o), 78);
+  const auto r =
+      eval_text(m, docs, parse_eval_methods("streaming:budget=16"), o, quiet_settings(16));
+  EXPECT_EQ(r.mem_full.context, 79);
+  EXPECT_EQ(r.rows[0].mem.context, 79);
+  EXPECT_EQ(r.rows[0].mem.rows_kept, 16.0);
+  EXPECT_LT(r.rows[0].mem.ratio_to_fp16(), 0.25);
+  EXPECT_LT(r.mem_full.resident_to_fp16(), 4.0);
+  const std::string md = render(r, ReportFormat::kMarkdown);
+  EXPECT_NE(md.find("context P + T - 1 = 79"), std::string::npos) << md;
+  // P >= T keeps the protocol's point, context P.
+  o.prefill = 40;
+  o.decode = 8;
+  EXPECT_EQ(memory_step(o), 0);
+  EXPECT_EQ(eval_text(m, docs, {}, o, quiet_settings(16)).mem_full.context, 40);
+}
+
+// SnapKV keeping 75 % holds fewer resident bytes than the full cache after the first decode step
+// (issue 17: 1.14x fp16). An eviction leaves capacity = kept rows rounded to 64; the first decode
+// append regrew it by x1.5 (768 kept -> 1152 rows > the full cache's 1024); x1.25 gives 960.
+TEST(EvalText, SnapKVResidentBelowFullAfterTheFirstDecodeStep) {
+  const Model& m = tiny_model();
+  const auto docs = random_docs(1, 1026, m.config().vocab_size, 22);
+  TextEvalOptions o;
+  o.prefill = 1024;
+  o.decode = 2;
+  o.kld = false;
+  const auto r = eval_text(m, docs, parse_eval_methods("snapkv:keep=0.75"), o, quiet_settings(512));
+  EXPECT_EQ(r.rows[0].mem.rows_kept, 769.0);  // 768 kept + the decoded row
+  // Full: 1024 rows; SnapKV: 960 rows + 768 int32 positions per (layer, head).
+  EXPECT_LT(r.rows[0].mem.bytes_resident, r.mem_full.bytes_resident);
+}
+
 // ---- reports ------------------------------------------------------------------------------------
 
 TEST(EvalReport, FormatsAgreeAndJsonRoundTrips) {
@@ -616,6 +833,88 @@ TEST(EvalReport, SvgHasOneMarkerPerDrawablePoint) {
   EXPECT_NE(svg.find(">p4<"), std::string::npos);
 }
 
+// Charts show each family as its Pareto line (issue 17.7): the dominated point is faint and
+// unlabelled, the line joins only the front, labels are the abbreviated specs.
+TEST(EvalReport, ChartsDrawParetoLinesWithShortLabels) {
+  ChartSpec c;
+  c.log_x = true;
+  c.pareto = true;
+  c.series = {
+      {"snapkv", {{0.1, 5.0, "A"}, {0.2, 3.0, "B"}, {0.3, 4.0, "DOMINATED"}, {0.5, 1.0, "C"}}}};
+  std::string svg = render_svg_chart(c);
+  size_t faint = 0, pos = 0;
+  while ((pos = svg.find("opacity=\"0.3\"", pos)) != std::string::npos) ++faint, ++pos;
+  EXPECT_EQ(faint, 1u);
+  EXPECT_EQ(svg.find(">DOMINATED<"), std::string::npos);
+  for (const char* l : {">A<", ">B<", ">C<"}) EXPECT_NE(svg.find(l), std::string::npos) << l;
+  const size_t path = svg.find("<path d=\"M");
+  ASSERT_NE(path, std::string::npos);
+  const std::string d = svg.substr(path, svg.find('"', path + 9) - path);
+  EXPECT_EQ(std::count(d.begin(), d.end(), 'L'), 2);  // A - B - C
+  // Higher is better (passkey accuracy): the same shape mirrored.
+  c.higher_is_better = true;
+  c.series = {
+      {"snapkv", {{0.1, 1.0, "A"}, {0.2, 3.0, "B"}, {0.3, 2.0, "DOMINATED"}, {0.5, 4.0, "C"}}}};
+  svg = render_svg_chart(c);
+  EXPECT_EQ(svg.find(">DOMINATED<"), std::string::npos);
+  for (const char* l : {">A<", ">B<", ">C<"}) EXPECT_NE(svg.find(l), std::string::npos) << l;
+  // The same points with lower = better: A dominates every other one.
+  c.higher_is_better = false;
+  svg = render_svg_chart(c);
+  EXPECT_NE(svg.find(">A<"), std::string::npos);
+  for (const char* l : {">B<", ">C<", ">DOMINATED<"})
+    EXPECT_EQ(svg.find(l), std::string::npos) << l;
+
+  EXPECT_EQ(chart_label("snapkv:keep=0.25:scoring=query:pool_kernel=7:keep_window=true:"
+                        "evict_at=prompt_end",
+                        "snapkv"),
+            "25% q pool7 keepobs end");
+  EXPECT_EQ(chart_label("skvq:bits_key=4:bits_value=4:rotation=hadamard", "skvq"), "K4V4 H");
+  EXPECT_EQ(chart_label("snapkv+skvq:budget=256:window=32", "snapkv+skvq"), "256 rows w32");
+  EXPECT_EQ(chart_label("streaming:keep=0.125", "streaming"), "12.5%");
+  EXPECT_EQ(chart_label("full", "full"), "full");
+  // The charts of results are Pareto charts, passkey with higher = better.
+  TextEvalResult tr;
+  EXPECT_TRUE(chart_ppl_vs_memory(tr).pareto);
+  PasskeyResult pr;
+  EXPECT_TRUE(chart_passkey_vs_memory(pr, true).higher_is_better);
+}
+
+// `veloxquant compare`'s engine: each method generates through vq::generate from the same
+// prompt (the full cache's answer is generate's), a compressing method holds less; the table has
+// one row per method and marks answers containing the expected text.
+TEST(EvalCompare, SideBySideAnswersAndMemory) {
+  const Model& m = tiny_model();
+  const auto prompt = random_docs(1, 200, m.config().vocab_size, 31)[0];
+  CompareOptions o;
+  o.max_tokens = 5;
+  o.stop_at_eos = false;
+  const auto methods = parse_eval_methods("full,snapkv:keep=0.25,skvq:bits_key=2:bits_value=2");
+  const CompareResult r = compare_methods(m, prompt, methods, o, quiet_settings(64));
+  ASSERT_EQ(r.rows.size(), 3u);
+  EXPECT_EQ(r.prompt_tokens, 200);
+  CacheConfig full;
+  full.method = "full";
+  GenerateOptions go;
+  go.max_tokens = 5;
+  go.prefill_step_size = 64;
+  go.stop_at_eos = false;
+  EXPECT_EQ(r.rows[0].tokens, generate(m, prompt, m.make_caches(full), go).tokens);
+  for (const auto& row : r.rows) EXPECT_EQ(row.tokens.size(), 5u) << row.label;
+  EXPECT_EQ(r.rows[0].mem.context, 204);  // the prompt and 4 decode steps
+  EXPECT_EQ(r.rows[0].mem.ratio_to_fp16(), 1.0);
+  EXPECT_EQ(r.rows[1].mem.rows_kept, 50.0 + 4.0);  // keep 25% of 200, then 4 decoded rows
+  EXPECT_LT(r.rows[1].mem.bytes_accounted, r.rows[0].mem.bytes_accounted);
+  EXPECT_LT(r.rows[2].mem.ratio_to_fp16(), 0.6);  // 2-bit beyond SKVQ's 128-row fp16 window
+  const std::string md = render_compare(r, {"The key is 42", "41", "42!"}, "42");
+  EXPECT_EQ(count_table_rows(md), 2 + 3);
+  EXPECT_NE(md.find("| `full` | The key is 42 | yes |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| `snapkv:keep=0.25` | 41 | NO |"), std::string::npos) << md;
+  EXPECT_NE(md.find("x smaller)"), std::string::npos) << md;
+  EXPECT_THROW(render_compare(r, {"one"}, ""), Error);
+  EXPECT_THROW(compare_methods(m, {}, methods, o, quiet_settings(64)), Error);
+}
+
 // ---- smoke on the shipped model -----------------------------------------------------------------
 
 struct Shipped {
@@ -708,6 +1007,25 @@ TEST(EvalShippedSmoke, PasskeyTableShape) {
   EXPECT_EQ(
       render(passkey_result_from_json(render(r, ReportFormat::kJson)), ReportFormat::kMarkdown),
       md);
+}
+
+// The key is located in every prompt of the shipped set (issue 17: matching the digits without
+// their leading space found it in 5 of 200 prompts), and the full cache keeps all of its rows.
+TEST(EvalShippedSmoke, NeedleLocatedInEveryPrompt) {
+  REQUIRE_SHIPPED();
+  const auto prompts = load_passkey_jsonl(test::source_path("data/eval/passkey.jsonl"));
+  PasskeyOptions o;
+  o.max_prompts = 6;
+  o.lengths = {512};
+  o.question_agnostic = false;
+  const auto r =
+      eval_passkey(*shipped()->model, *shipped()->tok, prompts, {}, o, quiet_settings(512));
+  EXPECT_EQ(r.full.aware.total, 6);
+  EXPECT_EQ(r.full.aware.needle_prompts, 6);
+  EXPECT_EQ(r.full.aware.needle_rows_kept(), 1.0);
+  EXPECT_EQ(r.full.aware.needle_heads_whole(), 1.0);
+  const std::string md = render(r, ReportFormat::kMarkdown);
+  EXPECT_NE(md.find("over the 6 of 6 prompts whose key was found"), std::string::npos) << md;
 }
 
 TEST(EvalShippedSmoke, AttnErrorTableShape) {

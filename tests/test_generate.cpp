@@ -23,27 +23,37 @@
 namespace vq {
 namespace {
 
-TEST(Prefill, ChunksAreBalancedAndBounded) {
+// The one prefill schedule (veloxquant/prefill_schedule.h): chunks of exactly `step`, then the
+// remainder (the cut the evaluation engine and docs/results/ use; generate() used to balance
+// the chunks, 344 + 343 + 343 for 1030 tokens at 512).
+TEST(Prefill, ChunksOfStepThenTheRemainder) {
   EXPECT_EQ(prefill_chunks(0, 512), std::vector<int64_t>{});
   EXPECT_EQ(prefill_chunks(5, 512), std::vector<int64_t>{5});
   EXPECT_EQ(prefill_chunks(512, 512), std::vector<int64_t>{512});
-  EXPECT_EQ(prefill_chunks(1030, 512), (std::vector<int64_t>{344, 343, 343}));
+  EXPECT_EQ(prefill_chunks(1030, 512), (std::vector<int64_t>{512, 512, 6}));
+  EXPECT_EQ(prefill_chunks(20, 7), (std::vector<int64_t>{7, 7, 6}));
+  EXPECT_EQ(prefill_chunks(20, 8), (std::vector<int64_t>{8, 8, 4}));
   EXPECT_EQ(prefill_chunks(7, 1), std::vector<int64_t>(7, 1));
   for (int64_t n = 1; n < 300; n += 7)
     for (int64_t step : {1, 2, 16, 31, 64, 512}) {
       const auto c = prefill_chunks(n, step);
-      int64_t sum = 0, lo = INT64_MAX, hi = 0;
-      for (int64_t x : c) {
-        sum += x;
-        lo = std::min(lo, x);
-        hi = std::max(hi, x);
+      int64_t sum = 0;
+      for (size_t i = 0; i < c.size(); ++i) {
+        sum += c[i];
+        if (i + 1 < c.size()) {
+          EXPECT_EQ(c[i], step);
+        }
+        EXPECT_GE(c[i], 1);
+        EXPECT_LE(c[i], step);
       }
       EXPECT_EQ(sum, n);
-      EXPECT_LE(hi, step);
-      EXPECT_LE(hi - lo, 1);
       EXPECT_EQ(static_cast<int64_t>(c.size()), (n + step - 1) / step);  // fewest chunks
     }
+  // No overflow at the ends of int64 (n + step - 1 would wrap).
+  EXPECT_EQ(prefill_chunks(3, INT64_MAX), std::vector<int64_t>{3});
+  EXPECT_EQ(prefill_chunks(INT64_MAX, INT64_MAX), std::vector<int64_t>{INT64_MAX});
   EXPECT_THROW(prefill_chunks(10, 0), Error);
+  EXPECT_THROW(prefill_chunks(-1, 8), Error);
 }
 
 TEST(Sampler, ArgmaxTiesAndNaN) {
@@ -234,7 +244,7 @@ TEST_F(GenerateTest, StopsOnEosMaxTokensAndCallback) {
   EXPECT_EQ(r.stop_reason, "callback");
   EXPECT_EQ(streamed, r.tokens);
   EXPECT_EQ(r.tokens, std::vector<int32_t>(free_run.begin(), free_run.begin() + 5));
-  EXPECT_EQ(progress, (std::vector<std::pair<int64_t, int64_t>>{{7, 20}, {14, 20}, {20, 20}}));
+  EXPECT_EQ(progress, (std::vector<std::pair<int64_t, int64_t>>{{8, 20}, {16, 20}, {20, 20}}));
   EXPECT_GT(r.prefill_seconds, 0.0);
   EXPECT_GT(r.decode_tokens_per_s(), 0.0);
   // max_tokens 0: prefill only.

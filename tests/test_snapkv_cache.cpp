@@ -311,8 +311,10 @@ TEST(SnapKVCache, LongDecodeIsAppendOnly) {
   }
   EXPECT_EQ(cache->offset(), 2008);
   EXPECT_EQ(cache->stored_rows(), 2004);
-  // Geometric growth: the store was reallocated O(log n) times, not once per step.
-  EXPECT_LE(capacities.size(), 12u);
+  // Geometric growth: the store was reallocated O(log n) times, not once per step. x1.25 in
+  // steps of 64 rows (as the full cache) from 64 rows to 2004 gives 13 capacities: 64, 128, 192,
+  // 256, 320, 448, 576, 768, 960, 1216, 1536, 1920, 2432 (x1.5 gave 10).
+  EXPECT_LE(capacities.size(), 13u);
   for (int64_t h = 0; h < 2; ++h) {
     const HeadRows r = view_head(view, 0, h);
     for (size_t e = 0; e < r.k.size(); ++e)

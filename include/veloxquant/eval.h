@@ -7,9 +7,14 @@
 // that attends to the compressed cache (a deferred-eviction cache returns its un-evicted rows to
 // the prefill call itself, so a token predicted by the prefill would not see the compression),
 // and the context when the first token is scored is exactly P tokens.
-// Memory figures are taken when the context holds P tokens (after the first decode step, which
-// also frees buffers a deferred-eviction cache kept alive for the prefill's view), summed over
-// layers; rows are per (b, h), averaged over layers. rows_end is the same after the last step.
+// Memory figures are taken after decode step memory_step() (summed over layers; rows are per
+// (b, h), averaged over layers): the first step, context P, when P >= T (the scored tokens then
+// see at most twice P; the step also frees buffers a deferred-eviction cache kept alive for the
+// prefill's view); the last step, context P + T - 1, when P < T (with -P 1, which scores every
+// position, figures at context 1 would describe a cache no later token sees). rows_end is the
+// rows per (b, h) after the last step.
+// The engine returns the structs below; rendering them (Markdown, CSV, JSON, SVG charts) is the
+// CLI's job (tools/cli/report.h).
 // Passkey: prompts (JSONL) are encoded with the tokenizer; greedy decoding of as many tokens as the
 // answer " <digits>" has; exact match of the decoded text (whitespace-stripped) with the key.
 #pragma once
@@ -80,6 +85,9 @@ struct TextEvalOptions {
   bool kld = true;         // keep the full cache's distributions and compute KL divergences
 };
 
+// The decode step (0-based) after which the memory figures are taken: 0 if P >= T, else T - 1.
+int64_t memory_step(const TextEvalOptions& opts);
+
 struct TextEvalRow {
   std::string label, family;
   int64_t n_docs = 0, n_tokens = 0;
@@ -89,7 +97,7 @@ struct TextEvalRow {
   double kld_mean = 0;       // mean over scored tokens of KL(p_full || p_method), nats
   double kld_p99 = 0;        // 99th percentile (nearest rank) of the same
   double top1_agree = 0;     // fraction of scored tokens whose argmax equals the full cache's
-  MemoryFigures mem;         // at context P
+  MemoryFigures mem;         // after decode step memory_step(options)
   double rows_end = 0;       // rows per (b, h) after the last step (context P + T - 1)
 };
 
@@ -122,7 +130,7 @@ struct AttnErrorRow {
   std::vector<double> layer_rel_l2;
   std::vector<std::vector<double>> head_rel_l2;  // [layer][query head]
   double mean_rel_l2 = 0;                        // mean over layers
-  MemoryFigures mem;                             // at context P
+  MemoryFigures mem;                             // after decode step memory_step(options)
 };
 
 struct AttnErrorResult {
@@ -145,9 +153,15 @@ struct PasskeyPrompt {
   int64_t length = 0;  // tokens (as written by the generator)
   double depth = 0;    // fraction of filler before the needle
   int64_t target_length = 0;
+  std::string question;  // the prompt's own question ("" = PasskeyOptions::question)
 };
 
-// data/eval/passkey.jsonl: {id, prompt, answer, length, depth, target_length} per line.
+// One JSON object per line (data/eval/passkey.jsonl): "prompt" (string) and "answer" (non-empty
+// string) required; "target_length" or "length" (integer >= 1, the length bucket) required;
+// "depth" (number in [0, 1]) required; "id" (integer, default: the line's index among prompts)
+// and "question" (non-empty string: this prompt's question, see PasskeyOptions::question)
+// optional; other fields are ignored. A missing or mistyped field is refused with a vq::Error
+// naming the file, the line and the field.
 std::vector<PasskeyPrompt> load_passkey_jsonl(const std::string& path);
 
 struct PasskeyOptions {
@@ -155,7 +169,10 @@ struct PasskeyOptions {
   std::vector<int64_t> lengths;   // keep only these target lengths (empty = all)
   bool question_aware = true;     // whole prompt prefilled and compressed
   bool question_agnostic = true;  // context compressed before the question is seen
-  std::string question = " What is the pass key?";  // the question starts at its last occurrence
+  // The question of prompts without their own "question" field. A prompt is split at the last
+  // occurrence of its question (context before, question from there on); a prompt whose own
+  // question does not occur in it is the context, and the question follows it.
+  std::string question = " What is the pass key?";
 };
 
 struct PasskeyModeScore {
@@ -163,9 +180,10 @@ struct PasskeyModeScore {
   std::map<int64_t, std::pair<int64_t, int64_t>> by_length;  // target_length -> (correct, total)
   std::map<int64_t, std::pair<int64_t, int64_t>> by_depth;   // depth in % -> (correct, total)
   // Needle survival, measured right after the context was compressed (before any answer step):
-  // over every (layer, KV head), the fraction of the key's digit rows still stored, and whether
-  // at least one occurrence of the key survives whole (every digit row). Summed over prompts
-  // whose key digits were found in the context (needle_prompts of them).
+  // over every (layer, KV head), the fraction of the key's rows still stored (the tokens whose
+  // text overlaps an occurrence of the key in the context, its leading space included), and
+  // whether at least one occurrence survives whole. Summed over prompts whose key was found in
+  // the context (needle_prompts of them; total - needle_prompts had no occurrence to follow).
   double needle_rows_kept_sum = 0, needle_heads_whole_sum = 0;
   int64_t needle_prompts = 0;
   double accuracy() const { return total ? static_cast<double>(correct) / total : 0.0; }
@@ -201,65 +219,32 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
                            const std::vector<EvalMethod>& methods, const PasskeyOptions& opts,
                            const EvalSettings& settings);
 
-// ---- reports ------------------------------------------------------------------------------------
+// ---- side by side on one prompt -----------------------------------------------------------------
 
-enum class ReportFormat : uint8_t { kMarkdown, kJson, kCsv };
-
-// Rows produced by a peer tool (tools/peers/*.py), merged into our tables marked as peers. JSON:
-// {"tool": "kvpress 0.x", "text": [{"label": ..., "ppl": .., "delta_ppl_pct": .., "kld_mean": ..,
-// "kld_p99": .., "bits_per_element": .., "ratio_to_fp16": ..}], "passkey": [{"label": ..,
-// "aware": .., "agnostic": .., "kept_fraction": .., "ratio_to_fp16": ..}]} (accuracies in [0, 1];
-// any field may be absent or null). Numbers are kept as given.
-struct PeerRow {
-  std::string label;
-  std::map<std::string, double> values;      // field -> value (absent = not measured)
-  std::map<std::string, std::string> notes;  // string fields (e.g. "note", "cache_type")
-  bool has(const std::string& k) const { return values.count(k) != 0; }
+struct CompareOptions {
+  int64_t max_tokens = 16;  // greedy tokens generated per method
+  bool stop_at_eos = true;
 };
-struct PeerRows {
-  std::string tool;
-  std::vector<PeerRow> text, passkey;
-};
-// Reads one peer JSON file; several files merge with append_peer_rows.
-PeerRows load_peer_rows(const std::string& path);
-void append_peer_rows(PeerRows& into, const PeerRows& more);
 
-std::string render(const TextEvalResult& r, ReportFormat f, const PeerRows* peers = nullptr);
-// Results back from their JSON rendering (so tables and charts can be re-rendered, for example
-// with peer rows added later, without re-running). Peers in the JSON are not read back.
-TextEvalResult text_result_from_json(const std::string& json_text);
-PasskeyResult passkey_result_from_json(const std::string& json_text);
-std::string render(const AttnErrorResult& r, ReportFormat f);
-std::string render(const PasskeyResult& r, ReportFormat f, const PeerRows* peers = nullptr);
-
-// ---- charts -------------------------------------------------------------------------------------
-
-struct ChartPoint {
-  double x = 0, y = 0;
-  std::string label;  // shown beside the point
+struct CompareRow {
+  std::string label, family;
+  std::vector<int32_t> tokens;  // the greedy continuation (a stop token included)
+  MemoryFigures mem;            // after the last generated token
+  double prefill_seconds = 0, decode_seconds = 0;
 };
-struct ChartSeries {
-  std::string name;
-  std::vector<ChartPoint> points;  // drawn in this order, joined by a line
-};
-struct ChartSpec {
-  std::string title, x_label, y_label;
-  bool log_x = false;
-  bool log_y = false;    // values <= 0 are dropped from a log axis
-  bool connect = false;  // join each series' points in x order
-  std::vector<ChartSeries> series;
-};
-// A self-contained SVG scatter/line chart (axes with ticks, one colour per series, legend).
-std::string render_svg_chart(const ChartSpec& spec);
-// Keeps only the series whose name starts with one of the prefixes (empty list: all).
-ChartSpec filter_series(ChartSpec spec, const std::vector<std::string>& name_prefixes);
 
-// Memory ratio (accounted / fp16, x) against delta ppl % and against passkey accuracy (y), one
-// series per method family (the full cache is a point at x = 1); points in row order.
-// Peer rows with a ratio_to_fp16 and the y field join as their own series, named "peer: <tool>"
-// up to the tool's first " (".
-ChartSpec chart_ppl_vs_memory(const TextEvalResult& text, const PeerRows* peers = nullptr);
-ChartSpec chart_passkey_vs_memory(const PasskeyResult& passkey, bool question_aware,
-                                  const PeerRows* peers = nullptr);
+struct CompareResult {
+  CompareOptions options;
+  EvalSettings settings;
+  int64_t prompt_tokens = 0;
+  std::vector<CompareRow> rows;  // one per method, in the order given
+};
+
+// Each method generates greedily from the same prompt through vq::generate (the product's
+// prefill schedule and decode loop); keep=F budgets are F of the prompt. Errors: empty prompt or
+// method list, max_tokens < 1, prompt + max_tokens beyond the model's positions.
+CompareResult compare_methods(const Model& model, const std::vector<int32_t>& prompt,
+                              const std::vector<EvalMethod>& methods, const CompareOptions& opts,
+                              const EvalSettings& settings);
 
 }  // namespace vq

@@ -2,10 +2,9 @@
 // greedy / temperature / top-k / top-p sampling, stop on EOS or a token budget, streaming and
 // progress callbacks, timings, and the caches' memory summed over layers.
 //
-// Prefill: the prompt goes through the model in chunks of at most prefill_step_size tokens,
-// balanced so no chunk is much shorter than the others (a 1030-token prompt at step 512 is
-// 344 + 343 + 343, not 512 + 512 + 6): an eviction cache that scores with the observation
-// window's queries then always sees a full window in the last chunk. The whole prompt is
+// Prefill: the prompt goes through the model in the chunks of veloxquant/prefill_schedule.h
+// (prefill_step_size tokens each, then the remainder), the schedule the evaluation engine and
+// the benchmarks use too. The whole prompt is
 // prefilled (the last prompt token is not held back for the first decode step, unlike mlx_lm's
 // generate_step), so the first generated token sees the prompt before any eviction.
 //
@@ -28,6 +27,7 @@
 
 #include "veloxquant/cache.h"
 #include "veloxquant/model.h"
+#include "veloxquant/prefill_schedule.h"
 
 namespace vq {
 
@@ -99,9 +99,6 @@ struct GenerateResult {
     return decode_seconds > 0 ? static_cast<double>(decode_steps) / decode_seconds : 0.0;
   }
 };
-
-// Chunk lengths generate() uses for a prompt of n tokens (see the top of this file).
-std::vector<int64_t> prefill_chunks(int64_t n, int64_t step);
 
 // Runs prompt[0, n) through the model in prefill_chunks(n, step), then tells every cache the
 // prompt is complete (KVCache::end_prompt: SnapKV with snap_evict_at = prompt_end compresses

@@ -1,5 +1,6 @@
-// Shared evaluation helpers (see eval/eval_internal.h): chunked prefill and decode steps through
-// Model::forward, log-softmax in double, progress lines, and the attention-error tap cache.
+// Shared evaluation helpers (see eval/eval_internal.h): chunked prefill (generate.h's, with the
+// one schedule of veloxquant/prefill_schedule.h) and decode steps through Model::forward,
+// log-softmax in double, progress lines, and the attention-error tap cache.
 // Attention in the tap uses vq::attention (fused over packed rows) for both views, with the
 // forward pass's parameters (scale 1/sqrt(D), the model's sliding window, q_pos0 = offset before
 // the call), so the full-precision side reproduces what the runtime computes for a full cache.
@@ -12,22 +13,20 @@
 #include "veloxquant/attention.h"
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
+#include "veloxquant/generate.h"
 
 namespace vq::eval_detail {
 
 void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& caches, int64_t step,
              const EvalSettings& st, ForwardScratch& scratch, std::vector<float>* logits) {
   VQ_CHECK(step >= 1, "[eval] expected prefill_step >= 1 but got " + std::to_string(step));
-  ForwardOptions fo;
-  fo.kv_dtype = st.kv_dtype;
-  fo.matmul = st.matmul;
-  for (int64_t s0 = 0; s0 < n; s0 += step) {
-    const int64_t len = std::min(step, n - s0);
-    const bool last = s0 + len == n;
-    fo.logits = last && logits ? ForwardOptions::Logits::kLast : ForwardOptions::Logits::kNone;
-    model.forward(ids + s0, 1, len, caches, fo, last ? logits : nullptr, &scratch);
+  if (n == 0) {  // P = 1: nothing before the first decode step
+    VQ_CHECK(logits == nullptr, "[eval] expected a prompt of at least one token for its logits");
+    for (const auto& c : caches) c->end_prompt();
+    return;
   }
-  for (const auto& c : caches) c->end_prompt();  // SnapKV with snap_evict_at = prompt_end
+  // generate()'s prefill: the same chunks (veloxquant/prefill_schedule.h) and end_prompt().
+  vq::prefill(model, ids, n, caches, step, st.kv_dtype, logits, &scratch, {}, st.matmul);
 }
 
 void decode_step(const Model& model, int32_t id, const Caches& caches, const EvalSettings& st,

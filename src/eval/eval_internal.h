@@ -21,7 +21,8 @@ using Caches = std::vector<std::unique_ptr<KVCache>>;
 
 MemoryFigures memory_of(const Caches& caches);
 
-// Feeds ids[0, n) in chunks of `step` tokens (K/V dtype and matrix-product mode from st). With
+// Feeds ids[0, n) through vq::prefill (the chunks of veloxquant/prefill_schedule.h, then
+// end_prompt; K/V dtype and matrix-product mode from st); n == 0 only calls end_prompt. With
 // logits != nullptr the last chunk's last position's logits are written to *logits, else no
 // logits are computed.
 void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& caches, int64_t step,

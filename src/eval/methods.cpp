@@ -112,6 +112,10 @@ CacheConfig config_for_context(const EvalMethod& m, int64_t n_context) {
   return c;
 }
 
+int64_t memory_step(const TextEvalOptions& opts) {
+  return opts.prefill >= opts.decode ? 0 : opts.decode - 1;
+}
+
 double MemoryFigures::ratio_to_fp16() const {
   return fp16_bytes ? static_cast<double>(bytes_accounted) / static_cast<double>(fp16_bytes) : 1.0;
 }

@@ -9,6 +9,7 @@
 // the context in chunks, then one decode step per question token (the compression of the context
 // is done before any question token is seen, and decode steps never evict by the question).
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -33,20 +34,53 @@ std::vector<PasskeyPrompt> load_passkey_jsonl(const std::string& path) {
   while (std::getline(in, line)) {
     ++line_no;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = "[passkey] " + path + " line " + std::to_string(line_no) + ": ";
+    nlohmann::json j;
     try {
-      const nlohmann::json j = nlohmann::json::parse(line);
-      PasskeyPrompt p;
-      p.id = j.value("id", static_cast<int64_t>(out.size()));
-      p.prompt = j.at("prompt").get<std::string>();
-      p.answer = j.at("answer").get<std::string>();
-      p.length = j.value("length", int64_t{0});
-      p.depth = j.value("depth", 0.0);
-      p.target_length = j.value("target_length", p.length);
-      out.push_back(std::move(p));
+      j = nlohmann::json::parse(line);
     } catch (const nlohmann::json::exception& e) {
-      throw Error("[passkey] " + path + " line " + std::to_string(line_no) +
-                  ": expected {prompt, answer, ...} but got an error: " + e.what());
+      throw Error(where + "expected a JSON object but got a parse error: " + e.what());
     }
+    VQ_CHECK(j.is_object(), where + "expected a JSON object but got " + j.dump().substr(0, 80));
+    // Required fields: a missing or mistyped one is refused by name (a prompt set with other
+    // field names would otherwise run with every prompt in one length bucket).
+    auto need = [&](const char* field, const char* what, bool ok) {
+      VQ_CHECK(j.contains(field),
+               where + "expected the field \"" + field + "\" (" + what + ") but it is absent");
+      VQ_CHECK(ok, where + "field \"" + field + "\": expected " + what + " but got " +
+                       j.at(field).dump().substr(0, 80));
+    };
+    auto is_str = [&](const char* k) { return j.contains(k) && j.at(k).is_string(); };
+    auto is_int = [&](const char* k) { return j.contains(k) && j.at(k).is_number_integer(); };
+    PasskeyPrompt p;
+    need("prompt", "a string", is_str("prompt"));
+    need("answer", "a non-empty string",
+         is_str("answer") && !j.at("answer").get_ref<const std::string&>().empty());
+    p.prompt = j.at("prompt").get<std::string>();
+    p.answer = j.at("answer").get<std::string>();
+    if (j.contains("id")) need("id", "an integer", is_int("id"));
+    p.id = j.contains("id") ? j.at("id").get<int64_t>() : static_cast<int64_t>(out.size());
+    // The length bucket: target_length, or length when the set has only that.
+    const char* len_key = j.contains("target_length") ? "target_length" : "length";
+    need(len_key, "an integer >= 1 (the prompt's length bucket; target_length or length)",
+         is_int(len_key) && j.at(len_key).get<int64_t>() >= 1);
+    p.target_length = j.at(len_key).get<int64_t>();
+    if (j.contains("length")) {
+      need("length", "an integer >= 1", is_int("length") && j.at("length").get<int64_t>() >= 1);
+      p.length = j.at("length").get<int64_t>();
+    } else {
+      p.length = p.target_length;
+    }
+    need("depth", "a number in [0, 1] (fraction of filler before the needle)",
+         j.contains("depth") && j.at("depth").is_number() && j.at("depth").get<double>() >= 0 &&
+             j.at("depth").get<double>() <= 1);
+    p.depth = j.at("depth").get<double>();
+    if (j.contains("question")) {
+      need("question", "a non-empty string",
+           is_str("question") && !j.at("question").get_ref<const std::string&>().empty());
+      p.question = j.at("question").get<std::string>();
+    }
+    out.push_back(std::move(p));
   }
   VQ_CHECK(!out.empty(), "[passkey] expected at least one prompt in '" + path + "' but got none");
   return out;
@@ -58,22 +92,40 @@ struct EncodedPrompt {
   std::vector<int32_t> context, question;  // context starts with the special prefix
   int64_t n_answer = 0;
   const PasskeyPrompt* src = nullptr;
-  // Positions of each occurrence of the key's digit tokens in the context (the needle states the
-  // key twice); empty when the digits were not found as a token run.
+  // Token positions of each occurrence of the key in the context (the needle states the key
+  // twice): the tokens whose text overlaps it; empty when the key is not in the context.
   std::vector<std::vector<int32_t>> key_positions;
 };
 
-// Every occurrence of `digits` as a contiguous run in ids.
-std::vector<std::vector<int32_t>> find_runs(const std::vector<int32_t>& ids,
-                                            const std::vector<int32_t>& digits) {
+// Every occurrence of the key in the context, as the run of token indices whose text overlaps it.
+// The key is located in the decoded text (a StreamDecoder gives each token's character span), so
+// it is found whatever the tokenizer merged it with: " 22030" after "is", "22030." before a
+// full stop. An occurrence must not continue a longer word or number (no letter or digit on
+// either side).
+std::vector<std::vector<int32_t>> find_key_runs(const Tokenizer& tok,
+                                                const std::vector<int32_t>& ids,
+                                                const std::string& key) {
   std::vector<std::vector<int32_t>> out;
-  if (digits.empty() || ids.size() < digits.size()) return out;
-  for (size_t i = 0; i + digits.size() <= ids.size(); ++i)
-    if (std::equal(digits.begin(), digits.end(), ids.begin() + static_cast<std::ptrdiff_t>(i))) {
-      std::vector<int32_t> run;
-      for (size_t k = 0; k < digits.size(); ++k) run.push_back(static_cast<int32_t>(i + k));
-      out.push_back(std::move(run));
+  if (key.empty()) return out;
+  StreamDecoder dec(tok, /*skip_special_tokens=*/true);
+  std::string text;
+  std::vector<size_t> end_of(ids.size());  // text.size() after token i
+  for (size_t i = 0; i < ids.size(); ++i) {
+    text += dec.push(ids[i]);
+    end_of[i] = text.size();
+  }
+  auto word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0; };
+  for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at + 1)) {
+    const size_t stop = at + key.size();
+    if ((at > 0 && word_char(text[at - 1])) || (stop < text.size() && word_char(text[stop])))
+      continue;
+    std::vector<int32_t> run;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const size_t begin = i == 0 ? 0 : end_of[i - 1];
+      if (end_of[i] > at && begin < stop) run.push_back(static_cast<int32_t>(i));
     }
+    if (!run.empty()) out.push_back(std::move(run));
+  }
   return out;
 }
 
@@ -200,16 +252,21 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
   const int64_t max_pos = model.config().max_position_embeddings;
   std::vector<EncodedPrompt> enc;
   for (const PasskeyPrompt* p : chosen) {
-    const size_t at = p->prompt.rfind(opts.question);
-    VQ_CHECK(at != std::string::npos, "[passkey] prompt " + std::to_string(p->id) +
-                                          ": expected the question '" + opts.question +
-                                          "' in the prompt but it is absent");
+    // The prompt's own question (its "question" field), else opts.question; the prompt is split at
+    // its last occurrence, or, when a prompt's own question is not in it, the question follows.
+    const std::string& question = p->question.empty() ? opts.question : p->question;
+    const size_t at = p->prompt.rfind(question);
+    VQ_CHECK(at != std::string::npos || !p->question.empty(),
+             "[passkey] prompt " + std::to_string(p->id) + ": expected the question '" + question +
+                 "' in the prompt but it is absent (give the prompt set's question with "
+                 "--question, or a \"question\" field per prompt)");
     EncodedPrompt e;
     e.src = p;
-    e.context = tokenizer.encode(p->prompt.substr(0, at), true);
-    e.question = tokenizer.encode(p->prompt.substr(at), false);
+    const std::string context = at == std::string::npos ? p->prompt : p->prompt.substr(0, at);
+    e.context = tokenizer.encode(context, true);
+    e.question = tokenizer.encode(at == std::string::npos ? question : p->prompt.substr(at), false);
     e.n_answer = static_cast<int64_t>(tokenizer.encode(" " + p->answer, false).size());
-    e.key_positions = find_runs(e.context, tokenizer.encode(p->answer, false));
+    e.key_positions = find_key_runs(tokenizer, e.context, p->answer);
     const int64_t total = static_cast<int64_t>(e.context.size() + e.question.size()) + e.n_answer;
     VQ_CHECK(max_pos <= 0 || total <= max_pos,
              "[passkey] prompt " + std::to_string(p->id) + ": expected prompt + answer within " +

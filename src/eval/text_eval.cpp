@@ -113,6 +113,7 @@ TextEvalResult eval_text(const Model& model, const std::vector<std::vector<int32
   std::vector<int64_t> full_top(static_cast<size_t>(T));
   std::vector<double> lp_f, lp_m;
   eval_detail::Progress prog(settings.progress, opts.kld ? "kld" : "ppl");
+  const int64_t mem_step = memory_step(opts);
 
   // Runs P-1 prefill tokens and T decode steps; calls score(t, logits) after each step.
   auto run = [&](const CacheConfig& cfg, auto&& score, MemoryFigures* mem, double* rows_end,
@@ -123,7 +124,7 @@ TextEvalResult eval_text(const Model& model, const std::vector<std::vector<int32
     for (int64_t t = 0; t < T; ++t) {
       eval_detail::decode_step(model, ids[static_cast<size_t>(P - 1 + t)], caches, settings,
                                scratch, &logits);
-      if (t == 0) *mem = eval_detail::memory_of(caches);
+      if (t == mem_step) *mem = eval_detail::memory_of(caches);
       score(t, logits.data());
     }
     *rows_end = eval_detail::memory_of(caches).rows_kept;
@@ -176,8 +177,9 @@ TextEvalResult eval_text(const Model& model, const std::vector<std::vector<int32
     }
   }
 
-  // Memory at context P: mean over documents (every document has the same P, so the figures of
-  // a method only differ by allocation history; the mean keeps integers exact when they agree).
+  // Memory at the context of memory_step(opts): mean over documents (every document has the same
+  // P, so the figures of a method only differ by allocation history; the mean keeps integers exact
+  // when they agree).
   auto mean_mem = [](const std::vector<MemoryFigures>& v) {
     MemoryFigures m;
     if (v.empty()) return m;
@@ -269,7 +271,7 @@ AttnErrorResult eval_attn_error(const Model& model, const std::vector<std::vecto
       for (int64_t t = 0; t < T; ++t) {
         eval_detail::decode_step(model, ids[static_cast<size_t>(P - 1 + t)], caches, settings,
                                  scratch, &logits);
-        if (t == 0) {
+        if (t == memory_step(opts)) {
           const MemoryFigures m = eval_detail::memory_of(caches);
           row.mem.context = m.context;
           rows += m.rows_kept;

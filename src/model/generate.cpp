@@ -20,17 +20,6 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-std::vector<int64_t> prefill_chunks(int64_t n, int64_t step) {
-  VQ_CHECK(step >= 1, "[prefill] prefill_step_size: expected >= 1 but got " + std::to_string(step));
-  VQ_CHECK(n >= 0, "[prefill] expected a non-negative prompt length but got " + std::to_string(n));
-  std::vector<int64_t> chunks;
-  if (n == 0) return chunks;
-  const int64_t n_chunks = n / step + (n % step != 0);  // ceil(n / step) without n + step - 1
-  const int64_t base = n / n_chunks, extra = n % n_chunks;
-  for (int64_t i = 0; i < n_chunks; ++i) chunks.push_back(base + (i < extra ? 1 : 0));
-  return chunks;
-}
-
 namespace {
 
 int64_t resident_bytes(const std::vector<std::unique_ptr<KVCache>>& caches) {

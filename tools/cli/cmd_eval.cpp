@@ -8,8 +8,11 @@
 //   folder eval report     re-renders saved sweep JSON (tables + charts), optionally with peer rows
 // Every subcommand takes --methods "full,snapkv:budget=256,skvq:bits_key=4:bits_value=4,...";
 // progress goes to stderr, the table to stdout (Markdown; --json or --csv) or --out FILE.
-// --matmul bf16 runs every forward pass with ForwardOptions::matmul = kBF16 (the process-wide
-// default; the tables' model name gets " (bf16 matmul)").
+// --matmul bf16 runs every forward pass with ForwardOptions::matmul = kBF16 (the tables' model
+// name gets " (bf16 matmul)"); --threads N bounds the OpenMP threads (1 .. the machine's cores);
+// passkey's --question sets the question of prompt sets worded otherwise.
+#include <omp.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -19,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/report.h"
 #include "commands.h"
 #include "options.h"
 #include "veloxquant/error.h"
@@ -39,6 +43,7 @@ struct Common {
   std::string kv_dtype = "float16";
   std::string matmul = "exact";
   std::vector<std::string> peers;
+  int64_t threads = 0;  // 0 = every core
 };
 
 struct TextArgs {
@@ -52,6 +57,7 @@ struct PasskeyArgs {
   int64_t prompts = 0;
   std::vector<int64_t> lengths;
   std::string mode = "both";
+  std::string question;  // "" = PasskeyOptions' default
 };
 
 void add_common(CLI::App* c, Common& a, bool with_methods = true) {
@@ -75,6 +81,8 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
   c->add_option("--kv-dtype", a.kv_dtype, "dtype of K/V blocks handed to the caches")
       ->capture_default_str();
   c->add_flag("--quiet", a.quiet, "no progress lines on stderr");
+  c->add_option("--threads", a.threads, "OpenMP threads (0 = all cores; at most the cores)")
+      ->capture_default_str();
   c->add_option("--peers", a.peers, "peer rows (JSON from tools/peers/*.py) to add to the tables");
 }
 
@@ -100,6 +108,19 @@ void add_passkey(CLI::App* c, PasskeyArgs& a) {
   c->add_option("--mode", a.mode, "aware | agnostic | both")
       ->check(CLI::IsMember({"aware", "agnostic", "both"}))
       ->capture_default_str();
+  c->add_option("--question", a.question,
+                "the question text of prompts without a \"question\" field (each prompt is split "
+                "at its last occurrence; default \" What is the pass key?\")");
+}
+
+// --threads: 0 keeps OpenMP's default (every core); 1 .. the machine's cores sets the count.
+// Checked before anything is loaded.
+void apply_threads(const Common& a) {
+  const int64_t cores = omp_get_num_procs();
+  VQ_CHECK(a.threads >= 0 && a.threads <= cores,
+           "[eval] --threads: expected 0 (all cores) or 1 .. " + std::to_string(cores) +
+               " (this machine's cores) but got " + std::to_string(a.threads));
+  if (a.threads > 0) omp_set_num_threads(static_cast<int>(a.threads));
 }
 
 ReportFormat format_of(const Common& a) {
@@ -173,6 +194,7 @@ PasskeyOptions passkey_opts(const PasskeyArgs& p) {
   o.lengths = p.lengths;
   o.question_aware = p.mode != "agnostic";
   o.question_agnostic = p.mode != "aware";
+  if (!p.question.empty()) o.question = p.question;
   return o;
 }
 
@@ -236,6 +258,7 @@ void add_eval_command(CLI::App& app, int* status) {
     add_common(c, common);
     add_text(c, text);
     c->callback([status, kld] {
+      apply_threads(common);
       const auto model = Model::load(common.model_dir);
       const auto docs = load_docs(*model, text);
       const auto methods = parse_eval_methods(common.methods);
@@ -253,6 +276,7 @@ void add_eval_command(CLI::App& app, int* status) {
   add_common(ae, common);
   add_text(ae, text);
   ae->callback([status] {
+    apply_threads(common);
     const auto model = Model::load(common.model_dir);
     const auto docs = load_docs(*model, text);
     const auto methods = parse_eval_methods(common.methods);
@@ -266,6 +290,7 @@ void add_eval_command(CLI::App& app, int* status) {
   add_common(pc, common);
   add_passkey(pc, pk);
   pc->callback([status] {
+    apply_threads(common);
     const auto model = Model::load(common.model_dir);
     const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
     check_tokenizer_vocab(tok.vocab_size(), model->config(), common.model_dir + "/tokenizer.json");
@@ -291,9 +316,11 @@ void add_eval_command(CLI::App& app, int* status) {
                  "eval");
   add_int_list_option(sw, "--lengths", &pk.lengths, 1, kMaxTokenCount,
                       "only these passkey target lengths", "eval");
+  sw->add_option("--question", pk.question, "passkey question text (see eval passkey --help)");
   sw->add_option("--out-dir", out_dir, "folder for the tables and charts")->capture_default_str();
   add_chart_args(sw, charts);
   sw->callback([status] {
+    apply_threads(common);
     std::filesystem::create_directories(out_dir);
     const auto model = Model::load(common.model_dir);
     const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");

@@ -1,15 +1,18 @@
-// Reports of the evaluation engine: Markdown tables (default), JSON and CSV for the text
-// (ppl/kld), attention-error and passkey results; peer rows (tools/peers/*.py JSON) merged into
-// the text and passkey tables marked "peer"; chart specs for the SVG writer.
+// Reports of the evaluation engine (the CLI's, see cli/report.h): Markdown tables (default), JSON
+// and CSV for the text (ppl/kld), attention-error and passkey results; peer rows (tools/peers/*.py
+// JSON) merged into the text and passkey tables marked "peer"; chart specs for the SVG writer.
 // Memory columns everywhere: rows kept per (b, h) (mean over layers), bytes accounted and resident
 // summed over layers, and their ratios to fp16 at the same context.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cli/report.h"
 #include "veloxquant/error.h"
 #include "veloxquant/eval.h"
 
@@ -92,6 +95,13 @@ std::vector<std::string> mem_csv(const MemoryFigures& m) {
 const std::vector<std::string> kMemCsvHeader = {"context",         "rows_kept",  "bytes_accounted",
                                                 "bytes_resident",  "fp16_bytes", "ratio_to_fp16",
                                                 "resident_to_fp16"};
+
+// Where the text tables' memory figures were taken (memory_step in veloxquant/eval.h).
+std::string memory_caption(const TextEvalOptions& o, int64_t context) {
+  if (memory_step(o) == 0) return "Memory at context P = " + i64(context);
+  return "Memory after the last scored token, context P + T - 1 = " + i64(context) +
+         " (P < T: at context P the figures would describe a cache most scored tokens never saw)";
+}
 
 json settings_json(const EvalSettings& s) {
   return json{{"model", s.model_name},
@@ -223,8 +233,8 @@ std::string render(const TextEvalResult& r, ReportFormat fmt, const PeerRows* pe
        i64(r.n_docs) + " documents (" + i64(r.n_docs * r.options.decode) +
        " scored tokens) · prefill chunks of " + i64(r.settings.prefill_step) + " · K/V handed to " +
        "the caches in " + dtype_name(r.settings.kv_dtype) + " · full-cache perplexity " +
-       f("%.4f", r.ppl_full) + "\n\nMemory at context P (summed over layers; rows per (b, h)); " +
-       "rows@end after the last scored token.\n\n";
+       f("%.4f", r.ppl_full) + "\n\n" + memory_caption(r.options, r.mem_full.context) +
+       " (summed over layers; rows per (b, h)); rows@end after the last scored token.\n\n";
   std::vector<std::string> h = {"method", "ppl", "Δppl %"};
   if (kld) {
     h.push_back("KL mean");
@@ -317,7 +327,8 @@ std::string render(const AttnErrorResult& r, ReportFormat fmt) {
                   " · relative L2 error of the attention output per layer (all query heads of " +
                   "the T decode steps), compressed cache vs a full-precision shadow cache on the " +
                   "same queries · P = " + i64(r.options.prefill) +
-                  ", T = " + i64(r.options.decode) + ", " + i64(r.n_docs) + " documents\n\n";
+                  ", T = " + i64(r.options.decode) + ", " + i64(r.n_docs) + " documents · " +
+                  memory_caption(r.options, r.rows.empty() ? 0 : r.rows[0].mem.context) + "\n\n";
   std::vector<std::string> mh = {"method"};
   for (int64_t l = 0; l < r.n_layers; ++l) mh.push_back("L" + i64(l));
   for (const char* c : {"mean", "worst head", "rows kept", "bytes accounted", "bytes resident",
@@ -501,9 +512,12 @@ std::string render(const PasskeyResult& r, ReportFormat fmt, const PeerRows* pee
   for (const PasskeyRow* x : all)
     for (const auto& [name, ptr] : modes) any_needle = any_needle || (x->*ptr).needle_prompts > 0;
   if (any_needle) {
+    const PasskeyModeScore& cov = r.options.question_aware ? r.full.aware : r.full.agnostic;
     o += "\nNeedle survival right after the context was compressed, over every (layer, KV head): "
-         "% of the key's digit rows still stored, and % of heads keeping at least one of the two "
-         "occurrences of the key whole:\n\n";
+         "% of the key's rows still stored (the tokens whose text overlaps the key), and % of "
+         "heads keeping at least one occurrence of the key whole; over the " +
+         i64(cov.needle_prompts) + " of " + i64(cov.total) +
+         " prompts whose key was found in the context:\n\n";
     std::vector<std::string> hn = {"method"};
     for (const auto& [name, ptr] : modes) {
       hn.push_back(name + " digit rows kept");
@@ -523,6 +537,55 @@ std::string render(const PasskeyResult& r, ReportFormat fmt, const PeerRows* pee
   return o;
 }
 
+// ---- side by side (compare)
+// ----------------------------------------------------------------------
+
+namespace {
+
+std::string human_bytes(int64_t b) {
+  if (b < 1024) return i64(b) + " B";
+  if (b < 1024 * 1024) return f("%.1f KiB", static_cast<double>(b) / 1024.0);
+  return f("%.2f MiB", static_cast<double>(b) / (1024.0 * 1024.0));
+}
+
+std::string one_line(const std::string& s) {
+  std::string o;
+  for (char c : s) o += (c == '\n' || c == '\r' || c == '\t') ? ' ' : c == '|' ? '/' : c;
+  const size_t a = o.find_first_not_of(' ');
+  if (a == std::string::npos) return "(nothing)";
+  const size_t b = o.find_last_not_of(' ');
+  o = o.substr(a, b - a + 1);
+  return o.size() > 60 ? o.substr(0, 57) + "..." : o;
+}
+
+}  // namespace
+
+std::string render_compare(const CompareResult& r, const std::vector<std::string>& answers,
+                           const std::string& expected) {
+  VQ_CHECK(answers.size() == r.rows.size(), "[compare] expected one answer per method (" +
+                                                std::to_string(r.rows.size()) + ") but got " +
+                                                std::to_string(answers.size()));
+  std::vector<std::string> h = {"method", "answer"};
+  if (!expected.empty()) h.push_back("correct");
+  for (const char* c : {"KV cache", "vs fp16", "resident / fp16"}) h.push_back(c);
+  std::string o = md_header(h);
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    const CompareRow& x = r.rows[i];
+    const MemoryFigures& m = x.mem;
+    std::vector<std::string> c = {"`" + x.label + "`", one_line(answers[i])};
+    if (!expected.empty())
+      c.push_back(answers[i].find(expected) != std::string::npos ? "yes" : "NO");
+    c.push_back(human_bytes(m.bytes_accounted));
+    const double ratio = m.ratio_to_fp16();
+    c.push_back(ratio < 0.995 && ratio > 0
+                    ? f("%.3f", ratio) + " (" + f("%.1fx", 1.0 / ratio) + " smaller)"
+                    : f("%.3f", ratio));
+    c.push_back(f("%.3f", m.resident_to_fp16()));
+    o += md_row(c);
+  }
+  return o;
+}
+
 // ---- charts -------------------------------------------------------------------------------------
 
 namespace {
@@ -531,6 +594,15 @@ std::string short_label(const std::string& label, const std::string& family) {
   if (label.size() > family.size() + 1 && label.compare(0, family.size(), family) == 0)
     return label.substr(family.size() + 1);
   return label;
+}
+
+std::string trim_number(const std::string& v) {
+  char* end = nullptr;
+  const double d = std::strtod(v.c_str(), &end);
+  if (end == v.c_str() || *end != '\0') return v;
+  char b[32];
+  std::snprintf(b, sizeof(b), "%g", d);
+  return b;
 }
 
 std::string peer_series(const PeerRow& p, const PeerRows& peers) {
@@ -548,6 +620,63 @@ ChartSeries& series_for(ChartSpec& c, const std::string& name) {
 }
 
 }  // namespace
+
+std::string chart_label(const std::string& label, const std::string& family) {
+  const std::string rest = short_label(label, family);
+  if (rest == label && label == family) return label;
+  std::vector<std::pair<std::string, std::string>> kv;
+  std::string bits_key, bits_value;
+  size_t a = 0;
+  while (a <= rest.size()) {
+    const size_t b = std::min(rest.find(':', a), rest.size());
+    const std::string item = rest.substr(a, b - a);
+    a = b + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string k = eq == std::string::npos ? item : item.substr(0, eq);
+    const std::string v = eq == std::string::npos ? "" : item.substr(eq + 1);
+    if (k == "bits_key")
+      bits_key = v;
+    else if (k == "bits_value")
+      bits_value = v;
+    else
+      kv.push_back({k, v});
+  }
+  std::vector<std::string> parts;
+  if (!bits_key.empty() || !bits_value.empty())
+    parts.push_back("K" + (bits_key.empty() ? std::string("2") : bits_key) + "V" +
+                    (bits_value.empty() ? std::string("2") : bits_value));
+  for (const auto& [k, v] : kv) {
+    if (k == "keep") {
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      parts.insert(parts.begin(), *end == '\0' ? trim_number(f("%.1f", 100.0 * x)) + "%" : v);
+    } else if (k == "budget") {
+      parts.insert(parts.begin(), v + " rows");
+    } else if (k == "scoring") {
+      parts.push_back(v == "query" ? "q" : v == "key_proxy" ? "kproxy" : v);
+    } else if (k == "pool_kernel") {
+      parts.push_back("pool" + v);
+    } else if (k == "keep_window") {
+      if (v == "true" || v == "1") parts.push_back("keepobs");
+    } else if (k == "evict_at") {
+      parts.push_back(v == "prompt_end" ? "end" : v == "prefill_call" ? "perchunk" : v);
+    } else if (k == "rotation") {
+      parts.push_back(v == "hadamard" ? "H" : v);
+    } else if (k == "obs_window") {
+      parts.push_back("obs" + v);
+    } else if (k == "window") {
+      parts.push_back("w" + v);
+    } else if (k == "group_size") {
+      parts.push_back("g" + v);
+    } else {
+      parts.push_back(v.empty() ? k : k + "=" + v);
+    }
+  }
+  std::string o;
+  for (const auto& p : parts) o += (o.empty() ? "" : " ") + p;
+  return o.empty() ? family : o;
+}
 
 ChartSpec filter_series(ChartSpec spec, const std::vector<std::string>& prefixes) {
   if (prefixes.empty()) return spec;
@@ -568,13 +697,15 @@ ChartSpec chart_ppl_vs_memory(const TextEvalResult& text, const PeerRows* peers)
             ", P=" + std::to_string(text.options.prefill) +
             ", T=" + std::to_string(text.options.decode) + ", " + std::to_string(text.n_docs) +
             " docs)";
-  c.x_label = "KV bytes accounted / fp16 at context P (log)";
+  c.x_label =
+      "KV bytes accounted / fp16 at context " + std::to_string(text.mem_full.context) + " (log)";
   c.y_label = "Δ perplexity vs full cache (%)";
   c.log_x = true;
+  c.pareto = true;  // lower memory, lower delta
   series_for(c, "full").points.push_back({1.0, 0.0, "full"});
   for (const auto& r : text.rows)
     series_for(c, r.family)
-        .points.push_back({r.mem.ratio_to_fp16(), r.delta_ppl_pct, short_label(r.label, r.family)});
+        .points.push_back({r.mem.ratio_to_fp16(), r.delta_ppl_pct, chart_label(r.label, r.family)});
   if (peers)
     for (const auto& p : peers->text)
       if (p.has("ratio_to_fp16") && p.has("delta_ppl_pct"))
@@ -592,13 +723,15 @@ ChartSpec chart_passkey_vs_memory(const PasskeyResult& pk, bool aware, const Pee
   c.x_label = "KV bytes accounted / fp16 at the longest prompt (log)";
   c.y_label = "exact match (%)";
   c.log_x = true;
+  c.pareto = true;  // lower memory, higher accuracy
+  c.higher_is_better = true;
   auto acc = [&](const PasskeyRow& r) {
     return 100.0 * (aware ? r.aware.accuracy() : r.agnostic.accuracy());
   };
   series_for(c, "full").points.push_back({1.0, acc(pk.full), "full"});
   for (const auto& r : pk.rows)
     series_for(c, r.family)
-        .points.push_back({r.mem.ratio_to_fp16(), acc(r), short_label(r.label, r.family)});
+        .points.push_back({r.mem.ratio_to_fp16(), acc(r), chart_label(r.label, r.family)});
   const std::string key = aware ? "aware" : "agnostic";
   if (peers)
     for (const auto& p : peers->passkey)

@@ -3,7 +3,8 @@
 // series, points joined in order, a small label beside each point, a legend on the right.
 // Coordinates: the plot area is [kLeft, kLeft + plot_w] x [kTop, kTop + plot_h] in SVG pixels,
 // y growing downwards; data map linearly (or by log10) onto it with 5% padding. Points of a
-// series are joined (in x order) only when ChartSpec::connect is set.
+// series are joined (in x order) when ChartSpec::connect is set; with ChartSpec::pareto only the
+// series' Pareto front is joined and labelled, the dominated points drawn faint.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -12,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "veloxquant/eval.h"
+#include "cli/report.h"
 
 namespace vq {
 
@@ -156,46 +157,82 @@ std::string render_svg_chart(const ChartSpec& spec) {
        "\" text-anchor=\"middle\">" + esc(spec.x_label) + "</text>\n";
   o += "<text transform=\"translate(20," + num(kTop + ph / 2) +
        ") rotate(-90)\" text-anchor=\"middle\">" + esc(spec.y_label) + "</text>\n";
-  // Series. Point labels are skipped where they would overlap one already drawn (boxes estimated
-  // at 5 px per character, 10 px high).
+  // Series. A point label takes the first side of its point where it overlaps no label already
+  // drawn (boxes estimated at 5.5 px per character, 11 px high) and stays in the plot area.
   std::vector<std::array<double, 4>> placed;  // x0, y0, x1, y1 of drawn labels
   auto fits = [&](double x0, double y0, double x1, double y1) {
     for (const auto& b : placed)
       if (x0 < b[2] && b[0] < x1 && y0 < b[3] && b[1] < y1) return false;
     return true;
   };
+  // Four candidate label boxes beside a point: right-above, right-below, left-above, left-below.
+  auto place_label = [&](double x, double y, const std::string& label, const std::string& col) {
+    const double w = 5.5 * static_cast<double>(label.size()), h = 11;
+    const double cand[4][2] = {{x + 6, y - 6},
+                               {x + 6, y + 14},
+                               {x - 6 - w, y - 6},
+                               {x - 6 - w, y + 14}};  // text baseline start
+    for (const auto& c : cand) {
+      const double x0 = c[0], y0 = c[1] - h + 2, x1 = c[0] + w, y1 = c[1] + 2;
+      if (x0 < kLeft || x1 > kLeft + pw || y0 < kTop || y1 > kTop + ph) continue;
+      if (!fits(x0, y0, x1, y1)) continue;
+      placed.push_back({x0, y0, x1, y1});
+      o += "<text x=\"" + num(x0) + "\" y=\"" + num(c[1]) + "\" font-size=\"10\" fill=\"" + col +
+           "\">" + esc(label) + "</text>\n";
+      return;
+    }
+  };
   for (size_t si = 0; si < spec.series.size(); ++si) {
     const auto& s = spec.series[si];
     const std::string col = kColours[si % (sizeof(kColours) / sizeof(kColours[0]))];
-    if (spec.connect) {
+    // Which points are drawn in full (and labelled): all, or the series' Pareto front.
+    std::vector<bool> front(s.points.size(), true);
+    if (spec.pareto) {
+      const double sign = spec.higher_is_better ? -1.0 : 1.0;  // compare sign * y, lower wins
+      for (size_t i = 0; i < s.points.size(); ++i) {
+        const ChartPoint& p = s.points[i];
+        if (!ok(p)) continue;
+        for (size_t j = 0; j < s.points.size() && front[i]; ++j) {
+          const ChartPoint& q = s.points[j];
+          if (j == i || !ok(q)) continue;
+          const bool no_worse = q.x <= p.x && sign * q.y <= sign * p.y;
+          const bool better = q.x < p.x || sign * q.y < sign * p.y;
+          if (no_worse && better) front[i] = false;
+        }
+      }
+    }
+    if (spec.connect || spec.pareto) {
       std::vector<ChartPoint> pts;
-      for (const auto& p : s.points)
-        if (ok(p)) pts.push_back(p);
+      for (size_t i = 0; i < s.points.size(); ++i)
+        if (ok(s.points[i]) && front[i]) pts.push_back(s.points[i]);
       std::stable_sort(pts.begin(), pts.end(),
                        [](const ChartPoint& a, const ChartPoint& b) { return a.x < b.x; });
       std::string path;
       for (const auto& p : pts)
         path += (path.empty() ? "M" : " L") + num(px(p.x)) + " " + num(py(p.y));
-      if (!path.empty())
+      if (pts.size() > 1)
         o += "<path d=\"" + path + "\" fill=\"none\" stroke=\"" + col +
-             "\" stroke-width=\"1.5\" opacity=\"0.7\"/>\n";
+             "\" stroke-width=\"2\" opacity=\"0.8\"/>\n";
     }
-    for (const auto& p : s.points) {
+    for (size_t i = 0; i < s.points.size(); ++i) {
+      const ChartPoint& p = s.points[i];
       if (!ok(p)) continue;
       const double x = px(p.x), y = py(p.y);
+      const std::string faint = front[i] ? "" : " opacity=\"0.3\"";
       if (si % 2 == 0)
-        o += "<circle cx=\"" + num(x) + "\" cy=\"" + num(y) + "\" r=\"4\" fill=\"" + col + "\"/>\n";
+        o += "<circle cx=\"" + num(x) + "\" cy=\"" + num(y) + "\" r=\"" + (front[i] ? "4" : "3") +
+             "\" fill=\"" + col + "\"" + faint + "/>\n";
       else
         o += "<rect x=\"" + num(x - 4) + "\" y=\"" + num(y - 4) +
-             "\" width=\"8\" height=\"8\" fill=\"" + col + "\"/>\n";
+             "\" width=\"8\" height=\"8\" fill=\"" + col + "\"" + faint + "/>\n";
+    }
+    // Labels after the markers of the series, front points only.
+    for (size_t i = 0; i < s.points.size(); ++i) {
+      const ChartPoint& p = s.points[i];
+      if (!ok(p) || !front[i] || p.label.empty()) continue;
       std::string label = p.label;
-      if (label.size() > 30) label = label.substr(0, 29) + "~";
-      const double w = 5.0 * static_cast<double>(label.size());
-      if (!label.empty() && fits(x + 6, y - 15, x + 6 + w, y - 5)) {
-        placed.push_back({x + 6, y - 15, x + 6 + w, y - 5});
-        o += "<text x=\"" + num(x + 6) + "\" y=\"" + num(y - 6) + "\" font-size=\"9\" fill=\"" +
-             col + "\">" + esc(label) + "</text>\n";
-      }
+      if (label.size() > 34) label = label.substr(0, 33) + "~";
+      place_label(px(p.x), py(p.y), label, col);
     }
     const double ly = kTop + 10 + 20 * static_cast<double>(si);
     o += "<rect x=\"" + num(kLeft + pw + 16) + "\" y=\"" + num(ly - 8) +
