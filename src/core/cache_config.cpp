@@ -225,19 +225,24 @@ Field allow(Field f, std::string allowed) {
   return f;
 }
 
-const std::string kRowsMax = std::to_string(kMaxCacheRows);
-const std::string kDimMax = std::to_string(kMaxCacheHeadDim);
+// Function-local statics only (fields() may run at any init time): the caps as text.
+std::string rows_max() {
+  return std::to_string(kMaxCacheRows);
+}
+std::string dim_max() {
+  return std::to_string(kMaxCacheHeadDim);
+}
 
 const std::vector<Field>& fields() {
   static const std::vector<Field> f = {
       string_field("method", &CacheConfig::method),
-      allow(int_field("head_dim", &CacheConfig::head_dim), "1.." + kDimMax),
-      allow(int_field("snap_budget", &CacheConfig::snap_budget), "1.." + kRowsMax),
-      allow(int_field("snap_obs_window", &CacheConfig::snap_obs_window), "1.." + kRowsMax),
+      allow(int_field("head_dim", &CacheConfig::head_dim), "1.." + dim_max()),
+      allow(int_field("snap_budget", &CacheConfig::snap_budget), "1.." + rows_max()),
+      allow(int_field("snap_obs_window", &CacheConfig::snap_obs_window), "1.." + rows_max()),
       allow(int_field("snap_n_sink", &CacheConfig::snap_n_sink), "0..snap_budget - 1"),
       enum_field("snap_dtype", &CacheConfig::snap_dtype, snap_dtype_names()),
       enum_field("snap_scoring", &CacheConfig::snap_scoring, scoring_names()),
-      allow(int_field("snap_pool_kernel", &CacheConfig::snap_pool_kernel), "odd, 1.." + kRowsMax),
+      allow(int_field("snap_pool_kernel", &CacheConfig::snap_pool_kernel), "odd, 1.." + rows_max()),
       enum_field("snap_pool", &CacheConfig::snap_pool, pool_names()),
       bool_field("snap_keep_window", &CacheConfig::snap_keep_window),
       enum_field("snap_evict_at", &CacheConfig::snap_evict_at, evict_at_names()),
@@ -245,21 +250,21 @@ const std::vector<Field>& fields() {
             "an integer in 1..8 or 1.5"),
       allow(double_field("skvq_bits_value", &CacheConfig::skvq_bits_value),
             "an integer in 1..8 or 1.5"),
-      allow(int_field("skvq_group_size", &CacheConfig::skvq_group_size), "1.." + kDimMax),
-      allow(int_field("skvq_window", &CacheConfig::skvq_window), "2.." + kRowsMax),
+      allow(int_field("skvq_group_size", &CacheConfig::skvq_group_size), "1.." + dim_max()),
+      allow(int_field("skvq_window", &CacheConfig::skvq_window), "2.." + rows_max()),
       allow(int_field("skvq_n_sink", &CacheConfig::skvq_n_sink), "0..skvq_window - 1"),
       bool_field("skvq_reorder", &CacheConfig::skvq_reorder),
       bool_field("skvq_clip_search", &CacheConfig::skvq_clip_search),
       allow(double_field("skvq_clip_alpha", &CacheConfig::skvq_clip_alpha), "a number in (0, 1]"),
-      allow(int_field("skvq_max_ctx", &CacheConfig::skvq_max_ctx), "0 (unlimited).." + kRowsMax),
+      allow(int_field("skvq_max_ctx", &CacheConfig::skvq_max_ctx), "0 (unlimited).." + rows_max()),
       enum_field("skvq_meta", &CacheConfig::skvq_meta, meta_names()),
-      allow(int_field("skvq_recent", &CacheConfig::skvq_recent), "0.." + kRowsMax),
+      allow(int_field("skvq_recent", &CacheConfig::skvq_recent), "0.." + rows_max()),
       enum_field("skvq_rotation", &CacheConfig::skvq_rotation, rotation_names()),
       bool_field("skvq_rotate_values", &CacheConfig::skvq_rotate_values),
       u64_field("skvq_rotation_seed", &CacheConfig::skvq_rotation_seed),
       string_field("skvq_perm_file", &CacheConfig::skvq_perm_file),
-      allow(int_field("streaming_n_sink", &CacheConfig::streaming_n_sink), "0.." + kRowsMax),
-      allow(int_field("streaming_window", &CacheConfig::streaming_window), "1.." + kRowsMax),
+      allow(int_field("streaming_n_sink", &CacheConfig::streaming_n_sink), "0.." + rows_max()),
+      allow(int_field("streaming_window", &CacheConfig::streaming_window), "1.." + rows_max()),
   };
   return f;
 }
