@@ -7,6 +7,8 @@
 #include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
 
 #include "veloxquant/cache_config.h"
 #include "veloxquant/error.h"
@@ -244,11 +246,33 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   EXPECT_EQ(config_to_json(back), text);
   EXPECT_EQ(back.skvq_rotation_seed, 0xfedcba9876543210ull);
   EXPECT_EQ(back.skvq_clip_alpha, 0.9);
-  // Every field appears in the JSON, and differs from the default (so the round trip covers it).
-  const auto j = nlohmann::json::parse(text);
-  const auto d = nlohmann::json::parse(config_to_json(CacheConfig{}));
-  EXPECT_EQ(j.size(), 28u);
-  for (const auto& [k, v] : j.items()) EXPECT_NE(v, d.at(k)) << k;
+  CacheConfig st;
+  st.method = "streaming";
+  st.head_dim = 64;
+  st.streaming_n_sink = 1;
+  st.streaming_window = 77;
+  const std::string st_text = config_to_json(st);
+  EXPECT_EQ(config_to_json(config_from_json(st_text)), st_text);
+  // A config's JSON holds the method, head_dim and the method's own fields (issue 17: no other
+  // method's settings); over snapkv+skvq and streaming every field appears and differs from its
+  // default (so the round trips cover it).
+  EXPECT_EQ(nlohmann::json::parse(config_to_json(CacheConfig{})).size(), 2u);  // full
+  CacheConfig dflt;
+  dflt.method = "snapkv+skvq";
+  const auto d_both = nlohmann::json::parse(config_to_json(dflt));
+  dflt.method = "streaming";
+  const auto d_st = nlohmann::json::parse(config_to_json(dflt));
+  std::set<std::string> keys;
+  for (const auto& [t, d] : {std::pair{text, d_both}, std::pair{st_text, d_st}}) {
+    const auto j = nlohmann::json::parse(t);
+    for (const auto& [k, v] : j.items()) {
+      keys.insert(k);
+      if (k != "method") {
+        EXPECT_NE(v, d.at(k)) << k;
+      }
+    }
+  }
+  EXPECT_EQ(keys.size(), 28u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {
@@ -331,6 +355,251 @@ TEST(CacheConfig, SpecGivesShortKeysTheMethodsPrefix) {
     const std::string msg = error_of([&] { config_from_spec(b.spec); });
     EXPECT_NE(msg.find(b.needle), std::string::npos) << b.spec << " -> " << msg;
   }
+}
+
+// ---- issue 17: bounded integer fields, one parser, clear messages ---------------------------
+
+constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
+
+TEST(CacheConfig, EveryIntegerFieldHasAnUpperBound) {
+  // Positions fit int32: every row-count field stops at kMaxCacheRows; head_dim and the group
+  // size at kMaxCacheHeadDim. Above the cap is refused naming the field and the cap; at the cap
+  // is accepted.
+  struct Case {
+    const char* field;
+    int64_t CacheConfig::*m;
+    int64_t cap;
+  };
+  const Case cases[] = {
+      {"head_dim", &CacheConfig::head_dim, kMaxCacheHeadDim},
+      {"snap_budget", &CacheConfig::snap_budget, kMaxCacheRows},
+      {"snap_obs_window", &CacheConfig::snap_obs_window, kMaxCacheRows},
+      {"snap_n_sink", &CacheConfig::snap_n_sink, kMaxCacheRows},
+      {"snap_pool_kernel", &CacheConfig::snap_pool_kernel, kMaxCacheRows},  // odd
+      {"skvq_group_size", &CacheConfig::skvq_group_size, kMaxCacheHeadDim},
+      {"skvq_window", &CacheConfig::skvq_window, kMaxCacheRows},
+      {"skvq_max_ctx", &CacheConfig::skvq_max_ctx, kMaxCacheRows},
+      {"skvq_recent", &CacheConfig::skvq_recent, kMaxCacheRows},
+      {"streaming_n_sink", &CacheConfig::streaming_n_sink, kMaxCacheRows},
+      {"streaming_window", &CacheConfig::streaming_window, kMaxCacheRows},
+  };
+  for (const auto& k : cases) {
+    CacheConfig ok;
+    ok.*k.m = k.cap;
+    EXPECT_NO_THROW(validate(ok)) << k.field;
+    for (const int64_t bad : {k.cap + 2, int64_t{4611686018427387904}, kI64Max}) {
+      CacheConfig c;
+      c.*k.m = bad;
+      if (std::string(k.field) == "snap_pool_kernel" && bad % 2 == 0) c.*k.m = bad - 1;  // odd
+      const std::string msg = error_of([&] { validate(c); });
+      EXPECT_EQ(msg.rfind(std::string("[cache_config] ") + k.field +
+                              ": expected <= " + std::to_string(k.cap),
+                          0),
+                0u)
+          << msg;
+      EXPECT_NE(msg.find("but got " + std::to_string(c.*k.m)), std::string::npos) << msg;
+    }
+  }
+}
+
+// The values of the issue's crashes, through each source (--cache-opt, spec, JSON): refused
+// before a cache exists.
+TEST(CacheConfig, OverflowingValuesOfTheIssueAreRefusedFromEverySource) {
+  struct Case {
+    const char* method;
+    const char* option;  // short key
+    const char* field;
+    const char* value;
+  };
+  const Case cases[] = {
+      {"snapkv+skvq", "recent", "skvq_recent", "9223372036854775807"},     // SIGSEGV past the tail
+      {"skvq", "recent", "skvq_recent", "9223372036854775807"},            // flush loop forever
+      {"streaming", "window", "streaming_window", "4611686018427387904"},  // heap corruption
+      {"streaming", "window", "streaming_window", "9223372036854775807"},  // steady_capacity UB
+      {"skvq", "window", "skvq_window", "9223372036854775807"},
+      {"skvq", "max_ctx", "skvq_max_ctx", "9223372036854775807"},
+      {"snapkv", "budget", "snap_budget", "9223372036854775807"},
+      {"streaming", "n_sink", "streaming_n_sink", "4611686018427387904"},
+  };
+  for (const auto& k : cases) {
+    const std::string want = std::string("[cache_config] ") + k.field + ": expected <= ";
+    CacheConfig c = parse_cache_arg(k.method);
+    const std::string before = config_to_json(c);
+    apply_cache_option(c, std::string(k.option) + "=" + k.value);
+    std::string msg = error_of([&] { check_cache_config(c); });
+    EXPECT_EQ(msg.rfind(want, 0), 0u) << k.method << " " << k.option << ": " << msg;
+    msg =
+        error_of([&] { parse_cache_arg(std::string(k.method) + ":" + k.option + "=" + k.value); });
+    EXPECT_EQ(msg.rfind(want, 0), 0u) << msg;
+    msg = error_of([&] {
+      config_from_json(std::string(R"({"method": ")") + k.method + R"(", ")" + k.field +
+                       "\": " + k.value + "}");
+    });
+    EXPECT_EQ(msg.rfind(want, 0), 0u) << msg;
+    msg = error_of([&] {  // a method-less file (the method comes from --cache)
+      config_from_json(std::string("{\"") + k.field + "\": " + k.value + "}");
+    });
+    EXPECT_EQ(msg.rfind(want, 0), 0u) << msg;
+    EXPECT_EQ(config_to_json(parse_cache_arg(k.method)), before);
+  }
+}
+
+TEST(CacheConfig, CacheArgTakesAMethodOrACompactSpec) {
+  // `--cache skvq:bits_key=3` (the README's compact spec) was refused as an unknown method.
+  CacheConfig c = parse_cache_arg("skvq:bits_key=3");
+  EXPECT_EQ(c.method, "skvq");
+  EXPECT_EQ(c.skvq_bits_key, 3.0);
+  EXPECT_EQ(parse_cache_arg("snapkv").method, "snapkv");
+  // On top of a config from a file: the spec's assignments win, the rest stays.
+  CacheConfig f = config_from_json(R"({"skvq_window": 64, "skvq_bits_value": 4})");
+  apply_cache_arg(f, "skvq:bits_key=3");
+  EXPECT_EQ(f.method, "skvq");
+  EXPECT_EQ(f.skvq_window, 64);
+  EXPECT_EQ(f.skvq_bits_value, 4.0);
+  EXPECT_EQ(f.skvq_bits_key, 3.0);
+  check_cache_config(f);
+  // A refused spec leaves the config as it was.
+  const std::string before = config_to_json(f);
+  EXPECT_THROW(apply_cache_arg(f, "snapkv:budget=8:bogus=1"), Error);
+  EXPECT_THROW(apply_cache_arg(f, "h2o"), Error);
+  EXPECT_EQ(config_to_json(f), before);
+}
+
+TEST(CacheConfig, OptionsFollowTheSpecsKeyRule) {
+  CacheConfig both = parse_cache_arg("snapkv+skvq");
+  // `n_sink` is ambiguous for snapkv+skvq in an option as in a spec (it set SnapKV's silently).
+  for (const std::string& msg :
+       {error_of([&] { apply_cache_option(both, "n_sink=2"); }),
+        error_of([&] { parse_cache_arg("snapkv+skvq:n_sink=2"); }),
+        error_of([&] { config_from_json(R"({"method": "snapkv+skvq", "n_sink": 2})"); })}) {
+    EXPECT_NE(msg.find("key 'n_sink' is ambiguous for method snapkv+skvq"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("snap_n_sink, skvq_n_sink"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(both.snap_n_sink, 4);
+  EXPECT_EQ(both.skvq_n_sink, 5);
+  apply_cache_option(both, "snap_n_sink=2");
+  apply_cache_option(both, "skvq-n-sink=3");
+  apply_cache_option(both, "budget=64");
+  apply_cache_option(both, "bits_key=4");
+  apply_cache_option(both, "head_dim=64");
+  EXPECT_EQ(both.snap_n_sink, 2);
+  EXPECT_EQ(both.skvq_n_sink, 3);
+  EXPECT_EQ(both.snap_budget, 64);
+  EXPECT_EQ(both.skvq_bits_key, 4.0);
+  EXPECT_EQ(both.head_dim, 64);
+  check_cache_config(both);
+
+  // Another method's field, full or short name, is refused naming the key, the method and the
+  // keys it allows (it was accepted silently).
+  CacheConfig full = parse_cache_arg("full");
+  const std::string before = config_to_json(full);
+  std::string msg = error_of([&] { apply_cache_option(full, "snap_budget=64"); });
+  EXPECT_EQ(msg,
+            "[cache_config] key 'snap_budget': expected a key of method full (head_dim) but got a "
+            "field of snapkv, snapkv+skvq");
+  msg = error_of([&] { apply_cache_option(full, "budget=64"); });
+  EXPECT_NE(msg.find("unknown key 'budget' for method full"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("snap_budget of snapkv, snapkv+skvq"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("expected one of head_dim"), std::string::npos) << msg;
+  EXPECT_EQ(config_to_json(full), before);
+  CacheConfig st = parse_cache_arg("streaming");
+  msg = error_of([&] { apply_cache_option(st, "skvq_bits_key=4"); });
+  EXPECT_NE(msg.find("expected a key of method streaming (head_dim, streaming_n_sink, "
+                     "streaming_window (or without the prefix streaming_))"),
+            std::string::npos)
+      << msg;
+  msg = error_of([&] { parse_cache_arg("skvq:snap_budget=3"); });
+  EXPECT_NE(msg.find("key 'snap_budget': expected a key of method skvq"), std::string::npos);
+  msg = error_of([&] { config_from_json(R"({"method": "full", "snap_budget": 64})"); });
+  EXPECT_NE(msg.find("key 'snap_budget': expected a key of method full"), std::string::npos);
+  msg = error_of([&] { apply_cache_option(st, "windw=3"); });
+  EXPECT_NE(msg.find("unknown key 'windw' for method streaming (did you mean: streaming_window?)"),
+            std::string::npos)
+      << msg;
+  EXPECT_THROW(apply_cache_option(st, "method=skvq"), Error);  // the method comes from --cache
+  EXPECT_THROW(apply_cache_option(st, "window"), Error);       // not key=value
+
+  // A method-less file then a --cache of another method: the file's fields that the method does
+  // not read are refused when the config is complete.
+  CacheConfig f = config_from_json(R"({"snap_budget": 64})");
+  apply_cache_arg(f, "skvq");
+  msg = error_of([&] { check_cache_config(f); });
+  EXPECT_EQ(msg.rfind("[cache_config] snap_budget: expected no setting with method skvq", 0), 0u)
+      << msg;
+  EXPECT_NE(msg.find("but got 64"), std::string::npos) << msg;
+  // A file with a method whose config --cache switches: the same rule.
+  CacheConfig g = config_from_json(R"({"method": "streaming", "window": 100})");
+  EXPECT_EQ(g.streaming_window, 100);  // short keys in JSON with a method
+  apply_cache_arg(g, "snapkv");
+  EXPECT_THROW(check_cache_config(g), Error);
+}
+
+TEST(CacheConfig, SinksMustLeaveRoomInTheSnapBudget) {
+  // snap_n_sink=10 with snap_budget=2 kept no scored row, silently.
+  for (const char* method : {"snapkv", "snapkv+skvq"}) {
+    CacheConfig c = parse_cache_arg(method);
+    apply_cache_option(c, "snap_n_sink=10");
+    apply_cache_option(c, "snap_budget=2");  // options apply in any order; the check is at the end
+    const std::string msg = error_of([&] { check_cache_config(c); });
+    EXPECT_EQ(msg.rfind("[cache_config] snap_n_sink: expected < snap_budget (2", 0), 0u) << msg;
+    EXPECT_NE(msg.find("but got 10"), std::string::npos) << msg;
+    apply_cache_option(c, "snap_n_sink=1");
+    EXPECT_NO_THROW(check_cache_config(c));
+    EXPECT_THROW(parse_cache_arg(std::string(method) + ":snap_budget=4"), Error);  // 4 sinks
+    EXPECT_NO_THROW(parse_cache_arg(std::string(method) + ":snap_budget=5"));
+  }
+  // Not a rule of methods without SnapKV, nor of validate() (the caches accept it from code).
+  EXPECT_NO_THROW(parse_cache_arg("full"));
+  CacheConfig code;
+  code.method = "snapkv";
+  code.snap_budget = 1;
+  EXPECT_NO_THROW(validate(code));
+}
+
+TEST(CacheConfig, BadValueUnderAShortKeyNamesTheFieldAndWhatIsAllowed) {
+  // These were reported as "unknown key".
+  struct Case {
+    const char* method;
+    const char* option;
+    const char* needle;
+  };
+  const Case cases[] = {
+      {"skvq", "bits_key=four",
+       "[cache_config] skvq_bits_key: expected a finite number but got 'four' (key 'bits_key'); "
+       "allowed: an integer in 1..8 or 1.5"},
+      {"snapkv", "budget=12abc",
+       "[cache_config] snap_budget: expected an integer but got '12abc' (key 'budget'); allowed: "
+       "1..2147483647"},
+      {"skvq", "meta=int4",
+       "[cache_config] skvq_meta: expected one of float16, float32, fp8_e4m3 but got 'int4' (key "
+       "'meta')"},
+      {"snapkv+skvq", "window=-", "skvq_window: expected an integer but got '-'"},
+      {"streaming", "window=", "streaming_window: expected an integer but got ''"},
+      {"snapkv", "keep_window=maybe", "snap_keep_window: expected a bool"},
+  };
+  for (const auto& k : cases) {
+    CacheConfig c = parse_cache_arg(k.method);
+    const std::string before = config_to_json(c);
+    const std::string msg = error_of([&] { apply_cache_option(c, k.option); });
+    EXPECT_NE(msg.find(k.needle), std::string::npos) << k.option << " -> " << msg;
+    EXPECT_EQ(msg.find("unknown key"), std::string::npos) << msg;
+    EXPECT_EQ(config_to_json(c), before);
+    const std::string spec_msg =
+        error_of([&] { parse_cache_arg(std::string(k.method) + ":" + k.option); });
+    EXPECT_NE(spec_msg.find(k.needle), std::string::npos) << spec_msg;
+  }
+}
+
+TEST(CacheConfig, EnumNamesForMessages) {
+  EXPECT_EQ(cache_enum_name("skvq_meta", 2), "fp8_e4m3");
+  EXPECT_EQ(cache_enum_name("snap_pool", 1), "avg");
+  EXPECT_EQ(cache_enum_name("snap_evict_at", 7), "code 7");
+  EXPECT_THROW(cache_enum_name("snap_budget", 0), Error);
+  EXPECT_EQ(cache_method_fields("full"), std::vector<std::string>{});
+  EXPECT_EQ(cache_method_fields("streaming"),
+            (std::vector<std::string>{"streaming_n_sink", "streaming_window"}));
+  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 24u);
 }
 
 }  // namespace

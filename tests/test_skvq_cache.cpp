@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -846,6 +848,85 @@ TEST(SkvqCache, BadStateRefusedAndNothingChanged) {
   FullCache full;
   full.update_and_fetch(k.view(), v.view());
   refused(state_of(full), "full cache state");
+}
+
+// ---- issue 17: bounded settings and clear settings messages --------------------------------
+
+TEST(SkvqCache, RecentOrWindowPastTheCapRefusedAtConstruction) {
+  // recent=9223372036854775807 made window + recent wrap and the flush frontier loop forever.
+  for (const int64_t recent : {std::numeric_limits<int64_t>::max(), kMaxCacheRows + 1}) {
+    CacheConfig cfg = small_cfg();
+    cfg.skvq_recent = recent;
+    try {
+      SkvqCache c(cfg);
+      ADD_FAILURE() << "skvq_recent " << recent << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("skvq_recent: expected <= 2147483647"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  CacheConfig wide = small_cfg();
+  wide.skvq_window = std::numeric_limits<int64_t>::max();
+  EXPECT_THROW(SkvqCache{wide}, Error);
+}
+
+TEST(SkvqCache, RecentAtTheCapKeepsEverythingFullPrecision) {
+  // The largest recent allowed: window + recent is computed once, without overflow; nothing is
+  // ever flushed (fewer than window + recent rows), one-shot or token by token.
+  CacheConfig cfg = small_cfg();
+  cfg.skvq_recent = kMaxCacheRows;
+  const Tensor k = hetero(1, 2, 70, 64, 130), v = hetero(1, 2, 70, 64, 131);
+  auto a = make(cfg), b = make(cfg);
+  feed(*a, k, v, {70});
+  feed(*b, k, v);
+  EXPECT_EQ(a->quantized_tokens(), 0);
+  EXPECT_EQ(b->quantized_tokens(), 0);
+  EXPECT_EQ(state_of(*a), state_of(*b));
+  std::istringstream in(state_of(*a));
+  auto c = make(cfg);
+  c->load(in);
+  EXPECT_EQ(c->offset(), 70);
+}
+
+TEST(SkvqCache, StateOfOtherSettingsNamesTheSettingAsWritten) {
+  // Was "expected skvq_bits_value (x2) 8 (this cache) but the state has 4".
+  const Tensor k = hetero(1, 2, 40, 64, 195), v = hetero(1, 2, 40, 64, 196);
+  struct Case {
+    std::function<void(CacheConfig&)> saved, mine;
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](CacheConfig& c) { c.skvq_bits_value = 2; }, [](CacheConfig& c) { c.skvq_bits_value = 4; },
+       "[skvq] state was saved with skvq_bits_value=2 but this cache has 4; nothing was changed"},
+      {[](CacheConfig& c) { c.skvq_bits_key = 1.5; }, [](CacheConfig& c) { c.skvq_bits_key = 2; },
+       "[skvq] state was saved with skvq_bits_key=1.5 but this cache has 2; nothing was changed"},
+      {[](CacheConfig& c) { c.skvq_meta = MetaType::kFP8E4M3; },
+       [](CacheConfig& c) { c.skvq_meta = MetaType::kF16; },
+       "[skvq] state was saved with skvq_meta=fp8_e4m3 but this cache has float16; nothing was "
+       "changed"},
+      {[](CacheConfig& c) { c.skvq_recent = 3; }, [](CacheConfig&) {},
+       "[skvq] state was saved with skvq_recent=3 but this cache has 0; nothing was changed"},
+      {[](CacheConfig& c) { c.skvq_clip_search = false; }, [](CacheConfig&) {},
+       "[skvq] state was saved with skvq_clip_search=false but this cache has true; nothing was "
+       "changed"},
+  };
+  for (const auto& cs : cases) {
+    CacheConfig saved = small_cfg(), mine = small_cfg();
+    cs.saved(saved);
+    cs.mine(mine);
+    auto a = make(saved), b = make(mine);
+    a->update_and_fetch(k.view(), v.view());
+    const std::string before = state_of(*b);
+    try {
+      std::istringstream in(state_of(*a));
+      b->load(in);
+      ADD_FAILURE() << cs.message;
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), cs.message);
+    }
+    EXPECT_EQ(state_of(*b), before);
+  }
 }
 
 // ---- real storage -------------------------------------------------------------------------------

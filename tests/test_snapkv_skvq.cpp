@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -514,6 +516,84 @@ TEST(SnapkvSkvq, PromptEndChunkInsideSinksSurvivesSaveLoad) {
   b->end_prompt();
   EXPECT_EQ(state_of(*a), state_of(*b));
   EXPECT_EQ(a->stored_rows(), cfg.snap_budget);
+}
+
+// ---- issue 17: bounded settings and clear settings messages --------------------------------
+
+TEST(SnapkvSkvq, RecentPastTheCapRefusedAtConstruction) {
+  // recent=9223372036854775807 made window + recent wrap: the flush read past the tail (SIGSEGV).
+  CacheConfig cfg = both_cfg();
+  cfg.skvq_recent = std::numeric_limits<int64_t>::max();
+  try {
+    SnapkvSkvqCache c(cfg);
+    ADD_FAILURE() << "skvq_recent INT64_MAX accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("skvq_recent: expected <= 2147483647"), std::string::npos)
+        << e.what();
+  }
+  cfg.skvq_recent = kMaxCacheRows + 1;
+  EXPECT_THROW(make_snapkv_skvq_cache(cfg), Error);
+  CacheConfig big_budget = both_cfg();
+  big_budget.snap_budget = std::numeric_limits<int64_t>::max();
+  EXPECT_THROW(make_snapkv_skvq_cache(big_budget), Error);
+}
+
+TEST(SnapkvSkvq, RecentAtTheCapKeepsTheTailFullPrecision) {
+  CacheConfig cfg = both_cfg();
+  cfg.skvq_recent = kMaxCacheRows;
+  auto c = std::make_unique<SnapkvSkvqCache>(cfg);
+  const Tensor k = rnd(1, 2, 100, 64, 140), v = rnd(1, 2, 100, 64, 141);
+  c->update_and_fetch(k.view(), v.view());
+  for (int64_t i = 0; i < 20; ++i) {
+    const Tensor kd = rnd(1, 2, 1, 64, 150 + i);
+    c->update_and_fetch(kd.view(), kd.view());
+  }
+  EXPECT_EQ(c->offset(), 120);
+  EXPECT_EQ(c->stored_rows(), 64 + 20);  // budget after the prompt, then every decode row
+  EXPECT_EQ(c->stats().figure("packed_rows"), 0);
+}
+
+TEST(SnapkvSkvq, StateOfOtherSettingsNamesTheSettingAsWritten) {
+  const Tensor k = rnd(1, 2, 80, 64, 160), v = rnd(1, 2, 80, 64, 161);
+  struct Case {
+    std::function<void(CacheConfig&)> saved;
+    const char* method;
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](CacheConfig& c) { c.snap_budget = 65; }, "snapkv+skvq",
+       "[snapkv+skvq] state was saved with snap_budget=65 but this cache has 64; nothing was "
+       "changed"},
+      {[](CacheConfig& c) { c.snap_pool = PoolKind::kAvg; }, "snapkv+skvq",
+       "[snapkv+skvq] state was saved with snap_pool=avg but this cache has max; nothing was "
+       "changed"},
+      {[](CacheConfig& c) { c.skvq_bits_value = 4; }, "snapkv+skvq",
+       "[snapkv+skvq] state was saved with skvq_bits_value=4 but this cache has 2; nothing was "
+       "changed"},
+      {[](CacheConfig& c) { c.snap_budget = 65; }, "snapkv",
+       "[snapkv] state was saved with snap_budget=65 but this cache has 64; nothing was changed"},
+      {[](CacheConfig& c) { c.snap_scoring = SnapScoring::kQuery; }, "snapkv",
+       "[snapkv] state was saved with snap_scoring=query but this cache has key_proxy; nothing was "
+       "changed"},
+      {[](CacheConfig& c) { c.snap_keep_window = true; }, "snapkv",
+       "[snapkv] state was saved with snap_keep_window=true but this cache has false; nothing was "
+       "changed"},
+  };
+  for (const auto& cs : cases) {
+    CacheConfig saved = as(both_cfg(), cs.method), mine = as(both_cfg(), cs.method);
+    cs.saved(saved);
+    auto a = make_cache(saved), b = make_cache(mine);
+    a->update_and_fetch(k.view(), v.view());
+    const std::string before = state_of(*b);
+    try {
+      std::istringstream in(state_of(*a));
+      b->load(in);
+      ADD_FAILURE() << cs.message;
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), cs.message);
+    }
+    EXPECT_EQ(state_of(*b), before);
+  }
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -402,6 +403,112 @@ TEST(StreamingCache, CorruptTruncatedOrMismatchedFilesRefusedNothingChanged) {
   f.update_and_fetch(k2.view(), k2.view());
   f.save(full_state);
   refused(full_state.str(), target);  // another method's file
+}
+
+// ---- issue 17: memory follows the rows held; bounded windows; clear messages -----------------
+
+TEST(StreamingCache, HugeWindowHoldsOnlyTheRowsSeen) {
+  // A 10-token prompt under window=1000000 held the whole window (3.8 GB over a model's heads
+  // and layers); the buffer now grows with the rows: 64 rows, then doubling while decoding.
+  StreamingCache c(stream_cfg(4, 1000000));
+  const Tensor k = rnd(1, 2, 10, 8, 1), v = rnd(1, 2, 10, 8, 2);
+  c.update_and_fetch(k.view(), v.view());
+  EXPECT_EQ(c.capacity(), 64);
+  EXPECT_EQ(c.stats().bytes_resident, 2 * 2 * 64 * 8 * 2);  // K and V, H=2, 64 rows, D=8
+  const Tensor k1 = rnd(1, 2, 1, 8, 3), v1 = rnd(1, 2, 1, 8, 4);
+  int64_t copies = 0, last_cap = c.capacity();
+  for (int i = 0; i < 1000; ++i) {
+    c.update_and_fetch(k1.view(), v1.view());
+    if (c.capacity() != last_cap) ++copies;
+    last_cap = c.capacity();
+    ASSERT_LE(c.capacity(), 2 * round_up(c.stored_rows(), StreamingCache::kRowStep));
+  }
+  EXPECT_EQ(c.stored_rows(), 1010);
+  EXPECT_EQ(c.capacity(), 1024);
+  EXPECT_EQ(copies, 4);  // 64 -> 128 -> 256 -> 512 -> 1024
+  // The largest window the config allows: no allocation up front either.
+  StreamingCache top(stream_cfg(4, kMaxCacheRows));
+  top.update_and_fetch(k.view(), v.view());
+  EXPECT_EQ(top.capacity(), 64);
+  EXPECT_EQ(top.stored_rows(), 10);
+}
+
+TEST(StreamingCache, GrowthKeepsTheWindowSlidingAsBefore) {
+  // A window that is reached by decoding (capacity below the steady size when the slide starts)
+  // matches the row-by-row model, and ends at the steady capacity.
+  run_sequence(1, 2, 4, 2, 150, std::vector<int64_t>(400, 1), 70);
+  run_sequence(1, 1, 4, 3, 90, {5, 1, 1, 60, 1, 1, 1, 40, 1, 1, 200, 1, 1}, 80);
+  StreamingCache c(stream_cfg(2, 150));
+  const Tensor k = rnd(1, 1, 1, 4, 3);
+  for (int i = 0; i < 1000; ++i) c.update_and_fetch(k.view(), k.view());
+  EXPECT_EQ(c.capacity(), 256);  // round_up(2 + 150 + max(64, round_up(37, 64)), 64)
+}
+
+TEST(StreamingCache, WindowsPastTheCapAreRefused) {
+  // window=4611686018427387904 sized a buffer with an overflowed product (heap corruption);
+  // window=9223372036854775807 overflowed steady_capacity(). Both refused at construction.
+  for (const int64_t w :
+       {int64_t{4611686018427387904}, std::numeric_limits<int64_t>::max(), kMaxCacheRows + 1}) {
+    try {
+      StreamingCache c(stream_cfg(4, w));
+      ADD_FAILURE() << "window " << w << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("streaming_window: expected <= 2147483647"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_THROW(make_cache(stream_cfg(4, w)), Error);
+  }
+  EXPECT_THROW(StreamingCache(stream_cfg(std::numeric_limits<int64_t>::max(), 8)), Error);
+}
+
+TEST(StreamingCache, AllocationFailureIsAnErrorNamingTheWindowAndChangesNothing) {
+  // 2^24 heads x head_dim 2^24 (a stride-0 view: little real data) needs 2^55 bytes for 64 rows:
+  // the allocation fails, and the failure is a vq::Error, not std::bad_alloc.
+  StreamingCache c(stream_cfg(4, 100));
+  std::vector<uint16_t> one_row(size_t{1} << 24, 0x3c00);
+  TensorView huge;
+  huge.data = one_row.data();
+  huge.dtype = DType::kF16;
+  huge.shape = {1, int64_t{1} << 24, 2, int64_t{1} << 24};
+  huge.stride = {0, 0, 0, 1};
+  try {
+    c.update_and_fetch(huge, huge);
+    ADD_FAILURE() << "a 2^55-byte buffer was allocated";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("[streaming] streaming_window: expected memory for 64 rows", 0), 0u) << msg;
+    EXPECT_NE(msg.find("failed"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(c.offset(), 0);
+  EXPECT_EQ(c.n_kv_heads(), 0);  // the failed first call fixed no shape
+  const Tensor k = rnd(1, 2, 3, 4, 1), v = rnd(1, 2, 3, 4, 2);
+  EXPECT_EQ(c.update_and_fetch(k.view(), v.view()).n_rows(), 3);
+}
+
+TEST(StreamingCache, StateOfOtherSettingsNamesTheSetting) {
+  StreamingCache a(stream_cfg(2, 6));
+  const Tensor k = rnd(1, 2, 12, 4, 1);
+  a.update_and_fetch(k.view(), k.view());
+  std::stringstream buf;
+  a.save(buf);
+  StreamingCache b(stream_cfg(2, 5));
+  try {
+    b.load(buf);
+    ADD_FAILURE() << "another window's state accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[streaming] state was saved with streaming_window=6 but this cache has 5; nothing "
+              "was changed");
+  }
+  // A loaded cache holds its rows, not the window's steady capacity.
+  StreamingCache big(stream_cfg(2, 1000000)), big2(stream_cfg(2, 1000000));
+  big.update_and_fetch(k.view(), k.view());
+  std::stringstream st;
+  big.save(st);
+  big2.load(st);
+  EXPECT_EQ(big2.capacity(), 64);
+  EXPECT_EQ(big2.stored_rows(), 12);
 }
 
 }  // namespace

@@ -100,4 +100,10 @@ class StateReader {
   size_t pos_ = 0;
 };
 
+// The settings check of every cache's load(): a state saved with other settings is refused with
+// "[op] state was saved with FIELD=SAVED but this cache has MINE; nothing was changed" (values as
+// a user writes them: 1.5 bits, float16, true).
+void check_saved_setting(const std::string& op, const std::string& field, const std::string& saved,
+                         const std::string& mine);
+
 }  // namespace vq

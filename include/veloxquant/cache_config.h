@@ -1,8 +1,11 @@
-// One configuration type for every cache method (caches.md §6), its validation, and its two
-// sources: a JSON object and command-line style "key=value" assignments.
+// One configuration type for every cache method (caches.md §6), its validation, and one parser
+// for its sources: the method or compact spec (--cache), "key=value" options (--cache-opt) and
+// JSON objects (--cache-config).
 //
 // Field names follow the seeds (snap_*, skvq_*). Validation happens at build time and names the
 // field, the value and what is allowed: "[cache_config] snap_budget: expected >= 1 but got 0".
+// Every integer field has an upper bound: row counts and positions fit int32 (kMaxCacheRows),
+// head_dim and skvq_group_size fit kMaxCacheHeadDim, so sums of two fields fit int64.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +13,12 @@
 #include <vector>
 
 namespace vq {
+
+// Upper bound of every row-count / position field (windows, budgets, sinks, recent, max_ctx):
+// positions are int32 everywhere.
+inline constexpr int64_t kMaxCacheRows = 2147483647;
+// Upper bound of head_dim and skvq_group_size.
+inline constexpr int64_t kMaxCacheHeadDim = 65536;
 
 enum class SnapDType : uint8_t { kAuto, kFloat16, kBFloat16 };
 enum class SnapScoring : uint8_t { kKeyProxy, kQuery };
@@ -61,19 +70,54 @@ struct CacheConfig {
 // Methods the builder knows.
 const std::vector<std::string>& cache_methods();
 
+// Full names of the fields `method` reads besides the common head_dim (empty for "full"; snap_*
+// for snapkv, skvq_* for skvq, both for snapkv+skvq, streaming_* for streaming). Throws on an
+// unknown method.
+std::vector<std::string> cache_method_fields(const std::string& method);
+
+// The name of value `code` of an enum field ("skvq_meta", 2 -> "fp8_e4m3"); "code N" when out of
+// range (a state file's byte). Throws on a field that is not an enum.
+std::string cache_enum_name(const std::string& field, int64_t code);
+
 // Throws vq::Error naming the first bad field, its value and the allowed range.
 void validate(const CacheConfig& cfg);
 
-// Applies one "key=value" assignment (key is a field name; '-' and '_' are equivalent).
-// Throws vq::Error on an unknown key (listing close names) or a malformed value.
+// validate() plus the rules for a configuration a user wrote (the caches themselves accept these
+// degenerate settings from code): no field of another method differs from its default, and with
+// SnapKV snap_n_sink < snap_budget (a budget that holds only sinks scores nothing).
+void check_cache_config(const CacheConfig& cfg);
+
+// Applies one "key=value" assignment to any field, whatever the method (key is a field name;
+// '-' and '_' are equivalent). Throws vq::Error on an unknown key (listing close names) or a
+// malformed value; cfg is unchanged then.
 void set_field(CacheConfig& cfg, const std::string& key, const std::string& value);
 
-// Parses a JSON object of fields (any subset); unknown keys are refused.
+// ---- the parser of user input (one key rule for specs, --cache-opt and JSON) ----------------
+//
+// Key rule for a config of method M: a full field name is accepted when M reads it (or it is
+// head_dim); a short name gets M's prefix (budget -> snap_budget for snapkv, window ->
+// skvq_window for skvq); a short name that two prefixes match (n_sink for snapkv+skvq) is
+// ambiguous. Keys of another method, ambiguous and unknown keys are refused with a message naming
+// the key, the method and the allowed keys; a bad value names the resolved field and what is
+// allowed. On any error the config is left unchanged.
+
+// "method" or "method:key=value:..." (compact spec) applied on top of cfg: sets the method, then
+// each assignment. Does not run check_cache_config (more options may follow).
+void apply_cache_arg(CacheConfig& cfg, const std::string& method_or_spec);
+// A default config with apply_cache_arg, then check_cache_config.
+CacheConfig parse_cache_arg(const std::string& method_or_spec);
+// One "key=value" option for cfg.method (the --cache-opt form). Does not run check_cache_config
+// (cross-field rules wait for the last option).
+void apply_cache_option(CacheConfig& cfg, const std::string& key_eq_value);
+
+// Parses a JSON object of fields (any subset). With a "method" member the key rule above applies
+// and the result passes check_cache_config; without one only full field names are accepted (the
+// method comes later, e.g. from --cache) and the result passes validate().
 CacheConfig config_from_json(const std::string& json_text);
+// The method, head_dim and the method's own fields (config_from_json reads it back).
 std::string config_to_json(const CacheConfig& cfg);
 
-// Parses a compact spec such as "snapkv:budget=256:obs_window=16" (the method, then
-// assignments; a key without its method prefix gets it: budget -> snap_budget for snapkv).
+// parse_cache_arg under its older name: "snapkv:budget=256:obs_window=16".
 CacheConfig config_from_spec(const std::string& spec);
 
 }  // namespace vq

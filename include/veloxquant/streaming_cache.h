@@ -11,9 +11,12 @@
 // Storage: keys and values [B, H, capacity, D] raw fp16 bits (bf16 when both inputs are bf16).
 // Per (b, h): rows [0, n_sink_rows) are the sinks (positions 0 ..), rows [head, head + n_recent)
 // the recent run, positions offset - n_recent .. offset - 1. Every head keeps the same positions,
-// so a view has at most two segments with implicit positions. A decode append writes at the end
-// of the run; when the run reaches the capacity it is moved back to row n_sink_rows (once per
-// `slack` appends, each move copying `window` rows: amortised O(1) per decode step).
+// so a view has at most two segments with implicit positions. The buffer grows with the rows it
+// holds (capacity doubles, in kRowStep rows, up to the steady capacity = sinks + window + slack):
+// a short prompt under a huge window holds a few rows, not the window. Once at the steady
+// capacity a decode append writes at the end of the run; when the run reaches the capacity it is
+// moved back to row n_sink_rows (once per `slack` appends, each move copying `window` rows:
+// amortised O(1) per decode step). A failed allocation is a vq::Error naming streaming_window.
 #pragma once
 
 #include <cstdint>
@@ -66,10 +69,11 @@ class StreamingCache final : public KVCache {
   // Copies sinks + recent run into a buffer of new_cap rows (recent run at row n_sink_rows_).
   void relocate(int64_t new_cap, bool retire_old);
   CacheView make_view() const;
-  int64_t steady_capacity() const;
+  int64_t steady_capacity() const { return steady_cap_; }
 
   int64_t n_sink_ = 4;
   int64_t window_ = 512;
+  int64_t steady_cap_ = 0;  // sinks + window + slack in kRowStep rows, computed once (checked)
 
   bool has_data_ = false;
   DType dtype_ = DType::kF16;

@@ -401,4 +401,11 @@ void StateReader::expect_end() const {
                                  std::to_string(remaining()) + " bytes are left unread");
 }
 
+void check_saved_setting(const std::string& op, const std::string& field, const std::string& saved,
+                         const std::string& mine) {
+  if (saved != mine)
+    throw Error("[" + op + "] state was saved with " + field + "=" + saved +
+                " but this cache has " + mine + "; nothing was changed");
+}
+
 }  // namespace vq

@@ -3,8 +3,11 @@
 // One table lists every field once (name, kind, accessors); set_field, config_from_json and
 // config_to_json all walk it, so a new field needs one line. Messages name the field, the value
 // and what is allowed: "[cache_config] snap_budget: expected >= 1 but got 0".
-// Keys: '-' and '_' are equivalent. Spec strings ("snapkv:budget=256:obs_window=16") give short
-// keys their method's prefix (snap_, skvq_, both tried for snapkv+skvq, streaming_).
+// Keys: '-' and '_' are equivalent. One key rule serves specs ("snapkv:budget=256"), --cache-opt
+// options and JSON with a method (resolve_key): a short key gets its method's prefix (snap_,
+// skvq_, both tried for snapkv+skvq, streaming_); keys of another method and ambiguous short keys
+// are refused. Integer fields are bounded above (kMaxCacheRows, kMaxCacheHeadDim) so the caches'
+// sums of two fields cannot overflow.
 #include "veloxquant/cache_config.h"
 
 #include <algorithm>
@@ -17,6 +20,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "veloxquant/error.h"
 
@@ -138,6 +142,7 @@ struct Field {
   std::function<void(CacheConfig&, const std::string&)> set_text;
   std::function<void(CacheConfig&, const json&)> set_json;
   std::function<json(const CacheConfig&)> get;
+  std::string allowed = {};  // values validate() accepts, for messages ("" = any of the type)
 };
 
 Field int_field(const char* name, int64_t CacheConfig::*m) {
@@ -215,36 +220,51 @@ Field enum_field(const char* name, E CacheConfig::*m, const std::vector<std::str
           }};
 }
 
+Field allow(Field f, std::string allowed) {
+  f.allowed = std::move(allowed);
+  return f;
+}
+
+// Function-local statics only (fields() may run at any init time): the caps as text.
+std::string rows_max() {
+  return std::to_string(kMaxCacheRows);
+}
+std::string dim_max() {
+  return std::to_string(kMaxCacheHeadDim);
+}
+
 const std::vector<Field>& fields() {
   static const std::vector<Field> f = {
       string_field("method", &CacheConfig::method),
-      int_field("head_dim", &CacheConfig::head_dim),
-      int_field("snap_budget", &CacheConfig::snap_budget),
-      int_field("snap_obs_window", &CacheConfig::snap_obs_window),
-      int_field("snap_n_sink", &CacheConfig::snap_n_sink),
+      allow(int_field("head_dim", &CacheConfig::head_dim), "1.." + dim_max()),
+      allow(int_field("snap_budget", &CacheConfig::snap_budget), "1.." + rows_max()),
+      allow(int_field("snap_obs_window", &CacheConfig::snap_obs_window), "1.." + rows_max()),
+      allow(int_field("snap_n_sink", &CacheConfig::snap_n_sink), "0..snap_budget - 1"),
       enum_field("snap_dtype", &CacheConfig::snap_dtype, snap_dtype_names()),
       enum_field("snap_scoring", &CacheConfig::snap_scoring, scoring_names()),
-      int_field("snap_pool_kernel", &CacheConfig::snap_pool_kernel),
+      allow(int_field("snap_pool_kernel", &CacheConfig::snap_pool_kernel), "odd, 1.." + rows_max()),
       enum_field("snap_pool", &CacheConfig::snap_pool, pool_names()),
       bool_field("snap_keep_window", &CacheConfig::snap_keep_window),
       enum_field("snap_evict_at", &CacheConfig::snap_evict_at, evict_at_names()),
-      double_field("skvq_bits_key", &CacheConfig::skvq_bits_key),
-      double_field("skvq_bits_value", &CacheConfig::skvq_bits_value),
-      int_field("skvq_group_size", &CacheConfig::skvq_group_size),
-      int_field("skvq_window", &CacheConfig::skvq_window),
-      int_field("skvq_n_sink", &CacheConfig::skvq_n_sink),
+      allow(double_field("skvq_bits_key", &CacheConfig::skvq_bits_key),
+            "an integer in 1..8 or 1.5"),
+      allow(double_field("skvq_bits_value", &CacheConfig::skvq_bits_value),
+            "an integer in 1..8 or 1.5"),
+      allow(int_field("skvq_group_size", &CacheConfig::skvq_group_size), "1.." + dim_max()),
+      allow(int_field("skvq_window", &CacheConfig::skvq_window), "2.." + rows_max()),
+      allow(int_field("skvq_n_sink", &CacheConfig::skvq_n_sink), "0..skvq_window - 1"),
       bool_field("skvq_reorder", &CacheConfig::skvq_reorder),
       bool_field("skvq_clip_search", &CacheConfig::skvq_clip_search),
-      double_field("skvq_clip_alpha", &CacheConfig::skvq_clip_alpha),
-      int_field("skvq_max_ctx", &CacheConfig::skvq_max_ctx),
+      allow(double_field("skvq_clip_alpha", &CacheConfig::skvq_clip_alpha), "a number in (0, 1]"),
+      allow(int_field("skvq_max_ctx", &CacheConfig::skvq_max_ctx), "0 (unlimited).." + rows_max()),
       enum_field("skvq_meta", &CacheConfig::skvq_meta, meta_names()),
-      int_field("skvq_recent", &CacheConfig::skvq_recent),
+      allow(int_field("skvq_recent", &CacheConfig::skvq_recent), "0.." + rows_max()),
       enum_field("skvq_rotation", &CacheConfig::skvq_rotation, rotation_names()),
       bool_field("skvq_rotate_values", &CacheConfig::skvq_rotate_values),
       u64_field("skvq_rotation_seed", &CacheConfig::skvq_rotation_seed),
       string_field("skvq_perm_file", &CacheConfig::skvq_perm_file),
-      int_field("streaming_n_sink", &CacheConfig::streaming_n_sink),
-      int_field("streaming_window", &CacheConfig::streaming_window),
+      allow(int_field("streaming_n_sink", &CacheConfig::streaming_n_sink), "0.." + rows_max()),
+      allow(int_field("streaming_window", &CacheConfig::streaming_window), "1.." + rows_max()),
   };
   return f;
 }
@@ -283,9 +303,16 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   throw Error(msg);
 }
 
-void check_int(const char* field, int64_t v, int64_t lo, int64_t hi, const std::string& allowed) {
-  if (v < lo || v > hi) fail(field, allowed, std::to_string(v));
+// lo <= v <= hi; the message keeps the seed's ">= lo" form for a low value and names the cap (and
+// why it exists) for a high one.
+void check_int(const char* field, int64_t v, int64_t lo, int64_t hi, const std::string& low_text,
+               const std::string& why_hi) {
+  if (v < lo) fail(field, low_text, std::to_string(v));
+  if (v > hi) fail(field, "<= " + std::to_string(hi) + " (" + why_hi + ")", std::to_string(v));
 }
+
+constexpr const char* kWhyRows = "positions and row counts fit int32";
+constexpr const char* kWhyDim = "the largest head_dim supported";
 
 void check_bits(const char* field, double v) {
   const bool ok = v == 1.5 || (v >= 1 && v <= 8 && std::floor(v) == v);
@@ -298,7 +325,125 @@ void check_enum(const char* field, E v, const std::vector<std::string>& names) {
     fail(field, "one of " + join(names), std::to_string(static_cast<int>(v)));
 }
 
+// Which method family a field belongs to ("" = every method: method, head_dim).
+std::string owner_of(const std::string& field) {
+  if (field.rfind("snap_", 0) == 0) return "snapkv";
+  if (field.rfind("skvq_", 0) == 0) return "skvq";
+  if (field.rfind("streaming_", 0) == 0) return "streaming";
+  return "";
+}
+
+// Prefixes of the fields a method reads, in the order short keys are tried.
+std::vector<std::string> prefixes_of(const std::string& method) {
+  if (method == "snapkv") return {"snap_"};
+  if (method == "skvq") return {"skvq_"};
+  if (method == "snapkv+skvq") return {"snap_", "skvq_"};
+  if (method == "streaming") return {"streaming_"};
+  return {};
+}
+
+bool method_reads(const std::string& method, const std::string& field) {
+  const std::string own = owner_of(field);
+  if (own.empty()) return true;
+  if (method == own) return true;
+  return method == "snapkv+skvq" && (own == "snapkv" || own == "skvq");
+}
+
+// The methods that read a field ("snapkv, snapkv+skvq").
+std::string readers_of(const std::string& field) {
+  std::string out;
+  for (const auto& m : cache_methods())
+    if (method_reads(m, field)) out += (out.empty() ? "" : ", ") + m;
+  return out;
+}
+
+void check_method_known(const std::string& method) {
+  const auto& methods = cache_methods();
+  if (std::find(methods.begin(), methods.end(), method) == methods.end())
+    fail("method", "one of " + join(methods), "'" + method + "'");
+}
+
+// "head_dim, snap_budget, ..." (the keys a method accepts) and the short forms' rule.
+std::string allowed_keys(const std::string& method) {
+  std::string keys = "head_dim";
+  for (const auto& f : cache_method_fields(method)) keys += ", " + f;
+  const auto pre = prefixes_of(method);
+  if (!pre.empty()) {
+    keys += " (or without the prefix ";
+    for (size_t i = 0; i < pre.size(); ++i) keys += (i ? " / " : "") + pre[i];
+    keys += ")";
+  }
+  return keys;
+}
+
+// The key rule of the user-input parser (cache_config.h): the field `key` names for `method`.
+const Field& resolve_key(const std::string& method, const std::string& key) {
+  const std::string k = normalize_key(key);
+  if (k == "method")
+    throw Error(
+        "[cache_config] key 'method': expected the method as --cache or before the first "
+        "':' of a spec but got it as an assignment");
+  if (const Field* f = find_field(k)) {
+    if (method_reads(method, f->name)) return *f;
+    throw Error("[cache_config] key '" + key + "': expected a key of method " + method + " (" +
+                allowed_keys(method) + ") but got a field of " + readers_of(f->name));
+  }
+  std::vector<const Field*> hits;
+  for (const auto& p : prefixes_of(method))
+    if (const Field* g = find_field(p + k)) hits.push_back(g);
+  if (hits.size() > 1)
+    throw Error("[cache_config] key '" + key + "' is ambiguous for method " + method +
+                ": expected one of " + hits[0]->name + ", " + hits[1]->name +
+                " (the full name) but got '" + key + "'");
+  if (hits.size() == 1) return *hits[0];
+  // A short key of another method's field, or an unknown key.
+  std::string elsewhere;
+  for (const char* p : {"snap_", "skvq_", "streaming_"})
+    if (const Field* g = find_field(p + k))
+      elsewhere += (elsewhere.empty() ? "" : ", ") + g->name + " of " + readers_of(g->name);
+  std::string close;
+  for (const auto& f : fields()) {
+    if (f.name == "method" || !method_reads(method, f.name)) continue;
+    const size_t us = owner_of(f.name).empty() ? std::string::npos : f.name.find('_');
+    const std::string short_name = us == std::string::npos ? f.name : f.name.substr(us + 1);
+    const bool near = edit_distance(k, f.name) <= 2 || edit_distance(k, short_name) <= 2 ||
+                      (k.size() >= 3 && f.name.find(k) != std::string::npos);
+    if (near) close += (close.empty() ? "" : ", ") + f.name;
+  }
+  std::string msg = "[cache_config] unknown key '" + key + "' for method " + method;
+  if (!elsewhere.empty()) msg += " (it would be " + elsewhere + ")";
+  if (!close.empty()) msg += " (did you mean: " + close + "?)";
+  msg += ": expected one of " + allowed_keys(method);
+  throw Error(msg);
+}
+
+// Sets a resolved field from text; a malformed value is reported with what the field allows.
+void set_resolved(CacheConfig& cfg, const Field& f, const std::string& key,
+                  const std::string& value) {
+  try {
+    f.set_text(cfg, value);
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    if (normalize_key(key) != f.name) msg += " (key '" + key + "')";
+    if (!f.allowed.empty()) msg += "; allowed: " + f.allowed;
+    throw Error(msg);
+  }
+}
+
+std::pair<std::string, std::string> split_assignment(const std::string& a, const std::string& in) {
+  const size_t eq = a.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw Error("[cache_config] expected key=value but got '" + a + "'" + in);
+  return {a.substr(0, eq), a.substr(eq + 1)};
+}
+
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+
+json all_fields_json(const CacheConfig& cfg) {
+  json j = json::object();
+  for (const auto& f : fields()) j[f.name] = f.get(cfg);
+  return j;
+}
 
 }  // namespace
 
@@ -307,41 +452,87 @@ const std::vector<std::string>& cache_methods() {
   return m;
 }
 
+std::vector<std::string> cache_method_fields(const std::string& method) {
+  check_method_known(method);
+  std::vector<std::string> out;
+  for (const auto& f : fields())
+    if (!owner_of(f.name).empty() && method_reads(method, f.name)) out.push_back(f.name);
+  return out;
+}
+
+std::string cache_enum_name(const std::string& field, int64_t code) {
+  const std::vector<std::string>* names = nullptr;
+  if (field == "snap_dtype") names = &snap_dtype_names();
+  if (field == "snap_scoring") names = &scoring_names();
+  if (field == "snap_pool") names = &pool_names();
+  if (field == "snap_evict_at") names = &evict_at_names();
+  if (field == "skvq_meta") names = &meta_names();
+  if (field == "skvq_rotation") names = &rotation_names();
+  if (!names)
+    throw Error(
+        "[cache_config] expected an enum field (snap_dtype, snap_scoring, snap_pool, "
+        "snap_evict_at, skvq_meta, skvq_rotation) but got '" +
+        field + "'");
+  if (code < 0 || code >= static_cast<int64_t>(names->size()))
+    return "code " + std::to_string(code);
+  return (*names)[static_cast<size_t>(code)];
+}
+
 void validate(const CacheConfig& c) {
-  const auto& methods = cache_methods();
-  if (std::find(methods.begin(), methods.end(), c.method) == methods.end())
-    fail("method", "one of " + join(methods), "'" + c.method + "'");
-  check_int("head_dim", c.head_dim, 1, kMax, ">= 1");
+  check_method_known(c.method);
+  check_int("head_dim", c.head_dim, 1, kMaxCacheHeadDim, ">= 1", kWhyDim);
   // snap_budget < 1 is refused here, at the config level. The seed clamps budget <= 0 to a
   // count of 1 at selection time (reference-behaviour §2.3, §2.10); that clamp stays in the
   // selection primitive (its tests use budgets -1..n+4), but a cache asked to keep < 1 rows is
   // a configuration mistake worth reporting.
-  check_int("snap_budget", c.snap_budget, 1, kMax, ">= 1");
-  check_int("snap_obs_window", c.snap_obs_window, 1, kMax, ">= 1");
-  check_int("snap_n_sink", c.snap_n_sink, 0, kMax, ">= 0");
+  check_int("snap_budget", c.snap_budget, 1, kMaxCacheRows, ">= 1", kWhyRows);
+  check_int("snap_obs_window", c.snap_obs_window, 1, kMaxCacheRows, ">= 1", kWhyRows);
+  check_int("snap_n_sink", c.snap_n_sink, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_enum("snap_dtype", c.snap_dtype, snap_dtype_names());
   check_enum("snap_scoring", c.snap_scoring, scoring_names());
   if (c.snap_pool_kernel < 1 || c.snap_pool_kernel % 2 == 0)
     fail("snap_pool_kernel", "an odd integer >= 1 (1 = no pooling)",
          std::to_string(c.snap_pool_kernel));
+  check_int("snap_pool_kernel", c.snap_pool_kernel, 1, kMaxCacheRows, ">= 1", kWhyRows);
   check_enum("snap_pool", c.snap_pool, pool_names());
   check_enum("snap_evict_at", c.snap_evict_at, evict_at_names());
   check_bits("skvq_bits_key", c.skvq_bits_key);
   check_bits("skvq_bits_value", c.skvq_bits_value);
-  check_int("skvq_group_size", c.skvq_group_size, 1, kMax, ">= 1");
-  check_int("skvq_window", c.skvq_window, 2, kMax, ">= 2");
+  check_int("skvq_group_size", c.skvq_group_size, 1, kMaxCacheHeadDim, ">= 1", kWhyDim);
+  check_int("skvq_window", c.skvq_window, 2, kMaxCacheRows, ">= 2", kWhyRows);
   if (c.skvq_n_sink < 0 || c.skvq_n_sink >= c.skvq_window)
     fail("skvq_n_sink", "0 <= n < skvq_window (" + std::to_string(c.skvq_window) + ")",
          std::to_string(c.skvq_n_sink));
   // Checked even when skvq_clip_search is on (the search ignores it, but a bad value is a bug).
   if (!(c.skvq_clip_alpha > 0.0 && c.skvq_clip_alpha <= 1.0))
     fail("skvq_clip_alpha", "a value in (0, 1]", fmt_double(c.skvq_clip_alpha));
-  check_int("skvq_max_ctx", c.skvq_max_ctx, 0, kMax, ">= 0 (0 = unlimited)");
+  check_int("skvq_max_ctx", c.skvq_max_ctx, 0, kMaxCacheRows, ">= 0 (0 = unlimited)", kWhyRows);
   check_enum("skvq_meta", c.skvq_meta, meta_names());
-  check_int("skvq_recent", c.skvq_recent, 0, kMax, ">= 0");
+  check_int("skvq_recent", c.skvq_recent, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_enum("skvq_rotation", c.skvq_rotation, rotation_names());
-  check_int("streaming_n_sink", c.streaming_n_sink, 0, kMax, ">= 0");
-  check_int("streaming_window", c.streaming_window, 1, kMax, ">= 1");
+  check_int("streaming_n_sink", c.streaming_n_sink, 0, kMaxCacheRows, ">= 0", kWhyRows);
+  check_int("streaming_window", c.streaming_window, 1, kMaxCacheRows, ">= 1", kWhyRows);
+  static_assert(
+      2 * kMaxCacheRows + 2 * kMaxCacheRows <= kMax,
+      "sums of a few bounded fields (window + recent, n_sink + window + slack) fit int64");
+}
+
+void check_cache_config(const CacheConfig& c) {
+  validate(c);
+  const CacheConfig d;
+  const json mine = all_fields_json(c), dflt = all_fields_json(d);
+  for (const auto& f : fields()) {
+    if (method_reads(c.method, f.name) || mine.at(f.name) == dflt.at(f.name)) continue;
+    fail(f.name,
+         "no setting with method " + c.method + " (it is read by " + readers_of(f.name) +
+             "; keys of " + c.method + ": " + allowed_keys(c.method) + ")",
+         mine.at(f.name).dump());
+  }
+  if (method_reads(c.method, "snap_budget") && c.snap_n_sink >= c.snap_budget)
+    fail("snap_n_sink",
+         "< snap_budget (" + std::to_string(c.snap_budget) +
+             ": the budget counts the sinks, and a budget of sinks only keeps no scored row)",
+         std::to_string(c.snap_n_sink));
 }
 
 void set_field(CacheConfig& cfg, const std::string& key, const std::string& value) {
@@ -349,6 +540,61 @@ void set_field(CacheConfig& cfg, const std::string& key, const std::string& valu
   if (!f) unknown_key(key);
   CacheConfig tmp = cfg;  // a malformed value leaves cfg untouched
   f->set_text(tmp, value);
+  cfg = std::move(tmp);
+}
+
+void apply_cache_arg(CacheConfig& cfg, const std::string& spec) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t colon = spec.find(':', start);
+    parts.push_back(
+        spec.substr(start, colon == std::string::npos ? std::string::npos : colon - start));
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  const std::string method = parts[0];
+  if (method.empty() || method.find('=') != std::string::npos)
+    throw Error("[cache_config] spec: expected the method first (\"snapkv:budget=256\") but got '" +
+                spec + "'");
+  check_method_known(method);
+
+  CacheConfig tmp = cfg;  // all or nothing
+  tmp.method = method;
+  std::set<std::string> seen;
+  const std::string in = " in '" + spec + "'";
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const auto [key, value] = split_assignment(parts[i], in);
+    if (normalize_key(key) == "method")
+      throw Error(
+          "[cache_config] spec: expected the method only before the first ':' but got "
+          "method=" +
+          value);
+    const Field& f = resolve_key(method, key);
+    if (!seen.insert(f.name).second)
+      throw Error("[cache_config] " + f.name + ": expected one value but got it twice" + in);
+    set_resolved(tmp, f, key, value);
+  }
+  cfg = std::move(tmp);
+}
+
+CacheConfig parse_cache_arg(const std::string& method_or_spec) {
+  CacheConfig cfg;
+  apply_cache_arg(cfg, method_or_spec);
+  check_cache_config(cfg);
+  return cfg;
+}
+
+CacheConfig config_from_spec(const std::string& spec) {
+  return parse_cache_arg(spec);
+}
+
+void apply_cache_option(CacheConfig& cfg, const std::string& key_eq_value) {
+  const auto [key, value] = split_assignment(key_eq_value, " (a --cache-opt)");
+  check_method_known(cfg.method);
+  const Field& f = resolve_key(cfg.method, key);
+  CacheConfig tmp = cfg;
+  set_resolved(tmp, f, key, value);
   cfg = std::move(tmp);
 }
 
@@ -363,83 +609,39 @@ CacheConfig config_from_json(const std::string& json_text) {
   if (!j.is_object())
     throw Error("[cache_config] expected a JSON object but got " + std::string(j.type_name()));
   CacheConfig cfg;
+  // The method first (wherever it appears): it decides which keys are allowed.
+  const bool has_method = j.contains("method");
+  if (has_method) {
+    find_field("method")->set_json(cfg, j.at("method"));
+    check_method_known(cfg.method);
+  }
   std::set<std::string> seen;
   for (const auto& [key, val] : j.items()) {
-    const Field* f = find_field(key);
-    if (!f) unknown_key(key);
+    if (key == "method") continue;
+    const Field* f = nullptr;
+    if (has_method) {
+      f = &resolve_key(cfg.method, key);
+    } else {
+      f = find_field(key);  // no method yet: full names of every method's fields
+      if (!f) unknown_key(key);
+    }
     if (!seen.insert(f->name).second)
       throw Error("[cache_config] " + f->name + ": expected one value but got it twice ('" + key +
                   "')");
     f->set_json(cfg, val);
   }
-  validate(cfg);
+  if (has_method)
+    check_cache_config(cfg);
+  else
+    validate(cfg);
   return cfg;
 }
 
 std::string config_to_json(const CacheConfig& cfg) {
   json j = json::object();
-  for (const auto& f : fields()) j[f.name] = f.get(cfg);
+  for (const auto& f : fields())
+    if (method_reads(cfg.method, f.name)) j[f.name] = f.get(cfg);
   return j.dump(2);
-}
-
-CacheConfig config_from_spec(const std::string& spec) {
-  std::vector<std::string> parts;
-  size_t start = 0;
-  while (true) {
-    const size_t colon = spec.find(':', start);
-    parts.push_back(
-        spec.substr(start, colon == std::string::npos ? std::string::npos : colon - start));
-    if (colon == std::string::npos) break;
-    start = colon + 1;
-  }
-  const std::string method = parts[0];
-  if (method.empty() || method.find('=') != std::string::npos)
-    throw Error("[cache_config] spec: expected the method first (\"snapkv:budget=256\") but got '" +
-                spec + "'");
-  const auto& methods = cache_methods();
-  if (std::find(methods.begin(), methods.end(), method) == methods.end())
-    fail("method", "one of " + join(methods), "'" + method + "'");
-
-  std::vector<std::string> prefixes;
-  if (method == "snapkv") prefixes = {"snap_"};
-  if (method == "skvq") prefixes = {"skvq_"};
-  if (method == "snapkv+skvq") prefixes = {"snap_", "skvq_"};
-  if (method == "streaming") prefixes = {"streaming_"};
-
-  CacheConfig cfg;
-  cfg.method = method;
-  std::set<std::string> seen;
-  for (size_t i = 1; i < parts.size(); ++i) {
-    const std::string& a = parts[i];
-    const size_t eq = a.find('=');
-    if (eq == std::string::npos || eq == 0)
-      throw Error("[cache_config] spec: expected key=value but got '" + a + "' in '" + spec + "'");
-    const std::string key = normalize_key(a.substr(0, eq));
-    const std::string value = a.substr(eq + 1);
-    if (key == "method")
-      throw Error(
-          "[cache_config] spec: expected the method only before the first ':' but got "
-          "method=" +
-          value);
-    const Field* f = find_field(key);
-    if (!f) {
-      std::vector<const Field*> hits;
-      for (const auto& p : prefixes)
-        if (const Field* g = find_field(p + key)) hits.push_back(g);
-      if (hits.size() > 1)
-        throw Error("[cache_config] spec: key '" + key + "' is ambiguous for " + method +
-                    ": expected one of " + hits[0]->name + ", " + hits[1]->name +
-                    " (use the full name)");
-      if (hits.empty()) unknown_key(key);
-      f = hits[0];
-    }
-    if (!seen.insert(f->name).second)
-      throw Error("[cache_config] " + f->name + ": expected one value but got it twice in '" +
-                  spec + "'");
-    f->set_text(cfg, value);
-  }
-  validate(cfg);
-  return cfg;
 }
 
 }  // namespace vq

@@ -72,7 +72,7 @@ class SkvqDeviceCache final : public DeviceKVCache {
     // Flush every chunk [q, q + w) with (n_total - q) >= w + recent.
     const int64_t n_total = offset_ + n_new;
     int64_t q_new = q_end_;
-    while (n_total - q_new >= w + s.recent) q_new += w;
+    while (n_total - q_new >= s.flush_span) q_new += w;
     if (q_new > q_end_) {
       const int64_t f = q_new - q_end_;  // tail rows flushed
       if (q_end_ == 0) {

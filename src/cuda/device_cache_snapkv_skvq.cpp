@@ -742,7 +742,7 @@ class SnapkvSkvqDeviceCache final : public DeviceKVCache {
   // packed store; the tail's rows stay where they are: the view may read them).
   void flush_tail() {
     const int64_t w = set_.window, F = batch_ * heads_, rb = row_bytes();
-    while (tcount_ >= w + set_.recent) {
+    while (tcount_ >= set_.flush_span) {
       packed_reserve(n_packed_ + w);
       for (int kv = 0; kv < 2; ++kv) {
         const int64_t stride = kv == 0 ? set_.fk.row_stride : set_.fv.row_stride;

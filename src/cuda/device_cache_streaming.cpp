@@ -5,12 +5,13 @@
 // Storage: keys and values [B, H, capacity, D] fp16 (bf16 when both inputs are bf16) in
 // cudaMalloc buffers; per (b, h) rows [0, n_sink_rows) are the sinks, rows [head, head + n_recent)
 // the recent run (positions offset - n_recent .. offset - 1), the same for every head, so a view
-// has at most two segments with implicit positions. Capacity follows the CPU's rules (steady size
-// sinks + window + slack; a prefill that grew the buffer gives it back after its step, the old
-// buffer retired until the next mutating call); moving the run back next to the sinks is a copy
-// into a fresh buffer (device copies may not overlap).
+// has at most two segments with implicit positions. Capacity follows the CPU's rules (grows by
+// doubling with the rows held up to the steady size sinks + window + slack; a prefill that grew
+// the buffer past it gives it back after its step, the old buffer retired until the next mutating
+// call); moving the run back next to the sinks is a copy into a fresh buffer (device copies may
+// not overlap). A failed allocation is a vq::Error naming streaming_window.
 // State: vq::StreamingCache's stream (settings, shape, offset, sink and recent counts, then the
-// sink rows and the recent run of K, then of V); a loaded cache has the steady capacity.
+// sink rows and the recent run of K, then of V); a loaded cache has room for its rows only.
 #include <algorithm>
 #include <climits>
 #include <istream>
@@ -38,6 +39,11 @@ class StreamingDeviceCache final : public DeviceKVCache {
              "[cuda streaming] streaming_n_sink: expected >= 0 but got " + std::to_string(n_sink_));
     VQ_CHECK(window_ >= 1,
              "[cuda streaming] streaming_window: expected >= 1 but got " + std::to_string(window_));
+    // The config's caps (positions fit int32), so steady_capacity() cannot wrap.
+    VQ_CHECK(n_sink_ <= kMaxCacheRows && window_ <= kMaxCacheRows,
+             "[cuda streaming] streaming_n_sink, streaming_window: expected <= " +
+                 std::to_string(kMaxCacheRows) + " but got " + std::to_string(n_sink_) + ", " +
+                 std::to_string(window_));
   }
 
   std::string method() const override { return "streaming"; }
@@ -143,7 +149,10 @@ class StreamingDeviceCache final : public DeviceKVCache {
     fresh.n_sink_rows_ = r.i64();
     fresh.n_recent_ = r.i64();
     fresh.head_ = fresh.n_sink_rows_;
-    fresh.capacity_ = fresh.has_data_ ? fresh.steady_capacity() : 0;
+    fresh.capacity_ =
+        fresh.has_data_
+            ? round_up(std::max<int64_t>(fresh.n_sink_rows_ + fresh.n_recent_, 1), kRowStep)
+            : 0;
     const int64_t F = batch_ * heads_, row_bytes = head_dim_ * 2;
     for (DeviceBuffer* buf : {&fresh.k_, &fresh.v_}) {
       const Tensor sinks = r.tensor(), run = r.tensor();
@@ -177,8 +186,25 @@ class StreamingDeviceCache final : public DeviceKVCache {
   // Sinks + recent run into a fresh buffer of new_cap rows (run at row n_sink_rows).
   void relocate(int64_t new_cap, bool retire_old) {
     const int64_t F = batch_ * heads_, row_bytes = head_dim_ * 2;
-    DeviceBuffer nk(static_cast<size_t>(F * new_cap * row_bytes));
-    DeviceBuffer nv(static_cast<size_t>(F * new_cap * row_bytes));
+    // [B, H, new_cap, D] twice; a size that does not fit or memory the device refuses is an error
+    // naming the window (nothing has changed yet).
+    int64_t frame = 0, bytes = 0;
+    const bool fits = !__builtin_mul_overflow(new_cap, row_bytes, &frame) &&
+                      !__builtin_mul_overflow(frame, F, &bytes);
+    auto refuse = [&](const std::string& why) {
+      throw Error("[cuda streaming] streaming_window: expected device memory for " +
+                  std::to_string(new_cap) + " rows per head (streaming_n_sink " +
+                  std::to_string(n_sink_) + ", streaming_window " + std::to_string(window_) +
+                  ") but " + why + "; a smaller streaming_window needs less");
+    };
+    if (!fits) refuse("the size does not fit 64 bits");
+    DeviceBuffer nk, nv;
+    try {
+      nk = DeviceBuffer(static_cast<size_t>(bytes));
+      nv = DeviceBuffer(static_cast<size_t>(bytes));
+    } catch (const Error& e) {
+      refuse(std::string("the allocation failed: ") + e.what());
+    }
     for (int kv = 0; kv < 2; ++kv) {
       DeviceBuffer& dst = kv == 0 ? nk : nv;
       const DeviceBuffer& src = kv == 0 ? k_ : v_;
@@ -202,11 +228,13 @@ class StreamingDeviceCache final : public DeviceKVCache {
   void make_room(int64_t extra) {
     if (head_ + n_recent_ + extra <= capacity_) return;
     const int64_t needed = n_sink_rows_ + n_recent_ + extra;
-    if (needed <= capacity_) {
+    if (needed <= capacity_ && capacity_ >= steady_capacity()) {
       relocate(capacity_, false);  // the CPU's in-place move, as a copy into a fresh buffer
       return;
     }
-    relocate(round_up(std::max(needed, steady_capacity()), kRowStep), false);
+    // Grow as the CPU cache does: double up to the steady size, or what a large prefill needs.
+    const int64_t target = std::max(needed, std::min(steady_capacity(), 2 * capacity_));
+    relocate(round_up(target, kRowStep), false);
   }
 
   CacheConfig cfg_;

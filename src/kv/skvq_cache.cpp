@@ -14,6 +14,7 @@
 #endif
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <fstream>
@@ -107,6 +108,13 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
   s.window = cfg.skvq_window;
   s.n_sink = cfg.skvq_n_sink;
   s.recent = cfg.skvq_recent;
+  // validate() bounds both by kMaxCacheRows; checked again here because a wrap would loop the
+  // flush frontier forever (issue 17).
+  VQ_CHECK(s.window <= kMaxCacheRows && s.recent <= kMaxCacheRows,
+           std::string("[") + op +
+               "] skvq_window, skvq_recent: expected <= " + std::to_string(kMaxCacheRows) +
+               " but got " + std::to_string(s.window) + ", " + std::to_string(s.recent));
+  s.flush_span = s.window + s.recent;
   s.max_ctx = cfg.skvq_max_ctx;
   s.rotate = cfg.skvq_rotation == Rotation::kHadamard;
   s.rotate_values = s.rotate && cfg.skvq_rotate_values;
@@ -165,33 +173,50 @@ void Settings::save(StateWriter& w) const {
   w.u64(rotation_seed);
 }
 
+namespace {
+
+// Bits as a user writes them: bits_x2 3 -> "1.5", 8 -> "4".
+std::string bits_text(int64_t bits_x2) {
+  return std::to_string(bits_x2 / 2) + (bits_x2 % 2 ? ".5" : "");
+}
+
+std::string bool_text(bool b) {
+  return b ? "true" : "false";
+}
+
+std::string f32_text(float v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(v));
+  return buf;
+}
+
+}  // namespace
+
 void Settings::check_saved(StateReader& r, const char* op) const {
-  auto check = [&](const char* field, int64_t saved, int64_t mine) {
-    if (saved != mine)
-      throw Error(std::string("[") + op + "] load: expected " + field + " " + std::to_string(mine) +
-                  " (this cache) but the state has " + std::to_string(saved) +
-                  "; nothing was changed");
+  // "[skvq] state was saved with skvq_bits_value=2 but this cache has 4; nothing was changed"
+  auto check = [&](const char* field, const std::string& saved, const std::string& mine) {
+    check_saved_setting(op, field, saved, mine);
   };
-  check("head_dim", r.i64(), head_dim);
-  check("skvq_window", r.i64(), window);
-  check("skvq_n_sink", r.i64(), n_sink);
-  check("skvq_recent", r.i64(), recent);
-  check("skvq_bits_key (x2)", r.u8(), fk.spec.bits_x2);
-  check("skvq_bits_value (x2)", r.u8(), fv.spec.bits_x2);
-  check("skvq_group_size", r.i64(), qk.group_size);
-  check("skvq_meta", r.u8(), static_cast<uint8_t>(qk.meta));
-  check("skvq_clip_search", r.boolean(), qk.clip_search);
+  auto num = [](int64_t v) { return std::to_string(v); };
+  check("head_dim", num(r.i64()), num(head_dim));
+  check("skvq_window", num(r.i64()), num(window));
+  check("skvq_n_sink", num(r.i64()), num(n_sink));
+  check("skvq_recent", num(r.i64()), num(recent));
+  check("skvq_bits_key", bits_text(r.u8()), bits_text(fk.spec.bits_x2));
+  check("skvq_bits_value", bits_text(r.u8()), bits_text(fv.spec.bits_x2));
+  check("skvq_group_size", num(r.i64()), num(qk.group_size));
+  check("skvq_meta", cache_enum_name("skvq_meta", r.u8()),
+        cache_enum_name("skvq_meta", static_cast<int64_t>(qk.meta)));
+  check("skvq_clip_search", bool_text(r.boolean()), bool_text(qk.clip_search));
   const float a = r.f32();
-  if (std::memcmp(&a, &qk.clip_alpha, 4) != 0)
-    throw Error(std::string("[") + op + "] load: expected skvq_clip_alpha " +
-                std::to_string(qk.clip_alpha) + " but the state has " + std::to_string(a));
-  check("skvq_reorder (effective)", r.boolean(), reorder);
-  check("skvq_rotation", r.boolean(), rotate);
-  check("skvq_rotate_values", r.boolean(), rotate_values);
-  const uint64_t seed = r.u64();
-  if (seed != rotation_seed)
-    throw Error(std::string("[") + op + "] load: expected skvq_rotation_seed " +
-                std::to_string(rotation_seed) + " but the state has " + std::to_string(seed));
+  if (std::memcmp(&a, &qk.clip_alpha, 4) != 0)  // bit-exact, as the quantizer uses it
+    check("skvq_clip_alpha",
+          f32_text(a) + (f32_text(a) == f32_text(qk.clip_alpha) ? " (bits)" : ""),
+          f32_text(qk.clip_alpha));
+  check("skvq_reorder", bool_text(r.boolean()), bool_text(reorder));
+  check("skvq_rotation", r.boolean() ? "hadamard" : "none", rotate ? "hadamard" : "none");
+  check("skvq_rotate_values", bool_text(r.boolean()), bool_text(rotate_values));
+  check("skvq_rotation_seed", std::to_string(r.u64()), std::to_string(rotation_seed));
 }
 
 // ---- Transforms -------------------------------------------------------------------------------
@@ -535,7 +560,7 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
   const int64_t bsz = st.batch, heads = st.heads, d = s.head_dim, w = s.window;
   const int64_t n_total = st.offset + n_new;
   int64_t q_new = st.q_end;
-  while (n_total - q_new >= w + s.recent) q_new += w;
+  while (n_total - q_new >= s.flush_span) q_new += w;
   const size_t es = dtype_size(st.dtype);
 
   // Row at position p of (b, h) in the storage dtype, as fp32.
@@ -785,7 +810,7 @@ void SkvqCache::load(std::istream& in) {
     ns->comp_k = r.i64();
     ns->comp_v = r.i64();
     const int64_t d = s.head_dim, bh = ns->batch * ns->heads;
-    VQ_CHECK(ns->q_end % s.window == 0 && ns->offset - ns->q_end < s.window + s.recent,
+    VQ_CHECK(ns->q_end % s.window == 0 && ns->offset - ns->q_end < s.flush_span,
              pre +
                  "expected a frontier at a whole chunk with fewer than window + recent rows "
                  "after it but got offset " +

@@ -28,6 +28,9 @@ struct Settings {
   int64_t window = 0;
   int64_t n_sink = 0;
   int64_t recent = 0;
+  // window + recent, computed once by from_config (both <= kMaxCacheRows, so no overflow): a chunk
+  // is flushed while the rows after its start number at least flush_span.
+  int64_t flush_span = 0;
   int64_t max_ctx = 0;  // 0 = unlimited
   bool reorder = true;  // false when rotation is on (rotation wins, see skvq_cache.h)
   bool rotate = false;

@@ -40,6 +40,12 @@ void check_params(const CacheConfig& cfg) {
   if (cfg.snap_n_sink < 0) fail("snap_n_sink", cfg.snap_n_sink, ">= 0");
   if (cfg.snap_pool_kernel < 1 || cfg.snap_pool_kernel % 2 == 0)
     fail("snap_pool_kernel", cfg.snap_pool_kernel, "an odd number >= 1");
+  // Upper bounds as validate() (positions fit int32), so sums such as j + kernel / 2 cannot wrap.
+  const std::string cap = "<= " + std::to_string(kMaxCacheRows);
+  if (cfg.snap_budget > kMaxCacheRows) fail("snap_budget", cfg.snap_budget, cap);
+  if (cfg.snap_obs_window > kMaxCacheRows) fail("snap_obs_window", cfg.snap_obs_window, cap);
+  if (cfg.snap_n_sink > kMaxCacheRows) fail("snap_n_sink", cfg.snap_n_sink, cap);
+  if (cfg.snap_pool_kernel > kMaxCacheRows) fail("snap_pool_kernel", cfg.snap_pool_kernel, cap);
 }
 
 }  // namespace
@@ -279,22 +285,27 @@ void write_snapkv_settings(StateWriter& w, const CacheConfig& c) {
 
 namespace {
 
-void expect_setting(const char* field, int64_t mine, int64_t file) {
-  VQ_CHECK(mine == file, std::string("[load_state] snapkv: expected ") + field + " " +
-                             std::to_string(mine) + " (this cache's config) but the file has " +
-                             std::to_string(file));
+// "[snapkv] state was saved with snap_budget=64 but this cache has 65; nothing was changed"
+void expect_number(const char* field, int64_t mine, int64_t file) {
+  check_saved_setting("snapkv", field, std::to_string(file), std::to_string(mine));
+}
+
+void expect_named(const char* field, int64_t mine, int64_t file) {
+  check_saved_setting("snapkv", field, cache_enum_name(field, file), cache_enum_name(field, mine));
 }
 
 void read_settings(StateReader& r, const CacheConfig& c) {
-  expect_setting("snap_budget", c.snap_budget, r.i64());
-  expect_setting("snap_obs_window", c.snap_obs_window, r.i64());
-  expect_setting("snap_n_sink", c.snap_n_sink, r.i64());
-  expect_setting("snap_dtype", static_cast<int64_t>(c.snap_dtype), r.u8());
-  expect_setting("snap_scoring", static_cast<int64_t>(c.snap_scoring), r.u8());
-  expect_setting("snap_pool_kernel", c.snap_pool_kernel, r.i64());
-  expect_setting("snap_pool", static_cast<int64_t>(c.snap_pool), r.u8());
-  expect_setting("snap_keep_window", c.snap_keep_window ? 1 : 0, r.boolean() ? 1 : 0);
-  expect_setting("snap_evict_at", static_cast<int64_t>(c.snap_evict_at), r.u8());
+  expect_number("snap_budget", c.snap_budget, r.i64());
+  expect_number("snap_obs_window", c.snap_obs_window, r.i64());
+  expect_number("snap_n_sink", c.snap_n_sink, r.i64());
+  expect_named("snap_dtype", static_cast<int64_t>(c.snap_dtype), r.u8());
+  expect_named("snap_scoring", static_cast<int64_t>(c.snap_scoring), r.u8());
+  expect_number("snap_pool_kernel", c.snap_pool_kernel, r.i64());
+  expect_named("snap_pool", static_cast<int64_t>(c.snap_pool), r.u8());
+  const bool keep_window = r.boolean();
+  check_saved_setting("snapkv", "snap_keep_window", keep_window ? "true" : "false",
+                      c.snap_keep_window ? "true" : "false");
+  expect_named("snap_evict_at", static_cast<int64_t>(c.snap_evict_at), r.u8());
 }
 
 }  // namespace

@@ -344,7 +344,7 @@ void evict_frame(SnapSkvqState& st, const Settings& s, const CacheConfig& cfg,
 // Packs the tail's oldest `window` rows while it holds >= window + recent.
 void flush_tail(SnapSkvqState& st, const Settings& s) {
   const int64_t bsz = st.batch, heads = st.heads, d = s.head_dim, w = s.window;
-  while (st.tail.count >= w + s.recent) {
+  while (st.tail.count >= s.flush_span) {
     auto blk = std::make_unique<PackedBlock>();
     blk->rows = w;
     const int64_t bh_total = bsz * heads;
@@ -649,21 +649,24 @@ void SnapkvSkvqCache::load(std::istream& in) {
   StateReader r(in, method());
   s.check_saved(r, kOp);
   const std::string pre = "[snapkv+skvq] load: ";
-  auto check = [&](const char* field, int64_t saved, int64_t mine) {
-    if (saved != mine)
-      throw Error(pre + "expected " + field + " " + std::to_string(mine) +
-                  " (this cache) but the state has " + std::to_string(saved) +
-                  "; nothing was changed");
+  // "[snapkv+skvq] state was saved with snap_budget=64 but this cache has 65; nothing was changed"
+  auto num = [&](const char* field, int64_t saved, int64_t mine) {
+    check_saved_setting(kOp, field, std::to_string(saved), std::to_string(mine));
   };
-  check("snap_budget", r.i64(), c.snap_budget);
-  check("snap_obs_window", r.i64(), c.snap_obs_window);
-  check("snap_n_sink", r.i64(), c.snap_n_sink);
-  check("snap_pool_kernel", r.i64(), c.snap_pool_kernel);
-  check("snap_pool", r.u8(), static_cast<uint8_t>(c.snap_pool));
-  check("snap_keep_window", r.boolean(), c.snap_keep_window);
-  check("snap_scoring", r.u8(), static_cast<uint8_t>(c.snap_scoring));
-  check("snap_dtype", r.u8(), static_cast<uint8_t>(c.snap_dtype));
-  check("snap_evict_at", r.u8(), static_cast<uint8_t>(c.snap_evict_at));
+  auto named = [&](const char* field, int64_t saved, int64_t mine) {
+    check_saved_setting(kOp, field, cache_enum_name(field, saved), cache_enum_name(field, mine));
+  };
+  num("snap_budget", r.i64(), c.snap_budget);
+  num("snap_obs_window", r.i64(), c.snap_obs_window);
+  num("snap_n_sink", r.i64(), c.snap_n_sink);
+  num("snap_pool_kernel", r.i64(), c.snap_pool_kernel);
+  named("snap_pool", r.u8(), static_cast<uint8_t>(c.snap_pool));
+  const bool keep_window = r.boolean();
+  check_saved_setting(kOp, "snap_keep_window", keep_window ? "true" : "false",
+                      c.snap_keep_window ? "true" : "false");
+  named("snap_scoring", r.u8(), static_cast<uint8_t>(c.snap_scoring));
+  named("snap_dtype", r.u8(), static_cast<uint8_t>(c.snap_dtype));
+  named("snap_evict_at", r.u8(), static_cast<uint8_t>(c.snap_evict_at));
   auto ns = std::make_unique<SnapSkvqState>();
   ns->has_data = r.boolean();
   if (ns->has_data) {
@@ -721,7 +724,7 @@ void SnapkvSkvqCache::load(std::istream& in) {
                  std::to_string(ns->win.hq) + " heads and " + std::to_string(ns->win.rows) +
                  " rows but got " + std::to_string(ns->win.q.size()) + " values");
     // A pending prompt keeps every row at full precision until its selection and flush.
-    VQ_CHECK(ns->pending || ns->tail.count < s.window + s.recent,
+    VQ_CHECK(ns->pending || ns->tail.count < s.flush_span,
              pre + "expected fewer than window + recent full-precision tail rows");
     // Positions strictly ascending per (b, h) and below offset.
     for (int64_t b = 0; b < ns->batch; ++b)

@@ -6,7 +6,9 @@
 // two parts touch (head_ == n_sink_rows_, positions 0 .. offset_ - 1) and the view is one segment.
 // Eviction only advances head_ (the bytes of the returned view are never touched); a prefill call
 // that left the buffer larger than the steady capacity copies the survivors into a fresh buffer and
-// keeps the old one alive until the next mutating call. Byte figures: 2 bytes per element.
+// keeps the old one alive until the next mutating call. The buffer grows by doubling up to the
+// steady capacity (make_room), so memory follows the rows held, not the configured window.
+// Byte figures: 2 bytes per element.
 #include "veloxquant/streaming_cache.h"
 
 #include <algorithm>
@@ -14,7 +16,10 @@
 #include <climits>
 #include <cstring>
 #include <istream>
+#include <limits>
+#include <new>
 #include <ostream>
+#include <stdexcept>
 #include <string>
 
 #include "veloxquant/binary_io.h"
@@ -26,6 +31,11 @@ namespace {
 std::string shape_str(const std::array<int64_t, 4>& s) {
   return "[" + std::to_string(s[0]) + ", " + std::to_string(s[1]) + ", " + std::to_string(s[2]) +
          ", " + std::to_string(s[3]) + "]";
+}
+
+// a * b for non-negative a, b; false when the product does not fit int64.
+bool mul_fits(int64_t a, int64_t b, int64_t* out) {
+  return !__builtin_mul_overflow(a, b, out);
 }
 
 }  // namespace
@@ -41,14 +51,19 @@ StreamingCache::StreamingCache(const CacheConfig& cfg)
            "[streaming] streaming_n_sink: expected >= 0 but got " + std::to_string(n_sink_));
   VQ_CHECK(window_ >= 1,
            "[streaming] streaming_window: expected >= 1 but got " + std::to_string(window_));
-}
-
-// Sinks + window + slack rows. The slack (a quarter window, at least one step) is how many decode
-// appends fit before the run must be moved back: a move copies `window` rows, so the amortised
-// cost is at most window / slack <= 4 row copies per decode step, whatever the context length.
-int64_t StreamingCache::steady_capacity() const {
+  // The config's caps (positions fit int32), so the sum below cannot wrap.
+  VQ_CHECK(n_sink_ <= kMaxCacheRows,
+           "[streaming] streaming_n_sink: expected <= " + std::to_string(kMaxCacheRows) +
+               " but got " + std::to_string(n_sink_));
+  VQ_CHECK(window_ <= kMaxCacheRows,
+           "[streaming] streaming_window: expected <= " + std::to_string(kMaxCacheRows) +
+               " but got " + std::to_string(window_));
+  // Sinks + window + slack rows. The slack (a quarter window, at least one step) is how many
+  // decode appends fit before the run must be moved back: a move copies `window` rows, so the
+  // amortised cost is at most window / slack <= 4 row copies per decode step, whatever the
+  // context length. At most ~2.5 * 2^31 rows: no overflow.
   const int64_t slack = std::max(kRowStep, round_up(window_ / 4, kRowStep));
-  return round_up(n_sink_ + window_ + slack, kRowStep);
+  steady_cap_ = round_up(n_sink_ + window_ + slack, kRowStep);
 }
 
 void StreamingCache::check_input(const TensorView& keys, const TensorView& values) const {
@@ -75,8 +90,28 @@ void StreamingCache::check_input(const TensorView& keys, const TensorView& value
 void StreamingCache::relocate(int64_t new_cap, bool retire_old) {
   const int64_t bh_total = batch_ * heads_;
   const int64_t d = head_dim_;
-  std::vector<uint16_t> nk(static_cast<size_t>(bh_total * new_cap * d));
-  std::vector<uint16_t> nv(nk.size());
+  // [B, H, new_cap, D] twice: a product that does not fit, or memory the system refuses, is an
+  // error naming the window (nothing has changed yet).
+  int64_t per_head = 0, elems = 0;
+  const bool fits = mul_fits(new_cap, d, &per_head) && mul_fits(per_head, bh_total, &elems) &&
+                    elems <= std::numeric_limits<int64_t>::max() / 4;
+  auto refuse = [&](const std::string& why) {
+    throw Error("[streaming] streaming_window: expected memory for " + std::to_string(new_cap) +
+                " rows of [" + std::to_string(batch_) + ", " + std::to_string(heads_) + ", rows, " +
+                std::to_string(d) + "] fp16 keys and values (streaming_n_sink " +
+                std::to_string(n_sink_) + ", streaming_window " + std::to_string(window_) +
+                ") but " + why + "; a smaller streaming_window needs less");
+  };
+  if (!fits) refuse("the size does not fit 64 bits");
+  std::vector<uint16_t> nk, nv;
+  try {
+    nk.resize(static_cast<size_t>(elems));
+    nv.resize(static_cast<size_t>(elems));
+  } catch (const std::bad_alloc&) {
+    refuse("allocating " + std::to_string(elems * 4) + " bytes failed");
+  } catch (const std::length_error&) {
+    refuse("allocating " + std::to_string(elems * 4) + " bytes failed");
+  }
   for (int64_t bh = 0; bh < bh_total; ++bh) {
     const size_t src = static_cast<size_t>(bh * capacity_ * d);
     const size_t dst = static_cast<size_t>(bh * new_cap * d);
@@ -105,7 +140,7 @@ void StreamingCache::relocate(int64_t new_cap, bool retire_old) {
 void StreamingCache::make_room(int64_t extra) {
   if (head_ + n_recent_ + extra <= capacity_) return;
   const int64_t needed = n_sink_rows_ + n_recent_ + extra;
-  if (needed <= capacity_) {
+  if (needed <= capacity_ && capacity_ >= steady_cap_) {
     // Move the run back next to the sinks (memmove: the ranges may overlap).
     const int64_t d = head_dim_;
     for (int64_t bh = 0; bh < batch_ * heads_; ++bh) {
@@ -117,7 +152,10 @@ void StreamingCache::make_room(int64_t extra) {
     head_ = n_sink_rows_;
     return;
   }
-  relocate(round_up(std::max(needed, steady_capacity()), kRowStep), /*retire_old=*/false);
+  // Grow: double (amortised O(1) copies per appended row) up to the steady capacity; a prefill
+  // call larger than that gets what it needs (given back after the step's trim).
+  const int64_t target = std::max(needed, std::min(steady_cap_, 2 * capacity_));
+  relocate(round_up(target, kRowStep), /*retire_old=*/false);
 }
 
 CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorView& values,
@@ -128,7 +166,8 @@ CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorV
   std::vector<uint16_t>().swap(retired_k_);
   std::vector<uint16_t>().swap(retired_v_);
 
-  if (!has_data_) {
+  const bool first = !has_data_;
+  if (first) {
     batch_ = keys.shape[0];
     heads_ = keys.shape[1];
     head_dim_ = keys.shape[3];
@@ -138,7 +177,16 @@ CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorV
   }
 
   const int64_t s = keys.shape[2];
-  make_room(s);
+  try {
+    make_room(s);  // may refuse the memory: then nothing has changed
+  } catch (const Error&) {
+    if (first) {
+      has_data_ = false;
+      batch_ = heads_ = head_dim_ = 0;
+      dtype_ = DType::kF16;
+    }
+    throw;
+  }
   const int64_t d = head_dim_;
   for (int64_t b = 0; b < batch_; ++b)
     for (int64_t h = 0; h < heads_; ++h) {
@@ -166,7 +214,7 @@ CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorV
     head_ += n_recent_ - window_;
     n_recent_ = window_;
     // A prefill call may have grown the buffer past the steady size: give the memory back.
-    if (s > 1 && capacity_ > steady_capacity()) relocate(steady_capacity(), /*retire_old=*/true);
+    if (s > 1 && capacity_ > steady_cap_) relocate(steady_cap_, /*retire_old=*/true);
   }
   return view;
 }
@@ -283,11 +331,11 @@ void StreamingCache::load(std::istream& in) {
   StateReader r(in, method());  // checksum and method verified before any field is read
   const int64_t n_sink = r.i64();
   const int64_t window = r.i64();
-  VQ_CHECK(n_sink == n_sink_ && window == window_,
-           "[load_state] streaming: expected streaming_n_sink " + std::to_string(n_sink_) +
-               " and streaming_window " + std::to_string(window_) +
-               " (this cache's config) but the file has " + std::to_string(n_sink) + " and " +
-               std::to_string(window));
+  // "[streaming] state was saved with streaming_window=6 but this cache has 5; ..."
+  check_saved_setting("streaming", "streaming_n_sink", std::to_string(n_sink),
+                      std::to_string(n_sink_));
+  check_saved_setting("streaming", "streaming_window", std::to_string(window),
+                      std::to_string(window_));
   const bool has_data = r.boolean();
   const uint8_t dt = r.u8();
   VQ_CHECK(dt == static_cast<uint8_t>(DType::kF16) || dt == static_cast<uint8_t>(DType::kBF16),
@@ -333,7 +381,8 @@ void StreamingCache::load(std::istream& in) {
   fresh.n_sink_rows_ = n_sink_rows;
   fresh.n_recent_ = n_recent;
   fresh.head_ = n_sink_rows;
-  fresh.capacity_ = has_data ? fresh.steady_capacity() : 0;
+  // Room for the rows held (the buffer grows from there like a live one's).
+  fresh.capacity_ = has_data ? round_up(std::max<int64_t>(n_sink_rows + n_recent, 1), kRowStep) : 0;
   const int64_t cap = fresh.capacity_;
   fresh.k_.assign(static_cast<size_t>(batch * heads * cap * head_dim), 0);
   fresh.v_.assign(fresh.k_.size(), 0);

@@ -67,32 +67,6 @@ MatmulPrecision matmul_from_string(const std::string& s) {
   throw Error("[generate] --matmul: expected exact or bf16 but got " + s);
 }
 
-// key=value with the key as a config field, or without its method prefix (budget ->
-// snap_budget for snapkv, bits_key -> skvq_bits_key, window -> streaming_window ...).
-void apply_cache_opt(CacheConfig& cfg, const std::string& opt) {
-  const size_t eq = opt.find('=');
-  if (eq == std::string::npos || eq == 0)
-    throw Error("[generate] --cache-opt: expected key=value but got '" + opt + "'");
-  const std::string key = opt.substr(0, eq), value = opt.substr(eq + 1);
-  try {
-    set_field(cfg, key, value);
-    return;
-  } catch (const Error& first) {
-    std::vector<std::string> prefixes;
-    if (cfg.method.find("snapkv") != std::string::npos) prefixes.push_back("snap_");
-    if (cfg.method.find("skvq") != std::string::npos) prefixes.push_back("skvq_");
-    if (cfg.method == "streaming") prefixes.push_back("streaming_");
-    for (const auto& p : prefixes) {
-      try {
-        set_field(cfg, p + key, value);
-        return;
-      } catch (const Error&) {
-      }
-    }
-    throw;
-  }
-}
-
 std::vector<int32_t> parse_ids(const std::string& s) {
   std::vector<int32_t> ids;
   std::stringstream ss(s);
@@ -156,8 +130,9 @@ int run_generate(const GenerateArgs& a) {
   CacheConfig cfg;
   if (!a.cache_config.empty())
     cfg = config_from_json(read_text_file(a.cache_config, "generate", "--cache-config"));
-  if (!a.cache.empty()) cfg.method = a.cache;
-  for (const auto& o : a.cache_opts) apply_cache_opt(cfg, o);
+  if (!a.cache.empty()) apply_cache_arg(cfg, a.cache);  // a method or a compact spec
+  for (const auto& o : a.cache_opts) apply_cache_option(cfg, o);
+  check_cache_config(cfg);
   auto caches = model->make_caches(cfg);
 
   // Prompt.
@@ -318,7 +293,9 @@ void add_generate_command(CLI::App& app, int* status) {
   cmd->add_option("--model", a->model_dir,
                   "model folder (config.json, safetensors, tokenizer.json); default: the shipped "
                   "model");
-  cmd->add_option("--cache", a->cache, "cache method: full, snapkv, skvq, snapkv+skvq, streaming");
+  cmd->add_option("--cache", a->cache,
+                  "cache method (full, snapkv, skvq, snapkv+skvq, streaming) or compact spec, e.g. "
+                  "skvq:bits_key=4:bits_value=4");
   cmd->add_option("--cache-opt", a->cache_opts,
                   "cache field as key=value (repeatable), e.g. snap_budget=256 or budget=256");
   cmd->add_option("--cache-config", a->cache_config, "cache config JSON file");
