@@ -1,7 +1,7 @@
 // Device caches that are the CPU policies themselves (docs/design.md §3): a cache policy
-// (vq::FullCache, vq::SnapKVCache) built over the CUDA row backend, behind the DeviceKVCache
-// interface. The policy's views already point at device memory; they are handed out as
-// DeviceCacheViews without a copy (one DeviceSegment per full-precision segment, capacity taken
+// (vq::FullCache, vq::SnapKVCache, vq::StreamingCache) built over the CUDA row backend, behind the
+// DeviceKVCache interface. The policy's views already point at device memory; they are handed out
+// as DeviceCacheViews without a copy (one DeviceSegment per full-precision segment, capacity taken
 // from the view's strides). The adapter adds what a device cache promises beyond the policy: B, H
 // and D fixed at construction (checked on every block and on load) and the device messages.
 #include <istream>
@@ -14,6 +14,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
 #include "veloxquant/snapkv_cache.h"
+#include "veloxquant/streaming_cache.h"
 
 namespace vq::cuda {
 namespace {
@@ -118,6 +119,15 @@ std::unique_ptr<DeviceKVCache> make_device_full_cache(const CacheConfig& cfg, in
 std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, int64_t b,
                                                         int64_t h, int64_t d, Stream s) {
   return std::make_unique<PolicyDeviceCache<SnapKVCache>>(cfg, b, h, d, s);
+}
+
+}  // namespace vq::cuda
+
+namespace vq::cuda {
+
+std::unique_ptr<DeviceKVCache> make_device_streaming_cache(const CacheConfig& cfg, int64_t b,
+                                                           int64_t h, int64_t d, Stream s) {
+  return std::make_unique<PolicyDeviceCache<StreamingCache>>(cfg, b, h, d, s);
 }
 
 }  // namespace vq::cuda

@@ -42,12 +42,24 @@ class CudaRowStore final : public kv::RowStore {
     }
   }
 
-  void copy_rows(const kv::RowStore& src, int64_t n) override {
+  void copy_range(const kv::RowStore& src, int64_t src_row0, int64_t dst_row0, int64_t n) override {
+    if (n <= 0) return;
     const int64_t F = shape_.frames(), rb = shape_.row_bytes();
-    detail::copy_frames(k_, capacity_, 0, src_k(src), src.capacity(), 0, F, n, rb, stream_);
-    detail::copy_frames(v_, capacity_, 0, src_v(src), src.capacity(), 0, F, n, rb, stream_);
+    if (&src == this && src_row0 != dst_row0 &&
+        std::max(src_row0, dst_row0) < std::min(src_row0, dst_row0) + n) {
+      // Device copies may not overlap: through a scratch of n rows per frame.
+      CudaRowStore tmp(shape_, n, pos_ != nullptr, stream_);
+      tmp.copy_range(*this, src_row0, 0, n);
+      copy_range(tmp, 0, dst_row0, n);
+      return;  // tmp synchronises before its memory is freed
+    }
+    detail::copy_frames(k_, capacity_, dst_row0, src_k(src), src.capacity(), src_row0, F, n, rb,
+                        stream_);
+    detail::copy_frames(v_, capacity_, dst_row0, src_v(src), src.capacity(), src_row0, F, n, rb,
+                        stream_);
     if (pos_ && src.positions())
-      detail::copy_frames(pos_, capacity_, 0, src.positions(), src.capacity(), 0, F, n, 4, stream_);
+      detail::copy_frames(pos_, capacity_, dst_row0, src.positions(), src.capacity(), src_row0, F,
+                          n, 4, stream_);
   }
 
   void write_block(const TensorView& keys, const TensorView& values, int64_t s0, int64_t n,
@@ -87,9 +99,9 @@ class CudaRowStore final : public kv::RowStore {
     }
   }
 
-  Tensor download(bool values, int64_t n) const override {
+  Tensor download(bool values, int64_t row0, int64_t n) const override {
     return detail::download_rows(values ? v_ : k_, shape_.dtype, shape_.batch, shape_.heads, n,
-                                 shape_.head_dim, capacity_, 0, stream_);
+                                 shape_.head_dim, capacity_, row0, stream_);
   }
 
   std::vector<int32_t> download_positions(int64_t n) const override {
@@ -99,14 +111,14 @@ class CudaRowStore final : public kv::RowStore {
     return out;
   }
 
-  void upload(const TensorView& keys, const TensorView& values, int64_t n,
+  void upload(const TensorView& keys, const TensorView& values, int64_t row0, int64_t n,
               const std::vector<int32_t>* positions) override {
     if (n <= 0) return;
     const int64_t F = shape_.frames(), rb = shape_.row_bytes();
-    detail::upload_frames(k_, capacity_, 0, keys.data, n, F, n, rb, stream_);
-    detail::upload_frames(v_, capacity_, 0, values.data, n, F, n, rb, stream_);
+    detail::upload_frames(k_, capacity_, row0, keys.data, n, F, n, rb, stream_);
+    detail::upload_frames(v_, capacity_, row0, values.data, n, F, n, rb, stream_);
     if (positions && pos_)
-      detail::upload_frames(pos_, capacity_, 0, positions->data(), n, F, n, 4, stream_);
+      detail::upload_frames(pos_, capacity_, row0, positions->data(), n, F, n, 4, stream_);
   }
 
   int64_t resident_bytes() const override {

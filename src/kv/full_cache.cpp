@@ -209,7 +209,7 @@ void FullCache::load(std::istream& in) {
     r.expect_end();
     State full = with_capacity(s, round_up(s.offset, kStep));
     full.offset = s.offset;
-    full.rows->upload(k.view(), v.view(), s.offset, nullptr);
+    full.rows->upload(k.view(), v.view(), 0, s.offset, nullptr);
     st_ = std::move(full);
     return;
   }

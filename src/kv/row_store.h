@@ -48,9 +48,12 @@ class RowStore {
   int64_t capacity() const { return capacity_; }
   bool has_positions() const { return with_pos_; }
 
-  // Rows [0, n) of every frame (and their positions, when both stores have them) from src, a
-  // store of the same backend and shape with capacity >= n; n <= capacity().
-  virtual void copy_rows(const RowStore& src, int64_t n) = 0;
+  // Rows [src_row0, src_row0 + n) of every frame of src (and their positions, when both stores
+  // have them) to rows [dst_row0, dst_row0 + n) of this store. src is a store of the same backend
+  // and shape, or this store itself (the ranges may then overlap).
+  virtual void copy_range(const RowStore& src, int64_t src_row0, int64_t dst_row0, int64_t n) = 0;
+  // Rows [0, n) of every frame from src (growth).
+  void copy_rows(const RowStore& src, int64_t n) { copy_range(src, 0, 0, n); }
   // Rows [s0, s0 + n) of blocks keys / values [B, H, S, D] (any float dtype and element strides,
   // memory of this store's device) converted into rows [row0, row0 + n) of every frame.
   virtual void write_block(const TensorView& keys, const TensorView& values, int64_t s0, int64_t n,
@@ -67,12 +70,14 @@ class RowStore {
   // positions [F, capacity] from row 0, or nullptr.
   const int32_t* positions() const { return pos_; }
 
-  // Host copies of rows [0, n) of every frame: [B, H, n, D] contiguous, and positions [F, n].
-  virtual Tensor download(bool values, int64_t n) const = 0;
+  // Host copies of rows [row0, row0 + n) of every frame: [B, H, n, D] contiguous; positions of
+  // rows [0, n): [F, n].
+  virtual Tensor download(bool values, int64_t row0, int64_t n) const = 0;
+  Tensor download(bool values, int64_t n) const { return download(values, 0, n); }
   virtual std::vector<int32_t> download_positions(int64_t n) const = 0;
-  // Rows [0, n) of every frame from host tensors [B, H, n, D] of the store's dtype (contiguous),
-  // positions from host [F, n] when given.
-  virtual void upload(const TensorView& keys, const TensorView& values, int64_t n,
+  // Rows [row0, row0 + n) of every frame from host tensors [B, H, n, D] of the store's dtype
+  // (contiguous), positions from host [F, n] when given.
+  virtual void upload(const TensorView& keys, const TensorView& values, int64_t row0, int64_t n,
                       const std::vector<int32_t>* positions) = 0;
 
   // Bytes this store's allocations hold.

@@ -76,15 +76,17 @@ class CpuRowStore final : public RowStore {
   char* krow(int64_t f, int64_t i) const { return row(k_, f, i); }
   char* vrow(int64_t f, int64_t i) const { return row(v_, f, i); }
 
-  void copy_rows(const RowStore& src_base, int64_t n) override {
+  void copy_range(const RowStore& src_base, int64_t src_row0, int64_t dst_row0,
+                  int64_t n) override {
     const auto& src = static_cast<const CpuRowStore&>(src_base);
     const size_t rb = static_cast<size_t>(shape_.row_bytes());
+    // memmove: src may be this store with overlapping ranges.
     for (int64_t f = 0; f < shape_.frames() && n > 0; ++f) {
-      std::memcpy(krow(f, 0), src.krow(f, 0), rb * static_cast<size_t>(n));
-      std::memcpy(vrow(f, 0), src.vrow(f, 0), rb * static_cast<size_t>(n));
+      std::memmove(krow(f, dst_row0), src.krow(f, src_row0), rb * static_cast<size_t>(n));
+      std::memmove(vrow(f, dst_row0), src.vrow(f, src_row0), rb * static_cast<size_t>(n));
       if (pos_ && src.pos_)
-        std::memcpy(pos_ + f * capacity_, src.pos_ + f * src.capacity_,
-                    sizeof(int32_t) * static_cast<size_t>(n));
+        std::memmove(pos_ + f * capacity_ + dst_row0, src.pos_ + f * src.capacity_ + src_row0,
+                     sizeof(int32_t) * static_cast<size_t>(n));
     }
   }
 
@@ -123,12 +125,12 @@ class CpuRowStore final : public RowStore {
       }
   }
 
-  Tensor download(bool values, int64_t n) const override {
+  Tensor download(bool values, int64_t row0, int64_t n) const override {
     Tensor t(shape_.dtype, shape_.batch, shape_.heads, n, shape_.head_dim);
     const size_t rb = static_cast<size_t>(shape_.row_bytes());
     for (int64_t f = 0; f < shape_.frames() && n > 0; ++f)
       std::memcpy(static_cast<char*>(t.data()) + static_cast<size_t>(f * n) * rb,
-                  values ? vrow(f, 0) : krow(f, 0), rb * static_cast<size_t>(n));
+                  values ? vrow(f, row0) : krow(f, row0), rb * static_cast<size_t>(n));
     return t;
   }
 
@@ -140,17 +142,18 @@ class CpuRowStore final : public RowStore {
     return out;
   }
 
-  void upload(const TensorView& keys, const TensorView& values, int64_t n,
+  void upload(const TensorView& keys, const TensorView& values, int64_t row0, int64_t n,
               const std::vector<int32_t>* positions) override {
     const size_t rb = static_cast<size_t>(shape_.row_bytes());
     for (int64_t f = 0; f < shape_.frames() && n > 0; ++f) {
-      std::memcpy(krow(f, 0), static_cast<const char*>(keys.data) + static_cast<size_t>(f * n) * rb,
+      std::memcpy(krow(f, row0),
+                  static_cast<const char*>(keys.data) + static_cast<size_t>(f * n) * rb,
                   rb * static_cast<size_t>(n));
-      std::memcpy(vrow(f, 0),
+      std::memcpy(vrow(f, row0),
                   static_cast<const char*>(values.data) + static_cast<size_t>(f * n) * rb,
                   rb * static_cast<size_t>(n));
       if (positions && pos_)
-        std::memcpy(pos_ + f * capacity_, positions->data() + f * n,
+        std::memcpy(pos_ + f * capacity_ + row0, positions->data() + f * n,
                     sizeof(int32_t) * static_cast<size_t>(n));
     }
   }

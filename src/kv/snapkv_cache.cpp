@@ -141,8 +141,10 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   const int64_t s = keys.shape[2];
   const int64_t n_old = n_sel_ + n_tail_;
   reserve_rows(n_old + s);
-  rows_->write_block(keys, values, 0, s, n_old);
-  rows_->fill_positions(n_old, s, offset_);
+  if (s > 0) {
+    rows_->write_block(keys, values, 0, s, n_old);
+    rows_->fill_positions(n_old, s, offset_);
+  }
   n_tail_ += s;
   offset_ += s;
 
@@ -409,7 +411,7 @@ void SnapKVCache::load(std::istream& in) {
       for (int64_t j = 0; j < n_tail; ++j)
         pos[bh * n + n_sel + j] = static_cast<int32_t>(offset - n_tail + j);
     }
-    rows->upload(keys.view(), values.view(), n, &pos);
+    rows->upload(keys.view(), values.view(), 0, n, &pos);
   }
   std::unique_ptr<kv::QueryRows> win;
   if (win_rows > 0) win = backend_->upload_queries(batch, win_hq, win_rows, head_dim, win_q);

@@ -1,6 +1,7 @@
 // StreamingLLM baseline cache: sinks + most recent window (see veloxquant/streaming_cache.h).
 //
-// Layout: k_, v_ are [B, H, capacity_, D] raw fp16/bf16 bits; per (b, h) rows [0, n_sink_rows_)
+// A policy over a row store (src/kv/row_store.h): the same code whatever device holds the rows.
+// Layout: one store [B, H, capacity_, D] of fp16/bf16 rows; per (b, h) rows [0, n_sink_rows_)
 // hold positions 0 .. n_sink_rows_ - 1 and rows [head_, head_ + n_recent_) hold the contiguous run
 // offset_ - n_recent_ .. offset_ - 1 (the same positions for every head). Before any eviction the
 // two parts touch (head_ == n_sink_rows_, positions 0 .. offset_ - 1) and the view is one segment.
@@ -22,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kv/row_store.h"
 #include "veloxquant/binary_io.h"
 #include "veloxquant/error.h"
 
@@ -45,8 +47,12 @@ std::unique_ptr<KVCache> make_streaming_cache(const CacheConfig& cfg) {
   return std::make_unique<StreamingCache>(cfg);
 }
 
-StreamingCache::StreamingCache(const CacheConfig& cfg)
-    : n_sink_(cfg.streaming_n_sink), window_(cfg.streaming_window) {
+StreamingCache::StreamingCache(const CacheConfig& cfg) : StreamingCache(cfg, kv::cpu_backend()) {}
+
+StreamingCache::~StreamingCache() = default;
+
+StreamingCache::StreamingCache(const CacheConfig& cfg, const kv::RowBackend& backend)
+    : backend_(&backend), n_sink_(cfg.streaming_n_sink), window_(cfg.streaming_window) {
   VQ_CHECK(n_sink_ >= 0,
            "[streaming] streaming_n_sink: expected >= 0 but got " + std::to_string(n_sink_));
   VQ_CHECK(window_ >= 1,
@@ -103,36 +109,20 @@ void StreamingCache::relocate(int64_t new_cap, bool retire_old) {
                 ") but " + why + "; a smaller streaming_window needs less");
   };
   if (!fits) refuse("the size does not fit 64 bits");
-  std::vector<uint16_t> nk, nv;
+  std::unique_ptr<kv::RowStore> fresh;
   try {
-    nk.resize(static_cast<size_t>(elems));
-    nv.resize(static_cast<size_t>(elems));
+    fresh = backend_->make({dtype_, batch_, heads_, head_dim_}, new_cap, false);
   } catch (const std::bad_alloc&) {
     refuse("allocating " + std::to_string(elems * 4) + " bytes failed");
   } catch (const std::length_error&) {
     refuse("allocating " + std::to_string(elems * 4) + " bytes failed");
   }
-  for (int64_t bh = 0; bh < bh_total; ++bh) {
-    const size_t src = static_cast<size_t>(bh * capacity_ * d);
-    const size_t dst = static_cast<size_t>(bh * new_cap * d);
-    const size_t sink_elems = static_cast<size_t>(n_sink_rows_ * d);
-    const size_t run_elems = static_cast<size_t>(n_recent_ * d);
-    const size_t run_src = src + static_cast<size_t>(head_ * d);
-    if (sink_elems) {
-      std::memcpy(nk.data() + dst, k_.data() + src, sink_elems * 2);
-      std::memcpy(nv.data() + dst, v_.data() + src, sink_elems * 2);
-    }
-    if (run_elems) {
-      std::memcpy(nk.data() + dst + sink_elems, k_.data() + run_src, run_elems * 2);
-      std::memcpy(nv.data() + dst + sink_elems, v_.data() + run_src, run_elems * 2);
-    }
+  if (rows_) {
+    fresh->copy_range(*rows_, 0, 0, n_sink_rows_);
+    fresh->copy_range(*rows_, head_, n_sink_rows_, n_recent_);
   }
-  if (retire_old) {
-    retired_k_.swap(k_);
-    retired_v_.swap(v_);
-  }
-  k_.swap(nk);
-  v_.swap(nv);
+  if (retire_old) retired_ = std::move(rows_);
+  rows_ = std::move(fresh);
   capacity_ = new_cap;
   head_ = n_sink_rows_;
 }
@@ -141,14 +131,8 @@ void StreamingCache::make_room(int64_t extra) {
   if (head_ + n_recent_ + extra <= capacity_) return;
   const int64_t needed = n_sink_rows_ + n_recent_ + extra;
   if (needed <= capacity_ && capacity_ >= steady_cap_) {
-    // Move the run back next to the sinks (memmove: the ranges may overlap).
-    const int64_t d = head_dim_;
-    for (int64_t bh = 0; bh < batch_ * heads_; ++bh) {
-      const size_t base = static_cast<size_t>(bh * capacity_ * d);
-      const size_t n = static_cast<size_t>(n_recent_ * d) * 2;
-      std::memmove(k_.data() + base + n_sink_rows_ * d, k_.data() + base + head_ * d, n);
-      std::memmove(v_.data() + base + n_sink_rows_ * d, v_.data() + base + head_ * d, n);
-    }
+    // Move the run back next to the sinks (the ranges may overlap).
+    rows_->copy_range(*rows_, head_, n_sink_rows_, n_recent_);
     head_ = n_sink_rows_;
     return;
   }
@@ -163,8 +147,7 @@ CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorV
   check_input(keys, values);  // nothing changes before this passes
 
   // The previous view is invalid from here on: release what only it used.
-  std::vector<uint16_t>().swap(retired_k_);
-  std::vector<uint16_t>().swap(retired_v_);
+  retired_.reset();
 
   const bool first = !has_data_;
   if (first) {
@@ -187,15 +170,7 @@ CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorV
     }
     throw;
   }
-  const int64_t d = head_dim_;
-  for (int64_t b = 0; b < batch_; ++b)
-    for (int64_t h = 0; h < heads_; ++h) {
-      const int64_t base = ((b * heads_ + h) * capacity_ + head_ + n_recent_) * d;
-      for (int64_t i = 0; i < s; ++i) {
-        convert_view_row(keys, b, h, i, k_.data() + base + i * d, dtype_);
-        convert_view_row(values, b, h, i, v_.data() + base + i * d, dtype_);
-      }
-    }
+  if (s > 0) rows_->write_block(keys, values, 0, s, head_ + n_recent_);
   n_recent_ += s;
   offset_ += s;
   // Until n_sink positions were seen nothing was evicted (head_ == n_sink_rows_): the first
@@ -207,7 +182,7 @@ CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorV
     n_recent_ -= grow;
   }
 
-  CacheView view = make_view();
+  CacheView view = stored_view();
 
   // Trim to sinks + window (deferred: the view above keeps every row of this step).
   if (n_recent_ > window_) {
@@ -219,19 +194,13 @@ CacheView StreamingCache::update_and_fetch(const TensorView& keys, const TensorV
   return view;
 }
 
-CacheView StreamingCache::make_view() const {
+CacheView StreamingCache::stored_view() const {
   CacheView view;
   view.batch = batch_;
   view.n_kv_heads = heads_;
   view.head_dim = head_dim_;
-  auto rows_view = [&](const std::vector<uint16_t>& buf, int64_t row0, int64_t n) {
-    TensorView t;
-    t.data = const_cast<uint16_t*>(buf.data()) + row0 * head_dim_;
-    t.dtype = dtype_;
-    t.shape = {batch_, heads_, n, head_dim_};
-    t.stride = {heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1};
-    return t;
-  };
+  auto keys_at = [&](int64_t row0, int64_t n) { return rows_->keys(row0, n); };
+  auto values_at = [&](int64_t row0, int64_t n) { return rows_->values(row0, n); };
   const int64_t run_first = offset_ - n_recent_;
   if (head_ == n_sink_rows_ && run_first == n_sink_rows_) {
     // Nothing evicted: rows 0 .. offset_ - 1 in one run.
@@ -239,8 +208,8 @@ CacheView StreamingCache::make_view() const {
       ViewSegment seg;
       seg.n_rows = n_sink_rows_ + n_recent_;
       seg.first_pos = 0;
-      seg.keys = rows_view(k_, 0, seg.n_rows);
-      seg.values = rows_view(v_, 0, seg.n_rows);
+      seg.keys = keys_at(0, seg.n_rows);
+      seg.values = values_at(0, seg.n_rows);
       view.segments.push_back(seg);
     }
     return view;
@@ -249,16 +218,16 @@ CacheView StreamingCache::make_view() const {
     ViewSegment seg;
     seg.n_rows = n_sink_rows_;
     seg.first_pos = 0;
-    seg.keys = rows_view(k_, 0, n_sink_rows_);
-    seg.values = rows_view(v_, 0, n_sink_rows_);
+    seg.keys = keys_at(0, n_sink_rows_);
+    seg.values = values_at(0, n_sink_rows_);
     view.segments.push_back(seg);
   }
   if (n_recent_ > 0) {
     ViewSegment seg;
     seg.n_rows = n_recent_;
     seg.first_pos = run_first;
-    seg.keys = rows_view(k_, head_, n_recent_);
-    seg.values = rows_view(v_, head_, n_recent_);
+    seg.keys = keys_at(head_, n_recent_);
+    seg.values = values_at(head_, n_recent_);
     view.segments.push_back(seg);
   }
   return view;
@@ -290,9 +259,8 @@ Mask StreamingCache::make_mask(int64_t n_queries, int64_t window) const {
 CacheStats StreamingCache::stats() const {
   CacheStats st =
       eviction_stats(method(), batch_, heads_, head_dim_, stored_rows(), offset_, false);
-  st.bytes_resident = static_cast<int64_t>(
-      (k_.capacity() + v_.capacity() + retired_k_.capacity() + retired_v_.capacity()) *
-      sizeof(uint16_t));
+  st.bytes_resident =
+      (rows_ ? rows_->resident_bytes() : 0) + (retired_ ? retired_->resident_bytes() : 0);
   st.figures.push_back({"sink_rows", static_cast<double>(n_sink_rows_)});
   st.figures.push_back({"recent_rows", static_cast<double>(n_recent_)});
   return st;
@@ -312,17 +280,18 @@ void StreamingCache::save(std::ostream& out) const {
   w.i64(offset_);
   w.i64(n_sink_rows_);
   w.i64(n_recent_);
-  // Sinks, then the recent run, each as a [B, H, n, D] tensor (strided into the store).
-  TensorView t;
-  t.dtype = dtype_;
-  t.stride = {heads_ * capacity_ * head_dim_, capacity_ * head_dim_, head_dim_, 1};
-  for (const std::vector<uint16_t>* buf : {&k_, &v_}) {
-    t.shape = {batch_, heads_, n_sink_rows_, head_dim_};
-    t.data = const_cast<uint16_t*>(buf->data());
-    w.tensor(t);
-    t.shape = {batch_, heads_, n_recent_, head_dim_};
-    t.data = const_cast<uint16_t*>(buf->data()) + head_ * head_dim_;
-    w.tensor(t);
+  // Sinks, then the recent run, each as a [B, H, n, D] tensor, keys then values.
+  for (bool values : {false, true}) {
+    if (rows_) {
+      w.tensor(rows_->download(values, 0, n_sink_rows_).view());
+      w.tensor(rows_->download(values, head_, n_recent_).view());
+    } else {
+      TensorView none;  // [B, H, 0, D] of the storage dtype
+      none.dtype = dtype_;
+      none.shape = {batch_, heads_, 0, head_dim_};
+      w.tensor(none);
+      w.tensor(none);
+    }
   }
   w.write(out, method());
 }
@@ -371,7 +340,7 @@ void StreamingCache::load(std::istream& in) {
   cfg.method = method();
   cfg.streaming_n_sink = n_sink_;
   cfg.streaming_window = window_;
-  StreamingCache fresh(cfg);
+  StreamingCache fresh(cfg, *backend_);
   fresh.has_data_ = has_data;
   fresh.dtype_ = dtype;
   fresh.batch_ = batch;
@@ -383,22 +352,23 @@ void StreamingCache::load(std::istream& in) {
   fresh.head_ = n_sink_rows;
   // Room for the rows held (the buffer grows from there like a live one's).
   fresh.capacity_ = has_data ? round_up(std::max<int64_t>(n_sink_rows + n_recent, 1), kRowStep) : 0;
-  const int64_t cap = fresh.capacity_;
-  fresh.k_.assign(static_cast<size_t>(batch * heads * cap * head_dim), 0);
-  fresh.v_.assign(fresh.k_.size(), 0);
-  for (int kv = 0; kv < 2; ++kv) {
-    std::vector<uint16_t>& dst = kv == 0 ? fresh.k_ : fresh.v_;
-    const auto* sinks = static_cast<const uint16_t*>(parts[2 * kv].data());
-    const auto* run = static_cast<const uint16_t*>(parts[2 * kv + 1].data());
-    for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      uint16_t* row0 = dst.data() + bh * cap * head_dim;
-      std::memcpy(row0, sinks + bh * n_sink_rows * head_dim,
-                  static_cast<size_t>(n_sink_rows * head_dim) * 2);
-      std::memcpy(row0 + n_sink_rows * head_dim, run + bh * n_recent * head_dim,
-                  static_cast<size_t>(n_recent * head_dim) * 2);
-    }
+  if (has_data) {
+    fresh.rows_ = backend_->make({dtype, batch, heads, head_dim}, fresh.capacity_, false);
+    fresh.rows_->upload(parts[0].view(), parts[2].view(), 0, n_sink_rows, nullptr);
+    fresh.rows_->upload(parts[1].view(), parts[3].view(), n_sink_rows, n_recent, nullptr);
   }
-  *this = std::move(fresh);
+  retired_.reset();
+  has_data_ = fresh.has_data_;
+  dtype_ = fresh.dtype_;
+  batch_ = fresh.batch_;
+  heads_ = fresh.heads_;
+  head_dim_ = fresh.head_dim_;
+  offset_ = fresh.offset_;
+  n_sink_rows_ = fresh.n_sink_rows_;
+  n_recent_ = fresh.n_recent_;
+  head_ = fresh.head_;
+  capacity_ = fresh.capacity_;
+  rows_ = std::move(fresh.rows_);
 }
 
 }  // namespace vq
