@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs dependencies, builds and runs the GoogleTest suite
 # (Release), again under AddressSanitizer + UndefinedBehaviorSanitizer, runs the fuzz smoke test,
-# and compiles the CUDA backend where nvcc exists (compile only: no GPU here).
+# compiles the CUDA backend where nvcc exists (compile only: no GPU here), and first checks that
+# every C++/CUDA source is formatted as .clang-format says.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 jobs=$(nproc)
 export CTEST_OUTPUT_ON_FAILURE=1
+
+echo "== [0/4] format: clang-format --dry-run -Werror on every C++/CUDA source =="
+git ls-files '*.cpp' '*.h' '*.cu' '*.cuh' | xargs clang-format --dry-run -Werror
 
 echo "== [1/4] CUDA backend: compile only =="
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then

@@ -1,4 +1,4 @@
-// Tests of the full-precision cache (caches.md §2) and of the KVCache defaults it relies on
+// Tests of the full-precision cache (docs/design.md §C2) and of the KVCache defaults it relies on
 // (cache_base.cpp: make_mask, trim refusal, save_file/load_file, merge_batch).
 //
 // The oracle for every view is a plain concatenation of the blocks fed in, kept by the test in a

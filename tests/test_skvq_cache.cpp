@@ -1,11 +1,10 @@
 // Tests of the SKVQ cache (veloxquant/skvq_cache.h): the seed behaviours of
-// reference-behaviour.md §5.5 (worked byte example, pass-through, whole-chunk frontier, exact
-// sinks, quantized region, one-shot == token-by-token bit for bit, frozen chunks and
-// permutations, reorder ablation, clip options, ratio at long context, max_ctx guard, build-time
-// validation, not trimmable), real packed storage (resident vs accounted bytes, heap-measured),
-// the options (skvq_recent, 1.5-bit values, calibrated permutation file, Hadamard rotation,
-// metadata types) and save/load.
-// Blocks are [B, H, S, D].
+// the original SKVQ tests (docs/design.md §C7) (worked byte example, pass-through, whole-chunk
+// frontier, exact sinks, quantized region, one-shot == token-by-token bit for bit, frozen chunks
+// and permutations, reorder ablation, clip options, ratio at long context, max_ctx guard,
+// build-time validation, not trimmable), real packed storage (resident vs accounted bytes,
+// heap-measured), the options (skvq_recent, 1.5-bit values, calibrated permutation file, Hadamard
+// rotation, metadata types) and save/load. Blocks are [B, H, S, D].
 #include <gtest/gtest.h>
 #include <malloc.h>
 

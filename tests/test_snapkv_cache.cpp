@@ -1,10 +1,10 @@
 // Tests of the SnapKV cache (veloxquant/snapkv_cache.h): the deferred-eviction call sequence
 // checked against a row-by-row model of the contract, the seed's behaviours of
-// reference-behaviour.md §5.1-5.4 (chunked prefill, masks, sinks, long decode, bytes, edge cases),
-// metamorphic checks (no-eviction == full cache, GQA == MHA with repeated KV heads, attention
-// over the view == attention over the full cache restricted to the kept rows), the options
-// (query scoring, pooling, keep-window, dtypes) and save/load.
-// Blocks are [B, H, S, D]; queries [B, H_q, S, D].
+// the original SnapKV tests (docs/design.md §C7) (chunked prefill, masks, sinks, long decode,
+// bytes, edge cases), metamorphic checks (no-eviction == full cache, GQA == MHA with repeated KV
+// heads, attention over the view == attention over the full cache restricted to the kept rows), the
+// options (query scoring, pooling, keep-window, dtypes) and save/load. Blocks are [B, H, S, D];
+// queries [B, H_q, S, D].
 #include <gtest/gtest.h>
 
 #include <algorithm>

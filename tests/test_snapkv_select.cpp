@@ -275,7 +275,7 @@ TEST(SnapPool, BadKernelRefused) {
 
 // ---- selection ----------------------------------------------------------------------------------
 
-// The rule of reference-behaviour §2.3 step 5, written independently of the library: a stable
+// The rule of docs/design.md §C3, written independently of the library: a stable
 // sort of the candidates on a key where NaN is -inf and -0 is +0.
 std::vector<int64_t> plain_select(const std::vector<float>& s, int64_t budget, int64_t n_sink) {
   const int64_t n = static_cast<int64_t>(s.size());

@@ -1,4 +1,4 @@
-// Builds caches from a CacheConfig: one cache, or one per layer of a model (caches.md §6).
+// Builds caches from a CacheConfig: one cache, or one per layer of a model (docs/design.md §C6).
 #pragma once
 
 #include <memory>

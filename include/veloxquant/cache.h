@@ -1,4 +1,4 @@
-// The cache protocol every KV cache follows (caches.md §1), and the view it returns.
+// The cache protocol every KV cache follows (docs/design.md §C1), and the view it returns.
 //
 // A cache is per layer. It receives blocks of keys and values of shape [B, H_kv, S, D] and
 // returns a CacheView for this step's attention: every stored row followed by this call's S new
@@ -62,7 +62,7 @@ struct CacheView {
   }
 };
 
-// Attention mask for the next update_and_fetch with n_queries tokens (caches.md §1).
+// Attention mask for the next update_and_fetch with n_queries tokens (docs/design.md §C1).
 struct Mask {
   enum class Kind : uint8_t {
     kNone,      // every key visible (n_queries == 1, no window)

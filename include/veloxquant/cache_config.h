@@ -1,6 +1,6 @@
-// One configuration type for every cache method (caches.md §6), its validation, and one parser
-// for its sources: the method or compact spec (--cache), "key=value" options (--cache-opt) and
-// JSON objects (--cache-config).
+// One configuration type for every cache method (docs/design.md §C6), its validation, and one
+// parser for its sources: the method or compact spec (--cache), "key=value" options (--cache-opt)
+// and JSON objects (--cache-config).
 //
 // Field names follow the seeds (snap_*, skvq_*). Validation happens at build time and names the
 // field, the value and what is allowed: "[cache_config] snap_budget: expected >= 1 but got 0".
@@ -34,7 +34,7 @@ struct CacheConfig {
   std::string method = "full";
   int64_t head_dim = 128;  // set per layer by the builder
 
-  // SnapKV (caches.md §3). Defaults are the seed's.
+  // SnapKV (docs/design.md §C3). Defaults are the seed's.
   int64_t snap_budget = 512;     // rows kept per (b, h) after a prefill call, sinks included
   int64_t snap_obs_window = 32;  // observation window (trailing rows that vote)
   int64_t snap_n_sink = 4;       // leading positions always kept
@@ -45,7 +45,7 @@ struct CacheConfig {
   bool snap_keep_window = false;  // score the prefix only and always keep the window
   SnapEvictAt snap_evict_at = SnapEvictAt::kPrefillCall;
 
-  // SKVQ (caches.md §4). Bits are 1..8, or 1.5 (three levels, five codes per byte).
+  // SKVQ (docs/design.md §C4). Bits are 1..8, or 1.5 (three levels, five codes per byte).
   double skvq_bits_key = 2;
   double skvq_bits_value = 2;
   int64_t skvq_group_size = 32;

@@ -1,5 +1,5 @@
 // GPU-resident KV caches (methods full, snapkv, skvq, snapkv+skvq, streaming) with the protocol of
-// the CPU caches (caches.md §1, cache.h), and prefill attention over a DeviceCacheView.
+// the CPU caches (docs/design.md §C1, cache.h), and prefill attention over a DeviceCacheView.
 //
 // A DeviceKVCache is built for fixed B, H_kv and D (make_device_cache); every block it receives
 // is a *device* TensorView [B, H_kv, S, D] (f16, bf16 or f32, any element strides). Rows, packed

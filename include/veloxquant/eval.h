@@ -1,5 +1,5 @@
-// The evaluation engine (evaluation.md): memory against quality for several cache methods on one
-// model, in one run, always against the full-precision cache on the same tokens.
+// The evaluation engine (docs/design.md §5): memory against quality for several cache methods on
+// one model, in one run, always against the full-precision cache on the same tokens.
 //
 // Text protocol (ppl, kld, attn-error): a document is a row of token ids x[0 .. P+T-1]. The first
 // P-1 tokens are prefilled in chunks of prefill_step; then T decode steps feed x[P-1 .. P+T-2] one

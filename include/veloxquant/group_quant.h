@@ -1,4 +1,4 @@
-// Clipped asymmetric group quantization of rows (caches.md §4), its scalar reference, the
+// Clipped asymmetric group quantization of rows (docs/design.md §C4), its scalar reference, the
 // optimised CPU version, packing into row records (packed.h) and the SKVQ byte formulas.
 //
 // x: n rows of d fp32 channels, row-major [n, d]. Groups of g channels along each row; a ragged
@@ -55,7 +55,7 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
                          const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride,
                          bool parallel = true);
 
-// SKVQ byte formula for n rows of d channels (caches.md §4): codes ceil(n*d*bits/8) (ternary:
+// SKVQ byte formula for n rows of d channels (docs/design.md §C4): codes ceil(n*d*bits/8) (ternary:
 // n*ceil(d/5), five codes per byte within a row) + metadata n*ceil(d/g)*2*meta_size.
 struct SkvqBytes {
   int64_t code_bytes = 0;

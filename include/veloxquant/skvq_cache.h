@@ -1,4 +1,4 @@
-// The SKVQ cache (caches.md §4): full-precision rows accumulate and whole chunks of `window`
+// The SKVQ cache (docs/design.md §C4): full-precision rows accumulate and whole chunks of `window`
 // rows, counted from position 0, are reordered (or rotated), group-quantized and frozen as packed
 // codes. Flushed rows are *stored* packed (their full-precision copies are freed), so resident
 // memory follows the byte formulas.

@@ -1,4 +1,4 @@
-// SnapKV scoring and selection primitives (caches.md §3, reference-behaviour.md §2.3), pure
+// SnapKV scoring and selection primitives (docs/design.md §C3, docs/design.md §C3), pure
 // functions over one (b, h) "frame": the n candidate rows a selection chooses from.
 //
 // Layouts: keys [n, D] fp32 row-major (row j = candidate j, in ascending position order);
@@ -62,7 +62,7 @@ void snap_pool_scores(const float* in, int64_t n, int64_t kernel, PoolKind kind,
 
 // ---- (4): selection ---------------------------------------------------------------------------
 //
-// Seed rule (reference-behaviour §2.3 step 5): count = min(max(budget, 1), n) (0 when n == 0),
+// Seed rule (docs/design.md §C3): count = min(max(budget, 1), n) (0 when n == 0),
 // sinks = min(max(n_sink, 0), count). If count >= n or sinks == count: rows 0..count-1, scores
 // unread. Otherwise rows 0..sinks-1 plus the count - sinks highest-scoring rows of sinks..n-1,
 // NaN ranked as -inf, -0 equal to +0, ties to the lower index; ascending order.

@@ -1,4 +1,4 @@
-// Method "snapkv+skvq" (caches.md §5): SnapKV decides which rows stay, SKVQ decides how each
+// Method "snapkv+skvq" (docs/design.md §C5): SnapKV decides which rows stay, SKVQ decides how each
 // stored row is held (full precision or packed codes). One row store per (b, h):
 //   [sinks: positions 0..n_s-1, full precision][packed rows][full-precision tail]
 // with explicit per-head positions after eviction. Quantization is per row, so an evicted

@@ -1,4 +1,4 @@
-// CacheConfig validation and parsing (veloxquant/cache_config.h, caches.md §6).
+// CacheConfig validation and parsing (veloxquant/cache_config.h, docs/design.md §C6).
 //
 // One table lists every field once (name, kind, accessors); set_field, config_from_json and
 // config_to_json all walk it, so a new field needs one line. Messages name the field, the value
@@ -482,7 +482,7 @@ void validate(const CacheConfig& c) {
   check_method_known(c.method);
   check_int("head_dim", c.head_dim, 1, kMaxCacheHeadDim, ">= 1", kWhyDim);
   // snap_budget < 1 is refused here, at the config level. The seed clamps budget <= 0 to a
-  // count of 1 at selection time (reference-behaviour §2.3, §2.10); that clamp stays in the
+  // count of 1 at selection time (docs/design.md §C3); that clamp stays in the
   // selection primitive (its tests use budgets -1..n+4), but a cache asked to keep < 1 rows is
   // a configuration mistake worth reporting.
   check_int("snap_budget", c.snap_budget, 1, kMaxCacheRows, ">= 1", kWhyRows);

@@ -1,5 +1,5 @@
-// The GPU-resident SKVQ cache (method "skvq", caches.md §4): the device twin of vq::SkvqCache,
-// with the same call order, flush rule, sinks, permutations and byte formulas.
+// The GPU-resident SKVQ cache (method "skvq", docs/design.md §C4): the device twin of
+// vq::SkvqCache, with the same call order, flush rule, sinks, permutations and byte formulas.
 //
 // Storage (cudaMalloc): sinks [B, H, n_sink, D] (full precision, after chunk 0), packed records
 // keys [B, H, pcap, fk.row_stride] and values [B, H, pcap, fv.row_stride] bytes (rows n_sink ..

@@ -1,4 +1,4 @@
-// The GPU-resident snapkv+skvq cache (method "snapkv+skvq", caches.md §5): the device twin of
+// The GPU-resident snapkv+skvq cache (method "snapkv+skvq", docs/design.md §C5): the device twin of
 // vq::SnapkvSkvqCache (veloxquant/snapkv_skvq_cache.h) with the same call sequence, selection,
 // per-row representation, sinks, flush and figures.
 //

@@ -1,4 +1,4 @@
-// Passkey retrieval under compressed caches (evaluation.md §3): exact-match accuracy by context
+// Passkey retrieval under compressed caches (docs/design.md §5): exact-match accuracy by context
 // length and depth, question-aware and question-agnostic.
 //
 // Each prompt is split at the last occurrence of the question text: context ids = encode(context)

@@ -1,4 +1,4 @@
-// Perplexity, KL divergence and attention-output error under compressed caches (evaluation.md
+// Perplexity, KL divergence and attention-output error under compressed caches (docs/design.md §5
 // §1, §2, §4), with the text protocol of veloxquant/eval.h: prefill x[0, P-1) in chunks, then T
 // decode steps feeding x[P-1 .. P+T-2], step t scoring x[P+t].
 //

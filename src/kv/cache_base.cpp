@@ -1,4 +1,4 @@
-// Default behaviour shared by every KVCache (caches.md §1): the attention mask built from the
+// Default behaviour shared by every KVCache (docs/design.md §C1): the attention mask built from the
 // stored positions, the trim refusal, file save/load, CacheStats::figure and merge_batch.
 //
 // Mask layout: [B, H_kv, N, T + N] where the key axis is the stored positions of (b, h) (T rows,

@@ -1,4 +1,4 @@
-// Config -> caches (caches.md §6): make_cache builds one cache of cfg.method after validating
+// Config -> caches (docs/design.md §C6): make_cache builds one cache of cfg.method after validating
 // cfg; build_caches builds one per layer of a model, each with its layer's head_dim.
 //
 // Dispatch is a plain if-chain: a method that joins the library adds one line here. Methods the

@@ -533,7 +533,7 @@ TEST(CudaCaches, StreamingMatchesCpu) {
   run_cases("streaming", cases, 4000);
 }
 
-// caches.md §3 worked example: B=1, H=2, D=128, S=64, budget 16.
+// docs/design.md §C3 worked example: B=1, H=2, D=128, S=64, budget 16.
 TEST(CudaCaches, SnapKVWorkedExample) {
   SKIP_WITHOUT_DEVICE();
   CacheConfig cfg;
@@ -588,7 +588,7 @@ TEST(CudaCaches, SkvqMatchesCpu) {
   run_cases("skvq", cases, 3000);
 }
 
-// Path independence on the device (caches.md §4): one-shot prefill and token-by-token decode
+// Path independence on the device (docs/design.md §C4): one-shot prefill and token-by-token decode
 // give bit-identical stores (the flush rule depends only on the row count).
 TEST(CudaCaches, SkvqPathIndependence) {
   SKIP_WITHOUT_DEVICE();
@@ -610,8 +610,8 @@ TEST(CudaCaches, SkvqPathIndependence) {
   EXPECT_EQ(one->stats().figure("quantized_tokens"), 128);
 }
 
-// caches.md §4 worked example (B=1, H=2, D=64, window 16, n_sink 4, group 16, 2 bits, S = 35),
-// and resident memory that follows the packed bytes over a long decode.
+// docs/design.md §C4 worked example (B=1, H=2, D=64, window 16, n_sink 4, group 16, 2 bits, S =
+// 35), and resident memory that follows the packed bytes over a long decode.
 TEST(CudaCaches, SkvqWorkedExampleAndResidentBytes) {
   SKIP_WITHOUT_DEVICE();
   CacheConfig cfg;

@@ -1,4 +1,5 @@
-// `veloxquant eval`: memory against quality for several cache methods in one run (evaluation.md).
+// `veloxquant eval`: memory against quality for several cache methods in one run (docs/design.md
+// §5).
 //
 //   eval ppl        perplexity (P-token context, T teacher-forced decode steps), delta vs full
 //   eval kld        the same plus KL divergence from the full cache (mean, p99), top-1 agreement

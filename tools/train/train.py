@@ -20,7 +20,7 @@ Steps (each logged):
      checkpoint is the one with the highest probe accuracy, ties broken by validation loss.
   6. Save: <out>/model/ (config.json, bf16 safetensors in <= 15 MB shards, tokenizer files).
   7. Evaluate the saved weights upcast to fp32 (TF32 off): held-out perplexity on
-     data/eval/heldout_ids.u16 (full 2048 windows, and the evaluation.md protocol P=1536,
+     data/eval/heldout_ids.u16 (full 2048 windows, and the docs/design.md §5 protocol P=1536,
      T=512), the unigram baseline on the same tokens, and passkey exact-match accuracy on
      data/eval/passkey.jsonl by length and depth (greedy decoding, full cache).
   Writes <out>/train_log.json and <out>/results.json.
