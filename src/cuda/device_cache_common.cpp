@@ -169,15 +169,6 @@ Tensor download_rows(const void* src, DType t, int64_t batch, int64_t heads, int
   return out;
 }
 
-DeviceBuffer upload_rows(const TensorView& host, int64_t cap, Stream s) {
-  const int64_t F = host.shape[0] * host.shape[1], n = host.shape[2];
-  const int64_t row_bytes = host.shape[3] * static_cast<int64_t>(dtype_size(host.dtype));
-  if (cap <= 0) return DeviceBuffer();
-  DeviceBuffer d(static_cast<size_t>(F * cap * row_bytes));
-  upload_frames(d.data(), cap, 0, host.data, n, F, n, row_bytes, s);
-  return d;
-}
-
 skvq::FpRows download_fp_rows(DType t, int64_t batch, int64_t heads, int64_t head_dim,
                               const DeviceBuffer& k, const DeviceBuffer& v, const DeviceBuffer* pos,
                               int64_t n, int64_t cap, int64_t row0, Stream s) {
@@ -235,25 +226,6 @@ void HostRecords::write_block(StateWriter& w, int64_t r0, int64_t rows) const {
         slice_frames(kv == 0 ? k : v, frames, n, r0, rows, kv == 0 ? k_stride : v_stride);
     w.blob(blob.data(), blob.size());
   }
-}
-
-void write_state_head(StateWriter& w, bool has_data, DType dtype, int64_t batch, int64_t heads,
-                      int64_t head_dim, int64_t offset) {
-  w.boolean(has_data);
-  w.u8(static_cast<uint8_t>(dtype));
-  w.i64(has_data ? batch : 0);
-  w.i64(has_data ? heads : 0);
-  w.i64(has_data ? head_dim : 0);
-  w.i64(offset);
-}
-
-void read_state_head(StateReader& r, const char* op, int64_t batch, int64_t heads, int64_t head_dim,
-                     bool& has_data, DType& dtype, int64_t& offset) {
-  has_data = r.boolean();
-  dtype = static_cast<DType>(r.u8());
-  const int64_t b = r.i64(), h = r.i64(), d = r.i64();
-  check_state_shape(op, has_data, b, h, d, batch, heads, head_dim);
-  offset = r.i64();
 }
 
 Mask pending_single_query_mask(const char* op, int64_t window, int64_t keep_count) {

@@ -55,10 +55,6 @@ void upload_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src
 // Host tensor [B, H, n, D] of t from a device row store [F, cap, D] (rows row0 .. row0 + n).
 Tensor download_rows(const void* src, DType t, int64_t batch, int64_t heads, int64_t n,
                      int64_t head_dim, int64_t cap, int64_t row0, Stream s);
-// Device row store [F, cap, D] (cap >= n) holding host rows [B, H, n, D] (contiguous) in rows
-// 0 .. n-1; empty when cap == 0.
-DeviceBuffer upload_rows(const TensorView& host, int64_t cap, Stream s);
-
 // Host skvq::FpRows (dtype t, [B, H, ., D]; explicit positions when pos is given) holding rows
 // [row0, row0 + n) of the device stores k, v (and pos) [F, cap, ...], for the CPU's FpRows::save.
 skvq::FpRows download_fp_rows(DType t, int64_t batch, int64_t heads, int64_t head_dim,
@@ -85,15 +81,6 @@ struct HostRecords {
 };
 HostRecords download_records(const DeviceBuffer& pk, const DeviceBuffer& pv, int64_t frames,
                              int64_t n, int64_t cap, int64_t k_stride, int64_t v_stride, Stream s);
-
-// The state header of the full, snapkv and streaming streams: has_data, dtype, B, H, D (zeros
-// before any row, as the CPU caches write them), offset.
-void write_state_head(StateWriter& w, bool has_data, DType dtype, int64_t batch, int64_t heads,
-                      int64_t head_dim, int64_t offset);
-// Reads it back into has_data, dtype and offset, refusing (check_state_shape) other B, H, D than
-// the cache's.
-void read_state_head(StateReader& r, const char* op, int64_t batch, int64_t heads, int64_t head_dim,
-                     bool& has_data, DType& dtype, int64_t& offset);
 
 // SnapKV caches with a prompt-end eviction owed: the mask of a single query (every row that
 // will stay, keep_count, and itself); a windowed one is refused (vq::Error naming op).
@@ -124,7 +111,8 @@ void check_state_shape(const char* op, bool has_data, int64_t b, int64_t h, int6
 }  // namespace vq::cuda::detail
 
 namespace vq::cuda {
-// One builder per method (device_cache_<method>.cpp); cfg is validated by make_device_cache.
+// One builder per method; cfg is validated by make_device_cache.
+// Full, snapkv and streaming: the CPU policies over the CUDA row backend (device_cache_policy.cpp).
 std::unique_ptr<DeviceKVCache> make_device_full_cache(const CacheConfig& cfg, int64_t b, int64_t h,
                                                       int64_t d, Stream s);
 std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, int64_t b,

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "veloxquant/binary_io.h"
 #include "veloxquant/snapkv.h"
 #include "veloxquant/tensor.h"
 
@@ -146,6 +147,18 @@ class RowBackend {
 
   // Waits for the backend's queued work (the CUDA stream); nothing on the CPU.
   virtual void synchronize() const {}
+};
+
+// The head of the snapkv and streaming state streams: has_data, the fp16/bf16 storage dtype, B,
+// H, D (each 1 .. 2^24 with data, 0 without) and offset (0 .. 2^31-1).
+struct RowStateHead {
+  bool has_data = false;
+  DType dtype = DType::kF16;
+  int64_t batch = 0, heads = 0, head_dim = 0, offset = 0;
+
+  void write(StateWriter& w) const;
+  // Refuses (vq::Error "[load_state] <method>: ...") out-of-range fields.
+  static RowStateHead read(StateReader& r, const char* method);
 };
 
 // The CPU backend (a process-wide instance; stores are plain aligned host memory, large ones

@@ -3,6 +3,7 @@
 // never zero-filled: only written rows are read), block conversion through convert_view_row,
 // frame-parallel gathers, and the SnapKV selection of snap_select_head per (b, h) in parallel.
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -282,6 +283,32 @@ class CpuBackend final : public RowBackend {
 };
 
 }  // namespace
+
+void RowStateHead::write(StateWriter& w) const {
+  w.boolean(has_data);
+  w.u8(static_cast<uint8_t>(dtype));
+  w.i64(batch);
+  w.i64(heads);
+  w.i64(head_dim);
+  w.i64(offset);
+}
+
+RowStateHead RowStateHead::read(StateReader& r, const char* method) {
+  RowStateHead h;
+  h.has_data = r.boolean();
+  const uint8_t dt = r.u8();
+  VQ_CHECK(dt == static_cast<uint8_t>(DType::kF16) || dt == static_cast<uint8_t>(DType::kBF16),
+           std::string("[load_state] ") + method +
+               ": expected storage dtype float16 or bfloat16 but got code " + std::to_string(dt));
+  h.dtype = static_cast<DType>(dt);
+  constexpr int64_t kMaxDim = int64_t{1} << 24;
+  const int64_t lo = h.has_data ? 1 : 0;
+  h.batch = r.i64_in("batch", lo, h.has_data ? kMaxDim : 0);
+  h.heads = r.i64_in("heads", lo, h.has_data ? kMaxDim : 0);
+  h.head_dim = r.i64_in("head_dim", lo, h.has_data ? kMaxDim : 0);
+  h.offset = r.i64_in("offset", 0, INT32_MAX);
+  return h;
+}
 
 const RowBackend& cpu_backend() {
   static const CpuBackend backend;

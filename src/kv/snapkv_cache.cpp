@@ -315,12 +315,7 @@ void read_settings(StateReader& r, const CacheConfig& c) {
 void SnapKVCache::save(std::ostream& out) const {
   StateWriter w;
   write_snapkv_settings(w, cfg_);
-  w.boolean(has_data_);
-  w.u8(static_cast<uint8_t>(dtype_));
-  w.i64(batch_);
-  w.i64(heads_);
-  w.i64(head_dim_);
-  w.i64(offset_);
+  kv::RowStateHead{has_data_, dtype_, batch_, heads_, head_dim_, offset_}.write(w);
   w.i64(n_sel_);
   w.i64(n_tail_);
   w.vec_i32(n_sel_ > 0 ? rows_->download_positions(n_sel_) : std::vector<int32_t>{});
@@ -345,18 +340,11 @@ void SnapKVCache::save(std::ostream& out) const {
 void SnapKVCache::load(std::istream& in) {
   StateReader r(in, method());  // checksum and method verified before any field is read
   read_settings(r, cfg_);
-  const bool has_data = r.boolean();
-  const uint8_t dt = r.u8();
-  VQ_CHECK(dt == static_cast<uint8_t>(DType::kF16) || dt == static_cast<uint8_t>(DType::kBF16),
-           "[load_state] snapkv: expected storage dtype float16 or bfloat16 but got code " +
-               std::to_string(dt));
-  const DType dtype = static_cast<DType>(dt);
-  constexpr int64_t kMaxDim = int64_t{1} << 24;
-  const int64_t lo = has_data ? 1 : 0;
-  const int64_t batch = r.i64_in("batch", lo, has_data ? kMaxDim : 0);
-  const int64_t heads = r.i64_in("heads", lo, has_data ? kMaxDim : 0);
-  const int64_t head_dim = r.i64_in("head_dim", lo, has_data ? kMaxDim : 0);
-  const int64_t offset = r.i64_in("offset", 0, INT32_MAX);
+  const kv::RowStateHead head = kv::RowStateHead::read(r, "snapkv");
+  const bool has_data = head.has_data;
+  const DType dtype = head.dtype;
+  const int64_t batch = head.batch, heads = head.heads, head_dim = head.head_dim;
+  const int64_t offset = head.offset;
   const int64_t n_sel = r.i64_in("n_sel", 0, offset);
   const int64_t n_tail = r.i64_in("n_tail", 0, offset - n_sel);
   std::vector<int32_t> sel_pos = r.vec_i32();

@@ -272,12 +272,7 @@ void StreamingCache::save(std::ostream& out) const {
   StateWriter w;
   w.i64(n_sink_);
   w.i64(window_);
-  w.boolean(has_data_);
-  w.u8(static_cast<uint8_t>(dtype_));
-  w.i64(batch_);
-  w.i64(heads_);
-  w.i64(head_dim_);
-  w.i64(offset_);
+  kv::RowStateHead{has_data_, dtype_, batch_, heads_, head_dim_, offset_}.write(w);
   w.i64(n_sink_rows_);
   w.i64(n_recent_);
   // Sinks, then the recent run, each as a [B, H, n, D] tensor, keys then values.
@@ -305,18 +300,11 @@ void StreamingCache::load(std::istream& in) {
                       std::to_string(n_sink_));
   check_saved_setting("streaming", "streaming_window", std::to_string(window),
                       std::to_string(window_));
-  const bool has_data = r.boolean();
-  const uint8_t dt = r.u8();
-  VQ_CHECK(dt == static_cast<uint8_t>(DType::kF16) || dt == static_cast<uint8_t>(DType::kBF16),
-           "[load_state] streaming: expected storage dtype float16 or bfloat16 but got code " +
-               std::to_string(dt));
-  const DType dtype = static_cast<DType>(dt);
-  constexpr int64_t kMaxDim = int64_t{1} << 24;
-  const int64_t lo = has_data ? 1 : 0;
-  const int64_t batch = r.i64_in("batch", lo, has_data ? kMaxDim : 0);
-  const int64_t heads = r.i64_in("heads", lo, has_data ? kMaxDim : 0);
-  const int64_t head_dim = r.i64_in("head_dim", lo, has_data ? kMaxDim : 0);
-  const int64_t offset = r.i64_in("offset", 0, INT32_MAX);
+  const kv::RowStateHead head = kv::RowStateHead::read(r, "streaming");
+  const bool has_data = head.has_data;
+  const DType dtype = head.dtype;
+  const int64_t batch = head.batch, heads = head.heads, head_dim = head.head_dim;
+  const int64_t offset = head.offset;
   const int64_t n_sink_rows =
       r.i64_in("n_sink_rows", std::min(n_sink_, offset), std::min(n_sink_, offset));
   const int64_t n_recent = r.i64_in("n_recent", 0, std::min(window_, offset - n_sink_rows));
