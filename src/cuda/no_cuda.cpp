@@ -79,6 +79,16 @@ void* DecodeWorkspace::reserve(size_t) {
   not_built("cuda::DecodeWorkspace::reserve");
 }
 
+const DecodeContext& DecodeWorkspace::context() {
+  not_built("cuda::DecodeWorkspace::context");
+}
+DecodeContext DecodeContext::current() {
+  not_built("cuda::DecodeContext::current");
+}
+void decode_attention_run(const DecodePlan&, const float*, const DeviceCacheView&, float*,
+                          DecodeWorkspace&, Stream) {
+  not_built("cuda::decode_attention_run");
+}
 void decode_attention(const float*, int64_t, const DeviceCacheView&, const AttentionParams&, float*,
                       DecodeWorkspace&, Stream, const DecodeOptions&) {
   not_built("cuda::decode_attention");
