@@ -1,7 +1,8 @@
 // CUDA stubs for builds without VQ_CUDA: is_available() is false and every other entry point of
 // veloxquant/cuda.h throws vq::Error "[cuda] CUDA backend not built (configure with
 // -DVQ_CUDA=ON)". Destructors and moves of empty objects work, so code that only declares them
-// still runs.
+// still runs. The decode planner (decode_plan.cpp: plan_decode and match_plan on a fake
+// DecodeContext) is plain C++ and is built in this configuration too.
 #include <string>
 
 #include "veloxquant/cuda.h"
