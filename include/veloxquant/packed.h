@@ -194,12 +194,13 @@ VQ_HD inline float dequantize_code(uint32_t code, float scale, float lo) {
 // subnormal step 2^-9). Encoding rounds to nearest, ties to even, and saturates to +-448
 // (infinities included); NaN stays NaN.
 
-VQ_HD inline float fp8_e4m3_decode(uint8_t c) {
+// The fp8 e4m3 byte in the low 8 bits of c (32-bit arithmetic: the kernels pass loaded words).
+VQ_HD inline float fp8_e4m3_decode(uint32_t c) {
   const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
   if (e == 15u && m == 7u) return bits_as_f32(0x7fc00000u);  // NaN (a positive quiet NaN)
   // subnormal m * 2^-9 (an exact product), normal (1 + m/8) * 2^(e-7) built from its bits
-  const float v = e == 0u ? mul_rn(static_cast<float>(m), 0x1p-9f)
-                          : bits_as_f32(((e + 120u) << 23) | (m << 20));
+  const float v =
+      e == 0u ? static_cast<float>(m) * 0x1p-9f : bits_as_f32(((e + 120u) << 23) | (m << 20));
   return (c & 0x80u) ? -v : v;
 }
 
@@ -284,7 +285,7 @@ VQ_HD inline float meta_decode(uint32_t bits, MetaType t) {
     case MetaType::kF16:
       return fp16_bits_to_f32(static_cast<uint16_t>(bits & 0xffffu));
     case MetaType::kFP8E4M3:
-      return fp8_e4m3_decode(static_cast<uint8_t>(bits & 0xffu));
+      return fp8_e4m3_decode(bits & 0xffu);
   }
   return 0.0f;
 }

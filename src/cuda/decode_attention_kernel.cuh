@@ -134,7 +134,7 @@ __host__ __device__ constexpr float code_unscale(int j) {
 
 // Metadata decoders (packed.h's host/device codecs) on the low bits of a loaded word.
 __device__ __forceinline__ float fp8e4m3_to_f32(uint32_t c) {
-  return fp8_e4m3_decode(static_cast<uint8_t>(c & 0xffu));
+  return fp8_e4m3_decode(c);  // callers pass the byte masked
 }
 
 __device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
