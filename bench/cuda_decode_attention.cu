@@ -13,8 +13,13 @@
 // selection at 32K (key-proxy scores, top-k, compaction of K and V to 2048 rows).
 // Prints Markdown tables and writes CSV (--csv PATH) for tools/bench_sdpa.py, which adds PyTorch
 // SDPA over a bf16 cache of the same shapes and prints the combined table.
+// Decode is planned once per configuration (decode_attention_plan, the planner's knobs from the
+// command line) and the timed repeats run the plan (decode_attention_run), as a model's decode
+// step plans once and runs every layer; the kernel a plan chose is printed beside each row.
 // Usage: cuda_decode_attention [--csv out.csv] [--repeats N] [--quick] [--only METHOD]
 //                              [--batch B] [--context N] [--no-maintenance]
+//                              [--target-blocks N] [--packed-stage-bytes N] (planner knobs,
+//                              DecodePlanOptions; 0 = automatic)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -140,6 +145,7 @@ int main(int argc, char** argv) {
   std::string only;                  // --only METHOD: decode configurations of that method only
   int64_t only_b = 0, only_ctx = 0;  // --batch / --context filters (0 = all)
   bool no_maint = false;
+  vq::cuda::DecodePlanOptions plan_opt;  // --target-blocks / --packed-stage-bytes
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--csv" && i + 1 < argc) csv_path = argv[++i];
@@ -149,6 +155,9 @@ int main(int argc, char** argv) {
     if (a == "--batch" && i + 1 < argc) only_b = std::atoll(argv[++i]);
     if (a == "--context" && i + 1 < argc) only_ctx = std::atoll(argv[++i]);
     if (a == "--no-maintenance") no_maint = true;
+    if (a == "--target-blocks" && i + 1 < argc) plan_opt.target_blocks = std::atoll(argv[++i]);
+    if (a == "--packed-stage-bytes" && i + 1 < argc)
+      plan_opt.packed_stage_bytes = std::atoll(argv[++i]);
   }
   if (!vq::cuda::is_available()) {
     std::printf("no CUDA device: nothing to benchmark\n");
@@ -232,8 +241,9 @@ int main(int argc, char** argv) {
     std::printf("## Decode attention, Llama-3-8B shapes (H_q 32, H_kv 8, D 128)\n\n");
     std::printf(
         "| batch | context | method | rows/head | MB read | median us | p10-p90 us | "
-        "TB/s | %% of copy BW |\n|---|---|---|---|---|---|---|---|---|\n");
+        "TB/s | %% of copy BW | kernel, splits |\n|---|---|---|---|---|---|---|---|---|---|\n");
     vq::cuda::DecodeWorkspace ws;
+    const vq::cuda::DecodeContext& dctx = ws.context();
     DeviceBuffer q(static_cast<size_t>(kMaxB * kHq * kD) * 4),
         out(static_cast<size_t>(kMaxB * kHq * kD) * 4);
     fill_float_kernel<<<64, 256, 0, s>>>(q.as<float>(), kMaxB * kHq * kD, 7);
@@ -306,17 +316,21 @@ int main(int argc, char** argv) {
         ap.q_pos0 = ctx;
         for (Method& m : methods) {
           if (!only.empty() && m.name != only) continue;
+          const vq::cuda::DecodePlan plan =
+              vq::cuda::decode_attention_plan(dctx, kHq, m.view, ap, plan_opt);
           const Stats st = time_it(
               [&] {
-                vq::cuda::decode_attention(q.as<float>(), kHq, m.view, ap, out.as<float>(), ws, s);
+                vq::cuda::decode_attention_run(plan, q.as<float>(), m.view, out.as<float>(), ws, s);
               },
               s, flush.data(), flush_bytes, 5, repeats);
           const double bytes = static_cast<double>(m.view.bytes()) + 2.0 * B * kHq * kD * 4;
           const double tbps = bytes / (st.median_us * 1e-6) / 1e12;
-          std::printf("| %lld | %lld | %s | %lld | %.1f | %.1f | %.1f-%.1f | %.2f | %.0f%% |\n",
-                      static_cast<long long>(B), static_cast<long long>(ctx), m.name.c_str(),
-                      static_cast<long long>(m.view.n_rows()), bytes / 1e6, st.median_us, st.p10_us,
-                      st.p90_us, tbps, 100 * tbps / copy_tbps);
+          std::printf(
+              "| %lld | %lld | %s | %lld | %.1f | %.1f | %.1f-%.1f | %.2f | %.0f%% | %s %d |\n",
+              static_cast<long long>(B), static_cast<long long>(ctx), m.name.c_str(),
+              static_cast<long long>(m.view.n_rows()), bytes / 1e6, st.median_us, st.p10_us,
+              st.p90_us, tbps, 100 * tbps / copy_tbps, vq::cuda::decode_kernel_name(plan.kernel),
+              static_cast<int>(plan.n_splits));
           std::fprintf(csv, "decode,%lld,%lld,%s,%lld,%.0f,%.3f,%.3f,%.3f,%.4f,%.1f\n",
                        static_cast<long long>(B), static_cast<long long>(ctx), m.name.c_str(),
                        static_cast<long long>(m.view.n_rows()), bytes, st.median_us, st.p10_us,

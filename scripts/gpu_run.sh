@@ -2,7 +2,12 @@
 # On a GPU host, from a checkout holding a bundle of scripts/gpu_bundle.sh: runs every GPU test
 # program, then the decode benchmark with PyTorch SDPA beside it (tools/bench_sdpa.py) and the
 # prefill benchmark with SDPA's causal prefill (bench/cuda_prefill_sdpa.py), all in one call so
-# the ratios share one machine state. Logs go to OUT (default: DIR/out); a summary to stdout.
+# the ratios share one machine state; then a compute-sanitizer pass (memcheck and racecheck) over
+# the GPU test programs, filtered to their small cases (about 4 minutes on an H200 at most: each
+# program is cut off at VQ_SANITIZE_TIMEOUT seconds, default 40). Logs go to OUT (default:
+# DIR/out); a summary to stdout. Exits non-zero when a test program fails or the sanitizer reports
+# an error (or cannot run: VQ_SANITIZE=skip leaves the pass out, e.g. on a runtime that refuses
+# it).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -12,11 +17,14 @@ tar xJf "$here/gpu.txz" -C /tmp/vq-gpu
 export LD_LIBRARY_PATH=/tmp/vq-gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 cd /tmp/vq-gpu
+status=0
 for t in test_cuda_decode test_cuda_decode_formats test_cuda_skvq test_cuda_snapkv \
   test_cuda_caches test_cuda_prefill; do
   SECONDS=0
   timeout 300 "./$t" >"$out/$t.txt" 2>&1
-  echo "$t rc=$? ${SECONDS}s"
+  rc=$?
+  echo "$t rc=$rc ${SECONDS}s"
+  [ "$rc" -eq 0 ] || status=1
   grep -E "^\[(  FAILED|  PASSED|  SKIPPED)|worst|Failure|exception" "$out/$t.txt" | head -20
 done
 timeout 300 ./cuda_decode_attention --csv "$out/bench.csv" --repeats 20 >"$out/decode.txt" 2>&1
@@ -30,3 +38,56 @@ echo "prefill bench rc=$?"
 (cd "$root" && PYTHONUNBUFFERED=1 timeout 120 python3 bench/cuda_prefill_sdpa.py --repeats 5 \
   >"$out/prefill_sdpa.txt" 2>&1)
 echo "prefill sdpa rc=$?"
+
+# ---- compute-sanitizer: memcheck over the small cases of every GPU test program, racecheck over
+# those of the programs whose kernels share memory between threads (decode, flush, SnapKV,
+# prefill). A case list per program keeps the pass short (the sanitizer slows kernels 10-100x).
+if [ "${VQ_SANITIZE:-on}" = skip ]; then
+  echo "sanitizer: skipped (VQ_SANITIZE=skip)"
+  exit $status
+fi
+cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
+  /usr/local/cuda/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
+if [ -z "$cs" ]; then
+  echo "sanitizer: FAILED: compute-sanitizer not found (VQ_SANITIZE=skip to leave it out)"
+  exit 1
+fi
+limit=${VQ_SANITIZE_TIMEOUT:-40}
+memcheck=(
+  "test_cuda_decode CudaDecode.NoVisibleKeyGivesZeros:CudaDecode.LongContextSplits:CudaDecode.PlanOnceRunPerLayer:CudaDecode.RefusesUnsupportedShapes"
+  "test_cuda_decode_formats *"
+  "test_cuda_skvq CudaSkvq.QuantizeRowsTiesBitIdentical:CudaSkvq.ChannelPermsMatchStableSort:CudaSkvq.RefusesMismatchedFormat"
+  "test_cuda_snapkv CudaSnapkv.NonFiniteOrder:CudaSnapkv.PoolingMatchesCpuExactly:CudaSnapkv.GatherRowsExact"
+  "test_cuda_caches CudaCaches.SnapKVWorkedExample:CudaCaches.SkvqWorkedExampleAndResidentBytes:CudaCaches.ErrorsMatchCpuAndChangeNothing"
+  "test_cuda_prefill CudaPrefill.RefusesUnsupported"
+)
+racecheck=(
+  "test_cuda_decode CudaDecode.NoVisibleKeyGivesZeros:CudaDecode.PlanOnceRunPerLayer"
+  "test_cuda_skvq CudaSkvq.QuantizeRowsTiesBitIdentical:CudaSkvq.ChannelPermsMatchStableSort"
+  "test_cuda_snapkv CudaSnapkv.PoolingMatchesCpuExactly:CudaSnapkv.GatherRowsExact"
+  "test_cuda_prefill CudaPrefill.RefusesUnsupported"
+)
+sanitize() {  # tool, then "program filter" entries
+  local tool=$1 entry t filter log rc
+  shift
+  for entry in "$@"; do
+    t=${entry%% *}
+    filter=${entry#* }
+    log="$out/sanitize_${tool}_$t.txt"
+    SECONDS=0
+    timeout "$limit" "$cs" --tool "$tool" --error-exitcode 86 --print-limit 20 \
+      "./$t" --gtest_filter="$filter" >"$log" 2>&1
+    rc=$?
+    echo "sanitizer $tool $t rc=$rc ${SECONDS}s $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" |
+      tail -1 | sed 's/^=* *//')"
+    if [ "$rc" -ne 0 ]; then
+      status=1
+      [ "$rc" -eq 124 ] && echo "  cut off after ${limit}s: narrow its case list"
+      grep -E "^========= (Invalid|Error|Race|Program hit|  )|FAILED" "$log" | head -12
+    fi
+  done
+}
+sanitize memcheck "${memcheck[@]}"
+sanitize racecheck "${racecheck[@]}"
+echo "sanitizer pass done; status=$status"
+exit $status

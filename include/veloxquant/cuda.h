@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -144,22 +145,130 @@ class DeviceCacheView {
   std::vector<DeviceBuffer> owned_;
 };
 
-// ---- fused decode attention -----------------------------------------------------------------
+// ---- fused decode attention: plan once per step, run per layer ------------------------------
 
-// Reusable scratch of decode_attention (split partials); grows on demand, never shrinks.
+// Which split kernel a decode plan launches (decode_attention.cuh has the instances).
+enum class DecodeKernel : int32_t {
+  kCudaCore = 0,           // generic CUDA-core kernel: every supported format
+  kMmaF16 = 1,             // tensor-core kernel, f16 rows only
+  kMmaPacked2 = 2,         // tensor-core, f16 rows and 2-bit codes (any metadata type)
+  kMmaPacked2F16Meta = 3,  // the same with f16 metadata
+  kMmaPacked4 = 4,         // tensor-core, f16 rows and 4-bit codes (any metadata type)
+  kMmaPacked4F16Meta = 5,  // the same with f16 metadata
+  kMmaPacked2G32 = 6,      // 2-bit codes, f16 metadata, groups of 32, records of D/4 + D/8 bytes
+                           // (record offsets fixed at compile time)
+  kMmaPacked4G32 = 7,      // the same for 4-bit codes (records of D/2 + D/8 bytes)
+};
+const char* decode_kernel_name(DecodeKernel k);
+
+// Per-device context of decode planning: the device's properties and, memoised, the resident
+// blocks per SM of the tensor-core kernel instances a plan asked about (that query costs host
+// time, and the planner runs once per step). Not thread-safe: one context per thread or stream.
+class DecodeContext {
+ public:
+  // The current device (cudaGetDevice): its properties are queried now.
+  static DecodeContext current();
+  // A context that plans without a device (host tests): info as given, and every tensor-core
+  // instance answers mma_blocks_per_sm resident blocks per SM.
+  static DecodeContext fake(const DeviceInfo& info, int mma_blocks_per_sm);
+
+  const DeviceInfo& info() const { return info_; }
+  int device() const { return device_; }  // CUDA ordinal, -1 for a fake context
+  // Resident blocks per SM of tensor-core instance k at (head_dim, group = H_q / H_kv, bytes of
+  // K per pipeline stage); memoised per context.
+  int mma_blocks_per_sm(DecodeKernel k, int32_t head_dim, int32_t group,
+                        int32_t stage_half_bytes) const;
+
+ private:
+  struct Occupancy {
+    DecodeKernel kernel;
+    int32_t head_dim, group, stage_half_bytes, blocks;
+  };
+  using OccupancyQuery = int (*)(DecodeKernel, int32_t head_dim, int32_t group,
+                                 int32_t stage_half_bytes);
+  int device_ = -1;
+  DeviceInfo info_;
+  OccupancyQuery query_ = nullptr;  // the device's occupancy query; nullptr: fake_blocks_
+  int fake_blocks_ = 0;
+  mutable std::vector<Occupancy> memo_;
+};
+
+// Knobs of the planner; fields > 0 override its automatic choice (tests and the benchmark).
+struct DecodePlanOptions {
+  int64_t rows_per_split = 0;      // rows of one segment one block reads (exactly, not rounded)
+  int64_t target_blocks = 0;       // total split blocks the plan aims for
+  int64_t packed_stage_bytes = 0;  // K + V bytes per pipeline stage of packed rows (tensor-core)
+};
+
+// One non-empty segment of the view a plan was made for, and how it is read.
+struct DecodeSegmentPlan {
+  int64_t n_rows = 0;            // rows per (b, h)
+  int64_t capacity = 0;          // rows allocated per (b, h) in the view (0 = n_rows)
+  bool positions = false;        // explicit positions in the view
+  bool packed = false;           // packed records in the view
+  bool dequantize = false;       // packed in a format no split kernel reads in place: dequantized
+                                 // into fp32 scratch by every run, then read as f32 rows
+  DType dtype = DType::kF16;     // full-precision rows: their dtype
+  PackedRowFormat k_fmt, v_fmt;  // packed rows: their formats and which transforms they have
+  bool k_perm = false, v_perm = false, k_signs = false, v_signs = false;
+  int32_t k_rot_block = 0, v_rot_block = 0;  // with signs: the Hadamard block
+  int32_t k_row_bytes = 0, v_row_bytes = 0;  // bytes per row as the split kernel reads it
+  int32_t tile_rows = 0;                     // rows per pipeline stage
+  int64_t rows_per_split = 0;
+  int32_t split_begin = 0, n_splits = 0;
+};
+
+// A decode step's plan: made once from the shapes, the formats and the device, then run on every
+// layer's view of those shapes (decode_attention_run checks that the view matches).
+struct DecodePlan {
+  int64_t batch = 0, n_kv_heads = 0, head_dim = 0, n_q_heads = 0;
+  AttentionParams params;
+  int device = -1;  // the context's device (-1: planned on a fake context)
+  DecodeKernel kernel = DecodeKernel::kCudaCore;
+  int32_t k_bits = 0, v_bits = 0;  // 0 when no segment is read packed
+  int32_t stage_half_bytes = 0;    // tensor-core kernel: bytes of K (and of V) per stage
+  int64_t target_blocks = 0;       // the block target the splits were sized for
+  int64_t total_rows = 0;          // rows per (b, h) over every segment (0: the output is zeros)
+  int32_t n_splits = 0;            // split blocks per (b, kv head)
+  std::vector<DecodeSegmentPlan> segments;
+  size_t workspace_bytes = 0;  // DecodeWorkspace bytes a run reserves (split partials)
+  size_t scratch_bytes = 0;    // stream-ordered fp32 scratch of dequantized segments per run
+};
+
+// Reusable scratch of decode_attention (split partials) and the decode context of the device it
+// lives on (made at first use); grows on demand, never shrinks.
 class DecodeWorkspace {
  public:
-  DecodeWorkspace() = default;
   void* reserve(size_t bytes);
+  // The context of the current device, created at the first call (throws vq::Error when the
+  // current device is not the one the workspace was first used on).
+  const DecodeContext& context();
 
  private:
   DeviceBuffer buf_;
+  std::unique_ptr<DecodeContext> ctx_;
 };
 
-// How decode_attention splits the work (chosen by the plan; fields > 0 override it, for tests).
-struct DecodeOptions {
-  int64_t rows_per_split = 0;  // rows of one segment one block reads; 0 = automatic
-};
+// Kept for callers of the one-call form: the plan's options.
+using DecodeOptions = DecodePlanOptions;
+
+// Plans decode attention of n_q_heads query heads over view (its segment sizes, formats and
+// transforms, not its memory) on ctx's device: checks the shapes (below), picks the kernel and
+// sizes the splits. Every kernel reads every segment of one (b, kv head) with about
+// target / (B * H_kv) split blocks of at least 64 rows (a whole number of pipeline tiles, never
+// crossing a segment); the tensor-core kernel aims for one wave of its resident blocks, the
+// CUDA-core kernel for 16 blocks per SM (about four waves). Host work only: no device call, no
+// allocation but the plan's, except a memoised occupancy query on ctx.
+DecodePlan decode_attention_plan(const DecodeContext& ctx, int64_t n_q_heads,
+                                 const DeviceCacheView& view, const AttentionParams& p,
+                                 const DecodePlanOptions& opt = {});
+
+// Runs plan over view (a view of the plan's shapes: batch, heads, head_dim, and the same
+// non-empty segments with the same rows, capacities, dtypes, formats and transforms present;
+// anything else is a vq::Error), reading q and writing out on stream s. The plan's device must be
+// the current one.
+void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCacheView& view,
+                          float* out, DecodeWorkspace& ws, Stream s = nullptr);
 
 // One query per sequence (N = 1): out[b, qh] = softmax(q[b, qh] . K^T * scale) V over every row of
 // view that is visible from position p.q_pos0 (pos_j <= q_pos0, and with p.window > 0
@@ -178,15 +287,16 @@ struct DecodeOptions {
 // groups a multiple of 32) splits q and p (times the group scale, rescaled by 2^S per tile) into
 // fp16 hi + lo parts, whose products with fp16 rows or exact code integers are exact, so its error
 // stays within the fp32 bound of tests/cuda/test_cuda_decode.cpp. A query that sees no key gets
-// zeros.
+// zeros. This one-call form plans (on ws's context) and runs; a caller decoding many layers of one
+// step plans once (decode_attention_plan) and runs per layer (decode_attention_run).
 void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& view,
                       const AttentionParams& p, float* out, DecodeWorkspace& ws, Stream s = nullptr,
-                      const DecodeOptions& opt = {});
+                      const DecodePlanOptions& opt = {});
 
 // Convenience for tests: host q [B, H_q, D] in, host out [B, H_q, D] back (synchronises).
 std::vector<float> decode_attention_host(const std::vector<float>& q, int64_t n_q_heads,
                                          const DeviceCacheView& view, const AttentionParams& p,
-                                         const DecodeOptions& opt = {});
+                                         const DecodePlanOptions& opt = {});
 
 // ---- SKVQ flush -----------------------------------------------------------------------------
 

@@ -157,28 +157,28 @@ int mma_dispatch<3, 4>(const DecodeParams&, cudaStream_t, bool);
 }  // namespace decode_mma
 
 namespace {
-// The tensor-core instance of p.use_mma (1..7, see DecodeParams): launch, or with query the
-// resident blocks per SM.
+// The tensor-core instance of p.kernel: launch, or with query the resident blocks per SM.
 int mma_run(const DecodeParams& p, cudaStream_t s, bool query) {
-  switch (p.use_mma) {
-    case 1:
+  switch (p.kernel) {
+    case DecodeKernel::kMmaF16:
       return decode_mma::mma_dispatch<0, 2>(p, s, query);
-    case 2:
+    case DecodeKernel::kMmaPacked2:
       return decode_mma::mma_dispatch<1, 2>(p, s, query);
-    case 3:
+    case DecodeKernel::kMmaPacked2F16Meta:
       return decode_mma::mma_dispatch<2, 2>(p, s, query);
-    case 4:
+    case DecodeKernel::kMmaPacked4:
       return decode_mma::mma_dispatch<1, 4>(p, s, query);
-    case 5:
+    case DecodeKernel::kMmaPacked4F16Meta:
       return decode_mma::mma_dispatch<2, 4>(p, s, query);
-    case 6:
+    case DecodeKernel::kMmaPacked2G32:
       return decode_mma::mma_dispatch<3, 2>(p, s, query);
-    case 7:
+    case DecodeKernel::kMmaPacked4G32:
       return decode_mma::mma_dispatch<3, 4>(p, s, query);
-    default:
-      throw Error("[decode_attention] expected a tensor-core kind in 1..7 but got " +
-                  std::to_string(p.use_mma));
+    case DecodeKernel::kCudaCore:
+      break;
   }
+  throw Error(std::string("[decode_attention] expected a tensor-core kernel but got ") +
+              decode_kernel_name(p.kernel));
 }
 }  // namespace
 
@@ -189,7 +189,7 @@ int decode_mma_blocks_per_sm(const DecodeParams& p) {
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
   using namespace decode_impl;
   const int kb = p.k_bits, vb = p.v_bits;
-  if (p.use_mma != 0) {
+  if (p.kernel != DecodeKernel::kCudaCore) {
     mma_run(p, s, false);
   } else if (kb == 0 && vb == 0) {
     launch_split<0, 0>(p, s);

@@ -1,5 +1,6 @@
 // Fused decode attention (N = 1 query per sequence) over a device cache view: the parameter block
-// shared by the planner (decode_api.cpp) and the kernels, and the host launcher.
+// that decode_api.cpp fills from a DecodePlan (decode_plan.h) and a layer's view for the kernels,
+// and the host launcher.
 //
 // Grid: (total splits, H_kv, B); each block reads rows [begin, end) of ONE segment for one
 // (b, kv head) and all G = H_q / H_kv query heads that share it (every KV row is read once), and
@@ -13,9 +14,9 @@
 
 #include <cstdint>
 
-namespace vq::cuda {
+#include "cuda/decode_plan.h"
 
-constexpr int kDecodeMaxSegments = 8;
+namespace vq::cuda {
 
 struct DecodeSegmentParams {
   int packed = 0;                      // 0: full precision rows, 1: packed records
@@ -64,12 +65,10 @@ struct DecodeParams {
   DecodeSegmentParams seg[kDecodeMaxSegments];
   DecodePackedParams pk;
   int32_t k_bits = 0, v_bits = 0;  // 0 when the view has no packed segment
-  // Tensor-core kernel (decode_attention_mma.cuh): 0 off, 1 f16 segments only, 2 f16 and 2-bit
-  // packed segments, 3 the same with f16 metadata, 4 f16 and 4-bit packed segments, 5 the same
-  // with f16 metadata, 6 and 7: 2- and 4-bit codes with f16 metadata in groups of 32 and records
-  // of D bits / 8 + D / 8 bytes (offsets fixed at compile time); stage_half_bytes: bytes of K (and
-  // of V) per pipeline stage of that kernel.
-  int32_t use_mma = 0;
+  // Split kernel instance (DecodeKernel in veloxquant/cuda.h): the CUDA-core kernel of
+  // decode_attention_kernel.cuh, or one of the tensor-core kernel of decode_attention_mma.cuh;
+  // stage_half_bytes: bytes of K (and of V) per pipeline stage of the tensor-core kernel.
+  DecodeKernel kernel = DecodeKernel::kCudaCore;
   int32_t stage_half_bytes = 0;
 };
 
@@ -77,16 +76,8 @@ struct DecodeParams {
 // (head_dim, group, bits) combination or a failed launch.
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s);
 
-// Resident blocks per SM of the tensor-core kernel for p (p.use_mma, head_dim, group and
+// Resident blocks per SM of the tensor-core kernel for p (p.kernel, head_dim, group and
 // stage_half_bytes set): the planner sizes the splits to one wave of them.
 int decode_mma_blocks_per_sm(const DecodeParams& p);
-
-// Bytes of K + V rows one stage of the tensor-core kernel aims for (tile_rows a multiple of 64).
-constexpr int kDecodeMmaStageBytes = 32768;
-constexpr int kDecodeMmaPackedStageBytes = 12288;
-
-// Rows one pipeline stage of K (or V) can hold: tile_rows = min(128, this / row_bytes) rounded
-// down to a multiple of 8.
-constexpr int kDecodeStageBytes = 8192;
 
 }  // namespace vq::cuda

@@ -26,6 +26,7 @@
 
 #include "cuda/check.h"
 #include "cuda/decode_attention.cuh"
+#include "veloxquant/packed.h"
 
 namespace vq::cuda::decode_impl {
 
@@ -131,21 +132,13 @@ __host__ __device__ constexpr float code_unscale(int j) {
   return f;
 }
 
+// Metadata decoders (packed.h's host/device codecs) on the low bits of a loaded word.
 __device__ __forceinline__ float fp8e4m3_to_f32(uint32_t c) {
-  const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
-  float v;
-  if (e == 15u && m == 7u) {
-    v = __uint_as_float(0x7fc00000u);
-  } else if (e == 0u) {
-    v = static_cast<float>(m) * 0x1p-9f;
-  } else {
-    v = __uint_as_float(((e + 120u) << 23) | (m << 20));  // (1 + m/8) * 2^(e-7)
-  }
-  return (c & 0x80u) ? -v : v;
+  return fp8_e4m3_decode(c);  // callers pass the byte masked
 }
 
 __device__ __forceinline__ float f16_bits_to_f32(uint32_t h) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xffffu)));
+  return fp16_bits_to_f32(static_cast<uint16_t>(h & 0xffffu));
 }
 
 // (lo, scale) of group g of a record at byte offset rec of base; meta: 0 f16, 1 f32, 2 fp8.

@@ -1,7 +1,8 @@
 // CUDA stubs for builds without VQ_CUDA: is_available() is false and every other entry point of
 // veloxquant/cuda.h throws vq::Error "[cuda] CUDA backend not built (configure with
 // -DVQ_CUDA=ON)". Destructors and moves of empty objects work, so code that only declares them
-// still runs.
+// still runs. The decode planner (decode_plan.cpp: plan_decode and match_plan on a fake
+// DecodeContext) is plain C++ and is built in this configuration too.
 #include <string>
 
 #include "veloxquant/cuda.h"
@@ -79,6 +80,16 @@ void* DecodeWorkspace::reserve(size_t) {
   not_built("cuda::DecodeWorkspace::reserve");
 }
 
+const DecodeContext& DecodeWorkspace::context() {
+  not_built("cuda::DecodeWorkspace::context");
+}
+DecodeContext DecodeContext::current() {
+  not_built("cuda::DecodeContext::current");
+}
+void decode_attention_run(const DecodePlan&, const float*, const DeviceCacheView&, float*,
+                          DecodeWorkspace&, Stream) {
+  not_built("cuda::decode_attention_run");
+}
 void decode_attention(const float*, int64_t, const DeviceCacheView&, const AttentionParams&, float*,
                       DecodeWorkspace&, Stream, const DecodeOptions&) {
   not_built("cuda::decode_attention");

@@ -42,6 +42,7 @@
 #include "cuda/device_cache_dequant.cuh"
 #include "cuda/prefill_attention.cuh"
 #include "cuda/tc_common.cuh"
+#include "veloxquant/packed.h"
 
 namespace vq::cuda {
 
@@ -58,33 +59,21 @@ __device__ __forceinline__ float load_elem(const void* base, int64_t i, int dtyp
   return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
 }
 
-__device__ __forceinline__ float fp8_decode(uint8_t c) {
-  const float sign = (c & 0x80u) ? -1.0f : 1.0f;
-  const int e = (c >> 3) & 0xf;
-  const int m = c & 7;
-  if (e == 15 && m == 7) return __int_as_float(0x7fc00000);
-  if (e == 0) return sign * ldexpf(static_cast<float>(m), -9);
-  return sign * ldexpf(static_cast<float>(8 + m), e - 10);
-}
-
+// Metadata element i of type `type` (a vq::MetaType value): packed.h's host/device codec.
 __device__ __forceinline__ float meta_at(const uint8_t* meta, int i, int type) {
-  if (type == 0) return __half2float(reinterpret_cast<const __half*>(meta)[i]);
-  if (type == 1) return reinterpret_cast<const float*>(meta)[i];
-  return fp8_decode(meta[i]);
+  return meta_load(meta, i, static_cast<MetaType>(type));
 }
 
 // Stored channel c of a record, dequantized: code * scale + lo in fp32 (two roundings).
 __device__ __forceinline__ float dequant(const uint8_t* rec, int c, const PrefillTensor& t) {
-  const int b = t.bits;
-  const int bit = c * b;
-  uint32_t w = rec[bit >> 3];
-  if ((bit & 7) + b > 8) w |= static_cast<uint32_t>(rec[(bit >> 3) + 1]) << 8;
-  const uint32_t code = (w >> (bit & 7)) & ((1u << b) - 1u);
+  CodeSpec spec;
+  spec.bits_x2 = static_cast<uint8_t>(2 * t.bits);
+  const uint32_t code = code_at(rec, c, spec);
   const int g = c / t.group_size;
   const uint8_t* meta = rec + t.code_bytes;
   const float lo = meta_at(meta, 2 * g, t.meta);
   const float scale = meta_at(meta, 2 * g + 1, t.meta);
-  return __fadd_rn(__fmul_rn(static_cast<float>(code), scale), lo);
+  return dequantize_code(code, scale, lo);
 }
 
 __device__ __forceinline__ float warp_max(float x) {

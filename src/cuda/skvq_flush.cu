@@ -20,6 +20,7 @@
 
 #include "cuda/check.h"
 #include "cuda/skvq_flush.cuh"
+#include "veloxquant/packed.h"
 
 namespace vq::cuda {
 
@@ -38,62 +39,6 @@ __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t 
   return static_cast<const float*>(base)[i];
 }
 
-// packed.h's fp8_e4m3_encode / decode, the same integer steps.
-__device__ uint8_t fp8_encode(float x) {
-  uint32_t u = __float_as_uint(x);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7f);
-  if (u >= 0x43e00000u) return static_cast<uint8_t>(sign | 0x7e);
-  if (u < 0x3c800000u) {
-    const float a = __uint_as_float(u);
-    const float r = __fsub_rn(__fadd_rn(__fmul_rn(a, 512.0f), 0x1p23f), 0x1p23f);
-    return static_cast<uint8_t>(sign | static_cast<uint8_t>(r));
-  }
-  u += 0x7ffffu + ((u >> 20) & 1u);
-  const uint32_t e = (u >> 23) - 127u + 7u;
-  const uint32_t m = (u >> 20) & 7u;
-  if (e > 15 || (e == 15 && m == 7)) return static_cast<uint8_t>(sign | 0x7e);
-  return static_cast<uint8_t>(sign | (e << 3) | m);
-}
-
-__device__ float fp8_decode(uint8_t c) {
-  const int e = (c >> 3) & 0xf;
-  const int m = c & 7;
-  float v;
-  if (e == 15 && m == 7) {
-    v = __uint_as_float(0x7fc00000u);
-  } else if (e == 0) {
-    v = __fmul_rn(static_cast<float>(m), 0x1p-9f);
-  } else {
-    v = __uint_as_float(static_cast<uint32_t>((e + 120) << 23) | static_cast<uint32_t>(m << 20));
-  }
-  return (c & 0x80u) ? -v : v;
-}
-
-// packed.h meta_round.
-__device__ float meta_round(float v, int meta) {
-  if (meta == 1) return v;
-  if (meta == 0) {
-    const float c = v > 65504.0f ? 65504.0f : (v < -65504.0f ? -65504.0f : v);
-    return __half2float(__float2half_rn(c));
-  }
-  return fp8_decode(fp8_encode(v));
-}
-
-__device__ float meta_min_positive(int meta) {
-  return meta == 1 ? 1e-8f : (meta == 0 ? 0x1p-24f : 0x1p-9f);
-}
-
-// group_quant.cpp quant_code: clamp((x - lo) / scale, 0, levels), rounded to an integer (ties to
-// even) by adding and removing 2^23.
-__device__ __forceinline__ float quant_code(float x, float lo, float scale, float levels) {
-  float t = __fdiv_rn(__fsub_rn(x, lo), scale);
-  t = t > 0.0f ? t : 0.0f;
-  t = t < levels ? t : levels;
-  return __fsub_rn(__fadd_rn(t, 0x1p23f), 0x1p23f);
-}
-
 // quant_code without the division in the common case: t' = (x - lo) * rcp_rn(scale) differs from
 // the IEEE quotient t = (x - lo) / scale by at most 3 * 2^-24 * |t| (two roundings of the
 // reciprocal-product path, one of the quotient). Clamping to [0, levels] and rounding to an integer
@@ -101,7 +46,8 @@ __device__ __forceinline__ float quant_code(float x, float lo, float scale, floa
 // bounds are integers, and |t| > levels + 1 clamps both alike); every |t| that matters is
 // <= levels + 1 <= 256, so the distance is < 2^-14. Within 2^-12 of a half-integer the exact
 // quant_code decides. NaN, +-inf and overflow behave as in quant_code (NaN -> 0, both clamp to
-// the same bound). Hence the code equals quant_code(x, lo, scale, levels) bit for bit.
+// the same bound). Hence the code equals quant_code(x, lo, scale, levels) (packed.h, the CPU
+// quantizer's) bit for bit.
 // Cheaper forms of the same steps: fmaxf(t, 0) equals `t > 0 ? t : 0` up to the sign of a zero
 // (NaN gives 0 either way) and the clamped t is never NaN, so fminf(t, levels) equals the second
 // ternary; rintf (ties to even) equals the 2^23 round trip on [0, levels]; both zeros give code 0.
@@ -117,6 +63,7 @@ __global__ void __launch_bounds__(kThreads)
     skvq_quantize_kernel(const __grid_constant__ SkvqQuantParams p, int rows_per_block) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int D = p.head_dim, NG = p.n_groups, R = rows_per_block;
+  const MetaType mt = static_cast<MetaType>(p.meta);
   const int DP = D + 1;  // padded rows: threads on consecutive rows hit consecutive banks
   const bool rot = p.signs != nullptr;
   float* x = reinterpret_cast<float*>(smem);  // [R][DP] original order, then rotated (rot only)
@@ -218,11 +165,10 @@ __global__ void __launch_bounds__(kThreads)
       ae[k] = 0.0f;
       if (k < p.n_alpha) {
         const float ar = __fmul_rn(p.alpha[k], rng);
-        al[k] = meta_round(__fsub_rn(mid, __fdiv_rn(ar, 2.0f)), p.meta);
+        al[k] = meta_round(__fsub_rn(mid, __fdiv_rn(ar, 2.0f)), mt);
         float sc = __fdiv_rn(ar, levels);
         sc = sc < 1e-8f ? 1e-8f : sc;
-        const float rs = meta_round(sc, p.meta);
-        as[k] = rs >= meta_min_positive(p.meta) ? rs : meta_min_positive(p.meta);
+        as[k] = meta_round_scale(sc, mt);
         ar_[k] = __frcp_rn(as[k]);
       }
     }
@@ -261,7 +207,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   // One record byte per thread.
-  const int ms = p.meta == 1 ? 4 : (p.meta == 0 ? 2 : 1);
+  const int ms = meta_size(mt);
   const int rsb = p.row_stride;
   for (int r = warp; r < nr; r += kThreads / 32)
     for (int byte = lane; byte < rsb; byte += 32) {
@@ -286,14 +232,7 @@ __global__ void __launch_bounds__(kThreads)
         const int m = byte - p.code_bytes;
         const int e = m / ms, eb = m % ms;
         const float val = (e % 2 == 0) ? mlo[r * NG + e / 2] : msc[r * NG + e / 2];
-        uint32_t bits;
-        if (p.meta == 1) {
-          bits = __float_as_uint(val);
-        } else if (p.meta == 0) {
-          bits = __half_as_ushort(__float2half_rn(val));
-        } else {
-          bits = fp8_encode(val);
-        }
+        const uint32_t bits = meta_encode(val, mt);
         v = bits >> (8 * eb);
       }
       p.records[(row0 + r) * rsb + byte] = static_cast<uint8_t>(v & 0xffu);

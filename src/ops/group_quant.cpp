@@ -1,5 +1,6 @@
 // Group quantizer (reference and optimised), row records and the packed-format helpers declared
-// in packed.h. See group_quant.h for the algorithm.
+// in packed.h (whose inline codecs, quant_code and the metadata rounding included, are the ones
+// the CUDA flush kernel uses too). See group_quant.h for the algorithm.
 //
 // Bit-exactness: this file is compiled without floating-point contraction (the pragma below), so
 // code*scale + lo rounds twice exactly as the formulas say, in the reference, the optimised
@@ -70,7 +71,7 @@ void dequantize_record(const uint8_t* record, const PackedRowFormat& f, float* o
     const float lo = meta_load(meta, 2 * g, f.meta);
     const float sc = meta_load(meta, 2 * g + 1, f.meta);
     const int32_t c1 = std::min(f.head_dim, (g + 1) * f.group_size);
-    for (int32_t c = g * f.group_size; c < c1; ++c) out[c] = static_cast<float>(codes[c]) * sc + lo;
+    for (int32_t c = g * f.group_size; c < c1; ++c) out[c] = dequantize_code(codes[c], sc, lo);
   }
 }
 
@@ -115,16 +116,6 @@ void check_params(const GroupQuantParams& p, int64_t d) {
 }
 
 namespace {
-
-// clamp(rint(t), 0, levels) for t = (x - lo) / scale, ties to even; NaN gives 0. Clamping
-// before rounding is equivalent (0 and levels are integers, rint is monotone), and on [0, 255]
-// adding and removing 2^23 rounds to an integer, ties to even, under the default FP mode.
-inline float quant_code(float x, float lo, float scale, float levels) {
-  float t = (x - lo) / scale;
-  t = t > 0.0f ? t : 0.0f;
-  t = t < levels ? t : levels;
-  return (t + 0x1p23f) - 0x1p23f;
-}
 
 struct AlphaSet {
   std::array<float, 5> a{};

@@ -7,8 +7,9 @@
 // channel permutations and Hadamard rotation of keys and values), a mixed view (full-precision
 // sinks, packed middle with explicit per-head positions, full-precision tail), sliding windows and
 // queries that see no key, over lengths 1, 17, 127, 129 (and 1000), GQA 1/4/8, head_dim 64/128,
-// batch 1 and 8, automatic and forced small splits; and real SKVQ cache contents when the builder
-// offers them. Every case prints its parameters; the metric is a per-element bound derived below,
+// batch 1 and 8, automatic and forced small splits; one plan run over several layers' views and
+// the planner's knobs (DecodePlanOptions); and real SKVQ cache contents when the builder offers
+// them. Every case prints its parameters; the metric is a per-element bound derived below,
 // and the reference must not be all zeros.
 #include <gtest/gtest.h>
 
@@ -430,6 +431,64 @@ TEST(CudaDecode, LongContextSplits) {
     worst = std::max(worst, run_case(hv, 2 * G, ap, ++seed, "long G=" + std::to_string(G)));
   }
   std::printf("[long] worst error = %.3f%% of tolerance\n", 100 * worst);
+}
+
+// Plan once, run per layer: one plan over two "layers" (views of the same shapes and formats,
+// different contents) gives exactly the one-call results of each, the planner's knobs
+// (DecodePlanOptions) keep the numerics within the bound, and a view of other shapes is refused.
+TEST(CudaDecode, PlanOnceRunPerLayer) {
+  SKIP_WITHOUT_DEVICE();
+  const int64_t B = 2, H = 2, D = 128, Hq = 8;
+  auto layer = [&](uint64_t seed) {
+    HostView hv = empty_view(B, H, D);
+    add_fp_segment(hv, DType::kF16, 5, 0, nullptr, seed);
+    add_packed_segment(hv, {2, 2, 32, MetaType::kF16, true, false}, 700, 5, nullptr, seed + 1);
+    add_fp_segment(hv, DType::kF16, 40, 705, nullptr, seed + 2);
+    return hv;
+  };
+  HostView h0 = layer(11), h1 = layer(21);
+  const cuda::DeviceCacheView d0 = cuda::DeviceCacheView::upload(h0.view);
+  const cuda::DeviceCacheView d1 = cuda::DeviceCacheView::upload(h1.view);
+  AttentionParams ap;
+  ap.q_pos0 = 744;
+  const auto q = random_q(B * Hq * D, 5);
+  cuda::DecodeWorkspace ws;
+  const cuda::DecodePlan plan = cuda::decode_attention_plan(ws.context(), Hq, d0, ap);
+  EXPECT_NE(plan.kernel, cuda::DecodeKernel::kCudaCore) << cuda::decode_kernel_name(plan.kernel);
+  EXPECT_EQ(plan.device, ws.context().device());
+  const size_t n = static_cast<size_t>(B * Hq * D);
+  cuda::DeviceBuffer dq = cuda::DeviceBuffer::from_vector(q), dout(n * 4);
+  for (int l = 0; l < 2; ++l) {
+    const cuda::DeviceCacheView& dv = l ? d1 : d0;
+    cuda::decode_attention_run(plan, dq.as<float>(), dv, dout.as<float>(), ws);
+    cuda::synchronize();
+    const auto ran = dout.to_vector<float>(n);
+    const auto one = cuda::decode_attention_host(q, Hq, dv, ap);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(ran[i], one[i]) << "layer " << l << " element " << i;
+    check_against_reference(l ? h1 : h0, q, Hq, ap, ran, "plan layer " + std::to_string(l));
+  }
+  double worst = 0;
+  for (int64_t target : {int64_t{1}, int64_t{7}, int64_t{1000}})
+    for (int64_t stage : {int64_t{0}, int64_t{6144}, int64_t{49152}}) {
+      cuda::DecodePlanOptions o;
+      o.target_blocks = target;
+      o.packed_stage_bytes = stage;
+      const std::string v =
+          "knobs target=" + std::to_string(target) + " stage=" + std::to_string(stage);
+      const auto out = cuda::decode_attention_host(q, Hq, d0, ap, o);
+      worst = std::max(worst, check_against_reference(h0, q, Hq, ap, out, v).max_ratio);
+    }
+  std::printf("[plan knobs] worst error = %.3f%% of tolerance\n", 100 * worst);
+  HostView other = empty_view(B, H, D);
+  add_fp_segment(other, DType::kF16, 745, 0, nullptr, 3);
+  const cuda::DeviceCacheView dov = cuda::DeviceCacheView::upload(other.view);
+  try {
+    cuda::decode_attention_run(plan, dq.as<float>(), dov, dout.as<float>(), ws);
+    FAIL() << "expected a vq::Error for a view of other segments";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[decode_attention_run] expected"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Real cache contents: an SKVQ cache (reorder + clip search, sinks, packed chunks, f16 tail), when

@@ -1,0 +1,289 @@
+// Host tests of the CUDA decode planner (src/cuda/decode_plan.h) on a fake device context: no GPU
+// and no CUDA build needed. Kernel choice per view (f16-only, packed 2/4-bit with f16 or fp8
+// metadata, fixed group-32 records, bf16, formats that are dequantized first), split and tile
+// sizes against the rules written in decode_plan.cpp, the DecodePlanOptions overrides (and that
+// the environment no longer changes a plan), shape errors, and the check of a layer's view
+// against a plan. Segment pointers are fake aligned addresses: planning never dereferences them.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cuda/decode_plan.h"
+#include "veloxquant/error.h"
+#include "veloxquant/packed.h"
+
+namespace vq::cuda {
+namespace {
+
+DeviceInfo h200_like() {
+  DeviceInfo d;
+  d.name = "fake";
+  d.cc_major = 9;
+  d.sm_count = 132;
+  return d;
+}
+
+const void* fake_ptr(uintptr_t i) {
+  return reinterpret_cast<const void*>(uintptr_t{1} << 20 | i << 12);
+}
+
+DeviceSegment fp_seg(int64_t n, DType dt, int64_t first = 0, uintptr_t tag = 1) {
+  DeviceSegment s;
+  s.n_rows = n;
+  s.first_pos = first;
+  s.dtype = dt;
+  s.keys = fake_ptr(2 * tag);
+  s.values = fake_ptr(2 * tag + 1);
+  return s;
+}
+
+DeviceSegment packed_seg(int64_t n, double kb, double vb, int64_t group, MetaType meta,
+                         int64_t D = 128, int64_t first = 0) {
+  DeviceSegment s;
+  s.packed = true;
+  s.n_rows = n;
+  s.first_pos = first;
+  s.k_fmt = make_row_format(D, kb, group, meta);
+  s.v_fmt = make_row_format(D, vb, group, meta);
+  s.k_data = static_cast<const uint8_t*>(fake_ptr(100));
+  s.v_data = static_cast<const uint8_t*>(fake_ptr(101));
+  return s;
+}
+
+DecodePlan plan(const std::vector<DeviceSegment>& segs, int64_t B = 1, int64_t H = 8,
+                int64_t Hq = 32, int64_t D = 128, const DecodePlanOptions& opt = {},
+                int mma_bps = 2) {
+  AttentionParams ap;
+  ap.q_pos0 = 1 << 20;
+  return plan_decode(DecodeContext::fake(h200_like(), mma_bps), Hq, B, H, D, segs, ap, opt);
+}
+
+template <typename F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    FAIL() << "expected a vq::Error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// Every segment is split into whole tiles, and the splits are numbered consecutively.
+void expect_consistent(const DecodePlan& p) {
+  int64_t next = 0, rows = 0;
+  for (const DecodeSegmentPlan& s : p.segments) {
+    EXPECT_EQ(s.split_begin, next);
+    EXPECT_EQ(s.n_splits, (s.n_rows + s.rows_per_split - 1) / s.rows_per_split);
+    next += s.n_splits;
+    rows += s.n_rows;
+  }
+  EXPECT_EQ(p.n_splits, next);
+  EXPECT_EQ(p.total_rows, rows);
+  const size_t n_part = static_cast<size_t>(p.batch * p.n_q_heads * p.n_splits);
+  EXPECT_EQ(p.workspace_bytes,
+            (n_part * static_cast<size_t>(p.head_dim) * 4 + 255) / 256 * 256 + n_part * 8);
+}
+
+TEST(DecodePlan, F16OnlyTakesTheTensorCoreKernelWithFatSplitsAtShortContexts) {
+  // B 1, 8 KV heads, 4K f16 rows: tiles of 32 KiB / 512 B = 64 rows; one wave is 2 * 132 blocks
+  // (33 per (b, h)), but 4 tiles per split still leave 16 >= 132 / 8 splits: 16 of 256 rows.
+  const DecodePlan p = plan({fp_seg(4096, DType::kF16)});
+  EXPECT_EQ(p.kernel, DecodeKernel::kMmaF16);
+  EXPECT_EQ(p.target_blocks, 2 * 132);
+  ASSERT_EQ(p.segments.size(), 1u);
+  EXPECT_EQ(p.segments[0].tile_rows, 64);
+  EXPECT_EQ(p.segments[0].rows_per_split, 256);
+  EXPECT_EQ(p.n_splits, 16);
+  EXPECT_EQ(p.k_bits, 0);
+  EXPECT_EQ(p.scratch_bytes, 0u);
+  expect_consistent(p);
+  // 128K rows: one wave, 264 / 8 = 33 splits per (b, h).
+  const DecodePlan l = plan({fp_seg(131072, DType::kF16)});
+  EXPECT_EQ(l.n_splits, 33);
+  expect_consistent(l);
+  // The occupancy of the device decides the target.
+  EXPECT_EQ(plan({fp_seg(131072, DType::kF16)}, 1, 8, 32, 128, {}, 3).target_blocks, 3 * 132);
+}
+
+TEST(DecodePlan, PackedViewsPickTheirTensorCoreInstance) {
+  const std::vector<MetaType> metas = {MetaType::kF16, MetaType::kFP8E4M3};
+  for (int bits : {2, 4})
+    for (MetaType meta : metas)
+      for (int64_t g : {32, 64}) {
+        std::vector<DeviceSegment> segs = {fp_seg(5, DType::kF16),
+                                           packed_seg(32000, bits, bits, g, meta, 128, 5),
+                                           fp_seg(64, DType::kF16, 32005, 2)};
+        const DecodePlan p = plan(segs, 8);
+        DecodeKernel want;
+        if (meta == MetaType::kF16 && g == 32)
+          want = bits == 2 ? DecodeKernel::kMmaPacked2G32 : DecodeKernel::kMmaPacked4G32;
+        else if (meta == MetaType::kF16)
+          want = bits == 2 ? DecodeKernel::kMmaPacked2F16Meta : DecodeKernel::kMmaPacked4F16Meta;
+        else
+          want = bits == 2 ? DecodeKernel::kMmaPacked2 : DecodeKernel::kMmaPacked4;
+        const std::string vars = "bits=" + std::to_string(bits) + " g=" + std::to_string(g) +
+                                 " meta=" + std::to_string(static_cast<int>(meta));
+        EXPECT_EQ(p.kernel, want) << vars << " got " << decode_kernel_name(p.kernel);
+        EXPECT_EQ(p.k_bits, bits) << vars;
+        ASSERT_EQ(p.segments.size(), 3u);
+        // packed rows: tiles a multiple of 64 rows; f16 sinks and tail a multiple of 16 within
+        // the same stage bytes
+        EXPECT_EQ(p.segments[1].tile_rows % 64, 0) << vars;
+        EXPECT_EQ(p.segments[0].tile_rows % 16, 0) << vars;
+        EXPECT_GE(p.segments[0].tile_rows, 16) << vars;
+        EXPECT_EQ(p.stage_half_bytes % 16, 0) << vars;
+        for (const DecodeSegmentPlan& s : p.segments) {
+          EXPECT_EQ(s.rows_per_split % s.tile_rows, 0) << vars;
+          EXPECT_GE(static_cast<int64_t>(p.stage_half_bytes),
+                    static_cast<int64_t>(s.tile_rows) * std::max(s.k_row_bytes, s.v_row_bytes))
+              << vars;
+        }
+        expect_consistent(p);
+      }
+  // 2-bit g32 f16: records of 32 + 16 bytes, 128-row tiles (96 B * 128 = 12 KiB of K + V)
+  const DecodePlan p = plan({packed_seg(32768, 2, 2, 32, MetaType::kF16)}, 8);
+  EXPECT_EQ(p.segments[0].k_row_bytes, 48);
+  EXPECT_EQ(p.segments[0].tile_rows, 128);
+}
+
+TEST(DecodePlan, OtherViewsTakeTheCudaCoreKernel) {
+  // bf16 rows, 8-bit codes and mixed bit pairs are read by the CUDA-core kernel, 16 blocks / SM
+  for (const std::vector<DeviceSegment>& segs :
+       {std::vector<DeviceSegment>{fp_seg(1000, DType::kBF16)},
+        std::vector<DeviceSegment>{fp_seg(1000, DType::kF32)},
+        std::vector<DeviceSegment>{packed_seg(1000, 8, 8, 32, MetaType::kF16)},
+        std::vector<DeviceSegment>{packed_seg(1000, 4, 2, 32, MetaType::kF16)},
+        std::vector<DeviceSegment>{packed_seg(1000, 2, 2, 16, MetaType::kF16)}}) {
+    const DecodePlan p = plan(segs);
+    EXPECT_EQ(p.kernel, DecodeKernel::kCudaCore) << decode_kernel_name(p.kernel);
+    EXPECT_EQ(p.target_blocks, 16 * 132);
+    EXPECT_EQ(p.stage_half_bytes, 0);
+    for (const DecodeSegmentPlan& s : p.segments) {
+      EXPECT_EQ(s.tile_rows % 8, 0);
+      EXPECT_GE(s.rows_per_split, 64);
+    }
+    expect_consistent(p);
+  }
+}
+
+TEST(DecodePlan, UnfusedFormatsAreDequantizedIntoScratch) {
+  // 1.5-bit keys: no split kernel reads them; the run dequantizes into fp32 scratch [2, B*H, n, D]
+  DeviceSegment t = packed_seg(300, 1.5, 2, 32, MetaType::kF16);
+  const DecodePlan p = plan({fp_seg(5, DType::kF16), t}, 2, 4, 16, 128);
+  ASSERT_EQ(p.segments.size(), 2u);
+  EXPECT_TRUE(p.segments[1].dequantize);
+  EXPECT_EQ(p.segments[1].dtype, DType::kF32);
+  EXPECT_EQ(p.segments[1].k_row_bytes, 128 * 4);
+  EXPECT_EQ(p.k_bits, 0);
+  EXPECT_EQ(p.kernel, DecodeKernel::kCudaCore);
+  EXPECT_EQ(p.scratch_bytes, static_cast<size_t>(2 * 2 * 4 * 300 * 128) * 4);
+  // with explicit positions the copy has the segment's capacity (positions are indexed by it)
+  t.capacity = 512;
+  t.positions = reinterpret_cast<const int32_t*>(fake_ptr(7));
+  EXPECT_EQ(plan({t}, 2, 4, 16, 128).scratch_bytes, static_cast<size_t>(2 * 2 * 4 * 512 * 128) * 4);
+}
+
+TEST(DecodePlan, OptionsOverrideThePlanAndTheEnvironmentDoesNot) {
+  const std::vector<DeviceSegment> segs = {packed_seg(32768, 4, 4, 32, MetaType::kF16)};
+  const DecodePlan base = plan(segs, 8);
+  // The environment variables the planner once read are ignored now.
+  ::setenv("VQ_DECODE_TARGET_BLOCKS", "7", 1);
+  ::setenv("VQ_DECODE_PACKED_STAGE_BYTES", "65536", 1);
+  const DecodePlan env = plan(segs, 8);
+  ::unsetenv("VQ_DECODE_TARGET_BLOCKS");
+  ::unsetenv("VQ_DECODE_PACKED_STAGE_BYTES");
+  EXPECT_EQ(env.n_splits, base.n_splits);
+  EXPECT_EQ(env.segments[0].tile_rows, base.segments[0].tile_rows);
+  EXPECT_EQ(env.target_blocks, base.target_blocks);
+
+  DecodePlanOptions o;
+  o.target_blocks = 8 * 8 * 4;  // 4 splits per (b, h)
+  const DecodePlan t = plan(segs, 8, 8, 32, 128, o);
+  EXPECT_EQ(t.target_blocks, 256);
+  EXPECT_EQ(t.n_splits, 4);
+  expect_consistent(t);
+
+  DecodePlanOptions st;
+  st.packed_stage_bytes = 65536;  // 4-bit g32 f16: 80 + 80 B per row -> 384 rows
+  EXPECT_EQ(plan(segs, 8, 8, 32, 128, st).segments[0].tile_rows, 384);
+  EXPECT_EQ(base.segments[0].tile_rows, 128);
+
+  DecodePlanOptions r;
+  r.rows_per_split = 40;  // exact, not rounded to tiles
+  const DecodePlan rp =
+      plan({fp_seg(100, DType::kF16), fp_seg(50, DType::kF16, 100, 2)}, 1, 2, 2, 64, r);
+  EXPECT_EQ(rp.segments[0].rows_per_split, 40);
+  EXPECT_EQ(rp.segments[0].n_splits, 3);
+  EXPECT_EQ(rp.segments[1].n_splits, 2);
+  expect_consistent(rp);
+
+  DecodePlanOptions bad;
+  bad.target_blocks = -1;
+  expect_error([&] { plan(segs, 8, 8, 32, 128, bad); }, "expected options >= 0");
+}
+
+TEST(DecodePlan, RefusesShapesTheKernelsDoNotTake) {
+  const std::vector<DeviceSegment> f16 = {fp_seg(17, DType::kF16)};
+  expect_error([&] { plan(f16, 1, 2, 6, 128); }, "H_q / H_kv in {1, 2, 4, 8}");
+  expect_error([&] { plan(f16, 1, 2, 3, 128); }, "multiple of H_kv");
+  expect_error([&] { plan(f16, 1, 2, 2, 96); }, "head_dim in {64, 128}");
+  std::vector<DeviceSegment> many(kDecodeMaxSegments + 1, fp_seg(3, DType::kF16));
+  expect_error([&] { plan(many); }, "non-empty segments");
+  DeviceSegment mis = fp_seg(17, DType::kF16);
+  mis.keys = static_cast<const char*>(mis.keys) + 8;
+  expect_error([&] { plan({mis}); }, "16-byte aligned");
+  // empty segments are skipped; no rows at all plans a zero output
+  const DecodePlan z = plan({fp_seg(0, DType::kF16)});
+  EXPECT_EQ(z.total_rows, 0);
+  EXPECT_TRUE(z.segments.empty());
+  expect_error([] { DecodeContext::fake(DeviceInfo{}, 2); }, "sm_count >= 1");
+}
+
+TEST(DecodePlan, ARunChecksTheLayersViewAgainstThePlan) {
+  const std::vector<DeviceSegment> segs = {fp_seg(5, DType::kF16),
+                                           packed_seg(1000, 2, 2, 32, MetaType::kF16, 128, 5)};
+  const DecodePlan p = plan(segs, 2, 8, 32, 128);
+  // another layer: other pointers, same shapes -> accepted, segments in order
+  std::vector<DeviceSegment> other = segs;
+  other[0] = fp_seg(5, DType::kF16, 0, 9);
+  other[1].k_data += 4096;
+  other[1].v_data += 4096;
+  const PlannedSegments m = match_plan(p, 2, 8, 128, other);
+  EXPECT_EQ(m[0], &other[0]);
+  EXPECT_EQ(m[1], &other[1]);
+  // an empty segment in between is skipped
+  other.insert(other.begin() + 1, fp_seg(0, DType::kF16));
+  EXPECT_EQ(match_plan(p, 2, 8, 128, other)[1], &other[2]);
+
+  std::vector<DeviceSegment> rows = segs;
+  rows[1].n_rows = 1001;
+  expect_error([&] { match_plan(p, 2, 8, 128, rows); }, "segment 1 of 1000 rows");
+  expect_error([&] { match_plan(p, 4, 8, 128, segs); }, "expected a view of B, H_kv, D = 2, 8");
+  std::vector<DeviceSegment> dt = segs;
+  dt[0].dtype = DType::kBF16;
+  expect_error([&] { match_plan(p, 2, 8, 128, dt); }, "of dtype float16");
+  std::vector<DeviceSegment> fmt = segs;
+  fmt[1].k_fmt = make_row_format(128, 4, 32, MetaType::kF16);
+  expect_error([&] { match_plan(p, 2, 8, 128, fmt); }, "packed formats and transforms");
+  std::vector<DeviceSegment> perm = segs;
+  perm[1].k_perm = reinterpret_cast<const int32_t*>(fake_ptr(50));
+  expect_error([&] { match_plan(p, 2, 8, 128, perm); }, "packed formats and transforms");
+  std::vector<DeviceSegment> fewer = {segs[0]};
+  expect_error([&] { match_plan(p, 2, 8, 128, fewer); }, "2 non-empty segments");
+  std::vector<DeviceSegment> more = segs;
+  more.push_back(fp_seg(3, DType::kF16));
+  expect_error([&] { match_plan(p, 2, 8, 128, more); }, "but got more");
+  std::vector<DeviceSegment> pos = segs;
+  pos[0].positions = reinterpret_cast<const int32_t*>(fake_ptr(60));
+  expect_error([&] { match_plan(p, 2, 8, 128, pos); }, "explicit positions");
+  std::vector<DeviceSegment> mis = segs;
+  mis[1].k_data += 2;  // the plan's tensor-core kernel reads whole words
+  ASSERT_NE(p.kernel, DecodeKernel::kCudaCore);
+  expect_error([&] { match_plan(p, 2, 8, 128, mis); }, "4-byte aligned packed records");
+}
+
+}  // namespace
+}  // namespace vq::cuda
