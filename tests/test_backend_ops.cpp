@@ -43,6 +43,33 @@ std::vector<float> gaussian(int64_t n, uint64_t seed, float sd = 1.0f) {
   return v;
 }
 
+// ---- dtype conversion ---------------------------------------------------------------------------
+
+// Rows converted f32 -> f16/bf16 (from_f32, the vector path for long rows) equal the scalar
+// f32_to_fp16 / f32_to_bf16 bit for bit, and the round trip is elementwise within the dtype's
+// rounding: |x - rt| <= atol + rtol |x| with rtol = 2^-11 (f16) / 2^-8 (bf16) (half an ulp of an
+// 11- or 8-bit significand) and atol = half the smallest subnormal (2^-25 / 2^-134); inputs
+// stay inside the f16 range.
+TEST(BackendOps, ConvertRow) {
+  uint64_t seed = 50;
+  for (DType dt : {DType::kF16, DType::kBF16})
+    for (int64_t n : {1, 2, 3, 17, 31, 127, 129, 1000})
+      for (float sd : {1.0f, 1e-6f, 1000.0f}) {
+        const auto x = gaussian(n, ++seed, sd);
+        std::vector<uint16_t> got(static_cast<size_t>(n)), want(got.size());
+        from_f32(x.data(), got.data(), dt, x.size());
+        for (size_t i = 0; i < x.size(); ++i)
+          want[i] = dt == DType::kF16 ? f32_to_fp16(x[i]) : f32_to_bf16(x[i]);
+        Check k("convert_row", "cpu", Vars()("dtype", dtype_name(dt))("n", n)("sd", sd).str());
+        k.exact_bytes(got.data(), want.data(), got.size() * 2, "bits");
+        std::vector<float> rt(x.size());
+        to_f32(got.data(), dt, rt.data(), rt.size());
+        const std::vector<double> ref(x.begin(), x.end());
+        k.elementwise(rt.data(), ref.data(), ref.size(), dt == DType::kF16 ? 0x1p-25 : 0x1p-134,
+                      dt == DType::kF16 ? 0x1p-11 : 0x1p-8, "round trip");
+      }
+}
+
 // ---- attention --------------------------------------------------------------------------------
 
 TEST(BackendOps, AttentionFusedCpuVsReference) {
