@@ -3,9 +3,9 @@
 // its declared metric: decode_attention (N = 1, automatic and forced small splits) and
 // prefill_attention against attention_reference within the bounds of
 // tests/ops_harness/attention_bounds.h; skvq_quantize_rows against the CPU flush path (to fp32,
-// rotate, permute, quantize_to_records) byte for byte; snap_scores within a derived bound of the
-// double references; snap_pool, snap_select (seed and keep-window rules) and gather_rows exact.
-// Skipped cleanly without a device (SKIP_WITHOUT_DEVICE).
+// rotate, permute, quantize_to_records) byte for byte; skvq_channel_perms against a stable sort;
+// snap_scores within a derived bound of the double references; snap_pool, snap_select (seed and
+// keep-window rules) and gather_rows exact. Skipped cleanly without a device (SKIP_WITHOUT_DEVICE).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -189,6 +189,65 @@ TEST(BackendOpsCuda, SkvqQuantizeRows) {
     Check k("skvq_quantize_rows", "cuda", c.vars());
     k.exact(out.to_vector<uint8_t>(nbytes), want, "records");
   }
+}
+
+// Channel permutations: stable ascending sort of each head's channels by range (max - min in
+// fp32, pooled over batch and rows; a NaN range sorts last as +inf; ties keep the lower channel),
+// written here from the contract in cuda.h. Exact. Rows carry tied channels (a copy, two
+// constants) and a NaN in the first row of one head.
+std::vector<int32_t> perms_ref(const std::vector<float>& x, int64_t B, int64_t H, int64_t n,
+                               int64_t D) {
+  std::vector<int32_t> out;
+  for (int64_t h = 0; h < H; ++h) {
+    std::vector<float> mn(static_cast<size_t>(D)), mx(static_cast<size_t>(D));
+    bool first = true;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t d = 0; d < D; ++d) {
+          const float v = x[static_cast<size_t>(((b * H + h) * n + i) * D + d)];
+          mn[d] = first ? v : std::min(mn[d], v);
+          mx[d] = first ? v : std::max(mx[d], v);
+        }
+        first = false;
+      }
+    std::vector<float> range(static_cast<size_t>(D));
+    for (int64_t d = 0; d < D; ++d) {
+      const float r = mx[d] - mn[d];
+      range[d] = std::isnan(r) ? std::numeric_limits<float>::infinity() : r;
+    }
+    std::vector<int32_t> p(static_cast<size_t>(D));
+    std::iota(p.begin(), p.end(), 0);
+    std::stable_sort(p.begin(), p.end(), [&](int32_t a, int32_t c) { return range[a] < range[c]; });
+    out.insert(out.end(), p.begin(), p.end());
+  }
+  return out;
+}
+
+TEST(BackendOpsCuda, SkvqChannelPerms) {
+  SKIP_WITHOUT_DEVICE();
+  uint64_t seed = 300;
+  for (int64_t n : harness::seq_lens(harness::small_sweep()))
+    for (int64_t D : {64, 128})
+      for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+        const int64_t B = 2, H = 3;
+        auto x = gaussian(B * H * n * D, ++seed);
+        for (int64_t r = 0; r < B * H * n; ++r) {
+          float* row = x.data() + r * D;
+          row[7] = row[3];
+          row[11] = row[12] = 0.5f;
+          if (r == n) row[20] = std::numeric_limits<float>::quiet_NaN();  // head 1, row 0
+        }
+        std::vector<uint8_t> rows(x.size() * dtype_size(dt));
+        from_f32(x.data(), rows.data(), dt, x.size());
+        to_f32(rows.data(), dt, x.data(), x.size());
+        cuda::DeviceBuffer d = cuda::DeviceBuffer::from_host(rows.data(), rows.size());
+        cuda::DeviceBuffer p(static_cast<size_t>(H * D) * 4);
+        cuda::skvq_channel_perms(TensorView::contiguous(d.data(), dt, B, H, n, D), p.as<int32_t>());
+        cuda::synchronize();
+        Check k("skvq_channel_perms", "cuda",
+                Vars()("n", n)("D", D)("dtype", dtype_name(dt)).str());
+        k.exact(p.to_vector<int32_t>(static_cast<size_t>(H * D)), perms_ref(x, B, H, n, D), "perm");
+      }
 }
 
 // ---- SnapKV -----------------------------------------------------------------------------------
