@@ -1,0 +1,267 @@
+// Attention error bounds for the op harness (see attention_bounds.h). u = 2^-24.
+#include "ops_harness/attention_bounds.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops_harness/harness.h"
+#include "veloxquant/packed.h"
+#include "veloxquant/tensor.h"
+
+namespace vq::harness {
+namespace {
+
+double scale_of(const AttentionParams& ap, int64_t d) {
+  return ap.scale != 0.0f ? ap.scale : 1.0 / std::sqrt(static_cast<double>(d));
+}
+
+bool visible(int64_t pos, int64_t q_pos, int64_t window) {
+  return pos <= q_pos && (window <= 0 || q_pos < pos + window);
+}
+
+// One stored row of (b, kv head) as the fused bound needs it.
+struct RowInfo {
+  int64_t pos = 0;
+  std::vector<double> k, v;  // dequantized, original channel order
+  bool packed = false;
+  double k_l2 = 0, k_l1 = 0;   // of (|c_i s| + |lo|) in stored order (packed)
+  double v_max = 0, v_l1 = 0;  // of (|c_i s| + |lo|) (packed)
+  bool k_rot = false, v_rot = false;
+  int32_t k_block = 0, v_block = 0;
+};
+
+// Norms of the per-element magnitudes |code * scale| + |lo| of one record.
+void magnitudes(const PackedTensor& t, int64_t b, int64_t h, int64_t i, double* l2, double* l1,
+                double* mx) {
+  const PackedRowFormat& f = t.fmt;
+  std::vector<uint8_t> codes(static_cast<size_t>(f.head_dim));
+  const uint8_t* rec = t.record(b, h, i);
+  unpack_codes(rec, f.head_dim, f.spec, codes.data());
+  *l2 = *l1 = *mx = 0;
+  for (int64_t c = 0; c < f.head_dim; ++c) {
+    const int64_t g = c / f.group_size;
+    const double m =
+        std::fabs(codes[c] * double(meta_load(rec + f.code_bytes, 2 * g + 1, f.meta))) +
+        std::fabs(double(meta_load(rec + f.code_bytes, 2 * g, f.meta)));
+    *l2 += m * m;
+    *l1 += m;
+    *mx = std::max(*mx, m);
+  }
+  *l2 = std::sqrt(*l2);
+}
+
+std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, int64_t b,
+                               int64_t h) {
+  std::vector<RowInfo> out;
+  const int64_t d = view.head_dim;
+  for (size_t s = 0; s < view.segments.size(); ++s) {
+    const ViewSegment& seg = view.segments[s];
+    const ViewSegment& ds = dense.segments[s];
+    for (int64_t i = 0; i < seg.n_rows; ++i) {
+      RowInfo r;
+      r.pos = seg.position(b, h, i, view.n_kv_heads);
+      for (int64_t c = 0; c < d; ++c) {
+        r.k.push_back(ds.keys.at(b, h, i, c));
+        r.v.push_back(ds.values.at(b, h, i, c));
+      }
+      if (seg.packed) {
+        r.packed = true;
+        double unused;
+        magnitudes(seg.packed->keys, b, h, i, &r.k_l2, &r.k_l1, &unused);
+        magnitudes(seg.packed->values, b, h, i, &unused, &r.v_l1, &r.v_max);
+        r.k_rot = seg.packed->keys.signs != nullptr;
+        r.v_rot = seg.packed->values.signs != nullptr;
+        r.k_block = seg.packed->keys.rot_block;
+        r.v_block = seg.packed->values.rot_block;
+      }
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+// Bound on |fused - reference| for every output channel of one query. First order in u:
+//  * logit: the fused kernel scales q (1 rounding), forms fp32 products and sums D of them in
+//    lanes (<= D u of the absolute sum), adds n_groups lo * qsum terms (within the same absolute
+//    sum): |dl| <= scale (D + 8) u sum_i |q'_i| (|c_i s| + |lo|) <= scale (D + 8) u ||q|| ||m||
+//    (Cauchy-Schwarz; q' = PRq has q's norm); full-precision rows: scale (D + 8) u sum |q_d k_d|.
+//    Rotated keys: the computed q' is within t_q = (log2 b + 2) u ||q||_1 / sqrt(b) of P R q per
+//    element (the fast Walsh-Hadamard transform's bound) and the reference's un-rotated key
+//    within t_k: R_j = sqrt(D) (t_q ||m|| + ||q|| t_k). The weight exp(l - l_max) is off by
+//    u |l - l_max| (the difference) plus the kernel's exp error (<= 1.41 u measured, 2 u
+//    allowed), counted as a further logit error; weights below 2^-125 are flushed: an absolute
+//    n 2^-125 max|v|.
+//  * weights: logits off by <= eps move each normalised weight by a factor in [e^-2eps, e^2eps]:
+//    (e^{2 eps} - 1) sum_j w_j |v_jd|.
+//  * values: n sequential fp32 accumulations, up to n_tiles rescalings, 1/l and the scale:
+//    (n + n_tiles + 8) u sum_j w_j V_j, V_j = |v_jd| (fp) or max_i (|c_i s| + |lo|) (packed);
+//    rotated values mix channels in R^T (norm <= sqrt(D) times the largest element); the
+//    un-rotation of the sum and the reference's un-rotated values add T_rot each.
+std::vector<double> bound_for(const std::vector<double>& q, const std::vector<RowInfo>& rows,
+                              int64_t q_pos, int64_t window, double scale, int64_t d) {
+  std::vector<const RowInfo*> vis;
+  for (const RowInfo& r : rows)
+    if (visible(r.pos, q_pos, window)) vis.push_back(&r);
+  std::vector<double> out(static_cast<size_t>(d), 0.0);
+  if (vis.empty()) return out;
+  double q2 = 0, q1 = 0;
+  for (double x : q) {
+    q2 += x * x;
+    q1 += std::fabs(x);
+  }
+  q2 = std::sqrt(q2);
+  std::vector<double> logit(vis.size());
+  double lmax = -1e300;
+  for (size_t j = 0; j < vis.size(); ++j) {
+    double s = 0;
+    for (int64_t c = 0; c < d; ++c) s += q[c] * vis[j]->k[c];
+    logit[j] = s * scale;
+    lmax = std::max(lmax, logit[j]);
+  }
+  double eps = 0, wsum = 0;
+  std::vector<double> w(vis.size());
+  for (size_t j = 0; j < vis.size(); ++j) {
+    const RowInfo& r = *vis[j];
+    double kterm = 0, rterm = 0;
+    if (r.packed) {
+      kterm = q2 * r.k_l2;
+      if (r.k_rot) {
+        const double lb = std::log2(double(r.k_block)) + 2;
+        const double tq = lb * kU * q1 / std::sqrt(double(r.k_block));
+        const double tk = lb * kU * r.k_l1 / std::sqrt(double(r.k_block));
+        rterm = std::sqrt(double(d)) * (tq * r.k_l2 + q2 * tk);
+      }
+    } else {
+      for (int64_t c = 0; c < d; ++c) kterm += std::fabs(q[c] * r.k[c]);
+    }
+    eps = std::max(eps,
+                   scale * ((d + 8) * kU * kterm + rterm) + kU * (std::fabs(logit[j] - lmax) + 2));
+    w[j] = std::exp(logit[j] - lmax);
+    wsum += w[j];
+  }
+  const double n = double(vis.size()), n_tiles = std::ceil(n / 32.0) + 1;
+  const double gamma = (n + n_tiles + 8) * kU;
+  double vmax = 0;
+  for (const RowInfo* r : vis)
+    for (double x : r->v) vmax = std::max(vmax, std::fabs(x));
+  for (int64_t c = 0; c < d; ++c) {
+    double a = 0, bterm = 0, trot = 0;
+    for (size_t j = 0; j < vis.size(); ++j) {
+      const RowInfo& r = *vis[j];
+      const double wj = w[j] / wsum;
+      a += wj * std::fabs(r.v[c]);
+      if (r.packed) {
+        bterm += wj * r.v_max * (r.v_rot ? std::sqrt(double(d)) : 1.0);
+        if (r.v_rot)
+          trot +=
+              wj * (std::log2(double(r.v_block)) + 2) * kU * r.v_l1 / std::sqrt(double(r.v_block));
+      } else {
+        bterm += wj * std::fabs(r.v[c]);
+      }
+    }
+    out[c] = std::expm1(2 * eps) * a + gamma * bterm + 2 * trot + n * 0x1p-125 * vmax;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<double> attention_ref(const CacheView& dense, const std::vector<float>& q, int64_t hq,
+                                  int64_t n_q, const AttentionParams& ap) {
+  const int64_t d = dense.head_dim;
+  Tensor qt(DType::kF32, dense.batch, hq, n_q, d);
+  std::copy(q.begin(), q.end(), static_cast<float*>(qt.data()));
+  std::vector<float> out(q.size());
+  attention_reference(qt.view(), dense, ap, out.data());
+  return std::vector<double>(out.begin(), out.end());
+}
+
+std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dense,
+                                    const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                    const AttentionParams& ap) {
+  const int64_t B = view.batch, H = view.n_kv_heads, D = view.head_dim, rep = hq / H;
+  const double scale = scale_of(ap, D);
+  std::vector<double> out(q.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t kh = 0; kh < H; ++kh) {
+      const auto rows = rows_info(view, dense, b, kh);
+      for (int64_t r = 0; r < rep; ++r)
+        for (int64_t i = 0; i < n_q; ++i) {
+          const int64_t qh = kh * rep + r;
+          const size_t at = static_cast<size_t>(((b * hq + qh) * n_q + i) * D);
+          const std::vector<double> qv(q.begin() + at, q.begin() + at + D);
+          const auto bd = bound_for(qv, rows, ap.q_pos0 + i, ap.window, scale, D);
+          // The reference itself (fp32 products, double sums) is rounded once: u |ref| is part
+          // of bound_for's value term already (gamma's + 8).
+          std::copy(bd.begin(), bd.end(), out.begin() + at);
+        }
+    }
+  return out;
+}
+
+// CUDA kernels, per output element (b, qh, i, d), V = max |v| over the visible rows, n their
+// count (as tests/cuda/attention_check.h):
+//  * kDecode: logit error scale gamma(D + log2 D + 3D/8 + 8) ||q|| ||k|| + 4u |logit| + 2^-22
+//    (fp32 products, split-K partial sums, fp16 hi + lo splits of q and p on tensor cores whose
+//    products are exact, exp2 of log2e-scaled logits within 2 ulp); sums 2 gamma(9n/8 + 64) V
+//    (n fma terms, per-tile rescales, the split merge, the final division).
+//  * kPrefill (CUDA-core prefill): a logit is an fp32 fma chain of D products (gamma(D)
+//    ||q|| ||k||) times the rounded scale (4u |logit|); the exponent s - m rounded once (2u L, L
+//    the largest |logit|); expf within 2 ulp and one rescale per 32 keys: 2^-22 (n/32 + 2);
+//    sums 2 gamma(n + n/32 + 4) V.
+//  Logit shifts bounded by delta move each normalised weight by a factor within e^(+-2 delta):
+//  output error (e^(2 delta) - 1) V. The reference's own rounding adds 2^-23 |ref|.
+std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vector<float>& q,
+                                        int64_t hq, int64_t n_q, const AttentionParams& ap,
+                                        GpuAttnKernel kern, const std::vector<double>& ref) {
+  const int64_t B = dense.batch, H = dense.n_kv_heads, D = dense.head_dim, G = hq / H;
+  const double scale = scale_of(ap, D);
+  const double log2d = std::log2(static_cast<double>(D));
+  std::vector<double> out(q.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t qh = 0; qh < hq; ++qh)
+      for (int64_t i = 0; i < n_q; ++i) {
+        const int64_t kh = qh / G, qpos = ap.q_pos0 + i;
+        const float* qr = q.data() + ((b * hq + qh) * n_q + i) * D;
+        double qn = 0;
+        for (int64_t d = 0; d < D; ++d) qn += static_cast<double>(qr[d]) * qr[d];
+        qn = std::sqrt(qn);
+        double vmax = 0, big = 0;
+        std::vector<double> kns, dots;
+        for (const ViewSegment& s : dense.segments)
+          for (int64_t j = 0; j < s.n_rows; ++j) {
+            if (!visible(s.position(b, kh, j, H), qpos, ap.window)) continue;
+            double kn = 0, dot = 0;
+            for (int64_t d = 0; d < D; ++d) {
+              const double kv = s.keys.at(b, kh, j, d);
+              kn += kv * kv;
+              dot += kv * qr[d];
+              vmax = std::max(vmax, std::abs(static_cast<double>(s.values.at(b, kh, j, d))));
+            }
+            kns.push_back(std::sqrt(kn));
+            dots.push_back(dot * scale);
+            big = std::max(big, std::abs(dot * scale));
+          }
+        const double n_vis = static_cast<double>(kns.size());
+        double delta = 0;
+        for (size_t j = 0; j < kns.size(); ++j) {
+          const double dj = kern == GpuAttnKernel::kDecode
+                                ? scale * gamma_n(D + log2d + 3.0 * D / 8 + 8) * qn * kns[j] +
+                                      4 * kU * std::abs(dots[j]) + 0x1p-22
+                                : scale * gamma_n(static_cast<double>(D)) * qn * kns[j] +
+                                      4 * kU * std::abs(dots[j]) + 2 * kU * big +
+                                      0x1p-22 * (n_vis / 32 + 2);
+          delta = std::max(delta, dj);
+        }
+        const double sum_terms =
+            kern == GpuAttnKernel::kDecode ? 9.0 * n_vis / 8 + 64 : n_vis + n_vis / 32 + 4;
+        for (int64_t d = 0; d < D; ++d) {
+          const size_t e = static_cast<size_t>(((b * hq + qh) * n_q + i) * D + d);
+          out[e] = std::expm1(2 * delta) * vmax + 2 * gamma_n(sum_terms) * vmax +
+                   0x1p-23 * std::abs(ref[e]) + 1e-30;
+        }
+      }
+  return out;
+}
+
+}  // namespace vq::harness

@@ -1,0 +1,215 @@
+// The op harness's case tables (see tables.h).
+#include "ops_harness/tables.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace vq::harness {
+
+std::string AttnCase::vars() const {
+  std::ostringstream o;
+  o << "B=" << batch << ",Hkv=" << n_kv_heads << ",rep=" << n_rep << ",D=" << head_dim
+    << ",N=" << n_q << ",shift=" << q_shift << ",win=" << window << ",segs=" << segs_str(segs);
+  return o.str();
+}
+
+bool AttnCase::packed() const {
+  for (const SegSpec& s : segs)
+    if (s.packed) return true;
+  return false;
+}
+
+bool AttnCase::all_fp_dtype(DType t) const {
+  for (const SegSpec& s : segs)
+    if (!s.packed && s.n > 0 && s.dtype != t) return false;
+  return true;
+}
+
+std::vector<PackedSpec> packed_formats() {
+  auto f = [](double kb, double vb, int64_t g, MetaType m, bool perm, bool rot) {
+    PackedSpec p;
+    p.kbits = kb;
+    p.vbits = vb;
+    p.group = g;
+    p.meta = m;
+    p.perm = perm;
+    p.rot = rot;
+    return p;
+  };
+  const MetaType f16 = MetaType::kF16, fp8 = MetaType::kFP8E4M3, f32 = MetaType::kF32;
+  return {
+      f(2, 2, 32, f16, false, false),     f(4, 4, 32, f16, false, false),
+      f(8, 8, 32, f16, false, false),     f(4, 2, 32, f16, false, false),
+      f(1.5, 1.5, 32, f16, false, false), f(2, 2, 128, f16, false, false),
+      f(4, 4, 128, fp8, false, false),    f(2, 2, 32, fp8, true, false),
+      f(4, 4, 32, f16, false, true),      f(2, 2, 32, f16, true, true),
+      f(4, 2, 128, fp8, true, true),      f(1.5, 1.5, 128, fp8, false, true),
+      f(8, 8, 128, f32, true, false),     f(2, 4, 24, f16, false, false),
+  };
+}
+
+std::vector<AttnCase> attention_cases(bool small) {
+  std::vector<AttnCase> out;
+  const DType dtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+  const int64_t reps[] = {1, 4, 8};
+  int idx = 0;
+  // (1) Full-precision views: every length x dtype x head_dim, decode and prefill query counts,
+  // GQA ratios, strides, windows and batch cycling with the case index.
+  for (int64_t len : seq_lens(small))
+    for (DType dt : dtypes)
+      for (int64_t d : {64, 128})
+        for (int k = 0; k < 3; ++k) {
+          const int64_t nq = k == 0 ? 1 : std::min<int64_t>(len, k == 1 ? 7 : 129);
+          if (k > 0 && nq == 1) continue;                           // len 1: decode only
+          if (k == 2 && nq == std::min<int64_t>(len, 7)) continue;  // short views: sizes coincide
+          if (len == 1000 && nq == 129 && dt != DType::kF16) continue;  // cost: f16 only
+          if (small && (nq > 7 || d == 128) && idx % 3 != 0) {
+            ++idx;
+            continue;
+          }
+          AttnCase c;
+          c.head_dim = d;
+          c.n_q = nq;
+          c.n_rep = reps[idx % 3];
+          c.batch = idx % 7 == 6 ? 2 : 1;
+          c.window = idx % 5 == 4 ? len / 3 + 1 : 0;
+          SegSpec s;
+          s.n = len;
+          s.dtype = dt;
+          s.strided = idx % 4 == 3;
+          // Two segments (a split at len / 3) every other case: rows read across segments.
+          if (idx % 2 == 1 && len >= 3) {
+            SegSpec a = s;
+            a.n = len / 3;
+            s.n = len - a.n;
+            c.segs.push_back(a);
+          }
+          c.segs.push_back(s);
+          out.push_back(c);
+          ++idx;
+        }
+  // (2) Packed and mixed views: every packed format over several lengths; fp16 sinks + packed
+  // middle (explicit gapped positions every other case) + fp16 tail when the length allows.
+  const auto fmts = packed_formats();
+  std::vector<int64_t> plens =
+      small ? std::vector<int64_t>{3, 129} : std::vector<int64_t>{1, 3, 31, 129, 1000};
+  for (size_t fi = 0; fi < fmts.size(); ++fi)
+    for (int64_t len : plens) {
+      if (len == 1000 && fi % 3 != 0) continue;  // the long view for a third of the formats
+      AttnCase c;
+      c.head_dim = (fi + static_cast<size_t>(len)) % 2 ? 128 : 64;
+      if (fmts[fi].group == 24) c.head_dim = 64;  // ragged last group of 16
+      c.n_rep = reps[(fi + static_cast<size_t>(len)) % 3];
+      c.n_q = len >= 7 && fi % 2 ? 7 : 1;
+      c.window = fi % 4 == 3 ? len / 2 + 1 : 0;
+      c.batch = fi % 5 == 4 ? 2 : 1;
+      SegSpec pk;
+      pk.packed = true;
+      pk.pk = fmts[fi];
+      if (len < 31) {
+        pk.n = len;
+        c.segs.push_back(pk);
+      } else {
+        SegSpec sink, tail;
+        sink.n = 4;
+        tail.n = 8;
+        pk.n = len - 12;
+        pk.explicit_pos = fi % 2 == 1;
+        c.segs = {sink, pk, tail};
+      }
+      out.push_back(c);
+    }
+  // (3) Edge cases: an empty segment between two others; a window of 1 (each query sees only its
+  // own position); queries past the view's end; a window that hides every key (zeros).
+  {
+    AttnCase c;
+    SegSpec a, e, b;
+    a.n = 17;
+    e.n = 0;
+    b.n = 31;
+    b.dtype = DType::kBF16;
+    c.segs = {a, e, b};
+    c.n_q = 3;
+    c.n_rep = 4;
+    out.push_back(c);
+  }
+  {
+    AttnCase c;
+    SegSpec a;
+    a.n = 129;
+    c.segs = {a};
+    c.n_q = 17;
+    c.window = 1;
+    c.n_rep = 8;
+    out.push_back(c);
+  }
+  {
+    AttnCase c;
+    SegSpec a;
+    a.n = 127;
+    a.explicit_pos = true;
+    c.segs = {a};
+    c.n_q = 2;
+    c.q_shift = 40;
+    c.window = 100;
+    c.head_dim = 128;
+    out.push_back(c);
+  }
+  {
+    AttnCase c;
+    SegSpec a;
+    a.n = 31;
+    a.dtype = DType::kF32;
+    SegSpec p;
+    p.n = 40;
+    p.packed = true;
+    c.segs = {a, p};
+    c.n_q = 1;
+    c.q_shift = 500;  // every key is older than the window: the output is zeros
+    c.window = 10;
+    out.push_back(c);
+  }
+  return out;
+}
+
+std::string QuantCase::vars() const {
+  std::ostringstream o;
+  o << "n=" << n << ",d=" << d << ",bits=" << bits << ",g=" << group << ",meta="
+    << (meta == MetaType::kF16   ? "f16"
+        : meta == MetaType::kF32 ? "f32"
+                                 : "fp8")
+    << ",clip=" << clip << ",in=" << dtype_name(in_dtype) << ",perm=" << perm << ",rot=" << rot;
+  return o.str();
+}
+
+std::vector<QuantCase> quant_cases(bool small) {
+  std::vector<QuantCase> out;
+  const MetaType metas[] = {MetaType::kF16, MetaType::kFP8E4M3, MetaType::kF32};
+  const DType dtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+  const auto& lens = seq_lens(small);
+  int idx = 0;
+  for (double bits : {1.0, 1.5, 2.0, 3.0, 4.0, 8.0})
+    for (int64_t group : {32, 128, 24})
+      for (MetaType meta : metas) {
+        if (small && idx % 2) {
+          ++idx;
+          continue;
+        }
+        QuantCase c;
+        c.bits = bits;
+        c.group = group;
+        c.meta = meta;
+        c.n = lens[static_cast<size_t>(idx) % lens.size()];
+        // D = 100: ragged last group for every group size; 64 with g = 128: one ragged group.
+        c.d = idx % 3 == 0 ? 100 : idx % 3 == 1 ? 64 : 128;
+        c.clip = idx % 4 != 3;
+        c.in_dtype = dtypes[idx % 3 == 2 ? (idx / 3) % 3 : idx % 3];
+        c.perm = idx % 5 == 1 || idx % 5 == 3;
+        c.rot = idx % 5 >= 3 && c.d != 100;  // rotation needs real mixing (block >= 2)
+        out.push_back(c);
+        ++idx;
+      }
+  return out;
+}
+
+}  // namespace vq::harness

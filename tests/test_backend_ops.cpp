@@ -1,0 +1,648 @@
+// One table-driven harness for every numeric op on the CPU (issue 12 item 5; the CUDA part is
+// tests/cuda/test_backend_ops_cuda.cpp over the same tables): each op's scalar reference against
+// its fast path, over the shapes of tests/ops_harness/tables.h, with the metric the op declares
+// (tests/ops_harness/harness.h): exact for codes, metadata, records, selections and RoPE angles;
+// derived per-element bounds for attention (decode N = 1 and prefill N > 1, full-precision,
+// packed and mixed views, windows), matmul (exact and bf16 modes), Hadamard rotation, SnapKV
+// scores, group dequantization, RMSNorm, SwiGLU and RoPE. Every case prints its parameters and
+// the share of its tolerance used; a summary prints each op's worst share. VQ_HARNESS=small (or
+// an AddressSanitizer build) runs the reduced table.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "ops/kernels.h"
+#include "ops_harness/attention_bounds.h"
+#include "ops_harness/harness.h"
+#include "ops_harness/tables.h"
+#include "ops_harness/views.h"
+#include "veloxquant/attention.h"
+#include "veloxquant/group_quant.h"
+#include "veloxquant/hadamard.h"
+#include "veloxquant/model.h"
+#include "veloxquant/packed.h"
+#include "veloxquant/snapkv.h"
+
+namespace vq {
+namespace {
+
+using harness::Check;
+using harness::kU;
+using harness::Vars;
+
+std::vector<float> gaussian(int64_t n, uint64_t seed, float sd = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, sd);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// ---- dtype conversion ---------------------------------------------------------------------------
+
+// Rows converted f32 -> f16/bf16 (from_f32, the vector path for long rows) equal the scalar
+// f32_to_fp16 / f32_to_bf16 bit for bit, and the round trip is elementwise within the dtype's
+// rounding: |x - rt| <= atol + rtol |x| with rtol = 2^-11 (f16) / 2^-8 (bf16) (half an ulp of an
+// 11- or 8-bit significand) and atol = half the smallest subnormal (2^-25 / 2^-134); inputs
+// stay inside the f16 range.
+TEST(BackendOps, ConvertRow) {
+  uint64_t seed = 50;
+  for (DType dt : {DType::kF16, DType::kBF16})
+    for (int64_t n : {1, 2, 3, 17, 31, 127, 129, 1000})
+      for (float sd : {1.0f, 1e-6f, 1000.0f}) {
+        const auto x = gaussian(n, ++seed, sd);
+        std::vector<uint16_t> got(static_cast<size_t>(n)), want(got.size());
+        from_f32(x.data(), got.data(), dt, x.size());
+        for (size_t i = 0; i < x.size(); ++i)
+          want[i] = dt == DType::kF16 ? f32_to_fp16(x[i]) : f32_to_bf16(x[i]);
+        Check k("convert_row", "cpu", Vars()("dtype", dtype_name(dt))("n", n)("sd", sd).str());
+        k.exact_bytes(got.data(), want.data(), got.size() * 2, "bits");
+        std::vector<float> rt(x.size());
+        to_f32(got.data(), dt, rt.data(), rt.size());
+        const std::vector<double> ref(x.begin(), x.end());
+        k.elementwise(rt.data(), ref.data(), ref.size(), dt == DType::kF16 ? 0x1p-25 : 0x1p-134,
+                      dt == DType::kF16 ? 0x1p-11 : 0x1p-8, "round trip");
+      }
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+TEST(BackendOps, AttentionFusedCpuVsReference) {
+  const auto cases = harness::attention_cases(harness::small_sweep());
+  uint64_t seed = 1;
+  for (const harness::AttnCase& c : cases) {
+    ++seed;
+    const auto hv = harness::make_view(c.batch, c.n_kv_heads, c.head_dim, c.segs, seed);
+    const int64_t hq = c.n_kv_heads * c.n_rep;
+    AttentionParams ap;
+    ap.q_pos0 = std::max<int64_t>(hv->span - c.n_q, 0) + c.q_shift;
+    ap.window = c.window;
+    const auto q = gaussian(c.batch * hq * c.n_q * c.head_dim, seed * 7 + 1, 1.5f);
+    Tensor qt(DType::kF32, c.batch, hq, c.n_q, c.head_dim);
+    std::copy(q.begin(), q.end(), static_cast<float*>(qt.data()));
+    std::vector<float> got(q.size(), -1.0f);
+    attention(qt.view(), hv->view, ap, got.data());
+    const DenseView dense = dequantize_view(hv->view, DType::kF32);
+    const auto ref = harness::attention_ref(dense.view, q, hq, c.n_q, ap);
+    Check k(c.n_q == 1 ? "attention decode" : "attention prefill", "cpu", c.vars());
+    if (c.q_shift >= 500) {  // no visible key: zeros, exactly
+      k.allow_zero_reference();
+      k.exact(got, std::vector<float>(got.size(), 0.0f), "out");
+      continue;
+    }
+    k.bounded(got, ref, harness::fused_cpu_bound(hv->view, dense.view, q, hq, c.n_q, ap), "out");
+  }
+}
+
+// ---- group quantization -----------------------------------------------------------------------
+
+// Inputs for a quantizer case: normal rows with heterogeneous channels, then special rows (all
+// zero, constant, one outlier, dyadic integers), rounded to the case's input dtype.
+std::vector<float> quant_input(const harness::QuantCase& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> ch(static_cast<size_t>(c.d));
+  for (auto& s : ch) s = 0.1f + 3.0f * std::abs(nd(rng));
+  std::vector<float> x(static_cast<size_t>(c.n * c.d));
+  for (int64_t r = 0; r < c.n; ++r)
+    for (int64_t j = 0; j < c.d; ++j) {
+      float v = nd(rng) * ch[j];
+      switch (r % 11) {
+        case 5:
+          v = 0.0f;
+          break;
+        case 7:
+          v = 1.25f;
+          break;
+        case 9:
+          v = j == 3 ? 400.0f : v * 0.01f;
+          break;
+        case 10:
+          v = static_cast<float>(static_cast<int>(rng() % 17) - 8);
+          break;
+        default:
+          break;
+      }
+      x[static_cast<size_t>(r * c.d + j)] = v;
+    }
+  std::vector<uint8_t> tmp(dtype_size(c.in_dtype));
+  for (auto& v : x) {
+    from_f32(&v, tmp.data(), c.in_dtype, 1);
+    to_f32(tmp.data(), c.in_dtype, &v, 1);
+  }
+  return x;
+}
+
+GroupQuantParams quant_params(const harness::QuantCase& c) {
+  GroupQuantParams p;
+  p.bits = c.bits;
+  p.group_size = c.group;
+  p.meta = c.meta;
+  p.clip_search = c.clip;
+  p.clip_alpha = c.clip ? 1.0f : 0.9f;
+  return p;
+}
+
+// Codes, lo and scale of the optimised quantizer equal the scalar reference's; packed records
+// equal the reference codes packed by pack_codes with meta_store'd metadata; dequantize_record
+// equals group_dequantize_reference; and dequantization is within the derived bound
+//   |x - deq(q(x))| <= scale/2 + max(0, lo - x, x - (lo + L scale)) + u (2 L scale + 2 |lo|)
+// (round to nearest inside the covered range [lo, lo + L scale]; a clipped or metadata-rounded
+// range adds the distance to it; code*scale + lo is two fp32 roundings). All-zero groups
+// round-trip exactly. The bound is attained: at 1 bit an element near the middle of its group's
+// range errs by scale/2, so low-bit cases use ~100% of it.
+TEST(BackendOps, GroupQuantization) {
+  uint64_t seed = 100;
+  for (const harness::QuantCase& c : harness::quant_cases(harness::small_sweep())) {
+    ++seed;
+    const auto x = quant_input(c, seed);
+    const GroupQuantParams p = quant_params(c);
+    const int64_t G = (c.d + c.group - 1) / c.group;
+    std::vector<uint8_t> rc(x.size()), fc(x.size());
+    std::vector<float> rlo(static_cast<size_t>(c.n * G)), rsc(rlo.size()), flo(rlo.size()),
+        fsc(rlo.size());
+    group_quantize_reference(x.data(), c.n, c.d, p, rc.data(), rlo.data(), rsc.data());
+    group_quantize(x.data(), c.n, c.d, p, fc.data(), flo.data(), fsc.data());
+    {
+      Check k("group_quantize", "cpu", c.vars());
+      k.exact(fc, rc, "codes");
+      k.allow_zero_reference();  // a one-row case may have lo == 0
+      k.exact(flo, rlo, "lo");
+      k.exact(fsc, rsc, "scale");
+    }
+    const PackedRowFormat f = make_row_format(c.d, c.bits, c.group, c.meta);
+    {
+      std::vector<uint8_t> got(static_cast<size_t>(c.n * f.row_stride), 0), want(got.size(), 0);
+      quantize_to_records(x.data(), c.n, f, p, got.data(), f.row_stride, c.n % 2 == 0);
+      for (int64_t r = 0; r < c.n; ++r) {
+        uint8_t* rec = want.data() + r * f.row_stride;
+        pack_codes(rc.data() + r * c.d, c.d, f.spec, rec);
+        for (int64_t g = 0; g < G; ++g) {
+          meta_store(rec + f.code_bytes, 2 * g, rlo[static_cast<size_t>(r * G + g)], c.meta);
+          meta_store(rec + f.code_bytes, 2 * g + 1, rsc[static_cast<size_t>(r * G + g)], c.meta);
+        }
+      }
+      Check k("quantize_to_records", "cpu", c.vars());
+      k.exact(got, want, "records");
+      std::vector<float> deq_rec(x.size()), deq_ref(x.size());
+      for (int64_t r = 0; r < c.n; ++r)
+        dequantize_record(got.data() + r * f.row_stride, f, deq_rec.data() + r * c.d);
+      group_dequantize_reference(rc.data(), rlo.data(), rsc.data(), c.n, c.d, c.group,
+                                 deq_ref.data());
+      k.exact(deq_rec, deq_ref, "dequantize_record");
+      Check e("group_dequantize bound", "cpu", c.vars());
+      std::vector<double> bound(x.size()), xd(x.begin(), x.end());
+      const double levels = f.spec.levels();
+      for (int64_t r = 0; r < c.n; ++r)
+        for (int64_t j = 0; j < c.d; ++j) {
+          const size_t at = static_cast<size_t>(r * c.d + j),
+                       ag = static_cast<size_t>(r * G + j / c.group);
+          const double lo = rlo[ag], sc = rsc[ag], hi = lo + levels * sc, xv = x[at];
+          bound[at] = sc / 2 + std::max({0.0, lo - xv, xv - hi}) +
+                      kU * (2 * levels * sc + 2 * std::abs(lo));
+          // All-zero group: exact.
+          bool zero_group = true;
+          for (int64_t jj = j / c.group * c.group; jj < std::min(c.d, (j / c.group + 1) * c.group);
+               ++jj)
+            zero_group &= x[static_cast<size_t>(r * c.d + jj)] == 0.0f;
+          if (zero_group) bound[at] = 0;
+        }
+      e.bounded(deq_ref, xd, bound, "x - deq(q(x))");
+    }
+  }
+}
+
+// ---- Hadamard ---------------------------------------------------------------------------------
+
+// hadamard_rotate / unrotate against the dense fp64 matrix product (hadamard_matrix_reference):
+// per element (log2 b + 2) u ||x_block||_1 / sqrt(b) (log2 b butterfly levels, the sign flip and
+// the normalisation, each at most u of the block's absolute sum / sqrt(b)), plus the double
+// product's own d 2^-53 ||x||_1.
+TEST(BackendOps, Hadamard) {
+  for (int64_t d : {1, 2, 3, 8, 64, 96, 100, 128})
+    for (int trial = 0; trial < 3; ++trial) {
+      const int64_t b = hadamard_block(d);
+      const auto signs = hadamard_signs(42 + d + trial, d);
+      const auto m = hadamard_matrix_reference(d, b, signs.data());
+      const auto x = gaussian(d, 1000 * d + trial, trial == 2 ? 100.0f : 1.0f);
+      for (bool inverse : {false, true}) {
+        std::vector<float> y = x;
+        if (inverse)
+          hadamard_unrotate(y.data(), signs.data(), d, b);
+        else
+          hadamard_rotate(y.data(), signs.data(), d, b);
+        std::vector<double> ref(static_cast<size_t>(d)), bound(ref.size());
+        double l1 = 0;
+        for (float v : x) l1 += std::abs(v);
+        for (int64_t i = 0; i < d; ++i) {
+          for (int64_t j = 0; j < d; ++j)  // R^T for the inverse
+            ref[i] += (inverse ? m[j * d + i] : m[i * d + j]) * x[j];
+          double blk = 0;
+          for (int64_t j = i / b * b; j < i / b * b + b; ++j) blk += std::abs(x[j]);
+          bound[i] =
+              (std::log2(double(b)) + 2) * kU * blk / std::sqrt(double(b)) + d * 0x1p-53 * l1;
+        }
+        Check k(inverse ? "hadamard_unrotate" : "hadamard_rotate", "cpu",
+                Vars()("d", d)("block", b)("trial", trial).str());
+        k.bounded(y, ref, bound, "y");
+      }
+    }
+}
+
+// ---- SnapKV -----------------------------------------------------------------------------------
+
+// Per-score bound of the optimised scorers against the double references: a logit is a D-term
+// fp32 dot product times the fp32 scale, |dl| <= gamma(D + 2) A (A = sum |q_c k_c| / sqrt(D));
+// p_j = exp(l_j - m) / Z: u R for the subtraction (R the row's logit range), expf 1 ulp, Z an
+// n-term fp32 sum (gamma(n)), 1/Z and the product 2u; logit errors move p_j by exp(2 dl); the
+// means are in double, rounded once (u); the double reference adds (D + n + 8) 2^-53; fp32 exp
+// underflows below 2^-126 (2^-120 absolute).
+std::vector<double> score_bound(const std::vector<float>& keys, const int32_t* key_pos, int64_t n,
+                                int64_t d, const float* queries, const int32_t* query_pos,
+                                int64_t nq_rows, int64_t w, const std::vector<double>& ref) {
+  double rel = 0.0;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int64_t i = 0; i < nq_rows; ++i) {
+    const float* q = queries + i * d;
+    double amax = 0.0, lmax = -1e300, lmin = 1e300;
+    for (int64_t j = 0; j < n; ++j) {
+      if (key_pos && key_pos[j] > query_pos[i % w]) continue;
+      double a = 0.0, l = 0.0;
+      for (int64_t c = 0; c < d; ++c) {
+        a += std::fabs(static_cast<double>(q[c]) * keys[j * d + c]);
+        l += static_cast<double>(q[c]) * keys[j * d + c];
+      }
+      amax = std::max(amax, a * scale);
+      lmax = std::max(lmax, l * scale);
+      lmin = std::min(lmin, l * scale);
+    }
+    if (lmax < lmin) continue;
+    const double dmax = harness::gamma_n(static_cast<double>(d + 2)) * amax;
+    rel = std::max(rel, std::expm1(2 * dmax + kU * (lmax - lmin)) +
+                            harness::gamma_n(static_cast<double>(n)) + 4 * kU);
+  }
+  std::vector<double> tol(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j)
+    tol[j] = std::fabs(ref[j]) * (rel + kU + (d + n + 8) * 0x1p-53) + 0x1p-120;
+  return tol;
+}
+
+TEST(BackendOps, SnapScores) {
+  uint64_t seed = 500;
+  for (int64_t n : harness::seq_lens(harness::small_sweep()))
+    for (int64_t d : {64, 128})
+      for (int64_t w : {1, 8, 32})
+        for (int64_t n_rep : {0, 1, 4, 8}) {  // 0: key proxy
+          ++seed;
+          if ((n_rep == 8 && d == 64) || (n_rep == 1 && w == 8)) continue;
+          const auto keys = gaussian(n * d, seed);
+          std::vector<float> got(static_cast<size_t>(n), -1.0f), rf(got.size());
+          if (n_rep == 0) {
+            snap_key_proxy_scores(keys.data(), n, d, w, got.data());
+            snap_key_proxy_scores_reference(keys.data(), n, d, w, rf.data());
+            const std::vector<double> ref(rf.begin(), rf.end());
+            const int64_t ww = std::clamp<int64_t>(w, 1, n);
+            Check k("snap_key_proxy_scores", "cpu", Vars()("n", n)("D", d)("w", w).str());
+            k.bounded(
+                got, ref,
+                score_bound(keys, nullptr, n, d, keys.data() + (n - ww) * d, nullptr, ww, ww, ref),
+                "scores");
+            continue;
+          }
+          const auto q = gaussian(n_rep * w * d, seed + 1);
+          for (bool causal : {false, true}) {
+            std::vector<int32_t> kp(static_cast<size_t>(n)), qp(static_cast<size_t>(w));
+            for (int64_t j = 0; j < n; ++j) kp[j] = static_cast<int32_t>(2 * j);
+            for (int64_t i = 0; i < w; ++i) qp[i] = static_cast<int32_t>(2 * (n - w + i) + 1);
+            const int32_t* k_pos = causal ? kp.data() : nullptr;
+            const int32_t* q_pos = causal ? qp.data() : nullptr;
+            snap_query_scores(keys.data(), k_pos, n, d, q.data(), q_pos, n_rep, w, got.data());
+            snap_query_scores_reference(keys.data(), k_pos, n, d, q.data(), q_pos, n_rep, w,
+                                        rf.data());
+            const std::vector<double> ref(rf.begin(), rf.end());
+            Check k("snap_query_scores", "cpu",
+                    Vars()("n", n)("D", d)("w", w)("rep", n_rep)("causal", causal).str());
+            // Causal: the earliest window queries may see no key of a short frame; zeros are fine.
+            if (causal) k.allow_zero_reference();
+            k.bounded(got, ref, score_bound(keys, k_pos, n, d, q.data(), q_pos, n_rep * w, w, ref),
+                      "scores");
+          }
+        }
+}
+
+// Pooling against a scalar reference written here from the contract in snapkv.h: max exact
+// (NaN ranked as -inf, NaN only when every neighbour is); avg = double sum / count, rounded once
+// (any NaN neighbour gives NaN): the same operations, so exact too.
+std::vector<float> pool_ref(const std::vector<float>& in, int64_t kernel, PoolKind kind) {
+  const int64_t n = static_cast<int64_t>(in.size()), r = kernel / 2;
+  std::vector<float> out(in.size());
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t a = std::max<int64_t>(0, j - r), b = std::min<int64_t>(n - 1, j + r);
+    if (kind == PoolKind::kMax) {
+      float m = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t i = a; i <= b; ++i)
+        if (!std::isnan(in[i]) && (std::isnan(m) || in[i] > m)) m = in[i];
+      out[j] = m;
+    } else {
+      double s = 0;
+      for (int64_t i = a; i <= b; ++i) s += in[i];
+      out[j] = static_cast<float>(s / static_cast<double>(b - a + 1));
+    }
+  }
+  return out;
+}
+
+TEST(BackendOps, SnapPool) {
+  uint64_t seed = 900;
+  for (int64_t n : harness::seq_lens(harness::small_sweep()))
+    for (int64_t kernel : {1, 3, 5, 7})
+      for (PoolKind kind : {PoolKind::kMax, PoolKind::kAvg}) {
+        auto in = gaussian(n, ++seed);
+        for (auto& v : in) v = std::abs(v);
+        if (n > 10) in[static_cast<size_t>(n / 2)] = std::numeric_limits<float>::quiet_NaN();
+        std::vector<float> got(in.size(), -1.0f);
+        snap_pool_scores(in.data(), n, kernel, kind, got.data());
+        Check k(
+            "snap_pool_scores", "cpu",
+            Vars()("n", n)("kernel", kernel)("kind", kind == PoolKind::kMax ? "max" : "avg").str());
+        k.exact(got, pool_ref(in, kernel, kind), "pooled");
+      }
+}
+
+// Score vectors for selection: tie-free, heavy ties (four levels), and non-finite values
+// (NaN, +-inf, -0 and +0).
+std::vector<float> select_scores(int64_t n, int kind, uint64_t seed) {
+  auto s = gaussian(n, seed);
+  std::mt19937_64 rng(seed);
+  for (int64_t j = 0; j < n; ++j) {
+    if (kind == 1) s[j] = static_cast<float>(rng() % 4);
+    if (kind == 2) {
+      switch (rng() % 6) {
+        case 0:
+          s[j] = std::numeric_limits<float>::quiet_NaN();
+          break;
+        case 1:
+          s[j] = -0.0f;
+          break;
+        case 2:
+          s[j] = 0.0f;
+          break;
+        case 3:
+          s[j] = (rng() % 2) ? std::numeric_limits<float>::infinity()
+                             : -std::numeric_limits<float>::infinity();
+          break;
+        default:
+          break;
+      }
+    }
+  }
+  return s;
+}
+
+// Ascending, unique, in range: checked on every selection (besides equality to the reference).
+void check_selection(Check& k, const std::vector<int64_t>& sel, int64_t n) {
+  for (size_t i = 0; i < sel.size(); ++i) {
+    k.expect(sel[i] >= 0 && sel[i] < n, "index out of range");
+    if (i) k.expect(sel[i] > sel[i - 1], "indices not strictly ascending (duplicate or order)");
+  }
+}
+
+TEST(BackendOps, SnapSelect) {
+  const std::vector<int64_t> lens = {0, 1, 2, 3, 17, 31, 127, 129, 1000};
+  uint64_t seed = 1300;
+  std::vector<float> scratch;
+  for (int64_t n : lens)
+    for (int kind : {0, 1, 2})
+      for (int64_t budget : {int64_t{0}, int64_t{1}, n / 2, n - 1, n, n + 3})
+        for (int64_t sinks : {0, 4}) {
+          const auto s = select_scores(n, kind, ++seed);
+          const int64_t count = snap_select_count(n, budget);
+          {
+            std::vector<int64_t> got(static_cast<size_t>(count), -1);
+            const int64_t r = snap_select(s.data(), n, budget, sinks, got.data(), &scratch);
+            const auto want = snap_select_reference(s.data(), n, budget, sinks);
+            Check k("snap_select", "cpu",
+                    Vars()("n", n)("scores", kind)("budget", budget)("sinks", sinks).str());
+            k.allow_zero_reference();  // index 0 alone is a valid selection
+            k.expect(r == count, "returned count differs from snap_select_count");
+            k.exact(got, want, "indices");
+            check_selection(k, got, n);
+          }
+          for (int64_t window : {int64_t{0}, int64_t{8}, n}) {
+            std::vector<int64_t> got(static_cast<size_t>(count), -1);
+            const int64_t r =
+                snap_select_keep_window(s.data(), n, budget, sinks, window, got.data(), &scratch);
+            const auto want = snap_select_keep_window_reference(s.data(), n, budget, sinks, window);
+            Check k(
+                "snap_select_keep_window", "cpu",
+                Vars()("n", n)("scores", kind)("budget", budget)("sinks", sinks)("window", window)
+                    .str());
+            k.allow_zero_reference();
+            k.expect(r == count, "returned count differs from snap_select_count");
+            k.exact(got, want, "indices");
+            check_selection(k, got, n);
+          }
+        }
+}
+
+// ---- matmul -----------------------------------------------------------------------------------
+
+// Exact mode: both formulations sum fp32 products with FMAs, one rounding per step (at most
+// K/16 steps per lane plus a 6-level tree, or K sequential steps) plus the bias:
+// |err| <= (K + 7) u (sum |x w| + |bias|), the reference's own rounding inside.
+// bf16 mode (products of two bf16 values exact in fp32): the additions only, d roundings with
+// d = K + 7 (portable), 2 ceil(K/2) (packed, >= 4 tokens) or 2 ceil(K/32) + 7 (vdpbf16ps dot):
+// gamma(d) sum |terms| + u |ref| + d 2^-126 (flushed subnormals).
+TEST(BackendOps, Matmul) {
+  const bool small = harness::small_sweep();
+  uint64_t seed = 2000;
+  std::vector<bool> bf16_paths{true};
+  kernels::force_portable_bf16(false);
+  if (kernels::bf16_dot_active()) bf16_paths.insert(bf16_paths.begin(), false);
+  int idx = 0;
+  for (int64_t T : {1, 2, 3, 17, 31, 127, 129})
+    for (int64_t K : {64, 100, 128, 1100})
+      for (int64_t N : {1, 17, 64}) {
+        ++idx;
+        if ((small || T > 31) && idx % 3 != 0) continue;
+        if (T >= 127 && K == 1100 && N == 64) continue;  // the reference's cost, not coverage
+        const int64_t ldx = K + 3, ldy = N + 2;
+        const auto x = gaussian(T * ldx, ++seed);
+        const auto wf = gaussian(N * K, ++seed, 0.1f);
+        const auto bias = gaussian(N, ++seed);
+        for (DType wt : {DType::kF32, DType::kF16, DType::kBF16}) {
+          std::vector<uint8_t> w(wf.size() * dtype_size(wt));
+          from_f32(wf.data(), w.data(), wt, wf.size());
+          const float* b = (T + K + N) % 2 == 0 ? bias.data() : nullptr;
+          const std::string vars = Vars()("T", T)("K", K)("N", N)("w", dtype_name(wt))(
+                                       "bias", b != nullptr)("ldx", ldx)("ldy", ldy)
+                                       .str();
+          for (int mode = 0; mode < 1 + (wt == DType::kBF16 ? int(bf16_paths.size()) : 0); ++mode) {
+            const bool bf = mode > 0;
+            const bool portable = bf && bf16_paths[static_cast<size_t>(mode - 1)];
+            kernels::force_portable_bf16(portable);
+            std::vector<float> y(static_cast<size_t>(T * ldy), -7.0f), r(y);
+            kernels::matmul(x.data(), T, K, ldx, w.data(), wt, N, b, y.data(), ldy,
+                            bf ? kernels::Precision::kBF16 : kernels::Precision::kExact);
+            if (bf)
+              kernels::matmul_bf16_reference(x.data(), T, K, ldx, w.data(), wt, N, b, r.data(),
+                                             ldy);
+            else
+              kernels::matmul_reference(x.data(), T, K, ldx, w.data(), wt, N, b, r.data(), ldy);
+            std::vector<float> got;
+            std::vector<double> ref, bound;
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t n = 0; n < ldy; ++n) {
+                const size_t at = static_cast<size_t>(t * ldy + n);
+                got.push_back(y[at]);
+                ref.push_back(n < N ? r[at] : -7.0);  // the row gaps stay untouched
+                if (n >= N) {
+                  bound.push_back(0);
+                  continue;
+                }
+                double mag = b ? std::abs(b[n]) : 0.0;
+                for (int64_t i = 0; i < K; ++i) {
+                  float xv = x[static_cast<size_t>(t * ldx + i)];
+                  if (bf) {
+                    const uint32_t bits = uint32_t{kernels::bf16_round(xv)} << 16;
+                    std::memcpy(&xv, &bits, 4);
+                  }
+                  mag +=
+                      std::abs(double(xv) * load_f32(w.data(), wt, static_cast<size_t>(n * K + i)));
+                }
+                if (!bf) {
+                  bound.push_back((K + 7) * kU * mag);
+                } else {
+                  const int64_t d = portable ? K + 7
+                                    : T >= 4 ? 2 * ((K + 1) / 2)
+                                             : 2 * ((K + 31) / 32) + 7;
+                  bound.push_back(harness::gamma_n(double(d)) * mag + kU * std::abs(r[at]) +
+                                  d * 0x1p-126);
+                }
+              }
+            Check k(bf ? "matmul bf16" : "matmul", "cpu",
+                    vars + (bf ? (portable ? ",path=portable" : ",path=vdpbf16ps") : ""));
+            k.bounded(got, ref, bound, "y");
+          }
+        }
+      }
+  kernels::force_portable_bf16(false);
+}
+
+// ---- RMSNorm, SwiGLU, RoPE --------------------------------------------------------------------
+
+// RMSNorm: the sum of squares in double (n 2^-53 relative), 1/sqrt rounded to fp32 (u), then
+// x * inv and weight * (.) (u each): |err| <= (3u + n 2^-52) |ref| + 2^-126 (a subnormal result).
+TEST(BackendOps, RmsNorm) {
+  uint64_t seed = 3000;
+  for (int64_t n : {1, 2, 3, 17, 64, 127, 128, 1000, 4096})
+    for (double eps : {1e-5, 1e-6}) {
+      const auto x = gaussian(n, ++seed, n % 2 ? 30.0f : 1.0f);
+      const auto w = gaussian(n, ++seed);
+      std::vector<float> got(static_cast<size_t>(n));
+      kernels::rmsnorm(x.data(), w.data(), n, eps, got.data());
+      double ss = 0;
+      for (float v : x) ss += double(v) * v;
+      const double inv = 1.0 / std::sqrt(ss / double(n) + eps);
+      std::vector<double> ref(got.size()), bound(got.size());
+      for (int64_t i = 0; i < n; ++i) {
+        ref[i] = double(w[i]) * x[i] * inv;
+        bound[i] = (3 * kU + n * 0x1p-52) * std::abs(ref[i]) * (1 + 4 * kU) + 0x1p-126;
+      }
+      Check k("rmsnorm", "cpu", Vars()("n", n)("eps", eps).str());
+      k.bounded(got, ref, bound, "out");
+    }
+}
+
+// SwiGLU: silu(g) within 3.5 u of exact (kernels.h), times up (one more rounding):
+// |err| <= 4.5 u |ref| (1 + u) + 2^-126 (results in the subnormal range lose relative accuracy).
+// Below g = -87 the AVX-512 exp (ops/exp_nonpos16.h: x < -87 gives 0) flushes e = exp(-|g|) and
+// the result to 0 (the portable g / (1 + exp(-g)) does so near -88.7, where exp(-g) overflows):
+// the error is then |g e up / (1 + e)| < |g up| e^-87, an absolute term the 3.5 u of kernels.h
+// does not state.
+TEST(BackendOps, Swiglu) {
+  uint64_t seed = 3500;
+  for (int64_t n : {1, 2, 3, 17, 31, 127, 129, 1000})
+    for (float sd : {1.0f, 8.0f, 40.0f}) {
+      auto g = gaussian(n, ++seed, sd);
+      const auto u = gaussian(n, ++seed);
+      if (n > 3) {
+        g[0] = 0.0f;
+        g[1] = -90.0f;
+        g[2] = 90.0f;
+      }
+      std::vector<float> got(static_cast<size_t>(n));
+      kernels::swiglu(g.data(), u.data(), n, got.data());
+      std::vector<double> ref(got.size()), bound(got.size());
+      for (int64_t i = 0; i < n; ++i) {
+        const double gv = g[i];
+        ref[i] = gv / (1.0 + std::exp(-gv)) * u[i];
+        bound[i] = 4.5 * kU * std::abs(ref[i]) * (1 + kU) + 0x1p-126 +
+                   (gv < -87.0 ? std::abs(gv * u[i]) * std::exp(-87.0) : 0.0);
+      }
+      Check k("swiglu", "cpu", Vars()("n", n)("sd", sd).str());
+      k.allow_zero_reference();
+      k.bounded(got, ref, bound, "out");
+    }
+}
+
+// RoPE: rope_cos_sin is exact against its definition (angle = fp32(fp32(pos) * inv_freq[i]),
+// cos/sin in double rounded once); apply_rope computes a c - b s and b c + a s in fp32 (two
+// products and a sum, one rounding each): |err| <= u (|a c| + |b s|) (1 + u) + u |ref|, for both
+// pairings (half-split and interleaved) and head_dim 64/128.
+TEST(BackendOps, Rope) {
+  uint64_t seed = 4000;
+  for (RopeStyle style : {RopeStyle::kHalfSplit, RopeStyle::kInterleaved})
+    for (int64_t d : {64, 128})
+      for (int64_t pos : {0, 1, 17, 1000, 4095, 131071}) {
+        RopeConfig rc;
+        rc.theta = d == 64 ? 10000.0 : 500000.0;
+        rc.style = style;
+        const auto inv = rope_inv_freq(rc, d);
+        const int64_t half = d / 2;
+        std::vector<float> c(static_cast<size_t>(half)), s(c.size()), cr(c.size()), sr(c.size());
+        rope_cos_sin(inv, pos, c.data(), s.data());
+        for (int64_t i = 0; i < half; ++i) {
+          const float angle = static_cast<float>(pos) * inv[i];
+          cr[i] = static_cast<float>(std::cos(double(angle)));
+          sr[i] = static_cast<float>(std::sin(double(angle)));
+        }
+        const std::string vars =
+            Vars()("style", style == RopeStyle::kHalfSplit ? "half" : "interleaved")("D", d)("pos",
+                                                                                             pos)
+                .str();
+        {
+          Check k("rope_cos_sin", "cpu", vars);
+          k.exact(c, cr, "cos");
+          k.allow_zero_reference();  // sin(0) at pos 0
+          k.exact(s, sr, "sin");
+        }
+        const int64_t heads = 3;
+        const auto x = gaussian(heads * d, ++seed, 2.0f);
+        std::vector<float> got = x;
+        apply_rope(got.data(), heads, d, c.data(), s.data(), style);
+        std::vector<double> ref(x.size()), bound(x.size());
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < half; ++i) {
+            const int64_t i0 = h * d + (style == RopeStyle::kHalfSplit ? i : 2 * i);
+            const int64_t i1 = h * d + (style == RopeStyle::kHalfSplit ? i + half : 2 * i + 1);
+            const double a = x[i0], b = x[i1];
+            ref[i0] = a * c[i] - b * s[i];
+            ref[i1] = b * c[i] + a * s[i];
+            const double m = std::abs(a * c[i]) + std::abs(b * s[i]);
+            const double m1 = std::abs(b * c[i]) + std::abs(a * s[i]);
+            bound[i0] = kU * m * (1 + kU) + kU * std::abs(ref[i0]);
+            bound[i1] = kU * m1 * (1 + kU) + kU * std::abs(ref[i1]);
+          }
+        Check k("apply_rope", "cpu", vars);
+        k.bounded(got, ref, bound, "x");
+      }
+}
+
+}  // namespace
+}  // namespace vq
