@@ -13,7 +13,7 @@ dir=${1:-gpu-bundle}
 build=${2:-build-cuda}
 export PATH=$PATH:/usr/local/cuda/bin
 tests=(test_cuda_decode test_cuda_decode_formats test_cuda_skvq test_cuda_snapkv test_cuda_caches
-  test_cuda_prefill)
+  test_cuda_prefill test_backend_ops_cuda)
 benches=(cuda_decode_attention cuda_prefill_attention)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVQ_CUDA=ON -DVQ_NATIVE=OFF >/dev/null
 cmake --build "$build" -j"$(nproc)" --target "${tests[@]}" "${benches[@]}"

@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 cd /tmp/vq-gpu
 status=0
 for t in test_cuda_decode test_cuda_decode_formats test_cuda_skvq test_cuda_snapkv \
-  test_cuda_caches test_cuda_prefill; do
+  test_cuda_caches test_cuda_prefill test_backend_ops_cuda; do
   SECONDS=0
   timeout 300 "./$t" >"$out/$t.txt" 2>&1
   rc=$?
@@ -58,7 +58,7 @@ memcheck=(
   "test_cuda_decode_formats *"
   "test_cuda_skvq CudaSkvq.QuantizeRowsTiesBitIdentical:CudaSkvq.ChannelPermsMatchStableSort:CudaSkvq.RefusesMismatchedFormat"
   "test_cuda_snapkv CudaSnapkv.NonFiniteOrder:CudaSnapkv.PoolingMatchesCpuExactly:CudaSnapkv.GatherRowsExact"
-  "test_cuda_caches CudaCaches.SnapKVWorkedExample:CudaCaches.SkvqWorkedExampleAndResidentBytes:CudaCaches.ErrorsMatchCpuAndChangeNothing"
+  "test_cuda_caches CudaCaches.SnapKVWorkedExample:CudaCaches.SkvqWorkedExampleAndResidentBytes:CudaCaches.ErrorsMatchCpuAndChangeNothing:CudaCaches.StreamingMatchesCpu"
   "test_cuda_prefill CudaPrefill.RefusesUnsupported"
 )
 racecheck=(
