@@ -178,8 +178,9 @@ void FullCache::save(std::ostream& out) const {
   w.i64(st_.head_dim);
   w.i64(st_.offset);
   if (st_.has_data) {
-    w.tensor(keys());
-    w.tensor(values());
+    // Host copies: the rows may live on a device.
+    w.tensor(st_.rows->download(false, 0, st_.offset).view());
+    w.tensor(st_.rows->download(true, 0, st_.offset).view());
   }
   w.write(out, method());
 }
