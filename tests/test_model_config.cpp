@@ -119,6 +119,8 @@ TEST(ModelConfig, UnknownAndMalformedRefused) {
   expect_refused("{\"model_type\": \"llama\",\n \"vocab_size\": 10,}",
                  {"not valid JSON: parse error at line 2, column 19:",
                   "unexpected '}'; expected string literal", "(byte 43)"});
+  expect_refused("{\"model_type\": \"llama\", \"rope_theta\": 1e400}",
+                 {"not valid JSON: number overflow parsing '1e400'"});
   expect_refused("[]", {"expected a JSON object"});
   const std::string base = R"("model_type":"llama","vocab_size":10,"intermediate_size":32,
     "num_hidden_layers":1)";
