@@ -18,7 +18,9 @@ corpus="$dir/corpus"
 mkdir -p "$corpus"
 for t in "${targets[@]}"; do
   mkdir -p "$corpus/$t"
-  if [ -d "tools/fuzz/corpus/$t" ]; then cp tools/fuzz/corpus/"$t"/* "$corpus/$t/"; fi
+  for d in corpus regressions; do
+    if [ -d "tools/fuzz/$d/$t" ]; then cp tools/fuzz/"$d/$t"/* "$corpus/$t/"; fi
+  done
 done
 python3 - "$corpus" <<'PY'
 import json, os, struct, sys, glob
