@@ -183,7 +183,7 @@ TEST(BinaryIo, LyingLengthsDoNotAllocate) {
   const uint64_t huge = 1ull << 62;
   for (size_t i = 0; i < 8; ++i) f.push_back(static_cast<char>((huge >> (8 * i)) & 0xff));
   f += "some bytes";
-  expect_error([&] { StateReader::from_bytes(f, "full"); }, "truncated");
+  expect_error([&] { StateReader::from_bytes(f, "full"); }, "corrupted payload length");
 
   // Inside a valid frame: element counts and tensor shapes larger than the payload.
   StateWriter w;
@@ -196,6 +196,52 @@ TEST(BinaryIo, LyingLengthsDoNotAllocate) {
   StateReader r2 = StateReader::from_bytes(w.frame("x"), "x");
   r2.u64();
   expect_error([&] { r2.tensor(); }, "truncated payload");
+}
+
+// A damaged length field (one high byte set: 67 TB claimed by a 40-byte file) is reported as a
+// corrupted length, not as a truncation of 67 TiB; a plausible length the file does not hold says
+// both possibilities. Failed before the fix ("truncated file: expected 73667279061034 bytes").
+TEST(BinaryIo, CorruptedLengthFieldIsNamed) {
+  const std::string good = sample_frame();
+  const size_t len_at = 8 + 4 + 4 + 4;  // magic, version, method length, "full"
+  std::string bad = good;
+  bad[len_at + 5] = 0x43;  // + 0x43 << 40: 67 TiB
+  EXPECT_EQ(le64(bad, len_at) >> 40, 0x43u);
+  expect_error([&] { StateReader::from_bytes(bad, "full"); },
+               "corrupted payload length: expected at most 1099511627776 bytes but the length "
+               "field says " +
+                   std::to_string(le64(bad, len_at)));
+  bad = good;
+  bad[len_at + 2] = 0x01;  // 65536 + the real length: plausible, but the file ends first
+  expect_error([&] { StateReader::from_bytes(bad, "full"); },
+               "truncated file or corrupted payload length: expected " +
+                   std::to_string(le64(bad, len_at)) + " bytes of payload");
+}
+
+// A zero-sized tensor whose other dims multiply past int64 (valid checksum): refused with a
+// message, before its element count or view strides are computed. Failed before the fix under
+// UBSan (signed overflow in Tensor::numel) and returned a tensor in Release.
+TEST(BinaryIo, ZeroSizedTensorOfHugeDimsIsRefused) {
+  const int64_t huge = int64_t{1} << 40;
+  StateWriter w;
+  w.u8(static_cast<uint8_t>(DType::kF32));
+  for (int64_t s : {huge, huge, int64_t{0}, huge}) w.i64(s);
+  StateReader r = StateReader::from_bytes(w.frame("x"), "x");
+  expect_error([&] { r.tensor(); },
+               "expected a tensor shape whose non-zero dims times 4 bytes fit int64 but got "
+               "[1099511627776, 1099511627776, 0, 1099511627776]");
+  // The largest shapes that fit still load (zero-sized), and their views have exact strides.
+  StateWriter ok;
+  ok.u8(static_cast<uint8_t>(DType::kBF16));
+  for (int64_t s : {int64_t{1} << 31, int64_t{0}, int64_t{1} << 30, int64_t{1}}) ok.i64(s);
+  StateReader r2 = StateReader::from_bytes(ok.frame("x"), "x");
+  const Tensor t = r2.tensor();
+  EXPECT_EQ(t.numel(), 0);
+  EXPECT_EQ(t.view().stride[1], int64_t{1} << 30);
+  EXPECT_EQ(t.view().stride[0], 0);
+  // The owning tensor refuses such a shape itself.
+  expect_error([&] { Tensor(DType::kF16, huge, huge, 0, huge); }, "[Tensor] expected a shape");
+  expect_error([&] { Tensor(DType::kF16, 1, -1, 0, 1); }, "[Tensor] expected a non-negative");
 }
 
 TEST(BinaryIo, BadFieldValuesAreRefused) {

@@ -115,6 +115,12 @@ TEST(ModelConfig, UnknownAndMalformedRefused) {
                  {"model_type", "expected one of llama, mistral, qwen2", "\"gpt2\""});
   expect_refused(R"({"vocab_size":10})", {"model_type", "llama, mistral, qwen2"});
   expect_refused("{\"model_type\": \"llama\"", {"not valid JSON"});
+  // Where and why (issue 17: the message used to be only "not valid JSON").
+  expect_refused("{\"model_type\": \"llama\",\n \"vocab_size\": 10,}",
+                 {"not valid JSON: parse error at line 2, column 19:",
+                  "unexpected '}'; expected string literal", "(byte 43)"});
+  expect_refused("{\"model_type\": \"llama\", \"rope_theta\": 1e400}",
+                 {"not valid JSON: number overflow parsing '1e400'"});
   expect_refused("[]", {"expected a JSON object"});
   const std::string base = R"("model_type":"llama","vocab_size":10,"intermediate_size":32,
     "num_hidden_layers":1)";

@@ -175,6 +175,21 @@ TEST(Safetensors, SizeAndShapeMismatchesRefused) {
                           R"("data_offsets":[0,16]}})",
                           data),
                  {"tensor 'w'", "overflows"});
+  // Zero elements, but the other dims multiply to 2^63: TensorRef::numel() and strides would
+  // overflow int64 (UBSan reported it; before the fix the parser accepted the file).
+  expect_refused(raw_file(R"({"w":{"dtype":"F32","shape":[4294967296,2147483648,0],)"
+                          R"("data_offsets":[0,0]}})",
+                          data),
+                 {"tensor 'w'", "[4294967296,2147483648,0] x F32 overflows 64 bits",
+                  "non-zero dims x the element size to fit int64"});
+  // The same with dims that fit: a valid empty tensor. Its data starts at a misaligned address
+  // (the header is not padded), which once took the aligned-copy path with a memcpy into a
+  // null pointer (UBSan: "null pointer passed as argument 1").
+  const auto empty = raw_file(R"({"w":{"dtype":"F32","shape":[4294967296,0,268435456],)"
+                              R"("data_offsets":[0,0]}})",
+                              data);
+  const Safetensors st = Safetensors::from_bytes(empty.data(), empty.size());
+  EXPECT_EQ(st.get("w").numel(), 0);
   expect_refused(raw_file(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", data),
                  {"tensor 'w'", "non-negative integer"});
   expect_refused(raw_file(R"({"w":{"dtype":"F32","shape":[1,1,1,1,1,1,1,1,1],)"
@@ -192,6 +207,14 @@ TEST(Safetensors, SizeAndShapeMismatchesRefused) {
 TEST(Safetensors, MalformedHeadersRefused) {
   const std::vector<uint8_t> data(8, 0);
   expect_refused(raw_file("{\"w\": [", data), {"not valid JSON"});
+  // Where and why (issue 17: the message used to be only "header is not valid JSON").
+  expect_refused(raw_file("{\"w\": [", data),
+                 {"header not valid JSON: parse error at line 1, column 8:",
+                  "unexpected end of input", "(byte 8)"});
+  // A number too large for a double is a JSON error too (out_of_range, not parse_error): it
+  // escaped as an nlohmann exception before (found by fuzz_safetensors).
+  expect_refused(raw_file(R"({"w":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}})", data),
+                 {"header not valid JSON: number overflow parsing '1e999'"});
   expect_refused(raw_file("[1,2]", data), {"expected a JSON object"});
   expect_refused(raw_file(std::string(200, '[') + std::string(200, ']'), data), {"nests deeper"});
   expect_refused(raw_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
@@ -273,6 +296,10 @@ TEST(Safetensors, ShardsThroughIndex) {
   expect_dir_refused("expected a file name string");
   write_index(R"({"weight_map":)");
   expect_dir_refused("not valid JSON");
+  expect_dir_refused(
+      "not valid JSON: parse error at line 1, column 15: syntax error while "
+      "parsing value - unexpected end of input; expected '[', '{', or a literal "
+      "(byte 15)");
   // The same tensor in two shards.
   save_safetensors(dir + "/s2.safetensors", {{"a", DType::kF32, {1}, floats_bytes({3})}});
   write_index(R"({"weight_map":{"a":"s1.safetensors","x":"s2.safetensors"}})");

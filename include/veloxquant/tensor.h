@@ -16,6 +16,17 @@ constexpr int64_t round_up(int64_t x, int64_t m) {
   return (x + m - 1) / m * m;
 }
 
+// Element count of a [B, H, S, D] shape: 0 when any dim is 0 (whatever the others are), else the
+// product, which the caller guarantees fits int64 (Tensor's constructor checks it).
+constexpr int64_t shape_numel(const std::array<int64_t, 4>& s) {
+  if (s[0] == 0 || s[1] == 0 || s[2] == 0 || s[3] == 0) return 0;
+  return s[0] * s[1] * s[2] * s[3];
+}
+
+// True when the product of the non-zero dims of s, times elem_size bytes, fits int64: then every
+// partial product (element count, contiguous strides, byte offsets) is representable.
+bool shape_fits_int64(const std::array<int64_t, 4>& s, size_t elem_size);
+
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::kF32;
@@ -24,7 +35,8 @@ struct TensorView {
 
   static TensorView contiguous(void* data, DType t, int64_t b, int64_t h, int64_t s, int64_t d);
 
-  int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
+  // 0 when any dim is 0, so a zero-sized view of huge other dims does not overflow.
+  int64_t numel() const { return shape_numel(shape); }
   bool is_contiguous() const;
   // Pointer to element (b, h, s, 0).
   void* row(int64_t b, int64_t h, int64_t s) const {
@@ -46,6 +58,8 @@ void convert_view_row(const TensorView& t, int64_t b, int64_t h, int64_t s, void
 class Tensor {
  public:
   Tensor() = default;
+  // Throws vq::Error if a dim is negative or the shape fails shape_fits_int64 (even when another
+  // dim is 0: the strides of its view would still overflow).
   Tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d);
   TensorView view() const;
   DType dtype() const { return dtype_; }
@@ -54,7 +68,7 @@ class Tensor {
   const void* data() const { return buf_.data(); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
   size_t capacity_bytes() const { return buf_.capacity() * sizeof(uint64_t); }
-  int64_t numel() const { return shape_[0] * shape_[1] * shape_[2] * shape_[3]; }
+  int64_t numel() const { return shape_numel(shape_); }
   void set(int64_t b, int64_t h, int64_t s, int64_t d, float v);
   float at(int64_t b, int64_t h, int64_t s, int64_t d) const { return view().at(b, h, s, d); }
 

@@ -5,6 +5,15 @@
 
 namespace vq {
 
+bool shape_fits_int64(const std::array<int64_t, 4>& s, size_t elem_size) {
+  int64_t n = static_cast<int64_t>(elem_size);
+  for (int64_t d : s) {
+    if (d < 0) return false;
+    if (d != 0 && __builtin_mul_overflow(n, d, &n)) return false;
+  }
+  return true;
+}
+
 TensorView TensorView::contiguous(void* data, DType t, int64_t b, int64_t h, int64_t s, int64_t d) {
   TensorView v;
   v.data = data;
@@ -31,7 +40,14 @@ TensorView TensorView::slice_tokens(int64_t s0, int64_t s1) const {
 
 Tensor::Tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d)
     : dtype_(t), shape_{b, h, s, d} {
-  VQ_CHECK(b >= 0 && h >= 0 && s >= 0 && d >= 0, "[Tensor] expected non-negative shape");
+  VQ_CHECK(b >= 0 && h >= 0 && s >= 0 && d >= 0,
+           "[Tensor] expected a non-negative shape but got [" + std::to_string(b) + ", " +
+               std::to_string(h) + ", " + std::to_string(s) + ", " + std::to_string(d) + "]");
+  VQ_CHECK(shape_fits_int64(shape_, dtype_size(t)),
+           "[Tensor] expected a shape whose non-zero dims times the element size fit int64 but "
+           "got [" +
+               std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(s) + ", " +
+               std::to_string(d) + "]");
   const size_t bytes = static_cast<size_t>(numel()) * dtype_size(t);
   buf_.assign((bytes + 7) / 8, 0);
 }

@@ -923,33 +923,49 @@ SkvqPermSet load_skvq_perm_file(const std::string& path) {
   } catch (const std::exception& e) {
     throw Error(pre + "expected JSON but got a parse error: " + e.what());
   }
+  // An integer field in [lo, hi]. JSON numbers that are not integers (1e20, 2.5) are refused
+  // before any conversion: converting an out-of-range double to an integer is undefined.
+  const auto integer = [&pre](const nlohmann::json& v, const std::string& what, int64_t lo,
+                              int64_t hi) -> int64_t {
+    bool ok = false;
+    int64_t x = 0;
+    if (v.is_number_unsigned()) {  // nlohmann stores non-negative integers as unsigned
+      ok = v.get<uint64_t>() <= static_cast<uint64_t>(hi);
+      if (ok) x = static_cast<int64_t>(v.get<uint64_t>());
+    } else if (v.is_number_integer()) {
+      ok = true;
+      x = v.get<int64_t>();
+    }
+    VQ_CHECK(ok && x >= lo && x <= hi, pre + what + ": expected an integer in " +
+                                           std::to_string(lo) + ".." + std::to_string(hi) +
+                                           " but got " + v.dump());
+    return x;
+  };
   SkvqPermSet ps;
   try {
     VQ_CHECK(j.is_object() && j.value("format", "") == "veloxquant.skvq_perms",
              pre + "expected format \"veloxquant.skvq_perms\"");
-    VQ_CHECK(j.at("version").get<int>() == 1,
-             pre + "expected version 1 but got " + j.at("version").dump());
-    ps.n_kv_heads = j.at("n_kv_heads").get<int64_t>();
-    ps.head_dim = j.at("head_dim").get<int64_t>();
-    VQ_CHECK(
-        ps.n_kv_heads >= 1 && ps.n_kv_heads <= 4096 && ps.head_dim >= 1 && ps.head_dim <= 65536,
-        pre + "expected 1 <= n_kv_heads <= 4096 and 1 <= head_dim <= 65536");
+    integer(j.at("version"), "version", 1, 1);
+    ps.n_kv_heads = integer(j.at("n_kv_heads"), "n_kv_heads", 1, 4096);
+    ps.head_dim = integer(j.at("head_dim"), "head_dim", 1, 65536);
     const auto& layers = j.at("layers");
     VQ_CHECK(layers.is_array() && !layers.empty(), pre + "expected a non-empty layers array");
     for (size_t l = 0; l < layers.size(); ++l)
       for (int kv = 0; kv < 2; ++kv) {
+        const std::string where = "layer " + std::to_string(l) + (kv == 0 ? " key" : " value");
         const auto& heads = layers[l].at(kv == 0 ? "key" : "value");
         VQ_CHECK(heads.is_array() && static_cast<int64_t>(heads.size()) == ps.n_kv_heads,
                  pre + "layer " + std::to_string(l) + ": expected " +
                      std::to_string(ps.n_kv_heads) + " heads");
         std::vector<int32_t> flat;
         for (const auto& hp : heads) {
-          const auto v = hp.get<std::vector<int32_t>>();
-          VQ_CHECK(static_cast<int64_t>(v.size()) == ps.head_dim,
+          VQ_CHECK(hp.is_array() && static_cast<int64_t>(hp.size()) == ps.head_dim,
                    pre + "layer " + std::to_string(l) + ": expected " +
                        std::to_string(ps.head_dim) + " channels per head but got " +
-                       std::to_string(v.size()));
-          flat.insert(flat.end(), v.begin(), v.end());
+                       (hp.is_array() ? std::to_string(hp.size()) : std::string(hp.type_name())));
+          for (const auto& c : hp)
+            flat.push_back(
+                static_cast<int32_t>(integer(c, where + " channel", 0, ps.head_dim - 1)));
         }
         VQ_CHECK(skvq::is_perm_set(flat, ps.n_kv_heads, ps.head_dim),
                  pre + "layer " + std::to_string(l) +

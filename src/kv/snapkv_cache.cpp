@@ -348,11 +348,17 @@ void SnapKVCache::load(std::istream& in) {
   const int64_t n_sel = r.i64_in("n_sel", 0, offset);
   const int64_t n_tail = r.i64_in("n_tail", 0, offset - n_sel);
   std::vector<int32_t> sel_pos = r.vec_i32();
-  VQ_CHECK(static_cast<int64_t>(sel_pos.size()) == batch * heads * n_sel,
-           "[load_state] snapkv: expected " + std::to_string(batch * heads * n_sel) +
-               " positions but got " + std::to_string(sel_pos.size()));
+  // batch * heads <= 2^48, but times n_sel (< 2^31) it may overflow: compare by division. With
+  // n_sel == 0 the per-head loop below is skipped (2^48 empty iterations hung the fuzzer).
+  const int64_t n_bh = batch * heads;
+  VQ_CHECK(n_sel == 0 ? sel_pos.empty()
+                      : static_cast<int64_t>(sel_pos.size()) % n_sel == 0 &&
+                            static_cast<int64_t>(sel_pos.size()) / n_sel == n_bh,
+           "[load_state] snapkv: expected " + std::to_string(batch) + " x " +
+               std::to_string(heads) + " x " + std::to_string(n_sel) + " positions but got " +
+               std::to_string(sel_pos.size()));
   // Explicit positions: ascending per head, and before the implicit tail.
-  for (int64_t bh = 0; bh < batch * heads; ++bh)
+  for (int64_t bh = 0; bh < n_bh && n_sel > 0; ++bh)
     for (int64_t j = 0; j < n_sel; ++j) {
       const int32_t p = sel_pos[bh * n_sel + j];
       const int32_t prev = j ? sel_pos[bh * n_sel + j - 1] : -1;
@@ -372,8 +378,12 @@ void SnapKVCache::load(std::istream& in) {
   VQ_CHECK(!pending || cfg_.snap_evict_at == SnapEvictAt::kPromptEnd,
            "[load_state] snapkv: expected no pending eviction (snap_evict_at = prefill_call) but "
            "the file has one");
-  VQ_CHECK((win_hq == 0) == (win_rows == 0) && (win_hq == 0 || win_hq % heads == 0) &&
-               static_cast<int64_t>(win_q.size()) == batch * win_hq * win_rows * head_dim,
+  int64_t win_elems = 0;  // batch * win_hq * win_rows * head_dim, which may overflow int64
+  const bool win_fits = !__builtin_mul_overflow(batch, win_hq, &win_elems) &&
+                        !__builtin_mul_overflow(win_elems, win_rows, &win_elems) &&
+                        !__builtin_mul_overflow(win_elems, head_dim, &win_elems);
+  VQ_CHECK((win_hq == 0) == (win_rows == 0) && (win_hq == 0 || win_hq % heads == 0) && win_fits &&
+               static_cast<int64_t>(win_q.size()) == win_elems,
            "[load_state] snapkv: expected a query window [" + std::to_string(batch) +
                ", H_q (a multiple of " + std::to_string(heads) + "), rows, " +
                std::to_string(head_dim) + "] but got H_q " + std::to_string(win_hq) + ", rows " +

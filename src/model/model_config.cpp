@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "model/json_text.h"
 #include "veloxquant/error.h"
 #include "veloxquant/model.h"
 
@@ -133,8 +134,9 @@ const std::vector<std::string>& supported_model_types() {
 ModelConfig model_config_from_json(const std::string& text, const std::string& origin) {
   // Nesting is bounded by the parser's own iteration (nlohmann parses iteratively); a config is
   // small, so no size cap beyond the caller's file read.
-  const json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) throw Error("[model_config] " + origin + ": not valid JSON");
+  const json root = detail::parse_json_text(
+      text.data(), text.data() + text.size(),
+      [&](const std::string& m) { throw Error("[model_config] " + origin + ": " + m); });
   if (!root.is_object())
     throw Error("[model_config] " + origin + ": expected a JSON object but got " +
                 std::string(root.type_name()));

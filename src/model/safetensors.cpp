@@ -22,6 +22,7 @@
 #include <set>
 #include <sstream>
 
+#include "model/json_text.h"
 #include "veloxquant/error.h"
 
 namespace vq {
@@ -179,8 +180,8 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* data, size_t size,
   if (n_tensors > kSafetensorsMaxEntries)
     fail(origin, "header has " + std::to_string(n_tensors) + " tensor entries; the limit is " +
                      std::to_string(kSafetensorsMaxEntries));
-  json root = json::parse(text, text + text_len, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) fail(origin, "header is not valid JSON");
+  json root = detail::parse_json_text(text, text + text_len,
+                                      [&](const std::string& m) { fail(origin, "header " + m); });
   if (!duplicate.empty()) fail(origin, "tensor '" + duplicate + "' is defined twice");
   if (!root.is_object())
     fail(origin, "header: expected a JSON object but got " + std::string(root.type_name()));
@@ -220,18 +221,24 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* data, size_t size,
     if (shape.size() > kSafetensorsMaxRank)
       fail(origin, where + ": expected rank <= " + std::to_string(kSafetensorsMaxRank) +
                        " but got " + std::to_string(shape.size()));
-    uint64_t numel = 1;
+    // The product of the non-zero dims, times the element size, must fit int64 even when another
+    // dim is 0: TensorRef::numel() and the users' strides are int64.
+    const uint64_t es = dtype_size(e.dtype);
+    uint64_t nonzero_bytes = es;
+    bool empty = false;
     for (const json& d : shape) {
       const uint64_t dim = json_u64(d, origin, where + " shape");
-      if (dim > static_cast<uint64_t>(INT64_MAX))
-        fail(origin, where + ": shape dimension " + std::to_string(dim) + " is too large");
-      if (__builtin_mul_overflow(numel, dim, &numel))
-        fail(origin, where + ": shape " + shape.dump() + " overflows 64 bits");
+      if (dim == 0) {
+        empty = true;
+      } else if (__builtin_mul_overflow(nonzero_bytes, dim, &nonzero_bytes) ||
+                 nonzero_bytes > static_cast<uint64_t>(INT64_MAX)) {
+        fail(origin, where + ": shape " + shape.dump() + " x " + dt +
+                         " overflows 64 bits: expected its non-zero dims x the element size to "
+                         "fit int64");
+      }
       e.shape.push_back(static_cast<int64_t>(dim));
     }
-    uint64_t expected_bytes = 0;
-    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(e.dtype)), &expected_bytes))
-      fail(origin, where + ": shape " + shape.dump() + " x " + dt + " overflows 64 bits");
+    const uint64_t expected_bytes = empty ? 0 : nonzero_bytes;
     e.begin = json_u64(v["data_offsets"][0], origin, where + " data_offsets[0]");
     e.end = json_u64(v["data_offsets"][1], origin, where + " data_offsets[1]");
     if (e.begin > e.end)
@@ -265,8 +272,17 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* data, size_t size,
 }
 
 int64_t TensorRef::numel() const {
+  // 0 when any dim is 0 (whatever the others are); the parser guarantees the rest fits int64,
+  // a hand-built ref that overflows is refused.
+  for (int64_t d : shape)
+    if (d == 0) return 0;
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape)
+    if (d < 0 || __builtin_mul_overflow(n, d, &n))
+      throw Error("[safetensors] tensor '" + name +
+                  "': expected a shape whose element count fits "
+                  "int64 but got " +
+                  shape_string(shape));
   return n;
 }
 
@@ -355,7 +371,8 @@ struct Safetensors::Impl {
       r.nbytes = static_cast<size_t>(e.nbytes());
       r.file = m->path();
       const uint8_t* p = m->base() + h.data_offset + e.begin;
-      if (reinterpret_cast<uintptr_t>(p) % dtype_size(e.dtype) != 0) {
+      // An empty tensor needs no copy (memcpy into the empty vector's null data is undefined).
+      if (r.nbytes > 0 && reinterpret_cast<uintptr_t>(p) % dtype_size(e.dtype) != 0) {
         aligned_copies.emplace_back((r.nbytes + 7) / 8);
         std::memcpy(aligned_copies.back().data(), p, r.nbytes);
         p = reinterpret_cast<const uint8_t*>(aligned_copies.back().data());
@@ -411,8 +428,8 @@ Safetensors Safetensors::open_dir(const std::string& dir) {
   const std::string origin = index.string();
   if (!json_depth_ok(text.data(), text.size(), kMaxJsonDepth))
     fail(origin, "JSON nests deeper than " + std::to_string(kMaxJsonDepth));
-  const json root = json::parse(text, nullptr, false);
-  if (root.is_discarded()) fail(origin, "not valid JSON");
+  const json root = detail::parse_json_text(text.data(), text.data() + text.size(),
+                                            [&](const std::string& m) { fail(origin, m); });
   if (!root.is_object() || !root.contains("weight_map") || !root["weight_map"].is_object())
     fail(origin, "expected an object with a 'weight_map' object");
   std::map<std::string, std::string> tensor_to_shard;

@@ -1,0 +1,59 @@
+// The cache settings the state-file fuzz target (fuzz_cache_state.cpp) loads states into, shared
+// with the seed generator (make_state_seeds.cpp). A fuzz input is one selector byte (index into
+// state_configs(), modulo its size) followed by a state frame (veloxquant/binary_io.h).
+// Every method is here, with small sizes so a loaded state can be exercised quickly:
+// head_dim 16, SnapKV budget 8, SKVQ window 8 and group 8, streaming window 8.
+#pragma once
+
+#include <vector>
+
+#include "veloxquant/cache_config.h"
+
+namespace vq::fuzz {
+
+inline const std::vector<CacheConfig>& state_configs() {
+  static const std::vector<CacheConfig> configs = [] {
+    CacheConfig base;
+    base.head_dim = 16;
+    base.snap_budget = 8;
+    base.snap_obs_window = 4;
+    base.snap_n_sink = 2;
+    base.skvq_group_size = 8;
+    base.skvq_window = 8;
+    base.skvq_n_sink = 2;
+    base.streaming_n_sink = 2;
+    base.streaming_window = 8;
+    std::vector<CacheConfig> v;
+    for (const char* m : {"full", "streaming", "snapkv", "skvq", "snapkv+skvq"}) {
+      CacheConfig c = base;
+      c.method = m;
+      v.push_back(c);
+    }
+    // Variants whose state files hold other fields: a pending SnapKV eviction (query window),
+    // SKVQ with 1.5/4 bits, fp8 metadata, Hadamard rotation and a recent window.
+    CacheConfig snap_pending = base;
+    snap_pending.method = "snapkv";
+    snap_pending.snap_evict_at = SnapEvictAt::kPromptEnd;
+    snap_pending.snap_scoring = SnapScoring::kQuery;
+    snap_pending.snap_pool_kernel = 3;
+    v.push_back(snap_pending);
+    CacheConfig skvq_odd = base;
+    skvq_odd.method = "skvq";
+    skvq_odd.skvq_bits_key = 1.5;
+    skvq_odd.skvq_bits_value = 4;
+    skvq_odd.skvq_meta = MetaType::kFP8E4M3;
+    skvq_odd.skvq_rotation = Rotation::kHadamard;
+    skvq_odd.skvq_rotate_values = true;
+    skvq_odd.skvq_recent = 3;
+    v.push_back(skvq_odd);
+    CacheConfig both_pending = base;
+    both_pending.method = "snapkv+skvq";
+    both_pending.snap_evict_at = SnapEvictAt::kPromptEnd;
+    both_pending.skvq_bits_key = 4;
+    v.push_back(both_pending);
+    return v;
+  }();
+  return configs;
+}
+
+}  // namespace vq::fuzz
