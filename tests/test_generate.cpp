@@ -444,8 +444,9 @@ TEST(Prefill, HugeStepDoesNotOverflow) {
   EXPECT_EQ(prefill_chunks(5, INT64_MAX), std::vector<int64_t>{5});
   EXPECT_EQ(prefill_chunks(2049, INT64_MAX - 1), std::vector<int64_t>{2049});
   EXPECT_EQ(prefill_chunks(INT64_MAX, INT64_MAX), std::vector<int64_t>{INT64_MAX});
+  // Chunks of `step`, then the remainder (veloxquant/prefill_schedule.h).
   EXPECT_EQ(prefill_chunks(INT64_MAX - 2, INT64_MAX / 2 + 1),
-            (std::vector<int64_t>{INT64_MAX / 2, INT64_MAX / 2 - 1}));
+            (std::vector<int64_t>{INT64_MAX / 2 + 1, INT64_MAX - 2 - (INT64_MAX / 2 + 1)}));
 }
 
 // A tiny model whose max_position_embeddings is 48: prompts past it are refused, generation

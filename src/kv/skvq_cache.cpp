@@ -406,13 +406,21 @@ void FpRows::save(StateWriter& w) const {
 void FpRows::load(StateReader& r, const char* op) {
   const int64_t n = r.i64_in("full-precision rows", 0, INT32_MAX);
   const size_t rb = static_cast<size_t>(d) * es();
-  VQ_CHECK(static_cast<uint64_t>(n) * batch * heads * rb * 2 <= r.remaining(),
-           std::string("[") + op + "] load: expected " + std::to_string(n) +
-               " stored rows but the state is too short");
+  // n * B * H * row bytes * 2 must fit what is left of the state; the product may overflow
+  // (B * H can be near 2^48 in a corrupted file), so it is checked step by step.
+  uint64_t need = 0;
+  const bool fits =
+      !__builtin_mul_overflow(static_cast<uint64_t>(n), static_cast<uint64_t>(batch), &need) &&
+      !__builtin_mul_overflow(need, static_cast<uint64_t>(heads), &need) &&
+      !__builtin_mul_overflow(need, static_cast<uint64_t>(rb) * 2, &need);
+  VQ_CHECK(fits && need <= r.remaining(), std::string("[") + op + "] load: expected " +
+                                              std::to_string(n) +
+                                              " stored rows but the state is too short");
   count = 0;
   start = 0;
   reserve_append(n);
   count = n;
+  if (count == 0) return;  // no row loops over (b, h): B * H alone may be huge
   for (int kv = 0; kv < 2; ++kv)
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t h = 0; h < heads; ++h)

@@ -404,7 +404,7 @@ void SnapKVCache::load(std::istream& in) {
     rows = backend_->make({dtype, batch, heads, head_dim}, cap, true);
     // Positions of every row: the explicit ones, then the tail's run.
     std::vector<int32_t> pos(static_cast<size_t>(batch * heads * n));
-    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+    for (int64_t bh = 0; bh < batch * heads && n > 0; ++bh) {
       for (int64_t j = 0; j < n_sel; ++j) pos[bh * n + j] = sel_pos[bh * n_sel + j];
       for (int64_t j = 0; j < n_tail; ++j)
         pos[bh * n + n_sel + j] = static_cast<int32_t>(offset - n_tail + j);
