@@ -20,9 +20,13 @@ std::string range_text(int64_t lo, int64_t hi, const std::string& note) {
 }
 
 // The digits of text after an optional '+' (from_chars accepts '-' itself but not '+').
+// The digits of text after an optional '+' ("+-5" is no number: empty).
 std::string_view number_part(const std::string& text) {
   std::string_view s(text);
-  if (!s.empty() && s[0] == '+') s.remove_prefix(1);
+  if (!s.empty() && s[0] == '+') {
+    s.remove_prefix(1);
+    if (!s.empty() && (s[0] == '-' || s[0] == '+')) return {};
+  }
   return s;
 }
 
