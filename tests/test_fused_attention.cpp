@@ -5,8 +5,9 @@
 // decode over rows read in place == over channel-strided copies, and a many-query call over
 // packed rows == one-query calls, bit for bit).
 //
-// The bound (per output element, derived in comments at `bound_for`) is the fp32 rounding of
-// the fused kernel relative to the double-accumulated reference: u = 2^-24,
+// The bound (per output element; harness::fused_cpu_bound, derived in
+// tests/ops_harness/attention_bounds.cpp, shared with the op harness) is the fp32 rounding of the
+// fused kernel relative to the double-accumulated reference: u = 2^-24,
 //   logit error  eps_j <= scale * ((D + 8) u K_j + R_j) + u (|l_j - l_max| + 3)
 //   output error <= (exp(2 eps) - 1) * sum_j w_j |v_jd| + (n + n_tiles + 8) u sum_j w_j V_j * r
 //                   + 2 T_rot + n 2^-125 max|v|
@@ -23,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "ops_harness/attention_bounds.h"
 #include "util/test_util.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/builder.h"
@@ -33,163 +35,6 @@
 
 namespace vq {
 namespace {
-
-constexpr double kU = 0x1p-24;
-
-// One stored row of (b, kv head) as the bound needs it.
-struct RowInfo {
-  int64_t pos = 0;
-  std::vector<double> k, v;  // dequantized, original channel order
-  bool packed = false;
-  double k_l2 = 0, k_l1 = 0;   // of (|c_i s| + |lo|) in stored order (packed) or |k| (fp)
-  double v_max = 0, v_l1 = 0;  // of (|c_i s| + |lo|) (packed)
-  bool k_rot = false, v_rot = false;
-  int32_t k_block = 0, v_block = 0;
-};
-
-void magnitudes(const PackedTensor& t, int64_t b, int64_t h, int64_t i, double* l2, double* l1,
-                double* mx) {
-  const PackedRowFormat& f = t.fmt;
-  std::vector<uint8_t> codes(static_cast<size_t>(f.head_dim));
-  const uint8_t* rec = t.record(b, h, i);
-  unpack_codes(rec, f.head_dim, f.spec, codes.data());
-  *l2 = *l1 = *mx = 0;
-  for (int64_t c = 0; c < f.head_dim; ++c) {
-    const int64_t g = c / f.group_size;
-    const double m =
-        std::fabs(codes[c] * double(meta_load(rec + f.code_bytes, 2 * g + 1, f.meta))) +
-        std::fabs(double(meta_load(rec + f.code_bytes, 2 * g, f.meta)));
-    *l2 += m * m;
-    *l1 += m;
-    *mx = std::max(*mx, m);
-  }
-  *l2 = std::sqrt(*l2);
-}
-
-std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, int64_t b,
-                               int64_t h) {
-  std::vector<RowInfo> out;
-  const int64_t d = view.head_dim;
-  for (size_t s = 0; s < view.segments.size(); ++s) {
-    const ViewSegment& seg = view.segments[s];
-    const ViewSegment& ds = dense.segments[s];
-    for (int64_t i = 0; i < seg.n_rows; ++i) {
-      RowInfo r;
-      r.pos = seg.position(b, h, i, view.n_kv_heads);
-      for (int64_t c = 0; c < d; ++c) {
-        r.k.push_back(ds.keys.at(b, h, i, c));
-        r.v.push_back(ds.values.at(b, h, i, c));
-      }
-      if (seg.packed) {
-        r.packed = true;
-        double dummy;
-        magnitudes(seg.packed->keys, b, h, i, &r.k_l2, &r.k_l1, &dummy);
-        double v_l2;
-        magnitudes(seg.packed->values, b, h, i, &v_l2, &r.v_l1, &r.v_max);
-        r.k_rot = seg.packed->keys.signs != nullptr;
-        r.v_rot = seg.packed->values.signs != nullptr;
-        r.k_block = seg.packed->keys.rot_block;
-        r.v_block = seg.packed->values.rot_block;
-      }
-      out.push_back(std::move(r));
-    }
-  }
-  return out;
-}
-
-double norm1(const std::vector<double>& x) {
-  double s = 0;
-  for (double v : x) s += std::fabs(v);
-  return s;
-}
-double norm2(const std::vector<double>& x) {
-  double s = 0;
-  for (double v : x) s += v * v;
-  return std::sqrt(s);
-}
-
-// Bound on |fused - reference| for every output channel of one query (see file comment).
-// Derivation, first order in u:
-//  * logit: the fused kernel scales q (1 rounding), forms fp32 products and sums D of them in
-//    lanes (<= D u of the absolute sum), adds n_groups lo * qsum terms (their products and the
-//    qsum roundings are within the same absolute sum), so |dl| <= scale (D + 8) u sum_i |q'_i|
-//    (|c_i s| + |lo|) <= scale (D + 8) u ||q||_2 ||m||_2 (Cauchy-Schwarz, q' = PRq has q's norm).
-//    The reference's own fp32 products add u per term (inside the same factor). Rotated keys:
-//    the computed q' is within t_q = (log2 b + 2) u ||q_blk||_1 / sqrt(b) of P R q per element
-//    (hadamard.h tolerance) and the reference's un-rotated key within t_k of R^T x; both enter as
-//    R_j = sqrt(D) (t_q ||m||_2 + ||q||_2 t_k). The weight exp(l - l_max) is off by
-//    u |l - l_max| (rounding of the difference) plus the kernel's exp error (measured <= 1.41 u,
-//    allowed 3 u), which we treat as a further logit error; weights below e^-87 (< 2^-125) are
-//    flushed to zero: an absolute n 2^-125 max|v| on the output.
-//  * weights: every logit off by <= eps moves each normalised weight by a factor in
-//    [e^-2eps, e^2eps], hence (e^{2 eps} - 1) sum_j w_j |v_jd|.
-//  * values: n sequential fp32 accumulations, up to n_tiles rescalings, the final 1/l and scale:
-//    (n + n_tiles + 8) u sum_j w_j V_j, V_j = |v_jd| (fp) or max_i (|c_i s| + |lo|) (packed);
-//    rotated values mix channels in R^T: the stored-space error vector maps with norm <= sqrt(D)
-//    times its largest element. The un-rotation of the accumulated sum and the reference's
-//    un-rotated values each add T_rot = (log2 b + 2) u sum_j w_j ||m_j||_1 / sqrt(b).
-std::vector<double> bound_for(const std::vector<double>& q, const std::vector<RowInfo>& rows,
-                              int64_t q_pos, int64_t window, double scale, int64_t d) {
-  std::vector<const RowInfo*> vis;
-  for (const RowInfo& r : rows)
-    if (r.pos <= q_pos && (window == 0 || q_pos < r.pos + window)) vis.push_back(&r);
-  std::vector<double> out(static_cast<size_t>(d), 0.0);
-  if (vis.empty()) return out;
-  const double q2 = norm2(q), q1 = norm1(q);
-  std::vector<double> logit(vis.size());
-  double lmax = -1e300;
-  for (size_t j = 0; j < vis.size(); ++j) {
-    double s = 0;
-    for (int64_t c = 0; c < d; ++c) s += q[c] * vis[j]->k[c];
-    logit[j] = s * scale;
-    lmax = std::max(lmax, logit[j]);
-  }
-  double eps = 0, wsum = 0;
-  std::vector<double> w(vis.size());
-  for (size_t j = 0; j < vis.size(); ++j) {
-    const RowInfo& r = *vis[j];
-    double kterm, rterm = 0;
-    if (r.packed) {
-      kterm = q2 * r.k_l2;
-      if (r.k_rot) {
-        const double lb = std::log2(double(r.k_block)) + 2;
-        const double tq = lb * kU * q1 / std::sqrt(double(r.k_block));
-        const double tk = lb * kU * r.k_l1 / std::sqrt(double(r.k_block));
-        rterm = std::sqrt(double(d)) * (tq * r.k_l2 + q2 * tk);
-      }
-    } else {
-      kterm = 0;
-      for (int64_t c = 0; c < d; ++c) kterm += std::fabs(q[c] * r.k[c]);
-    }
-    eps = std::max(eps,
-                   scale * ((d + 8) * kU * kterm + rterm) + kU * (std::fabs(logit[j] - lmax) + 2));
-    w[j] = std::exp(logit[j] - lmax);
-    wsum += w[j];
-  }
-  const double n = double(vis.size()), n_tiles = std::ceil(n / 32.0) + 1;
-  const double gamma = (n + n_tiles + 8) * kU;
-  double vmax = 0;
-  for (const RowInfo* r : vis)
-    for (double x : r->v) vmax = std::max(vmax, std::fabs(x));
-  for (int64_t c = 0; c < d; ++c) {
-    double a = 0, bterm = 0, trot = 0;
-    for (size_t j = 0; j < vis.size(); ++j) {
-      const RowInfo& r = *vis[j];
-      const double wj = w[j] / wsum;
-      a += wj * std::fabs(r.v[c]);
-      if (r.packed) {
-        bterm += wj * r.v_max * (r.v_rot ? std::sqrt(double(d)) : 1.0);
-        if (r.v_rot)
-          trot +=
-              wj * (std::log2(double(r.v_block)) + 2) * kU * r.v_l1 / std::sqrt(double(r.v_block));
-      } else {
-        bterm += wj * std::fabs(r.v[c]);
-      }
-    }
-    out[c] = std::expm1(2 * eps) * a + gamma * bterm + 2 * trot + n * 0x1p-125 * vmax;
-  }
-  return out;
-}
 
 struct Case {
   CacheConfig cfg;
@@ -228,31 +73,21 @@ double run_case(const Case& cs, uint64_t seed) {
   attention(q.view(), view, p, fused.data());
   const DenseView dense = dequantize_view(view, DType::kF32);
   attention_reference(q.view(), dense.view, p, ref.data());
-  const double scale = 1.0 / std::sqrt(double(cs.d));
+  const std::vector<float> qv(static_cast<const float*>(q.data()),
+                              static_cast<const float*>(q.data()) + q.numel());
+  const std::vector<double> bound = harness::fused_cpu_bound(view, dense.view, qv, h_q, cs.n_q, p);
   double used = 0, ref_abs = 0;
-  for (int64_t b = 0; b < cs.batch; ++b)
-    for (int64_t kh = 0; kh < cs.h_kv; ++kh) {
-      const auto rows = rows_info(view, dense.view, b, kh);
-      for (int64_t r = 0; r < cs.n_rep; ++r)
-        for (int64_t i = 0; i < cs.n_q; ++i) {
-          const int64_t qh = kh * cs.n_rep + r;
-          std::vector<double> qv(static_cast<size_t>(cs.d));
-          for (int64_t c = 0; c < cs.d; ++c) qv[c] = q.at(b, qh, i, c);
-          const auto bound = bound_for(qv, rows, pre + i, cs.window, scale, cs.d);
-          for (int64_t c = 0; c < cs.d; ++c) {
-            const size_t idx = static_cast<size_t>(((b * h_q + qh) * cs.n_q + i) * cs.d + c);
-            const double err = std::fabs(double(fused[idx]) - ref[idx]);
-            EXPECT_FALSE(std::isnan(fused[idx]));
-            if (err > bound[c]) {
-              ADD_FAILURE() << cs.name() << ": |fused - ref| = " << err << " > bound " << bound[c]
-                            << " at b " << b << " qh " << qh << " i " << i << " c " << c;
-              return 1e9;
-            }
-            if (bound[c] > 0) used = std::max(used, err / bound[c]);
-            ref_abs = std::max(ref_abs, std::fabs(double(ref[idx])));
-          }
-        }
+  for (size_t idx = 0; idx < fused.size(); ++idx) {
+    const double err = std::fabs(double(fused[idx]) - ref[idx]);
+    EXPECT_FALSE(std::isnan(fused[idx]));
+    if (err > bound[idx]) {
+      ADD_FAILURE() << cs.name() << ": |fused - ref| = " << err << " > bound " << bound[idx]
+                    << " at output element " << idx << " ([B, H_q, N, D] order)";
+      return 1e9;
     }
+    if (bound[idx] > 0) used = std::max(used, err / bound[idx]);
+    ref_abs = std::max(ref_abs, std::fabs(double(ref[idx])));
+  }
   EXPECT_GT(ref_abs, 0.0) << cs.name() << ": reference all zeros";
   return used;
 }
