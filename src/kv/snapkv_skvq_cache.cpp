@@ -726,8 +726,11 @@ void SnapkvSkvqCache::load(std::istream& in) {
     // A pending prompt keeps every row at full precision until its selection and flush.
     VQ_CHECK(ns->pending || ns->tail.count < s.flush_span,
              pre + "expected fewer than window + recent full-precision tail rows");
-    // Positions strictly ascending per (b, h) and below offset.
-    for (int64_t b = 0; b < ns->batch; ++b)
+    // Positions strictly ascending per (b, h) and below offset (no loop over (b, h) when no row
+    // is stored: B * H alone may be near 2^48 in a corrupted state).
+    int64_t rows_per_frame = ns->tail.count;
+    for (const auto& blk : ns->blocks) rows_per_frame += blk->rows;
+    for (int64_t b = 0; b < ns->batch && rows_per_frame > 0; ++b)
       for (int64_t h = 0; h < ns->heads; ++h) {
         int64_t prev = ns->sinks.count - 1;
         auto next = [&](int64_t p) {

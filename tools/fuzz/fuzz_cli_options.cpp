@@ -25,6 +25,18 @@ namespace {
 void check_config(const vq::CacheConfig& cfg) {
   try {
     vq::validate(cfg);
+  } catch (const vq::Error&) {
+    __builtin_trap();
+  }
+  // The JSON reader applies the rules of settings a user writes (check_cache_config); a config
+  // the library builds itself (eval's placeholder budget before the context is known) may be
+  // refused there, with a message, and then has no JSON round trip to check.
+  try {
+    vq::check_cache_config(cfg);
+  } catch (const vq::Error&) {
+    return;
+  }
+  try {
     const std::string j = vq::config_to_json(cfg);
     if (vq::config_to_json(vq::config_from_json(j)) != j) __builtin_trap();
   } catch (const vq::Error&) {
