@@ -27,6 +27,9 @@ class HostBuffer {
   HostBuffer() = default;
   explicit HostBuffer(size_t bytes) {
     if (bytes == 0) return;
+    // More than 1 TiB is memory no host gives: refused as an allocation failure up front (some
+    // allocators, ASan's among them, abort on such a request instead of returning null).
+    if (bytes > (size_t{1} << 40)) throw std::bad_alloc();
     const size_t align = bytes >= kHugePage ? kHugePage : 64;
     const size_t rounded = (bytes + align - 1) / align * align;  // aligned_alloc needs a multiple
     void* p = std::aligned_alloc(align, rounded);
