@@ -25,6 +25,9 @@
 // (blocks of the largest power of two dividing it, see hadamard.h).
 //
 // Storage dtype of full-precision rows: the first keys block's dtype (f32, f16 or bf16).
+// Views: the sinks, one packed segment per flushed chunk (one packed run on a backend that keeps
+// one, src/kv/row_store.h), the tail; the view of update_and_fetch and that of stored_view() are
+// valid until the next mutating call.
 // Not trimmable; merging into a batch is refused.
 //
 // Calibrated permutation file (JSON, written by save_skvq_perm_file):
@@ -47,6 +50,9 @@ namespace skvq {
 struct Settings;
 struct State;
 }  // namespace skvq
+namespace kv {
+class RowBackend;
+}  // namespace kv
 
 // Validates cfg and builds an SKVQ cache for layer `layer_index` (which layer of a calibrated
 // permutation file applies).
@@ -55,6 +61,9 @@ std::unique_ptr<KVCache> make_skvq_cache(const CacheConfig& cfg, int64_t layer_i
 class SkvqCache final : public KVCache {
  public:
   SkvqCache(const CacheConfig& cfg, int64_t layer_index = 0);
+  // The same policy with its rows and records on `backend`'s device (src/kv/row_store.h), which
+  // must outlive the cache.
+  SkvqCache(const CacheConfig& cfg, const kv::RowBackend& backend, int64_t layer_index = 0);
   ~SkvqCache() override;
 
   std::string method() const override { return "skvq"; }
@@ -81,8 +90,10 @@ class SkvqCache final : public KVCache {
   const std::vector<float>& rotation_signs() const;
   int64_t quantized_tokens() const;
   DType storage_dtype() const;
+  int64_t head_dim() const;
 
  private:
+  const kv::RowBackend* backend_;
   std::unique_ptr<skvq::Settings> set_;
   std::unique_ptr<skvq::State> st_;
 };

@@ -26,6 +26,8 @@
 // selection ran (always true for the first prefill; with packed rows SnapKV scores their
 // dequantized keys, while SnapKV alone scores full-precision ones).
 // Full-precision rows are stored in fp16 or bf16 (snap_dtype rule). Not trimmable.
+// Views: the sinks, one packed segment per packed block (one packed run on a backend that keeps
+// one, src/kv/row_store.h), the tail, with explicit positions after the sinks.
 #pragma once
 
 #include <cstdint>
@@ -41,12 +43,18 @@ namespace skvq {
 struct Settings;
 struct SnapSkvqState;
 }  // namespace skvq
+namespace kv {
+class RowBackend;
+}  // namespace kv
 
 std::unique_ptr<KVCache> make_snapkv_skvq_cache(const CacheConfig& cfg, int64_t layer_index = 0);
 
 class SnapkvSkvqCache final : public KVCache {
  public:
   SnapkvSkvqCache(const CacheConfig& cfg, int64_t layer_index = 0);
+  // The same policy with its rows and records on `backend`'s device (src/kv/row_store.h), which
+  // must outlive the cache.
+  SnapkvSkvqCache(const CacheConfig& cfg, const kv::RowBackend& backend, int64_t layer_index = 0);
   ~SnapkvSkvqCache() override;
 
   std::string method() const override { return "snapkv+skvq"; }
@@ -79,10 +87,13 @@ class SnapkvSkvqCache final : public KVCache {
   const std::vector<int32_t>& key_perms() const;
   const std::vector<int32_t>& value_perms() const;
   DType storage_dtype() const;
+  int64_t head_dim() const;
 
  private:
-  CacheView make_view(std::vector<int32_t>* tail_pos) const;
+  void evict(const TensorView* queries, int64_t n_new);
+  void flush();
 
+  const kv::RowBackend* backend_;
   std::unique_ptr<CacheConfig> cfg_;
   std::unique_ptr<skvq::Settings> set_;
   std::unique_ptr<skvq::SnapSkvqState> st_;

@@ -8,9 +8,16 @@
 // and stay valid while the store lives. Everything is queued in order on the store's device (the
 // CUDA store on its stream); download_* synchronise.
 //
+// A PackedStore holds packed SKVQ records beside a RowStore: keys [F, capacity, fk.row_stride] and
+// values [F, capacity, fv.row_stride] bytes (the record formats of veloxquant/packed.h), optionally
+// positions [F, capacity]. Rows enter it quantized from a RowStore with a cache's frozen channel
+// transforms (PackedTransforms, on the backend's device), by copies and by gathers; it gives
+// packed views for attention (PackedSegment) and host bytes for state files.
+//
 // RowBackend is one device's factory of stores plus the ops a policy dispatches on the rows (the
-// SnapKV selection). Implementations: the CPU backend (src/kv/row_store_cpu.cpp) and the CUDA
-// backend (src/cuda/row_store_cuda.cpp, made by vq::cuda::row_backend()).
+// SnapKV selection, the SKVQ channel permutations). Implementations: the CPU backend
+// (src/kv/row_store_cpu.cpp) and the CUDA backend (src/cuda/row_store_cuda.cpp, made by
+// vq::cuda::row_backend()).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +26,8 @@
 #include <vector>
 
 #include "veloxquant/binary_io.h"
+#include "veloxquant/group_quant.h"
+#include "veloxquant/packed.h"
 #include "veloxquant/snapkv.h"
 #include "veloxquant/tensor.h"
 
@@ -39,6 +48,8 @@ class RowIndex {
   virtual ~RowIndex() = default;
   int64_t count = 0;
   virtual const int32_t* data() const = 0;
+  // Host copy [F, count] (synchronises).
+  virtual std::vector<int32_t> download() const = 0;
 };
 
 class RowStore {
@@ -51,7 +62,8 @@ class RowStore {
 
   // Rows [src_row0, src_row0 + n) of every frame of src (and their positions, when both stores
   // have them) to rows [dst_row0, dst_row0 + n) of this store. src is a store of the same backend
-  // and shape, or this store itself (the ranges may then overlap).
+  // and B, H, D, or this store itself (the ranges may then overlap); rows of another dtype are
+  // converted (through fp32, exact from fp16/bf16 to fp32).
   virtual void copy_range(const RowStore& src, int64_t src_row0, int64_t dst_row0, int64_t n) = 0;
   // Rows [0, n) of every frame from src (growth).
   void copy_rows(const RowStore& src, int64_t n) { copy_range(src, 0, 0, n); }
@@ -75,7 +87,9 @@ class RowStore {
   // rows [0, n): [F, n].
   virtual Tensor download(bool values, int64_t row0, int64_t n) const = 0;
   Tensor download(bool values, int64_t n) const { return download(values, 0, n); }
-  virtual std::vector<int32_t> download_positions(int64_t n) const = 0;
+  std::vector<int32_t> download_positions(int64_t n) const { return download_positions(0, n); }
+  // Positions of rows [row0, row0 + n): [F, n].
+  virtual std::vector<int32_t> download_positions(int64_t row0, int64_t n) const = 0;
   // Rows [row0, row0 + n) of every frame from host tensors [B, H, n, D] of the store's dtype
   // (contiguous), positions from host [F, n] when given.
   virtual void upload(const TensorView& keys, const TensorView& values, int64_t row0, int64_t n,
@@ -118,6 +132,82 @@ class QueryRows {
   virtual std::vector<float> download() const = 0;
 };
 
+// The record formats of a packed store: B, H, D and the key / value row formats.
+struct PackedShape {
+  int64_t batch = 0, heads = 0, head_dim = 0;
+  PackedRowFormat fk, fv;
+  int64_t frames() const { return batch * heads; }
+  const PackedRowFormat& format(bool values) const { return values ? fv : fk; }
+};
+
+// A cache's frozen channel transforms on a backend's device: permutations perm_k / perm_v [H, D]
+// (stored channel j of head h = channel perm[h*D + j]) or nullptr, Hadamard signs [H, D] or
+// nullptr (values rotated too when rotate_values). Made by RowBackend::make_transforms.
+class PackedTransforms {
+ public:
+  virtual ~PackedTransforms() = default;
+  const int32_t* perm_k = nullptr;
+  const int32_t* perm_v = nullptr;
+  const float* signs = nullptr;
+  int32_t rot_block = 0;
+  bool rotate_values = false;
+  int64_t bytes = 0;  // what the copies hold
+  const int32_t* perm(bool values) const { return values ? perm_v : perm_k; }
+  const float* signs_for(bool values) const {
+    return signs && (!values || rotate_values) ? signs : nullptr;
+  }
+};
+
+class PackedStore {
+ public:
+  virtual ~PackedStore() = default;
+
+  const PackedShape& shape() const { return shape_; }
+  int64_t capacity() const { return capacity_; }
+  bool has_positions() const { return pos_ != nullptr; }
+  // positions [F, capacity] from row 0, or nullptr.
+  const int32_t* positions() const { return pos_; }
+
+  // Records [src_row0, src_row0 + n) of every frame of src (positions too when both have them) to
+  // rows [dst_row0, dst_row0 + n). src: a store of the same backend and shape (not this one).
+  virtual void copy_range(const PackedStore& src, int64_t src_row0, int64_t dst_row0,
+                          int64_t n) = 0;
+  // Rows [src_row0, src_row0 + n) of every frame of `rows` (same backend, B, H, D), converted to
+  // fp32, transformed with t (rotation, then permutation) and group-quantized (qk for keys, qv
+  // for values) into records [dst_row0, dst_row0 + n); positions copied when both have them.
+  // Exact: the codes and metadata of veloxquant/group_quant.h on every backend.
+  virtual void quantize(const RowStore& rows, int64_t src_row0, int64_t n, int64_t dst_row0,
+                        const GroupQuantParams& qk, const GroupQuantParams& qv,
+                        const PackedTransforms& t) = 0;
+  // Records [0, idx.count) of every frame = src records idx[f, i] (positions too).
+  virtual void gather(const PackedStore& src, const RowIndex& idx) = 0;
+  // Keys of records [src_row0, src_row0 + n), dequantized to fp32 in the original channel order
+  // (dequantize_row of packed.h, bit for bit), into rows [dst_row0, dst_row0 + n) of dst, a
+  // float32 store of this backend (its keys only; positions too when both have them).
+  virtual void dequantize_keys(int64_t src_row0, int64_t n, RowStore& dst, int64_t dst_row0,
+                               const PackedTransforms& t) const = 0;
+
+  // The packed view of records [row0, row0 + n) (pointers into this store and into t, on the
+  // store's device), dequantized rows cast to `out`.
+  PackedSegment segment(int64_t row0, int64_t n, DType out, const PackedTransforms& t) const;
+
+  // Host bytes of records [row0, row0 + n): [F, n, row_stride]; positions [F, n].
+  virtual std::vector<uint8_t> download(bool values, int64_t row0, int64_t n) const = 0;
+  virtual std::vector<int32_t> download_positions(int64_t row0, int64_t n) const = 0;
+  // Records [row0, row0 + n) from host bytes [F, n, row_stride] (positions [F, n] when given).
+  virtual void upload(const void* keys, const void* values, const int32_t* positions, int64_t row0,
+                      int64_t n) = 0;
+
+  virtual int64_t resident_bytes() const = 0;
+
+ protected:
+  PackedShape shape_;
+  int64_t capacity_ = 0;
+  uint8_t* k_ = nullptr;  // [F, capacity, fk.row_stride]
+  uint8_t* v_ = nullptr;  // [F, capacity, fv.row_stride]
+  int32_t* pos_ = nullptr;
+};
+
 class RowBackend {
  public:
   virtual ~RowBackend() = default;
@@ -144,6 +234,28 @@ class RowBackend {
   virtual std::unique_ptr<RowIndex> snap_select(const RowStore& rows, int64_t n,
                                                 const TensorView* q, int64_t q_first,
                                                 const SnapSelectParams& p) const = 0;
+
+  // Indices from host values [F, count] (each below the rows of the store they will index).
+  virtual std::unique_ptr<RowIndex> upload_index(int64_t count,
+                                                 const std::vector<int32_t>& idx) const = 0;
+
+  // ---- packed records (the SKVQ methods)
+  virtual std::unique_ptr<PackedStore> make_packed(const PackedShape& shape, int64_t capacity,
+                                                   bool with_positions) const = 0;
+  // Device copies of host transforms (perms [H * D] each or empty, signs [H * D] or empty).
+  virtual std::unique_ptr<PackedTransforms> make_transforms(const std::vector<int32_t>& perm_k,
+                                                            const std::vector<int32_t>& perm_v,
+                                                            const std::vector<float>& signs,
+                                                            int32_t rot_block,
+                                                            bool rotate_values) const = 0;
+  // The SKVQ channel permutation of every head from rows [row0, row0 + n) of `rows` (keys, or
+  // values when `values`), pooled over the batch: per head the stable ascending order of the
+  // channels' ranges (max - min, NaN as +inf). Host [H * D]. Exact on every backend.
+  virtual std::vector<int32_t> channel_perms(const RowStore& rows, int64_t row0, int64_t n,
+                                             bool values) const = 0;
+  // True when packed records should grow as one run per cache (a device whose attention wants
+  // few segments); false: a policy may keep one packed store per flushed chunk (no copies).
+  virtual bool one_packed_run() const { return false; }
 
   // Waits for the backend's queued work (the CUDA stream); nothing on the CPU.
   virtual void synchronize() const {}

@@ -2,12 +2,20 @@
 // advised for transparent huge pages from 2 MiB up, so growing a large store faults in few pages;
 // never zero-filled: only written rows are read), block conversion through convert_view_row,
 // frame-parallel gathers, and the SnapKV selection of snap_select_head per (b, h) in parallel.
+// Packed stores: host records, quantized per frame in parallel with the scalar-exact quantizer of
+// group_quant.h (quantize_to_records) after the frozen rotation / permutation.
 #include <algorithm>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <new>
+#include <numeric>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -15,6 +23,7 @@
 
 #include "kv/row_store.h"
 #include "veloxquant/error.h"
+#include "veloxquant/hadamard.h"
 
 namespace vq::kv {
 namespace {
@@ -60,7 +69,25 @@ class CpuRowIndex final : public RowIndex {
  public:
   std::vector<int32_t> idx;  // [F, count]
   const int32_t* data() const override { return idx.data(); }
+  std::vector<int32_t> download() const override { return idx; }
 };
+
+// n elements of type t -> fp32, with the hardware fp16 conversion where the build has F16C
+// (exact either way: every fp16 / bf16 value is an fp32 value).
+void fast_to_f32(const void* src, DType t, float* dst, size_t n) {
+  if (t == DType::kF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    size_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+#endif
+    for (; i < n; ++i) dst[i] = fp16_to_f32(s[i]);
+    return;
+  }
+  to_f32(src, t, dst, n);
+}
 
 class CpuRowStore final : public RowStore {
  public:
@@ -84,10 +111,17 @@ class CpuRowStore final : public RowStore {
                   int64_t n) override {
     const auto& src = static_cast<const CpuRowStore&>(src_base);
     const size_t rb = static_cast<size_t>(shape_.row_bytes());
+    const DType st = src.shape().dtype;
     // memmove: src may be this store with overlapping ranges.
     for (int64_t f = 0; f < shape_.frames() && n > 0; ++f) {
-      std::memmove(krow(f, dst_row0), src.krow(f, src_row0), rb * static_cast<size_t>(n));
-      std::memmove(vrow(f, dst_row0), src.vrow(f, src_row0), rb * static_cast<size_t>(n));
+      if (st != shape_.dtype) {  // another store (a dtype is a store's own)
+        const size_t m = static_cast<size_t>(n * shape_.head_dim);
+        convert_row(src.krow(f, src_row0), st, krow(f, dst_row0), shape_.dtype, m);
+        convert_row(src.vrow(f, src_row0), st, vrow(f, dst_row0), shape_.dtype, m);
+      } else {
+        std::memmove(krow(f, dst_row0), src.krow(f, src_row0), rb * static_cast<size_t>(n));
+        std::memmove(vrow(f, dst_row0), src.vrow(f, src_row0), rb * static_cast<size_t>(n));
+      }
       if (pos_ && src.pos_)
         std::memmove(pos_ + f * capacity_ + dst_row0, src.pos_ + f * src.capacity_ + src_row0,
                      sizeof(int32_t) * static_cast<size_t>(n));
@@ -138,10 +172,10 @@ class CpuRowStore final : public RowStore {
     return t;
   }
 
-  std::vector<int32_t> download_positions(int64_t n) const override {
+  std::vector<int32_t> download_positions(int64_t row0, int64_t n) const override {
     std::vector<int32_t> out(static_cast<size_t>(shape_.frames() * n));
-    for (int64_t f = 0; f < shape_.frames() && pos_; ++f)
-      std::memcpy(out.data() + f * n, pos_ + f * capacity_,
+    for (int64_t f = 0; f < shape_.frames() && pos_ && n > 0; ++f)
+      std::memcpy(out.data() + f * n, pos_ + f * capacity_ + row0,
                   sizeof(int32_t) * static_cast<size_t>(n));
     return out;
   }
@@ -172,6 +206,182 @@ class CpuRowStore final : public RowStore {
   }
   HostBuffer kb_, vb_, pb_;
 };
+
+class CpuTransforms final : public PackedTransforms {
+ public:
+  std::vector<int32_t> pk, pv;
+  std::vector<float> sg;
+};
+
+class CpuPackedStore final : public PackedStore {
+ public:
+  CpuPackedStore(const PackedShape& s, int64_t cap, bool with_pos) {
+    shape_ = s;
+    capacity_ = cap;
+    const size_t rows = static_cast<size_t>(s.frames() * cap);
+    kb_ = HostBuffer(rows * static_cast<size_t>(s.fk.row_stride));
+    vb_ = HostBuffer(rows * static_cast<size_t>(s.fv.row_stride));
+    if (with_pos) pb_ = HostBuffer(rows * sizeof(int32_t));
+    k_ = static_cast<uint8_t*>(kb_.data());
+    v_ = static_cast<uint8_t*>(vb_.data());
+    pos_ = static_cast<int32_t*>(pb_.data());
+  }
+
+  uint8_t* rec(bool values, int64_t f, int64_t i) const {
+    const int64_t st = shape_.format(values).row_stride;
+    return (values ? v_ : k_) + (f * capacity_ + i) * st;
+  }
+
+  void copy_range(const PackedStore& src_base, int64_t src_row0, int64_t dst_row0,
+                  int64_t n) override {
+    const auto& src = static_cast<const CpuPackedStore&>(src_base);
+    for (int64_t f = 0; f < shape_.frames() && n > 0; ++f) {
+      for (int kv = 0; kv < 2; ++kv)
+        std::memcpy(rec(kv, f, dst_row0), src.rec(kv, f, src_row0),
+                    static_cast<size_t>(n * shape_.format(kv).row_stride));
+      if (pos_ && src.pos_)
+        std::memcpy(pos_ + f * capacity_ + dst_row0, src.pos_ + f * src.capacity_ + src_row0,
+                    sizeof(int32_t) * static_cast<size_t>(n));
+    }
+  }
+
+  void quantize(const RowStore& rows_base, int64_t src_row0, int64_t n, int64_t dst_row0,
+                const GroupQuantParams& qk, const GroupQuantParams& qv,
+                const PackedTransforms& t) override {
+    const auto& rows = static_cast<const CpuRowStore&>(rows_base);
+    const int64_t F = shape_.frames(), H = shape_.heads, d = shape_.head_dim;
+    if (n <= 0) return;
+    std::exception_ptr failure;
+#pragma omp parallel if (F > 1)
+    {
+      std::vector<float> x(static_cast<size_t>(n * d)), tmp(static_cast<size_t>(d));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t f = 0; f < F; ++f) {
+        try {
+          const int64_t h = f % H;
+          for (int kv = 0; kv < 2; ++kv) {
+            fast_to_f32(kv ? rows.vrow(f, src_row0) : rows.krow(f, src_row0), rows.shape().dtype,
+                        x.data(), x.size());
+            const int32_t* perm = t.perm(kv);
+            const float* signs = t.signs_for(kv);
+            if (perm || signs)
+              for (int64_t i = 0; i < n; ++i) {
+                float* row = x.data() + i * d;
+                if (signs) hadamard_rotate(row, signs + h * d, d, t.rot_block);
+                if (perm) {
+                  for (int64_t j = 0; j < d; ++j)
+                    tmp[static_cast<size_t>(j)] = row[perm[h * d + j]];
+                  std::copy(tmp.begin(), tmp.end(), row);
+                }
+              }
+            const PackedRowFormat& fmt = shape_.format(kv);
+            quantize_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
+                                fmt.row_stride, false);
+          }
+          if (pos_ && rows.positions())
+            std::memcpy(pos_ + f * capacity_ + dst_row0,
+                        rows.positions() + f * rows.capacity() + src_row0,
+                        sizeof(int32_t) * static_cast<size_t>(n));
+        } catch (...) {
+#pragma omp critical(vq_packed_quantize_failure)
+          if (!failure) failure = std::current_exception();
+        }
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
+
+  void gather(const PackedStore& src_base, const RowIndex& idx) override {
+    const auto& src = static_cast<const CpuPackedStore&>(src_base);
+    const int64_t count = idx.count;
+    const int32_t* ix = idx.data();
+    for (int64_t f = 0; f < shape_.frames(); ++f)
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t j = ix[f * count + i];
+        for (int kv = 0; kv < 2; ++kv)
+          std::memcpy(rec(kv, f, i), src.rec(kv, f, j),
+                      static_cast<size_t>(shape_.format(kv).row_stride));
+        if (pos_ && src.pos_) pos_[f * capacity_ + i] = src.pos_[f * src.capacity_ + j];
+      }
+  }
+
+  void dequantize_keys(int64_t src_row0, int64_t n, RowStore& dst_base, int64_t dst_row0,
+                       const PackedTransforms& t) const override {
+    auto& dst = static_cast<CpuRowStore&>(dst_base);
+    VQ_CHECK(dst.shape().dtype == DType::kF32,
+             "[packed_store] internal: dequantize_keys expected a float32 store");
+    const PackedSegment seg = segment(src_row0, n, DType::kF32, t);
+    const int64_t H = shape_.heads, d = shape_.head_dim;
+#pragma omp parallel for schedule(static) if (shape_.frames() * n > 256)
+    for (int64_t f = 0; f < shape_.frames(); ++f) {
+      for (int64_t i = 0; i < n; ++i)
+        dequantize_row(seg.keys, f / H, f % H, i,
+                       reinterpret_cast<float*>(dst.krow(f, dst_row0 + i)));
+      if (pos_ && dst.positions())
+        std::memcpy(const_cast<int32_t*>(dst.positions()) + f * dst.capacity() + dst_row0,
+                    pos_ + f * capacity_ + src_row0, sizeof(int32_t) * static_cast<size_t>(n));
+    }
+    (void)d;
+  }
+
+  std::vector<uint8_t> download(bool values, int64_t row0, int64_t n) const override {
+    const int64_t st = shape_.format(values).row_stride;
+    std::vector<uint8_t> out(static_cast<size_t>(shape_.frames() * n * st));
+    for (int64_t f = 0; f < shape_.frames() && n > 0; ++f)
+      std::memcpy(out.data() + f * n * st, rec(values, f, row0), static_cast<size_t>(n * st));
+    return out;
+  }
+  std::vector<int32_t> download_positions(int64_t row0, int64_t n) const override {
+    std::vector<int32_t> out(static_cast<size_t>(shape_.frames() * n));
+    for (int64_t f = 0; f < shape_.frames() && pos_ && n > 0; ++f)
+      std::memcpy(out.data() + f * n, pos_ + f * capacity_ + row0,
+                  sizeof(int32_t) * static_cast<size_t>(n));
+    return out;
+  }
+  void upload(const void* keys, const void* values, const int32_t* positions, int64_t row0,
+              int64_t n) override {
+    for (int64_t f = 0; f < shape_.frames() && n > 0; ++f) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const int64_t st = shape_.format(kv).row_stride;
+        std::memcpy(rec(kv, f, row0), static_cast<const uint8_t*>(kv ? values : keys) + f * n * st,
+                    static_cast<size_t>(n * st));
+      }
+      if (positions && pos_)
+        std::memcpy(pos_ + f * capacity_ + row0, positions + f * n,
+                    sizeof(int32_t) * static_cast<size_t>(n));
+    }
+  }
+  int64_t resident_bytes() const override {
+    return static_cast<int64_t>(kb_.bytes() + vb_.bytes() + pb_.bytes());
+  }
+
+ private:
+  HostBuffer kb_, vb_, pb_;
+};
+
+// Stable ascending per-channel range of rows [n, d] fp32 (NaN ranges as +inf): one head's SKVQ
+// permutation.
+std::vector<int32_t> channel_range_perm(const float* rows, int64_t n, int64_t d) {
+  std::vector<float> range(static_cast<size_t>(d), 0.0f);
+  if (n > 0) {
+    std::vector<float> mn(rows, rows + d), mx(rows, rows + d);
+    for (int64_t i = 1; i < n; ++i)
+      for (int64_t c = 0; c < d; ++c) {
+        const float x = rows[i * d + c];
+        mn[c] = std::min(mn[c], x);
+        mx[c] = std::max(mx[c], x);
+      }
+    for (int64_t c = 0; c < d; ++c) {
+      const float r = mx[c] - mn[c];
+      range[c] = std::isnan(r) ? std::numeric_limits<float>::infinity() : r;
+    }
+  }
+  std::vector<int32_t> perm(static_cast<size_t>(d));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::stable_sort(perm.begin(), perm.end(),
+                   [&](int32_t a, int32_t b) { return range[a] < range[b]; });
+  return perm;
+}
 
 class CpuQueryRows final : public QueryRows {
  public:
@@ -219,6 +429,53 @@ class CpuBackend final : public RowBackend {
     out->rows = rows;
     out->head_dim = head_dim;
     out->q = q;
+    return out;
+  }
+
+  std::unique_ptr<RowIndex> upload_index(int64_t count,
+                                         const std::vector<int32_t>& idx) const override {
+    auto out = std::make_unique<CpuRowIndex>();
+    out->count = count;
+    out->idx = idx;
+    return out;
+  }
+  std::unique_ptr<PackedStore> make_packed(const PackedShape& shape, int64_t capacity,
+                                           bool with_positions) const override {
+    return std::make_unique<CpuPackedStore>(shape, capacity, with_positions);
+  }
+  std::unique_ptr<PackedTransforms> make_transforms(const std::vector<int32_t>& perm_k,
+                                                    const std::vector<int32_t>& perm_v,
+                                                    const std::vector<float>& signs,
+                                                    int32_t rot_block,
+                                                    bool rotate_values) const override {
+    auto t = std::make_unique<CpuTransforms>();
+    t->pk = perm_k;
+    t->pv = perm_v;
+    t->sg = signs;
+    t->perm_k = t->pk.empty() ? nullptr : t->pk.data();
+    t->perm_v = t->pv.empty() ? nullptr : t->pv.data();
+    t->signs = t->sg.empty() ? nullptr : t->sg.data();
+    t->rot_block = t->signs ? rot_block : 0;
+    t->rotate_values = rotate_values;
+    t->bytes = static_cast<int64_t>((t->pk.capacity() + t->pv.capacity() + t->sg.capacity()) * 4);
+    return t;
+  }
+  std::vector<int32_t> channel_perms(const RowStore& rows_base, int64_t row0, int64_t n,
+                                     bool values) const override {
+    const auto& rows = static_cast<const CpuRowStore&>(rows_base);
+    const RowShape& sh = rows.shape();
+    const int64_t B = sh.batch, H = sh.heads, d = sh.head_dim;
+    std::vector<int32_t> out(static_cast<size_t>(H * d));
+    std::vector<float> x(static_cast<size_t>(B * n * d));
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t f = b * H + h;
+        fast_to_f32(values ? rows.vrow(f, row0) : rows.krow(f, row0), sh.dtype,
+                    x.data() + b * n * d, static_cast<size_t>(n * d));
+      }
+      const auto p = channel_range_perm(x.data(), B * n, d);
+      std::copy(p.begin(), p.end(), out.begin() + h * d);
+    }
     return out;
   }
 
@@ -286,6 +543,28 @@ class CpuBackend final : public RowBackend {
 };
 
 }  // namespace
+
+PackedSegment PackedStore::segment(int64_t row0, int64_t n, DType out,
+                                   const PackedTransforms& t) const {
+  PackedSegment seg;
+  seg.batch = shape_.batch;
+  seg.n_heads = shape_.heads;
+  seg.n_rows = n;
+  seg.head_dim = shape_.head_dim;
+  seg.out_dtype = out;
+  for (int kv = 0; kv < 2; ++kv) {
+    PackedTensor& pt = kv ? seg.values : seg.keys;
+    const PackedRowFormat& f = shape_.format(kv);
+    pt.data = (kv ? v_ : k_) + row0 * f.row_stride;
+    pt.fmt = f;
+    pt.stride_h = capacity_ * f.row_stride;
+    pt.stride_b = shape_.heads * pt.stride_h;
+    pt.perm = t.perm(kv);
+    pt.signs = t.signs_for(kv);
+    pt.rot_block = pt.signs ? t.rot_block : 0;
+  }
+  return seg;
+}
 
 void RowStateHead::write(StateWriter& w) const {
   w.boolean(has_data);

@@ -1,11 +1,15 @@
-// Private building blocks shared by the SKVQ cache and the snapkv+skvq cache: frozen settings,
-// channel transforms, packed blocks, full-precision row buffers and the helpers that quantize,
-// account and serialise them. Implemented in skvq_cache.cpp.
+// What the two SKVQ policies (skvq_cache.cpp, snapkv_skvq_cache.cpp) share: frozen settings,
+// channel transforms, and skvq::Store, the rows of one cache over a row backend (docs/design.md
+// §3) with the flush frontier's packed tail and the state-file pieces. Implemented in
+// skvq_store.cpp.
 //
-// Layouts: FpRows holds [B, H, cap, D] raw elements of the storage dtype, live rows
-// [start, start + count) of every (b, h), optional explicit positions [B, H, cap]. A PackedBlock
-// holds `rows` packed records per (b, h): keys [B, H, rows, fk.row_stride] bytes, values likewise,
-// positions either implicit (first_pos, first_pos + 1, ...) or explicit [B, H, rows].
+// Store layout: one RowStore of full-precision rows [F, cap, D] (storage dtype): sinks at rows
+// [0, n_sink), the tail at rows [t0, t0 + n_tail) (t0 >= n_sink: packing the tail's oldest rows
+// only moves t0, so a view of them stays valid); positions [F, cap] when explicit. Packed rows
+// live in runs of PackedStores (records [F, cap, row_stride], explicit positions or implicit
+// ones following the sinks), in position order: one run per packed block on a backend without
+// one_packed_run (no copies), else one growing run. `blocks` keeps the rows of each packed block
+// as the state file lists them, whatever the runs.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "kv/row_store.h"
 #include "veloxquant/binary_io.h"
 #include "veloxquant/cache.h"
 #include "veloxquant/cache_config.h"
@@ -48,7 +53,7 @@ struct Settings {
   void check_saved(StateReader& r, const char* op) const;
 };
 
-// Frozen channel transforms of one cache: t = P(R x).
+// Frozen channel transforms of one cache (host copies): t = P(R x).
 struct Transforms {
   std::vector<int32_t> perm_k, perm_v;  // [H * D] or empty
   std::vector<float> signs;             // [H * D] of +-1, or empty (no rotation)
@@ -60,82 +65,119 @@ struct Transforms {
   static Transforms load(StateReader& r, int64_t heads, int64_t d, const char* op);
 };
 
-// Stable ascending per-channel range of rows [n, d] fp32: the SKVQ permutation of one head.
-std::vector<int32_t> channel_range_perm(const float* rows, int64_t n, int64_t d);
-
-struct PackedBlock {
-  int64_t rows = 0;
-  int64_t first_pos = 0;      // implicit positions when pos is empty
-  std::vector<uint8_t> k, v;  // [B, H, rows, row_stride]
-  std::vector<int32_t> pos;   // [B, H, rows] or empty
-  PackedSegment seg;          // points into k, v and the transforms (see bind)
-
-  void bind(int64_t batch, int64_t heads, const Settings& s, const Transforms& t, DType out);
-  int64_t resident_bytes() const;
-};
-
-struct FpRows {
-  DType dtype = DType::kF16;
-  int64_t batch = 0, heads = 0, d = 0;
-  int64_t cap = 0, start = 0, count = 0;
-  bool explicit_pos = false;
-  std::vector<uint64_t> buf_k, buf_v;  // [B, H, cap, D] elements of dtype (8-byte aligned)
-  std::vector<int32_t> pos;            // [B, H, cap] when explicit_pos
-
-  void init(DType t, int64_t b, int64_t h, int64_t dim, bool explicit_positions);
-  size_t es() const { return dtype_size(dtype); }
-  char* k_row(int64_t b, int64_t h, int64_t i) {  // i relative to start
-    return reinterpret_cast<char*>(buf_k.data()) +
-           static_cast<int64_t>(es()) * (((b * heads + h) * cap + start + i) * d);
-  }
-  char* v_row(int64_t b, int64_t h, int64_t i) {
-    return reinterpret_cast<char*>(buf_v.data()) +
-           static_cast<int64_t>(es()) * (((b * heads + h) * cap + start + i) * d);
-  }
-  const char* k_row(int64_t b, int64_t h, int64_t i) const {
-    return const_cast<FpRows*>(this)->k_row(b, h, i);
-  }
-  const char* v_row(int64_t b, int64_t h, int64_t i) const {
-    return const_cast<FpRows*>(this)->v_row(b, h, i);
-  }
-  int32_t& position(int64_t b, int64_t h, int64_t i) {
-    return pos[static_cast<size_t>((b * heads + h) * cap + start + i)];
-  }
-  int32_t position(int64_t b, int64_t h, int64_t i) const {
-    return pos[static_cast<size_t>((b * heads + h) * cap + start + i)];
-  }
-  // Makes room for `extra` more rows at the end: compacts to start 0 and/or reallocates to
-  // round_up(max(count + extra, 2 * cap), 16) rows. Moves data: only call when no view refers
-  // to this buffer. Shrinks a buffer much larger than its rows (cap > 2 * max(rows, 16)).
-  void reserve_append(int64_t extra);
-  // Drops the first n live rows (no data moves: views stay valid).
-  void pop_front(int64_t n) {
-    start += n;
-    count -= n;
-  }
-  // Full-precision view of rows [i0, i0 + n) (relative to start).
-  TensorView k_view(int64_t i0, int64_t n) const;
-  TensorView v_view(int64_t i0, int64_t n) const;
-  int64_t resident_bytes() const;
-  // Live rows (and explicit positions), compact, for state files.
-  void save(StateWriter& w) const;
-  void load(StateReader& r, const char* op);
-};
-
-// n elements of type t -> fp32, with the hardware fp16 conversion where the build has F16C
-// (exact either way: every fp16 / bf16 value is an fp32 value).
-void fast_to_f32(const void* src, DType t, float* dst, size_t n);
-// Converts element row src (n values of src_t) to dst_t through fp32 when the types differ.
-void convert_row_to(const void* src, DType src_t, void* dst, DType dst_t, int64_t n);
-
-// Quantizes n rows of head h, given in original channel order as fp32 [n, D] (overwritten by
-// the transform), into records dst + i * row_stride.
-void quantize_head_rows(float* rows, int64_t n, int64_t h, const Settings& s, const Transforms& t,
-                        bool values, uint8_t* dst);
-
 // Makes the transforms once B, H are known (signs for rotation, the calibrated permutation).
 Transforms initial_transforms(const Settings& s, int64_t heads, const char* op);
-
+// True when p is H permutations of 0..d-1.
+bool is_perm_set(const std::vector<int32_t>& p, int64_t heads, int64_t d);
 std::string shape_str(const TensorView& t);
+// Refuses (vq::Error "[op] ...") blocks a cache of head_dim d (B, H fixed once has_data) cannot
+// take; nothing changes.
+void check_blocks(const TensorView& keys, const TensorView& values, int64_t d, bool has_data,
+                  int64_t batch, int64_t heads, const char* op);
+
+// Full-precision rows of a state file (FpRows stream: i64 count, keys [B, H, n, D], values, and
+// with explicit positions [B, H, n] int32).
+struct HostRows {
+  int64_t n = 0;
+  std::vector<uint8_t> k, v;
+  std::vector<int32_t> pos;
+};
+// One packed block of a state file: records [B, H, rows, row_stride], positions [B, H, rows].
+struct HostBlock {
+  int64_t rows = 0;
+  std::string k, v;
+  std::vector<int32_t> pos;
+};
+
+class Store {
+ public:
+  Store(const kv::RowBackend& backend, const Settings& s, bool explicit_positions, const char* op)
+      : be_(&backend), s_(&s), explicit_pos_(explicit_positions), op_(op) {}
+
+  // ---- shape and transforms
+  bool has_data = false;
+  DType dtype = DType::kF16;
+  int64_t batch = 0, heads = 0;
+  Transforms tr;
+  void start(DType t, int64_t b, int64_t h, Transforms transforms);
+  void set_perms(std::vector<int32_t> pk, std::vector<int32_t> pv);
+
+  // ---- rows
+  int64_t n_sink = 0, n_tail = 0;
+  int64_t packed() const;
+  int64_t rows() const { return n_sink + packed() + n_tail; }
+  const std::vector<int64_t>& blocks() const { return blocks_; }
+  // Rows [s0, s0 + n) of blocks [B, H, S, D] appended to the tail (positions first_pos.. when
+  // explicit). Compacts or regrows the full-precision store first (call only when no view of it
+  // is alive).
+  void append(const TensorView& keys, const TensorView& values, int64_t s0, int64_t n,
+              int64_t first_pos);
+  // The tail's first n rows become sinks (only while no row is packed and the tail follows the
+  // sinks: no data moves).
+  void promote_sinks(int64_t n);
+  // Frozen permutations from full-precision rows [0, n) (sinks, then the tail following them).
+  void freeze_perms(int64_t n);
+  // Quantizes the tail's oldest rows as packed blocks of the given sizes (in order) and drops
+  // them from the tail (no data moves: a view of them stays valid; a replaced store is retired).
+  void pack_tail(const std::vector<int64_t>& block_rows);
+  // Shrinks the full-precision store when it is more than twice its rows (the old one retired).
+  void fit();
+  // Frees what the last view alone still referenced.
+  void release_retired();
+
+  // ---- views: [sinks, positions 0..][packed runs][tail], implicit positions following each
+  // other, or explicit ones (sinks implicit); slot 0 / 1 keep the packed segments of two views.
+  CacheView view(int slot) const;
+
+  // ---- SnapKV over the frame sinks ++ packed ++ tail of every (b, h): [F, count] frame indices
+  // (ascending) of the rows to keep, scored on fp32 keys (packed ones dequantized).
+  std::vector<int32_t> select(int64_t count, const TensorView* q, int64_t q_first,
+                              const SnapSelectParams& p) const;
+  // Keeps frame rows idx [F, count] (ascending, the first n_keep_sinks of every frame the sinks):
+  // kept packed rows keep their codes, and every frame is brought to the same packed count by
+  // quantizing its oldest kept full-precision rows early. Replaced stores are retired.
+  void keep(const std::vector<int32_t>& idx, int64_t count);
+
+  // Positions of frame f's stored rows (sinks 0.., packed, tail), explicit positions only.
+  std::vector<int32_t> frame_positions(int64_t f) const;
+
+  // ---- state
+  void write_rows(StateWriter& w, bool sinks) const;
+  HostRows read_rows(StateReader& r, bool positions) const;
+  std::vector<uint8_t> block_records(size_t i, bool values) const;
+  std::vector<int32_t> block_positions(size_t i) const;
+  // A loaded state's rows (validated by the caller); replaces everything stored.
+  void install(const HostRows& sinks, const std::vector<HostBlock>& blocks, const HostRows& tail);
+
+  int64_t resident_bytes() const;
+
+ private:
+  struct Run {
+    std::unique_ptr<kv::PackedStore> store;
+    int64_t rows = 0;
+  };
+  kv::RowShape fp_shape() const { return {dtype, batch, heads, s_->head_dim}; }
+  kv::PackedShape packed_shape() const { return {batch, heads, s_->head_dim, s_->fk, s_->fv}; }
+  int64_t fp_cap() const { return fp_ ? fp_->capacity() : 0; }
+  // Reallocates (new_cap != cap) or compacts the full-precision store so that `extra` more tail
+  // rows fit; the old store is retired when `retire`.
+  void refit(int64_t extra, bool retire);
+  // Records [row0, row0 + n) of the packed rows (across runs), host bytes.
+  std::vector<uint8_t> records(int64_t row0, int64_t n, bool values) const;
+  std::vector<int32_t> record_positions(int64_t row0, int64_t n) const;
+
+  const kv::RowBackend* be_;
+  const Settings* s_;
+  bool explicit_pos_;
+  const char* op_;
+  std::unique_ptr<kv::PackedTransforms> dtr_;
+  std::unique_ptr<kv::RowStore> fp_;
+  int64_t t0_ = 0;
+  std::vector<Run> runs_;
+  std::vector<int64_t> blocks_;
+  std::vector<std::unique_ptr<kv::RowStore>> retired_fp_;
+  std::vector<std::unique_ptr<kv::PackedStore>> retired_packed_;
+  mutable std::vector<PackedSegment> segs_[2];
+};
 
 }  // namespace vq::skvq
