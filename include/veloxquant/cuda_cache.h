@@ -2,12 +2,14 @@
 // the CPU caches (docs/design.md §C1, cache.h), and prefill attention over a DeviceCacheView.
 //
 // A DeviceKVCache is built for fixed B, H_kv and D (make_device_cache); every block it receives
-// is a *device* TensorView [B, H_kv, S, D] (f16, bf16 or f32, any element strides). Rows, packed
-// records and positions live in plain cudaMalloc memory (DeviceBuffer); all work is queued on the
-// stream given at construction; host figures (offset, counts, byte formulas) are kept on the host.
-// The CPU cache of the same config is the oracle: same positions, selections, packed codes and
-// metadata, full-precision rows and figures (bytes_resident excepted: here it is what the cache's
-// cudaMalloc calls hold, retired buffers included).
+// is a *device* TensorView [B, H_kv, S, D] (f16, bf16 or f32, any element strides). It is the CPU
+// cache's policy itself over the CUDA row backend (docs/design.md §3): rows, packed records and
+// positions live in plain cudaMalloc memory (DeviceBuffer); all work is queued on the stream given
+// at construction; host figures (offset, counts, byte formulas) are kept on the host. The CPU
+// cache of the same config is the oracle: same positions, selections, packed codes and metadata,
+// full-precision rows and figures (bytes_resident excepted: here it is what the cache's
+// cudaMalloc calls hold, retired buffers included; the SKVQ methods keep one packed run where the
+// CPU keeps one packed segment per block).
 // Without VQ_CUDA every entry point throws vq::Error (src/cuda/no_cuda.cpp).
 #pragma once
 
@@ -55,18 +57,18 @@ class DeviceKVCache {
   // Refused (vq::Error, nothing changed) unless is_trimmable().
   virtual int64_t trim(int64_t n);
   virtual CacheStats stats() const = 0;
-  // Mask for the next update_and_fetch with n_queries tokens (window 0 = none), with the CPU
-  // semantics (KVCache::make_mask over offset() and stored_positions(), built on the host): causal
-  // only while the stored rows are positions 0..n-1, explicit per (b, h) once eviction made them
+  // Mask for the next update_and_fetch with n_queries tokens (window 0 = none): the policy's own
+  // (KVCache::make_mask over offset() and stored_positions(), built on the host): causal only
+  // while the stored rows are positions 0..n-1, explicit per (b, h) once eviction made them
   // non-contiguous; snapkv and snapkv+skvq with a prompt-end eviction owed answer a single query
-  // like their CPU twins (the rows that will stay; a windowed one is refused).
+  // with the rows that will stay (a windowed one is refused).
   virtual Mask make_mask(int64_t n_queries, int64_t window = 0) const;
   // State in the CPU cache's format (cache.h save/load, binary_io.h framing): a device cache
   // writes exactly the stream the CPU cache of the same config writes after the same calls, and
-  // loads any such stream (a CPU cache's or a device cache's). load() first validates the frame
-  // with the CPU cache's own load (the same refusals and messages: another method, other
-  // settings, truncated, corrupted, inconsistent), then requires this cache's B, H and D; it is
-  // all-or-nothing (on error nothing changed) and invalidates the last view. Both synchronise.
+  // loads any such stream (a CPU cache's or a device cache's). load() is the policy's own load
+  // (the same refusals and messages: another method, other settings, truncated, corrupted,
+  // inconsistent), then requires this cache's B, H and D; it is all-or-nothing (on error nothing
+  // changed) and invalidates the last view. Both synchronise.
   virtual void save(std::ostream& out) const = 0;
   virtual void load(std::istream& in) = 0;
   // Merging caches into one batch is refused, like the CPU SnapKV and SKVQ caches.

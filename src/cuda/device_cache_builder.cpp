@@ -7,9 +7,6 @@
 
 namespace vq::cuda {
 
-std::unique_ptr<DeviceKVCache> make_device_snapkv_skvq_cache(const CacheConfig& cfg, int64_t b,
-                                                             int64_t h, int64_t d, Stream s);
-
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int64_t batch,
                                                  int64_t heads, int64_t head_dim, Stream s) {
   VQ_CHECK(batch >= 1 && heads >= 1 && head_dim >= 1,

@@ -1,60 +1,24 @@
 // What every GPU-resident cache shares (include/veloxquant/cuda_cache.h): the refusals of trim
-// and merge, make_mask (KVCache::make_mask itself, run over the device cache's positions through
-// a read-only host adaptor), segment download for tests, and the helpers of device_cache_util.h
-// (state frames are validated by the CPU cache's own load before a device cache parses them).
+// and merge, segment download for tests, and the helpers of device_cache_util.h (input checks,
+// block conversion, frame-wise copies) that the CUDA row backend uses.
 #include <cuda_runtime_api.h>
 
 #include <cstring>
-#include <istream>
-#include <sstream>
 #include <string>
 
 #include "cuda/check.h"
 #include "cuda/device_cache_kernels.cuh"
 #include "cuda/device_cache_util.h"
 #include "veloxquant/error.h"
-#include "veloxquant/full_cache.h"
-#include "veloxquant/skvq_cache.h"
-#include "veloxquant/snapkv_cache.h"
-#include "veloxquant/snapkv_skvq_cache.h"
-#include "veloxquant/streaming_cache.h"
 
 namespace vq::cuda {
 
-namespace {
-
-// The device cache as a read-only KVCache, so that KVCache::make_mask (the CPU rule: causal only
-// for the contiguous run 0..n-1, explicit from each (b, h)'s own positions otherwise) runs
-// unchanged over its offset and positions. Before any row is seen it reports no batch / heads,
-// like the CPU caches (one mask row set shared by every (b, h)).
-class MaskSource final : public KVCache {
- public:
-  explicit MaskSource(const DeviceKVCache& c) : c_(c) {}
-  std::string method() const override { return c_.method(); }
-  CacheView update_and_fetch(const TensorView&, const TensorView&, const UpdateOptions&) override {
-    throw Error("[make_mask] internal: the mask source is read-only");
-  }
-  int64_t offset() const override { return c_.offset(); }
-  int64_t stored_rows() const override { return c_.stored_rows(); }
-  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const override {
-    return c_.stored_positions(b, h);
-  }
-  int64_t batch() const override { return c_.offset() > 0 ? c_.batch() : 0; }
-  int64_t n_kv_heads() const override { return c_.offset() > 0 ? c_.n_kv_heads() : 0; }
-  CacheStats stats() const override { return c_.stats(); }
-  void save(std::ostream& out) const override { c_.save(out); }
-  void load(std::istream&) override {
-    throw Error("[make_mask] internal: the mask source is read-only");
-  }
-
- private:
-  const DeviceKVCache& c_;
-};
-
-}  // namespace
-
 Mask DeviceKVCache::make_mask(int64_t n_queries, int64_t window) const {
-  return MaskSource(*this).make_mask(n_queries, window);
+  // Every device cache is a policy adapter (device_cache_policy.cpp) that answers with its
+  // policy's mask; this is reached only by a cache that does not.
+  throw Error("[make_mask] expected a device cache with a mask rule but got method '" + method() +
+              "' (" + std::to_string(n_queries) + " queries, window " + std::to_string(window) +
+              ")");
 }
 
 int64_t DeviceKVCache::trim(int64_t n) {
@@ -167,125 +131,6 @@ Tensor download_rows(const void* src, DType t, int64_t batch, int64_t heads, int
   download_frames(out.data(), n, src, cap, row0, batch * heads, n,
                   head_dim * static_cast<int64_t>(dtype_size(t)), s);
   return out;
-}
-
-skvq::FpRows download_fp_rows(DType t, int64_t batch, int64_t heads, int64_t head_dim,
-                              const DeviceBuffer& k, const DeviceBuffer& v, const DeviceBuffer* pos,
-                              int64_t n, int64_t cap, int64_t row0, Stream s) {
-  skvq::FpRows fp;
-  fp.init(t, batch, heads, head_dim, pos != nullptr);
-  fp.reserve_append(n);
-  fp.count = n;
-  const int64_t F = batch * heads, rb = head_dim * static_cast<int64_t>(dtype_size(t));
-  download_frames(fp.buf_k.data(), fp.cap, k.data(), cap, row0, F, n, rb, s);
-  download_frames(fp.buf_v.data(), fp.cap, v.data(), cap, row0, F, n, rb, s);
-  if (pos) download_frames(fp.pos.data(), fp.cap, pos->data(), cap, row0, F, n, 4, s);
-  return fp;
-}
-
-DeviceBuffer upload_fp_rows(const skvq::FpRows& fp, bool values, int64_t cap, Stream s) {
-  if (fp.count == 0) return DeviceBuffer();
-  const int64_t F = fp.batch * fp.heads, rb = fp.d * static_cast<int64_t>(fp.es());
-  DeviceBuffer d(static_cast<size_t>(F * cap * rb));
-  upload_frames(d.data(), cap, 0, values ? fp.v_row(0, 0, 0) : fp.k_row(0, 0, 0), fp.cap, F,
-                fp.count, rb, s);
-  return d;
-}
-
-std::vector<uint8_t> download_store(const DeviceBuffer& src, int64_t frames, int64_t n, int64_t cap,
-                                    int64_t row_bytes, Stream s) {
-  std::vector<uint8_t> out(static_cast<size_t>(frames * n * row_bytes));
-  download_frames(out.data(), n, src.data(), cap, 0, frames, n, row_bytes, s);
-  return out;
-}
-
-std::vector<uint8_t> slice_frames(const std::vector<uint8_t>& src, int64_t frames, int64_t n,
-                                  int64_t r0, int64_t rows, int64_t row_bytes) {
-  std::vector<uint8_t> out(static_cast<size_t>(frames * rows * row_bytes));
-  for (int64_t f = 0; f < frames; ++f)
-    std::memcpy(out.data() + f * rows * row_bytes, src.data() + (f * n + r0) * row_bytes,
-                static_cast<size_t>(rows * row_bytes));
-  return out;
-}
-
-HostRecords download_records(const DeviceBuffer& pk, const DeviceBuffer& pv, int64_t frames,
-                             int64_t n, int64_t cap, int64_t k_stride, int64_t v_stride, Stream s) {
-  HostRecords h;
-  h.k = download_store(pk, frames, n, cap, k_stride, s);
-  h.v = download_store(pv, frames, n, cap, v_stride, s);
-  h.frames = frames;
-  h.n = n;
-  h.k_stride = k_stride;
-  h.v_stride = v_stride;
-  return h;
-}
-
-void HostRecords::write_block(StateWriter& w, int64_t r0, int64_t rows) const {
-  for (int kv = 0; kv < 2; ++kv) {
-    const std::vector<uint8_t> blob =
-        slice_frames(kv == 0 ? k : v, frames, n, r0, rows, kv == 0 ? k_stride : v_stride);
-    w.blob(blob.data(), blob.size());
-  }
-}
-
-Mask pending_single_query_mask(const char* op, int64_t window, int64_t keep_count) {
-  VQ_CHECK(window == 0, std::string("[") + op +
-                            "] make_mask: expected end_prompt() before a windowed single-query "
-                            "mask while a prompt-end eviction is pending (its positions are not "
-                            "chosen yet)");
-  Mask m;
-  m.kind = Mask::Kind::kNone;
-  m.n_queries = 1;
-  m.n_keys = keep_count + 1;
-  return m;
-}
-
-skvq::FpRows read_fp_rows(StateReader& r, DType t, int64_t batch, int64_t heads, int64_t head_dim,
-                          bool explicit_positions, const char* op) {
-  skvq::FpRows fp;
-  fp.init(t, batch, heads, head_dim, explicit_positions);
-  fp.load(r, op);
-  return fp;
-}
-
-DeviceBuffer upload_blocks(const std::vector<const void*>& blocks, const std::vector<int64_t>& rows,
-                           int64_t frames, int64_t cap, int64_t row_bytes, Stream s) {
-  if (cap <= 0) return DeviceBuffer();
-  DeviceBuffer d(static_cast<size_t>(frames * cap * row_bytes));
-  int64_t r0 = 0;
-  for (size_t c = 0; c < blocks.size(); ++c) {
-    upload_frames(d.data(), cap, r0, blocks[c], rows[c], frames, rows[c], row_bytes, s);
-    r0 += rows[c];
-  }
-  return d;
-}
-
-void upload_transforms(const skvq::Transforms& t, DeviceBuffer& perm_k, DeviceBuffer& perm_v,
-                       DeviceBuffer& signs, Stream s) {
-  perm_k = t.has_perms() ? DeviceBuffer::from_vector(t.perm_k, s) : DeviceBuffer();
-  perm_v = t.has_perms() ? DeviceBuffer::from_vector(t.perm_v, s) : DeviceBuffer();
-  signs = t.signs.empty() ? DeviceBuffer() : DeviceBuffer::from_vector(t.signs, s);
-}
-
-StateReader read_validated_state(std::istream& in, const CacheConfig& cfg) {
-  // One frame off the stream (framing, checksum and method checked), re-framed byte for byte.
-  StateReader r(in, cfg.method);
-  std::string payload(r.remaining(), '\0');
-  r.bytes(payload.data(), payload.size());
-  StateWriter w;
-  w.bytes(payload.data(), payload.size());
-  std::string frame = w.frame(cfg.method);
-  // The CPU cache of the same config loads it: every field and consistency check of the format.
-  std::unique_ptr<KVCache> cpu;
-  if (cfg.method == "full") cpu = std::make_unique<FullCache>();
-  if (cfg.method == "snapkv") cpu = make_snapkv_cache(cfg);
-  if (cfg.method == "streaming") cpu = make_streaming_cache(cfg);
-  if (cfg.method == "skvq") cpu = make_skvq_cache(cfg, 0);
-  if (cfg.method == "snapkv+skvq") cpu = make_snapkv_skvq_cache(cfg, 0);
-  VQ_CHECK(cpu != nullptr, "[load_state] internal: no CPU cache for method '" + cfg.method + "'");
-  std::istringstream mem(frame);
-  cpu->load(mem);
-  return StateReader::from_bytes(frame, cfg.method);
 }
 
 void check_state_shape(const char* op, bool has_data, int64_t b, int64_t h, int64_t d,

@@ -1,5 +1,5 @@
 // Dequantization of packed SKVQ records (packed.h record format) into fp32 rows in the original
-// channel order, for the snapkv+skvq device cache's scoring frame (device_cache_snapkv_skvq.cpp).
+// channel order, for the snapkv+skvq scoring frame on the CUDA row backend (row_store_cuda.cpp).
 // Layouts: a frame f = b*H + h; the record store is [F, src_cap, row_stride] bytes; the output is
 // [F, dst_cap, D] fp32; perm (optional) [H, D] int32: stored channel j holds channel perm[h*D + j];
 // signs (optional) [H, D] of +-1: the records hold Hadamard-rotated rows (hadamard.h).

@@ -1,9 +1,11 @@
 // Device caches that are the CPU policies themselves (docs/design.md §3): a cache policy
-// (vq::FullCache, vq::SnapKVCache, vq::StreamingCache) built over the CUDA row backend, behind the
-// DeviceKVCache interface. The policy's views already point at device memory; they are handed out
-// as DeviceCacheViews without a copy (one DeviceSegment per full-precision segment, capacity taken
-// from the view's strides). The adapter adds what a device cache promises beyond the policy: B, H
-// and D fixed at construction (checked on every block and on load) and the device messages.
+// (vq::FullCache, vq::SnapKVCache, vq::StreamingCache, vq::SkvqCache, vq::SnapkvSkvqCache) built
+// over the CUDA row backend, behind the DeviceKVCache interface. The policy's views already point
+// at device memory; they are handed out as DeviceCacheViews without a copy (one DeviceSegment per
+// segment: full-precision rows with the capacity taken from the view's strides, packed records
+// with the capacity taken from their head stride and the transforms' device pointers). The adapter
+// adds what a device cache promises beyond the policy: B, H and D fixed at construction (checked on
+// every block and on load) and the device messages.
 #include <istream>
 #include <memory>
 #include <string>
@@ -13,33 +15,56 @@
 #include "cuda/row_store_cuda.h"
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
+#include "veloxquant/skvq_cache.h"
 #include "veloxquant/snapkv_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
 #include "veloxquant/streaming_cache.h"
 
 namespace vq::cuda {
 namespace {
 
-// A device view over the policy's view (no copy): full-precision segments whose rows are
-// [B, H, capacity, D] with element strides (H*cap*D, cap*D, D, 1) and positions, when explicit,
-// [B, H, capacity].
+// A device view over the policy's view (no copy). Full-precision segments: rows [B, H, capacity,
+// D] with element strides (H*cap*D, cap*D, D, 1). Packed segments: records [B, H, capacity,
+// row_stride] (capacity from the head stride) with the transforms' device pointers. Positions,
+// when explicit, [B, H, capacity].
 DeviceCacheView device_view(const CacheView& v, int64_t batch, int64_t heads, int64_t head_dim) {
   DeviceCacheView out(batch, heads, head_dim);
   for (const ViewSegment& seg : v.segments) {
-    VQ_CHECK(seg.packed == nullptr, "[cuda cache] internal: packed segments are not adapted here");
-    const TensorView& k = seg.keys;
-    const int64_t cap = k.stride[1] / head_dim;
-    VQ_CHECK(k.stride[3] == 1 && k.stride[2] == head_dim && k.stride[1] == cap * head_dim &&
-                 k.stride[0] == heads * k.stride[1] && seg.values.stride == k.stride &&
-                 (seg.positions == nullptr || seg.pos_stride == cap),
-             "[cuda cache] internal: expected row-store views [B, H, capacity, D]");
     DeviceSegment ds;
+    bool ok = false;
+    if (seg.packed) {
+      const PackedTensor& pk = seg.packed->keys;
+      const PackedTensor& pv = seg.packed->values;
+      ds.capacity = pk.stride_h / pk.fmt.row_stride;
+      ok = pk.stride_h == ds.capacity * pk.fmt.row_stride &&
+           pv.stride_h == ds.capacity * pv.fmt.row_stride && pk.stride_b == heads * pk.stride_h &&
+           pv.stride_b == heads * pv.stride_h;
+      ds.packed = true;
+      ds.dtype = seg.packed->out_dtype;
+      ds.k_fmt = pk.fmt;
+      ds.v_fmt = pv.fmt;
+      ds.k_data = pk.data;
+      ds.v_data = pv.data;
+      ds.k_perm = pk.perm;
+      ds.v_perm = pv.perm;
+      ds.k_signs = pk.signs;
+      ds.v_signs = pv.signs;
+      ds.k_rot_block = pk.rot_block;
+      ds.v_rot_block = pv.rot_block;
+    } else {
+      const TensorView& k = seg.keys;
+      ds.capacity = k.stride[1] / head_dim;
+      ok = k.stride[3] == 1 && k.stride[2] == head_dim && k.stride[1] == ds.capacity * head_dim &&
+           k.stride[0] == heads * k.stride[1] && seg.values.stride == k.stride;
+      ds.dtype = k.dtype;
+      ds.keys = k.data;
+      ds.values = seg.values.data;
+    }
+    VQ_CHECK(ok && (seg.positions == nullptr || seg.pos_stride == ds.capacity),
+             "[cuda cache] internal: expected store views [B, H, capacity, row bytes]");
     ds.n_rows = seg.n_rows;
-    ds.capacity = cap;
     ds.positions = seg.positions;
     ds.first_pos = seg.first_pos;
-    ds.dtype = k.dtype;
-    ds.keys = k.data;
-    ds.values = seg.values.data;
     out.add_segment(ds);
   }
   return out;
@@ -75,15 +100,16 @@ class PolicyDeviceCache final : public DeviceKVCache {
     return p_->stored_positions(b, h);
   }
   void end_prompt() override { p_->end_prompt(); }
+  // The policy's own mask (KVCache::make_mask over its positions, or its pending-eviction rule).
+  Mask make_mask(int64_t n_queries, int64_t window) const override {
+    return p_->make_mask(n_queries, window);
+  }
   bool is_trimmable() const override { return p_->is_trimmable(); }
   int64_t trim(int64_t n) override {
     if (!p_->is_trimmable()) return DeviceKVCache::trim(n);
     return p_->trim(n);
   }
   CacheStats stats() const override { return p_->stats(); }
-  Mask make_mask(int64_t n_queries, int64_t window) const override {
-    return p_->make_mask(n_queries, window);
-  }
   void save(std::ostream& out) const override { p_->save(out); }
   void load(std::istream& in) override {
     std::unique_ptr<Policy> fresh = make();
@@ -114,6 +140,16 @@ class PolicyDeviceCache final : public DeviceKVCache {
 std::unique_ptr<DeviceKVCache> make_device_full_cache(const CacheConfig& cfg, int64_t b, int64_t h,
                                                       int64_t d, Stream s) {
   return std::make_unique<PolicyDeviceCache<FullCache>>(cfg, b, h, d, s);
+}
+
+std::unique_ptr<DeviceKVCache> make_device_skvq_cache(const CacheConfig& cfg, int64_t b, int64_t h,
+                                                      int64_t d, Stream s) {
+  return std::make_unique<PolicyDeviceCache<SkvqCache>>(cfg, b, h, d, s);
+}
+
+std::unique_ptr<DeviceKVCache> make_device_snapkv_skvq_cache(const CacheConfig& cfg, int64_t b,
+                                                             int64_t h, int64_t d, Stream s) {
+  return std::make_unique<PolicyDeviceCache<SnapkvSkvqCache>>(cfg, b, h, d, s);
 }
 
 std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, int64_t b,

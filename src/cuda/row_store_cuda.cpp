@@ -3,11 +3,17 @@
 // conversion, frame-wise copies, gathers), and the SnapKV selection of snap_select_frames over a
 // contiguous copy of the frames. A store synchronises its stream before its memory is freed, so a
 // store dropped while work that reads it is queued stays valid until that work is done.
+// Packed stores: records in cudaMalloc memory, quantized by skvq_quantize_rows (bit-identical to
+// the CPU quantizer), dequantized for scoring by dequant_rows_launch, gathered by gather_rows;
+// the channel permutations come from skvq_channel_perms.
 #include "cuda/row_store_cuda.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
+#include "cuda/check.h"
+#include "cuda/device_cache_dequant.cuh"
 #include "cuda/device_cache_util.h"
 #include "veloxquant/error.h"
 
@@ -17,7 +23,12 @@ namespace {
 class CudaRowIndex final : public kv::RowIndex {
  public:
   DeviceBuffer idx;  // [F, count] int32
+  int64_t frames = 0;
+  Stream stream = nullptr;
   const int32_t* data() const override { return idx.as<const int32_t>(); }
+  std::vector<int32_t> download() const override {
+    return idx.to_vector<int32_t>(static_cast<size_t>(frames * count), stream);
+  }
 };
 
 class CudaRowStore final : public kv::RowStore {
@@ -45,6 +56,16 @@ class CudaRowStore final : public kv::RowStore {
   void copy_range(const kv::RowStore& src, int64_t src_row0, int64_t dst_row0, int64_t n) override {
     if (n <= 0) return;
     const int64_t F = shape_.frames(), rb = shape_.row_bytes();
+    if (src.shape().dtype != shape_.dtype) {  // another store: converted rows, positions copied
+      detail::convert_block(src.keys(src_row0, n), 0, n, k_, shape_.dtype, capacity_, dst_row0,
+                            stream_);
+      detail::convert_block(src.values(src_row0, n), 0, n, v_, shape_.dtype, capacity_, dst_row0,
+                            stream_);
+      if (pos_ && src.positions())
+        detail::copy_frames(pos_, capacity_, dst_row0, src.positions(), src.capacity(), src_row0, F,
+                            n, 4, stream_);
+      return;
+    }
     if (&src == this && src_row0 != dst_row0 &&
         std::max(src_row0, dst_row0) < std::min(src_row0, dst_row0) + n) {
       // Device copies may not overlap: through a scratch of n rows per frame.
@@ -104,10 +125,10 @@ class CudaRowStore final : public kv::RowStore {
                                  shape_.head_dim, capacity_, row0, stream_);
   }
 
-  std::vector<int32_t> download_positions(int64_t n) const override {
+  std::vector<int32_t> download_positions(int64_t row0, int64_t n) const override {
     std::vector<int32_t> out(static_cast<size_t>(shape_.frames() * n));
     if (pos_ && n > 0)
-      detail::download_frames(out.data(), n, pos_, capacity_, 0, shape_.frames(), n, 4, stream_);
+      detail::download_frames(out.data(), n, pos_, capacity_, row0, shape_.frames(), n, 4, stream_);
     return out;
   }
 
@@ -128,6 +149,167 @@ class CudaRowStore final : public kv::RowStore {
   // The raw store pointers of another store of this backend.
   static const void* src_k(const kv::RowStore& s) { return static_cast<const CudaRowStore&>(s).k_; }
   static const void* src_v(const kv::RowStore& s) { return static_cast<const CudaRowStore&>(s).v_; }
+
+ private:
+  Stream stream_;
+  DeviceBuffer kb_, vb_, pb_;
+};
+
+class CudaTransforms final : public kv::PackedTransforms {
+ public:
+  DeviceBuffer pk, pv, sg;  // [H, D] each, or empty
+};
+
+class CudaPackedStore final : public kv::PackedStore {
+ public:
+  CudaPackedStore(const kv::PackedShape& s, int64_t cap, bool with_pos, Stream stream)
+      : stream_(stream) {
+    shape_ = s;
+    capacity_ = cap;
+    const size_t rows = static_cast<size_t>(s.frames() * cap);
+    kb_ = DeviceBuffer(rows * static_cast<size_t>(s.fk.row_stride));
+    vb_ = DeviceBuffer(rows * static_cast<size_t>(s.fv.row_stride));
+    if (with_pos) pb_ = DeviceBuffer(rows * sizeof(int32_t));
+    k_ = kb_.as<uint8_t>();
+    v_ = vb_.as<uint8_t>();
+    pos_ = pb_.as<int32_t>();
+  }
+  ~CudaPackedStore() override {
+    try {
+      synchronize(stream_);  // queued work may still read this memory
+    } catch (...) {          // a sticky device error: nothing left to protect
+    }
+  }
+
+  uint8_t* recs(bool values) const { return values ? v_ : k_; }
+  int64_t stride(bool values) const { return shape_.format(values).row_stride; }
+
+  void copy_range(const kv::PackedStore& src_base, int64_t src_row0, int64_t dst_row0,
+                  int64_t n) override {
+    const auto& src = static_cast<const CudaPackedStore&>(src_base);
+    const int64_t F = shape_.frames();
+    for (int kv = 0; kv < 2; ++kv)
+      detail::copy_frames(recs(kv), capacity_, dst_row0, src.recs(kv), src.capacity_, src_row0, F,
+                          n, stride(kv), stream_);
+    if (pos_ && src.pos_)
+      detail::copy_frames(pos_, capacity_, dst_row0, src.pos_, src.capacity_, src_row0, F, n, 4,
+                          stream_);
+  }
+
+  void quantize(const kv::RowStore& rows, int64_t src_row0, int64_t n, int64_t dst_row0,
+                const GroupQuantParams& qk, const GroupQuantParams& qv,
+                const kv::PackedTransforms& t) override {
+    if (n <= 0) return;
+    const kv::RowShape& rs = rows.shape();
+    const int64_t F = shape_.frames(), rb = rs.row_bytes();
+    // skvq_quantize_rows reads contiguous rows [B, H, n, D] and writes records [F, n, stride].
+    DeviceBuffer x(static_cast<size_t>(F * n * rb));
+    const bool direct = dst_row0 == 0 && capacity_ == n;
+    for (int kv = 0; kv < 2; ++kv) {
+      const TensorView src = kv ? rows.values(0, 0) : rows.keys(0, 0);
+      detail::copy_frames(x.data(), n, 0, src.data, rows.capacity(), src_row0, F, n, rb, stream_);
+      DeviceBuffer rec;
+      if (!direct) rec = DeviceBuffer(static_cast<size_t>(F * n * stride(kv)));
+      const float* signs = t.signs_for(kv);
+      skvq_quantize_rows(
+          TensorView::contiguous(x.data(), rs.dtype, rs.batch, rs.heads, n, rs.head_dim),
+          shape_.format(kv), kv ? qv : qk, t.perm(kv), signs, signs ? t.rot_block : 0,
+          direct ? recs(kv) : rec.as<uint8_t>(), stream_);
+      if (!direct)
+        detail::copy_frames(recs(kv), capacity_, dst_row0, rec.data(), n, 0, F, n, stride(kv),
+                            stream_);
+      synchronize(stream_);  // x is rewritten and rec freed next
+    }
+    if (pos_ && rows.positions())
+      detail::copy_frames(pos_, capacity_, dst_row0, rows.positions(), rows.capacity(), src_row0, F,
+                          n, 4, stream_);
+  }
+
+  void gather(const kv::PackedStore& src_base, const kv::RowIndex& idx) override {
+    const auto& src = static_cast<const CudaPackedStore&>(src_base);
+    const int64_t F = shape_.frames(), count = idx.count;
+    if (count <= 0) return;
+    // gather_rows writes [F, count] contiguous: straight into this store when its capacity is
+    // the count, else through a scratch.
+    const bool direct = capacity_ == count;
+    for (int kv = 0; kv < 2; ++kv) {
+      DeviceBuffer t, tp;
+      if (!direct) {
+        t = DeviceBuffer(static_cast<size_t>(F * count * stride(kv)));
+        if (kv == 0 && pos_) tp = DeviceBuffer(static_cast<size_t>(F * count * 4));
+      }
+      const bool with_pos = kv == 0 && pos_ && src.pos_;
+      gather_rows(src.recs(kv), F, src.capacity_, stride(kv), idx.data(), count,
+                  direct ? recs(kv) : t.data(), with_pos ? src.pos_ : nullptr, 0,
+                  with_pos ? (direct ? pos_ : tp.as<int32_t>()) : nullptr, stream_);
+      if (!direct) {
+        detail::copy_frames(recs(kv), capacity_, 0, t.data(), count, 0, F, count, stride(kv),
+                            stream_);
+        if (with_pos)
+          detail::copy_frames(pos_, capacity_, 0, tp.data(), count, 0, F, count, 4, stream_);
+        synchronize(stream_);  // the scratch is freed next
+      }
+    }
+  }
+
+  void dequantize_keys(int64_t src_row0, int64_t n, kv::RowStore& dst, int64_t dst_row0,
+                       const kv::PackedTransforms& t) const override {
+    VQ_CHECK(dst.shape().dtype == DType::kF32,
+             "[cuda packed store] internal: dequantize_keys expected a float32 store");
+    if (n <= 0) return;
+    const PackedRowFormat& f = shape_.fk;
+    DequantRowsParams dp;
+    dp.records = k_;
+    dp.src_cap = capacity_;
+    dp.src_row0 = src_row0;
+    dp.row_stride = static_cast<int32_t>(f.row_stride);
+    dp.code_bytes = f.code_bytes;
+    dp.bits = f.spec.bits();
+    dp.ternary = f.spec.ternary() ? 1 : 0;
+    dp.group_size = f.group_size;
+    dp.meta = static_cast<int32_t>(f.meta);
+    dp.head_dim = static_cast<int32_t>(shape_.head_dim);
+    dp.perm = t.perm_k;
+    if (const float* signs = t.signs_for(false)) {
+      dp.signs = signs;
+      dp.rot_block = t.rot_block;
+      dp.rot_norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(t.rot_block)));
+    }
+    dp.n_frames = shape_.frames();
+    dp.heads = shape_.heads;
+    dp.n = n;
+    dp.dst = static_cast<float*>(dst.keys(0, 0).data);
+    dp.dst_cap = dst.capacity();
+    dp.dst_row0 = dst_row0;
+    dequant_rows_launch(dp, detail::to_stream(stream_));
+    if (pos_ && dst.positions())
+      detail::copy_frames(const_cast<int32_t*>(dst.positions()), dst.capacity(), dst_row0, pos_,
+                          capacity_, src_row0, shape_.frames(), n, 4, stream_);
+  }
+
+  std::vector<uint8_t> download(bool values, int64_t row0, int64_t n) const override {
+    std::vector<uint8_t> out(static_cast<size_t>(shape_.frames() * n * stride(values)));
+    detail::download_frames(out.data(), n, recs(values), capacity_, row0, shape_.frames(), n,
+                            stride(values), stream_);
+    return out;
+  }
+  std::vector<int32_t> download_positions(int64_t row0, int64_t n) const override {
+    std::vector<int32_t> out(static_cast<size_t>(shape_.frames() * n));
+    if (pos_)
+      detail::download_frames(out.data(), n, pos_, capacity_, row0, shape_.frames(), n, 4, stream_);
+    return out;
+  }
+  void upload(const void* keys, const void* values, const int32_t* positions, int64_t row0,
+              int64_t n) override {
+    const int64_t F = shape_.frames();
+    detail::upload_frames(k_, capacity_, row0, keys, n, F, n, stride(false), stream_);
+    detail::upload_frames(v_, capacity_, row0, values, n, F, n, stride(true), stream_);
+    if (positions && pos_)
+      detail::upload_frames(pos_, capacity_, row0, positions, n, F, n, 4, stream_);
+  }
+  int64_t resident_bytes() const override {
+    return detail::held_bytes(kb_) + detail::held_bytes(vb_) + detail::held_bytes(pb_);
+  }
 
  private:
   Stream stream_;
@@ -213,6 +395,8 @@ class CudaBackend final : public kv::RowBackend {
     }
     auto out = std::make_unique<CudaRowIndex>();
     out->count = count;
+    out->frames = F;
+    out->stream = stream_;
     out->idx = DeviceBuffer(static_cast<size_t>(std::max<int64_t>(F * count, 1) * 4));
     DecodeWorkspace ws;
     const int64_t got = snap_select_frames(
@@ -223,6 +407,55 @@ class CudaBackend final : public kv::RowBackend {
     vq::cuda::synchronize(stream_);  // the frame copies are freed on return
     return out;
   }
+
+  std::unique_ptr<kv::RowIndex> upload_index(int64_t count,
+                                             const std::vector<int32_t>& idx) const override {
+    auto out = std::make_unique<CudaRowIndex>();
+    out->count = count;
+    out->frames = count > 0 ? static_cast<int64_t>(idx.size()) / count : 0;
+    out->stream = stream_;
+    if (!idx.empty()) out->idx = DeviceBuffer::from_vector(idx, stream_);
+    return out;
+  }
+
+  std::unique_ptr<kv::PackedStore> make_packed(const kv::PackedShape& shape, int64_t capacity,
+                                               bool with_positions) const override {
+    return std::make_unique<CudaPackedStore>(shape, capacity, with_positions, stream_);
+  }
+
+  std::unique_ptr<kv::PackedTransforms> make_transforms(const std::vector<int32_t>& perm_k,
+                                                        const std::vector<int32_t>& perm_v,
+                                                        const std::vector<float>& signs,
+                                                        int32_t rot_block,
+                                                        bool rotate_values) const override {
+    auto t = std::make_unique<CudaTransforms>();
+    if (!perm_k.empty()) t->pk = DeviceBuffer::from_vector(perm_k, stream_);
+    if (!perm_v.empty()) t->pv = DeviceBuffer::from_vector(perm_v, stream_);
+    if (!signs.empty()) t->sg = DeviceBuffer::from_vector(signs, stream_);
+    t->perm_k = t->pk.as<const int32_t>();
+    t->perm_v = t->pv.as<const int32_t>();
+    t->signs = t->sg.as<const float>();
+    t->rot_block = t->signs ? rot_block : 0;
+    t->rotate_values = rotate_values;
+    t->bytes = detail::held_bytes(t->pk) + detail::held_bytes(t->pv) + detail::held_bytes(t->sg);
+    return t;
+  }
+
+  std::vector<int32_t> channel_perms(const kv::RowStore& rows, int64_t row0, int64_t n,
+                                     bool values) const override {
+    const kv::RowShape& sh = rows.shape();
+    const int64_t F = sh.frames(), rb = sh.row_bytes();
+    DeviceBuffer x(static_cast<size_t>(F * n * rb));
+    const TensorView src = values ? rows.values(0, 0) : rows.keys(0, 0);
+    detail::copy_frames(x.data(), n, 0, src.data, rows.capacity(), row0, F, n, rb, stream_);
+    DeviceBuffer perm(static_cast<size_t>(sh.heads * sh.head_dim * 4));
+    skvq_channel_perms(
+        TensorView::contiguous(x.data(), sh.dtype, sh.batch, sh.heads, n, sh.head_dim),
+        perm.as<int32_t>(), stream_);
+    return perm.to_vector<int32_t>(static_cast<size_t>(sh.heads * sh.head_dim), stream_);
+  }
+
+  bool one_packed_run() const override { return true; }
 
   void synchronize() const override { vq::cuda::synchronize(stream_); }
 

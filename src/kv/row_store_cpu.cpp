@@ -65,6 +65,15 @@ class HostBuffer {
   size_t bytes_ = 0;
 };
 
+// Positions [F, n] of rows [row0, row0 + n) of a store's positions [F, cap] (zeros without).
+std::vector<int32_t> positions_of(const int32_t* pos, int64_t frames, int64_t cap, int64_t row0,
+                                  int64_t n) {
+  std::vector<int32_t> out(static_cast<size_t>(frames * n));
+  for (int64_t f = 0; f < frames && pos && n > 0; ++f)
+    std::memcpy(out.data() + f * n, pos + f * cap + row0, sizeof(int32_t) * static_cast<size_t>(n));
+  return out;
+}
+
 class CpuRowIndex final : public RowIndex {
  public:
   std::vector<int32_t> idx;  // [F, count]
@@ -173,11 +182,7 @@ class CpuRowStore final : public RowStore {
   }
 
   std::vector<int32_t> download_positions(int64_t row0, int64_t n) const override {
-    std::vector<int32_t> out(static_cast<size_t>(shape_.frames() * n));
-    for (int64_t f = 0; f < shape_.frames() && pos_ && n > 0; ++f)
-      std::memcpy(out.data() + f * n, pos_ + f * capacity_ + row0,
-                  sizeof(int32_t) * static_cast<size_t>(n));
-    return out;
+    return positions_of(pos_, shape_.frames(), capacity_, row0, n);
   }
 
   void upload(const TensorView& keys, const TensorView& values, int64_t row0, int64_t n,
@@ -332,11 +337,7 @@ class CpuPackedStore final : public PackedStore {
     return out;
   }
   std::vector<int32_t> download_positions(int64_t row0, int64_t n) const override {
-    std::vector<int32_t> out(static_cast<size_t>(shape_.frames() * n));
-    for (int64_t f = 0; f < shape_.frames() && pos_ && n > 0; ++f)
-      std::memcpy(out.data() + f * n, pos_ + f * capacity_ + row0,
-                  sizeof(int32_t) * static_cast<size_t>(n));
-    return out;
+    return positions_of(pos_, shape_.frames(), capacity_, row0, n);
   }
   void upload(const void* keys, const void* values, const int32_t* positions, int64_t row0,
               int64_t n) override {

@@ -1,0 +1,262 @@
+// Packed record stores (src/kv/row_store.h) on the CPU backend, exact against the scalar pieces
+// they are made of (group_quant.h, packed.h, hadamard.h), and the two SKVQ policies over a
+// backend that keeps one growing packed run (the layout the CUDA backend asks for), which must
+// write the state bytes and hold the rows of the default CPU layout (one store per block).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kv/row_store.h"
+#include "util/test_util.h"
+#include "veloxquant/group_quant.h"
+#include "veloxquant/hadamard.h"
+#include "veloxquant/packed.h"
+#include "veloxquant/skvq_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
+
+namespace vq {
+namespace {
+
+constexpr int64_t kB = 2, kH = 3, kD = 64;
+
+// The CPU backend, except that a policy is asked to keep one packed run.
+class OneRunBackend final : public kv::RowBackend {
+ public:
+  kv::Device device() const override { return cpu().device(); }
+  std::string name() const override { return "cpu (one packed run)"; }
+  std::unique_ptr<kv::RowStore> make(const kv::RowShape& s, int64_t cap, bool pos) const override {
+    return cpu().make(s, cap, pos);
+  }
+  std::unique_ptr<kv::QueryRows> keep_queries(const TensorView& q, int64_t rows) const override {
+    return cpu().keep_queries(q, rows);
+  }
+  std::unique_ptr<kv::QueryRows> upload_queries(int64_t b, int64_t hq, int64_t rows, int64_t d,
+                                                const std::vector<float>& q) const override {
+    return cpu().upload_queries(b, hq, rows, d, q);
+  }
+  std::unique_ptr<kv::RowIndex> snap_select(const kv::RowStore& rows, int64_t n,
+                                            const TensorView* q, int64_t q_first,
+                                            const SnapSelectParams& p) const override {
+    return cpu().snap_select(rows, n, q, q_first, p);
+  }
+  std::unique_ptr<kv::RowIndex> upload_index(int64_t count,
+                                             const std::vector<int32_t>& idx) const override {
+    return cpu().upload_index(count, idx);
+  }
+  std::unique_ptr<kv::PackedStore> make_packed(const kv::PackedShape& s, int64_t cap,
+                                               bool pos) const override {
+    return cpu().make_packed(s, cap, pos);
+  }
+  std::unique_ptr<kv::PackedTransforms> make_transforms(const std::vector<int32_t>& pk,
+                                                        const std::vector<int32_t>& pv,
+                                                        const std::vector<float>& signs,
+                                                        int32_t block, bool rv) const override {
+    return cpu().make_transforms(pk, pv, signs, block, rv);
+  }
+  std::vector<int32_t> channel_perms(const kv::RowStore& rows, int64_t row0, int64_t n,
+                                     bool values) const override {
+    return cpu().channel_perms(rows, row0, n, values);
+  }
+  bool one_packed_run() const override { return true; }
+
+ private:
+  static const kv::RowBackend& cpu() { return kv::cpu_backend(); }
+};
+
+struct Fixture {
+  const kv::RowBackend& be = kv::cpu_backend();
+  kv::PackedShape shape;
+  GroupQuantParams qk, qv;
+  std::vector<int32_t> pk, pv;
+  std::vector<float> signs;
+  std::unique_ptr<kv::PackedTransforms> tr;
+  std::unique_ptr<kv::RowStore> rows;  // [F, 40, D] fp16 with positions 100..
+  Tensor k, v;
+
+  Fixture() {
+    qk.bits = 2;
+    qk.group_size = 16;
+    qk.clip_search = true;
+    qv.bits = 4;
+    qv.group_size = 16;
+    qv.meta = MetaType::kFP8E4M3;
+    shape = {kB, kH, kD, make_row_format(kD, qk.bits, qk.group_size, qk.meta),
+             make_row_format(kD, qv.bits, qv.group_size, qv.meta)};
+    for (int64_t h = 0; h < kH; ++h) {
+      std::vector<int32_t> p(kD);
+      std::iota(p.begin(), p.end(), 0);
+      std::rotate(p.begin(), p.begin() + 5 * (h + 1), p.end());
+      pk.insert(pk.end(), p.begin(), p.end());
+      std::reverse(p.begin(), p.end());
+      pv.insert(pv.end(), p.begin(), p.end());
+    }
+    signs = hadamard_signs(7, kH * kD);
+    tr = be.make_transforms(pk, pv, signs, static_cast<int32_t>(hadamard_block(kD)), false);
+    k = test::random_tensor(DType::kF16, kB, kH, 40, kD, 11);
+    v = test::random_tensor(DType::kF16, kB, kH, 40, kD, 12);
+    rows = be.make({DType::kF16, kB, kH, kD}, 40, true);
+    rows->write_block(k.view(), v.view(), 0, 40, 0);
+    rows->fill_positions(0, 40, 100);
+  }
+
+  // The record of row i of frame f of block t, from the scalar pieces: fp32, rotate (keys only
+  // here), permute, quantize one row.
+  std::vector<uint8_t> reference(const Tensor& t, bool values, int64_t f, int64_t i) const {
+    std::vector<float> x(kD), y(kD);
+    convert_view_row(t.view(), f / kH, f % kH, i, x.data(), DType::kF32);
+    const int64_t h = f % kH;
+    if (!values) hadamard_rotate(x.data(), signs.data() + h * kD, kD, hadamard_block(kD));
+    const std::vector<int32_t>& p = values ? pv : pk;
+    for (int64_t j = 0; j < kD; ++j) y[j] = x[p[h * kD + j]];
+    const PackedRowFormat& fmt = shape.format(values);
+    std::vector<uint8_t> rec(fmt.row_stride);
+    quantize_to_records(y.data(), 1, fmt, values ? qv : qk, rec.data(), fmt.row_stride, false);
+    return rec;
+  }
+};
+
+TEST(PackedStore, QuantizeIsTheScalarQuantizerOfTheTransformedRows) {
+  Fixture fx;
+  auto ps = fx.be.make_packed(fx.shape, 30, true);
+  ps->quantize(*fx.rows, 5, 17, 3, fx.qk, fx.qv, *fx.tr);  // rows 5..21 -> records 3..19
+  for (int kv = 0; kv < 2; ++kv) {
+    const std::vector<uint8_t> got = ps->download(kv == 1, 3, 17);
+    const int64_t st = fx.shape.format(kv == 1).row_stride;
+    for (int64_t f = 0; f < kB * kH; ++f)
+      for (int64_t i = 0; i < 17; ++i) {
+        const std::vector<uint8_t> want = fx.reference(kv ? fx.v : fx.k, kv == 1, f, 5 + i);
+        ASSERT_EQ(0, std::memcmp(got.data() + (f * 17 + i) * st, want.data(), st))
+            << (kv ? "values" : "keys") << " frame " << f << " row " << i;
+      }
+  }
+  const std::vector<int32_t> pos = ps->download_positions(3, 17);
+  for (int64_t f = 0; f < kB * kH; ++f)
+    for (int64_t i = 0; i < 17; ++i) EXPECT_EQ(pos[f * 17 + i], 105 + i);
+}
+
+TEST(PackedStore, CopyGatherDequantizeAndHostBytesAreExact) {
+  Fixture fx;
+  const int64_t F = kB * kH;
+  auto a = fx.be.make_packed(fx.shape, 40, true);
+  a->quantize(*fx.rows, 0, 40, 0, fx.qk, fx.qv, *fx.tr);
+  // copy_range into a larger store at an offset, then a gather of every frame's own rows.
+  auto b = fx.be.make_packed(fx.shape, 50, true);
+  b->copy_range(*a, 10, 7, 25);
+  std::vector<int32_t> idx(F * 4);
+  for (int64_t f = 0; f < F; ++f)
+    for (int64_t i = 0; i < 4; ++i) idx[f * 4 + i] = static_cast<int32_t>(7 + f + 3 * i);
+  auto g = fx.be.make_packed(fx.shape, 4, true);
+  g->gather(*b, *fx.be.upload_index(4, idx));
+  for (int kv = 0; kv < 2; ++kv) {
+    const int64_t st = fx.shape.format(kv == 1).row_stride;
+    const std::vector<uint8_t> all = a->download(kv == 1, 0, 40), got = g->download(kv == 1, 0, 4);
+    for (int64_t f = 0; f < F; ++f)
+      for (int64_t i = 0; i < 4; ++i)
+        EXPECT_EQ(0, std::memcmp(got.data() + (f * 4 + i) * st,
+                                 all.data() + (f * 40 + 10 + f + 3 * i) * st, st));
+  }
+  const std::vector<int32_t> gp = g->download_positions(0, 4);
+  for (int64_t f = 0; f < F; ++f)
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(gp[f * 4 + i], 110 + f + 3 * i);
+  // Keys dequantized into an fp32 row store: dequantize_row of the packed view, bit for bit.
+  auto frame = fx.be.make({DType::kF32, kB, kH, kD}, 45, true);
+  a->dequantize_keys(2, 30, *frame, 15, *fx.tr);
+  const PackedSegment seg = a->segment(2, 30, DType::kF16, *fx.tr);
+  std::vector<float> want(kD);
+  const Tensor got = frame->download(false, 15, 30);
+  for (int64_t f = 0; f < F; ++f)
+    for (int64_t i = 0; i < 30; ++i) {
+      dequantize_row(seg.keys, f / kH, f % kH, i, want.data());
+      EXPECT_EQ(0, std::memcmp(static_cast<const float*>(got.data()) + (f * 30 + i) * kD,
+                               want.data(), kD * 4));
+    }
+  EXPECT_EQ(frame->download_positions(15, 30), a->download_positions(2, 30));
+  // Host bytes round-trip.
+  auto c = fx.be.make_packed(fx.shape, 40, true);
+  const std::vector<uint8_t> hk = a->download(false, 0, 40), hv = a->download(true, 0, 40);
+  const std::vector<int32_t> hp = a->download_positions(0, 40);
+  c->upload(hk.data(), hv.data(), hp.data(), 0, 40);
+  EXPECT_EQ(c->download(false, 0, 40), hk);
+  EXPECT_EQ(c->download(true, 0, 40), hv);
+  EXPECT_EQ(c->download_positions(0, 40), hp);
+}
+
+// ---- the SKVQ policies over one packed run ----------------------------------------------------
+
+std::string saved(const KVCache& c) {
+  std::ostringstream out;
+  c.save(out);
+  return out.str();
+}
+
+// Every row each (b, h) attends to: positions and the dense (dequantized) keys and values.
+void expect_same_rows(const CacheView& a, const CacheView& b, const std::string& what) {
+  const DenseView da = dequantize_view(a, DType::kF32), db = dequantize_view(b, DType::kF32);
+  ASSERT_EQ(a.n_rows(), b.n_rows()) << what;
+  auto rows_of = [](const CacheView& v, int64_t bb, int64_t h) {
+    std::vector<float> out;
+    for (const ViewSegment& s : v.segments)
+      for (int64_t i = 0; i < s.n_rows; ++i) {
+        out.push_back(static_cast<float>(s.position(bb, h, i, v.n_kv_heads)));
+        for (const TensorView* t : {&s.keys, &s.values})
+          for (int64_t j = 0; j < v.head_dim; ++j) out.push_back(t->at(bb, h, i, j));
+      }
+    return out;
+  };
+  for (int64_t bb = 0; bb < a.batch; ++bb)
+    for (int64_t h = 0; h < a.n_kv_heads; ++h)
+      ASSERT_EQ(rows_of(da.view, bb, h), rows_of(db.view, bb, h))
+          << what << " (" << bb << ", " << h << ")";
+}
+
+TEST(SkvqPolicies, OneRunLayoutWritesTheSameStateAndRows) {
+  const OneRunBackend one_run;
+  for (const char* method : {"skvq", "snapkv+skvq"}) {
+    CacheConfig cfg;
+    cfg.method = method;
+    cfg.head_dim = kD;
+    cfg.skvq_window = 16;
+    cfg.skvq_n_sink = 4;
+    cfg.skvq_group_size = 16;
+    cfg.skvq_recent = 3;
+    cfg.snap_budget = 40;
+    cfg.snap_n_sink = 4;
+    cfg.snap_obs_window = 8;
+    auto make = [&](const kv::RowBackend& be) -> std::unique_ptr<KVCache> {
+      if (std::string(method) == "skvq") return std::make_unique<SkvqCache>(cfg, be);
+      return std::make_unique<SnapkvSkvqCache>(cfg, be);
+    };
+    auto a = make(kv::cpu_backend()), b = make(one_run);
+    const Tensor k = test::random_tensor(DType::kF16, kB, kH, 140, kD, 31);
+    const Tensor v = test::random_tensor(DType::kF16, kB, kH, 140, kD, 32);
+    // A prompt, single tokens across several flushes, a multi-token call (an eviction with
+    // packed rows for snapkv+skvq), more single tokens; then b reloads a's state and both go on.
+    const std::vector<int64_t> cuts = {0,  37, 38, 39, 40, 41, 60,  61,  62,  63,  64,  65,  66,
+                                       67, 68, 69, 70, 71, 72, 73,  74,  75,  90,  91,  92,  93,
+                                       94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 140};
+    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+      const std::string what = std::string(method) + " after row " + std::to_string(cuts[c + 1]);
+      const TensorView kb = k.view().slice_tokens(cuts[c], cuts[c + 1]);
+      const TensorView vb = v.view().slice_tokens(cuts[c], cuts[c + 1]);
+      const CacheView va = a->update_and_fetch(kb, vb), vb2 = b->update_and_fetch(kb, vb);
+      expect_same_rows(va, vb2, what + " (fetched view)");
+      ASSERT_EQ(saved(*a), saved(*b)) << what;
+      if (cuts[c + 1] == 90) {
+        std::istringstream in(saved(*a));
+        b = make(one_run);
+        b->load(in);
+        ASSERT_EQ(saved(*a), saved(*b)) << what << " reloaded";
+      }
+    }
+    EXPECT_GT(a->stats().figure("packed_rows"), 0) << method;
+  }
+}
+
+}  // namespace
+}  // namespace vq
