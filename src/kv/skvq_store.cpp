@@ -483,7 +483,8 @@ void Store::keep(const std::vector<int32_t>& idx, int64_t count) {
     for (int64_t i = 0; i < nf; ++i)
       ifp[f * nf + i] =
           i < n_s2 ? static_cast<int32_t>(i) : tail_row(idx[f * count + n_s2 + p2 + (i - n_s2)]);
-  auto kept_fp = be_->make(fp_shape(), round_up(std::max<int64_t>(nf, 16), 16), true);
+  // Room for 16 more rows (a few decode steps) before the first regrowth doubles the store.
+  auto kept_fp = be_->make(fp_shape(), round_up(std::max<int64_t>(nf, 16), 16) + 16, true);
   if (nf > 0) kept_fp->gather(*fp_, *be_->upload_index(nf, ifp), 0);
 
   // The last view still reads the old stores: retire them.
