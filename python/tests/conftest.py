@@ -3,13 +3,26 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaModel
 
 import veloxquant  # noqa: F401  (registers attn_implementation="veloxquant")
 
 VOCAB = 128
+
+# The cache argument's name: `cache` from transformers 5.3 on (`past_key_values` deprecated),
+# `past_key_values` before.
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters \
+    else "past_key_values"
+
+
+def kv(cache) -> dict:
+    """The keyword argument that hands `cache` to a model's forward or generate."""
+    return {CACHE_ARG: cache}
 
 
 def tiny_llama(attn: str = "veloxquant", dtype=torch.float32) -> LlamaForCausalLM:
@@ -42,8 +55,8 @@ def forced_logits(model, ids: torch.Tensor, cache, n_prefill: int, chunk: int = 
     step per remaining token; returns the logits of every decode step [B, T, V]."""
     chunk = chunk or n_prefill
     for s in range(0, n_prefill, chunk):
-        model(ids[:, s:min(s + chunk, n_prefill)], cache=cache, use_cache=True)
+        model(ids[:, s:min(s + chunk, n_prefill)], **kv(cache), use_cache=True)
     out = []
     for t in range(n_prefill, ids.shape[1]):
-        out.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+        out.append(model(ids[:, t:t + 1], **kv(cache), use_cache=True).logits[:, -1])
     return torch.stack(out, dim=1) if out else None

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 import veloxquant
-from conftest import forced_logits, tiny_llama
+from conftest import forced_logits, kv, tiny_llama
 
 SPECS = {
     "full": "full",
@@ -20,7 +20,7 @@ N_NEW = 24
 
 
 def greedy(model, ids, cache):
-    return model.generate(ids, cache=cache, max_new_tokens=N_NEW, do_sample=False,
+    return model.generate(ids, **kv(cache), max_new_tokens=N_NEW, do_sample=False,
                           pad_token_id=0)
 
 
@@ -121,13 +121,13 @@ def test_padded_batch_refused(model):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding: per-sequence positions
     with pytest.raises(ValueError, match="padded batches"):
-        model.generate(ids, attention_mask=mask, cache=veloxquant.Cache("full"),
+        model.generate(ids, attention_mask=mask, **kv(veloxquant.Cache("full")),
                        max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
 def test_beam_search_and_crop_refused(model, prompt):
     with pytest.raises(RuntimeError, match="reorder_cache"):
-        model.generate(prompt, cache=veloxquant.Cache(SPECS["skvq"]), num_beams=2,
+        model.generate(prompt, **kv(veloxquant.Cache(SPECS["skvq"])), num_beams=2,
                        max_new_tokens=4, do_sample=False, pad_token_id=0)
     cache = veloxquant.Cache(SPECS["skvq"])
     forced_logits(model, prompt, cache, 60)
@@ -143,7 +143,7 @@ def test_beam_search_and_crop_refused(model, prompt):
 def test_other_attention_implementation_refused(prompt):
     sdpa = tiny_llama("sdpa")
     with pytest.raises(RuntimeError, match="attn_implementation='veloxquant'"):
-        sdpa.generate(prompt, cache=veloxquant.Cache("full"), max_new_tokens=3,
+        sdpa.generate(prompt, **kv(veloxquant.Cache("full")), max_new_tokens=3,
                       do_sample=False, pad_token_id=0)
 
 
@@ -155,3 +155,12 @@ def test_bfloat16_model(prompt):
     out = greedy(m, prompt, cache)
     assert out.shape[1] == prompt.shape[1] + N_NEW
     assert cache.memory()["ratio_to_fp16"] == 1.0
+
+
+def test_fallback_without_our_cache_matches_sdpa(model, prompt):
+    """attn_implementation="veloxquant" with a DynamicCache falls back to SDPA with a
+    bottom-right causal mask (no mask is built for this implementation): chunked prefill and
+    decode give SDPA's logits."""
+    ref = forced_logits(tiny_llama("sdpa"), prompt, DynamicCache(), 40, chunk=25)
+    got = forced_logits(model, prompt, DynamicCache(), 40, chunk=25)
+    assert torch.equal(got, ref)

@@ -11,18 +11,26 @@ is deliberately not registered with the mask interface: transformers then passes
 
 from __future__ import annotations
 
+import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "veloxquant"
 
 
-def veloxquant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+def veloxquant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          sliding_window=None, **kwargs):
     """transformers attention interface: query [B, H_q, S, D], key/value [B, H_kv, S, D];
     returns ([B, S, H_q, D], None)."""
     layer = getattr(key, "_vq_layer", None)
     if layer is None:
+        n_q, n_k = query.shape[2], key.shape[2]
+        if attention_mask is None and 1 < n_q < n_k:
+            # No mask is built for this implementation; SDPA's is_causal would align the queries
+            # top-left, so give it the bottom-right causal mask (query i sees keys <= n_k - n_q + i).
+            i = torch.arange(n_q, device=query.device).view(-1, 1)
+            j = torch.arange(n_k, device=query.device).view(1, -1)
+            attention_mask = (j <= i + (n_k - n_q)).view(1, 1, n_q, n_k)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, sliding_window=sliding_window, **kwargs)
     del key._vq_layer

@@ -100,13 +100,18 @@ class CacheLayer(CacheLayerMixin):
         """Tokens seen (the next token's position), not the rows kept after eviction."""
         return self._cache.offset if self._cache is not None else 0
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # cache_position, before transformers 5.3
+            query_length = query_length.shape[0]
         # The attention function computes the causal test from each row's own position; this is
         # the number of keys it attends over.
         stored = self._cache.stored_rows if self._cache is not None else 0
         return stored + query_length, 0
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # the name of get_max_length before transformers 5.3
         return -1
 
     def reset(self) -> None:
