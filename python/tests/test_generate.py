@@ -164,3 +164,10 @@ def test_fallback_without_our_cache_matches_sdpa(model, prompt):
     ref = forced_logits(tiny_llama("sdpa"), prompt, DynamicCache(), 40, chunk=25)
     got = forced_logits(model, prompt, DynamicCache(), 40, chunk=25)
     assert torch.equal(got, ref)
+
+
+def test_forward_outside_no_grad(model, prompt):
+    """A plain forward (autograd on, as in a user's script) runs: the step is inference only."""
+    cache = veloxquant.Cache("full")
+    out = model(prompt, **kv(cache), use_cache=True)
+    assert out.logits.shape == (1, prompt.shape[1], 128)

@@ -89,11 +89,12 @@ class CacheLayer(CacheLayerMixin):
                     f"{position_ids.tolist() if position_ids.numel() <= 16 else 'others'}: "
                     "padded batches (per-sequence positions) are not supported"
                 )
-        q32 = query.to(torch.float32).contiguous()
+        # Inference only: the C++ step is outside autograd (detach: DLPack refuses grad tensors).
+        q32 = query.detach().to(torch.float32).contiguous()
         out = torch.empty((b, hq, s, d), dtype=torch.float32)
         pass_queries = self.config.method.startswith("snapkv")
-        self._cache.attend(key, value, q32, out, float(scaling or 0.0), int(window or 0),
-                           pass_queries)
+        self._cache.attend(key.detach(), value.detach(), q32, out, float(scaling or 0.0),
+                           int(window or 0), pass_queries)
         return out.to(query.dtype).transpose(1, 2).contiguous()
 
     def get_seq_length(self) -> int:
