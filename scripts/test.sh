@@ -43,3 +43,26 @@ echo "== [4/4] test suite (Release) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
 (cd build && ctest -j"$jobs" --timeout 600)
+
+echo "== [5] Python package: pip install . into a venv, pytest python/tests =="
+# A fresh venv under build-python/ (ignored by git); torch from PyPI (its CPU-only wheel index is
+# not reachable from CI), transformers and pytest, then the package itself (scikit-build-core
+# builds the extension in build-python/<wheel tag>, with ccache where present). The shipped-model
+# test compares with build/veloxquant, built in step 4. kvpress pins transformers < 5.3: its test
+# runs in a second venv that sees the first one's packages (a .pth) under its own transformers.
+py_start=$SECONDS
+py=build-python/venv/bin/python
+python3 -m venv build-python/venv
+$py -m pip install -q --upgrade pip
+$py -m pip install -q "torch>=2.4" "transformers>=5.2,<6" pytest safetensors numpy \
+  "scikit-build-core>=0.10" "nanobind>=2.4"
+launcher=()
+if command -v ccache >/dev/null 2>&1; then launcher=(CMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+env "${launcher[@]}" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" $py -m pip install -q --no-build-isolation .
+VQ_CLI="$PWD/build/veloxquant" $py -m pytest -q python/tests
+python3 -m venv build-python/venv-kvpress
+$py -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+  "$(build-python/venv-kvpress/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_veloxquant_venv.pth"
+build-python/venv-kvpress/bin/python -m pip install -q kvpress
+build-python/venv-kvpress/bin/python -m pytest -q python/tests/test_kvpress.py
+echo "Python step: $((SECONDS - py_start)) s"

@@ -1,0 +1,227 @@
+// veloxquant._veloxquant: the nanobind extension behind the Python package (python/veloxquant).
+//
+// It exposes the cache configuration parser (veloxquant/cache_config.h) and one class per layer,
+// LayerCache, that owns a KVCache (veloxquant/cache.h) and runs one attention step over it:
+// update_and_fetch of this call's keys/values (with the real queries, for SnapKV's query scoring)
+// then the fused attention of src/ops over the returned CacheView (packed segments read in
+// place: no dequantized copy of the cache). Tensors cross as DLPack arrays (torch tensors): the
+// views point at the tensors' own memory, [B, H, S, D] with any element strides; nothing is copied.
+// Errors: vq::Error from parsing or from validating a step's input becomes ValueError; from
+// loading a state or any other operation RuntimeError. Both carry the library's message.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "veloxquant/attention.h"
+#include "veloxquant/builder.h"
+#include "veloxquant/cache.h"
+#include "veloxquant/cache_config.h"
+#include "veloxquant/cuda.h"
+#include "veloxquant/error.h"
+#include "veloxquant/tensor.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using Array = nb::ndarray<>;
+
+std::string dims_str(const Array& a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
+}
+
+// A [B, H, S, D] CPU array of fp32, fp16 or bf16 as a TensorView over the same memory.
+vq::TensorView to_view(const Array& a, const char* what) {
+  const std::string op = std::string("[veloxquant.Cache] ") + what;
+  if (a.device_type() != nb::device::cpu::value)
+    throw nb::value_error((op + ": expected a CPU tensor but got device type " +
+                           std::to_string(a.device_type()) + " (CUDA storage is not in this build)")
+                              .c_str());
+  if (a.ndim() != 4)
+    throw nb::value_error((op + ": expected 4 dims [B, H, S, D] but got " + dims_str(a)).c_str());
+  vq::TensorView v;
+  const nb::dlpack::dtype t = a.dtype();
+  if (t == nb::dtype<float>())
+    v.dtype = vq::DType::kF32;
+  else if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16 &&
+           t.lanes == 1)
+    v.dtype = vq::DType::kF16;
+  else if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16 &&
+           t.lanes == 1)
+    v.dtype = vq::DType::kBF16;
+  else
+    throw nb::value_error((op + ": expected float32, float16 or bfloat16 but got DLPack code " +
+                           std::to_string(t.code) + " with " + std::to_string(t.bits) + " bits")
+                              .c_str());
+  v.data = a.data();
+  for (int i = 0; i < 4; ++i) {
+    v.shape[i] = static_cast<int64_t>(a.shape(i));
+    v.stride[i] = a.stride(i);
+  }
+  return v;
+}
+
+// Runs fn; a vq::Error it throws becomes a ValueError (input the library refused).
+template <typename F>
+auto as_value_error(F&& fn) {
+  try {
+    return fn();
+  } catch (const vq::Error& e) {
+    throw nb::value_error(e.what());
+  }
+}
+
+// The config of a layer: the JSON the Python side built (method + fields), with head_dim.
+vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim) {
+  return as_value_error([&] {
+    vq::CacheConfig cfg = vq::config_from_json(config_json);
+    VQ_CHECK(head_dim >= 1 && head_dim <= vq::kMaxCacheHeadDim,
+             "[veloxquant.Cache] head_dim: expected 1.." + std::to_string(vq::kMaxCacheHeadDim) +
+                 " but got " + std::to_string(head_dim));
+    cfg.head_dim = head_dim;
+    vq::check_cache_config(cfg);
+    return cfg;
+  });
+}
+
+// One layer's cache (one KVCache of the configured method).
+class LayerCache {
+ public:
+  LayerCache(const std::string& config_json, int64_t head_dim)
+      : cache_(vq::make_cache(layer_config(config_json, head_dim))) {}
+
+  // One attention step: appends keys/values [B, H_kv, S, D] and writes attention of the queries
+  // q [B, H_q, S, D] (fp32, contiguous; positions offset() .. offset() + S - 1) over every stored
+  // row and the new ones into out [B, H_q, S, D] (fp32, contiguous). scale 0 = 1/sqrt(D); window
+  // 0 = none. pass_queries hands q to the cache (SnapKV's query scoring).
+  void attend(const Array& keys, const Array& values, const Array& q, const Array& out, float scale,
+              int64_t window, bool pass_queries) {
+    const vq::TensorView k = to_view(keys, "keys");
+    const vq::TensorView v = to_view(values, "values");
+    const vq::TensorView qv = to_view(q, "queries");
+    const vq::TensorView ov = to_view(out, "out");
+    const char* op = "[veloxquant.Cache] ";
+    auto fail = [&](const std::string& m) { throw nb::value_error((op + m).c_str()); };
+    if (qv.dtype != vq::DType::kF32 || !qv.is_contiguous())
+      fail("queries: expected contiguous float32 but got " + std::string(dtype_name(qv.dtype)) +
+           (qv.is_contiguous() ? "" : " (strided)"));
+    if (ov.dtype != vq::DType::kF32 || !ov.is_contiguous() || ov.shape != qv.shape)
+      fail("out: expected contiguous float32 of the queries' shape " + dims_str(q) + " but got " +
+           dims_str(out) + " " + dtype_name(ov.dtype));
+    if (qv.shape[0] != k.shape[0] || qv.shape[2] != k.shape[2] || qv.shape[3] != k.shape[3])
+      fail("queries: expected [" + std::to_string(k.shape[0]) + ", H_q, " +
+           std::to_string(k.shape[2]) + ", " + std::to_string(k.shape[3]) +
+           "] (the keys' B, S, D) but got " + dims_str(q));
+    if (window < 0) fail("window: expected >= 0 but got " + std::to_string(window));
+    nb::gil_scoped_release unlocked;
+    as_value_error([&] {
+      vq::AttentionParams ap;
+      ap.scale = scale;
+      ap.window = window;
+      ap.q_pos0 = cache_->offset();  // read before the update (docs/design.md §C1)
+      vq::UpdateOptions uo;
+      uo.queries = pass_queries ? &qv : nullptr;
+      const vq::CacheView view = cache_->update_and_fetch(k, v, uo);
+      vq::attention(qv, view, ap, static_cast<float*>(ov.data));
+      return 0;
+    });
+  }
+
+  std::string method() const { return cache_->method(); }
+  int64_t offset() const { return cache_->offset(); }
+  int64_t stored_rows() const { return cache_->stored_rows(); }
+  int64_t batch() const { return cache_->batch(); }
+  int64_t n_kv_heads() const { return cache_->n_kv_heads(); }
+  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const {
+    return as_value_error([&] {
+      VQ_CHECK(b >= 0 && b < cache_->batch() && h >= 0 && h < cache_->n_kv_heads(),
+               "[veloxquant.Cache] stored_positions: expected b < " +
+                   std::to_string(cache_->batch()) + " and h < " +
+                   std::to_string(cache_->n_kv_heads()) + " but got b " + std::to_string(b) +
+                   ", h " + std::to_string(h));
+      return cache_->stored_positions(b, h);
+    });
+  }
+  void end_prompt() { cache_->end_prompt(); }
+  bool is_trimmable() const { return cache_->is_trimmable(); }
+  int64_t trim(int64_t n) { return cache_->trim(n); }
+
+  nb::dict stats() const {
+    const vq::CacheStats s = cache_->stats();
+    nb::dict d;
+    d["method"] = s.method;
+    d["tokens_seen"] = s.tokens_seen;
+    d["rows_stored"] = s.rows_stored;
+    d["bytes_accounted"] = s.bytes_accounted;
+    d["bytes_resident"] = s.bytes_resident;
+    d["fp16_bytes"] = s.fp16_bytes;
+    nb::dict f;
+    for (const auto& [name, value] : s.figures) f[name.c_str()] = value;
+    d["figures"] = f;
+    return d;
+  }
+
+  nb::bytes save() const {
+    std::ostringstream os(std::ios::binary);
+    cache_->save(os);
+    const std::string b = os.str();
+    return nb::bytes(b.data(), b.size());
+  }
+  // All-or-nothing (KVCache::load): a refused state leaves the cache as it was.
+  void load(const nb::bytes& data) {
+    std::istringstream is(std::string(data.c_str(), data.size()), std::ios::binary);
+    cache_->load(is);
+  }
+
+ private:
+  std::unique_ptr<vq::KVCache> cache_;
+};
+
+}  // namespace
+
+NB_MODULE(_veloxquant, m) {
+  m.doc() = "veloxquant C++ core: cache configuration and per-layer compressed KV caches";
+
+  m.def("cache_methods", [] { return vq::cache_methods(); });
+  m.def(
+      "parse_spec",
+      [](const std::string& spec) {
+        return as_value_error([&] { return vq::config_to_json(vq::parse_cache_arg(spec)); });
+      },
+      nb::arg("spec"), "Compact spec ('snapkv+skvq:budget=256') -> the config as JSON.");
+  m.def(
+      "normalize_config",
+      [](const std::string& json) {
+        return as_value_error([&] { return vq::config_to_json(vq::config_from_json(json)); });
+      },
+      nb::arg("json"), "JSON object of fields (with 'method') -> the checked config as JSON.");
+  m.def("method_fields", [](const std::string& method) {
+    return as_value_error([&] { return vq::cache_method_fields(method); });
+  });
+  m.def("cuda_available", [] { return vq::cuda::is_available(); });
+
+  nb::class_<LayerCache>(m, "LayerCache")
+      .def(nb::init<const std::string&, int64_t>(), nb::arg("config_json"), nb::arg("head_dim"))
+      .def("attend", &LayerCache::attend, nb::arg("keys"), nb::arg("values"), nb::arg("queries"),
+           nb::arg("out"), nb::arg("scale"), nb::arg("window"), nb::arg("pass_queries"))
+      .def_prop_ro("method", &LayerCache::method)
+      .def_prop_ro("offset", &LayerCache::offset)
+      .def_prop_ro("stored_rows", &LayerCache::stored_rows)
+      .def_prop_ro("batch", &LayerCache::batch)
+      .def_prop_ro("n_kv_heads", &LayerCache::n_kv_heads)
+      .def("stored_positions", &LayerCache::stored_positions)
+      .def("end_prompt", &LayerCache::end_prompt)
+      .def("is_trimmable", &LayerCache::is_trimmable)
+      .def("trim", &LayerCache::trim)
+      .def("stats", &LayerCache::stats)
+      .def("save", &LayerCache::save)
+      .def("load", &LayerCache::load);
+}

@@ -1,0 +1,305 @@
+"""veloxquant.Cache: a transformers Cache whose layers hold a veloxquant method's packed storage.
+
+Each layer (CacheLayer) owns one C++ cache (include/veloxquant/cache.h). transformers calls
+`update(k, v)` before the attention function, but SnapKV's query scoring needs the step's queries
+and our attention reads the compressed rows in place, so `update` only parks the new rows on the
+returned key tensor; the "veloxquant" attention function (attention.py) then hands keys, values
+and the real queries to the C++ layer in one call (update_and_fetch + fused attention over the
+CacheView: no dequantized copy of the cache). Keys arrive already rotated by RoPE at their true
+positions; eviction keeps rotated keys with their positions, and `get_seq_length` is the true
+position of the next token (docs/design.md §C1), so RoPE of later tokens is unaffected by eviction.
+
+State files: one file per Cache, a small header (magic, version, config JSON, layer count) then
+each layer's checksummed C++ state (binary_io.h); loading is all-or-nothing over every layer.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from typing import Any, Mapping
+
+import torch
+from transformers.cache_utils import Cache as _HFCache
+from transformers.cache_utils import CacheLayerMixin
+
+from . import _veloxquant as _vq
+from .config import CacheConfig
+
+_MAGIC = b"VQPYCACH"
+_VERSION = 1
+
+
+class CacheLayer(CacheLayerMixin):
+    """One model layer's veloxquant cache (transformers' per-layer cache object)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, config: CacheConfig):
+        super().__init__()
+        self.config = config
+        self._cache: Any = None  # _veloxquant.LayerCache, created at the first update
+        self._pending = False
+        self.head_dim = 0
+
+    # -- transformers' layer protocol -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.head_dim = int(key_states.shape[-1])
+        self._cache = _vq.LayerCache(self.config.to_json(), int(key_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._pending:
+            self._pending = False
+            raise RuntimeError(
+                "[veloxquant.Cache] expected the previous step's attention to run through "
+                "attn_implementation='veloxquant' but it did not: load the model with "
+                "attn_implementation='veloxquant' (import veloxquant registers it)"
+            )
+        if key_states.device.type != "cpu":
+            raise ValueError(
+                f"[veloxquant.Cache] expected CPU tensors but got {key_states.device}: "
+                "this build holds CPU storage only"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # The rows enter the cache in the attention function, with the queries (attention.py).
+        key_states._vq_layer = self
+        key_states._vq_values = value_states
+        self._pending = True
+        return key_states, value_states
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None, window: int, position_ids: torch.Tensor | None):
+        """One attention step over the stored rows and this call's: [B, S, H_q, D] output."""
+        self._pending = False
+        b, hq, s, d = query.shape
+        offset = self._cache.offset
+        if position_ids is not None:
+            expected = torch.arange(offset, offset + s, device=position_ids.device)
+            if not bool((position_ids == expected).all()):
+                raise ValueError(
+                    "[veloxquant.Cache] expected positions "
+                    f"{offset}..{offset + s - 1} for every sequence of the batch but got "
+                    f"{position_ids.tolist() if position_ids.numel() <= 16 else 'others'}: "
+                    "padded batches (per-sequence positions) are not supported"
+                )
+        # Inference only: the C++ step is outside autograd (detach: DLPack refuses grad tensors).
+        q32 = query.detach().to(torch.float32).contiguous()
+        out = torch.empty((b, hq, s, d), dtype=torch.float32)
+        pass_queries = self.config.method.startswith("snapkv")
+        self._cache.attend(key.detach(), value.detach(), q32, out, float(scaling or 0.0),
+                           int(window or 0), pass_queries)
+        return out.to(query.dtype).transpose(1, 2).contiguous()
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (the next token's position), not the rows kept after eviction."""
+        return self._cache.offset if self._cache is not None else 0
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # cache_position, before transformers 5.3
+            query_length = query_length.shape[0]
+        # The attention function computes the causal test from each row's own position; this is
+        # the number of keys it attends over.
+        stored = self._cache.stored_rows if self._cache is not None else 0
+        return stored + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # the name of get_max_length before transformers 5.3
+        return -1
+
+    def reset(self) -> None:
+        self._cache = None
+        self._pending = False
+        self.is_initialized = False
+
+    def offload(self):
+        raise RuntimeError("[veloxquant.Cache] offloading: expected offloading=False (not supported)")
+
+    def prefetch(self):
+        raise RuntimeError("[veloxquant.Cache] offloading: expected offloading=False (not supported)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self._cache is None or tokens_to_remove == 0:
+            return
+        if tokens_to_remove < 0:  # transformers' convention: crop to -n tokens
+            tokens_to_remove = self._cache.offset + tokens_to_remove
+        self._cache.trim(int(tokens_to_remove))  # refused (RuntimeError) by non-full methods
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise RuntimeError(
+            f"[veloxquant.Cache] reorder_cache: method {self.config.method} cannot reorder the "
+            "batch (beam search, contrastive search): use greedy or sampling with num_beams=1"
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise RuntimeError(
+            f"[veloxquant.Cache] batch_repeat_interleave: method {self.config.method} cannot "
+            "repeat the batch: expected num_return_sequences=1 with num_beams=1"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"[veloxquant.Cache] batch_select_indices: method {self.config.method} cannot "
+            "select batch rows"
+        )
+
+    # -- veloxquant extras -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The C++ cache's figures (bytes accounted/resident, fp16 bytes, method figures)."""
+        if self._cache is None:
+            return {"method": self.config.method, "tokens_seen": 0, "rows_stored": 0,
+                    "bytes_accounted": 0, "bytes_resident": 0, "fp16_bytes": 0, "figures": {}}
+        return self._cache.stats()
+
+    def stored_positions(self, b: int = 0, h: int = 0) -> list:
+        if self._cache is None:
+            return []
+        return list(self._cache.stored_positions(b, h))
+
+
+class Cache(_HFCache):
+    """A transformers Cache over veloxquant's compressed caches, one per layer.
+
+    >>> import veloxquant
+    >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="veloxquant")
+    >>> cache = veloxquant.Cache("snapkv+skvq:budget=256:bits_key=4:bits_value=4")
+    >>> model.generate(ids, past_key_values=cache, max_new_tokens=32)
+
+    `config` is a spec string, a dict of fields (with "method"), or a CacheConfig. With a model
+    config (or num_layers) the layers are made up front, otherwise at their first update.
+    """
+
+    def __init__(self, config: "str | Mapping[str, Any] | CacheConfig" = "full",
+                 model_config: Any = None, num_layers: int | None = None):
+        self.cache_config = CacheConfig(config)
+        if num_layers is None and model_config is not None:
+            num_layers = int(model_config.num_hidden_layers)
+        if num_layers is not None:
+            super().__init__(layers=[CacheLayer(self.cache_config) for _ in range(num_layers)])
+        else:
+            super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def _new_layer(self) -> CacheLayer:
+        return CacheLayer(self.cache_config)
+
+    @property
+    def method(self) -> str:
+        return self.cache_config.method
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        if not self.layers:
+            return
+        self.layers[0].reorder_cache(beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.layers and self.layers[0]._cache is not None and not self.layers[0]._cache.is_trimmable():
+            raise RuntimeError(
+                f"[veloxquant.Cache] crop: expected a trimmable method (full) but got {self.method}"
+            )
+        super().crop(tokens_to_remove)
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.method == "full"
+
+    # -- figures ----------------------------------------------------------------------------------
+    def stats(self) -> list:
+        """Per layer, the C++ cache's figures (docs/design.md §C1 statistics)."""
+        return [layer.stats() for layer in self.layers]
+
+    def memory(self) -> dict:
+        """Bytes of every layer: accounted (the method's formula), resident, and fp16 equivalent."""
+        total = {"bytes_accounted": 0, "bytes_resident": 0, "fp16_bytes": 0}
+        for st in self.stats():
+            for key in total:
+                total[key] += int(st[key])
+        total["ratio_to_fp16"] = (total["bytes_accounted"] / total["fp16_bytes"]
+                                  if total["fp16_bytes"] else 1.0)
+        return total
+
+    # -- state files ------------------------------------------------------------------------------
+    def save(self, path_or_file) -> None:
+        """Writes every layer's state (the C++ versioned, checksummed format) to one file."""
+        layers = []
+        for i, layer in enumerate(self.layers):
+            if layer._cache is None:
+                raise RuntimeError(f"[veloxquant.Cache] save: expected every layer to hold rows "
+                                   f"but layer {i} has none yet")
+            if layer._pending:
+                raise RuntimeError("[veloxquant.Cache] save: expected no step in flight")
+            layers.append((int(layer._cache.stats()["tokens_seen"]), layer._cache.save()))
+        header = json.dumps({"config": self.cache_config.to_dict(),
+                             "head_dim": [layer.head_dim for layer in self.layers]}).encode()
+        buf = io.BytesIO()
+        buf.write(_MAGIC + struct.pack("<II", _VERSION, len(header)) + header)
+        buf.write(struct.pack("<I", len(layers)))
+        for _, blob in layers:
+            buf.write(struct.pack("<Q", len(blob)) + blob)
+        data = buf.getvalue()
+        if hasattr(path_or_file, "write"):
+            path_or_file.write(data)
+        else:
+            with open(path_or_file, "wb") as f:
+                f.write(data)
+
+    def load(self, path_or_file) -> None:
+        """Reads a file written by save(). All or nothing: on any error (RuntimeError naming the
+        problem) every layer is left as it was."""
+        if hasattr(path_or_file, "read"):
+            data = path_or_file.read()
+        else:
+            with open(path_or_file, "rb") as f:
+                data = f.read()
+        view = memoryview(data)
+
+        def take(n: int, what: str) -> memoryview:
+            nonlocal view
+            if len(view) < n:
+                raise RuntimeError(f"[veloxquant.Cache] load: expected {n} bytes of {what} but "
+                                   f"got {len(view)} (truncated file)")
+            out, view = view[:n], view[n:]
+            return out
+
+        if bytes(take(len(_MAGIC), "magic")) != _MAGIC:
+            raise RuntimeError("[veloxquant.Cache] load: expected a veloxquant.Cache state file "
+                               "(magic VQPYCACH) but got other bytes")
+        version, header_len = struct.unpack("<II", take(8, "header"))
+        if version != _VERSION:
+            raise RuntimeError(f"[veloxquant.Cache] load: expected version {_VERSION} but got "
+                               f"{version}")
+        try:
+            header = json.loads(bytes(take(header_len, "header")).decode())
+            cfg = CacheConfig(header["config"])
+            head_dims = [int(x) for x in header["head_dim"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise RuntimeError(f"[veloxquant.Cache] load: expected a valid header but got {e}")
+        if cfg != self.cache_config:
+            raise RuntimeError("[veloxquant.Cache] load: expected a state of this cache's config "
+                               f"{self.cache_config.to_dict()} but got {cfg.to_dict()}")
+        (n_layers,) = struct.unpack("<I", take(4, "layer count"))
+        if n_layers != len(head_dims) or (self.layers and n_layers != len(self.layers)):
+            raise RuntimeError(f"[veloxquant.Cache] load: expected {len(self.layers)} layers "
+                               f"but got {n_layers}")
+        fresh = []
+        for i in range(n_layers):
+            (n,) = struct.unpack("<Q", take(8, f"layer {i} size"))
+            blob = bytes(take(n, f"layer {i}"))
+            layer = CacheLayer(self.cache_config)
+            layer._cache = _vq.LayerCache(self.cache_config.to_json(), head_dims[i])
+            layer._cache.load(blob)  # RuntimeError with the library's message on a bad state
+            layer.is_initialized = True
+            layer.head_dim = head_dims[i]
+            layer.device = torch.device("cpu")
+            fresh.append(layer)
+        if len(view):
+            raise RuntimeError(f"[veloxquant.Cache] load: expected the end of the file but got "
+                               f"{len(view)} more bytes")
+        self.layers[:] = fresh
