@@ -15,9 +15,9 @@
 // staged as byte ranges. Each warp takes warp-tiles of 16 rows, all on mma.m16n8k16 (fp16 inputs,
 // fp32 accumulation):
 //  (1) logits: A = 16 key rows x 16 channels, B = the queries as N = 8 columns n = 2 h + part
-//      (head h, part 0 the fp16 rounding hi of q * sigma_h, part 1 the fp16 rounding of the rest;
-//      sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head) logits with hi and lo
-//      in neighbouring columns of one lane. Channel map of chunk c (32 channels), k-step s, K
+//      (head h, part 0 the fp16 rounding of q * sigma_h, part 1 zero, the columns of the former
+//      exact hi + lo split; sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head)
+//      logits in column 2 h of each lane. Channel map of chunk c (32 channels), k-step s, K
 //      index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
 //      8 contiguous channels of rows g and g + 8. 2-bit codes become exact fp16 integers
 //      ((c | 0x6400) - 1024); packed 2-bit keys take the KB = 4 map below, the lane's 2 code
@@ -27,16 +27,18 @@
 //      32 c + 8 t + 2 s + (k >= 8) + 4 (k % 2), i.e. the nibble pairs (j, j + 4) of the lane's
 //      32-bit word of 8 codes, taken by masks without shifts (f16 rows: one byte permute).
 //  (2) online softmax per head (exp2 of log2e-scaled logits; running max per warp and head).
-//  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (hi/lo
-//      again; packed: p * scale of the row's group, and p * lo summed on the side). f16 values
-//      arrive through ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b + mu of
-//      the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the next
-//      channel, so a lane's codes are one byte per row and block, each code read where it lies
+//  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (part-1
+//      columns zero again; packed: p * scale of the row's group, and p * lo summed on the side).
+//      f16 values arrive through ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b +
+//      mu of the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the
+//      next channel, so a lane's codes are one byte per row and block, each code read where it lies
 //      (value 4^i c for the i-th code of the byte, undone by an exact power-of-two scale later).
 //      KB = 4: the same channel map, a lane's codes are the 16 bits at byte 16 b + 2 g of a row
 //      (4 nibbles: channels +0..+3), made exact fp16 integers by mask + (x - 1024) for the low
 //      nibble of a byte and mask + (x / 16 - 64) for the high one (both exact).
-// Numerics: q and p are carried as fp16 hi + lo (about 2^-22 relative per term); packed values
+// Numerics (FlashAttention's, docs/design.md section 4): q and p are rounded once to fp16 (2^-11
+// relative; the zero-point chunk sums are sums of the rounded q), products exact, fp32
+// accumulation, softmax max and sum in fp32 from the unrounded p; packed values
 // use B = (p * 2^S) * scale, S warp-uniform and raised (the fp32 accumulators rescaled exactly)
 // whenever a row's scale exceeds the binade of the largest seen so far in the split (any channel
 // block), so S puts that scale in [2^14, 2^15) and the products accumulate in the mma accumulators
@@ -120,14 +122,12 @@ __device__ __forceinline__ uint32_t code_pair_hi4(uint32_t y) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// Part `part` (0: fp16 rounding hi of x, 1: fp16 rounding of x - hi) of two values, packed;
-// branch-free (the two parts sit in neighbouring lanes of a warp).
-__device__ __forceinline__ uint32_t split_pack(float x0, float x1, int part) {
-  const __half2 hi = __floats2half2_rn(x0, x1);
-  const float2 f = __half22float2(hi);
-  const __half2 lo = __floats2half2_rn(x0 - f.x, x1 - f.y);
-  const __half2 r = part ? lo : hi;
-  return *reinterpret_cast<const uint32_t*>(&r);
+// The B operand of two values for a lane of column part `part`: their fp16 roundings for part 0,
+// zeros for part 1 (the columns of the former lo parts; FlashAttention numerics, docs/design.md
+// section 4: one fp16 rounding per q and p operand, fp32 accumulation).
+__device__ __forceinline__ uint32_t pack_part(float x0, float x1, int part) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  return part ? 0u : *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // 2^x of x <= 0 on the special function unit (exp2f's approximation without its subnormal
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     cp_async_commit();
   }
 
-  // ---- queries: scaled by scale * log2 e, transformed for packed keys, split hi/lo per lane
+  // ---- queries: scaled by scale * log2 e, transformed for packed keys, rounded to fp16 per lane
   const float* qg = p.q + (bh * G) * D;
   for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
   __syncthreads();
@@ -271,6 +271,19 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       ssig[h] = sgm;
     }
   }
+  __syncthreads();
+  // every query value becomes the tensor-core operand it will be (fp16 rounding of q * sigma, times
+  // 4^-i for 2-bit packed keys, exactly undone), so the chunk sums below are sums of the operands
+  // and the folded zero-points add no error of their own (docs/design.md section 4)
+  {
+    const bool k2r = PK > 0 && KB == 2 && packed;
+    for (int i = tid; i < G * D; i += kThreads) {
+      const int d = i % D;
+      const float fac = ssig[i / D] * (k2r ? __int_as_float((127 - 2 * (d & 3)) << 23) : 1.0f);
+      qs[i] = __half2float(__float2half_rn(qs[i] * fac)) * (1.0f / fac);
+    }
+  }
+  __syncthreads();
   for (int i = tid; i < G * NCH; i += kThreads) {
     const int h = i / NCH, c = i % NCH;
     float s = 0.0f;
@@ -299,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
                                           : 0.015625f)
                               : 1.0f;
           const float sgm = ssig[h] * f;
-          w = split_pack(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
+          w = pack_part(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
         }
         qb[nt][c][i] = w;
       }
@@ -525,8 +538,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         uint32_t b0[NT], b1[NT];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          b0[nt] = split_pack(pv[nt][0], pv[nt][1], partb);
-          b1[nt] = split_pack(pv[nt][2], pv[nt][3], partb);
+          b0[nt] = pack_part(pv[nt][0], pv[nt][1], partb);
+          b1[nt] = pack_part(pv[nt][2], pv[nt][3], partb);
         }
         const int lr = rb0 + (lane & 7) + 8 * (lane >> 4);
         const uint8_t* rowp = sv + lr * RB;
@@ -604,8 +617,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           }
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t bb0 = split_pack(pu[nt][0] * sc[0], pu[nt][1] * sc[1], partb);
-            const uint32_t bb1 = split_pack(pu[nt][2] * sc[2], pu[nt][3] * sc[3], partb);
+            const uint32_t bb0 = pack_part(pu[nt][0] * sc[0], pu[nt][1] * sc[1], partb);
+            const uint32_t bb1 = pack_part(pu[nt][2] * sc[2], pu[nt][3] * sc[3], partb);
             mma_16816(vacc[nt][2 * c], e0, e1, e2, e3, bb0, bb1);
             mma_16816(vacc[nt][2 * c + 1], f0, f1, f2, f3, bb0, bb1);
             float s = vb[nt][c];
