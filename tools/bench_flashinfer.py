@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """FlashInfer's paged decode beside the CUDA decode benchmark (the peers of issue 14, same call).
 
-Runs flashinfer.BatchDecodeWithPagedKVCacheWrapper (its default decode kernel, NHD pages of 16
-rows) over a bf16 and an fp8-e4m3 paged cache of the shapes of bench/cuda_decode_attention.cu
+Runs flashinfer.BatchDecodeWithPagedKVCacheWrapper (its default decode kernel, the CUDA-core one
+with use_tensor_cores=False; NHD pages of 16 rows) over a bf16 and an fp8-e4m3 paged cache of the shapes of bench/cuda_decode_attention.cu
 (32 query / 8 KV heads, head_dim 128; batch 1 and 8; context 4K, 32K, 128K) with that program's
 protocol (warm-up, CUDA events, L2 flushed by a 256 MiB fill before each repeat, median and
 p10-p90), then prints one Markdown table per shape with our rows from that program's CSV beside
@@ -11,8 +11,12 @@ issue's peer targets. FlashInfer's JIT kernels are built once, before any timing
 and run of each data type), in FLASHINFER_WORKSPACE_BASE.
 
 Usage: python3 tools/bench_flashinfer.py cuda_decode_attention.csv [--repeats 20] [--quick]
-Exits 0 with a note when flashinfer cannot be imported (the wheel is carried to the GPU host:
-scripts/gpu_run.sh installs it from .whl/ when present).
+Exits 0 with a note when flashinfer cannot be imported. The wheels are fetched once into .whl/
+(ignored) and carried to the GPU host in a peers bundle (VQ_BUNDLE=peers scripts/gpu_bundle.sh),
+whose gpu_run.sh installs them:
+  python3 -m pip download --no-deps -d .whl flashinfer-python==0.6.18
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d .whl "apache-tvm-ffi>=0.1.6,<0.2,!=0.1.8,!=0.1.8.post0"
 """
 import argparse
 import csv
