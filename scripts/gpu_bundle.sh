@@ -2,8 +2,9 @@
 # Builds the GPU test and benchmark programs (VQ_CUDA=ON, portable x86-64 host code) and packs
 # them, stripped, with the shared libraries a bare GPU host may lack (libxxhash, libgomp) into
 # DIR/gpu.txz next to scripts/gpu_run.sh's copy, so a machine with only the CUDA driver, Python
-# and PyTorch can run the whole GPU suite and the benchmarks (it needs the repository's
-# tools/bench_sdpa.py and bench/cuda_prefill_sdpa.py too: run it from a checkout).
+# and PyTorch can run the whole GPU suite and the benchmarks; the Python benchmark scripts
+# (tools/bench_sdpa.py, tools/bench_flashinfer.py, bench/cuda_prefill_sdpa.py) and the peers'
+# wheels in .whl/ (if any) are copied beside it, so the bundle runs from any checkout.
 #
 #   scripts/gpu_bundle.sh [DIR (gpu-bundle)] [BUILD (build-cuda)]
 #   then on the GPU host, from the checkout:  bash DIR/gpu_run.sh
@@ -15,16 +16,34 @@ export PATH=$PATH:/usr/local/cuda/bin
 tests=(test_cuda_decode test_cuda_decode_formats test_cuda_skvq test_cuda_snapkv test_cuda_caches
   test_cuda_prefill test_backend_ops_cuda)
 benches=(cuda_decode_attention cuda_prefill_attention)
+# VQ_BUNDLE=peers: the decode benchmark and the decode test plus the peers' wheels (.whl/:
+# FlashInfer and its tvm-ffi), for a call that checks and times ours beside SDPA and FlashInfer;
+# the full bundle and the checkout together already fill most of the 64 MiB a device call carries
+# (the whole FlashInfer wheel, 18 MB: its JIT needs the CCCL and CUTLASS headers it bundles; with
+# the decode test alone beside the benchmark the call carries ~59 MB)
+peers=0
+if [ "${VQ_BUNDLE:-full}" = peers ]; then
+  peers=1
+  tests=(test_cuda_decode)
+  benches=(cuda_decode_attention)
+fi
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVQ_CUDA=ON -DVQ_NATIVE=OFF >/dev/null
-cmake --build "$build" -j"$(nproc)" --target "${tests[@]}" "${benches[@]}"
+cmake --build "$build" -j"$(nproc)" --target "${tests[@]+"${tests[@]}"}" "${benches[@]}"
 stage=$(mktemp -d)
 mkdir -p "$stage/lib" "$dir"
-for t in "${tests[@]}"; do strip -o "$stage/$t" "$build/tests/$t"; done
+for t in "${tests[@]+"${tests[@]}"}"; do strip -o "$stage/$t" "$build/tests/$t"; done
 for b in "${benches[@]}"; do strip -o "$stage/$b" "$build/bench/$b"; done
 for lib in libxxhash.so.0 libgomp.so.1; do
   cp -L "$(ldconfig -p | awk -v l="$lib" '$1 == l { print $NF; exit }')" "$stage/lib/"
 done
 tar cJf "$dir/gpu.txz" -C "$stage" .
-cp scripts/gpu_run.sh "$dir/"
+cp scripts/gpu_run.sh tools/bench_sdpa.py tools/bench_flashinfer.py bench/cuda_prefill_sdpa.py "$dir/"
+# the peers' wheels (FlashInfer and its tvm-ffi, fetched once into .whl/ with pip download; see
+# tools/bench_flashinfer.py): gpu_run.sh installs them on the GPU host
+if [ "$peers" = 1 ]; then
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "VQ_BUNDLE=peers needs the wheels in .whl/" >&2; exit 1; }
+  mkdir -p "$dir/whl"
+  cp .whl/*.whl "$dir/whl/"
+fi
 rm -rf "$stage"
 echo "bundle: $dir/gpu.txz ($(du -h "$dir/gpu.txz" | cut -f1)); on the GPU host: bash $dir/gpu_run.sh"

@@ -2,7 +2,8 @@
 # On a GPU host, from a checkout holding a bundle of scripts/gpu_bundle.sh: runs every GPU test
 # program, then the decode benchmark with PyTorch SDPA beside it (tools/bench_sdpa.py) and the
 # prefill benchmark with SDPA's causal prefill (bench/cuda_prefill_sdpa.py), all in one call so
-# the ratios share one machine state; then a compute-sanitizer pass (memcheck and racecheck) over
+# the ratios share one machine state, and FlashInfer's paged decode as a peer
+# (tools/bench_flashinfer.py, when the bundle carries its wheels); then a compute-sanitizer pass (memcheck and racecheck) over
 # the GPU test programs, filtered to their small cases (about 4 minutes on an H200 at most: each
 # program is cut off at VQ_SANITIZE_TIMEOUT seconds, default 40). Logs go to OUT (default:
 # DIR/out); a summary to stdout. Exits non-zero when a test program fails or the sanitizer reports
@@ -15,11 +16,18 @@ out=${OUT:-$here/out}
 mkdir -p "$out" /tmp/vq-gpu
 tar xJf "$here/gpu.txz" -C /tmp/vq-gpu
 export LD_LIBRARY_PATH=/tmp/vq-gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# a script: the bundle's copy (gpu_bundle.sh packs the ones of its build) if any, else the checkout's
+script() { if [ -f "$here/$(basename "$1")" ]; then echo "$here/$(basename "$1")"; else echo "$root/$1"; fi; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 cd /tmp/vq-gpu
 status=0
+# a peers bundle (VQ_BUNDLE=peers in gpu_bundle.sh) holds the decode benchmark and the decode
+# tests alone: no prefill benchmark, no sanitizer pass
+full=1
+[ -x ./cuda_prefill_attention ] || full=0
 for t in test_cuda_decode test_cuda_decode_formats test_cuda_skvq test_cuda_snapkv \
   test_cuda_caches test_cuda_prefill test_backend_ops_cuda; do
+  [ -x "./$t" ] || continue
   SECONDS=0
   timeout 300 "./$t" >"$out/$t.txt" 2>&1
   rc=$?
@@ -29,14 +37,33 @@ for t in test_cuda_decode test_cuda_decode_formats test_cuda_skvq test_cuda_snap
 done
 timeout 300 ./cuda_decode_attention --csv "$out/bench.csv" --repeats 20 >"$out/decode.txt" 2>&1
 echo "decode bench rc=$?"
-(cd "$root" && PYTHONUNBUFFERED=1 timeout 300 python3 tools/bench_sdpa.py "$out/bench.csv" \
-  --repeats 20 >"$out/sdpa.txt" 2>&1)
+(cd "$root" && PYTHONUNBUFFERED=1 timeout 300 python3 "$(script tools/bench_sdpa.py)" \
+  "$out/bench.csv" --repeats 20 >"$out/sdpa.txt" 2>&1)
 echo "sdpa rc=$?"
 sed -n '/^## Targets/,$p' "$out/sdpa.txt"
+# FlashInfer's paged decode (bf16, fp8 e4m3) as peers in the same call: its wheels (carried in
+# the bundle's whl/ by gpu_bundle.sh) installed into /tmp, JIT kernels built once before timing
+if ls "$here"/whl/*.whl >/dev/null 2>&1 && [ "${VQ_PEERS:-on}" != skip ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/vq-site "$here"/whl/*.whl >"$out/flashinfer.txt" 2>&1
+  (cd "$root" && PYTHONPATH=/tmp/vq-site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 \
+    FLASHINFER_WORKSPACE_BASE=/tmp/vq-fi FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
+    timeout 420 python3 "$(script tools/bench_flashinfer.py)" "$out/bench.csv" --repeats 20 \
+    >>"$out/flashinfer.txt" 2>&1)
+  echo "flashinfer rc=$?"
+  grep -E "^JIT|not importable" "$out/flashinfer.txt"
+  sed -n '/^## Peer targets/,$p' "$out/flashinfer.txt"
+else
+  echo "flashinfer: no wheels in $here/whl (or VQ_PEERS=skip): no peer rows"
+fi
+if [ "$full" = 0 ]; then
+  echo "peers bundle: the other tests, prefill and sanitizer left out; status=$status"
+  exit $status
+fi
 timeout 300 ./cuda_prefill_attention --repeats 5 >"$out/prefill.txt" 2>&1
 echo "prefill bench rc=$?"
-(cd "$root" && PYTHONUNBUFFERED=1 timeout 120 python3 bench/cuda_prefill_sdpa.py --repeats 5 \
-  >"$out/prefill_sdpa.txt" 2>&1)
+(cd "$root" && PYTHONUNBUFFERED=1 timeout 120 python3 "$(script bench/cuda_prefill_sdpa.py)" \
+  --repeats 5 >"$out/prefill_sdpa.txt" 2>&1)
 echo "prefill sdpa rc=$?"
 
 # ---- compute-sanitizer: memcheck over the small cases of every GPU test program, racecheck over

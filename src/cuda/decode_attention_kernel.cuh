@@ -15,7 +15,7 @@
 //   logit += scale * sum_j q'_j c_j + lo * sum_j q'_j        (q' = P R q, transformed once)
 //   acc'_j += (p * scale) c_j,   bias += p * lo             (acc' in stored order)
 // and the combine kernel un-permutes / un-rotates the value accumulator once per query head.
-// Step (1) runs on the tensor cores (mma.m16n8k16, fp32 accumulation, queries split hi + lo in
+// Step (1) runs on the tensor cores (mma.m16n8k16, fp32 accumulation, queries rounded once to
 // fp16) for fp16 rows and 2-bit codes in groups of a multiple of 32; see mma_logits below.
 #pragma once
 
@@ -274,10 +274,11 @@ __device__ void transform_queries(float* qs, float* tmp, const DecodePackedParam
 
 // ---- tensor-core key logits (fp16 rows, 2-bit packed rows with groups of a multiple of 32) ----
 // One warp-tile of 8 rows is the N = 8 side of mma.m16n8k16 (fp32 accumulation); the M = 16
-// side holds the split queries: row m = 2 h + part is head h's query scaled by sigma_h = 2^e
-// (largest |q| in [2^11, 2^12)), part 0 its fp16 rounding hi, part 1 the fp16 rounding of the
-// rest (q sigma - hi), so hi + lo carries q to ~2^-22 relative; rows of heads >= G are zero.
-// Codes are exact small integers in fp16 and fp16 keys are exact, each product is exact in fp32.
+// side holds the queries: row m = 2 h + part is head h's query scaled by sigma_h = 2^e (largest
+// |q| in [2^11, 2^12)), part 0 its fp16 rounding (one rounding, 2^-11 relative: FlashAttention
+// numerics, docs/design.md section 4), part 1 zero (once the lo part of an exact split); rows of
+// heads >= G are zero. Codes are exact small integers in fp16 and fp16 keys are exact, so each
+// product is exact in fp32; the chunk sums of the zero-point fold are sums of the rounded q.
 // K index k of k-step s of chunk c (32 channels) maps to channel 32 c + 8 t + 4 s + 2 (k >= 8)
 // + k % 2 with t = (k % 8) / 2, the same map for A (queries) and B (keys), so lane (g, t) reads
 // 8 contiguous channels of row g per chunk (one 16-byte load for fp16, 16 bits of 2-bit codes).
@@ -334,16 +335,17 @@ __device__ void build_mma_queries(const float* qs, uint32_t* qf, float* qcm, flo
     if (h < G) {
       const float sg = sigma(h);
       const float v0 = qs[h * D + ch] * sg, v1 = qs[h * D + ch + 1] * sg;
-      const float h0 = __half2float(__float2half_rn(v0)), h1 = __half2float(__float2half_rn(v1));
-      w = part == 0 ? pack_half2(h0, h1) : pack_half2(v0 - h0, v1 - h1);
+      w = part == 0 ? pack_half2(v0, v1) : 0u;  // part-1 rows (former lo parts) stay zero
     }
     qf[i] = w;
   }
   for (int i = tid; i < 16 * NCH; i += kThreads) {
     const int m = i / NCH, c = i % NCH, h = m >> 1;
     float s = 0.0f;
-    if (h < G && (m & 1) == 0) {
-      for (int j = 0; j < 32; ++j) s += qs[h * D + 32 * c + j];
+    if (h < G && (m & 1) == 0) {  // sums of the fp16 operands (q sigma rounded, then / sigma)
+      const float sg = sigma(h), si = 1.0f / sg;
+      for (int j = 0; j < 32; ++j)
+        s += __half2float(__float2half_rn(qs[h * D + 32 * c + j] * sg)) * si;
     }
     qcm[i] = s;
   }

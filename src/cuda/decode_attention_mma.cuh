@@ -12,12 +12,12 @@
 // through a 3-stage cp.async pipeline of tile_rows rows (a multiple of 64). f16 rows are staged
 // with their 16-byte chunks swizzled (chunk c of row r at c ^ swz(r & 7)) so that the key loads
 // and the transposed value loads (ldmatrix.trans) are free of bank conflicts; packed records are
-// staged as byte ranges. Each warp takes warp-tiles of 16 rows, all on mma.m16n8k16 (fp16 inputs,
-// fp32 accumulation):
+// staged as byte ranges. Each warp takes warp-tiles of 16 rows, two at a time (wt and wt + 4: the
+// pair shares one softmax step), all on mma.m16n8k16 (fp16 inputs, fp32 accumulation):
 //  (1) logits: A = 16 key rows x 16 channels, B = the queries as N = 8 columns n = 2 h + part
-//      (head h, part 0 the fp16 rounding hi of q * sigma_h, part 1 the fp16 rounding of the rest;
-//      sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head) logits with hi and lo
-//      in neighbouring columns of one lane. Channel map of chunk c (32 channels), k-step s, K
+//      (head h, part 0 the fp16 rounding of q * sigma_h, part 1 zero, the columns of the former
+//      exact hi + lo split; sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head)
+//      logits in column 2 h of each lane. Channel map of chunk c (32 channels), k-step s, K
 //      index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
 //      8 contiguous channels of rows g and g + 8. 2-bit codes become exact fp16 integers
 //      ((c | 0x6400) - 1024); packed 2-bit keys take the KB = 4 map below, the lane's 2 code
@@ -27,16 +27,18 @@
 //      32 c + 8 t + 2 s + (k >= 8) + 4 (k % 2), i.e. the nibble pairs (j, j + 4) of the lane's
 //      32-bit word of 8 codes, taken by masks without shifts (f16 rows: one byte permute).
 //  (2) online softmax per head (exp2 of log2e-scaled logits; running max per warp and head).
-//  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (hi/lo
-//      again; packed: p * scale of the row's group, and p * lo summed on the side). f16 values
-//      arrive through ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b + mu of
-//      the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the next
-//      channel, so a lane's codes are one byte per row and block, each code read where it lies
+//  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (part-1
+//      columns zero again; packed: p * scale of the row's group, and p * lo summed on the side).
+//      f16 values arrive through ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b +
+//      mu of the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the
+//      next channel, so a lane's codes are one byte per row and block, each code read where it lies
 //      (value 4^i c for the i-th code of the byte, undone by an exact power-of-two scale later).
 //      KB = 4: the same channel map, a lane's codes are the 16 bits at byte 16 b + 2 g of a row
 //      (4 nibbles: channels +0..+3), made exact fp16 integers by mask + (x - 1024) for the low
 //      nibble of a byte and mask + (x / 16 - 64) for the high one (both exact).
-// Numerics: q and p are carried as fp16 hi + lo (about 2^-22 relative per term); packed values
+// Numerics (FlashAttention's, docs/design.md section 4): q and p are rounded once to fp16 (2^-11
+// relative; the zero-point chunk sums are sums of the rounded q), products exact, fp32
+// accumulation, softmax max and sum in fp32 from the unrounded p; packed values
 // use B = (p * 2^S) * scale, S warp-uniform and raised (the fp32 accumulators rescaled exactly)
 // whenever a row's scale exceeds the binade of the largest seen so far in the split (any channel
 // block), so S puts that scale in [2^14, 2^15) and the products accumulate in the mma accumulators
@@ -47,6 +49,8 @@
 // past the split end are zero-filled in shared memory (f16 rows when staged, packed bytes once
 // their tile has landed), so their p = 0 never meets a stale NaN; invisible rows get logit -inf.
 #pragma once
+
+#include <type_traits>
 
 #include "cuda/decode_attention_kernel.cuh"
 
@@ -120,14 +124,12 @@ __device__ __forceinline__ uint32_t code_pair_hi4(uint32_t y) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// Part `part` (0: fp16 rounding hi of x, 1: fp16 rounding of x - hi) of two values, packed;
-// branch-free (the two parts sit in neighbouring lanes of a warp).
-__device__ __forceinline__ uint32_t split_pack(float x0, float x1, int part) {
-  const __half2 hi = __floats2half2_rn(x0, x1);
-  const float2 f = __half22float2(hi);
-  const __half2 lo = __floats2half2_rn(x0 - f.x, x1 - f.y);
-  const __half2 r = part ? lo : hi;
-  return *reinterpret_cast<const uint32_t*>(&r);
+// The B operand of two values for a lane of column part `part`: their fp16 roundings for part 0,
+// zeros for part 1 (the columns of the former lo parts; FlashAttention numerics, docs/design.md
+// section 4: one fp16 rounding per q and p operand, fp32 accumulation).
+__device__ __forceinline__ uint32_t pack_part(float x0, float x1, int part) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  return part ? 0u : *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // 2^x of x <= 0 on the special function unit (exp2f's approximation without its subnormal
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     cp_async_commit();
   }
 
-  // ---- queries: scaled by scale * log2 e, transformed for packed keys, split hi/lo per lane
+  // ---- queries: scaled by scale * log2 e, transformed for packed keys, rounded to fp16 per lane
   const float* qg = p.q + (bh * G) * D;
   for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
   __syncthreads();
@@ -271,6 +273,19 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       ssig[h] = sgm;
     }
   }
+  __syncthreads();
+  // every query value becomes the tensor-core operand it will be (fp16 rounding of q * sigma, times
+  // 4^-i for 2-bit packed keys, exactly undone), so the chunk sums below are sums of the operands
+  // and the folded zero-points add no error of their own (docs/design.md section 4)
+  {
+    const bool k2r = PK > 0 && KB == 2 && packed;
+    for (int i = tid; i < G * D; i += kThreads) {
+      const int d = i % D;
+      const float fac = ssig[i / D] * (k2r ? __int_as_float((127 - 2 * (d & 3)) << 23) : 1.0f);
+      qs[i] = __half2float(__float2half_rn(qs[i] * fac)) * (1.0f / fac);
+    }
+  }
+  __syncthreads();
   for (int i = tid; i < G * NCH; i += kThreads) {
     const int h = i / NCH, c = i % NCH;
     float s = 0.0f;
@@ -299,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
                                           : 0.015625f)
                               : 1.0f;
           const float sgm = ssig[h] * f;
-          w = split_pack(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
+          w = pack_part(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
         }
         qb[nt][c][i] = w;
       }
@@ -365,130 +380,155 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       __syncthreads();
     }
 
-    for (int wt = warp; wt < n_wt; wt += kWarps) {
-      const int rb0 = wt * 16;
+    // Warp-tiles in pairs (wt and wt + kWarps; 128-row tiles give every warp exactly two): the
+    // two tiles' code decoding, metadata loads and mma chains are independent, so they overlap,
+    // and the pair shares one softmax step (one max reduction, one rescale) and one test of the
+    // packed values' power of two. A lone last warp-tile takes the W = 1 instance.
+    const auto step = [&](const int wt, auto wtag) {
+      constexpr int W = decltype(wtag)::value;
+      int rb0[W];
+#pragma unroll
+      for (int w = 0; w < W; ++w) rb0[w] = (wt + w * kWarps) * 16;
       // ---- (1) logits of rows rb0 + g and rb0 + g + 8 for heads t + 4 nt
-      float lg[NT][2];
+      float lg[W][NT][2];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) lg[nt][0] = lg[nt][1] = 0.0f;
+      for (int w = 0; w < W; ++w)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) lg[w][nt][0] = lg[w][nt][1] = 0.0f;
       if (!packed) {
-        float acc[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-        const uint8_t* rg = sk + (rb0 + g) * RB;
-        const uint8_t* rg8 = rg + 8 * RB;
-        const int sw = swz(g);
+        for (int w = 0; w < W; ++w) {
+          float acc[NT][4];
 #pragma unroll
-        for (int c = 0; c < NCH; ++c) {
-          uint4 ka = *reinterpret_cast<const uint4*>(rg + 16 * ((4 * c + t) ^ sw));
-          uint4 kb = *reinterpret_cast<const uint4*>(rg8 + 16 * ((4 * c + t) ^ sw));
-          if constexpr (Q4) {  // channel pairs (0,1),(2,3),(4,5),(6,7) -> (0,4),(1,5),(2,6),(3,7)
-            ka = make_uint4(__byte_perm(ka.x, ka.z, 0x5410), __byte_perm(ka.x, ka.z, 0x7632),
-                            __byte_perm(ka.y, ka.w, 0x5410), __byte_perm(ka.y, ka.w, 0x7632));
-            kb = make_uint4(__byte_perm(kb.x, kb.z, 0x5410), __byte_perm(kb.x, kb.z, 0x7632),
-                            __byte_perm(kb.y, kb.w, 0x5410), __byte_perm(kb.y, kb.w, 0x7632));
+          for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+          const uint8_t* rg = sk + (rb0[w] + g) * RB;
+          const uint8_t* rg8 = rg + 8 * RB;
+          const int sw = swz(g);
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) {
+            uint4 ka = *reinterpret_cast<const uint4*>(rg + 16 * ((4 * c + t) ^ sw));
+            uint4 kb = *reinterpret_cast<const uint4*>(rg8 + 16 * ((4 * c + t) ^ sw));
+            if constexpr (Q4) {  // channel pairs (0,1),(2,3),(4,5),(6,7) -> (0,4),(1,5),(2,6),(3,7)
+              ka = make_uint4(__byte_perm(ka.x, ka.z, 0x5410), __byte_perm(ka.x, ka.z, 0x7632),
+                              __byte_perm(ka.y, ka.w, 0x5410), __byte_perm(ka.y, ka.w, 0x7632));
+              kb = make_uint4(__byte_perm(kb.x, kb.z, 0x5410), __byte_perm(kb.x, kb.z, 0x7632),
+                              __byte_perm(kb.y, kb.w, 0x5410), __byte_perm(kb.y, kb.w, 0x7632));
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              mma_16816(acc[nt], ka.x, kb.x, ka.y, kb.y, qb[nt][c][0], qb[nt][c][1]);
+              mma_16816(acc[nt], ka.z, kb.z, ka.w, kb.w, qb[nt][c][2], qb[nt][c][3]);
+            }
           }
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            mma_16816(acc[nt], ka.x, kb.x, ka.y, kb.y, qb[nt][c][0], qb[nt][c][1]);
-            mma_16816(acc[nt], ka.z, kb.z, ka.w, kb.w, qb[nt][c][2], qb[nt][c][3]);
+            lg[w][nt][0] = (acc[nt][0] + acc[nt][1]) * sinv[nt];
+            lg[w][nt][1] = (acc[nt][2] + acc[nt][3]) * sinv[nt];
           }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          lg[nt][0] = (acc[nt][0] + acc[nt][1]) * sinv[nt];
-          lg[nt][1] = (acc[nt][2] + acc[nt][3]) * sinv[nt];
         }
       } else if constexpr (PK > 0) {
-        const uint8_t* rg = sk + kmis + (rb0 + g) * krb;
-        const uint8_t* rg8 = rg + 8 * krb;
 #pragma unroll
-        for (int c = 0; c < NCH; ++c) {
-          uint32_t a[4], a8[4];
-          if constexpr (KB == 2) {
-            // the lane's 8 codes (2 bytes) spread to bytes 0 and 2: codes (m, m + 4) then sit at
-            // bits 2m of the two halves, read in place as 4^m times their value
-            const uint32_t y0 = __byte_perm(lds16(rg + 8 * c + 2 * t), 0u, 0x4140);
-            const uint32_t y1 = __byte_perm(lds16(rg8 + 8 * c + 2 * t), 0u, 0x4140);
-            a[0] = code_pair<0x00030003u>(y0);
-            a8[0] = code_pair<0x00030003u>(y1);
-            a[1] = code_pair<0x000C000Cu>(y0);
-            a8[1] = code_pair<0x000C000Cu>(y1);
-            a[2] = code_pair<0x00300030u>(y0);
-            a8[2] = code_pair<0x00300030u>(y1);
-            a[3] = code_pair<0x00C000C0u>(y0);
-            a8[3] = code_pair<0x00C000C0u>(y1);
-          } else {  // nibbles (j, j + 4) of the lane's 8 codes: j = 0, 1 in place, 2, 3 >> 8
-            const uint32_t w0 = lds32(rg + 16 * c + 4 * t), w1 = lds32(rg8 + 16 * c + 4 * t);
-            a[0] = code_pair<0x000f000fu>(w0);
-            a[1] = code_pair_hi4(w0);
-            a[2] = code_pair<0x000f000fu>(w0 >> 8);
-            a[3] = code_pair_hi4(w0 >> 8);
-            a8[0] = code_pair<0x000f000fu>(w1);
-            a8[1] = code_pair_hi4(w1);
-            a8[2] = code_pair<0x000f000fu>(w1 >> 8);
-            a8[3] = code_pair_hi4(w1 >> 8);
+        for (int w = 0; w < W; ++w) {
+          const uint8_t* rg = sk + kmis + (rb0[w] + g) * krb;
+          const uint8_t* rg8 = rg + 8 * krb;
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) {
+            uint32_t a[4], a8[4];
+            if constexpr (KB == 2) {
+              // the lane's 8 codes (2 bytes) spread to bytes 0 and 2: codes (m, m + 4) then sit
+              // at bits 2m of the two halves, read in place as 4^m times their value
+              const uint32_t y0 = __byte_perm(lds16(rg + 8 * c + 2 * t), 0u, 0x4140);
+              const uint32_t y1 = __byte_perm(lds16(rg8 + 8 * c + 2 * t), 0u, 0x4140);
+              a[0] = code_pair<0x00030003u>(y0);
+              a8[0] = code_pair<0x00030003u>(y1);
+              a[1] = code_pair<0x000C000Cu>(y0);
+              a8[1] = code_pair<0x000C000Cu>(y1);
+              a[2] = code_pair<0x00300030u>(y0);
+              a8[2] = code_pair<0x00300030u>(y1);
+              a[3] = code_pair<0x00C000C0u>(y0);
+              a8[3] = code_pair<0x00C000C0u>(y1);
+            } else {  // nibbles (j, j + 4) of the lane's 8 codes: j = 0, 1 in place, 2, 3 >> 8
+              const uint32_t w0 = lds32(rg + 16 * c + 4 * t), w1 = lds32(rg8 + 16 * c + 4 * t);
+              a[0] = code_pair<0x000f000fu>(w0);
+              a[1] = code_pair_hi4(w0);
+              a[2] = code_pair<0x000f000fu>(w0 >> 8);
+              a[3] = code_pair_hi4(w0 >> 8);
+              a8[0] = code_pair<0x000f000fu>(w1);
+              a8[1] = code_pair_hi4(w1);
+              a8[2] = code_pair<0x000f000fu>(w1 >> 8);
+              a8[3] = code_pair_hi4(w1 >> 8);
+            }
+            float lo0, sc0, lo1, sc1;
+            meta_a<MF>(rg, kcb, p.pk.k_meta, grpc[c], lo0, sc0);
+            meta_a<MF>(rg8, kcb, p.pk.k_meta, grpc[c], lo1, sc1);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              mma_16816(cc, a[0], a8[0], a[1], a8[1], qb[nt][c][0], qb[nt][c][1]);
+              mma_16816(cc, a[2], a8[2], a[3], a8[3], qb[nt][c][2], qb[nt][c][3]);
+              const float s0 = MF ? cc[0] + cc[1] : (cc[0] + cc[1]) * sinv[nt];
+              const float s1 = MF ? cc[2] + cc[3] : (cc[2] + cc[3]) * sinv[nt];
+              lg[w][nt][0] = fmaf(sc0, s0, fmaf(lo0, qsum[nt][c], lg[w][nt][0]));
+              lg[w][nt][1] = fmaf(sc1, s1, fmaf(lo1, qsum[nt][c], lg[w][nt][1]));
+            }
           }
-          float lo0, sc0, lo1, sc1;
-          meta_a<MF>(rg, kcb, p.pk.k_meta, grpc[c], lo0, sc0);
-          meta_a<MF>(rg8, kcb, p.pk.k_meta, grpc[c], lo1, sc1);
+          if constexpr (MF) {
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_16816(cc, a[0], a8[0], a[1], a8[1], qb[nt][c][0], qb[nt][c][1]);
-            mma_16816(cc, a[2], a8[2], a[3], a8[3], qb[nt][c][2], qb[nt][c][3]);
-            const float s0 = MF ? cc[0] + cc[1] : (cc[0] + cc[1]) * sinv[nt];
-            const float s1 = MF ? cc[2] + cc[3] : (cc[2] + cc[3]) * sinv[nt];
-            lg[nt][0] = fmaf(sc0, s0, fmaf(lo0, qsum[nt][c], lg[nt][0]));
-            lg[nt][1] = fmaf(sc1, s1, fmaf(lo1, qsum[nt][c], lg[nt][1]));
-          }
-        }
-        if constexpr (MF) {
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            lg[nt][0] *= sinv[nt];  // exact (a power of two)
-            lg[nt][1] *= sinv[nt];
+            for (int nt = 0; nt < NT; ++nt) {
+              lg[w][nt][0] *= sinv[nt];  // exact (a power of two)
+              lg[w][nt][1] *= sinv[nt];
+            }
           }
         }
       }
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int rl = rb0 + g + 8 * j;
-        bool vis;
-        if (!pos) {
-          const int rel = row_rel + rl;
-          vis = rel >= vis_lo && rel < vis_hi;
-        } else {
-          vis = false;
-          if (rl < nr) {
-            const int64_t pj = pos[r0 + rl];
-            vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+      for (int w = 0; w < W; ++w)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int rl = rb0[w] + g + 8 * j;
+          bool vis;
+          if (!pos) {
+            const int rel = row_rel + rl;
+            vis = rel >= vis_lo && rel < vis_hi;
+          } else {
+            vis = false;
+            if (rl < nr) {
+              const int64_t pj = pos[r0 + rl];
+              vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+            }
+          }
+          if (!vis) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) lg[w][nt][j] = -INFINITY;
           }
         }
-        if (!vis) {
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) lg[nt][j] = -INFINITY;
-        }
-      }
 
       // ---- (2) online softmax per head t + 4 nt (uniform over the 8 lanes g of a column t)
-      float pr[NT][2], al[NT];
+      float pr[W][NT][2], al[NT];
       bool grow = false;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        float tmax = fmaxf(lg[nt][0], lg[nt][1]);
+        float tmax = fmaxf(lg[0][nt][0], lg[0][nt][1]);
+#pragma unroll
+        for (int w = 1; w < W; ++w) tmax = fmaxf(tmax, fmaxf(lg[w][nt][0], lg[w][nt][1]));
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(kFull, tmax, o));
         const float m_new = fmaxf(m_run[nt], tmax);
+        float psum = 0.0f;
         if (m_new == -INFINITY) {
           al[nt] = 1.0f;
-          pr[nt][0] = pr[nt][1] = 0.0f;
+#pragma unroll
+          for (int w = 0; w < W; ++w) pr[w][nt][0] = pr[w][nt][1] = 0.0f;
         } else {
           al[nt] = ex2_ftz(m_run[nt] - m_new);
-          pr[nt][0] = ex2_ftz(lg[nt][0] - m_new);
-          pr[nt][1] = ex2_ftz(lg[nt][1] - m_new);
+#pragma unroll
+          for (int w = 0; w < W; ++w) {
+            pr[w][nt][0] = ex2_ftz(lg[w][nt][0] - m_new);
+            pr[w][nt][1] = ex2_ftz(lg[w][nt][1] - m_new);
+            psum += pr[w][nt][0] + pr[w][nt][1];
+          }
         }
-        l_run[nt] = fmaf(l_run[nt], al[nt], pr[nt][0] + pr[nt][1]);
+        l_run[nt] = fmaf(l_run[nt], al[nt], psum);
         m_run[nt] = m_new;
         grow |= al[nt] != 1.0f;
       }
@@ -508,115 +548,148 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       }
 
       // ---- (3) values: the probabilities of rows 2t, 2t+1, 2t+8, 2t+9 for head hb + 4 nt
-      float pv[NT][4];
+      float pv[W][NT][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float a0 = __shfl_sync(kFull, pr[nt][0], 8 * t + hb);
-        const float a1 = __shfl_sync(kFull, pr[nt][0], 8 * t + 4 + hb);
-        const float a2 = __shfl_sync(kFull, pr[nt][1], 8 * t + hb);
-        const float a3 = __shfl_sync(kFull, pr[nt][1], 8 * t + 4 + hb);
-        const bool on = hb + 4 * nt < G;
-        pv[nt][0] = on ? a0 : 0.0f;
-        pv[nt][1] = on ? a1 : 0.0f;
-        pv[nt][2] = on ? a2 : 0.0f;
-        pv[nt][3] = on ? a3 : 0.0f;
-      }
-      if (!packed) {
-        uint32_t b0[NT], b1[NT];
+      for (int w = 0; w < W; ++w)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          b0[nt] = split_pack(pv[nt][0], pv[nt][1], partb);
-          b1[nt] = split_pack(pv[nt][2], pv[nt][3], partb);
+          const float a0 = __shfl_sync(kFull, pr[w][nt][0], 8 * t + hb);
+          const float a1 = __shfl_sync(kFull, pr[w][nt][0], 8 * t + 4 + hb);
+          const float a2 = __shfl_sync(kFull, pr[w][nt][1], 8 * t + hb);
+          const float a3 = __shfl_sync(kFull, pr[w][nt][1], 8 * t + 4 + hb);
+          const bool on = hb + 4 * nt < G;
+          pv[w][nt][0] = on ? a0 : 0.0f;
+          pv[w][nt][1] = on ? a1 : 0.0f;
+          pv[w][nt][2] = on ? a2 : 0.0f;
+          pv[w][nt][3] = on ? a3 : 0.0f;
         }
-        const int lr = rb0 + (lane & 7) + 8 * (lane >> 4);
-        const uint8_t* rowp = sv + lr * RB;
-        const int lsw = swz(lane & 7), half = (lane >> 3) & 1;
+      if (!packed) {
 #pragma unroll
-        for (int j = 0; j < MT; ++j) {
-          uint32_t a0, a1, a2, a3;
-          ldsm_x4_trans(rowp + 16 * ((2 * j + half) ^ lsw), a0, a1, a2, a3);
+        for (int w = 0; w < W; ++w) {
+          uint32_t b0[NT], b1[NT];
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma_16816(vacc[nt][j], a0, a1, a2, a3, b0[nt], b1[nt]);
+          for (int nt = 0; nt < NT; ++nt) {
+            b0[nt] = pack_part(pv[w][nt][0], pv[w][nt][1], partb);
+            b1[nt] = pack_part(pv[w][nt][2], pv[w][nt][3], partb);
+          }
+          const int lr = rb0[w] + (lane & 7) + 8 * (lane >> 4);
+          const uint8_t* rowp = sv + lr * RB;
+          const int lsw = swz(lane & 7), half = (lane >> 3) & 1;
+#pragma unroll
+          for (int j = 0; j < MT; ++j) {
+            uint32_t a0, a1, a2, a3;
+            ldsm_x4_trans(rowp + 16 * ((2 * j + half) ^ lsw), a0, a1, a2, a3);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mma_16816(vacc[nt][j], a0, a1, a2, a3, b0[nt], b1[nt]);
+          }
         }
       } else if constexpr (PK > 0) {
-        const int ra = rb0 + 2 * t;
-        const uint8_t* rec[4] = {sv + vmis + ra * vrb, sv + vmis + (ra + 1) * vrb,
-                                 sv + vmis + (ra + 8) * vrb, sv + vmis + (ra + 9) * vrb};
+        const uint8_t* rec[W][4];
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          const int ra = rb0[w] + 2 * t;
+          rec[w][0] = sv + vmis + ra * vrb;
+          rec[w][1] = sv + vmis + (ra + 1) * vrb;
+          rec[w][2] = sv + vmis + (ra + 8) * vrb;
+          rec[w][3] = sv + vmis + (ra + 9) * vrb;
+        }
         const int wo = KB == 2 ? 4 * (g >> 2) : 4 * (g >> 1);
         const int bstride = 4 * KB;  // bytes of a 32-channel block's codes
         // KB = 4: the halfword (g & 1) of the word of rows ra and ra + 1 in the two halves
         const uint32_t qsel = (g & 1) ? 0x7632u : 0x5410u;
-        float pu[NT][4];  // p * 2^S (exact)
+        float pu[W][NT][4];  // p * 2^S (exact)
         {
           const float up = __int_as_float((268 - exv) << 23);  // 2^S, S = 141 - exv
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
+          for (int w = 0; w < W; ++w)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) pu[nt][r] = pv[nt][r] * up;
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) pu[w][nt][r] = pv[w][nt][r] * up;
         }
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
-          const uint32_t ya = __byte_perm(lds32(rec[0] + bstride * c + wo),
-                                          lds32(rec[1] + bstride * c + wo), KB == 2 ? psel : qsel);
-          const uint32_t yc = __byte_perm(lds32(rec[2] + bstride * c + wo),
-                                          lds32(rec[3] + bstride * c + wo), KB == 2 ? psel : qsel);
-          uint32_t e0, e1, e2, e3, f0, f1, f2, f3;
-          if constexpr (KB == 2) {
-            // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
-            e0 = code_pair<0x00030003u>(ya), e1 = code_pair<0x000C000Cu>(ya);
-            e2 = code_pair<0x00030003u>(yc), e3 = code_pair<0x000C000Cu>(yc);
-            f0 = code_pair<0x00300030u>(ya), f1 = code_pair<0x00C000C0u>(ya);
-            f2 = code_pair<0x00300030u>(yc), f3 = code_pair<0x00C000C0u>(yc);
-          } else {
-            // m-tile 2c: channels +0, +1 (nibbles 0, 1); m-tile 2c + 1: +2, +3 (>> 8); exact
-            const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
-            e0 = code_pair<0x000f000fu>(ya), e1 = code_pair_hi4(ya);
-            e2 = code_pair<0x000f000fu>(yc), e3 = code_pair_hi4(yc);
-            f0 = code_pair<0x000f000fu>(ya8), f1 = code_pair_hi4(ya8);
-            f2 = code_pair<0x000f000fu>(yc8), f3 = code_pair_hi4(yc8);
-          }
-          float lo[4], sc[4];
+          uint32_t e[W][4], f[W][4];
+          float lo[W][4], sc[W][4];
+          float smax = 0.0f;
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            meta_a<MF>(rec[r], vcb, p.pk.v_meta, grpc[c], lo[r], sc[r]);
+          for (int w = 0; w < W; ++w) {
+            const uint32_t ya =
+                __byte_perm(lds32(rec[w][0] + bstride * c + wo),
+                            lds32(rec[w][1] + bstride * c + wo), KB == 2 ? psel : qsel);
+            const uint32_t yc =
+                __byte_perm(lds32(rec[w][2] + bstride * c + wo),
+                            lds32(rec[w][3] + bstride * c + wo), KB == 2 ? psel : qsel);
+            if constexpr (KB == 2) {
+              // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
+              e[w][0] = code_pair<0x00030003u>(ya), e[w][1] = code_pair<0x000C000Cu>(ya);
+              e[w][2] = code_pair<0x00030003u>(yc), e[w][3] = code_pair<0x000C000Cu>(yc);
+              f[w][0] = code_pair<0x00300030u>(ya), f[w][1] = code_pair<0x00C000C0u>(ya);
+              f[w][2] = code_pair<0x00300030u>(yc), f[w][3] = code_pair<0x00C000C0u>(yc);
+            } else {
+              // m-tile 2c: channels +0, +1 (nibbles 0, 1); m-tile 2c + 1: +2, +3 (>> 8); exact
+              const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
+              e[w][0] = code_pair<0x000f000fu>(ya), e[w][1] = code_pair_hi4(ya);
+              e[w][2] = code_pair<0x000f000fu>(yc), e[w][3] = code_pair_hi4(yc);
+              f[w][0] = code_pair<0x000f000fu>(ya8), f[w][1] = code_pair_hi4(ya8);
+              f[w][2] = code_pair<0x000f000fu>(yc8), f[w][3] = code_pair_hi4(yc8);
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              meta_a<MF>(rec[w][r], vcb, p.pk.v_meta, grpc[c], lo[w][r], sc[w][r]);
+              smax = fmaxf(smax, sc[w][r]);
+            }
           }
           // p * scale <= the largest scale seen (p <= 1): 2^S puts that in [2^14, 2^15), so the
-          // fp16 parts stay normal and finite whatever the scales (the same S for every lane); a
-          // scale of a larger binade (rare after the first tile) raises S for the whole warp
-          const float smax = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+          // fp16 operands stay normal and finite whatever the scales (the same S for every lane);
+          // a scale of a larger binade (rare after the first tile) raises S for the whole warp
           if (__any_sync(kFull, smax >= __int_as_float((exv + 1) << 23))) {
             float m = fmaxf(smax, __shfl_xor_sync(kFull, smax, 1));
             m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));  // the lanes t share the rows of a tile
             const int ex = max(exv, min(max((__float_as_int(m) >> 23) & 0xff, 15), 250));
             if (ex > exv) {
-              const float f = ldexpf(1.0f, exv - ex);  // exact, or below 2^-126 of the new
+              const float fs = ldexpf(1.0f, exv - ex);  // exact, or below 2^-126 of the new
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
                 for (int j = 0; j < MT; ++j)
 #pragma unroll
-                  for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= f;
+                  for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= fs;
 #pragma unroll
-                for (int r = 0; r < 4; ++r) pu[nt][r] *= f;
+                for (int w = 0; w < W; ++w)
+#pragma unroll
+                  for (int r = 0; r < 4; ++r) pu[w][nt][r] *= fs;
               }
               exv = ex;
             }
           }
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t bb0 = split_pack(pu[nt][0] * sc[0], pu[nt][1] * sc[1], partb);
-            const uint32_t bb1 = split_pack(pu[nt][2] * sc[2], pu[nt][3] * sc[3], partb);
-            mma_16816(vacc[nt][2 * c], e0, e1, e2, e3, bb0, bb1);
-            mma_16816(vacc[nt][2 * c + 1], f0, f1, f2, f3, bb0, bb1);
-            float s = vb[nt][c];
-            s = fmaf(pv[nt][0], lo[0], s);
-            s = fmaf(pv[nt][1], lo[1], s);
-            s = fmaf(pv[nt][2], lo[2], s);
-            s = fmaf(pv[nt][3], lo[3], s);
-            vb[nt][c] = s;
-          }
+          for (int w = 0; w < W; ++w)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint32_t bb0 =
+                  pack_part(pu[w][nt][0] * sc[w][0], pu[w][nt][1] * sc[w][1], partb);
+              const uint32_t bb1 =
+                  pack_part(pu[w][nt][2] * sc[w][2], pu[w][nt][3] * sc[w][3], partb);
+              mma_16816(vacc[nt][2 * c], e[w][0], e[w][1], e[w][2], e[w][3], bb0, bb1);
+              mma_16816(vacc[nt][2 * c + 1], f[w][0], f[w][1], f[w][2], f[w][3], bb0, bb1);
+              float s = vb[nt][c];
+              s = fmaf(pv[w][nt][0], lo[w][0], s);
+              s = fmaf(pv[w][nt][1], lo[w][1], s);
+              s = fmaf(pv[w][nt][2], lo[w][2], s);
+              s = fmaf(pv[w][nt][3], lo[w][3], s);
+              vb[nt][c] = s;
+            }
         }
       }
+    };
+    // pairs only with one n-tile (G <= 4): with two the pair's registers spill (G 8: 376 bytes)
+    constexpr int WP = NT == 1 ? 2 : 1;
+    for (int wt = warp; wt < n_wt; wt += WP * kWarps) {
+      if (WP == 2 && wt + kWarps < n_wt)
+        step(wt, std::integral_constant<int, WP>{});
+      else
+        step(wt, std::integral_constant<int, 1>{});
     }
     __syncthreads();  // the stage is refilled next iteration
   }

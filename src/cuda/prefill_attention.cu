@@ -8,13 +8,14 @@
 //   roundings, inverse channel permutation) into fp16 hi + lo planes of K and V in
 //   stream-ordered scratch (8 bytes per row and channel, freed after the kernel), streamed with
 //   their lo planes; re-dequantizing every tile in each query block cost 4.5x the f16 time. Each
-//   warp owns 16 rows: logits on mma.m16n8k16 (fp16 inputs, fp32 accumulation) with the query as hi
-//   + lo fp16 parts of q * 2^sigma (sigma puts the row's max |q| in [2^11, 2^12)), so every product
-//   is exact and q is carried to 2^-22 relative; packed keys add q_hi * k_lo (q_lo * k_lo, below
-//   2^-22 |q k|, is dropped). Logits are scaled to log2 units (scale * log2 e * 2^-sigma, exact
-//   power-of-two part), masked by position and window (skipped when the whole tile is visible to
-//   the whole block), online softmax with exp2f in fp32; P V again on mma with P as hi + lo fp16
-//   (and p_hi * v_lo for packed values). Tiles no row of the block sees are never loaded; heaviest
+//   warp owns 16 rows: logits on mma.m16n8k16 (fp16 inputs, fp32 accumulation) with the query
+//   rounded once to fp16 as q * 2^sigma (sigma puts the row's max |q| in [2^11, 2^12), clear of
+//   fp16 subnormals; 2^-11 relative: FlashAttention numerics, docs/design.md section 4); packed
+//   keys add q * k_lo, so their hi + lo planes carry k to 2^-22. Logits are scaled to log2 units
+//   (scale * log2 e * 2^-sigma, exact power-of-two part), masked by position and window (skipped
+//   when the whole tile is visible to the whole block), online softmax with exp2f in fp32 (the
+//   sums from the unrounded p); P V again on mma with P rounded once to fp16 (and p * v_lo for
+//   packed values). Tiles no row of the block sees are never loaded; heaviest
 //   tiles run first. Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by
 //   the device caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the
 //   un-rotation included) and then split into the same planes. Limits: dequantized values must
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
   const int64_t qmin = p.q_pos0 + t0 / n_rep, qmax = p.q_pos0 + t_last / n_rep;
   const int64_t win = p.window;
 
-  // ---- this lane's rows A = warp tile row g, B = row g + 8; queries as fp16 hi + lo fragments
+  // ---- this lane's rows A = warp tile row g, B = row g + 8; queries as fp16 fragments
   const int64_t tA = t0 + warp * 16 + g, tB = tA + 8;
   const int64_t qpA = p.q_pos0 + tA / n_rep, qpB = p.q_pos0 + tB / n_rep;
   const float* qa =
@@ -342,7 +343,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
       return q ? *reinterpret_cast<const float2*>(q + c) : make_float2(0.0f, 0.0f);
     };
     int eA, eB;
-    tc_query_frags<D>(load, t4, qh, ql, eA, eB);
+    tc_query_frags<D, false>(load, t4, qh, ql, eA, eB);
     const float sl2e = p.scale * 1.4426950408889634f;
     cA = ldexpf(sl2e, -eA);
     cB = ldexpf(sl2e, -eB);
@@ -474,7 +475,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-    tc_logits64<D>(base, lo_tile ? base + 2 * PB : nullptr, qh, ql, lane, s);
+    tc_logits64<D, false>(base, lo_tile ? base + 2 * PB : nullptr, qh, ql, lane, s);
     // ---- scale (log2 units), mask, online softmax
     float xA = -INFINITY, xB = -INFINITY;
 #pragma unroll
@@ -522,15 +523,19 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
       o[n][2] *= corrB;
       o[n][3] *= corrB;
     }
-    // ---- outputs += P V (P as fp16 hi + lo, V through ldmatrix.trans)
+    // ---- outputs += P V (P rounded once to fp16, V through ldmatrix.trans)
     const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      uint32_t ah[4], al[4];
-      tc_split(s[2 * kk][0], s[2 * kk][1], ah[0], al[0]);
-      tc_split(s[2 * kk][2], s[2 * kk][3], ah[1], al[1]);
-      tc_split(s[2 * kk + 1][0], s[2 * kk + 1][1], ah[2], al[2]);
-      tc_split(s[2 * kk + 1][2], s[2 * kk + 1][3], ah[3], al[3]);
+      uint32_t ah[4];
+      const auto h2 = [](float x0, float x1) {
+        const __half2 h = __floats2half2_rn(x0, x1);
+        return *reinterpret_cast<const uint32_t*>(&h);
+      };
+      ah[0] = h2(s[2 * kk][0], s[2 * kk][1]);
+      ah[1] = h2(s[2 * kk][2], s[2 * kk][3]);
+      ah[2] = h2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      ah[3] = h2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
       const int key = 16 * kk + 8 * (lm & 1) + lr;
 #pragma unroll
       for (int cp = 0; cp < KS; ++cp) {
@@ -538,9 +543,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
         uint32_t r[4];
         tc_ldsm_t(base + PB + off, r);
         tc_mma(o[2 * cp], ah, r[0], r[1]);
-        tc_mma(o[2 * cp], al, r[0], r[1]);
         tc_mma(o[2 * cp + 1], ah, r[2], r[3]);
-        tc_mma(o[2 * cp + 1], al, r[2], r[3]);
         if (lo_tile) {
           tc_ldsm_t(base + 3 * PB + off, r);
           tc_mma(o[2 * cp], ah, r[0], r[1]);

@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(256) snap_tc_kernel(const __grid_constant__ Sn
                              : make_float2(0.0f, 0.0f);
     };
     int eA, eB;
-    tc_query_frags<D>(load, t4, qh, ql, eA, eB);
+    tc_query_frags<D, true>(load, t4, qh, ql, eA, eB);
     cA = ldexpf(p.scale, -eA);
     cB = ldexpf(p.scale, -eB);
   }
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(256) snap_tc_kernel(const __grid_constant__ Sn
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-    if (warp * 16 < W) tc_logits64<D>(base, nullptr, qh, ql, lane, s);  // warp-uniform
+    if (warp * 16 < W) tc_logits64<D, true>(base, nullptr, qh, ql, lane, s);  // warp-uniform
     // scaled, masked logits; NaN flags per row
     int nanA = 0, nanB = 0;
     float xA = -INFINITY, xB = -INFINITY;

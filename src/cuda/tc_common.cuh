@@ -3,8 +3,10 @@
 // (2 * D bytes) whose 16-byte chunk c of row r lies at chunk c ^ (r & 7) (tc_off), so the 8 rows
 // of an ldmatrix hit 8 distinct bank groups. Fragments follow mma.m16n8k16's layout: lane = 4 g +
 // t4 holds rows g (A) and g + 8 (B), channels 16 ks + 2 t4 (+1, +8, +9) of k-step ks. Queries go
-// in as fp16 hi + lo parts of q * 2^sigma (tc_query_frags): every product with an fp16 key is
-// exact and fp32 accumulation carries q to 2^-22 relative.
+// in as fp16 hi + lo parts of q * 2^sigma (tc_query_frags, QLO): every product with an fp16 key is
+// exact and fp32 accumulation carries q to 2^-22 relative (the SnapKV scores, whose selections
+// must match the CPU's); without QLO (prefill attention: FlashAttention numerics, docs/design.md
+// section 4) as the fp16 rounding hi alone, 2^-11 relative.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -82,7 +84,7 @@ __device__ __forceinline__ int tc_sigma(float m) {
 // This lane's query fragments qh + ql (hi + lo of q * 2^sigma, per row A = g and B = g + 8) and
 // the rows' sigmas sA, sB. load(row, c) gives channels c, c + 1 of row A (row 0) or B (row 1),
 // zeros for a row that does not exist; the row max |q| is joined over the 4 lanes of a row.
-template <int D, class Load>
+template <int D, bool QLO, class Load>
 __device__ __forceinline__ void tc_query_frags(const Load& load, int t4, uint32_t (&qh)[D / 16][4],
                                                uint32_t (&ql)[D / 16][4], int& sA, int& sB) {
   // fn(ks, hf, x, y) for each of this lane's channel pairs c, c + 1 (k-step ks, half hf), x and y
@@ -109,15 +111,23 @@ __device__ __forceinline__ void tc_query_frags(const Load& load, int t4, uint32_
   sA = tc_sigma(mA);
   sB = tc_sigma(mB);
   pairs([&](int ks, int hf, float2 x, float2 y) {
-    tc_split(ldexpf(x.x, sA), ldexpf(x.y, sA), qh[ks][2 * hf], ql[ks][2 * hf]);
-    tc_split(ldexpf(y.x, sB), ldexpf(y.y, sB), qh[ks][2 * hf + 1], ql[ks][2 * hf + 1]);
+    if constexpr (QLO) {
+      tc_split(ldexpf(x.x, sA), ldexpf(x.y, sA), qh[ks][2 * hf], ql[ks][2 * hf]);
+      tc_split(ldexpf(y.x, sB), ldexpf(y.y, sB), qh[ks][2 * hf + 1], ql[ks][2 * hf + 1]);
+    } else {
+      const __half2 a = __floats2half2_rn(ldexpf(x.x, sA), ldexpf(x.y, sA));
+      const __half2 c = __floats2half2_rn(ldexpf(y.x, sB), ldexpf(y.y, sB));
+      qh[ks][2 * hf] = *reinterpret_cast<const uint32_t*>(&a);
+      qh[ks][2 * hf + 1] = *reinterpret_cast<const uint32_t*>(&c);
+      ql[ks][2 * hf] = ql[ks][2 * hf + 1] = 0u;
+    }
   });
 }
 
 // s[n] += logits of this warp's 16 query rows x keys 8n .. 8n + 7 of a staged 64-row tile k_hi
-// (swizzled fp16 rows): q_hi k + q_lo k per k-step, then q_hi k_lo when k_lo (the keys' lo plane)
-// is given.
-template <int D>
+// (swizzled fp16 rows): q_hi k (+ q_lo k with QLO) per k-step, then q_hi k_lo when k_lo (the
+// keys' lo plane) is given.
+template <int D, bool QLO>
 __device__ __forceinline__ void tc_logits64(const uint8_t* k_hi, const uint8_t* k_lo,
                                             const uint32_t (&qh)[D / 16][4],
                                             const uint32_t (&ql)[D / 16][4], int lane,
@@ -131,9 +141,9 @@ __device__ __forceinline__ void tc_logits64(const uint8_t* k_hi, const uint8_t* 
       uint32_t r[4];
       tc_ldsm(k_hi + off, r);
       tc_mma(s[2 * np], qh[ks], r[0], r[1]);
-      tc_mma(s[2 * np], ql[ks], r[0], r[1]);
+      if constexpr (QLO) tc_mma(s[2 * np], ql[ks], r[0], r[1]);
       tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
-      tc_mma(s[2 * np + 1], ql[ks], r[2], r[3]);
+      if constexpr (QLO) tc_mma(s[2 * np + 1], ql[ks], r[2], r[3]);
       if (k_lo) {
         tc_ldsm(k_lo + off, r);
         tc_mma(s[2 * np], qh[ks], r[0], r[1]);

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "ops_harness/attention_bounds.h"
 #include "util/test_util.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/builder.h"
@@ -208,22 +209,16 @@ HostView empty_view(int64_t B, int64_t H, int64_t D) {
 //    one rescale per 8-row tile, the warp/split merges and the final division (and for packed
 //    values the products p*scale, (p*scale)*c and p*lo): 2 gamma(9 n_vis / 8 + 64) * V;
 //  * the reference itself (fp32 products, double sums): 2^-23 |ref|.
-// The tensor-core kernel (f16 rows, 2/2- and 4/4-bit codes) stays inside these terms: codes are
-// exact fp16 integers, and it feeds q and p (or p * scale * 2^S for packed values) to the tensor
-// cores as fp16 hi + lo pairs, exact products with fp32 accumulation; a pair carries its value to
-// 2^-22 relative, which adds at most 2^-22 sum |q_d k_d| <= 2^-22 ||q|| ||k_j|| to a logit (far
-// below the gamma(D + ...) term, at least 2^-17.3 ||q|| ||k_j|| here) and 2^-22 * 2V per value
-// term (scale * code <= range <= 2V); fp16 subnormal terms (p < 2^-14, or p * scale * 2^S <
-// 2^-14) carry an absolute error of at most 2^-25 |v| (f16 rows) or c_max * 2^-25 * 2^-S (packed,
-// c_max = 2^bits - 1, 2^-S <= 2^-14 * the largest scale, of any channel block, among the split's
-// rows streamed so far, and scale * c_max <= 2V with V over every channel; rows hidden by position
-// or window count too: the tests draw them like visible ones, and even one 2^15 times larger keeps
-// a term under 2^-39 * 2^15 * 2V = 2^-23 V), i.e. at most n_vis * 2^-23 * V over all rows, inside
-// 2 gamma(9 n_vis / 8 + 64) V. Packed 2-bit keys: the q pair of
-// k-pair i is pre-scaled by 4^-i >= 2^-6 (codes read 4^i times their value in place), so a lo
-// part in fp16's subnormal range errs by at most 2^-25, i.e. 2^-25 * 4^i / sigma <= 2^-30
-// max |q| per channel, i.e. at most 2^-29 D ||q|| ||k_j|| on a logit (scale * c <= 2 max |k_g|),
-// under 2^-5 of the gamma(D + ...) term. exp2 on the special function unit without subnormal
+// The tensor-core paths (f16 rows, 2/2- and 4/4-bit codes; the generic kernel's logits of f16
+// rows and 2-bit codes) round q and p (or p * scale * 2^S for packed values) once to fp16
+// (FlashAttention numerics): codes and f16 keys/values are exact fp16, products exact, fp32
+// accumulation. That adds kGpuLogitRel * scale ||q|| ||k_j|| to each logit's shift and
+// kGpuValueRel * V to each output (tests/ops_harness/attention_bounds.h derives both); fp16
+// subnormal p terms (p < 2^-14, or p * scale * 2^S < 2^-14) carry an absolute error of at most
+// 2^-25 |v| (f16 rows) or c_max * 2^-25 * 2^-S (packed, 2^-S <= 2^-14 * the largest scale among
+// the split's rows streamed so far, scale * c_max <= 2V; rows hidden by position or window count
+// too: even one 2^15 times larger keeps a term under 2^-23 V), i.e. at most n_vis * 2^-23 * V,
+// inside 2 gamma(9 n_vis / 8 + 64) V. exp2 on the special function unit without subnormal
 // results: a weight under 2^-126 becomes 0, inside the same subnormal bound.
 struct Check {
   double max_err = 0, max_ratio = 0, nmse_num = 0, nmse_den = 0;
@@ -263,7 +258,8 @@ Check check_against_reference(const HostView& hv, const std::vector<float>& q, i
             dot += kv * qr[d];
             vmax = std::max(vmax, std::abs(static_cast<double>(s.values.at(b, kh, j, d))));
           }
-          const double dj = scale * gamma(D + log2d + 3.0 * D / 8 + 8) * qn * std::sqrt(kn) +
+          const double dj = scale * (gamma(D + log2d + 3.0 * D / 8 + 8) + harness::kGpuLogitRel) *
+                                qn * std::sqrt(kn) +
                             4 * kU * std::abs(dot * scale) + 0x1p-22;
           delta = std::max(delta, dj);
         }
@@ -272,7 +268,7 @@ Check check_against_reference(const HostView& hv, const std::vector<float>& q, i
         const double r = ref[i], g = gpu[i];
         const double tol = std::expm1(2 * delta) * vmax +
                            2 * gamma(9.0 * static_cast<double>(n_vis) / 8 + 64) * vmax +
-                           0x1p-23 * std::abs(r) + 1e-30;
+                           harness::kGpuValueRel * vmax + 0x1p-23 * std::abs(r) + 1e-30;
         EXPECT_EQ(std::isnan(g), std::isnan(r)) << vars << " NaN mismatch at " << i;
         const double e = std::abs(g - r);
         c.max_err = std::max(c.max_err, e);

@@ -245,12 +245,12 @@ std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vecto
         const double n_vis = static_cast<double>(kns.size());
         double delta = 0;
         for (size_t j = 0; j < kns.size(); ++j) {
-          const double dj = kern == GpuAttnKernel::kDecode
-                                ? scale * gamma_n(D + log2d + 3.0 * D / 8 + 8) * qn * kns[j] +
-                                      4 * kU * std::abs(dots[j]) + 0x1p-22
-                                : scale * gamma_n(static_cast<double>(D)) * qn * kns[j] +
-                                      4 * kU * std::abs(dots[j]) + 2 * kU * big +
-                                      0x1p-22 * (n_vis / 32 + 2);
+          const double dj =
+              kern == GpuAttnKernel::kDecode
+                  ? scale * (gamma_n(D + log2d + 3.0 * D / 8 + 8) + kGpuLogitRel) * qn * kns[j] +
+                        4 * kU * std::abs(dots[j]) + 0x1p-22
+                  : scale * gamma_n(static_cast<double>(D)) * qn * kns[j] +
+                        4 * kU * std::abs(dots[j]) + 2 * kU * big + 0x1p-22 * (n_vis / 32 + 2);
           delta = std::max(delta, dj);
         }
         const double sum_terms =
@@ -258,6 +258,7 @@ std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vecto
         for (int64_t d = 0; d < D; ++d) {
           const size_t e = static_cast<size_t>(((b * hq + qh) * n_q + i) * D + d);
           out[e] = std::expm1(2 * delta) * vmax + 2 * gamma_n(sum_terms) * vmax +
+                   (kern == GpuAttnKernel::kDecode ? kGpuValueRel * vmax : 0.0) +
                    0x1p-23 * std::abs(ref[e]) + 1e-30;
         }
       }

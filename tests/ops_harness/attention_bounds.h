@@ -25,8 +25,29 @@ std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dens
                                     const std::vector<float>& q, int64_t hq, int64_t n_q,
                                     const AttentionParams& ap);
 
-// CUDA kernels: decode_attention and the tensor-core prefill (kDecode), the CUDA-core prefill
-// (kPrefill). ref is attention_ref's output.
+// The fp16 operands of the CUDA tensor-core paths (FlashAttention numerics, docs/design.md
+// section 4): the decode kernels (f16 rows, 2-/4-bit codes; the generic kernel's logits of f16
+// rows and 2-bit codes) and the tensor-core prefill round q and p once to fp16 and multiply them
+// with exact fp16 keys, values and codes, accumulating in fp32. Their two terms, added to the
+// fp32 bound of kDecode below:
+//  * logit: q' = q * sigma (* 4^-i for 2-bit packed keys; sigma = 2^e puts max |q| in
+//    [2^11, 2^12)) rounds to fp16 with |dq_d| <= 2^-11 |q_d| where normal, and <= 2^-25 / sigma /
+//    4^-i <= 2^-30 max |q| where subnormal; the zero-point chunk sums are taken over the rounded
+//    q, so a logit errs by sum_d |dq_d| |k_d| <= 2^-11 ||q|| ||k|| + 2^-30 sqrt(D) ||q|| ||k||
+//    (Cauchy-Schwarz; the same under the orthonormal key transforms), i.e. at most
+//    kGpuLogitRel * scale * ||q|| ||k|| for D <= 256;
+//  * values: p (fp32, in [0, 1]; the softmax sum l adds the unrounded p) enters P V as its fp16
+//    rounding (or that of p * scale * 2^S for packed values): relative 2^-11 of p |v - lo| per
+//    term (f16 rows: lo = 0), so the output errs by at most 2^-11 max |v - lo| (the p sum to l);
+//    |lo| <= V (lo is the group's clipped minimum, rounded to its metadata type, which the
+//    group's dequantized values reach to within a step; 1.07 V with fp8 metadata) gives
+//    max |v - lo| < 4 V: kGpuValueRel * V = 2^-9 V. Subnormal p (< 2^-14) err by at most 2^-25 |v|
+//    each, inside the accumulation term 2 gamma(9 n / 8 + 64) V as before.
+constexpr double kGpuLogitRel = 0x1p-11 + 0x1p-26;
+constexpr double kGpuValueRel = 0x1p-9;
+
+// CUDA kernels: decode_attention and the tensor-core prefill (kDecode: the fp32 bound plus the
+// fp16-operand terms above), the CUDA-core prefill (kPrefill). ref is attention_ref's output.
 enum class GpuAttnKernel { kDecode, kPrefill };
 std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vector<float>& q,
                                         int64_t hq, int64_t n_q, const AttentionParams& ap,
