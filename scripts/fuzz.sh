@@ -20,13 +20,13 @@ dir=${3:-build-fuzz}
 source scripts/fuzz_common.sh
 
 run_one() {
-  local t=$1
+  local t=$1 minutes=$2
   mkdir -p "$dir/crashes/$t" "$dir/work/$t"
   cp -n "$corpus/$t"/* "$dir/work/$t/" 2>/dev/null || true
   if "$dir/tools/fuzz/$t" "$dir/work/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=4096 \
        -max_len=400000 -print_final_stats=1 -artifact_prefix="$dir/crashes/$t/" \
        >"$dir/$t.log" 2>&1; then
-    echo "[fuzz] $t clean for $1 min: $(grep -E 'stat::number_of_executed_units' "$dir/$t.log" |
+    echo "[fuzz] $t clean for $minutes min: $(grep -E 'stat::number_of_executed_units' "$dir/$t.log" |
       awk '{print $2}') runs, $(grep -oE 'cov: [0-9]+' "$dir/$t.log" | tail -n 1)"
   else
     echo "[fuzz] $t FAILED: see $dir/$t.log and $dir/crashes/$t/" >&2
