@@ -6,7 +6,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 PKGS=(build-essential cmake pkg-config g++ clang libclang-rt-14-dev
       libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libpcre2-dev libopenblas-dev
-      libcli11-dev libfmt-dev libxxhash-dev python3 python3-pip clang-format
+      libcli11-dev libfmt-dev libxxhash-dev python3 python3-pip python3-venv clang-format
       bible-kjv-text dict-gcide fortunes dict-foldoc dict-jargon dict-devil python3.11-doc)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs dependencies, builds and runs the GoogleTest suite
 # (Release), again under AddressSanitizer + UndefinedBehaviorSanitizer, runs the fuzz smoke test,
-# compiles the CUDA backend where nvcc exists (compile only: no GPU here), and first checks that
-# every C++/CUDA source is formatted as .clang-format says.
+# compiles the CUDA backend where nvcc exists (compile only: no GPU here), first checks that
+# every C++/CUDA source is formatted as .clang-format says, and last installs the Python package
+# into a venv (pip install .) and runs its pytest suite (python/tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 jobs=$(nproc)
 export CTEST_OUTPUT_ON_FAILURE=1
 
-echo "== [0/4] format: clang-format --dry-run -Werror on every C++/CUDA source =="
+# The Python step's venv (torch from PyPI is ~3 GB with its CUDA libraries, mostly download and
+# unpacking) is made in the background while the C++ jobs compile; step 5 waits for it.
+py=build-python/venv/bin/python
+mkdir -p build-python
+(
+  python3 -m venv build-python/venv &&
+    $py -m pip install -q --upgrade pip &&
+    $py -m pip install -q "torch>=2.4" "transformers>=5.2,<6" pytest safetensors numpy \
+      "scikit-build-core>=0.10" "nanobind>=2.4"
+) >build-python/venv.log 2>&1 &
+venv_pid=$!
+
+echo "== [0/5] format: clang-format --dry-run -Werror on every C++/CUDA source =="
 git ls-files '*.cpp' '*.h' '*.cu' '*.cuh' | xargs clang-format --dry-run -Werror
 
-echo "== [1/4] CUDA backend: compile only =="
+echo "== [1/5] CUDA backend: compile only =="
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="$PATH:/usr/local/cuda/bin"
   cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DVQ_CUDA=ON -DVQ_BUILD_TESTS=ON \
@@ -30,32 +43,32 @@ else
   echo "nvcc not found: skipping the CUDA compile job"
 fi
 
-echo "== [2/4] fuzz smoke =="
+echo "== [2/5] fuzz smoke =="
 if [ -x scripts/fuzz_smoke.sh ]; then scripts/fuzz_smoke.sh; else echo "no fuzz targets yet"; fi
 
-echo "== [3/4] sanitizers (ASan + UBSan) =="
+echo "== [3/5] sanitizers (ASan + UBSan) =="
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVQ_SANITIZE=ON -DVQ_BUILD_BENCH=OFF \
       >/dev/null
 cmake --build build-asan -j"$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest -j"$jobs" --timeout 900)
 
-echo "== [4/4] test suite (Release) =="
+echo "== [4/5] test suite (Release) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
 (cd build && ctest -j"$jobs" --timeout 600)
 
-echo "== [5] Python package: pip install . into a venv, pytest python/tests =="
+echo "== [5/5] Python package: pip install . into a venv, pytest python/tests =="
 # A fresh venv under build-python/ (ignored by git); torch from PyPI (its CPU-only wheel index is
 # not reachable from CI), transformers and pytest, then the package itself (scikit-build-core
 # builds the extension in build-python/<wheel tag>, with ccache where present). The shipped-model
 # test compares with build/veloxquant, built in step 4. kvpress pins transformers < 5.3: its test
 # runs in a second venv that sees the first one's packages (a .pth) under its own transformers.
 py_start=$SECONDS
-py=build-python/venv/bin/python
-python3 -m venv build-python/venv
-$py -m pip install -q --upgrade pip
-$py -m pip install -q "torch>=2.4" "transformers>=5.2,<6" pytest safetensors numpy \
-  "scikit-build-core>=0.10" "nanobind>=2.4"
+if ! wait "$venv_pid"; then
+  cat build-python/venv.log >&2
+  echo "Python step: making the venv failed (log above)" >&2
+  exit 1
+fi
 launcher=()
 if command -v ccache >/dev/null 2>&1; then launcher=(CMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 env "${launcher[@]}" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" $py -m pip install -q --no-build-isolation .
