@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 dir=${1:-gpu-bundle}
 build=${2:-build-cuda}
 export PATH=$PATH:/usr/local/cuda/bin
-tests=(test_cuda_decode test_cuda_decode_formats test_cuda_skvq test_cuda_snapkv test_cuda_caches
+tests=(test_cuda_decode test_cuda_skvq test_cuda_snapkv test_cuda_caches
   test_cuda_prefill test_backend_ops_cuda)
 benches=(cuda_decode_attention cuda_prefill_attention)
 # VQ_BUNDLE=peers: the decode benchmark and the decode test plus the peers' wheels (.whl/:

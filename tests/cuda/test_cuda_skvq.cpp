@@ -1,13 +1,10 @@
-// GPU tests of the SKVQ flush kernels against the CPU, all exact (integer/byte outputs and
-// metadata bit patterns): skvq_quantize_rows vs the CPU path of a flush (to fp32, rotate,
-// permute, quantize_to_records) over bit widths 1..8 and 1.5, groups 32 / 128 / 48 (ragged) /
-// 5 (odd), metadata f16 / f32 / fp8, clip search on and off, input f16 / bf16 / f32, with and
-// without permutation and Hadamard rotation, on data with outliers, constant, zero, huge and tiny
-// rows; groups whose codes land on and one ulp around every rounding tie (the device divides by
-// the scale only near ties); skvq_channel_perms vs a stable-sort reference written here (ties, NaN
-// ranges); and the
-// records and permutations of real SKVQ caches (what their flush stored) reproduced byte for byte.
-// Skipped cleanly without a device.
+// GPU tests of the SKVQ flush kernels beyond the op harness's table
+// (tests/cuda/test_backend_ops_cuda.cpp holds skvq_quantize_rows and skvq_channel_perms to the CPU
+// byte for byte over bit widths, groups, metadata, clip search, dtypes, permutation and rotation):
+// groups whose codes land on and one ulp around every rounding tie (the device divides by the
+// scale only near ties), exact; the records and permutations of real SKVQ caches (what their flush
+// stored) reproduced byte for byte; and the refusal of a mismatched format. Skipped cleanly
+// without a device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -104,52 +101,6 @@ int64_t count_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b)
   return n + static_cast<int64_t>(std::max(a.size(), b.size()) - std::min(a.size(), b.size()));
 }
 
-TEST(CudaSkvq, QuantizeRowsBitIdentical) {
-  SKIP_WITHOUT_DEVICE();
-  uint64_t seed = 1;
-  int cases = 0;
-  const MetaType metas[] = {MetaType::kF16, MetaType::kF32, MetaType::kFP8E4M3};
-  const DType dtypes[] = {DType::kF16, DType::kBF16, DType::kF32};
-  for (double bits : {1.0, 1.5, 2.0, 3.0, 4.0, 8.0})
-    for (int64_t group : {32, 128, 48, 5})
-      for (int mi = 0; mi < 3; ++mi) {
-        const int variant = cases++;
-        const int64_t D = variant % 2 ? 64 : 128;
-        const DType dt = dtypes[variant % 3];
-        const bool search = variant % 5 != 4;
-        const bool use_perm = variant % 4 == 1 || variant % 4 == 3;
-        const bool use_rot = variant % 4 >= 2;
-        const int64_t B = 2, H = 3, n = 37;
-        const Tensor rows = special_rows(dt, B, H, n, D, ++seed);
-        GroupQuantParams gp;
-        gp.bits = bits;
-        gp.group_size = group;
-        gp.meta = metas[mi];
-        gp.clip_search = search;
-        gp.clip_alpha = 0.9f;
-        const PackedRowFormat f = make_row_format(D, bits, group, gp.meta);
-        std::vector<int32_t> perm;
-        std::vector<float> signs;
-        std::mt19937_64 rng(seed);
-        if (use_perm) {
-          perm.resize(static_cast<size_t>(H * D));
-          for (int64_t h = 0; h < H; ++h) {
-            std::iota(perm.begin() + h * D, perm.begin() + (h + 1) * D, 0);
-            std::shuffle(perm.begin() + h * D, perm.begin() + (h + 1) * D, rng);
-          }
-        }
-        if (use_rot) signs = hadamard_signs(seed, H * D);
-        std::ostringstream vars;
-        vars << "bits=" << bits << " group=" << group << " meta=" << mi << " D=" << D
-             << " dtype=" << dtype_name(dt) << " search=" << search << " perm=" << use_perm
-             << " rot=" << use_rot;
-        const auto cpu = cpu_records(rows, f, gp, perm, signs);
-        const auto gpu = gpu_records(rows, f, gp, perm, signs);
-        EXPECT_EQ(count_diff(cpu, gpu), 0) << vars.str() << ": record bytes differ";
-      }
-  std::printf("[skvq quantize] %d formats, records bit-identical\n", cases);
-}
-
 // The device quantizer divides by the scale only near rounding ties (it multiplies by the
 // reciprocal elsewhere): groups whose codes land exactly on, and one ulp either side of, every
 // half-integer k + 1/2 (alpha = 1 with dyadic data gives lo = min and scale = range / levels
@@ -197,62 +148,6 @@ TEST(CudaSkvq, QuantizeRowsTiesBitIdentical) {
           EXPECT_EQ(count_diff(cpu, gpu), 0) << vars.str() << ": record bytes differ";
         }
   std::printf("[skvq quantize ties] %d cases, records bit-identical\n", cases);
-}
-
-std::vector<int32_t> reference_perms(const Tensor& rows) {
-  const int64_t B = rows.shape()[0], H = rows.shape()[1], n = rows.shape()[2], D = rows.shape()[3];
-  std::vector<int32_t> out;
-  for (int64_t h = 0; h < H; ++h) {
-    std::vector<float> mn(static_cast<size_t>(D)), mx(static_cast<size_t>(D));
-    bool first = true;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t d = 0; d < D; ++d) {
-          const float x = rows.at(b, h, i, d);
-          if (first) {
-            mn[d] = mx[d] = x;
-          } else {
-            mn[d] = std::min(mn[d], x);
-            mx[d] = std::max(mx[d], x);
-          }
-          if (d == D - 1) first = false;
-        }
-    std::vector<float> range(static_cast<size_t>(D));
-    for (int64_t d = 0; d < D; ++d) {
-      const float r = mx[d] - mn[d];
-      range[d] = std::isnan(r) ? INFINITY : r;
-    }
-    std::vector<int32_t> p(static_cast<size_t>(D));
-    std::iota(p.begin(), p.end(), 0);
-    std::stable_sort(p.begin(), p.end(), [&](int32_t a, int32_t c) { return range[a] < range[c]; });
-    out.insert(out.end(), p.begin(), p.end());
-  }
-  return out;
-}
-
-TEST(CudaSkvq, ChannelPermsMatchStableSort) {
-  SKIP_WITHOUT_DEVICE();
-  for (int64_t D : {64, 128})
-    for (DType dt : {DType::kF16, DType::kF32}) {
-      const int64_t B = 2, H = 3, n = 32;
-      Tensor rows = test::random_tensor(dt, B, H, n, D, 5);
-      // ties: channel pairs with identical values; one channel with a NaN in a later row
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t i = 0; i < n; ++i) {
-            rows.set(b, h, i, 7, rows.at(b, h, i, 3));
-            rows.set(b, h, i, 11, 0.5f);
-            rows.set(b, h, i, 12, 0.5f);
-            if (i == 0 && h == 1) rows.set(b, h, i, 20, NAN);  // NaN range sorts last
-          }
-      const auto want = reference_perms(rows);
-      cuda::DeviceBuffer d = cuda::DeviceBuffer::from_host(rows.data(), rows.nbytes());
-      cuda::DeviceBuffer p(static_cast<size_t>(H * D) * 4);
-      cuda::skvq_channel_perms(TensorView::contiguous(d.data(), dt, B, H, n, D), p.as<int32_t>());
-      cuda::synchronize();
-      EXPECT_EQ(p.to_vector<int32_t>(static_cast<size_t>(H * D)), want)
-          << "D=" << D << " dtype=" << dtype_name(dt);
-    }
 }
 
 // A contiguous copy of rows [i0, i0 + n) of t.
