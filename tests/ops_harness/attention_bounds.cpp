@@ -28,6 +28,7 @@ struct RowInfo {
   double v_max = 0, v_l1 = 0;  // of (|c_i s| + |lo|) (packed)
   bool k_rot = false, v_rot = false;
   int32_t k_block = 0, v_block = 0;
+  int32_t k_group = 0, k_groups = 0;  // packed keys: group size and groups per row
 };
 
 // Norms of the per-element magnitudes |code * scale| + |lo| of one record.
@@ -72,6 +73,8 @@ std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, in
         r.k_rot = seg.packed->keys.signs != nullptr;
         r.v_rot = seg.packed->values.signs != nullptr;
         r.k_block = seg.packed->keys.rot_block;
+        r.k_group = seg.packed->keys.fmt.group_size;
+        r.k_groups = seg.packed->keys.fmt.n_groups;
         r.v_block = seg.packed->values.rot_block;
       }
       out.push_back(std::move(r));
@@ -97,8 +100,18 @@ std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, in
 //    (n + n_tiles + 8) u sum_j w_j V_j, V_j = |v_jd| (fp) or max_i (|c_i s| + |lo|) (packed);
 //    rotated values mix channels in R^T (norm <= sqrt(D) times the largest element); the
 //    un-rotation of the sum and the reference's un-rotated values add T_rot each.
+//  Packed rows in decode (packed_decode_bound: the kernels of src/ops/packed_decode.h compute on
+//  the codes): codes are exact in fp32; per group, fp32 FMA partial sums of q'_i c_i over the
+//  group (at most g sequential roundings per lane), one FMA by s_g into the lane totals, a lane
+//  reduction (log2 16 = 4 roundings), then n_groups additions of lo_g qsum_g (a product and a
+//  sum each, qsum_g itself a sum of g terms of q'). Every term of sum_i |q'_i| (|c_i s| + |lo|)
+//  passes through at most g + 2 n_groups + 7 roundings: the logit depth is g + 2 n_groups + 7
+//  instead of D + 8 (<= D + 8 for g >= 2, so the general bound covers these kernels too). The
+//  values keep the general term: p s_g rounded once, then one FMA per row in order, and the
+//  offsets' sums p lo_g: (n + n_tiles + 8) u as above.
 std::vector<double> bound_for(const std::vector<double>& q, const std::vector<RowInfo>& rows,
-                              int64_t q_pos, int64_t window, double scale, int64_t d) {
+                              int64_t q_pos, int64_t window, double scale, int64_t d,
+                              bool packed_decode) {
   std::vector<const RowInfo*> vis;
   for (const RowInfo& r : rows)
     if (visible(r.pos, q_pos, window)) vis.push_back(&r);
@@ -134,8 +147,10 @@ std::vector<double> bound_for(const std::vector<double>& q, const std::vector<Ro
     } else {
       for (int64_t c = 0; c < d; ++c) kterm += std::fabs(q[c] * r.k[c]);
     }
-    eps = std::max(eps,
-                   scale * ((d + 8) * kU * kterm + rterm) + kU * (std::fabs(logit[j] - lmax) + 2));
+    const double depth =
+        packed_decode && r.packed ? r.k_group + 2.0 * r.k_groups + 7 : static_cast<double>(d + 8);
+    eps =
+        std::max(eps, scale * (depth * kU * kterm + rterm) + kU * (std::fabs(logit[j] - lmax) + 2));
     w[j] = std::exp(logit[j] - lmax);
     wsum += w[j];
   }
@@ -176,9 +191,11 @@ std::vector<double> attention_ref(const CacheView& dense, const std::vector<floa
   return std::vector<double>(out.begin(), out.end());
 }
 
-std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dense,
-                                    const std::vector<float>& q, int64_t hq, int64_t n_q,
-                                    const AttentionParams& ap) {
+namespace {
+
+std::vector<double> fused_bound(const CacheView& view, const CacheView& dense,
+                                const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                const AttentionParams& ap, bool packed_decode) {
   const int64_t B = view.batch, H = view.n_kv_heads, D = view.head_dim, rep = hq / H;
   const double scale = scale_of(ap, D);
   std::vector<double> out(q.size());
@@ -190,13 +207,27 @@ std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dens
           const int64_t qh = kh * rep + r;
           const size_t at = static_cast<size_t>(((b * hq + qh) * n_q + i) * D);
           const std::vector<double> qv(q.begin() + at, q.begin() + at + D);
-          const auto bd = bound_for(qv, rows, ap.q_pos0 + i, ap.window, scale, D);
+          const auto bd = bound_for(qv, rows, ap.q_pos0 + i, ap.window, scale, D, packed_decode);
           // The reference itself (fp32 products, double sums) is rounded once: u |ref| is part
           // of bound_for's value term already (gamma's + 8).
           std::copy(bd.begin(), bd.end(), out.begin() + at);
         }
     }
   return out;
+}
+
+}  // namespace
+
+std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dense,
+                                    const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                    const AttentionParams& ap) {
+  return fused_bound(view, dense, q, hq, n_q, ap, false);
+}
+
+std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& dense,
+                                        const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                        const AttentionParams& ap) {
+  return fused_bound(view, dense, q, hq, n_q, ap, true);
 }
 
 // CUDA kernels, per output element (b, qh, i, d), V = max |v| over the visible rows, n their

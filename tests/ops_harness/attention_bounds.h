@@ -25,6 +25,13 @@ std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dens
                                     const std::vector<float>& q, int64_t hq, int64_t n_q,
                                     const AttentionParams& ap);
 
+// vq::attention in decode over packed rows (the packed decode kernels, src/ops/packed_decode.h:
+// n_rep * n_q below the many-query size): the logit depth of packed rows is g + 2 n_groups + 7
+// roundings instead of D + 8 (derived in attention_bounds.cpp).
+std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& dense,
+                                        const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                        const AttentionParams& ap);
+
 // CUDA kernels: decode_attention and the tensor-core prefill (kDecode), the CUDA-core prefill
 // (kPrefill). ref is attention_ref's output.
 enum class GpuAttnKernel { kDecode, kPrefill };
