@@ -2,8 +2,8 @@
 // segments, and dequantize_view (packed.h) for callers that want dense rows.
 //
 // q [B, H_q, N, D] (any strides, f32/f16/bf16), out [B, H_q, N, D] fp32 contiguous. Work items
-// are (b, kv head, block of queries), spread over OpenMP threads; each item holds the
-// M = n_rep * n_queries query vectors that share one KV head, so every KV row is read and
+// are (b, kv head, block of queries), spread over the worker pool (thread_pool.h); each item holds
+// the M = n_rep * n_queries query vectors that share one KV head, so every KV row is read and
 // unpacked once for all of them (GQA). Per tile of 32 rows: logits, an online-softmax update
 // (running max and sum, fp32), then the value accumulation.
 // Packed rows are never dequantized to a dense cache: row j of group g has x_i = c_i*s_g + lo_g
@@ -28,6 +28,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -39,6 +40,7 @@
 #endif
 
 #include "ops/packed_decode.h"
+#include "ops/thread_pool.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/error.h"
 #include "veloxquant/hadamard.h"
@@ -1545,21 +1547,19 @@ void attention(const TensorView& q, const CacheView& view, const AttentionParams
   const int64_t q_block = (n_q + n_qb - 1) / n_qb;
   const int64_t items = n_b * n_hkv * n_qb;
   std::exception_ptr failure;
-#pragma omp parallel if (items > 1)
-  {
-    Work w;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      try {
-        const int64_t qb = n_qb - 1 - it / (n_b * n_hkv), kh = it % n_hkv, b = (it / n_hkv) % n_b;
-        const int64_t i0 = qb * q_block, i1 = std::min(n_q, i0 + q_block);
-        run_item(q, view, p, scale, b, kh, i0, i1, out, w);
-      } catch (...) {
-#pragma omp critical(vq_attention_failure)
-        if (!failure) failure = std::current_exception();
-      }
+  std::mutex failure_mu;
+  // Items on the worker pool (ops/thread_pool.h), each thread with its own scratch.
+  ops::parallel_for(items, [&](int64_t it) {
+    thread_local Work w;
+    try {
+      const int64_t qb = n_qb - 1 - it / (n_b * n_hkv), kh = it % n_hkv, b = (it / n_hkv) % n_b;
+      const int64_t i0 = qb * q_block, i1 = std::min(n_q, i0 + q_block);
+      run_item(q, view, p, scale, b, kh, i0, i1, out, w);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(failure_mu);
+      if (!failure) failure = std::current_exception();
     }
-  }
+  });
   if (failure) std::rethrow_exception(failure);
 }
 
