@@ -100,14 +100,15 @@ TEST(BackendOps, AttentionFusedCpuVsReference) {
   }
 }
 
-// Decode over packed rows on every packed decode path this CPU has (portable, AVX2, AVX-512: the
-// kernels of src/ops/packed_decode.h, chosen through vq::attention), each against the reference
-// with the fused bound (attention_bounds.cpp derives it for the packed kernels' arithmetic).
+// Decode over packed rows on every packed decode path this CPU has (portable, AVX2, AVX-512,
+// AVX-512 VNNI with int8 queries: the kernels of src/ops/packed_decode.h, chosen through
+// vq::attention), each against the reference with packed_decode_bound (attention_bounds.cpp
+// derives it for each path's arithmetic).
 TEST(BackendOps, AttentionPackedDecodePaths) {
   const auto cases = harness::packed_decode_cases(harness::small_sweep());
   const detail::CpuIsa best = detail::detected_isa();
-  for (detail::CpuIsa isa :
-       {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512}) {
+  for (detail::CpuIsa isa : {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2,
+                             detail::CpuIsa::kAvx512, detail::CpuIsa::kAvx512Vnni}) {
     if (isa > best) continue;
     detail::set_attention_isa(isa);
     uint64_t seed = 1000;
@@ -126,7 +127,7 @@ TEST(BackendOps, AttentionPackedDecodePaths) {
       const DenseView dense = dequantize_view(hv->view, DType::kF32);
       const auto ref = harness::attention_ref(dense.view, q, hq, c.n_q, ap);
       Check k("attention packed decode", detail::isa_name(isa), c.vars());
-      k.bounded(got, ref, harness::packed_decode_bound(hv->view, dense.view, q, hq, c.n_q, ap),
+      k.bounded(got, ref, harness::packed_decode_bound(hv->view, dense.view, q, hq, c.n_q, ap, isa),
                 "out");
     }
   }

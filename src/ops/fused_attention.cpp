@@ -476,6 +476,7 @@ struct Work {
   std::vector<float> klo, vlo;       // [n_groups, kTile] offsets of packed tiles (transposed)
   std::vector<float> tmp, dots;
   std::vector<float> pscratch;    // packed value kernels' weights (packed_decode.h)
+  std::vector<uint64_t> qprep;    // packed key kernels' prepared queries
   std::vector<int32_t> pos, vis;  // [kTile] positions; indices of visible rows
   // Many-query path (full-precision segments, see many_tile): lanes run over queries.
   int64_t mp = 0;               // M rounded up to 16 lanes
@@ -1312,8 +1313,11 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
       vk = detail::packed_kernel(pv.fmt, isa);
     }
     const bool direct = kk.keys != nullptr && vk.values != nullptr;
-    if (direct)
-      w.pscratch.resize(static_cast<size_t>(kTile * std::max(kg, vg) * std::max<int64_t>(M, 1)));
+    if (direct) w.pscratch.resize(static_cast<size_t>(detail::packed_values_scratch(vg, M)));
+    if (direct && kk.prepare) {  // the queries in the key kernel's form, once per segment
+      w.qprep.resize(static_cast<size_t>((kk.prep_bytes(pk.fmt, M) + 7) / 8));
+      kk.prepare(pk.fmt, qsrc, kc->qsum.data(), M, w.qprep.data());
+    }
     for (int64_t j0 = 0; j0 < seg.n_rows; j0 += kTile) {
       const int64_t nt = std::min(kTile, seg.n_rows - j0);
       // ---- positions; rows no query of this item can see are skipped entirely
@@ -1395,7 +1399,7 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         std::fill(w.logits.begin() + m * kTile, w.logits.begin() + m * kTile + nt, neg_inf);
       if (direct) {
         const detail::PackedTile tile{pk.record(b, kh, j0), pk.fmt.row_stride, w.vis.data(), n_vis};
-        kk.keys(pk.fmt, tile, qsrc, kc->qsum.data(), M, w.logits.data(), kTile);
+        kk.keys(pk.fmt, tile, qsrc, kc->qsum.data(), M, w.logits.data(), kTile, w.qprep.data());
       }
       for (int64_t vi = 0; vi < n_vis && !few && !direct; ++vi) {
         const int64_t t = w.vis[static_cast<size_t>(vi)];

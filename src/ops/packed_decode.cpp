@@ -13,6 +13,8 @@ const char* isa_name(CpuIsa isa) {
       return "avx2";
     case CpuIsa::kAvx512:
       return "avx512";
+    case CpuIsa::kAvx512Vnni:
+      return "avx512vnni";
   }
   return "?";
 }
@@ -23,7 +25,7 @@ CpuIsa detected_isa() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      return CpuIsa::kAvx512;
+      return __builtin_cpu_supports("avx512vnni") ? CpuIsa::kAvx512Vnni : CpuIsa::kAvx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
 #endif
     return CpuIsa::kPortable;
@@ -46,6 +48,14 @@ void set_attention_isa(CpuIsa isa) {
 }
 
 PackedKernel packed_kernel(const PackedRowFormat& f, CpuIsa isa) {
+  if (isa >= CpuIsa::kAvx512Vnni) {
+    const PackedKernel k = packed_kernel_vnni(f), v = packed_kernel_avx512(f);
+    if (k.keys && v.values) {
+      PackedKernel out = k;
+      out.values = v.values;
+      return out;
+    }
+  }
   if (isa >= CpuIsa::kAvx512) {
     const PackedKernel k = packed_kernel_avx512(f);
     if (k.keys) return k;

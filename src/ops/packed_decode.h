@@ -19,7 +19,8 @@
 namespace vq::detail {
 
 // Instruction sets a kernel can be built for, in increasing order.
-enum class CpuIsa : uint8_t { kPortable, kAvx2, kAvx512 };
+// kAvx512Vnni: AVX-512 with VNNI, whose key kernels run on int8 queries (see below).
+enum class CpuIsa : uint8_t { kPortable, kAvx2, kAvx512, kAvx512Vnni };
 const char* isa_name(CpuIsa isa);
 // The best instruction set of this CPU that this build has kernels for (checked once).
 CpuIsa detected_isa();
@@ -40,18 +41,36 @@ struct PackedTile {
 
 // logits[m * ld + t] = sum_g s_g (q[m] . c_t)_g + lo_g qsum[m * n_groups + g] for every listed
 // row t and query m < n_q (q: [n_q, D] transformed, qsum: [n_q, n_groups]).
+// prep: what the kernel's prepare function made of q and qsum (kernels without one ignore it).
 using PackedKeysFn = void (*)(const PackedRowFormat& f, const PackedTile& tile, const float* q,
-                              const float* qsum, int64_t n_q, float* logits, int64_t ld);
+                              const float* qsum, int64_t n_q, float* logits, int64_t ld,
+                              const void* prep);
+// Per segment and step: the queries in the kernel's own form, into prep (prep_bytes(f, n_q)).
+using PackedPrepFn = void (*)(const PackedRowFormat& f, const float* q, const float* qsum,
+                              int64_t n_q, void* prep);
+using PackedPrepBytesFn = int64_t (*)(const PackedRowFormat& f, int64_t n_q);
 // acc[m * D + i] += sum_t p[m * ld + t] s_{t,g(i)} c_{t,i} and
 // acc_lo[m * n_groups + g] += sum_t p[m * ld + t] lo_{t,g} over the listed rows t.
-// scratch: at least tile.n_rows * n_groups * n_q floats.
+// scratch: at least packed_values_scratch(n_groups, n_q) floats.
 using PackedValuesFn = void (*)(const PackedRowFormat& f, const PackedTile& tile, const float* p,
                                 int64_t ld, int64_t n_q, float* acc, float* acc_lo, float* scratch);
+
+// Scratch floats a values kernel may use for a tile of up to 32 rows.
+inline int64_t packed_values_scratch(int64_t n_groups, int64_t n_q) {
+  const int64_t mp = (n_q + 3) / 4 * 4;
+  return 32 * mp + 32 * n_groups * mp + n_groups * mp;
+}
 
 struct PackedKernel {
   PackedKeysFn keys = nullptr;
   PackedValuesFn values = nullptr;
   CpuIsa isa = CpuIsa::kPortable;
+  PackedPrepFn prepare = nullptr;  // null: keys reads q and qsum directly
+  PackedPrepBytesFn prep_bytes = nullptr;
+  // The key kernel rounds each query group to int8: q'_i ~ sq_g * q8_i, sq_g = max_{i in g}
+  // |q'_i| / 127, q8_i = rne(q'_i / sq_g), so |q'_i - sq_g q8_i| <= sq_g (1/2 + 127 u); the
+  // integer dot products are exact (packed_decode_vnni.cpp).
+  bool int8_query = false;
 };
 
 // The kernels for records of format f on instruction set isa (at most isa: a format the SIMD
@@ -64,5 +83,7 @@ PackedKernel packed_kernel(const PackedRowFormat& f, CpuIsa isa);
 PackedKernel packed_kernel_portable(const PackedRowFormat& f);
 PackedKernel packed_kernel_avx2(const PackedRowFormat& f);
 PackedKernel packed_kernel_avx512(const PackedRowFormat& f);
+// Keys only (values: packed_kernel_avx512's).
+PackedKernel packed_kernel_vnni(const PackedRowFormat& f);
 
 }  // namespace vq::detail

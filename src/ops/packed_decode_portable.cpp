@@ -44,7 +44,8 @@ void meta_row(const uint8_t* rec, const PackedRowFormat& f, float* lo, float* s)
 }
 
 void keys_portable(const PackedRowFormat& f, const PackedTile& tile, const float* q,
-                   const float* qsum, int64_t n_q, float* logits, int64_t ld) {
+                   const float* qsum, int64_t n_q, float* logits, int64_t ld,
+                   const void* /*prep*/) {
   const int64_t d = f.head_dim, gs = f.group_size, ng = f.n_groups;
   std::array<uint8_t, kMaxD> codes;
   std::array<float, kMaxD> lo, s;
@@ -94,7 +95,10 @@ void values_portable(const PackedRowFormat& f, const PackedTile& tile, const flo
 
 PackedKernel packed_kernel_portable(const PackedRowFormat& f) {
   if (f.head_dim > kMaxD) return {};
-  return {keys_portable, values_portable, CpuIsa::kPortable};
+  PackedKernel k;
+  k.keys = keys_portable;
+  k.values = values_portable;
+  return k;
 }
 
 }  // namespace vq::detail

@@ -74,7 +74,7 @@ void simd_keys_block(const PackedRowFormat& f, const PackedTile& tile, const flo
 
 template <class V, int B>
 void simd_keys(const PackedRowFormat& f, const PackedTile& tile, const float* q, const float* qsum,
-               int64_t n_q, float* logits, int64_t ld) {
+               int64_t n_q, float* logits, int64_t ld, const void* /*prep*/) {
   float lo[kSimdMaxGroups], s[kSimdMaxGroups];
   for (int64_t r = 0; r < tile.n_rows; ++r) {
     simd_meta<V>(tile.rec0 + tile.rows[r] * tile.stride, f, lo, s);
@@ -171,15 +171,25 @@ PackedKernel simd_kernel(const PackedRowFormat& f, CpuIsa isa) {
   if (f.spec.ternary() || f.group_size % V::L != 0 || f.head_dim % V::L != 0 ||
       f.n_groups > kSimdMaxGroups)
     return {};
+  PackedKernel k;
+  k.isa = isa;
   switch (f.spec.bits()) {
     case 1:
-      return {simd_keys<V, 1>, simd_values<V, 1>, isa};
+      k.keys = simd_keys<V, 1>;
+      k.values = simd_values<V, 1>;
+      return k;
     case 2:
-      return {simd_keys<V, 2>, simd_values<V, 2>, isa};
+      k.keys = simd_keys<V, 2>;
+      k.values = simd_values<V, 2>;
+      return k;
     case 4:
-      return {simd_keys<V, 4>, simd_values<V, 4>, isa};
+      k.keys = simd_keys<V, 4>;
+      k.values = simd_values<V, 4>;
+      return k;
     case 8:
-      return {simd_keys<V, 8>, simd_values<V, 8>, isa};
+      k.keys = simd_keys<V, 8>;
+      k.values = simd_values<V, 8>;
+      return k;
     default:
       return {};
   }

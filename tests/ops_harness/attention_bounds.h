@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/packed_decode.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/cache.h"
 
@@ -26,11 +27,13 @@ std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dens
                                     const AttentionParams& ap);
 
 // vq::attention in decode over packed rows (the packed decode kernels, src/ops/packed_decode.h:
-// n_rep * n_q below the many-query size): the logit depth of packed rows is g + 2 n_groups + 7
-// roundings instead of D + 8 (derived in attention_bounds.cpp).
+// fewer than 8 queries per head) with the kernels of instruction set isa (the call's
+// detail::attention_isa()): the logit depth of packed rows is g + 2 n_groups + 7 roundings
+// instead of D + 8, plus the int8 query rounding where isa's key kernel has it (derived in
+// attention_bounds.cpp; fused_cpu_bound adds that term too for decode-sized calls).
 std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& dense,
                                         const std::vector<float>& q, int64_t hq, int64_t n_q,
-                                        const AttentionParams& ap);
+                                        const AttentionParams& ap, detail::CpuIsa isa);
 
 // CUDA kernels: decode_attention and the tensor-core prefill (kDecode), the CUDA-core prefill
 // (kPrefill). ref is attention_ref's output.
