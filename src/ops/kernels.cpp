@@ -636,8 +636,11 @@ void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, cons
     if (xp_buf.size() < static_cast<size_t>(n_tokens * kp / 2))
       xp_buf.resize(static_cast<size_t>(n_tokens * kp / 2));
     uint32_t* xp = xp_buf.data();
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t t = 0; t < n_tokens; ++t) round_rows_bf16(x, k, ldx, t, t + 1, xp, kp);
+    const auto round = [&](int64_t t) { round_rows_bf16(x, k, ldx, t, t + 1, xp, kp); };
+    if (par)
+      ops::parallel_for(n_tokens, round);
+    else
+      for (int64_t t = 0; t < n_tokens; ++t) round(t);
     run_outputs(x, n_tokens, k, ldx, outs, n_outs, xp, kp / 2);
     return;
   }
@@ -648,12 +651,16 @@ void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, cons
   if (xr_buf.size() < static_cast<size_t>(n_tokens * k))
     xr_buf.resize(static_cast<size_t>(n_tokens * k));
   float* xr = xr_buf.data();
-#pragma omp parallel for schedule(static) if (par)
-  for (int64_t t = 0; t < n_tokens; ++t)
+  const auto round = [&](int64_t t) {
     for (int64_t i = 0; i < k; ++i) {
       const uint32_t b = static_cast<uint32_t>(bf16_round(x[t * ldx + i])) << 16;
       std::memcpy(xr + t * k + i, &b, sizeof b);
     }
+  };
+  if (par)
+    ops::parallel_for(n_tokens, round);
+  else
+    for (int64_t t = 0; t < n_tokens; ++t) round(t);
   std::vector<MatmulOut> rounded, other;
   for (int i = 0; i < n_outs; ++i)
     (outs[i].dtype == DType::kBF16 ? rounded : other).push_back(outs[i]);
