@@ -62,13 +62,17 @@ class Pool {
       cv_.notify_all();
     }
     work(t0);  // the caller takes units too
-    // Wait for units still running on workers (at most one each).
-    int spins = 0;
-    while (done_.load(std::memory_order_acquire) < n)
-      if (++spins < 4096)
-        cpu_relax();
-      else
-        std::this_thread::yield();
+    // Wait for units still running on workers (at most one each): spin briefly, then block until
+    // the worker that finishes the last unit wakes us. (Yielding instead can lose whole
+    // scheduler time slices on a loaded machine.)
+    for (int spins = 0; spins < 2048; ++spins) {
+      if (done_.load(std::memory_order_acquire) >= n) return;
+      cpu_relax();
+    }
+    std::unique_lock<std::mutex> lk(done_mu_);
+    waiting_.store(true, std::memory_order_seq_cst);
+    done_cv_.wait(lk, [&] { return done_.load(std::memory_order_seq_cst) >= n; });
+    waiting_.store(false, std::memory_order_relaxed);
   }
 
  private:
@@ -85,7 +89,12 @@ class Pool {
       t_in_unit = true;
       fn(ctx, static_cast<int64_t>(t & kIdxMask));
       t_in_unit = false;
-      done_.fetch_add(1, std::memory_order_release);
+      const int64_t n = static_cast<int64_t>((t >> kIdxBits) & kIdxMask);
+      if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == n &&
+          waiting_.load(std::memory_order_seq_cst)) {
+        std::lock_guard<std::mutex> lk(done_mu_);  // the caller is blocked (or about to be)
+        done_cv_.notify_one();
+      }
       t = ticket_.load(std::memory_order_acquire);
     }
   }
@@ -124,6 +133,9 @@ class Pool {
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> waiting_{false};  // the caller blocks on done_cv_ for the last units
+  std::mutex done_mu_;
+  std::condition_variable done_cv_;
   uint64_t gen_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;
