@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ops/kernels.h"
+#include "ops/packed_decode.h"
 #include "ops_harness/attention_bounds.h"
 #include "ops_harness/harness.h"
 #include "ops_harness/tables.h"
@@ -97,6 +98,40 @@ TEST(BackendOps, AttentionFusedCpuVsReference) {
     }
     k.bounded(got, ref, harness::fused_cpu_bound(hv->view, dense.view, q, hq, c.n_q, ap), "out");
   }
+}
+
+// Decode over packed rows on every packed decode path this CPU has (portable, AVX2, AVX-512,
+// AVX-512 VNNI with int8 queries: the kernels of src/ops/packed_decode.h, chosen through
+// vq::attention), each against the reference with packed_decode_bound (attention_bounds.cpp
+// derives it for each path's arithmetic).
+TEST(BackendOps, AttentionPackedDecodePaths) {
+  const auto cases = harness::packed_decode_cases(harness::small_sweep());
+  const detail::CpuIsa best = detail::detected_isa();
+  for (detail::CpuIsa isa : {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2,
+                             detail::CpuIsa::kAvx512, detail::CpuIsa::kAvx512Vnni}) {
+    if (isa > best) continue;
+    detail::set_attention_isa(isa);
+    uint64_t seed = 1000;
+    for (const harness::AttnCase& c : cases) {
+      ++seed;
+      const auto hv = harness::make_view(c.batch, c.n_kv_heads, c.head_dim, c.segs, seed);
+      const int64_t hq = c.n_kv_heads * c.n_rep;
+      AttentionParams ap;
+      ap.q_pos0 = std::max<int64_t>(hv->span - c.n_q, 0);
+      ap.window = c.window;
+      const auto q = gaussian(c.batch * hq * c.n_q * c.head_dim, seed * 7 + 1, 1.5f);
+      Tensor qt(DType::kF32, c.batch, hq, c.n_q, c.head_dim);
+      std::copy(q.begin(), q.end(), static_cast<float*>(qt.data()));
+      std::vector<float> got(q.size(), -1.0f);
+      attention(qt.view(), hv->view, ap, got.data());
+      const DenseView dense = dequantize_view(hv->view, DType::kF32);
+      const auto ref = harness::attention_ref(dense.view, q, hq, c.n_q, ap);
+      Check k("attention packed decode", detail::isa_name(isa), c.vars());
+      k.bounded(got, ref, harness::packed_decode_bound(hv->view, dense.view, q, hq, c.n_q, ap, isa),
+                "out");
+    }
+  }
+  detail::set_attention_isa(best);
 }
 
 // ---- group quantization -----------------------------------------------------------------------

@@ -9,16 +9,18 @@
 // residual. Then the final norm and the logits of the requested positions.
 // Threads: the matrix products and attention split their own work; the per-token steps
 // (RMSNorm fused with the residual add, RoPE with the head-major copies, SwiGLU) are split over
-// tokens with OpenMP when a call has at least kParallelTokens tokens (prefill), so no core idles
-// through them; each token's arithmetic is the same either way.
+// tokens when a call has at least kParallelTokens tokens (prefill), so no core idles through
+// them; each token's arithmetic is the same either way. All of them run on one worker pool
+// (ops/thread_pool.h).
 // ForwardOptions::matmul picks the matrix products' arithmetic (kernels::Precision) for every
 // product of this call, the logits included.
-#include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "ops/kernels.h"
+#include "ops/thread_pool.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/error.h"
 #include "veloxquant/model.h"
@@ -38,13 +40,17 @@ kernels::MatmulOut out_of(const Linear& l, float* y) {
   return {l.w, l.dtype, l.out, l.bias.empty() ? nullptr : l.bias.data(), y, l.out};
 }
 
-// f(t) for every token t, split statically over the threads when par (no parallel region at
-// all otherwise: decode pays nothing).
+// f(t) for every token t, on the worker pool (ops/thread_pool.h, the matrix products' and
+// attention's threads) in blocks of kParallelTokens tokens when par; serial otherwise (decode
+// pays nothing). One pool for every loop of a step: no OpenMP team spinning beside it.
 template <typename F>
 void for_tokens(int64_t n_tokens, bool par, const F& f) {
   if (par) {
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < n_tokens; ++t) f(t);
+    const int64_t n_blocks = (n_tokens + kParallelTokens - 1) / kParallelTokens;
+    ops::parallel_for(n_blocks, [&](int64_t blk) {
+      const int64_t t1 = std::min(n_tokens, (blk + 1) * kParallelTokens);
+      for (int64_t t = blk * kParallelTokens; t < t1; ++t) f(t);
+    });
   } else {
     for (int64_t t = 0; t < n_tokens; ++t) f(t);
   }

@@ -2,8 +2,8 @@
 // segments, and dequantize_view (packed.h) for callers that want dense rows.
 //
 // q [B, H_q, N, D] (any strides, f32/f16/bf16), out [B, H_q, N, D] fp32 contiguous. Work items
-// are (b, kv head, block of queries), spread over OpenMP threads; each item holds the
-// M = n_rep * n_queries query vectors that share one KV head, so every KV row is read and
+// are (b, kv head, block of queries), spread over the worker pool (thread_pool.h); each item holds
+// the M = n_rep * n_queries query vectors that share one KV head, so every KV row is read and
 // unpacked once for all of them (GQA). Per tile of 32 rows: logits, an online-softmax update
 // (running max and sum, fp32), then the value accumulation.
 // Packed rows are never dequantized to a dense cache: row j of group g has x_i = c_i*s_g + lo_g
@@ -13,18 +13,22 @@
 // with the un-transform applied once per query at the end. Full-precision rows are converted to
 // fp32 row by row. A query that sees no key gets zeros, and one whose visible keys give a NaN
 // or +inf logit gets NaN (both as attention_reference).
+// Decode-sized calls (fewer than kManyQueries queries per head) over packed rows compute on the
+// codes: the kernels of packed_decode.h (portable, AVX2, AVX-512, chosen at run time, once per
+// segment) give the tile's logits and value sums, the online softmax runs here.
 // Variants (AVX-512): prefill-sized calls (>= kManyQueries queries per head, D a multiple of 16
 // up to 128) run full-precision tiles with vector lanes over queries (many_tile below); smaller
 // calls (decode) read contiguous full-precision rows in place, D a multiple of 32 up to 128
 // (few_tile_logits / few_tile_values below); prefill-sized calls over packed rows, D a multiple
-// of 32 up to 128, run lanes over queries too (many_packed_tile). Both do the general path's
-// operations per query, bit for bit.
+// of 32 up to 128, run lanes over queries too (many_packed_tile). The results meet the fused
+// bound of docs/design.md §4, not one summation order.
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -35,6 +39,8 @@
 #include "ops/exp_nonpos16.h"
 #endif
 
+#include "ops/packed_decode.h"
+#include "ops/thread_pool.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/error.h"
 #include "veloxquant/hadamard.h"
@@ -469,6 +475,8 @@ struct Work {
   std::vector<float> kt, vt;         // [kTile, D] fp32 tiles of keys / values
   std::vector<float> klo, vlo;       // [n_groups, kTile] offsets of packed tiles (transposed)
   std::vector<float> tmp, dots;
+  std::vector<float> pscratch;    // packed value kernels' weights (packed_decode.h)
+  std::vector<uint64_t> qprep;    // packed key kernels' prepared queries
   std::vector<int32_t> pos, vis;  // [kTile] positions; indices of visible rows
   // Many-query path (full-precision segments, see many_tile): lanes run over queries.
   int64_t mp = 0;               // M rounded up to 16 lanes
@@ -1251,6 +1259,7 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
       w.qpos[static_cast<size_t>(m)] = p.q_pos0 + i0 + i;
     }
   const int64_t qpos_min = p.q_pos0 + i0, qpos_max = p.q_pos0 + i1 - 1;
+  const detail::CpuIsa isa = detail::attention_isa();
   w.acc.assign(static_cast<size_t>(M * d), 0.0f);
   w.mx.assign(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
   w.l.assign(static_cast<size_t>(M), 0.0f);
@@ -1292,12 +1301,23 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
     const float* qsrc = packed ? kc->q.data() : w.q.data();
 #if defined(__AVX512F__)
     const bool few = !packed && !many && few_supported(seg, d);
-    // Packed rows in decode: unpacked to the fp32 tile as before, then the few-query kernels
-    // over the tile (the same operations as dot_many / accumulate_tile).
-    const bool few_packed = packed && !many && d % 32 == 0 && d <= 128;
+    const bool many_call = many;
 #else
-    const bool few = false, few_packed = false;
+    const bool few = false, many_call = false;
 #endif
+    // Decode-sized calls over packed rows: logits and values computed on the codes
+    // (packed_decode.h), the kernels chosen once per segment.
+    detail::PackedKernel kk, vk;
+    if (packed && !many_call) {
+      kk = detail::packed_kernel(pk.fmt, isa);
+      vk = detail::packed_kernel(pv.fmt, isa);
+    }
+    const bool direct = kk.keys != nullptr && vk.values != nullptr;
+    if (direct) w.pscratch.resize(static_cast<size_t>(detail::packed_values_scratch(vg, M)));
+    if (direct && kk.prepare) {  // the queries in the key kernel's form, once per segment
+      w.qprep.resize(static_cast<size_t>((kk.prep_bytes(pk.fmt, M) + 7) / 8));
+      kk.prepare(pk.fmt, qsrc, kc->qsum.data(), M, w.qprep.data());
+    }
     for (int64_t j0 = 0; j0 < seg.n_rows; j0 += kTile) {
       const int64_t nt = std::min(kTile, seg.n_rows - j0);
       // ---- positions; rows no query of this item can see are skipped entirely
@@ -1377,7 +1397,11 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
 #endif
       for (int64_t m = 0; m < M && !few; ++m)
         std::fill(w.logits.begin() + m * kTile, w.logits.begin() + m * kTile + nt, neg_inf);
-      for (int64_t vi = 0; vi < n_vis && !few; ++vi) {
+      if (direct) {
+        const detail::PackedTile tile{pk.record(b, kh, j0), pk.fmt.row_stride, w.vis.data(), n_vis};
+        kk.keys(pk.fmt, tile, qsrc, kc->qsum.data(), M, w.logits.data(), kTile, w.qprep.data());
+      }
+      for (int64_t vi = 0; vi < n_vis && !few && !direct; ++vi) {
         const int64_t t = w.vis[static_cast<size_t>(vi)];
         float* kt = w.kt.data() + t * d;
         if (packed) {
@@ -1388,24 +1412,11 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         } else {
           for (int64_t c = 0; c < d; ++c) kt[c] = seg.keys.at(b, kh, j0 + t, c);
         }
-        if (few_packed) continue;  // logits of the whole tile below
         dot_many(qsrc, M, kt, d, w.dots.data());
         for (int64_t m = 0; m < M; ++m)
           w.logits[static_cast<size_t>(m * kTile + t)] = w.dots[static_cast<size_t>(m)];
       }
-#if defined(__AVX512F__)
-      if (few_packed) {  // hidden rows hold stale (finite) tile rows: their logits become -inf
-        few_logits_d<DType::kF32>(w, qsrc, reinterpret_cast<const char*>(w.kt.data()), d * 4, nt);
-        if (n_vis < nt) {
-          alignas(64) uint8_t shown[kTile] = {};
-          for (int64_t vi = 0; vi < n_vis; ++vi) shown[w.vis[static_cast<size_t>(vi)]] = 1;
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t t = 0; t < nt; ++t)
-              if (!shown[t]) w.logits[static_cast<size_t>(m * kTile + t)] = neg_inf;
-        }
-      }
-#endif
-      if (packed)  // + sum_g lo_g * qsum_g, vectorised over the tile's rows
+      if (packed && !direct)  // + sum_g lo_g * qsum_g, vectorised over the tile's rows
         for (int64_t m = 0; m < M; ++m) {
           float* lr = w.logits.data() + m * kTile;
           const float* qs = kc->qsum.data() + m * kg;
@@ -1464,6 +1475,12 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
         continue;
       }
 #endif
+      if (direct) {
+        const detail::PackedTile tile{pv.record(b, kh, j0), pv.fmt.row_stride, w.vis.data(), n_vis};
+        vk.values(pv.fmt, tile, w.probs.data(), kTile, M, vc->acc.data(), vc->acc_lo.data(),
+                  w.pscratch.data());
+        continue;
+      }
       for (int64_t vi = 0; vi < n_vis; ++vi) {
         const int64_t t = w.vis[static_cast<size_t>(vi)];
         float* vt = w.vt.data() + t * d;
@@ -1476,15 +1493,10 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
           for (int64_t c = 0; c < d; ++c) vt[c] = seg.values.at(b, kh, j0 + t, c);
         }
       }
-#if defined(__AVX512F__)
-      if (few_packed)
-        few_values<DType::kF32>(w, vc->acc.data(), reinterpret_cast<const char*>(w.vt.data()),
-                                d * 4, n_vis);
-#endif
       for (int64_t m = 0; m < M; ++m) {
         const float* pr = w.probs.data() + m * kTile;
         float* acc = packed ? vc->acc.data() + m * d : w.acc.data() + m * d;
-        if (!few_packed) accumulate_tile(acc, pr, w.vt.data(), w.vis.data(), n_vis, d);
+        accumulate_tile(acc, pr, w.vt.data(), w.vis.data(), n_vis, d);
         if (packed) {
           float* al = vc->acc_lo.data() + m * vg;
           for (int32_t g = 0; g < vg; ++g) al[g] += dot(pr, w.vlo.data() + g * kTile, nt);
@@ -1539,21 +1551,19 @@ void attention(const TensorView& q, const CacheView& view, const AttentionParams
   const int64_t q_block = (n_q + n_qb - 1) / n_qb;
   const int64_t items = n_b * n_hkv * n_qb;
   std::exception_ptr failure;
-#pragma omp parallel if (items > 1)
-  {
-    Work w;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      try {
-        const int64_t qb = n_qb - 1 - it / (n_b * n_hkv), kh = it % n_hkv, b = (it / n_hkv) % n_b;
-        const int64_t i0 = qb * q_block, i1 = std::min(n_q, i0 + q_block);
-        run_item(q, view, p, scale, b, kh, i0, i1, out, w);
-      } catch (...) {
-#pragma omp critical(vq_attention_failure)
-        if (!failure) failure = std::current_exception();
-      }
+  std::mutex failure_mu;
+  // Items on the worker pool (ops/thread_pool.h), each thread with its own scratch.
+  ops::parallel_for(items, [&](int64_t it) {
+    thread_local Work w;
+    try {
+      const int64_t qb = n_qb - 1 - it / (n_b * n_hkv), kh = it % n_hkv, b = (it / n_hkv) % n_b;
+      const int64_t i0 = qb * q_block, i1 = std::min(n_q, i0 + q_block);
+      run_item(q, view, p, scale, b, kh, i0, i1, out, w);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(failure_mu);
+      if (!failure) failure = std::current_exception();
     }
-  }
+  });
   if (failure) std::rethrow_exception(failure);
 }
 

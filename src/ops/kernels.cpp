@@ -11,8 +11,8 @@
 //   token: the micro-kernel keeps MR = 12 tokens x 32 rows in 24 accumulators and adds
 //   x[t][k] * P[k][0:32] per k (no horizontal sums). Each weight is read and converted once per
 //   call, and a panel (<= 256 KiB) stays in L2 while all tokens pass over it.
-// Output rows are split statically over the OpenMP threads in both.
-// Precision::kBF16 with bf16 weights (avx512_bf16 CPUs): X is first rounded to bf16 pairs
+// Units of output rows are claimed one at a time by the worker pool's threads (thread_pool.h) in
+// both. Precision::kBF16 with bf16 weights (avx512_bf16 CPUs): X is first rounded to bf16 pairs
 // Xp[T][Kp/2] (uint32: k even in the low half, Kp = K rounded up to 32, zero padded); the same
 // two formulations then run vdpbf16ps on the raw weight bits: dot products of 32 bf16 per step
 // into 4 x 16 lanes per token, or panels P[k/2][32] of weight pairs (a 16 x 16 transpose of
@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "ops/thread_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm*_undefined_* helpers
@@ -533,9 +535,8 @@ void run_outputs(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const
     first_unit[static_cast<size_t>(i) + 1] =
         first_unit[static_cast<size_t>(i)] + (std::max<int64_t>(outs[i].n, 0) + ur - 1) / ur;
   const int64_t n_units = first_unit.back();
-  // One parallel region for every output: units of equal size, split statically.
-#pragma omp parallel for schedule(static)
-  for (int64_t u = 0; u < n_units; ++u) {
+  // One pool loop for every output (thread_pool.h): units of equal size, claimed one at a time.
+  ops::parallel_for(n_units, [&](int64_t u) {
     int i = 0;
     while (u >= first_unit[static_cast<size_t>(i) + 1]) ++i;
     const MatmulOut& o = outs[i];
@@ -547,7 +548,7 @@ void run_outputs(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const
         run_panel_bf16(xp, ldxp, n_tokens, k, o, n0, rows);
       else
         dot_rows_bf16(xp, ldxp, n_tokens, o, k, n0, rows);
-      continue;
+      return;
     }
 #else
     (void)xp;
@@ -564,7 +565,7 @@ void run_outputs(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const
         run_unit<DType::kBF16>(path, x, n_tokens, k, ldx, o, n0);
         break;
     }
-  }
+  });
 }
 
 std::atomic<bool> g_force_portable_bf16{false};
@@ -635,8 +636,11 @@ void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, cons
     if (xp_buf.size() < static_cast<size_t>(n_tokens * kp / 2))
       xp_buf.resize(static_cast<size_t>(n_tokens * kp / 2));
     uint32_t* xp = xp_buf.data();
-#pragma omp parallel for schedule(static) if (par)
-    for (int64_t t = 0; t < n_tokens; ++t) round_rows_bf16(x, k, ldx, t, t + 1, xp, kp);
+    const auto round = [&](int64_t t) { round_rows_bf16(x, k, ldx, t, t + 1, xp, kp); };
+    if (par)
+      ops::parallel_for(n_tokens, round);
+    else
+      for (int64_t t = 0; t < n_tokens; ++t) round(t);
     run_outputs(x, n_tokens, k, ldx, outs, n_outs, xp, kp / 2);
     return;
   }
@@ -647,12 +651,16 @@ void matmul_multi(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, cons
   if (xr_buf.size() < static_cast<size_t>(n_tokens * k))
     xr_buf.resize(static_cast<size_t>(n_tokens * k));
   float* xr = xr_buf.data();
-#pragma omp parallel for schedule(static) if (par)
-  for (int64_t t = 0; t < n_tokens; ++t)
+  const auto round = [&](int64_t t) {
     for (int64_t i = 0; i < k; ++i) {
       const uint32_t b = static_cast<uint32_t>(bf16_round(x[t * ldx + i])) << 16;
       std::memcpy(xr + t * k + i, &b, sizeof b);
     }
+  };
+  if (par)
+    ops::parallel_for(n_tokens, round);
+  else
+    for (int64_t t = 0; t < n_tokens; ++t) round(t);
   std::vector<MatmulOut> rounded, other;
   for (int i = 0; i < n_outs; ++i)
     (outs[i].dtype == DType::kBF16 ? rounded : other).push_back(outs[i]);

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "ops_harness/harness.h"
+#include "veloxquant/hadamard.h"
 #include "veloxquant/packed.h"
 #include "veloxquant/tensor.h"
 
@@ -28,6 +29,13 @@ struct RowInfo {
   double v_max = 0, v_l1 = 0;  // of (|c_i s| + |lo|) (packed)
   bool k_rot = false, v_rot = false;
   int32_t k_block = 0, v_block = 0;
+  int32_t k_group = 0, k_groups = 0;  // packed keys: group size and groups per row
+  // Packed keys whose kernel rounds the query to int8 per group (PackedKernel::int8_query):
+  // sum_{i in g} c_i s_g per group, and the key transform of this head.
+  bool k_int8 = false;
+  std::vector<double> k_cs;
+  const int32_t* k_perm = nullptr;
+  const float* k_signs = nullptr;
 };
 
 // Norms of the per-element magnitudes |code * scale| + |lo| of one record.
@@ -50,8 +58,22 @@ void magnitudes(const PackedTensor& t, int64_t b, int64_t h, int64_t i, double* 
   *l2 = std::sqrt(*l2);
 }
 
-std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, int64_t b,
-                               int64_t h) {
+// sum_{i in g} c_i s_g of each group of one record.
+std::vector<double> code_scale_sums(const PackedTensor& t, int64_t b, int64_t h, int64_t i) {
+  const PackedRowFormat& f = t.fmt;
+  std::vector<uint8_t> codes(static_cast<size_t>(f.head_dim));
+  const uint8_t* rec = t.record(b, h, i);
+  unpack_codes(rec, f.head_dim, f.spec, codes.data());
+  std::vector<double> out(static_cast<size_t>(f.n_groups), 0.0);
+  for (int64_t c = 0; c < f.head_dim; ++c) {
+    const int64_t g = c / f.group_size;
+    out[g] += codes[c] * double(meta_load(rec + f.code_bytes, 2 * g + 1, f.meta));
+  }
+  return out;
+}
+
+std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, int64_t b, int64_t h,
+                               detail::CpuIsa isa) {
   std::vector<RowInfo> out;
   const int64_t d = view.head_dim;
   for (size_t s = 0; s < view.segments.size(); ++s) {
@@ -72,6 +94,15 @@ std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, in
         r.k_rot = seg.packed->keys.signs != nullptr;
         r.v_rot = seg.packed->values.signs != nullptr;
         r.k_block = seg.packed->keys.rot_block;
+        r.k_group = seg.packed->keys.fmt.group_size;
+        r.k_groups = seg.packed->keys.fmt.n_groups;
+        const PackedTensor& kt = seg.packed->keys;
+        r.k_int8 = detail::packed_kernel(kt.fmt, isa).int8_query;
+        if (r.k_int8) {
+          r.k_cs = code_scale_sums(kt, b, h, i);
+          r.k_perm = kt.perm ? kt.perm + h * d : nullptr;
+          r.k_signs = kt.signs ? kt.signs + h * d : nullptr;
+        }
         r.v_block = seg.packed->values.rot_block;
       }
       out.push_back(std::move(r));
@@ -97,8 +128,51 @@ std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, in
 //    (n + n_tiles + 8) u sum_j w_j V_j, V_j = |v_jd| (fp) or max_i (|c_i s| + |lo|) (packed);
 //    rotated values mix channels in R^T (norm <= sqrt(D) times the largest element); the
 //    un-rotation of the sum and the reference's un-rotated values add T_rot each.
+//  Packed rows in decode (packed_decode_bound: the kernels of src/ops/packed_decode.h compute on
+//  the codes): codes are exact in fp32; per group, fp32 FMA partial sums of q'_i c_i over the
+//  group (at most g sequential roundings per lane), one FMA by s_g into the lane totals, a lane
+//  reduction (log2 16 = 4 roundings), then n_groups additions of lo_g qsum_g (a product and a
+//  sum each, qsum_g itself a sum of g terms of q'). Every term of sum_i |q'_i| (|c_i s| + |lo|)
+//  passes through at most g + 2 n_groups + 7 roundings: the logit depth is g + 2 n_groups + 7
+//  instead of D + 8 (<= D + 8 for g >= 2, so the general bound covers these kernels too). The
+//  values keep the general term: p s_g rounded once, then one FMA per row in order, and the
+//  offsets' sums p lo_g: (n + n_tiles + 8) u as above.
+//  Int8 query kernels (AVX-512 VNNI, PackedKernel::int8_query): q' (the kernel's scaled,
+//  transformed fp32 query, recomputed here with the same fp32 operations) is replaced by
+//  sq_g q8_i with |q'_i - sq_g q8_i| <= sq_g (1/2 + 127 u), sq_g = fl(max_{i in g} |q'_i| / 127);
+//  the integer sums are exact, so the logit moves by at most
+//  sum_g sq_g (1/2 + 127 u) sum_{i in g} c_i s_g, added to the row's logit error; the fp32
+//  steps after the integer sums (the lane's product by sq_g, the FMA by s_g, the lane sum, the
+//  offsets) stay within the depth above.
+// The fp32 query of a query row as the packed kernels see it: scaled in fp32 (fscale), rotated,
+// permuted (the key class of fused_attention.cpp).
+std::vector<float> kernel_query(const std::vector<double>& q, float fscale, const RowInfo& r,
+                                int64_t d) {
+  std::vector<float> x(static_cast<size_t>(d)), t(static_cast<size_t>(d));
+  for (int64_t i = 0; i < d; ++i) x[i] = static_cast<float>(q[i]) * fscale;
+  if (r.k_signs) hadamard_rotate(x.data(), r.k_signs, d, r.k_block);
+  if (!r.k_perm) return x;
+  for (int64_t j = 0; j < d; ++j) t[j] = x[r.k_perm[j]];
+  return t;
+}
+
+// The int8 query rounding's logit shift bound for row r (see above).
+double int8_logit_term(const std::vector<float>& qk, const RowInfo& r, int64_t d) {
+  double out = 0;
+  for (int32_t g = 0; g < r.k_groups; ++g) {
+    float mx = 0.0f;
+    for (int64_t i = g * int64_t{r.k_group}; i < std::min<int64_t>(d, (g + 1) * int64_t{r.k_group});
+         ++i)
+      mx = std::max(mx, std::fabs(qk[i]));
+    const double sq = static_cast<double>(mx / 127.0f);
+    out += sq * (0.5 + 127 * kU) * r.k_cs[g];
+  }
+  return out;
+}
+
 std::vector<double> bound_for(const std::vector<double>& q, const std::vector<RowInfo>& rows,
-                              int64_t q_pos, int64_t window, double scale, int64_t d) {
+                              int64_t q_pos, int64_t window, double scale, float fscale, int64_t d,
+                              bool packed_decode) {
   std::vector<const RowInfo*> vis;
   for (const RowInfo& r : rows)
     if (visible(r.pos, q_pos, window)) vis.push_back(&r);
@@ -120,6 +194,9 @@ std::vector<double> bound_for(const std::vector<double>& q, const std::vector<Ro
   }
   double eps = 0, wsum = 0;
   std::vector<double> w(vis.size());
+  std::vector<float> qk;  // kernel_query for the last int8 row's transform
+  const int32_t* qk_perm = nullptr;
+  const float* qk_signs = nullptr;
   for (size_t j = 0; j < vis.size(); ++j) {
     const RowInfo& r = *vis[j];
     double kterm = 0, rterm = 0;
@@ -134,8 +211,18 @@ std::vector<double> bound_for(const std::vector<double>& q, const std::vector<Ro
     } else {
       for (int64_t c = 0; c < d; ++c) kterm += std::fabs(q[c] * r.k[c]);
     }
-    eps = std::max(eps,
-                   scale * ((d + 8) * kU * kterm + rterm) + kU * (std::fabs(logit[j] - lmax) + 2));
+    const double depth =
+        packed_decode && r.packed ? r.k_group + 2.0 * r.k_groups + 7 : static_cast<double>(d + 8);
+    if (r.k_int8) {
+      if (r.k_perm != qk_perm || r.k_signs != qk_signs || qk.empty()) {
+        qk = kernel_query(q, fscale, r, d);
+        qk_perm = r.k_perm;
+        qk_signs = r.k_signs;
+      }
+      rterm += int8_logit_term(qk, r, d) / scale;  // rterm is scaled by scale below
+    }
+    eps =
+        std::max(eps, scale * (depth * kU * kterm + rterm) + kU * (std::fabs(logit[j] - lmax) + 2));
     w[j] = std::exp(logit[j] - lmax);
     wsum += w[j];
   }
@@ -176,27 +263,50 @@ std::vector<double> attention_ref(const CacheView& dense, const std::vector<floa
   return std::vector<double>(out.begin(), out.end());
 }
 
-std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dense,
-                                    const std::vector<float>& q, int64_t hq, int64_t n_q,
-                                    const AttentionParams& ap) {
+namespace {
+
+std::vector<double> fused_bound(const CacheView& view, const CacheView& dense,
+                                const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                const AttentionParams& ap, bool packed_decode, detail::CpuIsa isa) {
   const int64_t B = view.batch, H = view.n_kv_heads, D = view.head_dim, rep = hq / H;
   const double scale = scale_of(ap, D);
+  // vq::attention's fp32 scale (1/sqrt(D) computed in double, then rounded)
+  const float fscale =
+      ap.scale != 0.0f ? ap.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   std::vector<double> out(q.size());
   for (int64_t b = 0; b < B; ++b)
     for (int64_t kh = 0; kh < H; ++kh) {
-      const auto rows = rows_info(view, dense, b, kh);
+      const auto rows = rows_info(view, dense, b, kh, isa);
       for (int64_t r = 0; r < rep; ++r)
         for (int64_t i = 0; i < n_q; ++i) {
           const int64_t qh = kh * rep + r;
           const size_t at = static_cast<size_t>(((b * hq + qh) * n_q + i) * D);
           const std::vector<double> qv(q.begin() + at, q.begin() + at + D);
-          const auto bd = bound_for(qv, rows, ap.q_pos0 + i, ap.window, scale, D);
+          const auto bd =
+              bound_for(qv, rows, ap.q_pos0 + i, ap.window, scale, fscale, D, packed_decode);
           // The reference itself (fp32 products, double sums) is rounded once: u |ref| is part
           // of bound_for's value term already (gamma's + 8).
           std::copy(bd.begin(), bd.end(), out.begin() + at);
         }
     }
   return out;
+}
+
+}  // namespace
+
+std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dense,
+                                    const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                    const AttentionParams& ap) {
+  // Decode-sized calls (< 8 queries per head: fused_attention.cpp's kManyQueries) run packed
+  // rows through the packed decode kernels of attention_isa(): their int8 query term applies.
+  const detail::CpuIsa isa = n_q < 8 ? detail::attention_isa() : detail::CpuIsa::kPortable;
+  return fused_bound(view, dense, q, hq, n_q, ap, false, isa);
+}
+
+std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& dense,
+                                        const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                        const AttentionParams& ap, detail::CpuIsa isa) {
+  return fused_bound(view, dense, q, hq, n_q, ap, true, isa);
 }
 
 // CUDA kernels, per output element (b, qh, i, d), V = max |v| over the visible rows, n their

@@ -1,7 +1,8 @@
 // Error bounds of the attention kernels against attention_reference (attention.h), in one place
-// for the op harness; each is derived in attention_bounds.cpp from the kernel's arithmetic
-// (restating the derivations of tests/test_fused_attention.cpp for the fused CPU path and of
-// tests/cuda/attention_check.h for the CUDA decode and prefill kernels).
+// for the op harness and every test that checks attention (tests/test_fused_attention.cpp, the
+// GPU tests through tests/cuda/attention_check.h); each is derived in attention_bounds.cpp (and
+// below) from the kernel's arithmetic: the fused CPU path, the CPU packed decode kernels, the
+// CUDA decode and prefill kernels.
 //
 // q: [B, Hq, N, D] fp32, query i at ap.q_pos0 + i. view: the cache view the kernel read (packed
 // segments allowed); dense: dequantize_view(view, kF32) (same segments, full precision).
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/packed_decode.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/cache.h"
 
@@ -24,6 +26,15 @@ std::vector<double> attention_ref(const CacheView& dense, const std::vector<floa
 std::vector<double> fused_cpu_bound(const CacheView& view, const CacheView& dense,
                                     const std::vector<float>& q, int64_t hq, int64_t n_q,
                                     const AttentionParams& ap);
+
+// vq::attention in decode over packed rows (the packed decode kernels, src/ops/packed_decode.h:
+// fewer than 8 queries per head) with the kernels of instruction set isa (the call's
+// detail::attention_isa()): the logit depth of packed rows is g + 2 n_groups + 7 roundings
+// instead of D + 8, plus the int8 query rounding where isa's key kernel has it (derived in
+// attention_bounds.cpp; fused_cpu_bound adds that term too for decode-sized calls).
+std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& dense,
+                                        const std::vector<float>& q, int64_t hq, int64_t n_q,
+                                        const AttentionParams& ap, detail::CpuIsa isa);
 
 // The fp16 operands of the CUDA tensor-core paths (FlashAttention numerics, docs/design.md
 // section 4): the decode kernels (f16 rows, 2-/4-bit codes; the generic kernel's logits of f16

@@ -172,6 +172,58 @@ std::vector<AttnCase> attention_cases(bool small) {
   return out;
 }
 
+std::vector<AttnCase> packed_decode_cases(bool small) {
+  std::vector<AttnCase> out;
+  const double bits[] = {1, 1.5, 2, 4, 8};
+  const int64_t dims[] = {64, 80, 96, 128};
+  const int64_t groups[] = {32, 16, 64, 24};
+  const MetaType metas[] = {MetaType::kF16, MetaType::kFP8E4M3, MetaType::kF32};
+  const int64_t reps[] = {1, 4, 8};
+  int idx = 0;
+  for (double kb : bits)
+    for (double vb : bits) {
+      AttnCase c;
+      c.head_dim = dims[idx % 4];
+      c.n_rep = reps[idx % 3];
+      c.n_q = idx % 4 == 1 ? 2 : 1;
+      c.batch = idx % 6 == 5 ? 2 : 1;
+      c.window = idx % 7 == 3 ? 40 : 0;
+      SegSpec pk;
+      pk.packed = true;
+      pk.pk.kbits = kb;
+      pk.pk.vbits = vb;
+      pk.pk.group = groups[(idx / 4) % 4];
+      pk.pk.meta = metas[idx % 3];
+      pk.pk.perm = idx % 5 == 2;
+      pk.pk.rot = idx % 5 == 4 && (c.head_dim == 64 || c.head_dim == 128);
+      pk.n = small ? 70 : 200 + idx;
+      pk.explicit_pos = idx % 2 == 0;
+      SegSpec sink, tail;
+      sink.n = 5;
+      tail.n = idx % 3 == 0 ? 0 : 9;
+      tail.dtype = idx % 2 ? DType::kF16 : DType::kBF16;
+      c.segs = {sink, pk, tail};
+      out.push_back(c);
+      ++idx;
+    }
+  for (int64_t n : small ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384})
+    for (double b : {4.0, 2.0}) {
+      AttnCase c;
+      c.head_dim = 128;
+      c.n_rep = 4;
+      SegSpec sink, pk, tail;
+      sink.n = 5;
+      pk.packed = true;
+      pk.pk.kbits = pk.pk.vbits = b;
+      pk.pk.group = 32;
+      pk.n = n;
+      tail.n = 100;
+      c.segs = {sink, pk, tail};
+      out.push_back(c);
+    }
+  return out;
+}
+
 std::string QuantCase::vars() const {
   std::ostringstream o;
   o << "n=" << n << ",d=" << d << ",bits=" << bits << ",g=" << group << ",meta="

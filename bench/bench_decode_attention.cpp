@@ -1,0 +1,237 @@
+// Decode-attention micro-benchmark: one query token (H_q = H_kv * rep heads) against a cache view
+// of n rows held as fp16 rows, K4V4 or K2V2 packed records (group 32, fp16 metadata), n from 2K
+// to 32K, at 1 and 2 threads. Reports the best and median time per call over repeats, the bytes
+// the call must read (keys + values + metadata of the view) and that as GB/s beside the measured
+// read bandwidth of this machine at the same thread count (best of 7 sums over a 1 GiB buffer).
+// Packed rows are random codes and metadata (speed does not depend on the values).
+//
+//   bench_decode_attention [--contexts 2048,8192,32768] [--shape 8,128,4] [--repeats 30]
+//                          [--threads 1,2] [--paths]   (--paths: also each packed decode
+//                          instruction set, src/ops/packed_decode.h, where this build has them)
+//
+// Also prints the load average and CPU seconds per call (CLOCK_PROCESS_CPUTIME_ID) so a run on
+// a shared machine can be judged.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "veloxquant/attention.h"
+#include "veloxquant/packed.h"
+#include "veloxquant/tensor.h"
+#if __has_include("ops/packed_decode.h")
+#include "ops/packed_decode.h"
+#define VQ_HAVE_PACKED_DECODE 1
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+double read_bandwidth(int threads) {
+  const size_t n = (size_t{1} << 30) / sizeof(uint64_t);
+  std::vector<uint64_t> buf(n);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (size_t i = 0; i < n; ++i) buf[i] = i * 0x9e3779b97f4a7c15ull;
+  double best = 0;
+  volatile uint64_t sink = 0;
+  for (int rep = 0; rep < 7; ++rep) {
+    const auto t0 = Clock::now();
+    uint64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
+    for (size_t i = 0; i < n; ++i) total += buf[i];
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    sink = sink + total;
+    best = std::max(best, static_cast<double>(n * sizeof(uint64_t)) / s);
+  }
+  return best;
+}
+
+struct Bench {
+  vq::CacheView view;
+  std::unique_ptr<vq::Tensor> k, v;
+  std::vector<uint8_t> kb, vb;
+  std::unique_ptr<vq::PackedSegment> ps;
+  double bytes = 0;
+};
+
+// A view of n rows per (b, h): fp16 rows (bits 0) or packed records of kbits/vbits.
+std::unique_ptr<Bench> make_bench(int64_t hkv, int64_t d, int64_t n, int bits) {
+  auto b = std::make_unique<Bench>();
+  b->view.batch = 1;
+  b->view.n_kv_heads = hkv;
+  b->view.head_dim = d;
+  vq::ViewSegment seg;
+  seg.n_rows = n;
+  std::mt19937_64 rng(7);
+  if (bits == 0) {
+    b->k = std::make_unique<vq::Tensor>(vq::DType::kF16, 1, hkv, n, d);
+    b->v = std::make_unique<vq::Tensor>(vq::DType::kF16, 1, hkv, n, d);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (vq::Tensor* t : {b->k.get(), b->v.get()}) {
+      uint16_t* p = static_cast<uint16_t*>(t->data());
+      for (int64_t i = 0; i < hkv * n * d; ++i) p[i] = vq::f32_to_fp16(nd(rng));
+    }
+    seg.keys = b->k->view();
+    seg.values = b->v->view();
+    b->bytes = 2.0 * static_cast<double>(hkv * n * d) * 2;
+  } else {
+    const vq::PackedRowFormat f = vq::make_row_format(d, bits, 32, vq::MetaType::kF16);
+    b->ps = std::make_unique<vq::PackedSegment>();
+    b->ps->batch = 1;
+    b->ps->n_heads = hkv;
+    b->ps->n_rows = n;
+    b->ps->head_dim = d;
+    for (auto* pr : {&b->kb, &b->vb}) {
+      pr->resize(static_cast<size_t>(hkv * n * f.row_stride));
+      for (int64_t r = 0; r < hkv * n; ++r) {
+        uint8_t* rec = pr->data() + r * f.row_stride;
+        for (int32_t c = 0; c < f.code_bytes; ++c) rec[c] = static_cast<uint8_t>(rng());
+        for (int32_t g = 0; g < f.n_groups; ++g) {
+          vq::meta_store(rec + f.code_bytes, 2 * g, vq::meta_round(-1.0f, f.meta), f.meta);
+          vq::meta_store(rec + f.code_bytes, 2 * g + 1, vq::meta_round(0.1f, f.meta), f.meta);
+        }
+      }
+    }
+    for (int kv = 0; kv < 2; ++kv) {
+      vq::PackedTensor& t = kv == 0 ? b->ps->keys : b->ps->values;
+      t.data = kv == 0 ? b->kb.data() : b->vb.data();
+      t.fmt = f;
+      t.stride_h = n * f.row_stride;
+      t.stride_b = hkv * t.stride_h;
+    }
+    seg.packed = b->ps.get();
+    b->bytes = 2.0 * static_cast<double>(hkv * n * f.row_stride);
+  }
+  b->view.segments.push_back(seg);
+  return b;
+}
+
+std::vector<int64_t> parse_list(const char* s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string tok;
+  while (std::getline(ss, tok, ',')) out.push_back(std::stoll(tok));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> contexts{2048, 8192, 32768}, shape{8, 128, 4}, threads{1, 2};
+  int repeats = 30;
+  bool paths = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--contexts" && i + 1 < argc)
+      contexts = parse_list(argv[++i]);
+    else if (a == "--shape" && i + 1 < argc)
+      shape = parse_list(argv[++i]);
+    else if (a == "--threads" && i + 1 < argc)
+      threads = parse_list(argv[++i]);
+    else if (a == "--repeats" && i + 1 < argc)
+      repeats = std::atoi(argv[++i]);
+    else if (a == "--paths")
+      paths = true;
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      return 2;
+    }
+  }
+  const int64_t hkv = shape[0], d = shape[1], rep = shape[2];
+  double load[3] = {0, 0, 0};
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf %lf %lf", &load[0], &load[1], &load[2]) != 3) load[0] = -1;
+    std::fclose(f);
+  }
+  const char* wp = std::getenv("OMP_WAIT_POLICY");
+  std::printf(
+      "# decode attention: H_kv=%lld D=%lld rep=%lld, load %.2f %.2f %.2f, "
+      "OMP_WAIT_POLICY=%s\n",
+      static_cast<long long>(hkv), static_cast<long long>(d), static_cast<long long>(rep), load[0],
+      load[1], load[2], wp ? wp : "(unset)");
+  std::printf(
+      "| threads | context | rows | path | bytes MiB | best us | median us | cpu us/call "
+      "| GB/s | read BW GB/s | %% of BW | speed vs fp16 "
+      "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  struct Variant {
+    int bits;
+    int isa;  // -1: default
+  };
+  std::vector<Variant> variants{{0, -1}, {4, -1}, {2, -1}};
+#ifdef VQ_HAVE_PACKED_DECODE
+  const int best_isa = static_cast<int>(vq::detail::detected_isa());
+  if (paths)
+    for (int bits : {4, 2})
+      for (int isa = 0; isa < best_isa; ++isa) variants.push_back({bits, isa});
+#else
+  (void)paths;
+#endif
+  for (int64_t nt : threads) {
+    omp_set_num_threads(static_cast<int>(nt));
+    const double bw = read_bandwidth(static_cast<int>(nt));
+    for (int64_t n : contexts) {
+      double fp16_median = 0;
+      for (const Variant& var : variants) {
+        auto b = make_bench(hkv, d, n, var.bits);
+        vq::Tensor q(vq::DType::kF32, 1, hkv * rep, 1, d);
+        std::mt19937_64 rng(3);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (int64_t i = 0; i < hkv * rep * d; ++i) static_cast<float*>(q.data())[i] = nd(rng);
+        std::vector<float> out(static_cast<size_t>(hkv * rep * d));
+        vq::AttentionParams ap;
+        ap.q_pos0 = n - 1;
+        std::string path = "default";
+#ifdef VQ_HAVE_PACKED_DECODE
+        if (var.isa >= 0) vq::detail::set_attention_isa(static_cast<vq::detail::CpuIsa>(var.isa));
+        if (var.bits > 0)
+          path = vq::detail::isa_name(var.isa >= 0 ? static_cast<vq::detail::CpuIsa>(var.isa)
+                                                   : vq::detail::attention_isa());
+#endif
+        for (int w = 0; w < 3; ++w) vq::attention(q.view(), b->view, ap, out.data());
+        std::vector<double> ts;
+        const double c0 = cpu_seconds();
+        for (int r = 0; r < repeats; ++r) {
+          const auto t0 = Clock::now();
+          vq::attention(q.view(), b->view, ap, out.data());
+          ts.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        }
+        const double cpu = (cpu_seconds() - c0) / repeats;
+#ifdef VQ_HAVE_PACKED_DECODE
+        vq::detail::set_attention_isa(vq::detail::detected_isa());
+#endif
+        std::sort(ts.begin(), ts.end());
+        const double med = ts[ts.size() / 2], best = ts[0];
+        if (var.bits == 0) fp16_median = med;
+        char name[16];
+        if (var.bits == 0)
+          std::snprintf(name, sizeof name, "fp16");
+        else
+          std::snprintf(name, sizeof name, "K%dV%d", var.bits, var.bits);
+        std::printf(
+            "| %lld | %lld | %s | %s | %.1f | %.0f | %.0f | %.0f | %.1f | %.1f | %.0f | "
+            "%.2f |\n",
+            static_cast<long long>(nt), static_cast<long long>(n), name, path.c_str(),
+            b->bytes / 1048576.0, best * 1e6, med * 1e6, cpu * 1e6, b->bytes / med / 1e9, bw / 1e9,
+            100.0 * b->bytes / med / bw, fp16_median / med);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,70 @@
+// Chooses the packed decode kernels (packed_decode.h) for a record format and this CPU.
+#include "ops/packed_decode.h"
+
+#include <atomic>
+
+namespace vq::detail {
+
+const char* isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kPortable:
+      return "portable";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
+    case CpuIsa::kAvx512Vnni:
+      return "avx512vnni";
+  }
+  return "?";
+}
+
+CpuIsa detected_isa() {
+  static const CpuIsa isa = [] {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      return __builtin_cpu_supports("avx512vnni") ? CpuIsa::kAvx512Vnni : CpuIsa::kAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
+#endif
+    return CpuIsa::kPortable;
+  }();
+  return isa;
+}
+
+namespace {
+std::atomic<int> g_isa{-1};  // -1: detected_isa()
+}  // namespace
+
+CpuIsa attention_isa() {
+  const int v = g_isa.load(std::memory_order_relaxed);
+  return v < 0 ? detected_isa() : static_cast<CpuIsa>(v);
+}
+
+void set_attention_isa(CpuIsa isa) {
+  const CpuIsa capped = isa < detected_isa() ? isa : detected_isa();
+  g_isa.store(static_cast<int>(capped), std::memory_order_relaxed);
+}
+
+PackedKernel packed_kernel(const PackedRowFormat& f, CpuIsa isa) {
+  if (isa >= CpuIsa::kAvx512Vnni) {
+    const PackedKernel k = packed_kernel_vnni(f), v = packed_kernel_avx512(f);
+    if (k.keys && v.values) {
+      PackedKernel out = k;
+      out.values = v.values;
+      return out;
+    }
+  }
+  if (isa >= CpuIsa::kAvx512) {
+    const PackedKernel k = packed_kernel_avx512(f);
+    if (k.keys) return k;
+  }
+  if (isa >= CpuIsa::kAvx2) {
+    const PackedKernel k = packed_kernel_avx2(f);
+    if (k.keys) return k;
+  }
+  return packed_kernel_portable(f);
+}
+
+}  // namespace vq::detail

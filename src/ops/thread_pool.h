@@ -1,0 +1,32 @@
+// A persistent worker pool for the decode step's parallel loops (matrix products, attention):
+// parallel_for(n, f) runs f(0) .. f(n - 1) on the calling thread and the pool's workers, units
+// claimed one at a time from a shared counter, so a worker that is descheduled (a busy machine)
+// holds up at most the unit it is running: the others, the caller included, take the rest.
+// Idle workers spin briefly (kSpinMicros) for the next loop, then sleep on a condition variable,
+// so no thread burns a core while other programs need it (the default OpenMP wait policy spins
+// far longer at every region's end). Threads per call: omp_get_max_threads() (OMP_NUM_THREADS,
+// omp_set_num_threads), workers created on first need. A call from inside a pool unit or an
+// OpenMP parallel region runs serially on its thread. f must not throw.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+namespace vq::ops {
+
+namespace detail {
+void parallel_for_impl(int64_t n, void (*fn)(void*, int64_t), void* ctx);
+}
+
+// The threads a parallel_for would use now (1 inside a pool unit or an OpenMP region).
+int pool_threads();
+
+template <typename F>
+void parallel_for(int64_t n, F&& f) {
+  using Fn = std::remove_reference_t<F>;
+  detail::parallel_for_impl(
+      n, [](void* c, int64_t i) { (*static_cast<Fn*>(c))(i); },
+      const_cast<void*>(static_cast<const void*>(&f)));
+}
+
+}  // namespace vq::ops
