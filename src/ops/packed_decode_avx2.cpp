@@ -4,9 +4,15 @@
 #include "ops/packed_decode.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// GCC takes the target as a pragma; clang as an attribute on every function that follows.
+#if defined(__clang__)
+#include <immintrin.h>
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
+#endif
 
 namespace vq::detail {
 namespace {
@@ -68,7 +74,11 @@ PackedKernel packed_kernel_avx2(const PackedRowFormat& f) {
 
 }  // namespace vq::detail
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 #else
 

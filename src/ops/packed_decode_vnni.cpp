@@ -17,12 +17,22 @@
 #include "ops/packed_decode.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// GCC takes the target as a pragma; clang as an attribute on every function that follows.
+#if defined(__clang__)
+#include <immintrin.h>
+#pragma clang attribute push(                                                               \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))), \
+    apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #include <immintrin.h>
+#endif
 
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 namespace vq::detail {
 namespace {
@@ -223,7 +233,11 @@ PackedKernel packed_kernel_vnni(const PackedRowFormat& f) {
 
 }  // namespace vq::detail
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 #else
 
