@@ -304,6 +304,8 @@ class Cache(_HFCache):
                           torch.device("cpu"))
         device = torch.device(device)
         check_device(device)
+        if device.type == "cuda" and device.index is None:  # compared with tensors' devices
+            device = torch.device("cuda", torch.cuda.current_device())
         if hasattr(path_or_file, "read"):
             data = path_or_file.read()
         else:
