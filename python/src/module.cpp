@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/packed_decode.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cache.h"
@@ -345,6 +346,21 @@ NB_MODULE(_veloxquant, m) {
     return as_value_error([&] { return vq::cache_method_fields(method); });
   });
   m.def("cuda_available", [] { return vq::cuda::is_available(); });
+  m.def(
+      "_set_cpu_attention_isa",
+      [](const std::string& name) {
+        using vq::detail::CpuIsa;
+        for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni})
+          if (name == vq::detail::isa_name(isa)) {
+            vq::detail::set_attention_isa(isa);
+            return std::string(vq::detail::isa_name(vq::detail::attention_isa()));
+          }
+        throw nb::value_error(
+            ("[veloxquant] isa: expected a CPU instruction set name but got " + name).c_str());
+      },
+      nb::arg("name"),
+      "Tests: the instruction set of the CPU packed decode kernels (capped to the CPU's); "
+      "returns the one in use.");
   m.def(
       "cuda_built", [] { return kBuiltWithCuda; }, "True when built with VQ_CUDA=ON.");
 

@@ -168,22 +168,37 @@ kernels round the query to int8, a bound this file does not restate)."""
 @needs_cuda
 @pytest.mark.parametrize("method", list(SPECS))
 def test_generate_matches_cpu(method):
-    """generate on the tiny Llama (head_dim 64): the CUDA cache gives the CPU cache's tokens
-    (full: DynamicCache's), and the byte figures of the CPU cache."""
+    """generate on the tiny Llama (head_dim 64): the CUDA cache has the CPU cache's byte figures
+    and gives its tokens (full: DynamicCache's too).
+
+    The SKVQ methods' greedy tokens are not a stable oracle on this random model: on the H200
+    (docs/results/gpu/python/test_cuda.log) CUDA and the host's CPU agreed on the first 5
+    (skvq) and 3 (snapkv+skvq) of 24 tokens, and CPU runs differ among themselves as much: with
+    the same weights, the CPU kernels that round the query to int8 (AVX-512 VNNI, packed_decode.h)
+    reproduce the host's snapkv+skvq tokens while the exact CPU kernels (avx512, portable)
+    reproduce CUDA's all 24; for skvq the exact CPU kernels of a -march=native build agree with
+    CUDA on 9 tokens and the host's wheel build on 5. So for them a mismatch is reported as an
+    expected failure, with the first differing token; the layer test above compares their codes
+    (state bytes) exactly."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (1, 70), generator=g)
     args = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
     cpu_cache, dev_cache = veloxquant.Cache(SPECS[method]), veloxquant.Cache(SPECS[method])
     ref = llama64().generate(ids, **kv(cpu_cache), **args)
     got = llama64(device="cuda").generate(ids.cuda(), **kv(dev_cache), **args).cpu()
-    print(f"\n{method}: tokens equal {torch.equal(got, ref)}")
-    assert torch.equal(got, ref)
-    if method == "full":
-        dyn = llama64("sdpa", device="cuda").generate(ids.cuda(), **kv(DynamicCache()), **args)
-        assert torch.equal(got, dyn.cpu())
     assert figures(dev_cache.stats()) == figures(cpu_cache.stats())
     for layer in dev_cache.layers:
         assert layer.device.type == "cuda"
+    same = torch.equal(got, ref)
+    first = None if same else int((got != ref).nonzero()[0, 1]) - ids.shape[1]
+    print(f"\n{method}: tokens equal {same} (first differing generated token: {first})")
+    if "skvq" in method and not same:
+        pytest.xfail(f"greedy tokens of the SKVQ methods differ from generated token {first} on "
+                     "(kernel roundings; see the docstring)")
+    assert same
+    if method == "full":
+        dyn = llama64("sdpa", device="cuda").generate(ids.cuda(), **kv(DynamicCache()), **args)
+        assert torch.equal(got, dyn.cpu())
 
 
 @needs_cuda
