@@ -1,12 +1,15 @@
 # The SKVQ methods' greedy tokens of python/tests/test_cuda.py::test_generate_matches_cpu on this
 # machine's CPU with each packed-decode instruction set (run from python/tests); compare with the
 # H200 run's CUDA and host-CPU tokens in test_cuda.log.
-import re, sys, torch, veloxquant
+import sys
+
+import torch
+
+import veloxquant
 from veloxquant import _veloxquant as _vq
 sys.path.insert(0, ".")
 from test_cuda import llama64, SPECS
 from conftest import kv
-log = open("/work/wt-pycuda/docs/results/gpu/python/test_cuda.log").read()
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(3, 128, (1, 70), generator=g)
 args = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
