@@ -1,11 +1,15 @@
 // veloxquant._veloxquant: the nanobind extension behind the Python package (python/veloxquant).
 //
-// It exposes the cache configuration parser (veloxquant/cache_config.h) and one class per layer,
-// LayerCache, that owns a KVCache (veloxquant/cache.h) and runs one attention step over it:
+// It exposes the cache configuration parser (veloxquant/cache_config.h) and two classes per
+// layer. LayerCache owns a KVCache (veloxquant/cache.h) and runs one attention step over it:
 // update_and_fetch of this call's keys/values (with the real queries, for SnapKV's query scoring)
 // then the fused attention of src/ops over the returned CacheView (packed segments read in
-// place: no dequantized copy of the cache). Tensors cross as DLPack arrays (torch tensors): the
-// views point at the tensors' own memory, [B, H, S, D] with any element strides; nothing is copied.
+// place: no dequantized copy of the cache). DeviceLayerCache does the same for CUDA tensors with
+// a vq::cuda::DeviceKVCache (veloxquant/cuda_cache.h) and the CUDA attention over its
+// DeviceCacheView (decode_attention for one query per head, prefill_attention otherwise), all on
+// the caller's stream (torch's current stream). Tensors cross as DLPack arrays (torch tensors):
+// the views point at the tensors' own memory, [B, H, S, D] with any element strides; nothing is
+// copied.
 // Errors: vq::Error from parsing or from validating a step's input becomes ValueError; from
 // loading a state or any other operation RuntimeError. Both carry the library's message.
 #include <nanobind/nanobind.h>
@@ -13,16 +17,20 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "ops/packed_decode.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cache.h"
 #include "veloxquant/cache_config.h"
 #include "veloxquant/cuda.h"
+#include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
 #include "veloxquant/tensor.h"
 
@@ -32,19 +40,40 @@ namespace {
 
 using Array = nb::ndarray<>;
 
+#ifdef VQ_HAVE_CUDA
+constexpr bool kBuiltWithCuda = true;
+#else
+constexpr bool kBuiltWithCuda = false;
+#endif
+
 std::string dims_str(const Array& a) {
   std::string s = "[";
   for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
   return s + "]";
 }
 
-// A [B, H, S, D] CPU array of fp32, fp16 or bf16 as a TensorView over the same memory.
-vq::TensorView to_view(const Array& a, const char* what) {
+const char* device_name(int32_t type) {
+  return type == nb::device::cpu::value    ? "CPU"
+         : type == nb::device::cuda::value ? "CUDA"
+                                           : "other";
+}
+
+// A [B, H, S, D] array of fp32, fp16 or bf16 on device `device_type` (DLPack's code; for CUDA
+// also on ordinal `device_id`) as a TensorView over the same memory.
+vq::TensorView to_view(const Array& a, const char* what,
+                       int32_t device_type = nb::device::cpu::value, int32_t device_id = 0) {
   const std::string op = std::string("[veloxquant.Cache] ") + what;
-  if (a.device_type() != nb::device::cpu::value)
-    throw nb::value_error((op + ": expected a CPU tensor but got device type " +
-                           std::to_string(a.device_type()) + " (CUDA storage is not in this build)")
+  if (a.device_type() != device_type)
+    throw nb::value_error((op + ": expected a " + device_name(device_type) +
+                           " tensor (this layer's storage) but got a " +
+                           device_name(a.device_type()) + " tensor (DLPack device type " +
+                           std::to_string(a.device_type()) + ")")
                               .c_str());
+  if (device_type == nb::device::cuda::value && a.device_id() != device_id)
+    throw nb::value_error(
+        (op + ": expected a tensor on cuda:" + std::to_string(device_id) +
+         " (this layer's storage) but got one on cuda:" + std::to_string(a.device_id()))
+            .c_str());
   if (a.ndim() != 4)
     throw nb::value_error((op + ": expected 4 dims [B, H, S, D] but got " + dims_str(a)).c_str());
   vq::TensorView v;
@@ -67,6 +96,38 @@ vq::TensorView to_view(const Array& a, const char* what) {
     v.stride[i] = a.stride(i);
   }
   return v;
+}
+
+// The checks of one attention step's queries and output against its keys (both layer kinds).
+void check_step(const vq::TensorView& k, const vq::TensorView& qv, const vq::TensorView& ov,
+                const Array& q, const Array& out, int64_t window) {
+  const char* op = "[veloxquant.Cache] ";
+  auto fail = [&](const std::string& m) { throw nb::value_error((op + m).c_str()); };
+  if (qv.dtype != vq::DType::kF32 || !qv.is_contiguous())
+    fail("queries: expected contiguous float32 but got " + std::string(dtype_name(qv.dtype)) +
+         (qv.is_contiguous() ? "" : " (strided)"));
+  if (ov.dtype != vq::DType::kF32 || !ov.is_contiguous() || ov.shape != qv.shape)
+    fail("out: expected contiguous float32 of the queries' shape " + dims_str(q) + " but got " +
+         dims_str(out) + " " + dtype_name(ov.dtype));
+  if (qv.shape[0] != k.shape[0] || qv.shape[2] != k.shape[2] || qv.shape[3] != k.shape[3])
+    fail("queries: expected [" + std::to_string(k.shape[0]) + ", H_q, " +
+         std::to_string(k.shape[2]) + ", " + std::to_string(k.shape[3]) +
+         "] (the keys' B, S, D) but got " + dims_str(q));
+  if (window < 0) fail("window: expected >= 0 but got " + std::to_string(window));
+}
+
+nb::dict stats_dict(const vq::CacheStats& s) {
+  nb::dict d;
+  d["method"] = s.method;
+  d["tokens_seen"] = s.tokens_seen;
+  d["rows_stored"] = s.rows_stored;
+  d["bytes_accounted"] = s.bytes_accounted;
+  d["bytes_resident"] = s.bytes_resident;
+  d["fp16_bytes"] = s.fp16_bytes;
+  nb::dict f;
+  for (const auto& [name, value] : s.figures) f[name.c_str()] = value;
+  d["figures"] = f;
+  return d;
 }
 
 // Runs fn; a vq::Error it throws becomes a ValueError (input the library refused).
@@ -108,19 +169,7 @@ class LayerCache {
     const vq::TensorView v = to_view(values, "values");
     const vq::TensorView qv = to_view(q, "queries");
     const vq::TensorView ov = to_view(out, "out");
-    const char* op = "[veloxquant.Cache] ";
-    auto fail = [&](const std::string& m) { throw nb::value_error((op + m).c_str()); };
-    if (qv.dtype != vq::DType::kF32 || !qv.is_contiguous())
-      fail("queries: expected contiguous float32 but got " + std::string(dtype_name(qv.dtype)) +
-           (qv.is_contiguous() ? "" : " (strided)"));
-    if (ov.dtype != vq::DType::kF32 || !ov.is_contiguous() || ov.shape != qv.shape)
-      fail("out: expected contiguous float32 of the queries' shape " + dims_str(q) + " but got " +
-           dims_str(out) + " " + dtype_name(ov.dtype));
-    if (qv.shape[0] != k.shape[0] || qv.shape[2] != k.shape[2] || qv.shape[3] != k.shape[3])
-      fail("queries: expected [" + std::to_string(k.shape[0]) + ", H_q, " +
-           std::to_string(k.shape[2]) + ", " + std::to_string(k.shape[3]) +
-           "] (the keys' B, S, D) but got " + dims_str(q));
-    if (window < 0) fail("window: expected >= 0 but got " + std::to_string(window));
+    check_step(k, qv, ov, q, out, window);
     nb::gil_scoped_release unlocked;
     as_value_error([&] {
       vq::AttentionParams ap;
@@ -154,20 +203,7 @@ class LayerCache {
   bool is_trimmable() const { return cache_->is_trimmable(); }
   int64_t trim(int64_t n) { return cache_->trim(n); }
 
-  nb::dict stats() const {
-    const vq::CacheStats s = cache_->stats();
-    nb::dict d;
-    d["method"] = s.method;
-    d["tokens_seen"] = s.tokens_seen;
-    d["rows_stored"] = s.rows_stored;
-    d["bytes_accounted"] = s.bytes_accounted;
-    d["bytes_resident"] = s.bytes_resident;
-    d["fp16_bytes"] = s.fp16_bytes;
-    nb::dict f;
-    for (const auto& [name, value] : s.figures) f[name.c_str()] = value;
-    d["figures"] = f;
-    return d;
-  }
+  nb::dict stats() const { return stats_dict(cache_->stats()); }
 
   nb::bytes save() const {
     std::ostringstream os(std::ios::binary);
@@ -183,6 +219,109 @@ class LayerCache {
 
  private:
   std::unique_ptr<vq::KVCache> cache_;
+};
+
+// One layer's cache on a CUDA device: a DeviceKVCache of the configured method, made for the
+// first step's B, H_kv and D on the stream and device the Python side passes (torch's current
+// stream and the tensors' device); every later step must use the same ones. Same protocol as
+// LayerCache; the attention is the CUDA backend's over the fetched DeviceCacheView.
+class DeviceLayerCache {
+ public:
+  DeviceLayerCache(const std::string& config_json, int64_t head_dim, int64_t batch,
+                   int64_t n_kv_heads, uintptr_t stream, int32_t device)
+      : stream_(stream), device_(device) {
+    if (!kBuiltWithCuda)
+      throw std::runtime_error(
+          "[veloxquant.Cache] this veloxquant was built without CUDA: reinstall with VQ_CUDA=ON "
+          "pip install .");
+    const vq::CacheConfig cfg = layer_config(config_json, head_dim);
+    cache_ = as_value_error([&] {
+      return vq::cuda::make_device_cache(cfg, batch, n_kv_heads, head_dim, as_stream(stream));
+    });
+  }
+
+  void attend(const Array& keys, const Array& values, const Array& q, const Array& out, float scale,
+              int64_t window, bool pass_queries, uintptr_t stream) {
+    constexpr int32_t cuda = nb::device::cuda::value;
+    const vq::TensorView k = to_view(keys, "keys", cuda, device_);
+    const vq::TensorView v = to_view(values, "values", cuda, device_);
+    const vq::TensorView qv = to_view(q, "queries", cuda, device_);
+    const vq::TensorView ov = to_view(out, "out", cuda, device_);
+    check_step(k, qv, ov, q, out, window);
+    if (stream != stream_)
+      throw nb::value_error(("[veloxquant.Cache] stream: expected the CUDA stream this layer was "
+                             "made on (" +
+                             std::to_string(stream_) + ") but got " + std::to_string(stream) +
+                             ": run every step of one cache on one stream")
+                                .c_str());
+    nb::gil_scoped_release unlocked;
+    as_value_error([&] {
+      const int64_t n_q_heads = qv.shape[1], n = qv.shape[2];
+      vq::AttentionParams ap;
+      ap.scale = scale;
+      ap.window = window;
+      ap.q_pos0 = cache_->offset();  // read before the update (docs/design.md §C1)
+      // The shapes the attention kernels support (D, H_q / H_kv), checked before the update so
+      // that a refused step stores nothing: the planner's checks on an empty view (host only).
+      vq::cuda::decode_attention_plan(
+          ws_.context(), n_q_heads,
+          vq::cuda::DeviceCacheView(cache_->batch(), cache_->n_kv_heads(), cache_->head_dim()), ap);
+      vq::cuda::DeviceUpdateOptions uo;
+      uo.queries = pass_queries ? &qv : nullptr;
+      const vq::cuda::DeviceCacheView view = cache_->update_and_fetch(k, v, uo);
+      const auto* qp = static_cast<const float*>(qv.data);
+      auto* op = static_cast<float*>(ov.data);
+      if (n == 1)
+        vq::cuda::decode_attention(qp, n_q_heads, view, ap, op, ws_, as_stream(stream_));
+      else
+        vq::cuda::prefill_attention(qp, n_q_heads, n, view, ap, op, as_stream(stream_));
+      return 0;
+    });
+  }
+
+  std::string method() const { return cache_->method(); }
+  int64_t offset() const { return cache_->offset(); }
+  int64_t stored_rows() const { return cache_->stored_rows(); }
+  int64_t batch() const { return cache_->batch(); }
+  int64_t n_kv_heads() const { return cache_->n_kv_heads(); }
+  int32_t device() const { return device_; }
+  uintptr_t stream() const { return stream_; }
+  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const {
+    return as_value_error([&] {
+      VQ_CHECK(b >= 0 && b < cache_->batch() && h >= 0 && h < cache_->n_kv_heads(),
+               "[veloxquant.Cache] stored_positions: expected b < " +
+                   std::to_string(cache_->batch()) + " and h < " +
+                   std::to_string(cache_->n_kv_heads()) + " but got b " + std::to_string(b) +
+                   ", h " + std::to_string(h));
+      return cache_->stored_positions(b, h);
+    });
+  }
+  void end_prompt() { cache_->end_prompt(); }
+  bool is_trimmable() const { return cache_->is_trimmable(); }
+  int64_t trim(int64_t n) { return cache_->trim(n); }
+  nb::dict stats() const { return stats_dict(cache_->stats()); }
+
+  // The CPU cache's state format (cuda_cache.h): a device layer's file loads into a CPU layer
+  // and back.
+  nb::bytes save() const {
+    std::ostringstream os(std::ios::binary);
+    cache_->save(os);
+    const std::string b = os.str();
+    return nb::bytes(b.data(), b.size());
+  }
+  // All-or-nothing (DeviceKVCache::load): a refused state leaves the cache as it was.
+  void load(const nb::bytes& data) {
+    std::istringstream is(std::string(data.c_str(), data.size()), std::ios::binary);
+    cache_->load(is);
+  }
+
+ private:
+  static vq::cuda::Stream as_stream(uintptr_t s) { return reinterpret_cast<vq::cuda::Stream>(s); }
+
+  std::unique_ptr<vq::cuda::DeviceKVCache> cache_;
+  vq::cuda::DecodeWorkspace ws_;
+  uintptr_t stream_ = 0;
+  int32_t device_ = 0;
 };
 
 }  // namespace
@@ -207,6 +346,23 @@ NB_MODULE(_veloxquant, m) {
     return as_value_error([&] { return vq::cache_method_fields(method); });
   });
   m.def("cuda_available", [] { return vq::cuda::is_available(); });
+  m.def(
+      "_set_cpu_attention_isa",
+      [](const std::string& name) {
+        using vq::detail::CpuIsa;
+        for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni})
+          if (name == vq::detail::isa_name(isa)) {
+            vq::detail::set_attention_isa(isa);
+            return std::string(vq::detail::isa_name(vq::detail::attention_isa()));
+          }
+        throw nb::value_error(
+            ("[veloxquant] isa: expected a CPU instruction set name but got " + name).c_str());
+      },
+      nb::arg("name"),
+      "Tests: the instruction set of the CPU packed decode kernels (capped to the CPU's); "
+      "returns the one in use.");
+  m.def(
+      "cuda_built", [] { return kBuiltWithCuda; }, "True when built with VQ_CUDA=ON.");
 
   nb::class_<LayerCache>(m, "LayerCache")
       .def(nb::init<const std::string&, int64_t>(), nb::arg("config_json"), nb::arg("head_dim"))
@@ -224,4 +380,26 @@ NB_MODULE(_veloxquant, m) {
       .def("stats", &LayerCache::stats)
       .def("save", &LayerCache::save)
       .def("load", &LayerCache::load);
+
+  nb::class_<DeviceLayerCache>(m, "DeviceLayerCache")
+      .def(nb::init<const std::string&, int64_t, int64_t, int64_t, uintptr_t, int32_t>(),
+           nb::arg("config_json"), nb::arg("head_dim"), nb::arg("batch"), nb::arg("n_kv_heads"),
+           nb::arg("stream"), nb::arg("device"))
+      .def("attend", &DeviceLayerCache::attend, nb::arg("keys"), nb::arg("values"),
+           nb::arg("queries"), nb::arg("out"), nb::arg("scale"), nb::arg("window"),
+           nb::arg("pass_queries"), nb::arg("stream"))
+      .def_prop_ro("method", &DeviceLayerCache::method)
+      .def_prop_ro("offset", &DeviceLayerCache::offset)
+      .def_prop_ro("stored_rows", &DeviceLayerCache::stored_rows)
+      .def_prop_ro("batch", &DeviceLayerCache::batch)
+      .def_prop_ro("n_kv_heads", &DeviceLayerCache::n_kv_heads)
+      .def_prop_ro("device", &DeviceLayerCache::device)
+      .def_prop_ro("stream", &DeviceLayerCache::stream)
+      .def("stored_positions", &DeviceLayerCache::stored_positions)
+      .def("end_prompt", &DeviceLayerCache::end_prompt)
+      .def("is_trimmable", &DeviceLayerCache::is_trimmable)
+      .def("trim", &DeviceLayerCache::trim)
+      .def("stats", &DeviceLayerCache::stats)
+      .def("save", &DeviceLayerCache::save)
+      .def("load", &DeviceLayerCache::load);
 }

@@ -1,6 +1,8 @@
 """veloxquant.Cache: a transformers Cache whose layers hold a veloxquant method's packed storage.
 
-Each layer (CacheLayer) owns one C++ cache (include/veloxquant/cache.h). transformers calls
+Each layer (CacheLayer) owns one C++ cache on the device of the tensors of its first step: a CPU
+cache (include/veloxquant/cache.h) or a CUDA one (include/veloxquant/cuda_cache.h, when built
+with VQ_CUDA=ON), whose steps run on torch's current CUDA stream. transformers calls
 `update(k, v)` before the attention function, but SnapKV's query scoring needs the step's queries
 and our attention reads the compressed rows in place, so `update` only parks the new rows on the
 returned key tensor; the "veloxquant" attention function (attention.py) then hands keys, values
@@ -31,6 +33,33 @@ _MAGIC = b"VQPYCACH"
 _VERSION = 1
 
 
+CUDA_MISSING = ("[veloxquant.Cache] this veloxquant was built without CUDA: reinstall with "
+                "VQ_CUDA=ON pip install .")
+
+
+def check_device(device: torch.device) -> None:
+    """Refuses (RuntimeError / ValueError) a device this build cannot hold storage on."""
+    if device.type == "cuda":
+        if not _vq.cuda_built():
+            raise RuntimeError(CUDA_MISSING)
+    elif device.type != "cpu":
+        raise ValueError(f"[veloxquant.Cache] expected CPU or CUDA tensors but got {device}")
+
+
+def _new_storage(config: CacheConfig, head_dim: int, device: torch.device, batch: int,
+                 n_kv_heads: int):
+    """The C++ layer for `device`: LayerCache (CPU; B and H_kv taken at its first step) or
+    DeviceLayerCache (CUDA: B, H_kv and D fixed now, on torch's current stream of `device`)."""
+    if device.type == "cpu":
+        return _vq.LayerCache(config.to_json(), head_dim)
+    check_device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        stream = torch.cuda.current_stream().cuda_stream
+        return _vq.DeviceLayerCache(config.to_json(), head_dim, batch, n_kv_heads, stream, index)
+
+
+
 class CacheLayer(CacheLayerMixin):
     """One model layer's veloxquant cache (transformers' per-layer cache object)."""
 
@@ -47,10 +76,13 @@ class CacheLayer(CacheLayerMixin):
 
     # -- transformers' layer protocol -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
+        device = key_states.device
+        check_device(device)
+        b, h, _, d = key_states.shape
+        self.head_dim = int(d)
+        self._cache = _new_storage(self.config, self.head_dim, device, int(b), int(h))
+        self.device = device
         self.dtype = key_states.dtype
-        self.head_dim = int(key_states.shape[-1])
-        self._cache = _vq.LayerCache(self.config.to_json(), int(key_states.shape[-1]))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -61,13 +93,18 @@ class CacheLayer(CacheLayerMixin):
                 "attn_implementation='veloxquant' but it did not: load the model with "
                 "attn_implementation='veloxquant' (import veloxquant registers it)"
             )
-        if key_states.device.type != "cpu":
-            raise ValueError(
-                f"[veloxquant.Cache] expected CPU tensors but got {key_states.device}: "
-                "this build holds CPU storage only"
-            )
+        check_device(key_states.device)
+        if value_states.device != key_states.device:
+            raise ValueError(f"[veloxquant.Cache] values: expected the keys' device "
+                             f"{key_states.device} but got {value_states.device}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.device != self.device:
+            raise ValueError(
+                f"[veloxquant.Cache] expected tensors on {self.device} (where this layer's "
+                f"storage lives since its first step) but got {key_states.device}: "
+                "every step of one cache runs on one device"
+            )
         # The rows enter the cache in the attention function, with the queries (attention.py).
         key_states._vq_layer = self
         key_states._vq_values = value_states
@@ -91,10 +128,17 @@ class CacheLayer(CacheLayerMixin):
                 )
         # Inference only: the C++ step is outside autograd (detach: DLPack refuses grad tensors).
         q32 = query.detach().to(torch.float32).contiguous()
-        out = torch.empty((b, hq, s, d), dtype=torch.float32)
+        out = torch.empty((b, hq, s, d), dtype=torch.float32, device=query.device)
         pass_queries = self.config.method.startswith("snapkv")
-        self._cache.attend(key.detach(), value.detach(), q32, out, float(scaling or 0.0),
-                           int(window or 0), pass_queries)
+        args = (key.detach(), value.detach(), q32, out, float(scaling or 0.0), int(window or 0),
+                pass_queries)
+        if self.device.type == "cuda":
+            # Queued on torch's current stream of the tensors' device (the stream the layer was
+            # made on): no synchronisation, the output is ordered like any torch kernel's.
+            with torch.cuda.device(self.device):
+                self._cache.attend(*args, torch.cuda.current_stream().cuda_stream)
+        else:
+            self._cache.attend(*args)
         return out.to(query.dtype).transpose(1, 2).contiguous()
 
     def get_seq_length(self) -> int:
@@ -250,9 +294,18 @@ class Cache(_HFCache):
             with open(path_or_file, "wb") as f:
                 f.write(data)
 
-    def load(self, path_or_file) -> None:
-        """Reads a file written by save(). All or nothing: on any error (RuntimeError naming the
-        problem) every layer is left as it was."""
+    def load(self, path_or_file, device: "str | torch.device | None" = None) -> None:
+        """Reads a file written by save() (on either device). All or nothing: on any error
+        (RuntimeError naming the problem) every layer is left as it was. `device`: where the
+        layers' storage goes (default: this cache's device when its layers have one, else the
+        CPU); a CUDA layer gets the batch and KV heads of the state, on torch's current stream."""
+        if device is None:
+            device = next((layer.device for layer in self.layers if layer.is_initialized),
+                          torch.device("cpu"))
+        device = torch.device(device)
+        check_device(device)
+        if device.type == "cuda" and device.index is None:  # compared with tensors' devices
+            device = torch.device("cuda", torch.cuda.current_device())
         if hasattr(path_or_file, "read"):
             data = path_or_file.read()
         else:
@@ -295,9 +348,14 @@ class Cache(_HFCache):
             layer = CacheLayer(self.cache_config)
             layer._cache = _vq.LayerCache(self.cache_config.to_json(), head_dims[i])
             layer._cache.load(blob)  # RuntimeError with the library's message on a bad state
+            if device.type != "cpu":  # the checked state, now on the device (same format)
+                cpu = layer._cache
+                layer._cache = _new_storage(self.cache_config, head_dims[i], device, cpu.batch,
+                                            cpu.n_kv_heads)
+                layer._cache.load(blob)
             layer.is_initialized = True
             layer.head_dim = head_dims[i]
-            layer.device = torch.device("cpu")
+            layer.device = device
             fresh.append(layer)
         if len(view):
             raise RuntimeError(f"[veloxquant.Cache] load: expected the end of the file but got "
