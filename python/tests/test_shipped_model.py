@@ -12,9 +12,12 @@ prefilled in one call, then T = 32 decode steps, each scored by KL(full || metho
     few largest per-token KLs dominate the mean). The band is measured, not derived: scaling
     the K/V projection weights by (1 + 2e-6 N(0,1)) (the fp32 rounding level) moves Python's K4V4
     KL over 0.0098 .. 0.0141 (unperturbed 0.0130; the CLI's 0.0107 lies inside), while K2V2,
-    SnapKV and snapkv+skvq agree with the CLI to 0.1%. The test allows 25% of the CLI's KL plus
-    1e-3 nats. A wrong cache (another method, wrong positions, dropped queries) moves the KL by
-    far more (K2V2: 16x K4V4's).
+    SnapKV and snapkv+skvq agree with the CLI to 0.1%. Both sides move within such a spread, so
+    their difference may reach its whole width (0.0043, half the smaller KL); and on CPUs with
+    AVX-512 VNNI both run the int8-query key kernel (docs/design.md section 4), which moved K4V4
+    to 0.0119 (Python) and 0.0087 (CLI) on the development machine: a gap of 37% of the CLI's KL.
+    The test allows 50% of the CLI's KL plus 1e-3 nats. A wrong cache (another method, wrong
+    positions, dropped queries) moves the KL by far more (K2V2: 16x K4V4's).
 """
 
 import json
@@ -109,5 +112,5 @@ def test_kl_and_bytes_match_the_cli(shipped, doc, cli_rows):
         cli_kl = row["kld_mean"]
         print(f"{spec}: KL python {kls[spec]:.5f} cli {cli_kl:.5f} "
               f"ratio {mem['ratio_to_fp16']:.4f}")
-        assert abs(kls[spec] - cli_kl) <= 0.25 * cli_kl + 1e-3, spec
+        assert abs(kls[spec] - cli_kl) <= 0.5 * cli_kl + 1e-3, spec
     assert kls[METHODS[1]] > 5 * kls[METHODS[0]]  # 2 bits lose more than 4
