@@ -58,6 +58,13 @@ namespace {
 constexpr int64_t kTile = 32;         // rows per online-softmax step
 constexpr int64_t kMaxQueries = 256;  // query vectors per work item
 
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#define VQ_SIMD_AVX512
+#endif
+#include "ops/simd_vec.h"
+#endif
+
 // ---- small vector kernels (lane accumulators so the loops vectorise without -ffast-math) -----
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -71,102 +78,97 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The four lane totals of dot_many's queries: AVX-512 through the compiler's add tree
+// (_mm512_reduce_add_ps), AVX2 through horizontal adds.
+#if defined(__AVX512F__)
+inline void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* r) {
+  r[0] = _mm512_reduce_add_ps(a0);
+  r[1] = _mm512_reduce_add_ps(a1);
+  r[2] = _mm512_reduce_add_ps(a2);
+  r[3] = _mm512_reduce_add_ps(a3);
+}
+#endif
+inline void reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* r) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(r, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// dot_many with V (simd_vec.h) lanes, n a multiple of V::L. Queries past n_q repeat the last
+// one, so every query gets the same arithmetic whatever n_q is (GQA and MHA with repeated heads
+// agree bit for bit).
+template <class V>
+void dot_many_lanes(const float* __restrict q, int64_t n_q, const float* __restrict x, int64_t n,
+                    float* __restrict out) {
+  for (int64_t m = 0; m < n_q; m += 4) {
+    const float* q0 = q + m * n;
+    const float* q1 = q + std::min(m + 1, n_q - 1) * n;
+    const float* q2 = q + std::min(m + 2, n_q - 1) * n;
+    const float* q3 = q + std::min(m + 3, n_q - 1) * n;
+    typename V::reg a0 = V::zero(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < n; i += V::L) {
+      const typename V::reg xv = V::load(x + i);
+      a0 = V::fma(V::load(q0 + i), xv, a0);
+      a1 = V::fma(V::load(q1 + i), xv, a1);
+      a2 = V::fma(V::load(q2 + i), xv, a2);
+      a3 = V::fma(V::load(q3 + i), xv, a3);
+    }
+    float r[4];
+    reduce4(a0, a1, a2, a3, r);
+    for (int64_t j = 0; j < 4 && m + j < n_q; ++j) out[m + j] = r[j];
+  }
+}
+
+// accumulate_tile's blocks of 4 V::L channels from channel c on; returns the first channel left.
+template <class V>
+int64_t accumulate_blocks(float* __restrict acc, const float* __restrict p,
+                          const float* __restrict v, const int32_t* rows, int64_t n_rows, int64_t d,
+                          int64_t c) {
+  constexpr int64_t L = V::L;
+  for (; c + 4 * L <= d; c += 4 * L) {
+    typename V::reg a0 = V::load(acc + c), a1 = V::load(acc + c + L);
+    typename V::reg a2 = V::load(acc + c + 2 * L), a3 = V::load(acc + c + 3 * L);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t t = rows[r];
+      const float* vr = v + t * d + c;
+      const typename V::reg pv = V::set1(p[t]);
+      a0 = V::fma(pv, V::load(vr), a0);
+      a1 = V::fma(pv, V::load(vr + L), a1);
+      a2 = V::fma(pv, V::load(vr + 2 * L), a2);
+      a3 = V::fma(pv, V::load(vr + 3 * L), a3);
+    }
+    V::store(acc + c, a0);
+    V::store(acc + c + L, a1);
+    V::store(acc + c + 2 * L, a2);
+    V::store(acc + c + 3 * L, a3);
+  }
+  return c;
+}
+#endif
+
 // out[m] = q[m] . x for m < n_q (q: [n_q, n] rows). Four queries at a time share each load of
-// x; AVX2 accumulators (8 lanes) are reduced with horizontal adds.
+// x, 16 (AVX-512) or 8 (AVX2) lanes per accumulator.
 void dot_many(const float* __restrict q, int64_t n_q, const float* __restrict x, int64_t n,
               float* __restrict out) {
 #if defined(__AVX512F__)
-  if (n % 16 == 0) {  // same scheme, 16 lanes, reduced by the compiler's add tree
-    for (int64_t m = 0; m < n_q; m += 4) {
-      const float* q0 = q + m * n;
-      const float* q1 = q + std::min(m + 1, n_q - 1) * n;
-      const float* q2 = q + std::min(m + 2, n_q - 1) * n;
-      const float* q3 = q + std::min(m + 3, n_q - 1) * n;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < n; i += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + i);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + i), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + i), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + i), xv, a3);
-      }
-      const float r[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
-                          _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
-      for (int64_t j = 0; j < 4 && m + j < n_q; ++j) out[m + j] = r[j];
-    }
-    return;
-  }
+  if (n % 16 == 0) return dot_many_lanes<Avx512Vec>(q, n_q, x, n, out);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    // Queries past n_q repeat the last one, so every query gets the same arithmetic whatever
-    // n_q is (GQA and MHA with repeated heads agree bit for bit).
-    for (int64_t m = 0; m < n_q; m += 4) {
-      const float* q0 = q + m * n;
-      const float* q1 = q + std::min(m + 1, n_q - 1) * n;
-      const float* q2 = q + std::min(m + 2, n_q - 1) * n;
-      const float* q3 = q + std::min(m + 3, n_q - 1) * n;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < n; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + i), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + i), xv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + i), xv, a3);
-      }
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      alignas(16) float r[4];
-      _mm_store_ps(r, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-      for (int64_t j = 0; j < 4 && m + j < n_q; ++j) out[m + j] = r[j];
-    }
-    return;
-  }
+  if (n % 8 == 0) return dot_many_lanes<Avx2Vec>(q, n_q, x, n, out);
 #endif
   for (int64_t m = 0; m < n_q; ++m) out[m] = dot(q + m * n, x, n);
 }
 
 // acc[0..d) += sum over the listed rows t of p[t] * v[t*d ..]: the accumulator stays in
-// registers across the tile's rows (32 floats at a time).
+// registers across the tile's rows (64 channels at a time on AVX-512, then 32 on AVX2).
 void accumulate_tile(float* __restrict acc, const float* __restrict p, const float* __restrict v,
                      const int32_t* rows, int64_t n_rows, int64_t d) {
   int64_t c = 0;
 #if defined(__AVX512F__)
-  for (; c + 64 <= d; c += 64) {
-    __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
-    __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t t = rows[r];
-      const float* vr = v + t * d + c;
-      const __m512 pv = _mm512_set1_ps(p[t]);
-      a0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr), a0);
-      a1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 16), a1);
-      a2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 32), a2);
-      a3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 48), a3);
-    }
-    _mm512_storeu_ps(acc + c, a0);
-    _mm512_storeu_ps(acc + c + 16, a1);
-    _mm512_storeu_ps(acc + c + 32, a2);
-    _mm512_storeu_ps(acc + c + 48, a3);
-  }
+  c = accumulate_blocks<Avx512Vec>(acc, p, v, rows, n_rows, d, c);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; c + 32 <= d; c += 32) {
-    __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
-    __m256 a2 = _mm256_loadu_ps(acc + c + 16), a3 = _mm256_loadu_ps(acc + c + 24);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t t = rows[r];
-      const float* vr = v + t * d + c;
-      const __m256 pv = _mm256_set1_ps(p[t]);
-      a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr), a0);
-      a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8), a1);
-      a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 16), a2);
-      a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 24), a3);
-    }
-    _mm256_storeu_ps(acc + c, a0);
-    _mm256_storeu_ps(acc + c + 8, a1);
-    _mm256_storeu_ps(acc + c + 16, a2);
-    _mm256_storeu_ps(acc + c + 24, a3);
-  }
+  c = accumulate_blocks<Avx2Vec>(acc, p, v, rows, n_rows, d, c);
 #endif
   for (int64_t r = 0; r < n_rows; ++r) {
     const int64_t t = rows[r];
@@ -351,6 +353,21 @@ inline void unpack_pow2_256(const uint8_t* rec, int32_t n_groups, int64_t g, int
 }
 #endif
 
+// f(std::integral_constant<int, B>{}) for the power-of-two code width B = bx2 / 2 (1, 2, 4, 8).
+template <typename F>
+void with_pow2_bits(int bx2, F&& f) {
+  switch (bx2) {
+    case 2:
+      return f(std::integral_constant<int, 1>{});
+    case 4:
+      return f(std::integral_constant<int, 2>{});
+    case 8:
+      return f(std::integral_constant<int, 4>{});
+    default:
+      return f(std::integral_constant<int, 8>{});
+  }
+}
+
 // Codes of one record as floats, multiplied by their group scale: out[i] = c_i * s_g(i);
 // lo receives the n_groups offsets. The scale is applied as the codes are produced (a second
 // pass would reload what was just stored in narrower pieces: a store-forwarding stall).
@@ -382,39 +399,15 @@ void unpack_scaled(const uint8_t* rec, const PackedRowFormat& f, float* __restri
   const int bx2 = f.spec.bits_x2;
   [[maybe_unused]] const bool pow2 = bx2 == 2 || bx2 == 4 || bx2 == 8 || bx2 == 16;
 #if defined(__AVX512F__)
-  if (small && pow2 && g % 16 == 0 && d % 16 == 0) {
-    switch (bx2) {
-      case 2:
-        unpack_pow2_512<1>(rec, f.n_groups, g, d, sc, out);
-        return;
-      case 4:
-        unpack_pow2_512<2>(rec, f.n_groups, g, d, sc, out);
-        return;
-      case 8:
-        unpack_pow2_512<4>(rec, f.n_groups, g, d, sc, out);
-        return;
-      default:
-        unpack_pow2_512<8>(rec, f.n_groups, g, d, sc, out);
-        return;
-    }
-  }
+  if (small && pow2 && g % 16 == 0 && d % 16 == 0)
+    return with_pow2_bits(bx2, [&](auto bits) {
+      unpack_pow2_512<decltype(bits)::value>(rec, f.n_groups, g, d, sc, out);
+    });
 #elif defined(__AVX2__)
-  if (small && pow2 && g % 8 == 0 && d % 8 == 0) {
-    switch (bx2) {
-      case 2:
-        unpack_pow2_256<1>(rec, f.n_groups, g, d, sc, out);
-        return;
-      case 4:
-        unpack_pow2_256<2>(rec, f.n_groups, g, d, sc, out);
-        return;
-      case 8:
-        unpack_pow2_256<4>(rec, f.n_groups, g, d, sc, out);
-        return;
-      default:
-        unpack_pow2_256<8>(rec, f.n_groups, g, d, sc, out);
-        return;
-    }
-  }
+  if (small && pow2 && g % 8 == 0 && d % 8 == 0)
+    return with_pow2_bits(bx2, [&](auto bits) {
+      unpack_pow2_256<decltype(bits)::value>(rec, f.n_groups, g, d, sc, out);
+    });
 #endif
   // Portable path: one code at a time, scaled as it is produced.
   const Luts& L = luts();
@@ -1340,6 +1333,15 @@ void packed_row(Work& w, const PackedTensor& t, int64_t b, int64_t kh, int64_t j
   for (int32_t g = 0; g < t.fmt.n_groups; ++g) lo[static_cast<size_t>(g * kTile + r)] = w.tmp[g];
 }
 
+// Row r of the tile (segment row j) of the segment's keys (key) or values as fp32 into dst:
+// converted (full precision) or unpacked, its offsets into w.klo / w.vlo (packed).
+void tile_row(Work& w, const SegmentCtx& s, bool key, int64_t j, int64_t r, float* dst) {
+  if (s.packed)
+    packed_row(w, key ? s.pk : s.pv, s.b, s.kh, j, r, dst, key ? w.klo : w.vlo);
+  else
+    fp_row(key ? s.seg->keys : s.seg->values, s.b, s.kh, j, dst, w.d);
+}
+
 // Offsets of rows a tile skips must be finite zeros (the lo terms read every row).
 void clear_hidden_offsets(Work& w, const TileRows& t) {
   if (t.n_vis == t.nt) return;
@@ -1358,10 +1360,7 @@ void attend_general(Work& w, const SegmentCtx& s, const TileRows& t) {
   for (int64_t vi = 0; vi < t.n_vis; ++vi) {
     const int64_t r = w.vis[static_cast<size_t>(vi)];
     float* kt = w.kt.data() + r * d;
-    if (s.packed)
-      packed_row(w, s.pk, s.b, s.kh, t.j0 + r, r, kt, w.klo);
-    else
-      fp_row(s.seg->keys, s.b, s.kh, t.j0 + r, kt, d);
+    tile_row(w, s, true, t.j0 + r, r, kt);
     dot_many(s.qsrc, M, kt, d, w.dots.data());
     for (int64_t m = 0; m < M; ++m)
       w.logits[static_cast<size_t>(m * kTile + r)] = w.dots[static_cast<size_t>(m)];
@@ -1379,11 +1378,7 @@ void attend_general(Work& w, const SegmentCtx& s, const TileRows& t) {
   softmax_tile(w, t.nt);
   for (int64_t vi = 0; vi < t.n_vis; ++vi) {
     const int64_t r = w.vis[static_cast<size_t>(vi)];
-    float* vt = w.vt.data() + r * d;
-    if (s.packed)
-      packed_row(w, s.pv, s.b, s.kh, t.j0 + r, r, vt, w.vlo);
-    else
-      fp_row(s.seg->values, s.b, s.kh, t.j0 + r, vt, d);
+    tile_row(w, s, false, t.j0 + r, r, w.vt.data() + r * d);
   }
   for (int64_t m = 0; m < M; ++m) {
     const float* pr = w.probs.data() + m * kTile;
@@ -1417,8 +1412,8 @@ void attend_fp_many(Work& w, const SegmentCtx& s, const TileRows& t) {
   const int64_t d = w.d;
   for (int64_t vi = 0; vi < t.n_vis; ++vi) {
     const int64_t r = w.vis[static_cast<size_t>(vi)];
-    fp_row(s.seg->keys, s.b, s.kh, t.j0 + r, w.kt.data() + r * d, d);
-    fp_row(s.seg->values, s.b, s.kh, t.j0 + r, w.vt.data() + r * d, d);
+    tile_row(w, s, true, t.j0 + r, r, w.kt.data() + r * d);
+    tile_row(w, s, false, t.j0 + r, r, w.vt.data() + r * d);
   }
   many_tile(w, t.nt, t.n_vis, t.every && t.n_vis == t.nt, s.window);
 }
@@ -1430,8 +1425,8 @@ void attend_packed_many(Work& w, const SegmentCtx& s, const TileRows& t) {
   if (s.kc->qt.empty()) build_class_lanes(w, *s.kc);
   for (int64_t vi = 0; vi < t.n_vis; ++vi) {
     const int64_t r = w.vis[static_cast<size_t>(vi)];
-    packed_row(w, s.pk, s.b, s.kh, t.j0 + r, r, w.kt.data() + r * d, w.klo);
-    packed_row(w, s.pv, s.b, s.kh, t.j0 + r, r, w.vt.data() + r * d, w.vlo);
+    tile_row(w, s, true, t.j0 + r, r, w.kt.data() + r * d);
+    tile_row(w, s, false, t.j0 + r, r, w.vt.data() + r * d);
   }
   many_packed_dispatch(w, *s.kc, *s.vc, t.nt, t.n_vis, t.every, s.window);
 }
