@@ -353,6 +353,37 @@ inline void unpack_pow2_256(const uint8_t* rec, int32_t n_groups, int64_t g, int
 }
 #endif
 
+// f(std::integral_constant<int, NV>{}) for NV = nv 16-float vectors per row: 1 .. 8
+// (with_vecs) or 2, 4, 6, 8 (with_even_vecs); larger nv gets 8 (callers check D <= 128).
+template <typename F>
+void with_even_vecs(int64_t nv, F&& f) {
+  switch (nv) {
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 6:
+      return f(std::integral_constant<int, 6>{});
+    default:
+      return f(std::integral_constant<int, 8>{});
+  }
+}
+
+template <typename F>
+void with_vecs(int64_t nv, F&& f) {
+  switch (nv) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 5:
+      return f(std::integral_constant<int, 5>{});
+    case 7:
+      return f(std::integral_constant<int, 7>{});
+  }
+  with_even_vecs(nv, f);
+}
+
 // f(std::integral_constant<int, B>{}) for the power-of-two code width B = bx2 / 2 (1, 2, 4, 8).
 template <typename F>
 void with_pow2_bits(int bx2, F&& f) {
@@ -736,32 +767,9 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
   }
   // ---- acc[m] = acc[m] * alpha_m + sum over visible rows of p v
   const float* a = w.alpha.data();
-  switch (d / 16) {
-    case 1:
-      pv_all<1>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 2:
-      pv_all<2>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 3:
-      pv_all<3>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 4:
-      pv_all<4>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 5:
-      pv_all<5>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 6:
-      pv_all<6>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 7:
-      pv_all<7>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    default:
-      pv_all<8>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-  }
+  with_vecs(d / 16, [&](auto nv) {
+    pv_all<decltype(nv)::value>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+  });
 }
 #endif
 
@@ -917,20 +925,9 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
 
 void many_packed_dispatch(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n_vis,
                           bool every, int64_t window) {
-  switch (w.d / 16) {
-    case 2:
-      many_packed_tile<2>(w, kc, vc, nt, n_vis, every, window);
-      return;
-    case 4:
-      many_packed_tile<4>(w, kc, vc, nt, n_vis, every, window);
-      return;
-    case 6:
-      many_packed_tile<6>(w, kc, vc, nt, n_vis, every, window);
-      return;
-    default:
-      many_packed_tile<8>(w, kc, vc, nt, n_vis, every, window);
-      return;
-  }
+  with_even_vecs(w.d / 16, [&](auto nv) {
+    many_packed_tile<decltype(nv)::value>(w, kc, vc, nt, n_vis, every, window);
+  });
 }
 
 // ---- few-query path: full-precision rows read in place (fp16/bf16/fp32), no fp32 tile -------
@@ -1115,39 +1112,15 @@ template <DType T>
 void few_values(Work& w, float* acc, const char* v0, int64_t vs, int64_t n_vis) {
   const int32_t* rows = w.vis.data();
   const float* pr = w.probs.data();
-  switch (w.d / 16) {
-    case 2:
-      pv_few<T, 2>(acc, pr, v0, vs, rows, n_vis, w.m);
-      break;
-    case 4:
-      pv_few<T, 4>(acc, pr, v0, vs, rows, n_vis, w.m);
-      break;
-    case 6:
-      pv_few<T, 6>(acc, pr, v0, vs, rows, n_vis, w.m);
-      break;
-    default:
-      pv_few<T, 8>(acc, pr, v0, vs, rows, n_vis, w.m);
-      break;
-  }
+  with_even_vecs(w.d / 16, [&](auto nv) {
+    pv_few<T, decltype(nv)::value>(acc, pr, v0, vs, rows, n_vis, w.m);
+  });
 }
 
 // Logits of the rows at k0 + t * ks (t < nt) for the queries qs [M, D].
 template <DType T>
 void few_logits_d(Work& w, const float* qs, const char* k0, int64_t ks, int64_t nt) {
-  switch (w.d / 16) {
-    case 2:
-      few_logits<T, 2>(w, qs, k0, ks, nt);
-      return;
-    case 4:
-      few_logits<T, 4>(w, qs, k0, ks, nt);
-      return;
-    case 6:
-      few_logits<T, 6>(w, qs, k0, ks, nt);
-      return;
-    default:
-      few_logits<T, 8>(w, qs, k0, ks, nt);
-      return;
-  }
+  with_even_vecs(w.d / 16, [&](auto nv) { few_logits<T, decltype(nv)::value>(w, qs, k0, ks, nt); });
 }
 
 // Calls f(std::integral_constant<DType, T>{}) for the row dtype t (f16, bf16 or f32).
