@@ -58,6 +58,13 @@ namespace {
 constexpr int64_t kTile = 32;         // rows per online-softmax step
 constexpr int64_t kMaxQueries = 256;  // query vectors per work item
 
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#define VQ_SIMD_AVX512
+#endif
+#include "ops/simd_vec.h"
+#endif
+
 // ---- small vector kernels (lane accumulators so the loops vectorise without -ffast-math) -----
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -71,102 +78,97 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The four lane totals of dot_many's queries: AVX-512 through the compiler's add tree
+// (_mm512_reduce_add_ps), AVX2 through horizontal adds.
+#if defined(__AVX512F__)
+inline void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* r) {
+  r[0] = _mm512_reduce_add_ps(a0);
+  r[1] = _mm512_reduce_add_ps(a1);
+  r[2] = _mm512_reduce_add_ps(a2);
+  r[3] = _mm512_reduce_add_ps(a3);
+}
+#endif
+inline void reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* r) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(r, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// dot_many with V (simd_vec.h) lanes, n a multiple of V::L. Queries past n_q repeat the last
+// one, so every query gets the same arithmetic whatever n_q is (GQA and MHA with repeated heads
+// agree bit for bit).
+template <class V>
+void dot_many_lanes(const float* __restrict q, int64_t n_q, const float* __restrict x, int64_t n,
+                    float* __restrict out) {
+  for (int64_t m = 0; m < n_q; m += 4) {
+    const float* q0 = q + m * n;
+    const float* q1 = q + std::min(m + 1, n_q - 1) * n;
+    const float* q2 = q + std::min(m + 2, n_q - 1) * n;
+    const float* q3 = q + std::min(m + 3, n_q - 1) * n;
+    typename V::reg a0 = V::zero(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < n; i += V::L) {
+      const typename V::reg xv = V::load(x + i);
+      a0 = V::fma(V::load(q0 + i), xv, a0);
+      a1 = V::fma(V::load(q1 + i), xv, a1);
+      a2 = V::fma(V::load(q2 + i), xv, a2);
+      a3 = V::fma(V::load(q3 + i), xv, a3);
+    }
+    float r[4];
+    reduce4(a0, a1, a2, a3, r);
+    for (int64_t j = 0; j < 4 && m + j < n_q; ++j) out[m + j] = r[j];
+  }
+}
+
+// accumulate_tile's blocks of 4 V::L channels from channel c on; returns the first channel left.
+template <class V>
+int64_t accumulate_blocks(float* __restrict acc, const float* __restrict p,
+                          const float* __restrict v, const int32_t* rows, int64_t n_rows, int64_t d,
+                          int64_t c) {
+  constexpr int64_t L = V::L;
+  for (; c + 4 * L <= d; c += 4 * L) {
+    typename V::reg a0 = V::load(acc + c), a1 = V::load(acc + c + L);
+    typename V::reg a2 = V::load(acc + c + 2 * L), a3 = V::load(acc + c + 3 * L);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t t = rows[r];
+      const float* vr = v + t * d + c;
+      const typename V::reg pv = V::set1(p[t]);
+      a0 = V::fma(pv, V::load(vr), a0);
+      a1 = V::fma(pv, V::load(vr + L), a1);
+      a2 = V::fma(pv, V::load(vr + 2 * L), a2);
+      a3 = V::fma(pv, V::load(vr + 3 * L), a3);
+    }
+    V::store(acc + c, a0);
+    V::store(acc + c + L, a1);
+    V::store(acc + c + 2 * L, a2);
+    V::store(acc + c + 3 * L, a3);
+  }
+  return c;
+}
+#endif
+
 // out[m] = q[m] . x for m < n_q (q: [n_q, n] rows). Four queries at a time share each load of
-// x; AVX2 accumulators (8 lanes) are reduced with horizontal adds.
+// x, 16 (AVX-512) or 8 (AVX2) lanes per accumulator.
 void dot_many(const float* __restrict q, int64_t n_q, const float* __restrict x, int64_t n,
               float* __restrict out) {
 #if defined(__AVX512F__)
-  if (n % 16 == 0) {  // same scheme, 16 lanes, reduced by the compiler's add tree
-    for (int64_t m = 0; m < n_q; m += 4) {
-      const float* q0 = q + m * n;
-      const float* q1 = q + std::min(m + 1, n_q - 1) * n;
-      const float* q2 = q + std::min(m + 2, n_q - 1) * n;
-      const float* q3 = q + std::min(m + 3, n_q - 1) * n;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < n; i += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + i);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + i), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + i), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + i), xv, a3);
-      }
-      const float r[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
-                          _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
-      for (int64_t j = 0; j < 4 && m + j < n_q; ++j) out[m + j] = r[j];
-    }
-    return;
-  }
+  if (n % 16 == 0) return dot_many_lanes<Avx512Vec>(q, n_q, x, n, out);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    // Queries past n_q repeat the last one, so every query gets the same arithmetic whatever
-    // n_q is (GQA and MHA with repeated heads agree bit for bit).
-    for (int64_t m = 0; m < n_q; m += 4) {
-      const float* q0 = q + m * n;
-      const float* q1 = q + std::min(m + 1, n_q - 1) * n;
-      const float* q2 = q + std::min(m + 2, n_q - 1) * n;
-      const float* q3 = q + std::min(m + 3, n_q - 1) * n;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < n; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + i), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + i), xv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + i), xv, a3);
-      }
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      alignas(16) float r[4];
-      _mm_store_ps(r, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-      for (int64_t j = 0; j < 4 && m + j < n_q; ++j) out[m + j] = r[j];
-    }
-    return;
-  }
+  if (n % 8 == 0) return dot_many_lanes<Avx2Vec>(q, n_q, x, n, out);
 #endif
   for (int64_t m = 0; m < n_q; ++m) out[m] = dot(q + m * n, x, n);
 }
 
 // acc[0..d) += sum over the listed rows t of p[t] * v[t*d ..]: the accumulator stays in
-// registers across the tile's rows (32 floats at a time).
+// registers across the tile's rows (64 channels at a time on AVX-512, then 32 on AVX2).
 void accumulate_tile(float* __restrict acc, const float* __restrict p, const float* __restrict v,
                      const int32_t* rows, int64_t n_rows, int64_t d) {
   int64_t c = 0;
 #if defined(__AVX512F__)
-  for (; c + 64 <= d; c += 64) {
-    __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
-    __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t t = rows[r];
-      const float* vr = v + t * d + c;
-      const __m512 pv = _mm512_set1_ps(p[t]);
-      a0 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr), a0);
-      a1 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 16), a1);
-      a2 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 32), a2);
-      a3 = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 48), a3);
-    }
-    _mm512_storeu_ps(acc + c, a0);
-    _mm512_storeu_ps(acc + c + 16, a1);
-    _mm512_storeu_ps(acc + c + 32, a2);
-    _mm512_storeu_ps(acc + c + 48, a3);
-  }
+  c = accumulate_blocks<Avx512Vec>(acc, p, v, rows, n_rows, d, c);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; c + 32 <= d; c += 32) {
-    __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
-    __m256 a2 = _mm256_loadu_ps(acc + c + 16), a3 = _mm256_loadu_ps(acc + c + 24);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t t = rows[r];
-      const float* vr = v + t * d + c;
-      const __m256 pv = _mm256_set1_ps(p[t]);
-      a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr), a0);
-      a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8), a1);
-      a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 16), a2);
-      a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 24), a3);
-    }
-    _mm256_storeu_ps(acc + c, a0);
-    _mm256_storeu_ps(acc + c + 8, a1);
-    _mm256_storeu_ps(acc + c + 16, a2);
-    _mm256_storeu_ps(acc + c + 24, a3);
-  }
+  c = accumulate_blocks<Avx2Vec>(acc, p, v, rows, n_rows, d, c);
 #endif
   for (int64_t r = 0; r < n_rows; ++r) {
     const int64_t t = rows[r];
@@ -351,6 +353,52 @@ inline void unpack_pow2_256(const uint8_t* rec, int32_t n_groups, int64_t g, int
 }
 #endif
 
+// f(std::integral_constant<int, NV>{}) for NV = nv 16-float vectors per row: 1 .. 8
+// (with_vecs) or 2, 4, 6, 8 (with_even_vecs); larger nv gets 8 (callers check D <= 128).
+template <typename F>
+void with_even_vecs(int64_t nv, F&& f) {
+  switch (nv) {
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 6:
+      return f(std::integral_constant<int, 6>{});
+    default:
+      return f(std::integral_constant<int, 8>{});
+  }
+}
+
+template <typename F>
+void with_vecs(int64_t nv, F&& f) {
+  switch (nv) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 5:
+      return f(std::integral_constant<int, 5>{});
+    case 7:
+      return f(std::integral_constant<int, 7>{});
+  }
+  with_even_vecs(nv, f);
+}
+
+// f(std::integral_constant<int, B>{}) for the power-of-two code width B = bx2 / 2 (1, 2, 4, 8).
+template <typename F>
+void with_pow2_bits(int bx2, F&& f) {
+  switch (bx2) {
+    case 2:
+      return f(std::integral_constant<int, 1>{});
+    case 4:
+      return f(std::integral_constant<int, 2>{});
+    case 8:
+      return f(std::integral_constant<int, 4>{});
+    default:
+      return f(std::integral_constant<int, 8>{});
+  }
+}
+
 // Codes of one record as floats, multiplied by their group scale: out[i] = c_i * s_g(i);
 // lo receives the n_groups offsets. The scale is applied as the codes are produced (a second
 // pass would reload what was just stored in narrower pieces: a store-forwarding stall).
@@ -382,39 +430,15 @@ void unpack_scaled(const uint8_t* rec, const PackedRowFormat& f, float* __restri
   const int bx2 = f.spec.bits_x2;
   [[maybe_unused]] const bool pow2 = bx2 == 2 || bx2 == 4 || bx2 == 8 || bx2 == 16;
 #if defined(__AVX512F__)
-  if (small && pow2 && g % 16 == 0 && d % 16 == 0) {
-    switch (bx2) {
-      case 2:
-        unpack_pow2_512<1>(rec, f.n_groups, g, d, sc, out);
-        return;
-      case 4:
-        unpack_pow2_512<2>(rec, f.n_groups, g, d, sc, out);
-        return;
-      case 8:
-        unpack_pow2_512<4>(rec, f.n_groups, g, d, sc, out);
-        return;
-      default:
-        unpack_pow2_512<8>(rec, f.n_groups, g, d, sc, out);
-        return;
-    }
-  }
+  if (small && pow2 && g % 16 == 0 && d % 16 == 0)
+    return with_pow2_bits(bx2, [&](auto bits) {
+      unpack_pow2_512<decltype(bits)::value>(rec, f.n_groups, g, d, sc, out);
+    });
 #elif defined(__AVX2__)
-  if (small && pow2 && g % 8 == 0 && d % 8 == 0) {
-    switch (bx2) {
-      case 2:
-        unpack_pow2_256<1>(rec, f.n_groups, g, d, sc, out);
-        return;
-      case 4:
-        unpack_pow2_256<2>(rec, f.n_groups, g, d, sc, out);
-        return;
-      case 8:
-        unpack_pow2_256<4>(rec, f.n_groups, g, d, sc, out);
-        return;
-      default:
-        unpack_pow2_256<8>(rec, f.n_groups, g, d, sc, out);
-        return;
-    }
-  }
+  if (small && pow2 && g % 8 == 0 && d % 8 == 0)
+    return with_pow2_bits(bx2, [&](auto bits) {
+      unpack_pow2_256<decltype(bits)::value>(rec, f.n_groups, g, d, sc, out);
+    });
 #endif
   // Portable path: one code at a time, scaled as it is produced.
   const Luts& L = luts();
@@ -743,32 +767,9 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
   }
   // ---- acc[m] = acc[m] * alpha_m + sum over visible rows of p v
   const float* a = w.alpha.data();
-  switch (d / 16) {
-    case 1:
-      pv_all<1>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 2:
-      pv_all<2>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 3:
-      pv_all<3>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 4:
-      pv_all<4>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 5:
-      pv_all<5>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 6:
-      pv_all<6>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    case 7:
-      pv_all<7>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-    default:
-      pv_all<8>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
-      break;
-  }
+  with_vecs(d / 16, [&](auto nv) {
+    pv_all<decltype(nv)::value>(w.acc.data(), st, mp, a, w.vt.data(), w.vis.data(), n_vis, M);
+  });
 }
 #endif
 
@@ -924,20 +925,9 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
 
 void many_packed_dispatch(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n_vis,
                           bool every, int64_t window) {
-  switch (w.d / 16) {
-    case 2:
-      many_packed_tile<2>(w, kc, vc, nt, n_vis, every, window);
-      return;
-    case 4:
-      many_packed_tile<4>(w, kc, vc, nt, n_vis, every, window);
-      return;
-    case 6:
-      many_packed_tile<6>(w, kc, vc, nt, n_vis, every, window);
-      return;
-    default:
-      many_packed_tile<8>(w, kc, vc, nt, n_vis, every, window);
-      return;
-  }
+  with_even_vecs(w.d / 16, [&](auto nv) {
+    many_packed_tile<decltype(nv)::value>(w, kc, vc, nt, n_vis, every, window);
+  });
 }
 
 // ---- few-query path: full-precision rows read in place (fp16/bf16/fp32), no fp32 tile -------
@@ -1122,39 +1112,15 @@ template <DType T>
 void few_values(Work& w, float* acc, const char* v0, int64_t vs, int64_t n_vis) {
   const int32_t* rows = w.vis.data();
   const float* pr = w.probs.data();
-  switch (w.d / 16) {
-    case 2:
-      pv_few<T, 2>(acc, pr, v0, vs, rows, n_vis, w.m);
-      break;
-    case 4:
-      pv_few<T, 4>(acc, pr, v0, vs, rows, n_vis, w.m);
-      break;
-    case 6:
-      pv_few<T, 6>(acc, pr, v0, vs, rows, n_vis, w.m);
-      break;
-    default:
-      pv_few<T, 8>(acc, pr, v0, vs, rows, n_vis, w.m);
-      break;
-  }
+  with_even_vecs(w.d / 16, [&](auto nv) {
+    pv_few<T, decltype(nv)::value>(acc, pr, v0, vs, rows, n_vis, w.m);
+  });
 }
 
 // Logits of the rows at k0 + t * ks (t < nt) for the queries qs [M, D].
 template <DType T>
 void few_logits_d(Work& w, const float* qs, const char* k0, int64_t ks, int64_t nt) {
-  switch (w.d / 16) {
-    case 2:
-      few_logits<T, 2>(w, qs, k0, ks, nt);
-      return;
-    case 4:
-      few_logits<T, 4>(w, qs, k0, ks, nt);
-      return;
-    case 6:
-      few_logits<T, 6>(w, qs, k0, ks, nt);
-      return;
-    default:
-      few_logits<T, 8>(w, qs, k0, ks, nt);
-      return;
-  }
+  with_even_vecs(w.d / 16, [&](auto nv) { few_logits<T, decltype(nv)::value>(w, qs, k0, ks, nt); });
 }
 
 // Calls f(std::integral_constant<DType, T>{}) for the row dtype t (f16, bf16 or f32).
@@ -1236,12 +1202,307 @@ void check(const TensorView& q, const CacheView& view, const AttentionParams& p,
   }
 }
 
-// One work item: batch b, KV head kh, queries [i0, i1) of each of the n_rep query heads.
-void run_item(const TensorView& q, const CacheView& view, const AttentionParams& p, float scale,
-              int64_t b, int64_t kh, int64_t i0, int64_t i1, float* out, Work& w) {
-  const int64_t d = view.head_dim, n_hkv = view.n_kv_heads;
-  const int64_t n_rep = q.shape[1] / n_hkv, nq = i1 - i0, n_q_all = q.shape[2];
-  const int64_t M = n_rep * nq;
+// ---- one work item: shared bookkeeping, the paths, and the driver -----------------------------
+//
+// A work item walks the view's segments in order. Per segment, choose_path picks ONE of the
+// paths below; per tile of kTile rows, visible_rows does the position / causal / window
+// bookkeeping every path shares, then the chosen path updates the item's online-softmax state
+// (Work: mx, l, the accumulators) with the tile's visible rows.
+
+// One segment's rows as one work item (batch b, KV head kh) sees them.
+struct SegmentCtx {
+  const ViewSegment* seg = nullptr;
+  int64_t b = 0, kh = 0, window = 0;
+  bool packed = false;
+  PackedTensor pk, pv;          // packed: keys / values bound to head kh
+  KeyClass* kc = nullptr;       // packed: the queries in the keys' channel order
+  ValClass* vc = nullptr;       // packed: the value accumulators in the values' channel order
+  int32_t kg = 0, vg = 0;       // packed: groups per key / value row
+  const float* qsrc = nullptr;  // the queries in the keys' channel order
+  detail::PackedKernel kk, vk;  // packed decode: the kernels (packed_decode.h)
+};
+
+// One tile: rows j0 .. j0 + nt of the segment; w.vis[0 .. n_vis) are the rows visible to some
+// query of the item, w.pos their positions; every: each visible row is visible to every query.
+struct TileRows {
+  int64_t j0 = 0, nt = 0, n_vis = 0;
+  bool every = true;
+};
+
+// Work::logits of the visible rows a query may not see (causal / window) set to -inf.
+void mask_logits(Work& w, const TileRows& t, int64_t window) {
+  if (t.every) return;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t m = 0; m < w.m; ++m) {
+    const int64_t qp = w.qpos[static_cast<size_t>(m)];
+    for (int64_t vi = 0; vi < t.n_vis; ++vi) {
+      const int64_t r = w.vis[static_cast<size_t>(vi)];
+      const int64_t pj = w.pos[static_cast<size_t>(r)];
+      if (pj > qp || (window > 0 && qp >= pj + window))
+        w.logits[static_cast<size_t>(m * kTile + r)] = neg_inf;
+    }
+  }
+}
+
+// Online-softmax update from the tile's logits [M, kTile] (hidden rows -inf): running max (the
+// accumulators rescaled when it grows), the weights into Work::probs, and their sums into l.
+void softmax_tile(Work& w, int64_t nt) {
+  const int64_t M = w.m;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* lr = w.logits.data() + m * kTile;
+    float* pr = w.probs.data() + m * kTile;
+    float tmax = neg_inf;
+    bool bad = false;  // a visible row's logit is NaN or +inf (hidden rows hold -inf)
+    for (int64_t t = 0; t < nt; ++t) {
+      tmax = lr[t] > tmax ? lr[t] : tmax;
+      bad |= !(lr[t] < std::numeric_limits<float>::infinity());
+    }
+    if (bad) w.bad[static_cast<size_t>(m)] = 1;
+    if (tmax == neg_inf) {
+      std::fill(pr, pr + nt, 0.0f);
+      continue;
+    }
+    float& mxm = w.mx[static_cast<size_t>(m)];
+    if (tmax > mxm) {
+      if (mxm != neg_inf) rescale(w, m, std::exp(mxm - tmax));
+      mxm = tmax;
+    }
+    for (int64_t t = 0; t < nt; ++t) pr[t] = lr[t] - mxm;  // -inf stays -inf -> weight 0
+    exp_nonpos(pr, pr, nt);
+  }
+  // Each query's weights summed over t in order, four queries' sums interleaved (their
+  // dependency chains overlap). A query whose tile is all hidden adds zeros: l + 0 = l.
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const float* pr[4];
+    for (int64_t j = 0; j < 4; ++j) pr[j] = w.probs.data() + std::min(m0 + j, M - 1) * kTile;
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t t = 0; t < nt; ++t)
+      for (int j = 0; j < 4; ++j) sum[j] += pr[j][t];
+    for (int64_t j = 0; j < 4 && m0 + j < M; ++j) w.l[static_cast<size_t>(m0 + j)] += sum[j];
+  }
+}
+
+// Logits of every query and listed row set to -inf (the paths then fill the visible ones).
+void clear_logits(Work& w, int64_t nt) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t m = 0; m < w.m; ++m)
+    std::fill(w.logits.begin() + m * kTile, w.logits.begin() + m * kTile + nt, neg_inf);
+}
+
+// Full-precision row j of a [B, H_kv, n, D] tensor as fp32 into dst.
+void fp_row(const TensorView& x, int64_t b, int64_t kh, int64_t j, float* dst, int64_t d) {
+  if (x.stride[3] == 1)
+    row_to_f32(x.row(b, kh, j), x.dtype, dst, d);
+  else
+    for (int64_t c = 0; c < d; ++c) dst[c] = x.at(b, kh, j, c);
+}
+
+// Packed row j of t unpacked (scaled codes) into dst, its group offsets into column r of the
+// transposed [n_groups, kTile] table lo.
+void packed_row(Work& w, const PackedTensor& t, int64_t b, int64_t kh, int64_t j, int64_t r,
+                float* dst, std::vector<float>& lo) {
+  unpack_scaled(t.record(b, kh, j), t.fmt, dst, w.tmp.data());
+  for (int32_t g = 0; g < t.fmt.n_groups; ++g) lo[static_cast<size_t>(g * kTile + r)] = w.tmp[g];
+}
+
+// Row r of the tile (segment row j) of the segment's keys (key) or values as fp32 into dst:
+// converted (full precision) or unpacked, its offsets into w.klo / w.vlo (packed).
+void tile_row(Work& w, const SegmentCtx& s, bool key, int64_t j, int64_t r, float* dst) {
+  if (s.packed)
+    packed_row(w, key ? s.pk : s.pv, s.b, s.kh, j, r, dst, key ? w.klo : w.vlo);
+  else
+    fp_row(key ? s.seg->keys : s.seg->values, s.b, s.kh, j, dst, w.d);
+}
+
+// Offsets of rows a tile skips must be finite zeros (the lo terms read every row).
+void clear_hidden_offsets(Work& w, const TileRows& t) {
+  if (t.n_vis == t.nt) return;
+  std::fill(w.klo.begin(), w.klo.end(), 0.0f);
+  std::fill(w.vlo.begin(), w.vlo.end(), 0.0f);
+}
+
+using AttendFn = void (*)(Work& w, const SegmentCtx& s, const TileRows& t);
+
+// General path (any ISA, any D, full-precision or packed rows): the visible rows converted or
+// unpacked to fp32 tiles, logits by dot_many, values by accumulate_tile.
+void attend_general(Work& w, const SegmentCtx& s, const TileRows& t) {
+  const int64_t M = w.m, d = w.d;
+  if (s.packed) clear_hidden_offsets(w, t);
+  clear_logits(w, t.nt);
+  for (int64_t vi = 0; vi < t.n_vis; ++vi) {
+    const int64_t r = w.vis[static_cast<size_t>(vi)];
+    float* kt = w.kt.data() + r * d;
+    tile_row(w, s, true, t.j0 + r, r, kt);
+    dot_many(s.qsrc, M, kt, d, w.dots.data());
+    for (int64_t m = 0; m < M; ++m)
+      w.logits[static_cast<size_t>(m * kTile + r)] = w.dots[static_cast<size_t>(m)];
+  }
+  if (s.packed)  // + sum_g lo_g * qsum_g, vectorised over the tile's rows
+    for (int64_t m = 0; m < M; ++m) {
+      float* lr = w.logits.data() + m * kTile;
+      const float* qs = s.kc->qsum.data() + m * s.kg;
+      for (int32_t g = 0; g < s.kg; ++g) {
+        const float* lo = w.klo.data() + g * kTile;
+        for (int64_t r = 0; r < t.nt; ++r) lr[r] += lo[r] * qs[g];
+      }
+    }
+  mask_logits(w, t, s.window);
+  softmax_tile(w, t.nt);
+  for (int64_t vi = 0; vi < t.n_vis; ++vi) {
+    const int64_t r = w.vis[static_cast<size_t>(vi)];
+    tile_row(w, s, false, t.j0 + r, r, w.vt.data() + r * d);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float* pr = w.probs.data() + m * kTile;
+    float* acc = s.packed ? s.vc->acc.data() + m * d : w.acc.data() + m * d;
+    accumulate_tile(acc, pr, w.vt.data(), w.vis.data(), t.n_vis, d);
+    if (s.packed) {
+      float* al = s.vc->acc_lo.data() + m * s.vg;
+      for (int32_t g = 0; g < s.vg; ++g) al[g] += dot(pr, w.vlo.data() + g * kTile, t.nt);
+    }
+  }
+}
+
+// Packed decode path: logits and value sums computed on the codes by the segment's kernels
+// (packed_decode.h), the online softmax here.
+void attend_packed_decode(Work& w, const SegmentCtx& s, const TileRows& t) {
+  clear_logits(w, t.nt);
+  const detail::PackedTile keys{s.pk.record(s.b, s.kh, t.j0), s.pk.fmt.row_stride, w.vis.data(),
+                                t.n_vis};
+  s.kk.keys(s.pk.fmt, keys, s.qsrc, s.kc->qsum.data(), w.m, w.logits.data(), kTile, w.qprep.data());
+  mask_logits(w, t, s.window);
+  softmax_tile(w, t.nt);
+  const detail::PackedTile vals{s.pv.record(s.b, s.kh, t.j0), s.pv.fmt.row_stride, w.vis.data(),
+                                t.n_vis};
+  s.vk.values(s.pv.fmt, vals, w.probs.data(), kTile, w.m, s.vc->acc.data(), s.vc->acc_lo.data(),
+              w.pscratch.data());
+}
+
+#if defined(__AVX512F__)
+// Many-query path over full-precision rows: the visible rows to fp32 tiles, then many_tile.
+void attend_fp_many(Work& w, const SegmentCtx& s, const TileRows& t) {
+  const int64_t d = w.d;
+  for (int64_t vi = 0; vi < t.n_vis; ++vi) {
+    const int64_t r = w.vis[static_cast<size_t>(vi)];
+    tile_row(w, s, true, t.j0 + r, r, w.kt.data() + r * d);
+    tile_row(w, s, false, t.j0 + r, r, w.vt.data() + r * d);
+  }
+  many_tile(w, t.nt, t.n_vis, t.every && t.n_vis == t.nt, s.window);
+}
+
+// Many-query path over packed rows: the visible rows unpacked, then many_packed_tile.
+void attend_packed_many(Work& w, const SegmentCtx& s, const TileRows& t) {
+  const int64_t d = w.d;
+  clear_hidden_offsets(w, t);
+  if (s.kc->qt.empty()) build_class_lanes(w, *s.kc);
+  for (int64_t vi = 0; vi < t.n_vis; ++vi) {
+    const int64_t r = w.vis[static_cast<size_t>(vi)];
+    tile_row(w, s, true, t.j0 + r, r, w.kt.data() + r * d);
+    tile_row(w, s, false, t.j0 + r, r, w.vt.data() + r * d);
+  }
+  many_packed_dispatch(w, *s.kc, *s.vc, t.nt, t.n_vis, t.every, s.window);
+}
+
+// Few-query path over full-precision rows read in place: every row's logits, the hidden rows'
+// set to -inf, then the values.
+void attend_fp_few(Work& w, const SegmentCtx& s, const TileRows& t) {
+  few_tile_logits(w, *s.seg, s.b, s.kh, t.j0, t.nt);
+  if (t.n_vis < t.nt) {
+    alignas(64) uint8_t shown[kTile] = {};
+    for (int64_t vi = 0; vi < t.n_vis; ++vi) shown[w.vis[static_cast<size_t>(vi)]] = 1;
+    for (int64_t m = 0; m < w.m; ++m)
+      for (int64_t r = 0; r < t.nt; ++r)
+        if (!shown[r])
+          w.logits[static_cast<size_t>(m * kTile + r)] = -std::numeric_limits<float>::infinity();
+  }
+  mask_logits(w, t, s.window);
+  softmax_tile(w, t.nt);
+  few_tile_values(w, *s.seg, s.b, s.kh, t.j0, t.n_vis);
+}
+#endif
+
+// Binds segment seg to head kh of batch b and sets up what its path needs (the packed
+// transform classes, the packed decode kernels and their prepared queries); returns the path,
+// chosen once for the whole segment. many: a prefill-sized call (see run_item).
+AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t window,
+                       bool many, detail::CpuIsa isa, SegmentCtx& s) {
+  const int64_t d = w.d, M = w.m;
+  s.seg = &seg;
+  s.b = b;
+  s.kh = kh;
+  s.window = window;
+  s.packed = seg.packed != nullptr;
+  if (s.packed) {
+    s.pk = head_tensor(seg.packed->keys, kh, d);
+    s.pv = head_tensor(seg.packed->values, kh, d);
+    s.kc = &key_class(w, s.pk);
+    s.vc = &val_class(w, s.pv);
+    s.kg = s.pk.fmt.n_groups;
+    s.vg = s.pv.fmt.n_groups;
+  }
+  w.klo.assign(static_cast<size_t>(kTile * std::max(s.kg, 1)), 0.0f);
+  w.vlo.assign(static_cast<size_t>(kTile * std::max(s.vg, 1)), 0.0f);
+  w.tmp.resize(static_cast<size_t>(std::max<int64_t>({d, s.kg, s.vg})));
+  s.qsrc = s.packed ? s.kc->q.data() : w.q.data();
+#if defined(__AVX512F__)
+  if (!s.packed) {
+    if (many) return attend_fp_many;
+    return few_supported(seg, d) ? attend_fp_few : attend_general;
+  }
+  if (many) return d % 32 == 0 ? attend_packed_many : attend_general;
+#else
+  (void)many;
+  if (!s.packed) return attend_general;
+#endif
+  s.kk = detail::packed_kernel(s.pk.fmt, isa);
+  s.vk = detail::packed_kernel(s.pv.fmt, isa);
+  if (s.kk.keys == nullptr || s.vk.values == nullptr) return attend_general;
+  w.pscratch.resize(static_cast<size_t>(detail::packed_values_scratch(s.vg, M)));
+  if (s.kk.prepare) {  // the queries in the key kernel's form, once per segment
+    w.qprep.resize(static_cast<size_t>((s.kk.prep_bytes(s.pk.fmt, M) + 7) / 8));
+    s.kk.prepare(s.pk.fmt, s.qsrc, s.kc->qsum.data(), M, w.qprep.data());
+  }
+  return attend_packed_decode;
+}
+
+// Rows j0 .. j0 + nt of seg: their positions into w.pos, the ones some query with a position in
+// [qpos_min, qpos_max] can see (causal, window) into w.vis; rows none can see are skipped.
+TileRows visible_rows(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t n_hkv,
+                      int64_t j0, int64_t window, int64_t qpos_min, int64_t qpos_max) {
+  TileRows t;
+  t.j0 = j0;
+  t.nt = std::min(kTile, seg.n_rows - j0);
+  const int64_t nt = t.nt;
+  int64_t n_vis = 0;
+  bool every = true;     // every listed row is visible to every query of the item
+  if (!seg.positions) {  // consecutive positions p0 + t: the visible rows are one run
+    const int64_t p0 = seg.first_pos + j0;
+    for (int64_t r = 0; r < nt; ++r) w.pos[static_cast<size_t>(r)] = static_cast<int32_t>(p0 + r);
+    // visible: p0 + r <= qpos_max and (no window or qpos_min < p0 + r + window)
+    const int64_t lo = window == 0 ? 0 : std::max<int64_t>(0, qpos_min - window + 1 - p0);
+    const int64_t hi = std::min(nt, qpos_max - p0 + 1);
+    for (int64_t r = lo; r < hi; ++r) w.vis[static_cast<size_t>(n_vis++)] = static_cast<int32_t>(r);
+    // every visible row also <= qpos_min and within the window of qpos_max
+    every = n_vis == 0 || (p0 + hi - 1 <= qpos_min && (window == 0 || qpos_max < p0 + lo + window));
+  }
+  for (int64_t r = 0; r < nt && seg.positions; ++r) {
+    const int64_t pj = seg.position(b, kh, j0 + r, n_hkv);
+    w.pos[static_cast<size_t>(r)] = static_cast<int32_t>(pj);
+    if (pj <= qpos_max && (window == 0 || qpos_min < pj + window)) {
+      w.vis[static_cast<size_t>(n_vis++)] = static_cast<int32_t>(r);
+      every = every && pj <= qpos_min && (window == 0 || qpos_max < pj + window);
+    }
+  }
+  t.n_vis = n_vis;
+  t.every = every;
+  return t;
+}
+
+// The item's scaled queries and positions into w, its softmax state and scratch reset.
+void begin_item(const TensorView& q, const AttentionParams& p, float scale, int64_t b, int64_t kh,
+                int64_t n_rep, int64_t i0, int64_t i1, int64_t d, Work& w) {
+  const int64_t nq = i1 - i0, M = n_rep * nq;
   w.m = M;
   w.d = d;
   w.q.resize(static_cast<size_t>(M * d));
@@ -1258,8 +1519,6 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
       scal(qm, scale, d);
       w.qpos[static_cast<size_t>(m)] = p.q_pos0 + i0 + i;
     }
-  const int64_t qpos_min = p.q_pos0 + i0, qpos_max = p.q_pos0 + i1 - 1;
-  const detail::CpuIsa isa = detail::attention_isa();
   w.acc.assign(static_cast<size_t>(M * d), 0.0f);
   w.mx.assign(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
   w.l.assign(static_cast<size_t>(M), 0.0f);
@@ -1274,237 +1533,13 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
   w.tmp.resize(static_cast<size_t>(d));
   w.pos.resize(static_cast<size_t>(kTile));
   w.vis.resize(static_cast<size_t>(kTile));
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512F__)
-  // Decided by the call's queries per head (not the item's), so a query's arithmetic does not
-  // depend on how the queries were cut into items.
-  const bool many = n_q_all >= kManyQueries && many_supported(d);
-  if (many) build_many(w);
-#endif
+}
 
-  for (const ViewSegment& seg : view.segments) {
-    if (seg.n_rows == 0) continue;
-    const bool packed = seg.packed != nullptr;
-    KeyClass* kc = nullptr;
-    ValClass* vc = nullptr;
-    PackedTensor pk, pv;
-    if (packed) {
-      pk = head_tensor(seg.packed->keys, kh, d);
-      pv = head_tensor(seg.packed->values, kh, d);
-      kc = &key_class(w, pk);
-      vc = &val_class(w, pv);
-    }
-    const int32_t kg = packed ? pk.fmt.n_groups : 0, vg = packed ? pv.fmt.n_groups : 0;
-    w.klo.assign(static_cast<size_t>(kTile * std::max(kg, 1)), 0.0f);
-    w.vlo.assign(static_cast<size_t>(kTile * std::max(vg, 1)), 0.0f);
-    w.tmp.resize(static_cast<size_t>(std::max<int64_t>({d, kg, vg})));
-    const float* qsrc = packed ? kc->q.data() : w.q.data();
-#if defined(__AVX512F__)
-    const bool few = !packed && !many && few_supported(seg, d);
-    const bool many_call = many;
-#else
-    const bool few = false, many_call = false;
-#endif
-    // Decode-sized calls over packed rows: logits and values computed on the codes
-    // (packed_decode.h), the kernels chosen once per segment.
-    detail::PackedKernel kk, vk;
-    if (packed && !many_call) {
-      kk = detail::packed_kernel(pk.fmt, isa);
-      vk = detail::packed_kernel(pv.fmt, isa);
-    }
-    const bool direct = kk.keys != nullptr && vk.values != nullptr;
-    if (direct) w.pscratch.resize(static_cast<size_t>(detail::packed_values_scratch(vg, M)));
-    if (direct && kk.prepare) {  // the queries in the key kernel's form, once per segment
-      w.qprep.resize(static_cast<size_t>((kk.prep_bytes(pk.fmt, M) + 7) / 8));
-      kk.prepare(pk.fmt, qsrc, kc->qsum.data(), M, w.qprep.data());
-    }
-    for (int64_t j0 = 0; j0 < seg.n_rows; j0 += kTile) {
-      const int64_t nt = std::min(kTile, seg.n_rows - j0);
-      // ---- positions; rows no query of this item can see are skipped entirely
-      int64_t n_vis = 0;
-      bool every = true;     // every listed row is visible to every query of the item
-      if (!seg.positions) {  // consecutive positions p0 + t: the visible rows are one run
-        const int64_t p0 = seg.first_pos + j0;
-        for (int64_t t = 0; t < nt; ++t)
-          w.pos[static_cast<size_t>(t)] = static_cast<int32_t>(p0 + t);
-        // visible: p0 + t <= qpos_max and (no window or qpos_min < p0 + t + window)
-        const int64_t lo = p.window == 0 ? 0 : std::max<int64_t>(0, qpos_min - p.window + 1 - p0);
-        const int64_t hi = std::min(nt, qpos_max - p0 + 1);
-        for (int64_t t = lo; t < hi; ++t)
-          w.vis[static_cast<size_t>(n_vis++)] = static_cast<int32_t>(t);
-        // every visible row also <= qpos_min and within the window of qpos_max
-        every = n_vis == 0 ||
-                (p0 + hi - 1 <= qpos_min && (p.window == 0 || qpos_max < p0 + lo + p.window));
-      }
-      for (int64_t t = 0; t < nt && seg.positions; ++t) {
-        const int64_t pj = seg.position(b, kh, j0 + t, n_hkv);
-        w.pos[static_cast<size_t>(t)] = static_cast<int32_t>(pj);
-        if (pj <= qpos_max && (p.window == 0 || qpos_min < pj + p.window)) {
-          w.vis[static_cast<size_t>(n_vis++)] = static_cast<int32_t>(t);
-          every = every && pj <= qpos_min && (p.window == 0 || qpos_max < pj + p.window);
-        }
-      }
-      if (n_vis == 0) continue;
-#if defined(__AVX512F__)
-      if (many && !packed) {
-        for (int64_t vi = 0; vi < n_vis; ++vi) {
-          const int64_t t = w.vis[static_cast<size_t>(vi)];
-          float* kt = w.kt.data() + t * d;
-          float* vt = w.vt.data() + t * d;
-          if (seg.keys.stride[3] == 1)
-            row_to_f32(seg.keys.row(b, kh, j0 + t), seg.keys.dtype, kt, d);
-          else
-            for (int64_t c = 0; c < d; ++c) kt[c] = seg.keys.at(b, kh, j0 + t, c);
-          if (seg.values.stride[3] == 1)
-            row_to_f32(seg.values.row(b, kh, j0 + t), seg.values.dtype, vt, d);
-          else
-            for (int64_t c = 0; c < d; ++c) vt[c] = seg.values.at(b, kh, j0 + t, c);
-        }
-        many_tile(w, nt, n_vis, every && n_vis == nt, p.window);
-        continue;
-      }
-#endif
-      if (n_vis < nt) {  // offsets of skipped rows must be finite zeros (read by the lo terms)
-        std::fill(w.klo.begin(), w.klo.end(), 0.0f);
-        std::fill(w.vlo.begin(), w.vlo.end(), 0.0f);
-      }
-#if defined(__AVX512F__)
-      if (many && packed && d % 32 == 0) {  // lanes over queries (many_packed_tile)
-        if (kc->qt.empty()) build_class_lanes(w, *kc);
-        for (int64_t vi = 0; vi < n_vis; ++vi) {
-          const int64_t t = w.vis[static_cast<size_t>(vi)];
-          unpack_scaled(pk.record(b, kh, j0 + t), pk.fmt, w.kt.data() + t * d, w.tmp.data());
-          for (int32_t g = 0; g < kg; ++g) w.klo[static_cast<size_t>(g * kTile + t)] = w.tmp[g];
-          unpack_scaled(pv.record(b, kh, j0 + t), pv.fmt, w.vt.data() + t * d, w.tmp.data());
-          for (int32_t g = 0; g < vg; ++g) w.vlo[static_cast<size_t>(g * kTile + t)] = w.tmp[g];
-        }
-        many_packed_dispatch(w, *kc, *vc, nt, n_vis, every, p.window);
-        continue;
-      }
-#endif
-      // ---- keys of the visible rows -> fp32 tile; logits [M, kTile]
-#if defined(__AVX512F__)
-      if (few) {  // every row's logits from the rows in place, then the hidden rows' -inf
-        few_tile_logits(w, seg, b, kh, j0, nt);
-        if (n_vis < nt) {
-          alignas(64) uint8_t shown[kTile] = {};
-          for (int64_t vi = 0; vi < n_vis; ++vi) shown[w.vis[static_cast<size_t>(vi)]] = 1;
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t t = 0; t < nt; ++t)
-              if (!shown[t]) w.logits[static_cast<size_t>(m * kTile + t)] = neg_inf;
-        }
-      }
-#endif
-      for (int64_t m = 0; m < M && !few; ++m)
-        std::fill(w.logits.begin() + m * kTile, w.logits.begin() + m * kTile + nt, neg_inf);
-      if (direct) {
-        const detail::PackedTile tile{pk.record(b, kh, j0), pk.fmt.row_stride, w.vis.data(), n_vis};
-        kk.keys(pk.fmt, tile, qsrc, kc->qsum.data(), M, w.logits.data(), kTile, w.qprep.data());
-      }
-      for (int64_t vi = 0; vi < n_vis && !few && !direct; ++vi) {
-        const int64_t t = w.vis[static_cast<size_t>(vi)];
-        float* kt = w.kt.data() + t * d;
-        if (packed) {
-          unpack_scaled(pk.record(b, kh, j0 + t), pk.fmt, kt, w.tmp.data());
-          for (int32_t g = 0; g < kg; ++g) w.klo[static_cast<size_t>(g * kTile + t)] = w.tmp[g];
-        } else if (seg.keys.stride[3] == 1) {
-          row_to_f32(seg.keys.row(b, kh, j0 + t), seg.keys.dtype, kt, d);
-        } else {
-          for (int64_t c = 0; c < d; ++c) kt[c] = seg.keys.at(b, kh, j0 + t, c);
-        }
-        dot_many(qsrc, M, kt, d, w.dots.data());
-        for (int64_t m = 0; m < M; ++m)
-          w.logits[static_cast<size_t>(m * kTile + t)] = w.dots[static_cast<size_t>(m)];
-      }
-      if (packed && !direct)  // + sum_g lo_g * qsum_g, vectorised over the tile's rows
-        for (int64_t m = 0; m < M; ++m) {
-          float* lr = w.logits.data() + m * kTile;
-          const float* qs = kc->qsum.data() + m * kg;
-          for (int32_t g = 0; g < kg; ++g) {
-            const float* lo = w.klo.data() + g * kTile;
-            for (int64_t t = 0; t < nt; ++t) lr[t] += lo[t] * qs[g];
-          }
-        }
-      if (!every)  // per-query causal / window test
-        for (int64_t m = 0; m < M; ++m) {
-          const int64_t qp = w.qpos[static_cast<size_t>(m)];
-          for (int64_t vi = 0; vi < n_vis; ++vi) {
-            const int64_t t = w.vis[static_cast<size_t>(vi)];
-            const int64_t pj = w.pos[static_cast<size_t>(t)];
-            if (pj > qp || (p.window > 0 && qp >= pj + p.window))
-              w.logits[static_cast<size_t>(m * kTile + t)] = neg_inf;
-          }
-        }
-      // ---- online softmax update
-      for (int64_t m = 0; m < M; ++m) {
-        const float* lr = w.logits.data() + m * kTile;
-        float* pr = w.probs.data() + m * kTile;
-        float tmax = neg_inf;
-        bool bad = false;  // a visible row's logit is NaN or +inf (hidden rows hold -inf)
-        for (int64_t t = 0; t < nt; ++t) {
-          tmax = lr[t] > tmax ? lr[t] : tmax;
-          bad |= !(lr[t] < std::numeric_limits<float>::infinity());
-        }
-        if (bad) w.bad[static_cast<size_t>(m)] = 1;
-        if (tmax == neg_inf) {
-          std::fill(pr, pr + nt, 0.0f);
-          continue;
-        }
-        float& mxm = w.mx[static_cast<size_t>(m)];
-        if (tmax > mxm) {
-          if (mxm != neg_inf) rescale(w, m, std::exp(mxm - tmax));
-          mxm = tmax;
-        }
-        for (int64_t t = 0; t < nt; ++t) pr[t] = lr[t] - mxm;  // -inf stays -inf -> weight 0
-        exp_nonpos(pr, pr, nt);
-      }
-      // Each query's weights summed over t in order, four queries' sums interleaved (their
-      // dependency chains overlap). A query whose tile is all hidden adds zeros: l + 0 = l.
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const float* pr[4];
-        for (int64_t j = 0; j < 4; ++j) pr[j] = w.probs.data() + std::min(m0 + j, M - 1) * kTile;
-        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int64_t t = 0; t < nt; ++t)
-          for (int j = 0; j < 4; ++j) sum[j] += pr[j][t];
-        for (int64_t j = 0; j < 4 && m0 + j < M; ++j) w.l[static_cast<size_t>(m0 + j)] += sum[j];
-      }
-      // ---- values of the visible rows -> fp32 tile, then acc[m] += sum_t p[m, t] v_t
-#if defined(__AVX512F__)
-      if (few) {
-        few_tile_values(w, seg, b, kh, j0, n_vis);
-        continue;
-      }
-#endif
-      if (direct) {
-        const detail::PackedTile tile{pv.record(b, kh, j0), pv.fmt.row_stride, w.vis.data(), n_vis};
-        vk.values(pv.fmt, tile, w.probs.data(), kTile, M, vc->acc.data(), vc->acc_lo.data(),
-                  w.pscratch.data());
-        continue;
-      }
-      for (int64_t vi = 0; vi < n_vis; ++vi) {
-        const int64_t t = w.vis[static_cast<size_t>(vi)];
-        float* vt = w.vt.data() + t * d;
-        if (packed) {
-          unpack_scaled(pv.record(b, kh, j0 + t), pv.fmt, vt, w.tmp.data());
-          for (int32_t g = 0; g < vg; ++g) w.vlo[static_cast<size_t>(g * kTile + t)] = w.tmp[g];
-        } else if (seg.values.stride[3] == 1) {
-          row_to_f32(seg.values.row(b, kh, j0 + t), seg.values.dtype, vt, d);
-        } else {
-          for (int64_t c = 0; c < d; ++c) vt[c] = seg.values.at(b, kh, j0 + t, c);
-        }
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        const float* pr = w.probs.data() + m * kTile;
-        float* acc = packed ? vc->acc.data() + m * d : w.acc.data() + m * d;
-        accumulate_tile(acc, pr, w.vt.data(), w.vis.data(), n_vis, d);
-        if (packed) {
-          float* al = vc->acc_lo.data() + m * vg;
-          for (int32_t g = 0; g < vg; ++g) al[g] += dot(pr, w.vlo.data() + g * kTile, nt);
-        }
-      }
-    }
-  }
-  // ---- finalise: un-transform each value class once, normalise
+// The item's outputs: each value class un-transformed once and added, then normalised (NaN for
+// a query that saw a NaN/+inf logit, zeros for one that saw no key).
+void finish_item(const TensorView& q, int64_t b, int64_t kh, int64_t n_rep, int64_t i0, int64_t i1,
+                 float* out, Work& w) {
+  const int64_t d = w.d, nq = i1 - i0, n_q_all = q.shape[2];
   for (int64_t r = 0; r < n_rep; ++r)
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t m = r * nq + i;
@@ -1532,6 +1567,32 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
       }
       scal(o, 1.0f / lm, d);
     }
+}
+
+// One work item: batch b, KV head kh, queries [i0, i1) of each of the n_rep query heads.
+void run_item(const TensorView& q, const CacheView& view, const AttentionParams& p, float scale,
+              int64_t b, int64_t kh, int64_t i0, int64_t i1, float* out, Work& w) {
+  const int64_t d = view.head_dim, n_hkv = view.n_kv_heads, n_rep = q.shape[1] / n_hkv;
+  begin_item(q, p, scale, b, kh, n_rep, i0, i1, d, w);
+  const int64_t qpos_min = p.q_pos0 + i0, qpos_max = p.q_pos0 + i1 - 1;
+  const detail::CpuIsa isa = detail::attention_isa();
+  bool many = false;
+#if defined(__AVX512F__)
+  // Decided by the call's queries per head (not the item's), so a query's arithmetic does not
+  // depend on how the queries were cut into items.
+  many = q.shape[2] >= kManyQueries && many_supported(d);
+  if (many) build_many(w);
+#endif
+  for (const ViewSegment& seg : view.segments) {
+    if (seg.n_rows == 0) continue;
+    SegmentCtx s;
+    const AttendFn attend = begin_segment(w, seg, b, kh, p.window, many, isa, s);
+    for (int64_t j0 = 0; j0 < seg.n_rows; j0 += kTile) {
+      const TileRows t = visible_rows(w, seg, b, kh, n_hkv, j0, p.window, qpos_min, qpos_max);
+      if (t.n_vis > 0) attend(w, s, t);
+    }
+  }
+  finish_item(q, b, kh, n_rep, i0, i1, out, w);
 }
 
 }  // namespace

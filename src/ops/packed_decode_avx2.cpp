@@ -19,31 +19,11 @@ namespace {
 
 constexpr int32_t kSimdMaxGroups = 128;
 
-inline float simd_fp8(uint32_t c) {  // packed.h's fp8 e4m3 decoding, compiled here
-  const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
-  if (e == 15u && m == 7u) return __builtin_nanf("");
-  float v;
-  if (e == 0u) {
-    v = static_cast<float>(m) * 0x1p-9f;
-  } else {
-    const uint32_t u = ((e + 120u) << 23) | (m << 20);
-    __builtin_memcpy(&v, &u, 4);
-  }
-  return (c & 0x80u) ? -v : v;
-}
+#include "ops/simd_vec.h"
 
-struct V256 {
-  using reg = __m256;
-  static constexpr int L = 8;
-  static reg zero() { return _mm256_setzero_ps(); }
-  static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
-  static reg set1(float x) { return _mm256_set1_ps(x); }
-  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+struct V256 : Avx2Vec {
   static float reduce(reg v) {
-    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+    return simd_hsum4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
   }
   static float half(uint16_t h) { return _cvtsh_ss(h); }
   template <int B>

@@ -2,9 +2,9 @@
 // of AVX-512 or 8 of AVX2): included inside an anonymous namespace by packed_decode_avx512.cpp
 // and packed_decode_avx2.cpp after their `#pragma GCC target`, so each instantiation is compiled
 // for its instruction set and nothing of it is shared with other files. V provides:
-//   reg, L (lanes), zero(), load(p), store(p, v), set1(x), fma(a, b, c) = a*b + c (one rounding),
-//   reduce(v) (sum of the lanes), codes<B>(rec, i): the B-bit codes of channels i .. i + L as
-//   floats (i a multiple of L), half(h) (fp16 -> fp32).
+//   reg, L (lanes), zero(), load(p), store(p, v), set1(x), fma(a, b, c) = a*b + c (one rounding)
+//   (simd_vec.h's Avx2Vec / Avx512Vec), reduce(v) (sum of the lanes), codes<B>(rec, i): the
+//   B-bit codes of channels i .. i + L as floats (i a multiple of L), half(h) (fp16 -> fp32).
 // Covered: B in {1, 2, 4, 8}, group size and D multiples of L. Arithmetic (docs/design.md §4):
 //   keys: per group, L lane partial sums of q'_i c_i over the group's g / L vectors (fp32 FMA),
 //         times s_g into L lane totals (FMA), a lane reduction, then + lo_g qsum_g per group;
