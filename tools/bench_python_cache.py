@@ -43,7 +43,7 @@ DEV = "cuda"
 
 def sync():
     if DEV == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def allocated():
