@@ -63,6 +63,9 @@ struct BatchGenerateResult {
   // The live sequences' cache bytes summed, at their most after any step (CacheMemory).
   int64_t peak_cache_bytes_resident = 0;
   int64_t peak_cache_bytes_accounted = 0;
+  // Sum over decode steps of the live sequences' bytes_accounted after the step: about the cache
+  // bytes the decode steps read (the decode bound of `veloxquant bench`).
+  int64_t decode_cache_bytes = 0;
   MemoryPlan plan;  // the plan admission used (zeros when device_bytes == 0)
 
   double prefill_tokens_per_s() const {

@@ -244,6 +244,7 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
     }
     res.peak_cache_bytes_resident = std::max(res.peak_cache_bytes_resident, resident);
     res.peak_cache_bytes_accounted = std::max(res.peak_cache_bytes_accounted, accounted);
+    if (!prefill) res.decode_cache_bytes += accounted;
     for (Seq& s : live)
       if (s.finished) retire(s);
     live.erase(std::remove_if(live.begin(), live.end(), [](const Seq& s) { return s.finished; }),
