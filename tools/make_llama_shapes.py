@@ -11,9 +11,10 @@ llama3 rope scaling (factor 8, original context 8192) and max_position_embedding
 128K contexts are valid positions: 8.03 B parameters, 16.06 GB in bf16.
 RMSNorm eps 1e-5, norm weights 1. Other weights are N(0, std) values in bf16: a table of 65536
 seeded normal draws (times std, rounded to bf16, nearest even) indexed by seeded random uint16s,
-so the writer only draws random bytes and gathers (about 1 GB/s of output where the 1b preset's
-element-wise normal draws ran at ~0.1 GB/s); the distribution is the table's (65536 normal
-samples). Tensors are written chunk by chunk (16 M elements) so the script needs little memory.
+so the writer only draws random bits (SFC64, one stream per 16 M-element piece seeded by
+(seed, tensor, piece): the same bytes whatever the threads or shards) and gathers, on every core
+(--threads), pieces written in order with a bounded number in flight, so the script needs little
+memory. The distribution is the table's (65536 normal samples).
 The safetensors files are written directly (numpy has no bf16 dtype): header JSON padded to 8
 bytes, tensors in order. No tokenizer: prompt the model with token ids.
 
@@ -23,6 +24,8 @@ bytes, tensors in order. No tokenizer: prompt the model with token ids.
       --max-tokens 8 --ignore-eos        # the summary's last line is the peak RSS
 """
 import argparse
+import collections
+import concurrent.futures
 import json
 import os
 import struct
@@ -105,7 +108,18 @@ def normal_table(rng, std):
     return to_bf16(rng.standard_normal(65536, np.float32) * np.float32(std))
 
 
-def write_shard(path, tensors, rng, table):
+CHUNK = 1 << 24  # elements per generated piece
+
+
+def random_piece(table, seed, tensor_index, start, m):
+    """m weights of one piece: table entries picked by SFC64 bits seeded by (seed, tensor, start),
+    so a piece's bytes do not depend on the threads or the shards."""
+    bits = np.random.SFC64(np.random.SeedSequence([seed, tensor_index, start // CHUNK]))
+    idx = bits.random_raw((m + 3) // 4).view(np.uint16)[:m]
+    return table[idx]
+
+
+def write_shard(path, tensors, seed, table, first_index, pool, inflight):
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, _ in tensors:
         n = int(np.prod(shape)) * 2
@@ -116,17 +130,20 @@ def write_shard(path, tensors, rng, table):
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        chunk = 1 << 24
         one = to_bf16(np.ones(1, np.float32))[0]
-        for name, shape, kind in tensors:
+        pending = collections.deque()  # pieces in flight, written in order
+        for ti, (name, shape, kind) in enumerate(tensors, start=first_index):
             n = int(np.prod(shape))
-            for start in range(0, n, chunk):
-                m = min(chunk, n - start)
+            for start in range(0, n, CHUNK):
+                m = min(CHUNK, n - start)
                 if kind == "norm":
-                    f.write(np.full(m, one, np.uint16).tobytes())
+                    pending.append(pool.submit(np.full, m, one, np.uint16))
                 else:
-                    idx = np.frombuffer(rng.bytes(2 * m), np.uint16)
-                    f.write(table.take(idx).tobytes())
+                    pending.append(pool.submit(random_piece, table, seed, ti, start, m))
+                while len(pending) > inflight:
+                    f.write(pending.popleft().result())
+        while pending:
+            f.write(pending.popleft().result())
     return offset
 
 
@@ -137,6 +154,7 @@ def main():
     ap.add_argument("--preset", choices=sorted(PRESETS), default="1b", help="1b (Llama-3.2-1B) or 8b (Llama-3-8B)")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers for a quicker check (0 = the preset's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="generator threads (0 = all cores)")
     ap.add_argument("--std", type=float, default=0.02)
     args = ap.parse_args()
     base = PRESETS[args.preset]
@@ -147,15 +165,18 @@ def main():
     t0 = time.time()
     tensors = tensor_list(cfg)
     total = sum(int(np.prod(s)) for _, s, _ in tensors)
+    threads = args.threads or os.cpu_count()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
+    inflight = 2 * threads
     if args.shards <= 1:
-        write_shard(os.path.join(args.out_dir, "model.safetensors"), tensors, rng, table)
+        write_shard(os.path.join(args.out_dir, "model.safetensors"), tensors, args.seed, table, 0, pool, inflight)
     else:
         per = -(-len(tensors) // args.shards)
         weight_map = {}
         for k in range(args.shards):
             part = tensors[k * per:(k + 1) * per]
             name = f"model-{k + 1:05d}-of-{args.shards:05d}.safetensors"
-            write_shard(os.path.join(args.out_dir, name), part, rng, table)
+            write_shard(os.path.join(args.out_dir, name), part, args.seed, table, k * per, pool, inflight)
             weight_map.update({t[0]: name for t in part})
         with open(os.path.join(args.out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total * 2}, "weight_map": weight_map}, f, indent=1)
