@@ -111,6 +111,30 @@ TEST_F(BatchTest, EngineRefusalsChangeNothing) {
   EXPECT_EQ(eng->add_sequence(), b + 1);  // ids are never reused
 }
 
+// SeqChunk::end_prompt: a prompt-end SnapKV eviction runs right after the chunk (the budget's
+// rows stay), and only for the sequence that asked.
+TEST_F(BatchTest, EndPromptFlagEvictsThatSequence) {
+  for (const char* method : {"snapkv", "snapkv+skvq"}) {
+    SCOPED_TRACE(method);
+    EngineOptions eo;
+    eo.cache = small_config(method);
+    eo.cache.snap_evict_at = SnapEvictAt::kPromptEnd;
+    const auto eng = make_cpu_engine(*model_, eo);
+    const int64_t a = eng->add_sequence(), b = eng->add_sequence();
+    const auto ids = random_ids(70, 9);
+    std::vector<float> logits;
+    eng->step(
+        std::vector<SeqChunk>{{a, std::span(ids), true, true}, {b, std::span(ids), true, false}},
+        &logits);
+    ASSERT_EQ(logits.size(), 2u * 320u);
+    EXPECT_EQ(eng->memory(a).rows_kept_per_head, 24);
+    EXPECT_EQ(eng->memory(b).rows_kept_per_head, 70);
+    EXPECT_EQ(eng->memory(a).tokens_seen, 70);
+    // Same prompt, same caches before the eviction: the same logits for both rows.
+    for (size_t v = 0; v < 320; ++v) ASSERT_EQ(logits[v], logits[320 + v]);
+  }
+}
+
 TEST(EngineMaxPosition, PositionsPastTheModelAreRefused) {
   test::TinyModelSpec spec;
   spec.max_position_embeddings = 12;

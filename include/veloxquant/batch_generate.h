@@ -13,6 +13,11 @@
 // sampling.seed + prompt index, stop ids (or the model's eos ids), max_tokens (per prompt or the
 // default), the max_position_embeddings stop, sample_vocab, non-finite logits refused. With the
 // CPU engine each sequence therefore gets the tokens vq::generate gives it alone.
+// Each prompt's GenerateResult: tokens, prompt_tokens, stop_reason and decode_steps as vq::generate
+// gives them; prefill_seconds / decode_seconds the time of the steps the sequence was in (shared
+// with the other sequences of those steps); cache_bytes_prompt the caches' resident bytes after
+// the last prefill chunk and its end_prompt, cache_bytes_end before the sequence is removed;
+// activation_bytes 0 (the engine's).
 // Refusals (vq::Error, before any sequence is added to the engine): no prompts, an empty prompt,
 // a token id outside the vocabulary, a prompt past max_position_embeddings, max_tokens < 0,
 // max_batch < 1, and a batch the planner says cannot fit.
