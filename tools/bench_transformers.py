@@ -4,13 +4,14 @@ context, random prompt ids; prefill tokens/s, decode tokens/s and peak memory, a
 
 Loads the folder (e.g. tools/make_llama_shapes.py --preset 8b) with AutoModelForCausalLM in bf16
 and attn_implementation="sdpa", then per repeat: a batch of --batch prompts of --context random
-ids (seeded, in [0, vocab), no padding: every sequence has the same length) through
-model.generate with a DynamicCache, greedy, min_new_tokens = max_new_tokens = --gen (no EOS stop).
-Prefill time is one forward of the prompts (generate with max_new_tokens = 1, which prefills and
-samples one token); decode time is the rest of the full run: (t(gen) - t(1)) for (gen - 1) steps
-of batch tokens each. Prefill tokens/s = batch x context / t(1); decode tokens/s =
-batch x (gen - 1) / (t(gen) - t(1)). Medians over --repeats after one warm-up. Peak memory:
-torch.cuda.max_memory_allocated on cuda, the process's peak RSS on cpu.
+ids (seeded, in [0, vocab), no padding: every sequence has the same length) through one
+model.generate call, greedy, min_new_tokens = max_new_tokens = --gen (no EOS stop), with
+generate's default cache (a DynamicCache for these models; the JSON records the cache class the
+call returned). A streamer timestamps the call: prefill = start -> the first generated tokens
+(the prompt's forward and one sampling), decode = those -> the end, (gen - 1) steps of batch
+tokens. Prefill tokens/s = batch x context / prefill time; decode tokens/s =
+batch x (gen - 1) / decode time. Medians over --repeats after one warm-up call. Peak memory:
+torch.cuda.max_memory_allocated on cuda, the process's peak RSS on cpu (weights included).
 
   python3 tools/bench_transformers.py /tmp/llama-8b-shapes --device cuda --batch 8 \\
       --context 32768 --gen 32 --out transformers.json
@@ -24,7 +25,9 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+import transformers
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
 
 def sync(device):
@@ -32,23 +35,44 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+class Clock(BaseStreamer):
+    """Timestamps generate's streamer calls: the prompt first, then each step's new tokens."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def put(self, value):
+        sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
 def timed_generate(model, ids, new_tokens, device):
+    """(prefill seconds, decode seconds, cache class name) of one generate call."""
+    clock = Clock(device)
     sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=DynamicCache(),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
             use_cache=True,
             pad_token_id=0,
+            streamer=clock,
+            return_dict_in_generate=True,
         )
     sync(device)
-    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
-    return time.perf_counter() - t0
+    t_end = time.perf_counter()
+    assert out.sequences.shape[1] == ids.shape[1] + new_tokens, out.sequences.shape
+    # times[0]: the prompt handed over; times[1]: the first generated tokens (after prefill).
+    assert len(clock.times) == 1 + new_tokens, len(clock.times)
+    cache = out["cache"] if "cache" in out else out.get("past_key_values")  # 5.x renames it
+    return clock.times[1] - t0, t_end - clock.times[1], type(cache).__name__
 
 
 def main():
@@ -67,8 +91,10 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_transformers: --device cuda: expected a CUDA device but torch sees none")
 
+    major = int(transformers.__version__.split(".")[0])
+    dtype_kw = "dtype" if major >= 5 else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir, torch_dtype=torch.bfloat16, attn_implementation="sdpa").to(args.device)
+        args.model_dir, attn_implementation="sdpa", **{dtype_kw: torch.bfloat16}).to(args.device)
     model.eval()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed)
@@ -77,30 +103,29 @@ def main():
     timed_generate(model, ids, 2, args.device)  # warm-up (kernels, allocator)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t_prefill, t_full = [], []
-    for _ in range(args.repeats):
-        t_prefill.append(timed_generate(model, ids, 1, args.device))
-        t_full.append(timed_generate(model, ids, args.gen, args.device))
-    tp, tf = statistics.median(t_prefill), statistics.median(t_full)
+    runs = [timed_generate(model, ids, args.gen, args.device) for _ in range(args.repeats)]
+    tp = statistics.median(r[0] for r in runs)
+    td = statistics.median(r[1] for r in runs)
+    cache_class = runs[0][2]
     peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     result = {
         "engine": "transformers",
-        "transformers_version": __import__("transformers").__version__,
+        "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "model": args.model_dir,
         "device": args.device,
         "dtype": "bfloat16",
         "attn_implementation": "sdpa",
-        "cache": "DynamicCache",
+        "cache": cache_class,
         "batch": args.batch,
         "context": args.context,
         "gen": args.gen,
         "repeats": args.repeats,
         "prefill_seconds": tp,
         "prefill_tokens_per_s": args.batch * args.context / tp,
-        "decode_seconds": tf - tp,
-        "decode_tokens_per_s": args.batch * (args.gen - 1) / (tf - tp) if tf > tp else 0.0,
+        "decode_seconds": td,
+        "decode_tokens_per_s": args.batch * (args.gen - 1) / td,
         "peak_memory_bytes": peak,
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if args.device == "cuda" else "peak RSS",
     }
