@@ -13,10 +13,9 @@
 // steps read) / copy bandwidth), the copy bandwidth measured in the same run by the engine
 // (Engine::copy_bandwidth: a memcpy of 256 MiB on the CPU), with the decode figure as % of it.
 // --max-batch-fit runs each method at the largest batch the planner fits in the device's memory
-// (cuda: the card's memory; cpu: the machine's physical memory) instead of --batch;
+// (plannable_device_bytes, options.h: cuda, the card's memory less 1 GiB; cpu, the machine's
+// physical memory) instead of --batch;
 // --plan-only prints the planner's figures without running anything.
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -68,12 +67,6 @@ std::vector<std::string> split_methods(const std::string& list) {
   return out;
 }
 
-int64_t device_memory(Device d) {
-  if (d == Device::kCuda) return cuda::device_info().global_bytes;
-  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) *
-         static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-}
-
 struct Row {
   std::string spec;
   MemoryPlan plan;
@@ -112,7 +105,7 @@ int run_bench(const BenchArgs& a) {
   const ModelConfig& mc = model->config();
   const DType kv = dtype_from_string(a.kv_dtype);
   const int64_t weight_bytes = static_cast<int64_t>(model->checkpoint_bytes());
-  const int64_t mem = device_memory(dev);
+  const int64_t mem = plannable_device_bytes(dev == Device::kCuda);
 
   std::vector<Row> rows;
   for (size_t m = 0; m < cfgs.size(); ++m) {

@@ -246,7 +246,7 @@ int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
   if (tok) bo.gen.sample_vocab = std::min<int64_t>(tok->vocab_size(), mc.vocab_size);
   bo.max_batch = a.max_batch;
   if (dev == Device::kCuda) {
-    bo.device_bytes = cuda::device_info().global_bytes;
+    bo.device_bytes = plannable_device_bytes(true);
     bo.weight_bytes = static_cast<int64_t>(model.checkpoint_bytes());
   }
   const auto engine = make_engine(dev, model, eo);
