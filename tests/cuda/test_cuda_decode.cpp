@@ -192,8 +192,8 @@ struct Check {
 Check check_against_reference(const HostView& hv, const std::vector<float>& q, int64_t Hq,
                               const AttentionParams& ap, const std::vector<float>& gpu,
                               const std::string& vars) {
-  const test::AttnCheck a =
-      test::check_attention(hv.dense, q, Hq, 1, ap, gpu, test::AttnKernel::kDecode, vars);
+  const test::AttnCheck a = test::check_attention(
+      hv.dense, q, Hq, 1, ap, gpu, test::AttnKernel::kDecode, harness::tc_operands(hv.view), vars);
   return {a.worst_ratio, a.nonzero};
 }
 
