@@ -1,9 +1,9 @@
 // Prefill attention kernels (prefill_attention.cuh), two paths:
 // * Tensor cores (views whose full-precision segments are all f16 or all bf16 rows, beside any
-// packed
-//   records; D 64/128), templated on the 16-bit operand type T (fp16, or bf16 when the view's rows
-//   are bf16: every plane, q and P are then bf16, on mma.m16n8k16 .bf16 with fp32 accumulation,
-//   2^-8 relative where this text says fp16's 2^-11; FlashAttention's bf16 numerics): one block of
+//   packed records; D 64/128), templated on the 16-bit operand type E (fp16, or bf16 when the
+//   view's rows are bf16: every plane, q and P are then bf16, on mma.m16n8k16 .bf16 with fp32
+//   accumulation, 2^-8 relative where this text says fp16's 2^-11, and packed hi + lo planes
+//   carry k and v to 2^-16 instead of 2^-22; FlashAttention's bf16 numerics): one block of
 //   4 or 8 warps per (tile of 16 query rows per warp, KV head, batch); rows t = i * n_rep + r, so
 //   the n_rep query heads of a KV head share each key tile. Tiles of 64 keys stream through a
 //   2-stage pipeline: rows by cp.async into swizzled fp16 planes (16-byte chunk c of row r at c ^
@@ -22,20 +22,19 @@
 //   packed values). Tiles no row of the block sees are never loaded; heaviest
 //   tiles run first. Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by
 //   the device caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the
-//   un-rotation included) and then split into the same planes. Limits: dequantized values must
-//   lie within fp16's range (|x| < 65520). The mma, ldmatrix, cp.async, swizzle, hi + lo split and
-//   query-fragment helpers are tc_common.cuh's (shared with the SnapKV scores).
-// * CUDA cores (every other view: f32 rows, or f16 beside bf16 rows; rotated or 1.5-bit packed rows
-// refused): one
-// block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a tile are (query i,
-// head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query heads sharing a KV
-// head read each key tile once. Keys and values are staged 32 rows at a time in shared memory as
-// fp32 ([32][D + 1]: the pad makes lane j's reads of row j conflict-free); packed records are
-// dequantized there (code * scale + lo, one rounding each, no FMA: the CPU's dequantize_record
-// values) and put back in original channel order. A tile no query row of the block can see (by
-// position and window) is skipped before its rows are read. Each warp owns 4 query rows: lane j
-// scores key j (fp32 dot product), then an online softmax (running max, expf, fp32 sums)
-// accumulates p * v into D/32 outputs per lane. A query that sees no key gets zeros.
+//   un-rotation included) and then split into the same planes. Limits (fp16 planes): dequantized
+//   values must lie within fp16's range (|x| < 65520). The mma, ldmatrix, cp.async, swizzle, hi +
+//   lo split and query-fragment helpers are tc_common.cuh's (shared with the SnapKV scores).
+// * CUDA cores (every other view: f32 rows, or f16 beside bf16 rows; rotated or 1.5-bit packed
+// rows refused): one block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a
+// tile are (query i, head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query
+// heads sharing a KV head read each key tile once. Keys and values are staged 32 rows at a time in
+// shared memory as fp32 ([32][D + 1]: the pad makes lane j's reads of row j conflict-free); packed
+// records are dequantized there (code * scale + lo, one rounding each, no FMA: the CPU's
+// dequantize_record values) and put back in original channel order. A tile no query row of the
+// block can see (by position and window) is skipped before its rows are read. Each warp owns 4
+// query rows: lane j scores key j (fp32 dot product), then an online softmax (running max, expf,
+// fp32 sums) accumulates p * v into D/32 outputs per lane. A query that sees no key gets zeros.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
