@@ -6,6 +6,9 @@
 //                                   channel permutations) + a 64-row f16 tail
 //   snapkv budget 2048              2048 f16 rows with explicit per-head positions
 //   snapkv+skvq (K2V2 g32)          2048 packed rows with explicit positions
+//   bf16 full, skvq K2V2 g32 / K4V4 g32 with bf16 sinks and tail
+//                                   the same rows read as bf16 (a bf16 model's caches: the
+//                                   bf16-row tensor-core instances; timing only, same bytes)
 // Each configuration: warm-up, then repeats timed with CUDA events, the L2 flushed (a 256 MiB
 // memset) before every repeat; median and p10-p90 spread; bytes read (rows, metadata, positions,
 // q and out); achieved TB/s and % of the device-to-device copy bandwidth measured in this run.
@@ -262,12 +265,12 @@ int main(int argc, char** argv) {
           DeviceCacheView view;
         };
         std::vector<Method> methods;
-        auto fp_seg = [&](int64_t first, int64_t n) {
+        auto fp_seg = [&](int64_t first, int64_t n, vq::DType t = vq::DType::kF16) {
           DeviceSegment sg;
           sg.n_rows = n;
           sg.capacity = kMaxCtx;
           sg.first_pos = first;
-          sg.dtype = vq::DType::kF16;
+          sg.dtype = t;  // bf16: the f16 fill's bits read as bf16 (finite: timing only)
           sg.keys = static_cast<const char*>(k16.data()) + first * kD * 2;
           sg.values = static_cast<const char*>(v16.data()) + first * kD * 2;
           return sg;
@@ -311,6 +314,18 @@ int main(int argc, char** argv) {
           sg.positions = pos.as<int32_t>();
           v.add_segment(sg);
           methods.push_back({"snapkv+skvq b2048 K2V2 g32", std::move(v)});
+        }
+        {
+          DeviceCacheView v(B, kHkv, kD);
+          v.add_segment(fp_seg(0, ctx, vq::DType::kBF16));
+          methods.push_back({"bf16 full", std::move(v)});
+        }
+        for (size_t f : {size_t{0}, size_t{2}}) {  // K2V2 g32, K4V4 g32 beside bf16 rows
+          DeviceCacheView v(B, kHkv, kD);
+          v.add_segment(fp_seg(0, 5, vq::DType::kBF16));
+          v.add_segment(packed_seg(packed[f], 5, ctx - 5 - 64));
+          v.add_segment(fp_seg(ctx - 64, 64, vq::DType::kBF16));
+          methods.push_back({std::string(fmts[f].name) + " bf16 rows", std::move(v)});
         }
         vq::AttentionParams ap;
         ap.q_pos0 = ctx;

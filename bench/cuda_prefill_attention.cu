@@ -3,7 +3,8 @@
 // context's rows (query i sees rows 0..i), contexts 4K and 32K:
 //   * f16 rows (full cache)                         -> tensor-core kernel
 //   * SKVQ K2V2 g32 view (5 f16 sinks, a packed K2V2 segment, 128-row f16 tail) -> tensor cores
-//   * bf16 rows (full cache)                        -> the CUDA-core kernel
+//   * bf16 rows (full cache)                        -> tensor cores (bf16 operands)
+//   * SKVQ K2V2 g32 view with bf16 sinks and tail   -> tensor cores (bf16 operands)
 // and, at 32K, the SnapKV selection exactly as bench/cuda_decode_attention.cu times it (scores +
 // top-2048 + compaction of K and V by gather_rows; 4 sinks, window 32; key proxy, and real
 // queries n_rep 4 x w 32) for f16 keys (tensor-core scorer) and bf16 keys (CUDA-core scorer),
@@ -171,7 +172,11 @@ int main(int argc, char** argv) {
         auto bfc = vq::cuda::make_device_cache(full, B, H, D, s);
         const vq::cuda::DeviceCacheView vbf16 =
             bfc->update_and_fetch(tv(kbf, vq::DType::kBF16), tv(vbf, vq::DType::kBF16));
-        run("bf16 rows", "CUDA cores", vbf16, n > 8192 ? std::min(repeats, 3) : repeats);
+        run("bf16 rows", "tensor cores (bf16)", vbf16, repeats);
+        auto qbc = vq::cuda::make_device_cache(skvq, B, H, D, s);
+        const vq::cuda::DeviceCacheView vqb =
+            qbc->update_and_fetch(tv(kbf, vq::DType::kBF16), tv(vbf, vq::DType::kBF16));
+        run("skvq K2V2 g32 (bf16 sinks + packed + tail)", "tensor cores (bf16)", vqb, repeats);
       }
       if (n <= 4096) {  // sanity: both paths over the same f16 values (f32 rows -> CUDA cores)
         vq::cuda::DeviceBuffer k32(static_cast<size_t>(ne) * 4), v32(k32.size());

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -98,6 +99,119 @@ TEST(BackendOps, AttentionFusedCpuVsReference) {
     }
     k.bounded(got, ref, harness::fused_cpu_bound(hv->view, dense.view, q, hq, c.n_q, ap), "out");
   }
+}
+
+// The bf16 tensor-core arithmetic of the CUDA attention paths over bf16 rows
+// (decode_attention_mma.cuh's bf16-row instances, prefill_attention.cu's E = bf16 kernel),
+// emulated in double: q rounded once to bf16, bf16 keys and values exact, logits scaled, softmax
+// from the unrounded logits, p rounded once to bf16 for P V, the sum l from the unrounded p.
+// mutant: the values' bf16 bits read as fp16 (an fp16 kernel fed bf16 rows).
+float bf16_round(float x) {
+  uint16_t h = 0;
+  from_f32(&x, &h, DType::kBF16, 1);
+  float y = 0;
+  to_f32(&h, DType::kBF16, &y, 1);
+  return y;
+}
+
+float bf16_bits_as_f16(float x) {
+  uint16_t h = 0;
+  from_f32(&x, &h, DType::kBF16, 1);
+  float y = 0;
+  to_f32(&h, DType::kF16, &y, 1);
+  return y;
+}
+
+std::vector<float> emulate_bf16_tc(const CacheView& dense, const std::vector<float>& q, int64_t hq,
+                                   int64_t n_q, const AttentionParams& ap, bool mutant) {
+  const int64_t B = dense.batch, H = dense.n_kv_heads, D = dense.head_dim, G = hq / H;
+  const double scale = ap.scale != 0.0f ? ap.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<float> out(q.size(), 0.0f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t qh = 0; qh < hq; ++qh)
+      for (int64_t i = 0; i < n_q; ++i) {
+        const int64_t kh = qh / G, qpos = ap.q_pos0 + i;
+        const size_t at = static_cast<size_t>(((b * hq + qh) * n_q + i) * D);
+        std::vector<double> l, acc(static_cast<size_t>(D), 0.0);
+        std::vector<const ViewSegment*> seg;
+        std::vector<int64_t> row;
+        for (const ViewSegment& s : dense.segments)
+          for (int64_t j = 0; j < s.n_rows; ++j) {
+            const int64_t pos = s.position(b, kh, j, H);
+            if (pos > qpos || (ap.window > 0 && qpos >= pos + ap.window)) continue;
+            double dot = 0;
+            for (int64_t d = 0; d < D; ++d)
+              dot += static_cast<double>(bf16_round(q[at + d])) * s.keys.at(b, kh, j, d);
+            l.push_back(dot * scale);
+            seg.push_back(&s);
+            row.push_back(j);
+          }
+        if (l.empty()) continue;
+        const double mx = *std::max_element(l.begin(), l.end());
+        double sum = 0;
+        for (size_t j = 0; j < l.size(); ++j) {
+          const double p = std::exp(l[j] - mx);
+          sum += p;
+          const double pb = bf16_round(static_cast<float>(p));
+          for (int64_t d = 0; d < D; ++d) {
+            const float v = seg[j]->values.at(b, kh, row[j], d);
+            acc[d] += pb * (mutant ? bf16_bits_as_f16(v) : v);
+          }
+        }
+        for (int64_t d = 0; d < D; ++d) out[at + d] = static_cast<float>(acc[d] / sum);
+      }
+  return out;
+}
+
+// The bf16-operand bound (kGpuBf16LogitRel, kGpuBf16ValueRel) holds for the emulated bf16
+// arithmetic over every full-precision bf16 view of the table, and a kernel that reads bf16
+// rows as fp16 breaks it on most views: the CUDA tests of that bound can fail. Also reported:
+// the share of the fp16-operand bound the bf16 arithmetic uses (informational: both bounds are
+// worst cases, the emulation's errors typical ones).
+TEST(BackendOps, GpuBf16OperandBoundOnEmulatedArithmetic) {
+  uint64_t seed = 1;
+  double worst_f16_bound = 0, mutant_min = 1e300;
+  int n = 0, mutant_caught = 0;
+  for (const harness::AttnCase& c : harness::attention_cases(harness::small_sweep())) {
+    ++seed;
+    if (c.packed() || !c.all_fp_dtype(DType::kBF16) || c.q_shift >= 500) continue;
+    const auto hv = harness::make_view(c.batch, c.n_kv_heads, c.head_dim, c.segs, seed);
+    if (hv->view.n_rows() == 0) continue;
+    const int64_t hq = c.n_kv_heads * c.n_rep;
+    AttentionParams ap;
+    ap.q_pos0 = std::max<int64_t>(hv->span - c.n_q, 0) + c.q_shift;
+    ap.window = c.window;
+    const auto q = gaussian(c.batch * hq * c.n_q * c.head_dim, seed * 7 + 1, 1.5f);
+    const DenseView dense = dequantize_view(hv->view, DType::kF32);
+    const auto ref = harness::attention_ref(dense.view, q, hq, c.n_q, ap);
+    ASSERT_EQ(harness::tc_operands(hv->view), DType::kBF16) << c.vars();
+    const auto bound = harness::gpu_attention_bound(
+        dense.view, q, hq, c.n_q, ap, harness::GpuAttnKernel::kDecode, DType::kBF16, ref);
+    const auto f16 = harness::gpu_attention_bound(
+        dense.view, q, hq, c.n_q, ap, harness::GpuAttnKernel::kDecode, DType::kF16, ref);
+    const auto got = emulate_bf16_tc(dense.view, q, hq, c.n_q, ap, false);
+    const auto bad = emulate_bf16_tc(dense.view, q, hq, c.n_q, ap, true);
+    Check k("bf16 tensor-core emulation", "cpu", c.vars());
+    k.bounded(got, ref, bound, "out");
+    double r16 = 0, rbad = 0;
+    for (size_t e = 0; e < ref.size(); ++e) {
+      r16 = std::max(r16, std::abs(got[e] - ref[e]) / f16[e]);
+      rbad = std::max(rbad, std::abs(bad[e] - ref[e]) / bound[e]);
+    }
+    worst_f16_bound = std::max(worst_f16_bound, r16);
+    mutant_min = std::min(mutant_min, rbad);
+    mutant_caught += rbad > 1.0;
+    ++n;
+  }
+  EXPECT_GT(n, 0);
+  // A broken kernel fails the CUDA test when any case leaves its bound; the bound is absolute
+  // (V = max |v|), so long views whose output averages many rows can hide the mutant, short
+  // ones cannot: most views must catch it.
+  EXPECT_GT(2 * mutant_caught, n) << mutant_caught << " of " << n << " views caught the mutant";
+  std::printf(
+      "[bf16 emulation] %d views; worst share of the fp16-operand bound %.1f%%; the "
+      "fp16-read mutant leaves the bf16 bound in %d views (smallest worst share %.0f%%)\n",
+      n, 100 * worst_f16_bound, mutant_caught, 100 * mutant_min);
 }
 
 // Decode over packed rows on every packed decode path this CPU has (portable, AVX2, AVX-512,

@@ -1,6 +1,7 @@
 // Host tests of the CUDA decode planner (src/cuda/decode_plan.h) on a fake device context: no GPU
 // and no CUDA build needed. Kernel choice per view (f16-only, packed 2/4-bit with f16 or fp8
-// metadata, fixed group-32 records, bf16, formats that are dequantized first), split and tile
+// metadata, fixed group-32 records, bf16 rows alone and beside packed rows, f16 beside bf16,
+// formats that are dequantized first), split and tile
 // sizes against the rules written in decode_plan.cpp, the DecodePlanOptions overrides (and that
 // the environment no longer changes a plan), shape errors, and the check of a layer's view
 // against a plan. Segment pointers are fake aligned addresses: planning never dereferences them.
@@ -149,11 +150,61 @@ TEST(DecodePlan, PackedViewsPickTheirTensorCoreInstance) {
   EXPECT_EQ(p.segments[0].tile_rows, 128);
 }
 
+TEST(DecodePlan, Bf16RowsTakeTheBf16RowInstances) {
+  // bf16 rows alone: kMmaBF16 with the f16 view's tiles and splits (same row bytes)
+  const DecodePlan f = plan({fp_seg(4096, DType::kF16)});
+  const DecodePlan b = plan({fp_seg(4096, DType::kBF16)});
+  EXPECT_EQ(b.kernel, DecodeKernel::kMmaBF16) << decode_kernel_name(b.kernel);
+  EXPECT_EQ(std::string(decode_kernel_name(b.kernel)), "mma-bf16");
+  EXPECT_EQ(b.segments[0].tile_rows, f.segments[0].tile_rows);
+  EXPECT_EQ(b.n_splits, f.n_splits);
+  EXPECT_EQ(b.stage_half_bytes, f.stage_half_bytes);
+  expect_consistent(b);
+  // bf16 sinks and window beside packed rows (a bf16 model's SKVQ view): the bf16-row instance
+  // of each packed kernel, the same tiles as with f16 sinks and window
+  const struct {
+    int bits;
+    MetaType meta;
+    int64_t g;
+    DecodeKernel f16, bf16;
+  } cases[] = {
+      {2, MetaType::kF16, 32, DecodeKernel::kMmaPacked2G32, DecodeKernel::kMmaPacked2G32BF16},
+      {4, MetaType::kF16, 32, DecodeKernel::kMmaPacked4G32, DecodeKernel::kMmaPacked4G32BF16},
+      {2, MetaType::kF16, 64, DecodeKernel::kMmaPacked2F16Meta,
+       DecodeKernel::kMmaPacked2F16MetaBF16},
+      {4, MetaType::kF16, 64, DecodeKernel::kMmaPacked4F16Meta,
+       DecodeKernel::kMmaPacked4F16MetaBF16},
+      {2, MetaType::kFP8E4M3, 32, DecodeKernel::kMmaPacked2, DecodeKernel::kMmaPacked2BF16},
+      {4, MetaType::kFP8E4M3, 32, DecodeKernel::kMmaPacked4, DecodeKernel::kMmaPacked4BF16},
+  };
+  for (const auto& c : cases) {
+    const std::string vars = "bits=" + std::to_string(c.bits) + " g=" + std::to_string(c.g);
+    const auto view = [&](DType t) {
+      return std::vector<DeviceSegment>{fp_seg(5, t),
+                                        packed_seg(32000, c.bits, c.bits, c.g, c.meta, 128, 5),
+                                        fp_seg(64, t, 32005, 2)};
+    };
+    const DecodePlan pf = plan(view(DType::kF16), 8);
+    const DecodePlan pb = plan(view(DType::kBF16), 8);
+    EXPECT_EQ(pf.kernel, c.f16) << vars << " got " << decode_kernel_name(pf.kernel);
+    EXPECT_EQ(pb.kernel, c.bf16) << vars << " got " << decode_kernel_name(pb.kernel);
+    EXPECT_EQ(pb.stage_half_bytes, pf.stage_half_bytes) << vars;
+    ASSERT_EQ(pb.segments.size(), 3u);
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_EQ(pb.segments[i].tile_rows, pf.segments[i].tile_rows) << vars << " segment " << i;
+    expect_consistent(pb);
+  }
+}
+
 TEST(DecodePlan, OtherViewsTakeTheCudaCoreKernel) {
-  // bf16 rows, 8-bit codes and mixed bit pairs are read by the CUDA-core kernel, 16 blocks / SM
+  // f32 rows, f16 beside bf16 rows, 8-bit codes and mixed bit pairs are read by the CUDA-core
+  // kernel, 16 blocks / SM
   for (const std::vector<DeviceSegment>& segs :
-       {std::vector<DeviceSegment>{fp_seg(1000, DType::kBF16)},
-        std::vector<DeviceSegment>{fp_seg(1000, DType::kF32)},
+       {std::vector<DeviceSegment>{fp_seg(1000, DType::kF32)},
+        std::vector<DeviceSegment>{fp_seg(500, DType::kF16), fp_seg(500, DType::kBF16, 500, 2)},
+        std::vector<DeviceSegment>{fp_seg(5, DType::kBF16),
+                                   packed_seg(1000, 4, 4, 32, MetaType::kF16, 128, 5),
+                                   fp_seg(64, DType::kF16, 1005, 2)},
         std::vector<DeviceSegment>{packed_seg(1000, 8, 8, 32, MetaType::kF16)},
         std::vector<DeviceSegment>{packed_seg(1000, 4, 2, 32, MetaType::kF16)},
         std::vector<DeviceSegment>{packed_seg(1000, 2, 2, 16, MetaType::kF16)}}) {

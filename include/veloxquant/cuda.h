@@ -158,6 +158,15 @@ enum class DecodeKernel : int32_t {
   kMmaPacked2G32 = 6,      // 2-bit codes, f16 metadata, groups of 32, records of D/4 + D/8 bytes
                            // (record offsets fixed at compile time)
   kMmaPacked4G32 = 7,      // the same for 4-bit codes (records of D/2 + D/8 bytes)
+  // The same instances for views whose full-precision rows are bf16 (bf16 operands on those
+  // rows; packed rows as above): kMmaBF16 = kMmaF16's, and so on.
+  kMmaBF16 = 8,
+  kMmaPacked2BF16 = 9,
+  kMmaPacked2F16MetaBF16 = 10,
+  kMmaPacked4BF16 = 11,
+  kMmaPacked4F16MetaBF16 = 12,
+  kMmaPacked2G32BF16 = 13,
+  kMmaPacked4G32BF16 = 14,
 };
 const char* decode_kernel_name(DecodeKernel k);
 
@@ -283,10 +292,11 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
 // dequantized into stream-ordered fp32 scratch (the CPU's dequantize_row values) and attended to
 // as f32 rows: exact but not fused. Anything else: vq::Error.
 // Numerics: fp32 accumulation, exp2 of log2e-scaled logits, splits merged by an exact log-sum-exp
-// combine. Products are fp32 on the CUDA-core path; the tensor-core path (f16 rows, 2-bit codes,
-// groups a multiple of 32) splits q and p (times the group scale, rescaled by 2^S per tile) into
-// fp16 hi + lo parts, whose products with fp16 rows or exact code integers are exact, so its error
-// stays within the fp32 bound of tests/cuda/test_cuda_decode.cpp. A query that sees no key gets
+// combine. Products are fp32 on the CUDA-core path; the tensor-core path (full-precision rows all
+// f16 or all bf16, 2-/4-bit codes, groups a multiple of 32) rounds q and p (times the group scale,
+// rescaled by 2^S per tile, for packed values) once to fp16, or to bf16 over bf16 rows, and
+// accumulates in fp32 (FlashAttention numerics, docs/design.md section 4; bound in
+// tests/ops_harness/attention_bounds.h). A query that sees no key gets
 // zeros. This one-call form plans (on ws's context) and runs; a caller decoding many layers of one
 // step plans once (decode_attention_plan) and runs per layer (decode_attention_run).
 void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& view,

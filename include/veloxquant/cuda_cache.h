@@ -114,14 +114,16 @@ HostSegment download_segment(const DeviceCacheView& view, size_t i, Stream s = n
 // attention_reference (attention.h) over every row of view: key j visible when pos_j <= pos_i
 // and, with p.window > 0, pos_i < pos_j + window, each row using its own position; query head qh
 // reads KV head qh / (H_q / H_kv). Two kernels, both tiled over keys with an online softmax and
-// fp32 accumulation: views whose full-precision rows are f16 run on tensor cores (mma with q, p
-// and dequantized packed rows as fp16 hi + lo parts, so products stay exact; packed segments are
-// dequantized once per call into stream-ordered scratch, code*scale + lo with the CPU's roundings,
-// inverse channel permutation and Hadamard un-rotation); views with f32/bf16 rows on CUDA cores
-// (fp32 tiles in shared memory). A query that sees no key gets zeros.
+// fp32 accumulation: views whose full-precision rows are all f16 or all bf16 run on tensor cores
+// (mma with q and p rounded once to the rows' type, fp16 for views of packed rows alone, and
+// dequantized packed rows as hi + lo parts of that type; packed segments are dequantized once per
+// call into stream-ordered scratch, code*scale + lo with the CPU's roundings, inverse channel
+// permutation and Hadamard un-rotation); views with f32 rows, or f16 beside bf16 rows, on CUDA
+// cores (fp32 tiles in shared memory). A query that sees no key gets zeros.
 // Supported: D in {64, 128}; H_q a multiple of H_kv; full-precision segments f16/bf16/f32; packed
 // segments with 1.5-bit or integer 1..8-bit codes, any metadata type, a channel permutation; a
-// Hadamard rotation or 1.5-bit codes only with f16 full-precision rows (tensor-core path).
+// Hadamard rotation or 1.5-bit codes only on the tensor-core path (full-precision rows all f16 or
+// all bf16).
 // Anything else: vq::Error.
 void prefill_attention(const float* q, int64_t n_q_heads, int64_t n_queries,
                        const DeviceCacheView& view, const AttentionParams& p, float* out,

@@ -138,22 +138,36 @@ void launch_split<2, 4>(const DecodeParams&, cudaStream_t);
 }  // namespace decode_impl
 
 namespace decode_mma {
-template <int PK, int KB>
+template <int PK, int KB, bool BF>
 int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
 template <>
-int mma_dispatch<0, 2>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<0, 2, false>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<1, 2>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<1, 2, false>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<2, 2>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<2, 2, false>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<1, 4>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<1, 4, false>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<2, 4>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<2, 4, false>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<3, 2>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<3, 2, false>(const DecodeParams&, cudaStream_t, bool);
 template <>
-int mma_dispatch<3, 4>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<3, 4, false>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<0, 2, true>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<1, 2, true>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<2, 2, true>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<1, 4, true>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<2, 4, true>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<3, 2, true>(const DecodeParams&, cudaStream_t, bool);
+template <>
+int mma_dispatch<3, 4, true>(const DecodeParams&, cudaStream_t, bool);
 }  // namespace decode_mma
 
 namespace {
@@ -161,19 +175,33 @@ namespace {
 int mma_run(const DecodeParams& p, cudaStream_t s, bool query) {
   switch (p.kernel) {
     case DecodeKernel::kMmaF16:
-      return decode_mma::mma_dispatch<0, 2>(p, s, query);
+      return decode_mma::mma_dispatch<0, 2, false>(p, s, query);
     case DecodeKernel::kMmaPacked2:
-      return decode_mma::mma_dispatch<1, 2>(p, s, query);
+      return decode_mma::mma_dispatch<1, 2, false>(p, s, query);
     case DecodeKernel::kMmaPacked2F16Meta:
-      return decode_mma::mma_dispatch<2, 2>(p, s, query);
+      return decode_mma::mma_dispatch<2, 2, false>(p, s, query);
     case DecodeKernel::kMmaPacked4:
-      return decode_mma::mma_dispatch<1, 4>(p, s, query);
+      return decode_mma::mma_dispatch<1, 4, false>(p, s, query);
     case DecodeKernel::kMmaPacked4F16Meta:
-      return decode_mma::mma_dispatch<2, 4>(p, s, query);
+      return decode_mma::mma_dispatch<2, 4, false>(p, s, query);
     case DecodeKernel::kMmaPacked2G32:
-      return decode_mma::mma_dispatch<3, 2>(p, s, query);
+      return decode_mma::mma_dispatch<3, 2, false>(p, s, query);
     case DecodeKernel::kMmaPacked4G32:
-      return decode_mma::mma_dispatch<3, 4>(p, s, query);
+      return decode_mma::mma_dispatch<3, 4, false>(p, s, query);
+    case DecodeKernel::kMmaBF16:
+      return decode_mma::mma_dispatch<0, 2, true>(p, s, query);
+    case DecodeKernel::kMmaPacked2BF16:
+      return decode_mma::mma_dispatch<1, 2, true>(p, s, query);
+    case DecodeKernel::kMmaPacked2F16MetaBF16:
+      return decode_mma::mma_dispatch<2, 2, true>(p, s, query);
+    case DecodeKernel::kMmaPacked4BF16:
+      return decode_mma::mma_dispatch<1, 4, true>(p, s, query);
+    case DecodeKernel::kMmaPacked4F16MetaBF16:
+      return decode_mma::mma_dispatch<2, 4, true>(p, s, query);
+    case DecodeKernel::kMmaPacked2G32BF16:
+      return decode_mma::mma_dispatch<3, 2, true>(p, s, query);
+    case DecodeKernel::kMmaPacked4G32BF16:
+      return decode_mma::mma_dispatch<3, 4, true>(p, s, query);
     case DecodeKernel::kCudaCore:
       break;
   }

@@ -1,10 +1,15 @@
 // Internal: the tensor-core split kernel of fused decode attention, for views whose full-precision
-// segments are f16 and whose packed segments (if any) hold KB-bit keys and values (KB = 2 or 4)
-// in groups of a multiple of 32 channels (records 4-byte aligned). Templated on the head dim D,
+// segments are all f16 (BF false) or all bf16 (BF true) and whose packed segments (if any) hold
+// KB-bit keys and values (KB = 2 or 4) in groups of a multiple of 32 channels (records 4-byte
+// aligned). A block reads one segment, so its operand type is uniform: a block of bf16 rows
+// rounds its queries and probabilities to bf16 and multiplies on mma.m16n8k16 .bf16 (fp32
+// accumulation; FlashAttention's bf16 numerics, 2^-8 relative where the text below says fp16's
+// 2^-11), every other block (f16 rows, packed records) is exactly the fp16 path described below;
+// "f16 rows" below means the view's 16-bit rows of either type. Templated on the head dim D,
 // the GQA group G, PK (0: f16 segments only; 1: f16 and packed segments, any metadata type; 2: the
 // same with f16 metadata, read without a type switch; 3: f16 metadata in groups of 32 and records
 // of D KB / 8 code bytes + D / 8 metadata bytes, every record offset a compile-time constant) and
-// KB. Included by
+// KB, BF. Included by
 // decode_attention_mma_*.cu; the generic kernel in decode_attention_kernel.cuh takes every other
 // view. Same parameters, partials and combine.
 //
@@ -124,12 +129,32 @@ __device__ __forceinline__ uint32_t code_pair_hi4(uint32_t y) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// The B operand of two values for a lane of column part `part`: their fp16 roundings for part 0,
-// zeros for part 1 (the columns of the former lo parts; FlashAttention numerics, docs/design.md
-// section 4: one fp16 rounding per q and p operand, fp32 accumulation).
+// The B operand of two values for a lane of column part `part`: their fp16 (BF: bf16) roundings
+// for part 0, zeros for part 1 (the columns of the former lo parts; FlashAttention numerics,
+// docs/design.md section 4: one rounding per q and p operand, fp32 accumulation).
+template <bool BF = false>
 __device__ __forceinline__ uint32_t pack_part(float x0, float x1, int part) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  return part ? 0u : *reinterpret_cast<const uint32_t*>(&h);
+  if constexpr (BF) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    return part ? 0u : *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(x0, x1);
+    return part ? 0u : *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// d += a * b on mma.m16n8k16 with fp32 accumulation: fp16 operands (mma_16816), or bf16 with BF.
+template <bool BF>
+__device__ __forceinline__ void mma_rows(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (BF)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    mma_16816(d, a0, a1, a2, a3, b0, b1);
 }
 
 // 2^x of x <= 0 on the special function unit (exp2f's approximation without its subnormal
@@ -166,7 +191,7 @@ __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int m
   }
 }
 
-template <int D, int G, int PK, int KB>
+template <int D, int G, int PK, int KB, bool BF>
 __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : 3))
     decode_mma_kernel(const __grid_constant__ DecodeParams p) {
   using Gm = MGeo<D, G>;
@@ -176,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   constexpr int KREC = D * KB / 8 + D / 8;
   constexpr bool Q4 = PK > 0 && KB == 4;  // the K-index -> channel map of 4-bit codes
   constexpr int NT = Gm::NT, NCH = Gm::NCH, MT = Gm::MT;
-  constexpr int RB = 2 * D;  // f16 row bytes
+  constexpr int RB = 2 * D;  // f16 (or bf16) row bytes
   extern __shared__ __align__(16) uint8_t smem[];
   const int SH = p.stage_half_bytes;
   uint8_t* stages = smem;
@@ -279,10 +304,13 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   // and the folded zero-points add no error of their own (docs/design.md section 4)
   {
     const bool k2r = PK > 0 && KB == 2 && packed;
+    const bool bfq = BF && !packed;  // a block of bf16 rows: bf16 query operands
     for (int i = tid; i < G * D; i += kThreads) {
       const int d = i % D;
       const float fac = ssig[i / D] * (k2r ? __int_as_float((127 - 2 * (d & 3)) << 23) : 1.0f);
-      qs[i] = __half2float(__float2half_rn(qs[i] * fac)) * (1.0f / fac);
+      const float x = qs[i] * fac;
+      qs[i] = (bfq ? __bfloat162float(__float2bfloat16_rn(x)) : __half2float(__float2half_rn(x))) *
+              (1.0f / fac);
     }
   }
   __syncthreads();
@@ -314,7 +342,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
                                           : 0.015625f)
                               : 1.0f;
           const float sgm = ssig[h] * f;
-          w = pack_part(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
+          w = BF && !packed ? pack_part<true>(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1)
+                            : pack_part(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
         }
         qb[nt][c][i] = w;
       }
@@ -416,8 +445,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
             }
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              mma_16816(acc[nt], ka.x, kb.x, ka.y, kb.y, qb[nt][c][0], qb[nt][c][1]);
-              mma_16816(acc[nt], ka.z, kb.z, ka.w, kb.w, qb[nt][c][2], qb[nt][c][3]);
+              mma_rows<BF>(acc[nt], ka.x, kb.x, ka.y, kb.y, qb[nt][c][0], qb[nt][c][1]);
+              mma_rows<BF>(acc[nt], ka.z, kb.z, ka.w, kb.w, qb[nt][c][2], qb[nt][c][3]);
             }
           }
 #pragma unroll
@@ -569,8 +598,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           uint32_t b0[NT], b1[NT];
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            b0[nt] = pack_part(pv[w][nt][0], pv[w][nt][1], partb);
-            b1[nt] = pack_part(pv[w][nt][2], pv[w][nt][3], partb);
+            b0[nt] = pack_part<BF>(pv[w][nt][0], pv[w][nt][1], partb);
+            b1[nt] = pack_part<BF>(pv[w][nt][2], pv[w][nt][3], partb);
           }
           const int lr = rb0[w] + (lane & 7) + 8 * (lane >> 4);
           const uint8_t* rowp = sv + lr * RB;
@@ -580,7 +609,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
             uint32_t a0, a1, a2, a3;
             ldsm_x4_trans(rowp + 16 * ((2 * j + half) ^ lsw), a0, a1, a2, a3);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mma_16816(vacc[nt][j], a0, a1, a2, a3, b0[nt], b1[nt]);
+            for (int nt = 0; nt < NT; ++nt)
+              mma_rows<BF>(vacc[nt][j], a0, a1, a2, a3, b0[nt], b1[nt]);
           }
         }
       } else if constexpr (PK > 0) {
@@ -774,15 +804,15 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   }
 }
 
-template <int D, int G, int PK, int KB>
+template <int D, int G, int PK, int KB, bool BF>
 int mma_smem_bytes(const DecodeParams& p) {
   return kStages * 2 * p.stage_half_bytes + mma_extra_smem<D, G>();
 }
 
-template <int D, int G, int PK, int KB>
+template <int D, int G, int PK, int KB, bool BF>
 void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
-  const int smem = mma_smem_bytes<D, G, PK, KB>(p);
-  auto kern = decode_mma_kernel<D, G, PK, KB>;
+  const int smem = mma_smem_bytes<D, G, PK, KB, BF>(p);
+  auto kern = decode_mma_kernel<D, G, PK, KB, BF>;
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
@@ -791,10 +821,10 @@ void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
   VQ_CUDA_LAUNCH_CHECK(decode_mma_kernel);
 }
 
-template <int D, int G, int PK, int KB>
+template <int D, int G, int PK, int KB, bool BF>
 int blocks_per_sm_dg(const DecodeParams& p) {
-  const int smem = mma_smem_bytes<D, G, PK, KB>(p);
-  auto kern = decode_mma_kernel<D, G, PK, KB>;
+  const int smem = mma_smem_bytes<D, G, PK, KB, BF>(p);
+  auto kern = decode_mma_kernel<D, G, PK, KB, BF>;
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   int n = 0;
@@ -802,25 +832,31 @@ int blocks_per_sm_dg(const DecodeParams& p) {
   return n;
 }
 
-// Launch (or, with query, the resident blocks per SM) of one (PK, KB) for the view's D and G.
-template <int PK, int KB>
+// Launch (or, with query, the resident blocks per SM) of one (PK, KB, BF) for the view's D and G.
+template <int PK, int KB, bool BF>
 int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
 
-#define VQ_DECODE_MMA_INSTANTIATE(PK, KB)                                                     \
-  template <>                                                                                 \
-  int mma_dispatch<PK, KB>(const DecodeParams& p, cudaStream_t s, bool query) {               \
-    auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, s), 0); };    \
-    const int D = p.head_dim, G = p.group;                                                    \
-    if (D == 64) {                                                                            \
-      if (G == 1) return pick(launch_mma_dg<64, 1, PK, KB>, blocks_per_sm_dg<64, 1, PK, KB>); \
-      if (G == 2) return pick(launch_mma_dg<64, 2, PK, KB>, blocks_per_sm_dg<64, 2, PK, KB>); \
-      if (G == 4) return pick(launch_mma_dg<64, 4, PK, KB>, blocks_per_sm_dg<64, 4, PK, KB>); \
-      return pick(launch_mma_dg<64, 8, PK, KB>, blocks_per_sm_dg<64, 8, PK, KB>);             \
-    }                                                                                         \
-    if (G == 1) return pick(launch_mma_dg<128, 1, PK, KB>, blocks_per_sm_dg<128, 1, PK, KB>); \
-    if (G == 2) return pick(launch_mma_dg<128, 2, PK, KB>, blocks_per_sm_dg<128, 2, PK, KB>); \
-    if (G == 4) return pick(launch_mma_dg<128, 4, PK, KB>, blocks_per_sm_dg<128, 4, PK, KB>); \
-    return pick(launch_mma_dg<128, 8, PK, KB>, blocks_per_sm_dg<128, 8, PK, KB>);             \
+#define VQ_DECODE_MMA_INSTANTIATE(PK, KB, BF)                                               \
+  template <>                                                                               \
+  int mma_dispatch<PK, KB, BF>(const DecodeParams& p, cudaStream_t s, bool query) {         \
+    auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, s), 0); };  \
+    const int D = p.head_dim, G = p.group;                                                  \
+    if (D == 64) {                                                                          \
+      if (G == 1)                                                                           \
+        return pick(launch_mma_dg<64, 1, PK, KB, BF>, blocks_per_sm_dg<64, 1, PK, KB, BF>); \
+      if (G == 2)                                                                           \
+        return pick(launch_mma_dg<64, 2, PK, KB, BF>, blocks_per_sm_dg<64, 2, PK, KB, BF>); \
+      if (G == 4)                                                                           \
+        return pick(launch_mma_dg<64, 4, PK, KB, BF>, blocks_per_sm_dg<64, 4, PK, KB, BF>); \
+      return pick(launch_mma_dg<64, 8, PK, KB, BF>, blocks_per_sm_dg<64, 8, PK, KB, BF>);   \
+    }                                                                                       \
+    if (G == 1)                                                                             \
+      return pick(launch_mma_dg<128, 1, PK, KB, BF>, blocks_per_sm_dg<128, 1, PK, KB, BF>); \
+    if (G == 2)                                                                             \
+      return pick(launch_mma_dg<128, 2, PK, KB, BF>, blocks_per_sm_dg<128, 2, PK, KB, BF>); \
+    if (G == 4)                                                                             \
+      return pick(launch_mma_dg<128, 4, PK, KB, BF>, blocks_per_sm_dg<128, 4, PK, KB, BF>); \
+    return pick(launch_mma_dg<128, 8, PK, KB, BF>, blocks_per_sm_dg<128, 8, PK, KB, BF>);   \
   }
 
 }  // namespace vq::cuda::decode_mma

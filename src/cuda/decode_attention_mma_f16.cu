@@ -4,6 +4,6 @@
 
 namespace vq::cuda::decode_mma {
 
-VQ_DECODE_MMA_INSTANTIATE(0, 2)
+VQ_DECODE_MMA_INSTANTIATE(0, 2, false)
 
 }  // namespace vq::cuda::decode_mma

@@ -5,6 +5,6 @@
 
 namespace vq::cuda::decode_mma {
 
-VQ_DECODE_MMA_INSTANTIATE(2, 2)
+VQ_DECODE_MMA_INSTANTIATE(2, 2, false)
 
 }  // namespace vq::cuda::decode_mma

@@ -6,6 +6,6 @@
 
 namespace vq::cuda::decode_mma {
 
-VQ_DECODE_MMA_INSTANTIATE(3, 4)
+VQ_DECODE_MMA_INSTANTIATE(3, 4, false)
 
 }  // namespace vq::cuda::decode_mma

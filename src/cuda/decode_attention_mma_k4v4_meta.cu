@@ -5,6 +5,6 @@
 
 namespace vq::cuda::decode_mma {
 
-VQ_DECODE_MMA_INSTANTIATE(1, 4)
+VQ_DECODE_MMA_INSTANTIATE(1, 4, false)
 
 }  // namespace vq::cuda::decode_mma

@@ -5,12 +5,13 @@
 // Plan: every (b, kv head) gets about target / (B * H_kv) splits, each split at least 64 rows and
 // a whole number of pipeline tiles (short f16-only views: at least 4 tiles per split while that
 // leaves about a block per SM); a split never crosses a segment boundary (so its rows share one
-// format). Views of f16 rows and 2/2- or 4/4-bit codes (groups of a multiple of 32) go to the
-// tensor-core kernel, target = one wave of its resident blocks (the context's occupancy); others
-// to the CUDA-core kernel, target = 16 blocks per SM (about four waves of its ~4 resident
-// blocks). DecodePlanOptions overrides the block target, the packed stage bytes and the rows per
-// split. Packed segments of a format no split kernel reads in place (fused_format) are planned as
-// f32 rows that each run dequantizes into scratch first (unfused fallback).
+// format). Views of f16 rows (or of bf16 rows: the bf16-row instances) and 2/2- or 4/4-bit codes
+// (groups of a multiple of 32) go to the tensor-core kernel, target = one wave of its resident
+// blocks (the context's occupancy); others to the CUDA-core kernel, target = 16 blocks per SM
+// (about four waves of its ~4 resident blocks). DecodePlanOptions overrides the block target, the
+// packed stage bytes and the rows per split. Packed segments of a format no split kernel reads in
+// place (fused_format) are planned as f32 rows that each run dequantizes into scratch first
+// (unfused fallback).
 #include "cuda/decode_plan.h"
 
 #include <algorithm>
@@ -54,6 +55,30 @@ bool is_mma(DecodeKernel k) {
   return k != DecodeKernel::kCudaCore;
 }
 
+// The instance of tensor-core kernel k for views whose full-precision rows are bf16.
+DecodeKernel bf16_rows_instance(DecodeKernel k) {
+  switch (k) {
+    case DecodeKernel::kMmaF16:
+      return DecodeKernel::kMmaBF16;
+    case DecodeKernel::kMmaPacked2:
+      return DecodeKernel::kMmaPacked2BF16;
+    case DecodeKernel::kMmaPacked2F16Meta:
+      return DecodeKernel::kMmaPacked2F16MetaBF16;
+    case DecodeKernel::kMmaPacked4:
+      return DecodeKernel::kMmaPacked4BF16;
+    case DecodeKernel::kMmaPacked4F16Meta:
+      return DecodeKernel::kMmaPacked4F16MetaBF16;
+    case DecodeKernel::kMmaPacked2G32:
+      return DecodeKernel::kMmaPacked2G32BF16;
+    case DecodeKernel::kMmaPacked4G32:
+      return DecodeKernel::kMmaPacked4G32BF16;
+    default:
+      break;
+  }
+  throw Error(std::string("[decode_attention] expected an f16-row tensor-core kernel but got ") +
+              decode_kernel_name(k));
+}
+
 void check_rot_block(int32_t blk, int64_t D, const char* op) {
   VQ_CHECK(blk >= 1 && blk <= D && D % blk == 0 && (blk & (blk - 1)) == 0,
            std::string("[") + op + "] expected a power-of-two rotation block dividing " +
@@ -80,6 +105,20 @@ const char* decode_kernel_name(DecodeKernel k) {
       return "mma-k2v2-g32";
     case DecodeKernel::kMmaPacked4G32:
       return "mma-k4v4-g32";
+    case DecodeKernel::kMmaBF16:
+      return "mma-bf16";
+    case DecodeKernel::kMmaPacked2BF16:
+      return "mma-k2v2-bf16";
+    case DecodeKernel::kMmaPacked2F16MetaBF16:
+      return "mma-k2v2-f16meta-bf16";
+    case DecodeKernel::kMmaPacked4BF16:
+      return "mma-k4v4-bf16";
+    case DecodeKernel::kMmaPacked4F16MetaBF16:
+      return "mma-k4v4-f16meta-bf16";
+    case DecodeKernel::kMmaPacked2G32BF16:
+      return "mma-k2v2-g32-bf16";
+    case DecodeKernel::kMmaPacked4G32BF16:
+      return "mma-k4v4-g32-bf16";
   }
   return "unknown";
 }
@@ -218,10 +257,11 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   (void)match_plan(plan, B, H, D, segments);
   if (plan.total_rows == 0) return plan;  // nothing to attend to: a run writes zeros
 
-  // ---- the tensor-core kernel takes f16 rows and 2/2- or 4/4-bit codes in groups of a multiple
-  // of 32 channels
+  // ---- the tensor-core kernel takes full-precision rows all f16 or all bf16 (its bf16-row
+  // instances) and 2/2- or 4/4-bit codes in groups of a multiple of 32 channels
   std::vector<DecodeSegmentPlan>& sp = plan.segments;
-  bool all_f16 = true, any_packed = false, packed_aligned = true;
+  bool all_16 = true, any_packed = false, packed_aligned = true, any_rows = false;
+  DType rows_dtype = DType::kF16;
   size_t si = 0;
   for (const DeviceSegment& sg : segments) {
     if (sg.n_rows == 0) continue;
@@ -232,12 +272,15 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
                        reinterpret_cast<uintptr_t>(sg.k_data) % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(sg.v_data) % 4 == 0;
     } else {
-      all_f16 = all_f16 && d.dtype == DType::kF16;
+      all_16 = all_16 && (d.dtype == DType::kF16 || d.dtype == DType::kBF16) &&
+               (!any_rows || d.dtype == rows_dtype);
+      rows_dtype = d.dtype;
+      any_rows = true;
     }
   }
   const int32_t group_size = pk_first ? pk_first->k_fmt.group_size : 0;
   const bool mma =
-      all_f16 &&
+      all_16 &&
       (!any_packed || ((plan.k_bits == 2 || plan.k_bits == 4) && plan.v_bits == plan.k_bits &&
                        group_size % 32 == 0 && pk_first->k_fmt.code_bytes % 4 == 0 &&
                        pk_first->v_fmt.code_bytes % 4 == 0 && packed_aligned));
@@ -266,6 +309,7 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
         plan.kernel =
             plan.k_bits == 2 ? DecodeKernel::kMmaPacked2G32 : DecodeKernel::kMmaPacked4G32;
     }
+    if (any_rows && rows_dtype == DType::kBF16) plan.kernel = bf16_rows_instance(plan.kernel);
     int64_t half = 0;
     for (DecodeSegmentPlan& d : sp) {
       const int64_t rb = d.k_row_bytes + d.v_row_bytes;

@@ -1,5 +1,9 @@
 // Prefill attention kernels (prefill_attention.cuh), two paths:
-// * Tensor cores (views whose segments are all f16 rows or packed records; D 64/128): one block of
+// * Tensor cores (views whose full-precision segments are all f16 or all bf16 rows, beside any
+//   packed records; D 64/128), templated on the 16-bit operand type E (fp16, or bf16 when the
+//   view's rows are bf16: every plane, q and P are then bf16, on mma.m16n8k16 .bf16 with fp32
+//   accumulation, 2^-8 relative where this text says fp16's 2^-11, and packed hi + lo planes
+//   carry k and v to 2^-16 instead of 2^-22; FlashAttention's bf16 numerics): one block of
 //   4 or 8 warps per (tile of 16 query rows per warp, KV head, batch); rows t = i * n_rep + r, so
 //   the n_rep query heads of a KV head share each key tile. Tiles of 64 keys stream through a
 //   2-stage pipeline: rows by cp.async into swizzled fp16 planes (16-byte chunk c of row r at c ^
@@ -18,19 +22,19 @@
 //   packed values). Tiles no row of the block sees are never loaded; heaviest
 //   tiles run first. Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by
 //   the device caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the
-//   un-rotation included) and then split into the same planes. Limits: dequantized values must
-//   lie within fp16's range (|x| < 65520). The mma, ldmatrix, cp.async, swizzle, hi + lo split and
-//   query-fragment helpers are tc_common.cuh's (shared with the SnapKV scores).
-// * CUDA cores (every other view: f32 or bf16 rows; rotated or 1.5-bit packed rows refused): one
-// block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a tile are (query i,
-// head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query heads sharing a KV
-// head read each key tile once. Keys and values are staged 32 rows at a time in shared memory as
-// fp32 ([32][D + 1]: the pad makes lane j's reads of row j conflict-free); packed records are
-// dequantized there (code * scale + lo, one rounding each, no FMA: the CPU's dequantize_record
-// values) and put back in original channel order. A tile no query row of the block can see (by
-// position and window) is skipped before its rows are read. Each warp owns 4 query rows: lane j
-// scores key j (fp32 dot product), then an online softmax (running max, expf, fp32 sums)
-// accumulates p * v into D/32 outputs per lane. A query that sees no key gets zeros.
+//   un-rotation included) and then split into the same planes. Limits (fp16 planes): dequantized
+//   values must lie within fp16's range (|x| < 65520). The mma, ldmatrix, cp.async, swizzle, hi +
+//   lo split and query-fragment helpers are tc_common.cuh's (shared with the SnapKV scores).
+// * CUDA cores (every other view: f32 rows, or f16 beside bf16 rows; rotated or 1.5-bit packed
+// rows refused): one block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a
+// tile are (query i, head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query
+// heads sharing a KV head read each key tile once. Keys and values are staged 32 rows at a time in
+// shared memory as fp32 ([32][D + 1]: the pad makes lane j's reads of row j conflict-free); packed
+// records are dequantized there (code * scale + lo, one rounding each, no FMA: the CPU's
+// dequantize_record values) and put back in original channel order. A tile no query row of the
+// block can see (by position and window) is skipped before its rows are read. Each warp owns 4
+// query rows: lane j scores key j (fp32 dot product), then an online softmax (running max, expf,
+// fp32 sums) accumulates p * v into D/32 outputs per lane. A query that sees no key gets zeros.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -247,10 +251,11 @@ __device__ __forceinline__ void dequant8(const uint8_t* rec, int c0, const Prefi
   }
 }
 
-// Packed segment -> fp16 hi + lo rows [F, n_rows, D] in original channel order (the tensor-core
+// Packed segment -> T hi + lo rows [F, n_rows, D] in original channel order (the tensor-core
 // kernel's input): thread per (frame, row, run of 8 stored channels), dequant8 then the split.
-__global__ void prefill_dequant_kernel(const PrefillSeg seg, int kv_heads, int D, __half* khi,
-                                       __half* vhi, __half* klo, __half* vlo) {
+template <class T>
+__global__ void prefill_dequant_kernel(const PrefillSeg seg, int kv_heads, int D, T* khi, T* vhi,
+                                       T* klo, T* vlo) {
   const int64_t f = blockIdx.y;
   const int h = static_cast<int>(f % kv_heads);
   const int oct = D / 8;
@@ -263,37 +268,38 @@ __global__ void prefill_dequant_kernel(const PrefillSeg seg, int kv_heads, int D
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
       const PrefillTensor& pt = kv ? seg.pv : seg.pk;
-      __half* hi = (kv ? vhi : khi) + dst;
-      __half* lo = (kv ? vlo : klo) + dst;
+      T* hi = (kv ? vhi : khi) + dst;
+      T* lo = (kv ? vlo : klo) + dst;
       float x[8];
       dequant8(pt.data + src * pt.row_stride, c0, pt, x);
       if (pt.perm == nullptr) {
         uint32_t h4[4], l4[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) tc_split(x[2 * i], x[2 * i + 1], h4[i], l4[i]);
+        for (int i = 0; i < 4; ++i) tc_split<T>(x[2 * i], x[2 * i + 1], h4[i], l4[i]);
         *reinterpret_cast<uint4*>(hi + c0) = make_uint4(h4[0], h4[1], h4[2], h4[3]);
         *reinterpret_cast<uint4*>(lo + c0) = make_uint4(l4[0], l4[1], l4[2], l4[3]);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const __half xh = __float2half_rn(x[i]);
+          const T xh = tc_round<T>(x[i]);
           const int c = pt.perm[static_cast<int64_t>(h) * D + c0 + i];
           hi[c] = xh;
-          lo[c] = __float2half_rn(x[i] - __half2float(xh));
+          lo[c] = tc_round<T>(x[i] - static_cast<float>(xh));
         }
       }
     }
   }
 }
 
-// fp32 rows -> fp16 hi + lo planes (hi = x rounded to fp16, lo = x - hi rounded to fp16), the split
-// of tc_split, for packed segments dequantized by dequant_rows_launch (rotated or 1.5-bit codes).
-__global__ void prefill_split_kernel(const float* x, int64_t n, __half* hi, __half* lo) {
+// fp32 rows -> T hi + lo planes (hi = x rounded to T, lo = x - hi rounded to T), the split of
+// tc_split, for packed segments dequantized by dequant_rows_launch (rotated or 1.5-bit codes).
+template <class T>
+__global__ void prefill_split_kernel(const float* x, int64_t n, T* hi, T* lo) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const __half xh = __float2half_rn(x[e]);
+    const T xh = tc_round<T>(x[e]);
     hi[e] = xh;
-    lo[e] = __float2half_rn(x[e] - __half2float(xh));
+    lo[e] = tc_round<T>(x[e] - static_cast<float>(xh));
   }
 }
 
@@ -305,8 +311,9 @@ bool needs_general_dequant(const PrefillTensor& t) {
 }
 
 // One block of 8 warps per (tile of 128 rows t = i * n_rep + r, KV head, batch), heaviest
-// (latest) query tiles first. LO: the view has packed segments (lo planes staged).
-template <int D, bool LO, int NW>
+// (latest) query tiles first. LO: the view has packed segments (lo planes staged). E: the planes'
+// and operands' type (__half, or __nv_bfloat16 for views of bf16 rows).
+template <int D, bool LO, int NW, class E>
 __global__ void __launch_bounds__(32 * NW, 8 / NW)
     prefill_tc_kernel(const __grid_constant__ PrefillParams p) {
   constexpr int KS = D / 16;  // k-steps of the logits, n-tile pairs of the outputs
@@ -343,7 +350,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
       return q ? *reinterpret_cast<const float2*>(q + c) : make_float2(0.0f, 0.0f);
     };
     int eA, eB;
-    tc_query_frags<D, false>(load, t4, qh, ql, eA, eB);
+    tc_query_frags<D, false, E>(load, t4, qh, ql, eA, eB);
     const float sl2e = p.scale * 1.4426950408889634f;
     cA = ldexpf(sl2e, -eA);
     cB = ldexpf(sl2e, -eB);
@@ -475,7 +482,7 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-    tc_logits64<D, false>(base, lo_tile ? base + 2 * PB : nullptr, qh, ql, lane, s);
+    tc_logits64<D, false, E>(base, lo_tile ? base + 2 * PB : nullptr, qh, ql, lane, s);
     // ---- scale (log2 units), mask, online softmax
     float xA = -INFINITY, xB = -INFINITY;
 #pragma unroll
@@ -523,31 +530,27 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
       o[n][2] *= corrB;
       o[n][3] *= corrB;
     }
-    // ---- outputs += P V (P rounded once to fp16, V through ldmatrix.trans)
+    // ---- outputs += P V (P rounded once to T, V through ldmatrix.trans)
     const int lr = lane & 7, lm = lane >> 3;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t ah[4];
-      const auto h2 = [](float x0, float x1) {
-        const __half2 h = __floats2half2_rn(x0, x1);
-        return *reinterpret_cast<const uint32_t*>(&h);
-      };
-      ah[0] = h2(s[2 * kk][0], s[2 * kk][1]);
-      ah[1] = h2(s[2 * kk][2], s[2 * kk][3]);
-      ah[2] = h2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      ah[3] = h2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      ah[0] = tc_pack2<E>(s[2 * kk][0], s[2 * kk][1]);
+      ah[1] = tc_pack2<E>(s[2 * kk][2], s[2 * kk][3]);
+      ah[2] = tc_pack2<E>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      ah[3] = tc_pack2<E>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
       const int key = 16 * kk + 8 * (lm & 1) + lr;
 #pragma unroll
       for (int cp = 0; cp < KS; ++cp) {
         const int off = tc_off<D>(key, 16 * cp + 8 * (lm >> 1));
         uint32_t r[4];
         tc_ldsm_t(base + PB + off, r);
-        tc_mma(o[2 * cp], ah, r[0], r[1]);
-        tc_mma(o[2 * cp + 1], ah, r[2], r[3]);
+        tc_mma<E>(o[2 * cp], ah, r[0], r[1]);
+        tc_mma<E>(o[2 * cp + 1], ah, r[2], r[3]);
         if (lo_tile) {
           tc_ldsm_t(base + 3 * PB + off, r);
-          tc_mma(o[2 * cp], ah, r[0], r[1]);
-          tc_mma(o[2 * cp + 1], ah, r[2], r[3]);
+          tc_mma<E>(o[2 * cp], ah, r[0], r[1]);
+          tc_mma<E>(o[2 * cp + 1], ah, r[2], r[3]);
         }
       }
     }
@@ -585,24 +588,142 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
   }
 }
 
+// The tensor-core path over a view whose full-precision rows (if any) are all of type T
+// (__half or __nv_bfloat16): packed segments dequantized into T hi + lo planes, then
+// prefill_tc_kernel<D, LO, NW, T>. lo: the view has packed segments.
+template <class T>
+void prefill_tc_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
+  const int64_t n_rows_q = static_cast<int64_t>(p.n_rep) * p.n_queries;
+  // Packed segments are dequantized once per call into stream-ordered scratch (T hi + lo planes
+  // of K and V: 8 bytes per row and channel), which the kernel streams like rows of T.
+  // Rotated or 1.5-bit ones go through fp32 rows first (one scratch reused, stream-ordered).
+  PrefillParams q = p;
+  const int64_t F = static_cast<int64_t>(p.batch) * p.kv_heads, D = p.head_dim;
+  size_t bytes = 0, f32_bytes = 0;
+  for (int i = 0; i < p.n_segs; ++i)
+    if (p.segs[i].packed) {
+      bytes += static_cast<size_t>(4 * F * p.segs[i].n_rows * D) * 2;
+      if (needs_general_dequant(p.segs[i].pk) || needs_general_dequant(p.segs[i].pv))
+        f32_bytes = std::max(f32_bytes, static_cast<size_t>(F * p.segs[i].n_rows * D) * 4);
+    }
+  void* ws = nullptr;
+  if (bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&ws, bytes + f32_bytes, s));
+  float* f32 = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + bytes);
+  size_t used = 0;
+  for (int i = 0; i < q.n_segs; ++i) {
+    PrefillSeg& g = q.segs[i];
+    if (!g.packed) {
+      g.rows_cap = g.capacity;
+      continue;
+    }
+    const size_t plane = static_cast<size_t>(F * g.n_rows * D) * 2;
+    T* base = reinterpret_cast<T*>(static_cast<uint8_t*>(ws) + used);
+    T* khi = base;
+    T* vhi = base + plane / 2;
+    T* klo = base + plane;
+    T* vlo = base + 3 * plane / 2;
+    used += 4 * plane;
+    if (needs_general_dequant(g.pk) || needs_general_dequant(g.pv)) {
+      const int64_t n = F * g.n_rows * D;
+      const unsigned sg = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536));
+      for (int kv = 0; kv < 2; ++kv) {
+        const PrefillTensor& t = kv ? g.pv : g.pk;
+        DequantRowsParams d;
+        d.records = t.data;
+        d.src_cap = g.capacity;
+        d.row_stride = t.row_stride;
+        d.code_bytes = t.code_bytes;
+        d.bits = t.bits;
+        d.ternary = t.ternary;
+        d.group_size = t.group_size;
+        d.meta = t.meta;
+        d.head_dim = p.head_dim;
+        d.perm = t.perm;
+        d.n_frames = F;
+        d.heads = p.kv_heads;
+        d.n = g.n_rows;
+        d.dst = f32;
+        d.dst_cap = g.n_rows;
+        d.signs = t.signs;
+        d.rot_block = t.rot_block;
+        d.rot_norm = t.rot_norm;
+        dequant_rows_launch(d, s);
+        prefill_split_kernel<T><<<sg, 256, 0, s>>>(f32, n, kv ? vhi : khi, kv ? vlo : klo);
+        VQ_CUDA_LAUNCH_CHECK("prefill_split");
+      }
+    } else {
+      const int64_t items = g.n_rows * (D / 8);
+      const dim3 dg(static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 4096)),
+                    static_cast<unsigned>(F));
+      prefill_dequant_kernel<T><<<dg, 256, 0, s>>>(g, p.kv_heads, p.head_dim, khi, vhi, klo, vlo);
+      VQ_CUDA_LAUNCH_CHECK("prefill_dequant");
+    }
+    g.rows_cap = g.n_rows;
+    g.keys = khi;
+    g.values = vhi;
+    g.keys_lo = klo;
+    g.values_lo = vlo;
+  }
+  // Blocks of 4 warps (2 per multiprocessor) for f16 or bf16 views; 8 warps for views with packed
+  // segments (their 4 planes per stage leave room for one block). VQ_PREFILL_TC_WARPS=4|8
+  // overrides (benchmarking).
+  static const int env_nw = [] {
+    const char* e = std::getenv("VQ_PREFILL_TC_WARPS");
+    return e ? std::atoi(e) : 0;
+  }();
+  const int nw = (env_nw == 4 || env_nw == 8) ? env_nw : (lo ? 8 : 4);
+  const dim3 grid(static_cast<unsigned>((n_rows_q + 16 * nw - 1) / (16 * nw)),
+                  static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+  auto launch = [&](auto kernel, int smem) {
+    VQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, 32 * nw, static_cast<size_t>(smem), s>>>(q);
+  };
+  const int sm_lo = 2 * tc_stage_bytes(p.head_dim, true);
+  const int sm_f = 2 * tc_stage_bytes(p.head_dim, false);
+  if (p.head_dim == 64) {
+    if (nw == 4)
+      lo ? launch(prefill_tc_kernel<64, true, 4, T>, sm_lo)
+         : launch(prefill_tc_kernel<64, false, 4, T>, sm_f);
+    else
+      lo ? launch(prefill_tc_kernel<64, true, 8, T>, sm_lo)
+         : launch(prefill_tc_kernel<64, false, 8, T>, sm_f);
+  } else {
+    if (nw == 4)
+      lo ? launch(prefill_tc_kernel<128, true, 4, T>, sm_lo)
+         : launch(prefill_tc_kernel<128, false, 4, T>, sm_f);
+    else
+      lo ? launch(prefill_tc_kernel<128, true, 8, T>, sm_lo)
+         : launch(prefill_tc_kernel<128, false, 8, T>, sm_f);
+  }
+  VQ_CUDA_LAUNCH_CHECK("prefill_attention");
+  if (ws) VQ_CUDA_CHECK(cudaFreeAsync(ws, s));
+}
+
 }  // namespace
 
 void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
   const int64_t T = static_cast<int64_t>(p.n_rep) * p.n_queries;
   if (T <= 0) return;
-  // The tensor-core path takes views whose segments are f16 rows (16-byte aligned) or packed
-  // (q and out 8-byte aligned: float2 accesses).
+  // The tensor-core path takes views whose full-precision segments are all f16 or all bf16 rows
+  // (16-byte aligned; the operand type T of the kernel), beside any packed segments (q and out
+  // 8-byte aligned: float2 accesses). Views of packed segments alone take fp16.
   bool tc =
       reinterpret_cast<uintptr_t>(p.q) % 8 == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
   bool lo = false;
+  int rows_dtype = -1;  // the vq::DType of the full-precision segments (-1: none)
   for (int i = 0; i < p.n_segs; ++i) {
     const PrefillSeg& g = p.segs[i];
-    if (g.packed)
+    if (g.packed) {
       lo = true;
-    else if (g.dtype != 1 || reinterpret_cast<uintptr_t>(g.keys) % 16 != 0 ||
-             reinterpret_cast<uintptr_t>(g.values) % 16 != 0)
+      continue;
+    }
+    if ((g.dtype != 1 && g.dtype != 2) || (rows_dtype >= 0 && g.dtype != rows_dtype) ||
+        reinterpret_cast<uintptr_t>(g.keys) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(g.values) % 16 != 0)
       tc = false;
+    rows_dtype = g.dtype;
   }
+  const bool bf16 = rows_dtype == 2;
   bool general = false;  // some packed segment needs dequant_rows (rotation or 1.5-bit codes)
   for (int i = 0; i < p.n_segs; ++i)
     if (p.segs[i].packed &&
@@ -610,113 +731,14 @@ void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
       general = true;
   VQ_CHECK(tc || !general,
            "[prefill_attention] expected a view for the tensor-core path (full-precision rows "
-           "f16 and 16-byte aligned, q and out 8-byte aligned) with Hadamard-rotated or 1.5-bit "
-           "packed segments, but the view has other rows or alignment");
+           "all f16 or all bf16 and 16-byte aligned, q and out 8-byte aligned) with "
+           "Hadamard-rotated or 1.5-bit packed segments, but the view has other rows or "
+           "alignment");
   if (tc) {
-    // Packed segments are dequantized once per call into stream-ordered scratch (fp16 hi + lo
-    // planes of K and V: 8 bytes per row and channel), which the kernel streams like f16 rows.
-    // Rotated or 1.5-bit ones go through fp32 rows first (one scratch reused, stream-ordered).
-    PrefillParams q = p;
-    const int64_t F = static_cast<int64_t>(p.batch) * p.kv_heads, D = p.head_dim;
-    size_t bytes = 0, f32_bytes = 0;
-    for (int i = 0; i < p.n_segs; ++i)
-      if (p.segs[i].packed) {
-        bytes += static_cast<size_t>(4 * F * p.segs[i].n_rows * D) * 2;
-        if (needs_general_dequant(p.segs[i].pk) || needs_general_dequant(p.segs[i].pv))
-          f32_bytes = std::max(f32_bytes, static_cast<size_t>(F * p.segs[i].n_rows * D) * 4);
-      }
-    void* ws = nullptr;
-    if (bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&ws, bytes + f32_bytes, s));
-    float* f32 = reinterpret_cast<float*>(static_cast<uint8_t*>(ws) + bytes);
-    size_t used = 0;
-    for (int i = 0; i < q.n_segs; ++i) {
-      PrefillSeg& g = q.segs[i];
-      if (!g.packed) {
-        g.rows_cap = g.capacity;
-        continue;
-      }
-      const size_t plane = static_cast<size_t>(F * g.n_rows * D) * 2;
-      __half* base = reinterpret_cast<__half*>(static_cast<uint8_t*>(ws) + used);
-      __half* khi = base;
-      __half* vhi = base + plane / 2;
-      __half* klo = base + plane;
-      __half* vlo = base + 3 * plane / 2;
-      used += 4 * plane;
-      if (needs_general_dequant(g.pk) || needs_general_dequant(g.pv)) {
-        const int64_t n = F * g.n_rows * D;
-        const unsigned sg = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536));
-        for (int kv = 0; kv < 2; ++kv) {
-          const PrefillTensor& t = kv ? g.pv : g.pk;
-          DequantRowsParams d;
-          d.records = t.data;
-          d.src_cap = g.capacity;
-          d.row_stride = t.row_stride;
-          d.code_bytes = t.code_bytes;
-          d.bits = t.bits;
-          d.ternary = t.ternary;
-          d.group_size = t.group_size;
-          d.meta = t.meta;
-          d.head_dim = p.head_dim;
-          d.perm = t.perm;
-          d.n_frames = F;
-          d.heads = p.kv_heads;
-          d.n = g.n_rows;
-          d.dst = f32;
-          d.dst_cap = g.n_rows;
-          d.signs = t.signs;
-          d.rot_block = t.rot_block;
-          d.rot_norm = t.rot_norm;
-          dequant_rows_launch(d, s);
-          prefill_split_kernel<<<sg, 256, 0, s>>>(f32, n, kv ? vhi : khi, kv ? vlo : klo);
-          VQ_CUDA_LAUNCH_CHECK("prefill_split");
-        }
-      } else {
-        const int64_t items = g.n_rows * (D / 8);
-        const dim3 dg(static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 4096)),
-                      static_cast<unsigned>(F));
-        prefill_dequant_kernel<<<dg, 256, 0, s>>>(g, p.kv_heads, p.head_dim, khi, vhi, klo, vlo);
-        VQ_CUDA_LAUNCH_CHECK("prefill_dequant");
-      }
-      g.rows_cap = g.n_rows;
-      g.keys = khi;
-      g.values = vhi;
-      g.keys_lo = klo;
-      g.values_lo = vlo;
-    }
-    // Blocks of 4 warps (2 per multiprocessor) for f16 views; 8 warps for views with packed
-    // segments (their 4 planes per stage leave room for one block). VQ_PREFILL_TC_WARPS=4|8
-    // overrides (benchmarking).
-    static const int env_nw = [] {
-      const char* e = std::getenv("VQ_PREFILL_TC_WARPS");
-      return e ? std::atoi(e) : 0;
-    }();
-    const int nw = (env_nw == 4 || env_nw == 8) ? env_nw : (lo ? 8 : 4);
-    const dim3 grid(static_cast<unsigned>((T + 16 * nw - 1) / (16 * nw)),
-                    static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-    auto launch = [&](auto kernel, int smem) {
-      VQ_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      kernel<<<grid, 32 * nw, static_cast<size_t>(smem), s>>>(q);
-    };
-    const int sm_lo = 2 * tc_stage_bytes(p.head_dim, true);
-    const int sm_f = 2 * tc_stage_bytes(p.head_dim, false);
-    if (p.head_dim == 64) {
-      if (nw == 4)
-        lo ? launch(prefill_tc_kernel<64, true, 4>, sm_lo)
-           : launch(prefill_tc_kernel<64, false, 4>, sm_f);
-      else
-        lo ? launch(prefill_tc_kernel<64, true, 8>, sm_lo)
-           : launch(prefill_tc_kernel<64, false, 8>, sm_f);
-    } else {
-      if (nw == 4)
-        lo ? launch(prefill_tc_kernel<128, true, 4>, sm_lo)
-           : launch(prefill_tc_kernel<128, false, 4>, sm_f);
-      else
-        lo ? launch(prefill_tc_kernel<128, true, 8>, sm_lo)
-           : launch(prefill_tc_kernel<128, false, 8>, sm_f);
-    }
-    VQ_CUDA_LAUNCH_CHECK("prefill_attention");
-    if (ws) VQ_CUDA_CHECK(cudaFreeAsync(ws, s));
+    if (bf16)
+      prefill_tc_launch<__nv_bfloat16>(p, lo, s);
+    else
+      prefill_tc_launch<__half>(p, lo, s);
     return;
   }
   const dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(p.kv_heads),

@@ -6,12 +6,17 @@
 // in as fp16 hi + lo parts of q * 2^sigma (tc_query_frags, QLO): every product with an fp16 key is
 // exact and fp32 accumulation carries q to 2^-22 relative (the SnapKV scores, whose selections
 // must match the CPU's); without QLO (prefill attention: FlashAttention numerics, docs/design.md
-// section 4) as the fp16 rounding hi alone, 2^-11 relative.
+// section 4) as the fp16 rounding hi alone, 2^-11 relative. Every operand helper is templated on
+// the 16-bit element type T: __half (fp16, the default) or __nv_bfloat16 (bf16: planes of bf16
+// rows, mma.m16n8k16 .bf16, the query rounded to bf16, 2^-8 relative); same layouts, same
+// fragments (both are 16-bit elements, ldmatrix moves them alike).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace vq::cuda {
 
@@ -50,23 +55,58 @@ __device__ __forceinline__ void tc_ldsm_t(const uint8_t* a, uint32_t (&r)[4]) {
                : "r"(s));
 }
 
-// d += a * b on mma.m16n8k16 (fp16 inputs, fp32 accumulation).
+// d += a * b on mma.m16n8k16 (T inputs: fp16 or bf16; fp32 accumulation).
+template <class T = __half>
 __device__ __forceinline__ void tc_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// hi = fp16 rounding of (x0, x1), lo = fp16 rounding of the remainders (exact in fp32).
+// The T roundings of (x0, x1) as one 32-bit pair (x0 in the low half), and back to fp32.
+template <class T = __half>
+__device__ __forceinline__ uint32_t tc_pack2(float x0, float x1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(x0, x1);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+template <class T = __half>
+__device__ __forceinline__ float2 tc_unpack2(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  else
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+// x rounded to T.
+template <class T = __half>
+__device__ __forceinline__ T tc_round(float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16_rn(x);
+  else
+    return __float2half_rn(x);
+}
+
+// hi = T rounding of (x0, x1), lo = T rounding of the remainders (exact in fp32).
+template <class T = __half>
 __device__ __forceinline__ void tc_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  const float2 f = __half22float2(h);
-  const __half2 l = __floats2half2_rn(x0 - f.x, x1 - f.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
+  hi = tc_pack2<T>(x0, x1);
+  const float2 f = tc_unpack2<T>(hi);
+  lo = tc_pack2<T>(x0 - f.x, x1 - f.y);
 }
 
 // sigma of a row whose max |q| is m: 12 - e with m in [2^(e-1), 2^e), so the scaled row's largest
@@ -84,7 +124,8 @@ __device__ __forceinline__ int tc_sigma(float m) {
 // This lane's query fragments qh + ql (hi + lo of q * 2^sigma, per row A = g and B = g + 8) and
 // the rows' sigmas sA, sB. load(row, c) gives channels c, c + 1 of row A (row 0) or B (row 1),
 // zeros for a row that does not exist; the row max |q| is joined over the 4 lanes of a row.
-template <int D, bool QLO, class Load>
+// T: the operands' type (the split or rounding is to T).
+template <int D, bool QLO, class T = __half, class Load>
 __device__ __forceinline__ void tc_query_frags(const Load& load, int t4, uint32_t (&qh)[D / 16][4],
                                                uint32_t (&ql)[D / 16][4], int& sA, int& sB) {
   // fn(ks, hf, x, y) for each of this lane's channel pairs c, c + 1 (k-step ks, half hf), x and y
@@ -112,22 +153,20 @@ __device__ __forceinline__ void tc_query_frags(const Load& load, int t4, uint32_
   sB = tc_sigma(mB);
   pairs([&](int ks, int hf, float2 x, float2 y) {
     if constexpr (QLO) {
-      tc_split(ldexpf(x.x, sA), ldexpf(x.y, sA), qh[ks][2 * hf], ql[ks][2 * hf]);
-      tc_split(ldexpf(y.x, sB), ldexpf(y.y, sB), qh[ks][2 * hf + 1], ql[ks][2 * hf + 1]);
+      tc_split<T>(ldexpf(x.x, sA), ldexpf(x.y, sA), qh[ks][2 * hf], ql[ks][2 * hf]);
+      tc_split<T>(ldexpf(y.x, sB), ldexpf(y.y, sB), qh[ks][2 * hf + 1], ql[ks][2 * hf + 1]);
     } else {
-      const __half2 a = __floats2half2_rn(ldexpf(x.x, sA), ldexpf(x.y, sA));
-      const __half2 c = __floats2half2_rn(ldexpf(y.x, sB), ldexpf(y.y, sB));
-      qh[ks][2 * hf] = *reinterpret_cast<const uint32_t*>(&a);
-      qh[ks][2 * hf + 1] = *reinterpret_cast<const uint32_t*>(&c);
+      qh[ks][2 * hf] = tc_pack2<T>(ldexpf(x.x, sA), ldexpf(x.y, sA));
+      qh[ks][2 * hf + 1] = tc_pack2<T>(ldexpf(y.x, sB), ldexpf(y.y, sB));
       ql[ks][2 * hf] = ql[ks][2 * hf + 1] = 0u;
     }
   });
 }
 
 // s[n] += logits of this warp's 16 query rows x keys 8n .. 8n + 7 of a staged 64-row tile k_hi
-// (swizzled fp16 rows): q_hi k (+ q_lo k with QLO) per k-step, then q_hi k_lo when k_lo (the
+// (swizzled rows of T): q_hi k (+ q_lo k with QLO) per k-step, then q_hi k_lo when k_lo (the
 // keys' lo plane) is given.
-template <int D, bool QLO>
+template <int D, bool QLO, class T = __half>
 __device__ __forceinline__ void tc_logits64(const uint8_t* k_hi, const uint8_t* k_lo,
                                             const uint32_t (&qh)[D / 16][4],
                                             const uint32_t (&ql)[D / 16][4], int lane,
@@ -140,14 +179,14 @@ __device__ __forceinline__ void tc_logits64(const uint8_t* k_hi, const uint8_t* 
       const int off = tc_off<D>(16 * np + 8 * (lm >> 1) + lr, 16 * ks + 8 * (lm & 1));
       uint32_t r[4];
       tc_ldsm(k_hi + off, r);
-      tc_mma(s[2 * np], qh[ks], r[0], r[1]);
-      if constexpr (QLO) tc_mma(s[2 * np], ql[ks], r[0], r[1]);
-      tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
-      if constexpr (QLO) tc_mma(s[2 * np + 1], ql[ks], r[2], r[3]);
+      tc_mma<T>(s[2 * np], qh[ks], r[0], r[1]);
+      if constexpr (QLO) tc_mma<T>(s[2 * np], ql[ks], r[0], r[1]);
+      tc_mma<T>(s[2 * np + 1], qh[ks], r[2], r[3]);
+      if constexpr (QLO) tc_mma<T>(s[2 * np + 1], ql[ks], r[2], r[3]);
       if (k_lo) {
         tc_ldsm(k_lo + off, r);
-        tc_mma(s[2 * np], qh[ks], r[0], r[1]);
-        tc_mma(s[2 * np + 1], qh[ks], r[2], r[3]);
+        tc_mma<T>(s[2 * np], qh[ks], r[0], r[1]);
+        tc_mma<T>(s[2 * np + 1], qh[ks], r[2], r[3]);
       }
     }
 }

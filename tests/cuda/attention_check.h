@@ -27,22 +27,25 @@ struct AttnCheck {
   int64_t nonzero = 0;
 };
 
-// q [B, Hq, N, D] fp32 (query i at ap.q_pos0 + i), gpu the kernel's output of the same shape.
+// q [B, Hq, N, D] fp32 (query i at ap.q_pos0 + i), gpu the kernel's output of the same shape;
+// operands: the tensor-core operand type of the view the kernel read (harness::tc_operands).
 // Adds a test failure (at most five reported) for every element outside its bound.
 inline AttnCheck check_attention(const CacheView& dense, const std::vector<float>& q, int64_t Hq,
                                  int64_t N, const AttentionParams& ap,
-                                 const std::vector<float>& gpu, AttnKernel kern,
+                                 const std::vector<float>& gpu, AttnKernel kern, DType operands,
                                  const std::string& vars) {
   using harness::GpuAttnKernel;
   const std::vector<double> ref = harness::attention_ref(dense, q, Hq, N, ap);
   std::vector<double> tol;
+  const DType ops = operands;
   if (kern == AttnKernel::kDecode) {
-    tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kDecode, ref);
+    tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kDecode, ops, ref);
   } else if (kern == AttnKernel::kPrefillCudaCore) {
-    tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kPrefill, ref);
+    tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kPrefill, ops, ref);
   } else {
-    tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kDecode, ref);
-    const auto cc = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kPrefill, ref);
+    tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kDecode, ops, ref);
+    const auto cc =
+        harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kPrefill, ops, ref);
     for (size_t e = 0; e < tol.size(); ++e) tol[e] = std::max(tol[e], cc[e]);
   }
   const int64_t D = dense.head_dim;

@@ -61,13 +61,17 @@ TEST(BackendOpsCuda, DecodeAttention) {
     ap.window = c.window;
     const auto q = gaussian(c.batch * hq * c.head_dim, seed * 7 + 1, 1.5f);
     const auto ref = harness::attention_ref(dense.view, q, hq, 1, ap);
+    // bf16 rows (alone or beside packed rows) take the tensor-core kernel's bf16-row instances:
+    // bf16 operands, the bf16 terms of the bound
+    const DType ops = harness::tc_operands(hv->view);
     const auto bound = harness::gpu_attention_bound(dense.view, q, hq, 1, ap,
-                                                    harness::GpuAttnKernel::kDecode, ref);
+                                                    harness::GpuAttnKernel::kDecode, ops, ref);
     for (int64_t split : {int64_t{0}, int64_t{16}}) {
       cuda::DecodeOptions opt;
       opt.rows_per_split = split;
       const auto got = cuda::decode_attention_host(q, hq, dv, ap, opt);
-      Check k("decode_attention", "cuda", c.vars() + ",split=" + std::to_string(split));
+      Check k("decode_attention", "cuda",
+              c.vars() + ",split=" + std::to_string(split) + ",operands=" + dtype_name(ops));
       if (c.q_shift >= 500) {
         k.allow_zero_reference();
         k.exact(got, std::vector<float>(got.size(), 0.0f), "out");
@@ -91,16 +95,19 @@ TEST(BackendOpsCuda, PrefillAttention) {
     ap.q_pos0 = std::max<int64_t>(hv->span - c.n_q, 0) + c.q_shift;
     ap.window = c.window;
     const auto q = gaussian(c.batch * hq * c.n_q * c.head_dim, seed * 7 + 1, 1.5f);
-    // The kernel the view takes (cuda_cache.h): f16 rows and packed records -> tensor cores,
-    // held to the tensor-core decode bound; f32/bf16 rows -> CUDA cores (kPrefill).
-    const bool tc = c.all_fp_dtype(DType::kF16);
+    // The kernel the view takes (cuda_cache.h): full-precision rows all f16 or all bf16 (fp16 or
+    // bf16 operands) beside any packed records -> tensor cores, held to the tensor-core decode
+    // bound of that operand type; f32 rows or f16 beside bf16 -> CUDA cores (kPrefill).
+    const bool tc = c.all_fp_dtype(DType::kF16) || c.all_fp_dtype(DType::kBF16);
+    const DType ops = harness::tc_operands(hv->view);
     bool supported = tc;
     if (!tc) {
       supported = true;
       for (const harness::SegSpec& s : c.segs)
         if (s.packed && (s.pk.rot || s.pk.kbits == 1.5 || s.pk.vbits == 1.5)) supported = false;
     }
-    Check k("prefill_attention", "cuda", c.vars() + (tc ? ",path=tc" : ",path=cc"));
+    Check k("prefill_attention", "cuda",
+            c.vars() + (tc ? std::string(",path=tc,operands=") + dtype_name(ops) : ",path=cc"));
     if (!supported) {  // documented refusal: rotation / 1.5-bit codes need the tensor-core path
       bool threw = false;
       try {
@@ -119,11 +126,12 @@ TEST(BackendOpsCuda, PrefillAttention) {
       continue;
     }
     const auto ref = harness::attention_ref(dense.view, q, hq, c.n_q, ap);
-    k.bounded(got, ref,
-              harness::gpu_attention_bound(
-                  dense.view, q, hq, c.n_q, ap,
-                  tc ? harness::GpuAttnKernel::kDecode : harness::GpuAttnKernel::kPrefill, ref),
-              "out");
+    k.bounded(
+        got, ref,
+        harness::gpu_attention_bound(
+            dense.view, q, hq, c.n_q, ap,
+            tc ? harness::GpuAttnKernel::kDecode : harness::GpuAttnKernel::kPrefill, ops, ref),
+        "out");
   }
 }
 

@@ -392,26 +392,32 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
       ap.q_pos0 = cpu->offset() - 1;  // the newest row's query
       const auto qd = random_q(B * Hq * D, seed + step);
       const auto od = cuda::decode_attention_host(qd, Hq, gv, ap);
-      const auto cd = test::check_attention(dense.view, qd, Hq, 1, ap, od,
-                                            test::AttnKernel::kDecode, vars + " decode");
+      const auto cd =
+          test::check_attention(dense.view, qd, Hq, 1, ap, od, test::AttnKernel::kDecode,
+                                harness::tc_operands(cv), vars + " decode");
       EXPECT_GT(cd.nonzero, 0) << vars;
       worst.decode = std::max(worst.decode, cd.worst_ratio);
-      // Rotated packed rows take prefill's tensor-core path only (full-precision rows f16).
-      bool rotated = false, f16_rows = true;
+      // Rotated packed rows take prefill's tensor-core path only (full-precision rows all f16
+      // or all bf16).
+      bool rotated = false, tc_rows = true, f16 = false, bf16 = false;
       for (const auto& sg : gv.segments()) {
         rotated = rotated || sg.k_signs || sg.v_signs;
-        if (!sg.packed && sg.n_rows > 0 && sg.dtype != DType::kF16) f16_rows = false;
+        if (sg.packed || sg.n_rows == 0) continue;
+        f16 = f16 || sg.dtype == DType::kF16;
+        bf16 = bf16 || sg.dtype == DType::kBF16;
+        if (sg.dtype != DType::kF16 && sg.dtype != DType::kBF16) tc_rows = false;
       }
-      if (s > 1 && (!rotated || f16_rows)) {  // this call's queries, with and without a window
+      if (f16 && bf16) tc_rows = false;
+      if (s > 1 && (!rotated || tc_rows)) {  // this call's queries, with and without a window
         for (int64_t window : {int64_t{0}, int64_t{13}}) {
           AttentionParams pp;
           pp.q_pos0 = cpu->offset() - s;
           pp.window = window;
           const auto qp = random_q(B * Hq * s * D, seed + step + 7);
           const auto op = cuda::prefill_attention_host(qp, Hq, s, gv, pp);
-          const auto cp =
-              test::check_attention(dense.view, qp, Hq, s, pp, op, test::AttnKernel::kPrefill,
-                                    vars + " prefill window " + std::to_string(window));
+          const auto cp = test::check_attention(
+              dense.view, qp, Hq, s, pp, op, test::AttnKernel::kPrefill, harness::tc_operands(cv),
+              vars + " prefill window " + std::to_string(window));
           EXPECT_GT(cp.nonzero, 0) << vars;
           worst.prefill = std::max(worst.prefill, cp.worst_ratio);
         }

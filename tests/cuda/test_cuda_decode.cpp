@@ -192,8 +192,8 @@ struct Check {
 Check check_against_reference(const HostView& hv, const std::vector<float>& q, int64_t Hq,
                               const AttentionParams& ap, const std::vector<float>& gpu,
                               const std::string& vars) {
-  const test::AttnCheck a =
-      test::check_attention(hv.dense, q, Hq, 1, ap, gpu, test::AttnKernel::kDecode, vars);
+  const test::AttnCheck a = test::check_attention(
+      hv.dense, q, Hq, 1, ap, gpu, test::AttnKernel::kDecode, harness::tc_operands(hv.view), vars);
   return {a.worst_ratio, a.nonzero};
 }
 
@@ -232,15 +232,17 @@ TEST(CudaDecode, LongContextSplits) {
   SKIP_WITHOUT_DEVICE();
   uint64_t seed = 900;
   double worst = 0;
-  for (int64_t G : {4, 8}) {
-    HostView hv = empty_view(1, 2, 128);
-    add_fp_segment(hv, DType::kF16, 5, 0, nullptr, ++seed);
-    add_packed_segment(hv, {4, 4, 32, MetaType::kF16, true, true}, 2000, 5, nullptr, ++seed);
-    add_fp_segment(hv, DType::kF16, 100, 2005, nullptr, ++seed);
-    AttentionParams ap;
-    ap.q_pos0 = 2104;
-    worst = std::max(worst, run_case(hv, 2 * G, ap, ++seed, "long G=" + std::to_string(G)));
-  }
+  for (DType rows : {DType::kF16, DType::kBF16})  // bf16: the bf16-row tensor-core instance
+    for (int64_t G : {4, 8}) {
+      HostView hv = empty_view(1, 2, 128);
+      add_fp_segment(hv, rows, 5, 0, nullptr, ++seed);
+      add_packed_segment(hv, {4, 4, 32, MetaType::kF16, true, true}, 2000, 5, nullptr, ++seed);
+      add_fp_segment(hv, rows, 100, 2005, nullptr, ++seed);
+      AttentionParams ap;
+      ap.q_pos0 = 2104;
+      worst = std::max(worst, run_case(hv, 2 * G, ap, ++seed,
+                                       "long G=" + std::to_string(G) + " " + dtype_name(rows)));
+    }
   std::printf("[long] worst error = %.3f%% of tolerance\n", 100 * worst);
 }
 
@@ -306,50 +308,52 @@ TEST(CudaDecode, PlanOnceRunPerLayer) {
 // the builder offers the method.
 TEST(CudaDecode, RealSkvqCacheView) {
   SKIP_WITHOUT_DEVICE();
-  for (bool rotate : {false, true}) {
-    CacheConfig cfg;
-    cfg.method = "skvq";
-    cfg.head_dim = 128;
-    cfg.skvq_window = 32;
-    cfg.skvq_group_size = 32;
-    if (rotate) cfg.skvq_rotation = Rotation::kHadamard;
-    std::unique_ptr<KVCache> cache;
-    try {
-      cache = make_cache(cfg);
-    } catch (const Error& e) {
-      GTEST_SKIP() << "skvq cache not available: " << e.what();
+  for (DType rows : {DType::kF16, DType::kBF16})  // bf16: a bf16 model's cache
+    for (bool rotate : {false, true}) {
+      CacheConfig cfg;
+      cfg.method = "skvq";
+      cfg.head_dim = 128;
+      cfg.skvq_window = 32;
+      cfg.skvq_group_size = 32;
+      if (rotate) cfg.skvq_rotation = Rotation::kHadamard;
+      std::unique_ptr<KVCache> cache;
+      try {
+        cache = make_cache(cfg);
+      } catch (const Error& e) {
+        GTEST_SKIP() << "skvq cache not available: " << e.what();
+      }
+      const Tensor k = test::random_tensor(rows, 2, 2, 150, 128, 11);
+      const Tensor v = test::random_tensor(rows, 2, 2, 150, 128, 12);
+      const CacheView view = cache->update_and_fetch(k.view(), v.view());
+      ASSERT_TRUE(view.has_packed());
+      HostView hv = empty_view(2, 2, 128);
+      hv.view = view;
+      hv.dense = view;
+      for (size_t i = 0; i < view.segments.size(); ++i) {
+        const ViewSegment& s = view.segments[i];
+        if (!s.packed) continue;
+        auto dk = std::make_unique<Tensor>(DType::kF32, 2, 2, s.n_rows, 128);
+        auto dvv = std::make_unique<Tensor>(DType::kF32, 2, 2, s.n_rows, 128);
+        for (int64_t b = 0; b < 2; ++b)
+          for (int64_t h = 0; h < 2; ++h)
+            for (int64_t r = 0; r < s.n_rows; ++r) {
+              dequantize_row(s.packed->keys, b, h, r, static_cast<float*>(dk->view().row(b, h, r)));
+              dequantize_row(s.packed->values, b, h, r,
+                             static_cast<float*>(dvv->view().row(b, h, r)));
+            }
+        hv.dense.segments[i].packed = nullptr;
+        hv.dense.segments[i].keys = dk->view();
+        hv.dense.segments[i].values = dvv->view();
+        hv.tensors.push_back(std::move(dk));
+        hv.tensors.push_back(std::move(dvv));
+      }
+      AttentionParams ap;
+      ap.q_pos0 = 149;
+      const std::string name =
+          std::string(rotate ? "skvq cache rotated " : "skvq cache ") + dtype_name(rows);
+      const double w = run_case(hv, 8, ap, 77, name);
+      std::printf("[%s] worst error = %.3f%% of tolerance\n", name.c_str(), 100 * w);
     }
-    const Tensor k = test::random_tensor(DType::kF16, 2, 2, 150, 128, 11);
-    const Tensor v = test::random_tensor(DType::kF16, 2, 2, 150, 128, 12);
-    const CacheView view = cache->update_and_fetch(k.view(), v.view());
-    ASSERT_TRUE(view.has_packed());
-    HostView hv = empty_view(2, 2, 128);
-    hv.view = view;
-    hv.dense = view;
-    for (size_t i = 0; i < view.segments.size(); ++i) {
-      const ViewSegment& s = view.segments[i];
-      if (!s.packed) continue;
-      auto dk = std::make_unique<Tensor>(DType::kF32, 2, 2, s.n_rows, 128);
-      auto dvv = std::make_unique<Tensor>(DType::kF32, 2, 2, s.n_rows, 128);
-      for (int64_t b = 0; b < 2; ++b)
-        for (int64_t h = 0; h < 2; ++h)
-          for (int64_t r = 0; r < s.n_rows; ++r) {
-            dequantize_row(s.packed->keys, b, h, r, static_cast<float*>(dk->view().row(b, h, r)));
-            dequantize_row(s.packed->values, b, h, r,
-                           static_cast<float*>(dvv->view().row(b, h, r)));
-          }
-      hv.dense.segments[i].packed = nullptr;
-      hv.dense.segments[i].keys = dk->view();
-      hv.dense.segments[i].values = dvv->view();
-      hv.tensors.push_back(std::move(dk));
-      hv.tensors.push_back(std::move(dvv));
-    }
-    AttentionParams ap;
-    ap.q_pos0 = 149;
-    const double w = run_case(hv, 8, ap, 77, rotate ? "skvq cache rotated" : "skvq cache");
-    std::printf("[skvq cache%s] worst error = %.3f%% of tolerance\n", rotate ? " rotated" : "",
-                100 * w);
-  }
 }
 
 TEST(CudaDecode, RefusesUnsupportedShapes) {

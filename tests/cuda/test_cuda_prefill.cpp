@@ -64,14 +64,14 @@ TEST(CudaPrefill, RefusesUnsupported) {
   const cuda::DeviceCacheView d64 = cuda::DeviceCacheView::upload(v64);
   expect_error([&] { cuda::prefill_attention_host(random_q(3 * 64, 1), 3, 1, d64, {}); },
                "multiple of H_kv");
-  // Rotated packed rows take the tensor-core path only: with bf16 full-precision rows (the
+  // Rotated packed rows take the tensor-core path only: with f32 full-precision rows (the
   // CUDA-core path) they are refused.
   CacheConfig rc;
   rc.method = "skvq";
   rc.skvq_window = 16;
   rc.skvq_rotation = Rotation::kHadamard;
   CacheView vr;
-  auto cr = filled_cache(rc, 1, 2, 64, DType::kBF16, {40}, 1, &vr);
+  auto cr = filled_cache(rc, 1, 2, 64, DType::kF32, {40}, 1, &vr);
   ASSERT_TRUE(vr.has_packed());
   const cuda::DeviceCacheView dr = cuda::DeviceCacheView::upload(vr);
   expect_error([&] { cuda::prefill_attention_host(random_q(2 * 64, 1), 2, 1, dr, {}); },

@@ -314,17 +314,28 @@ std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& 
 //  * kDecode: logit error scale gamma(D + log2 D + 3D/8 + 8) ||q|| ||k|| + 4u |logit| + 2^-22
 //    (fp32 products, split-K partial sums, fp16 hi + lo splits of q and p on tensor cores whose
 //    products are exact, exp2 of log2e-scaled logits within 2 ulp); sums 2 gamma(9n/8 + 64) V
-//    (n fma terms, per-tile rescales, the split merge, the final division).
+//    (n fma terms, per-tile rescales, the split merge, the final division); plus the 16-bit
+//    operand terms of attention_bounds.h (kGpu* of operands' type).
 //  * kPrefill (CUDA-core prefill): a logit is an fp32 fma chain of D products (gamma(D)
 //    ||q|| ||k||) times the rounded scale (4u |logit|); the exponent s - m rounded once (2u L, L
 //    the largest |logit|); expf within 2 ulp and one rescale per 32 keys: 2^-22 (n/32 + 2);
 //    sums 2 gamma(n + n/32 + 4) V.
 //  Logit shifts bounded by delta move each normalised weight by a factor within e^(+-2 delta):
 //  output error (e^(2 delta) - 1) V. The reference's own rounding adds 2^-23 |ref|.
+DType tc_operands(const CacheView& view) {
+  for (const ViewSegment& s : view.segments)
+    if (!s.packed && s.n_rows > 0 && s.keys.dtype == DType::kBF16) return DType::kBF16;
+  return DType::kF16;
+}
+
 std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vector<float>& q,
                                         int64_t hq, int64_t n_q, const AttentionParams& ap,
-                                        GpuAttnKernel kern, const std::vector<double>& ref) {
+                                        GpuAttnKernel kern, DType operands,
+                                        const std::vector<double>& ref) {
   const int64_t B = dense.batch, H = dense.n_kv_heads, D = dense.head_dim, G = hq / H;
+  const bool bf16 = operands == DType::kBF16;
+  const double logit_rel = bf16 ? kGpuBf16LogitRel : kGpuLogitRel;
+  const double value_rel = bf16 ? kGpuBf16ValueRel : kGpuValueRel;
   const double scale = scale_of(ap, D);
   const double log2d = std::log2(static_cast<double>(D));
   std::vector<double> out(q.size());
@@ -357,7 +368,7 @@ std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vecto
         for (size_t j = 0; j < kns.size(); ++j) {
           const double dj =
               kern == GpuAttnKernel::kDecode
-                  ? scale * (gamma_n(D + log2d + 3.0 * D / 8 + 8) + kGpuLogitRel) * qn * kns[j] +
+                  ? scale * (gamma_n(D + log2d + 3.0 * D / 8 + 8) + logit_rel) * qn * kns[j] +
                         4 * kU * std::abs(dots[j]) + 0x1p-22
                   : scale * gamma_n(static_cast<double>(D)) * qn * kns[j] +
                         4 * kU * std::abs(dots[j]) + 2 * kU * big + 0x1p-22 * (n_vis / 32 + 2);
@@ -368,7 +379,7 @@ std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vecto
         for (int64_t d = 0; d < D; ++d) {
           const size_t e = static_cast<size_t>(((b * hq + qh) * n_q + i) * D + d);
           out[e] = std::expm1(2 * delta) * vmax + 2 * gamma_n(sum_terms) * vmax +
-                   (kern == GpuAttnKernel::kDecode ? kGpuValueRel * vmax : 0.0) +
+                   (kern == GpuAttnKernel::kDecode ? value_rel * vmax : 0.0) +
                    0x1p-23 * std::abs(ref[e]) + 1e-30;
         }
       }

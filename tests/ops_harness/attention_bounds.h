@@ -57,11 +57,37 @@ std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& 
 constexpr double kGpuLogitRel = 0x1p-11 + 0x1p-26;
 constexpr double kGpuValueRel = 0x1p-9;
 
+// The same two terms for the bf16 operands of views whose full-precision rows are bf16 (the
+// bf16-row decode instances, prefill's bf16 tensor-core kernel; FlashAttention's bf16
+// numerics), derived the same way with bf16's unit roundoff 2^-8 in place of fp16's 2^-11:
+//  * logit: blocks of bf16 rows round q' = q * sigma to bf16, |dq_d| <= 2^-8 |q_d| (bf16 has
+//    fp32's exponent range: subnormal only below 2^-126, i.e. below 2^-137 of max |q'|, an
+//    absolute error far under fp16's 2^-26 term, kept as it is); bf16 keys are exact operands:
+//    2^-8 ||q|| ||k||. Packed rows beside bf16 rows: decode keeps their fp16 operands
+//    (kGpuLogitRel, smaller); prefill splits their dequantized keys k into bf16 hi + lo with
+//    |k - hi - lo| <= 2^-8 |k - hi| <= 2^-16 |k| and multiplies both by the bf16 q: at most
+//    2^-8 ||q|| ||k|| + (1 + 2^-8) 2^-16 ||q|| ||k||. In all, 2^-8 + 2^-16 + 2^-24 + 2^-26 <=
+//    kGpuBf16LogitRel = 2^-8 + 2^-15 (times scale ||q|| ||k||).
+//  * values: p (fp32, in [0, 1]) enters P V as its bf16 rounding: 2^-8 p |v| per term over exact
+//    bf16 rows; over prefill's bf16 hi + lo planes of packed values (within 2^-16 |v| of v)
+//    (2^-8 + (1 + 2^-8) 2^-16) p |v|; decode's packed values keep fp16's 2^-9 V. The output errs
+//    by at most (2^-8 + 2^-16 + 2^-24) V <= kGpuBf16ValueRel V = (2^-8 + 2^-15) V. Subnormal p
+//    (below 2^-126) err by at most 2^-134 |v| each, inside the accumulation term.
+constexpr double kGpuBf16LogitRel = 0x1p-8 + 0x1p-15;
+constexpr double kGpuBf16ValueRel = 0x1p-8 + 0x1p-15;
+
+// The 16-bit operand type of the tensor-core paths over view: kBF16 when a non-empty
+// full-precision segment holds bf16 rows, else kF16 (f16 rows, packed rows alone, and the
+// f32 views of the CUDA-core kernels, whose kDecode bound keeps the fp16 terms).
+DType tc_operands(const CacheView& view);
+
 // CUDA kernels: decode_attention and the tensor-core prefill (kDecode: the fp32 bound plus the
-// fp16-operand terms above), the CUDA-core prefill (kPrefill). ref is attention_ref's output.
+// 16-bit-operand terms above, fp16's or, with operands kBF16, bf16's), the CUDA-core prefill
+// (kPrefill; operands unused). ref is attention_ref's output.
 enum class GpuAttnKernel { kDecode, kPrefill };
 std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vector<float>& q,
                                         int64_t hq, int64_t n_q, const AttentionParams& ap,
-                                        GpuAttnKernel kern, const std::vector<double>& ref);
+                                        GpuAttnKernel kern, DType operands,
+                                        const std::vector<double>& ref);
 
 }  // namespace vq::harness

@@ -89,7 +89,8 @@ std::vector<AttnCase> attention_cases(bool small) {
           ++idx;
         }
   // (2) Packed and mixed views: every packed format over several lengths; fp16 sinks + packed
-  // middle (explicit gapped positions every other case) + fp16 tail when the length allows.
+  // middle (explicit gapped positions every other case) + fp16 tail when the length allows, and
+  // at length 129 the same with bf16 sinks and tail (with one query per head too: decode).
   const auto fmts = packed_formats();
   std::vector<int64_t> plens =
       small ? std::vector<int64_t>{3, 129} : std::vector<int64_t>{1, 3, 31, 129, 1000};
@@ -118,6 +119,14 @@ std::vector<AttnCase> attention_cases(bool small) {
         c.segs = {sink, pk, tail};
       }
       out.push_back(c);
+      if (len == 129) {  // the same view with bf16 sinks and tail (a bf16 model's SKVQ view),
+        c.segs[0].dtype = c.segs[2].dtype = DType::kBF16;  // for prefill and decode alike
+        out.push_back(c);
+        if (c.n_q != 1) {
+          c.n_q = 1;
+          out.push_back(c);
+        }
+      }
     }
   // (3) Edge cases: an empty segment between two others; a window of 1 (each query sees only its
   // own position); queries past the view's end; a window that hides every key (zeros).

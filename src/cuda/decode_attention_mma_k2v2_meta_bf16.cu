@@ -1,0 +1,10 @@
+// Instances of the tensor-core decode split kernel (decode_attention_mma.cuh), bf16 rows (BF), for
+// PK = 1, KB = 2: views mixing bf16 segments and 2-bit packed segments with any metadata type,
+// every head_dim and GQA group.
+#include "cuda/decode_attention_mma.cuh"
+
+namespace vq::cuda::decode_mma {
+
+VQ_DECODE_MMA_INSTANTIATE(1, 2, true)
+
+}  // namespace vq::cuda::decode_mma

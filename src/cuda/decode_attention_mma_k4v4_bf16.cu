@@ -1,0 +1,10 @@
+// Instances of the tensor-core decode split kernel (decode_attention_mma.cuh), bf16 rows (BF), for
+// PK = 2, KB = 4: views mixing bf16 segments and 4-bit packed segments with f16 metadata, every
+// head_dim and GQA group.
+#include "cuda/decode_attention_mma.cuh"
+
+namespace vq::cuda::decode_mma {
+
+VQ_DECODE_MMA_INSTANTIATE(2, 4, true)
+
+}  // namespace vq::cuda::decode_mma

@@ -1,0 +1,11 @@
+// Instances of the tensor-core decode split kernel (decode_attention_mma.cuh), bf16 rows (BF), for
+// PK = 3, KB = 4: views mixing bf16 segments and 4-bit packed segments with f16 metadata in groups
+// of 32 (records of D 4 / 8 code bytes + D / 8 metadata bytes, offsets fixed at compile time),
+// every head_dim and GQA group.
+#include "cuda/decode_attention_mma.cuh"
+
+namespace vq::cuda::decode_mma {
+
+VQ_DECODE_MMA_INSTANTIATE(3, 4, true)
+
+}  // namespace vq::cuda::decode_mma
