@@ -34,13 +34,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
 #include "cuda/model_ops.cuh"
+#include "ops/kernels.h"
 #include "util/test_util.h"
 #include "veloxquant/cache_config.h"
 #include "veloxquant/engine.h"
@@ -204,6 +207,253 @@ EngineOptions engine_opts(const std::string& spec, DType kv_t) {
   o.cache = parse_cache_arg(spec);
   o.kv_dtype = kv_t;
   return o;
+}
+
+// ---- the engine's ops (cuda/model_ops.cuh) against their CPU references -----------------------
+// Exact (bit for bit): embedding gather, q/k/v bias + RoPE in both pairings (the same fp32
+// operations as vq::apply_rope, never contracted; f16 K/V rounded to nearest even as
+// vq::from_f32), the residual add, heads_to_tokens and the head gather/scatter. Bounded:
+// RMSNorm (squares summed in double in another order: the fp32 inverse may differ by one ulp,
+// so |d| <= 2^-22 |ref|); SwiGLU (expf within 2 ulp, the host exp within 1, then the same three
+// roundings: |d| <= 2^-21 |ref|); the products (any fp32 summation order of k exact bf16/f16
+// products: |d| <= gamma_k sum|x w|, gamma_k = k a / (1 - k a), with a = 2^-23 rather than the
+// round-to-nearest 2^-24 because tensor cores may truncate their fp32 sums (one ulp per
+// addition); f32 operands round each product too: gamma_(k+1)).
+
+std::vector<float> rnd(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::vector<float> v = test::random_q(static_cast<int64_t>(n), seed);
+  for (float& x : v) x *= scale;
+  return v;
+}
+
+template <typename T>
+std::vector<T> download(const cuda::DeviceBuffer& b, size_t n) {
+  cuda::synchronize();
+  return b.to_vector<T>(n);
+}
+
+TEST(CudaEngineOps, RopeLayoutAndElementwiseOpsMatchCpu) {
+  SKIP_WITHOUT_DEVICE();
+  const int64_t Hq = 4, Hkv = 2, D = 64, half = D / 2, T = 5;
+  const std::vector<int32_t> lens = {2, 3}, pos0 = {7, 100};
+  std::vector<int32_t> pos, start, len;
+  for (size_t c = 0, t0 = 0; c < lens.size(); t0 += static_cast<size_t>(lens[c]), ++c)
+    for (int32_t j = 0; j < lens[c]; ++j) {
+      pos.push_back(pos0[c] + j);
+      start.push_back(static_cast<int32_t>(t0));
+      len.push_back(lens[c]);
+    }
+  const std::vector<float> inv = rope_inv_freq(RopeConfig{}, D);
+  const int64_t P = 128;
+  std::vector<float> cs(static_cast<size_t>(P * half)), sn(cs.size());
+  for (int64_t p = 0; p < P; ++p) rope_cos_sin(inv, p, cs.data() + p * half, sn.data() + p * half);
+  const auto q = rnd(static_cast<size_t>(T * Hq * D), 1),
+             k = rnd(static_cast<size_t>(T * Hkv * D), 2),
+             v = rnd(static_cast<size_t>(T * Hkv * D), 3);
+  const auto qb = rnd(static_cast<size_t>(Hq * D), 4), kb = rnd(static_cast<size_t>(Hkv * D), 5),
+             vb = rnd(static_cast<size_t>(Hkv * D), 6);
+  using cuda::DeviceBuffer;
+  auto up = [](const auto& vec) { return DeviceBuffer::from_vector(vec); };
+  DeviceBuffer dq = up(q), dk = up(k), dv = up(v), dqb = up(qb), dkb = up(kb), dvb = up(vb);
+  DeviceBuffer dcs = up(cs), dsn = up(sn), dpos = up(pos), dstart = up(start), dlen = up(len);
+  cuda::StepTokens st;
+  st.pos = dpos.as<int32_t>();
+  st.start = dstart.as<int32_t>();
+  st.len = dlen.as<int32_t>();
+  st.n_tokens = T;
+  for (RopeStyle style : {RopeStyle::kHalfSplit, RopeStyle::kInterleaved})
+    for (DType kv_t : {DType::kF16, DType::kF32}) {
+      SCOPED_TRACE(std::string(style == RopeStyle::kHalfSplit ? "half-split " : "interleaved ") +
+                   dtype_name(kv_t));
+      DeviceBuffer qo(static_cast<size_t>(T * Hq * D) * 4),
+          ko(static_cast<size_t>(T * Hkv * D) * dtype_size(kv_t)),
+          vo(static_cast<size_t>(T * Hkv * D) * dtype_size(kv_t));
+      cuda::QkvRopeParams rp;
+      rp.q = dq.as<float>();
+      rp.k = dk.as<float>();
+      rp.v = dv.as<float>();
+      rp.q_bias = dqb.as<float>();
+      rp.k_bias = dkb.as<float>();
+      rp.v_bias = dvb.as<float>();
+      rp.cos = dcs.as<float>();
+      rp.sin = dsn.as<float>();
+      rp.tok = st;
+      rp.n_q_heads = Hq;
+      rp.n_kv_heads = Hkv;
+      rp.head_dim = D;
+      rp.rope_style = style == RopeStyle::kHalfSplit ? 0 : 1;
+      rp.q_out = qo.as<float>();
+      rp.k_out = ko.data();
+      rp.v_out = vo.data();
+      rp.kv_t = kv_t;
+      cuda::qkv_rope(rp, nullptr);
+      // CPU: bias, apply_rope at each token's position, head-major per chunk.
+      std::vector<float> eq(q.size()), ek(k.size()), ev(v.size());
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<float> qt(q.begin() + t * Hq * D, q.begin() + (t + 1) * Hq * D);
+        std::vector<float> kt(k.begin() + t * Hkv * D, k.begin() + (t + 1) * Hkv * D);
+        std::vector<float> vt(v.begin() + t * Hkv * D, v.begin() + (t + 1) * Hkv * D);
+        for (size_t i = 0; i < qt.size(); ++i) qt[i] += qb[i];
+        for (size_t i = 0; i < kt.size(); ++i) kt[i] += kb[i], vt[i] += vb[i];
+        const int64_t p = pos[static_cast<size_t>(t)];
+        apply_rope(qt.data(), Hq, D, cs.data() + p * half, sn.data() + p * half, style);
+        apply_rope(kt.data(), Hkv, D, cs.data() + p * half, sn.data() + p * half, style);
+        const int64_t s0 = start[static_cast<size_t>(t)], n = len[static_cast<size_t>(t)];
+        for (int64_t h = 0; h < Hq; ++h)
+          std::memcpy(&eq[static_cast<size_t>((s0 * Hq + h * n + t - s0) * D)],
+                      &qt[static_cast<size_t>(h * D)], D * 4);
+        for (int64_t h = 0; h < Hkv; ++h) {
+          std::memcpy(&ek[static_cast<size_t>((s0 * Hkv + h * n + t - s0) * D)],
+                      &kt[static_cast<size_t>(h * D)], D * 4);
+          std::memcpy(&ev[static_cast<size_t>((s0 * Hkv + h * n + t - s0) * D)],
+                      &vt[static_cast<size_t>(h * D)], D * 4);
+        }
+      }
+      std::vector<uint8_t> ekb(ek.size() * dtype_size(kv_t)), evb(ekb.size());
+      from_f32(ek.data(), ekb.data(), kv_t, ek.size());
+      from_f32(ev.data(), evb.data(), kv_t, ev.size());
+      EXPECT_EQ(download<float>(qo, eq.size()), eq);
+      EXPECT_EQ(download<uint8_t>(ko, ekb.size()), ekb);
+      EXPECT_EQ(download<uint8_t>(vo, evb.size()), evb);
+
+      // heads_to_tokens is the inverse layout of q's: back to the biased, rotated token-major q.
+      DeviceBuffer tok_out(q.size() * 4);
+      cuda::heads_to_tokens(qo.as<float>(), st, Hq, D, tok_out.data(), DType::kF32, nullptr);
+      std::vector<float> back = download<float>(tok_out, q.size());
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t d = 0; d < D; ++d) {
+            const int64_t s0 = start[static_cast<size_t>(t)], n = len[static_cast<size_t>(t)];
+            ASSERT_EQ(back[static_cast<size_t>((t * Hq + h) * D + d)],
+                      eq[static_cast<size_t>((s0 * Hq + h * n + t - s0) * D + d)]);
+          }
+    }
+
+  // Embedding rows of a bf16 table: exact widening.
+  {
+    const int64_t V = 10, Hd = 48;
+    const auto tf = rnd(static_cast<size_t>(V * Hd), 7);
+    std::vector<uint16_t> tb(tf.size());
+    from_f32(tf.data(), tb.data(), DType::kBF16, tf.size());
+    const std::vector<int32_t> toks = {3, 9, 0, 3};
+    DeviceBuffer dt = up(tb), dtok = up(toks), dx(toks.size() * Hd * 4);
+    cuda::embed_rows(dtok.as<int32_t>(), 4, dt.data(), DType::kBF16, Hd, dx.as<float>(), nullptr);
+    std::vector<float> ex(toks.size() * Hd);
+    for (size_t t = 0; t < toks.size(); ++t)
+      to_f32(tb.data() + toks[t] * Hd, DType::kBF16, ex.data() + t * Hd, Hd);
+    EXPECT_EQ(download<float>(dx, ex.size()), ex);
+  }
+  // Residual add + RMSNorm (all rows, then a row list), f32 out.
+  {
+    const int64_t R = 3, Hd = 384;
+    const auto x = rnd(static_cast<size_t>(R * Hd), 8, 3.0f), a = rnd(x.size(), 9),
+               w = rnd(static_cast<size_t>(Hd), 10);
+    DeviceBuffer dx = up(x), da = up(a), dw = up(w), dout(x.size() * 4);
+    cuda::AddNormParams an;
+    an.x = dx.as<float>();
+    an.add = da.as<float>();
+    an.n_rows = R;
+    an.hidden = Hd;
+    an.weight = dw.as<float>();
+    an.eps = 1e-5;
+    an.out = dout.data();
+    cuda::add_rmsnorm(an, nullptr);
+    std::vector<float> xs(x.size()), ref(x.size());
+    for (size_t i = 0; i < x.size(); ++i) xs[i] = x[i] + a[i];
+    for (int64_t r = 0; r < R; ++r)
+      kernels::rmsnorm(xs.data() + r * Hd, w.data(), Hd, 1e-5, ref.data() + r * Hd);
+    EXPECT_EQ(download<float>(dx, x.size()), xs);
+    const auto got = download<float>(dout, x.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_LE(std::fabs(got[i] - ref[i]), std::ldexp(std::fabs(ref[i]), -22)) << i;
+    const std::vector<int32_t> rows = {2, 0};
+    DeviceBuffer drows = up(rows);
+    an.add = nullptr;
+    an.rows = drows.as<int32_t>();
+    an.n_rows = 2;
+    cuda::add_rmsnorm(an, nullptr);
+    const auto got2 = download<float>(dout, 2 * Hd);
+    for (int64_t r = 0; r < 2; ++r)
+      for (int64_t j = 0; j < Hd; ++j) {
+        const float e = ref[static_cast<size_t>(rows[static_cast<size_t>(r)] * Hd + j)];
+        ASSERT_LE(std::fabs(got2[static_cast<size_t>(r * Hd + j)] - e),
+                  std::ldexp(std::fabs(e), -22));
+      }
+  }
+  // SwiGLU (f32 out) and the bias add.
+  {
+    const int64_t R = 3, n = 1000;
+    const auto g = rnd(static_cast<size_t>(R * n), 11, 4.0f), u = rnd(g.size(), 12),
+               b = rnd(static_cast<size_t>(n), 13);
+    DeviceBuffer dg = up(g), du = up(u), db = up(b), dout(g.size() * 4);
+    cuda::swiglu(dg.as<float>(), du.as<float>(), nullptr, nullptr, R, n, dout.data(), DType::kF32,
+                 nullptr);
+    std::vector<float> ref(g.size());
+    kernels::swiglu(g.data(), u.data(), R * n, ref.data());
+    const auto got = download<float>(dout, g.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_LE(std::fabs(got[i] - ref[i]), std::ldexp(std::fabs(ref[i]), -21))
+          << i << " g " << g[i];
+    cuda::add_bias(dg.as<float>(), db.as<float>(), R, n, nullptr);
+    const auto gb = download<float>(dg, g.size());
+    for (size_t i = 0; i < g.size(); ++i) ASSERT_EQ(gb[i], g[i] + b[i % static_cast<size_t>(n)]);
+  }
+  // Head gather / scatter of a group of 6 as 3 sub-groups of 2: a permutation, then its inverse.
+  {
+    const int64_t hkv = 2, G = 6, sub = 2;
+    const auto src = rnd(static_cast<size_t>(hkv * G * D), 14);
+    DeviceBuffer ds = up(src), dsub(static_cast<size_t>(hkv * sub * D) * 4), dback(src.size() * 4);
+    for (int64_t r = 0; r < G / sub; ++r) {
+      cuda::gather_heads(ds.as<float>(), hkv, G, sub, r, D, dsub.as<float>(), nullptr);
+      const auto part = download<float>(dsub, static_cast<size_t>(hkv * sub * D));
+      for (int64_t kv = 0; kv < hkv; ++kv)
+        for (int64_t j = 0; j < sub; ++j)
+          ASSERT_EQ(0, std::memcmp(&part[static_cast<size_t>((kv * sub + j) * D)],
+                                   &src[static_cast<size_t>((kv * G + r * sub + j) * D)], D * 4));
+      cuda::scatter_heads(dsub.as<float>(), hkv, G, sub, r, D, dback.as<float>(), nullptr);
+    }
+    EXPECT_EQ(download<float>(dback, src.size()), src);
+  }
+}
+
+TEST(CudaEngineOps, GemmWithinFp32AccumulationBound) {
+  SKIP_WITHOUT_DEVICE();
+  const int64_t out = 33, in = 384, T = 7;
+  cuda::Blas blas(nullptr);
+  for (DType t : {DType::kBF16, DType::kF16, DType::kF32}) {
+    SCOPED_TRACE(dtype_name(t));
+    const auto wf = rnd(static_cast<size_t>(out * in), 20),
+               xf = rnd(static_cast<size_t>(T * in), 21);
+    std::vector<uint8_t> wb(wf.size() * dtype_size(t)), xb(xf.size() * dtype_size(t));
+    from_f32(wf.data(), wb.data(), t, wf.size());
+    from_f32(xf.data(), xb.data(), t, xf.size());
+    std::vector<float> w(wf.size()), x(xf.size());  // the operands as stored
+    to_f32(wb.data(), t, w.data(), w.size());
+    to_f32(xb.data(), t, x.data(), x.size());
+    cuda::DeviceBuffer dw = cuda::DeviceBuffer::from_vector(wb),
+                       dx = cuda::DeviceBuffer::from_vector(xb),
+                       dy(static_cast<size_t>(T * out) * 4);
+    blas.gemm(dw.data(), t, out, in, dx.data(), T, dy.as<float>());
+    const auto y = download<float>(dy, static_cast<size_t>(T * out));
+    const double k = static_cast<double>(t == DType::kF32 ? in + 1 : in);
+    const double a = std::ldexp(1.0, -23);
+    const double gamma = k * a / (1 - k * a);
+    double worst = 0;
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t o = 0; o < out; ++o) {
+        double ref = 0, mag = 0;
+        for (int64_t j = 0; j < in; ++j) {
+          const double p = static_cast<double>(x[static_cast<size_t>(i * in + j)]) *
+                           w[static_cast<size_t>(o * in + j)];
+          ref += p;
+          mag += std::fabs(p);
+        }
+        const double err = std::fabs(y[static_cast<size_t>(i * out + o)] - ref);
+        ASSERT_LE(err, gamma * mag) << "row " << i << " col " << o;
+        worst = std::max(worst, err / (gamma * mag));
+      }
+    std::printf("gemm %s: worst error %.1f%% of the gamma_k bound\n", dtype_name(t), 100 * worst);
+  }
 }
 
 TEST(CudaEngine, GoldenLogitsAndGreedyMatchCpu) {
