@@ -44,7 +44,7 @@ for lib in libxxhash.so.0 libgomp.so.1; do
   cp -L "$(ldconfig -p | awk -v l="$lib" '$1 == l { print $NF; exit }')" "$stage/lib/"
 done
 tar cJf "$dir/gpu.txz" -C "$stage" .
-cp scripts/gpu_run.sh tools/bench_sdpa.py tools/bench_flashinfer.py bench/cuda_prefill_sdpa.py "$dir/"
+cp scripts/gpu_run.sh tools/gpu_timing.py tools/bench_sdpa.py tools/bench_flashinfer.py bench/cuda_prefill_sdpa.py "$dir/"
 # the peers' wheels (FlashInfer and its tvm-ffi, fetched once into .whl/ with pip download; see
 # tools/bench_flashinfer.py): gpu_run.sh installs them on the GPU host
 if [ "$peers" = 1 ]; then

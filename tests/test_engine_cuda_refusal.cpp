@@ -1,7 +1,8 @@
-// make_cuda_engine where it cannot run: a CPU-only build, or a CUDA build on a machine without a
-// device, refuses with vq::Error "[engine] ..." saying which is missing (engine.h), before
-// anything is allocated. On a machine with a device this is tests/cuda/test_cuda_engine.cpp's
-// job: skipped.
+// make_cuda_engine where it cannot run: a CPU-only build (src/model/engine_cuda_stub.cpp), or a
+// CUDA build on a machine without a device (src/model/engine_cuda.cpp), refuses with vq::Error
+// "[engine] device cuda: expected ..." saying which is missing (engine.h) and pointing to
+// --device cpu, before anything is allocated. On a machine with a device this is
+// tests/cuda/test_cuda_engine.cpp's job: skipped.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -25,11 +26,11 @@ TEST(EngineCudaRefusal, SaysWhatIsMissing) {
     FAIL() << "expected a refusal";
   } catch (const Error& e) {
     const std::string msg = e.what();
-    EXPECT_EQ(msg.rfind("[engine] expected ", 0), 0u) << msg;
+    EXPECT_EQ(msg.rfind("[engine] device cuda: expected ", 0), 0u) << msg;
+    EXPECT_NE(msg.find("--device cpu"), std::string::npos) << msg;
 #ifdef VQ_HAVE_CUDA
-    EXPECT_NE(msg.find("CUDA device"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("a CUDA device but none was found"), std::string::npos) << msg;
 #else
-    EXPECT_NE(msg.find("CPU-only build"), std::string::npos) << msg;
     EXPECT_NE(msg.find("-DVQ_CUDA=ON"), std::string::npos) << msg;
 #endif
   }

@@ -18,24 +18,9 @@ import csv
 import torch
 import torch.nn.functional as F
 
+from gpu_timing import time_it  # tools/gpu_timing.py, beside this file
+
 HQ, HKV, D = 32, 8, 128
-
-
-def time_it(fn, flush, warmup, repeats):
-    for _ in range(warmup):
-        fn()
-    start = torch.cuda.Event(enable_timing=True)
-    stop = torch.cuda.Event(enable_timing=True)
-    ts = []
-    for i in range(repeats):
-        flush.fill_(i & 0xFF)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        ts.append(1000.0 * start.elapsed_time(stop))
-    ts.sort()
-    return ts[len(ts) // 2], ts[len(ts) // 10], ts[(len(ts) * 9) // 10]
 
 
 def main():

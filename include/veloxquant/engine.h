@@ -68,6 +68,18 @@ class Engine {
   // Runs the chunks together. *logits gets [n, vocab] fp32, one row per chunk with logits = true,
   // in chunk order (resized; untouched when n = 0).
   virtual void step(std::span<const SeqChunk> chunks, std::vector<float>* logits) = 0;
+
+  // Hooks for `veloxquant bench` (the decode bound and the peak-memory column); the CUDA engine
+  // overrides both. copy_bandwidth(): bytes per second of a large copy on the engine's device,
+  // measured now (the CPU engine: a memcpy of 256 MiB, host_copy_bandwidth). peak_memory_bytes():
+  // the most device memory the engine held at once since it was made; 0 = not tracked (the CPU
+  // engine: the caches' peak is in the scheduler's totals, the process's in its peak RSS).
+  virtual double copy_bandwidth() { return host_copy_bandwidth(); }
+  virtual int64_t peak_memory_bytes() const { return 0; }
+
+  // Best of a few memcpy's of `bytes` between two host buffers: read + write bytes per second
+  // (2 x bytes / seconds), the CPU's copy bandwidth.
+  static double host_copy_bandwidth(int64_t bytes = int64_t{256} << 20);
 };
 
 // The CPU engine: Model::forward per sequence over its own caches (model.h). `model` must outlive

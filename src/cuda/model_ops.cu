@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <climits>
 #include <string>
 
@@ -314,6 +315,44 @@ void copy_to_host(void* dst, const void* src, size_t bytes, Stream s) {
 
 void device_memory(size_t* free_bytes, size_t* total_bytes) {
   VQ_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+}
+
+double device_copy_bandwidth(int64_t bytes, Stream s) {
+  VQ_CHECK(bytes > 0,
+           "[device_copy_bandwidth] expected bytes > 0 but got " + std::to_string(bytes));
+  const size_t n = static_cast<size_t>(bytes);
+  void* a = nullptr;
+  void* b = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  const cudaStream_t st = detail::to_stream(s);
+  double best = 0.0;
+  auto cleanup = [&] {
+    if (e0) (void)cudaEventDestroy(e0);
+    if (e1) (void)cudaEventDestroy(e1);
+    if (a) (void)cudaFree(a);
+    if (b) (void)cudaFree(b);
+  };
+  try {
+    VQ_CUDA_CHECK(cudaMalloc(&a, n));
+    VQ_CUDA_CHECK(cudaMalloc(&b, n));
+    VQ_CUDA_CHECK(cudaMemsetAsync(a, 1, n, st));
+    VQ_CUDA_CHECK(cudaEventCreate(&e0));
+    VQ_CUDA_CHECK(cudaEventCreate(&e1));
+    for (int rep = 0; rep < 6; ++rep) {  // the first one warms up
+      VQ_CUDA_CHECK(cudaEventRecord(e0, st));
+      VQ_CUDA_CHECK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, st));
+      VQ_CUDA_CHECK(cudaEventRecord(e1, st));
+      VQ_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0.0f;
+      VQ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (rep > 0 && ms > 0.0f) best = std::max(best, 2.0 * static_cast<double>(n) / (ms * 1e-3));
+    }
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+  cleanup();
+  return best;
 }
 
 }  // namespace vq::cuda

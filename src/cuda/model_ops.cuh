@@ -115,5 +115,9 @@ void copy_to_device(void* dst, const void* src, size_t bytes, Stream s);
 void copy_to_host(void* dst, const void* src, size_t bytes, Stream s);
 // cudaMemGetInfo of the current device.
 void device_memory(size_t* free_bytes, size_t* total_bytes);
+// Copy bandwidth of the current device: the best of a few device-to-device copies of `bytes`
+// (two fresh buffers, timed with events on s), as read + write bytes per second (2 x bytes /
+// seconds), the measure Engine::host_copy_bandwidth gives for the host.
+double device_copy_bandwidth(int64_t bytes, Stream s);
 
 }  // namespace vq::cuda

@@ -202,5 +202,8 @@ void copy_to_host(void*, const void*, size_t, Stream) {
 void device_memory(size_t*, size_t*) {
   not_built("cuda::device_memory");
 }
+double device_copy_bandwidth(int64_t, Stream) {
+  not_built("cuda::device_copy_bandwidth");
+}
 
 }  // namespace vq::cuda

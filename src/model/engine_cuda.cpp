@@ -15,7 +15,8 @@
 // largest power of two dividing it); o_proj, residual, RMSNorm, gate/up, SwiGLU, down_proj,
 // residual (docs/design.md §C1 for the cache contract). Logits: the final RMSNorm and lm_head on
 // the requested rows only, then one copy to the host (the step's only host sync).
-// Scratch buffers grow to the largest step and are reused; no CUDA graphs.
+// Scratch buffers grow to the largest step and are reused; no CUDA graphs. Built only with
+// VQ_CUDA (src/model/engine_cuda_stub.cpp refuses otherwise).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -96,6 +97,8 @@ class CudaEngine final : public Engine {
     VQ_CHECK(c.head_dim == 64 || c.head_dim == 128,
              "[engine] expected head_dim 64 or 128 (the CUDA attention kernels) but got " +
                  std::to_string(c.head_dim));
+    size_t total = 0;
+    cuda::device_memory(&free_at_start_, &total);
     stream_ = cuda::create_stream();
     try {
       // The cache config is refused here (make_device_cache validates it as the CPU builder
@@ -104,6 +107,7 @@ class CudaEngine final : public Engine {
       blas_ = std::make_unique<cuda::Blas>(stream_);
       upload_weights();
       cuda::synchronize(stream_);
+      sample_memory();
     } catch (...) {
       release();
       throw;
@@ -124,6 +128,7 @@ class CudaEngine final : public Engine {
           cuda::make_device_cache(opts_.cache, 1, cfg_.n_kv_heads, cfg_.head_dim, stream_));
     const int64_t id = next_id_++;
     seqs_.emplace(id, std::move(s));
+    sample_memory();
     return id;
   }
 
@@ -156,6 +161,20 @@ class CudaEngine final : public Engine {
 
   void step(std::span<const SeqChunk> chunks, std::vector<float>* logits) override;
 
+  // bench's hooks (engine.h): the device's copy bandwidth, measured now with two 256 MiB buffers
+  // (64 MiB when those do not fit), and the peak of the device memory in use since the engine was
+  // made, over what was in use before it: cudaMemGetInfo sampled after construction, each
+  // add_sequence and each step (scratch a kernel takes and returns inside one step is not seen).
+  double copy_bandwidth() override {
+    cuda::synchronize(stream_);
+    try {
+      return cuda::device_copy_bandwidth(int64_t{256} << 20, stream_);
+    } catch (const Error&) {
+      return cuda::device_copy_bandwidth(int64_t{64} << 20, stream_);
+    }
+  }
+  int64_t peak_memory_bytes() const override { return peak_bytes_; }
+
  private:
   using SeqMap = std::map<int64_t, Sequence>;
 
@@ -172,6 +191,13 @@ class CudaEngine final : public Engine {
                                     ": expected the id of a live sequence but got " +
                                     std::to_string(seq));
     return it;
+  }
+
+  void sample_memory() {
+    size_t free_now = 0, total = 0;
+    cuda::device_memory(&free_now, &total);
+    if (free_now < free_at_start_)
+      peak_bytes_ = std::max(peak_bytes_, static_cast<int64_t>(free_at_start_ - free_now));
   }
 
   // Frees everything the engine holds; never throws (a failed sync still frees).
@@ -328,6 +354,8 @@ class CudaEngine final : public Engine {
   int64_t tok_cap_ = 0, out_cap_ = 0;
   SeqMap seqs_;
   int64_t next_id_ = 0;
+  size_t free_at_start_ = 0;  // cudaMemGetInfo's free bytes before the engine allocated
+  int64_t peak_bytes_ = 0;
 };
 
 void CudaEngine::decode(Sequence& s, const cuda::DeviceCacheView& view, const AttentionParams& ap,
@@ -511,6 +539,7 @@ void CudaEngine::step(std::span<const SeqChunk> chunks, std::vector<float>* logi
     if (chunks[i].end_prompt)
       for (auto& cache : s.caches) cache->end_prompt();
   }
+  sample_memory();
   if (n_out == 0) return;
 
   // The last layer's MLP output joins the residual on the logit rows only, then the final norm
@@ -539,18 +568,10 @@ void CudaEngine::step(std::span<const SeqChunk> chunks, std::vector<float>* logi
 }  // namespace
 
 std::unique_ptr<Engine> make_cuda_engine(const Model& model, const EngineOptions& opts) {
-#ifndef VQ_HAVE_CUDA
-  (void)model;
-  (void)opts;
-  throw Error(
-      "[engine] expected a build with the CUDA backend for device cuda but got a CPU-only build "
-      "(configure with -DVQ_CUDA=ON)");
-#else
   VQ_CHECK(cuda::is_available(),
-           "[engine] expected a CUDA device for device cuda but got none (no device or no driver "
-           "found)");
+           "[engine] device cuda: expected a CUDA device but none was found (no device or no "
+           "driver); use --device cpu");
   return std::make_unique<CudaEngine>(model, opts);
-#endif
 }
 
 }  // namespace vq

@@ -4,7 +4,8 @@
 # (no crash, no hang, no saturation); a directory as --prompt-file, a prompt past the model's
 # max_position_embeddings and an over-large --prefill-step are handled; the generate summary
 # reports peak memory with its parts. Usage: test_cli_options.sh path/to/veloxquant SOURCE_DIR
-# (the repository root: the shipped model models/vq-mini-llama).
+# (the repository root: the shipped model models/vq-mini-llama). Also --device (cuda refused
+# without a device), --prompts-file (JSONL / JSON array, errors naming the line) and bench.
 set -u
 VQ="$1"
 SRC="$2"
@@ -83,6 +84,38 @@ expect 0 "generation stopped at the model's max_position_embeddings (16 position
 expect 0 "MiB = weights " -- generate --model "$MODEL" --prompt-ids 5,6,7 --max-tokens 2 --threads 1
 expect 0 "activations " -- generate --model "$MODEL" --prompt-ids 5,6,7 --max-tokens 2
 expect 0 '"activation_bytes"' -- generate --model "$MODEL" --prompt-ids 5,6,7 --max-tokens 2 --json
+
+# Devices: cuda without a CUDA build (or device) is refused with exit 2, generate, bench and eval.
+if ! command -v nvidia-smi > /dev/null 2>&1; then  # no device here (and maybe no CUDA build)
+  expect 2 "[generate] --device cuda: expected a" -- generate --prompt-ids 1,2 --device cuda
+  expect 2 "[bench] --device cuda: expected a" -- bench --methods full --device cuda
+fi
+expect 2 "[eval] --device: expected cpu but got cuda" -- eval ppl --methods full --device cuda
+expect 2 "[engine] device: expected cpu or cuda but got 'gpu'" \
+  -- generate --prompt-ids 1,2 --device gpu
+# Many prompts: JSONL and a JSON array, per-prompt max_tokens, errors naming the line.
+printf '{"prompt_ids": [5, 6, 7], "max_tokens": 2}\n\n{"prompt_ids": [8, 9]}\n' > "$tmp/p.jsonl"
+expect 0 "--- prompt 1 (2 tokens, 3 generated" \
+  -- generate --model "$MODEL" --prompts-file "$tmp/p.jsonl" --max-tokens 3 --ignore-eos
+expect 0 '"max_live": 1' \
+  -- generate --model "$MODEL" --prompts-file "$tmp/p.jsonl" --max-batch 1 --max-tokens 3 --json
+printf '[{"prompt_ids": [5, 6]}, {"prompt_ids": [7], "max_tokens": 1}]' > "$tmp/p.json"
+expect 0 "--- prompt 1 (1 tokens, 1 generated" \
+  -- generate --model "$MODEL" --prompts-file "$tmp/p.json" --max-tokens 2 --ignore-eos
+printf '{"prompt_ids": [5]}\n{"prompt": 3}\n' > "$tmp/bad.jsonl"
+expect 2 "[generate] --prompts-file: line 2: \"prompt\": expected a string" \
+  -- generate --model "$MODEL" --prompts-file "$tmp/bad.jsonl"
+printf '{"prompt_ids": [5], "max_token": 3}\n' > "$tmp/bad2.jsonl"
+expect 2 "expected the keys prompt, prompt_ids, max_tokens but got \"max_token\"" \
+  -- generate --model "$MODEL" --prompts-file "$tmp/bad2.jsonl"
+expect 2 "expected exactly one of --prompt, --prompt-file, --prompt-ids, --prompts-file but got 2" \
+  -- generate --model "$MODEL" --prompts-file "$tmp/p.jsonl" --prompt-ids 1
+# bench: the planner alone, and a small run.
+expect 0 "| full | 8 |" -- bench --model "$MODEL" --methods full,skvq --context 64 --plan-only
+expect 0 '"decode_bound_tokens_per_s"' \
+  -- bench --model "$MODEL" --methods skvq --batch 2 --context 40 --gen 3 --json
+expect 2 "[memory_plan] expected a context within the model's max_position_embeddings" \
+  -- bench --model "$MODEL" --methods full --context 100000 --plan-only
 
 if [[ $fails -ne 0 ]]; then
   echo "$fails case(s) failed"

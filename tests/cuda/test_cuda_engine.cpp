@@ -727,6 +727,10 @@ TEST(CudaEngine, RemoveSequenceReturnsDeviceMemory) {
   EXPECT_GE(drop + 2 * mib, static_cast<double>(resident));
   EXPECT_GT(drop, 0.0);
   EXPECT_GE(static_cast<double>(free2) + 2 * mib, static_cast<double>(free0));
+  // bench's hooks: the peak over the engine's start holds at least the four sequences' caches
+  // (plus the weights and scratch); the copy bandwidth is a positive rate.
+  EXPECT_GE(static_cast<double>(e->peak_memory_bytes()), drop);
+  EXPECT_GT(e->copy_bandwidth(), 0.0);
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include "cli/report.h"
 #include "commands.h"
 #include "options.h"
+#include "veloxquant/engine.h"
 #include "veloxquant/error.h"
 #include "veloxquant/eval.h"
 #include "veloxquant/model.h"
@@ -45,7 +46,17 @@ struct Common {
   std::string matmul = "exact";
   std::vector<std::string> peers;
   int64_t threads = 0;  // 0 = every core
+  std::string device = "cpu";
 };
+
+// eval runs on the CPU engine only for now: the evaluation engines (src/eval) drive
+// Model::forward over per-layer caches directly, not an Engine (engine.h).
+void check_eval_device(const Common& a) {
+  if (parse_device(a.device) == Device::kCpu) return;  // refuses names other than cpu, cuda
+  throw Error("[eval] --device: expected cpu but got " + a.device +
+              ": eval does not run on the CUDA engine yet (the evaluation engines call "
+              "Model::forward on the CPU); use --device cpu, or generate/bench for the GPU");
+}
 
 struct TextArgs {
   std::string data = "data/eval/heldout_ids.u16";
@@ -82,6 +93,8 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
   c->add_option("--kv-dtype", a.kv_dtype, "dtype of K/V blocks handed to the caches")
       ->capture_default_str();
   c->add_flag("--quiet", a.quiet, "no progress lines on stderr");
+  c->add_option("--device", a.device, "cpu (cuda: not yet for eval; refused with a message)")
+      ->capture_default_str();
   c->add_option("--threads", a.threads, "OpenMP threads (0 = all cores; at most the cores)")
       ->capture_default_str();
   c->add_option("--peers", a.peers, "peer rows (JSON from tools/peers/*.py) to add to the tables");
@@ -259,6 +272,7 @@ void add_eval_command(CLI::App& app, int* status) {
     add_common(c, common);
     add_text(c, text);
     c->callback([status, kld] {
+      check_eval_device(common);
       apply_threads(common);
       const auto model = Model::load(common.model_dir);
       const auto docs = load_docs(*model, text);
@@ -277,6 +291,7 @@ void add_eval_command(CLI::App& app, int* status) {
   add_common(ae, common);
   add_text(ae, text);
   ae->callback([status] {
+    check_eval_device(common);
     apply_threads(common);
     const auto model = Model::load(common.model_dir);
     const auto docs = load_docs(*model, text);
@@ -291,6 +306,7 @@ void add_eval_command(CLI::App& app, int* status) {
   add_common(pc, common);
   add_passkey(pc, pk);
   pc->callback([status] {
+    check_eval_device(common);
     apply_threads(common);
     const auto model = Model::load(common.model_dir);
     const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
@@ -321,6 +337,7 @@ void add_eval_command(CLI::App& app, int* status) {
   sw->add_option("--out-dir", out_dir, "folder for the tables and charts")->capture_default_str();
   add_chart_args(sw, charts);
   sw->callback([status] {
+    check_eval_device(common);
     apply_threads(common);
     std::filesystem::create_directories(out_dir);
     const auto model = Model::load(common.model_dir);

@@ -4,7 +4,15 @@
 //       [--cache-config FILE.json] (--prompt TEXT | --prompt-file F | --prompt-ids 1,2,3)
 //       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
 //       [--prefill-step N] [--threads N] [--kv-dtype float16|bfloat16|float32] [--ignore-eos]
-//       [--no-check-weights] [--json]
+//       [--no-check-weights] [--json] [--device cpu|cuda] [--prompts-file F.jsonl] [--max-batch N]
+//
+// Many prompts (--prompts-file: one JSON object per line, {"prompt": "..."} or
+// {"prompt_ids": [..]} with an optional "max_tokens", or one JSON array of such objects) and
+// --device cuda go through an Engine and the batch scheduler (veloxquant/batch_generate.h):
+// up to --max-batch sequences at once, each with its own sampler (seed + prompt index); the
+// output lists every prompt's text in prompt order, then the totals. On cuda the memory planner
+// (veloxquant/memory_plan.h) refuses a request of which not one sequence fits the card before
+// anything is allocated. --device cuda without a CUDA build or device: exit status 2.
 //
 // Streams the generated text to stdout (complete UTF-8 characters only), shows a prefill
 // progress bar on stderr when stderr is a terminal and the prompt spans several chunks, and ends
@@ -31,9 +39,13 @@
 
 #include "commands.h"
 #include "options.h"
+#include "veloxquant/batch_generate.h"
 #include "veloxquant/cache_config.h"
+#include "veloxquant/cuda.h"
+#include "veloxquant/engine.h"
 #include "veloxquant/error.h"
 #include "veloxquant/generate.h"
+#include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
 #include "veloxquant/tokenizer.h"
 
@@ -59,6 +71,9 @@ struct GenerateArgs {
   bool ignore_eos = false;
   bool no_check_weights = false;
   bool json = false;
+  std::string device = "cpu";
+  std::string prompts_file;
+  int64_t max_batch = 8;
 };
 
 MatmulPrecision matmul_from_string(const std::string& s) {
@@ -105,7 +120,210 @@ void progress_bar(int64_t done, int64_t total) {
   std::fflush(stderr);
 }
 
+// One prompt of a --prompts-file: ids, or text to encode; max_tokens < 0 = --max-tokens.
+struct FilePrompt {
+  std::vector<int32_t> ids;
+  std::string text;
+  bool has_text = false;
+  int64_t max_tokens = -1;
+};
+
+FilePrompt prompt_from_json(const nlohmann::json& j, const std::string& where) {
+  const std::string pre = "[generate] --prompts-file: " + where + ": ";
+  if (!j.is_object())
+    throw Error(pre +
+                "expected a JSON object {\"prompt\": ...} or {\"prompt_ids\": [...]} but got " +
+                std::string(j.type_name()));
+  FilePrompt p;
+  for (const auto& [key, v] : j.items()) {
+    if (key == "prompt") {
+      if (!v.is_string()) throw Error(pre + "\"prompt\": expected a string");
+      p.text = v.get<std::string>();
+      p.has_text = true;
+    } else if (key == "prompt_ids") {
+      if (!v.is_array() || v.empty())
+        throw Error(pre + "\"prompt_ids\": expected a non-empty array of token ids");
+      for (const auto& id : v) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+          throw Error(pre + "\"prompt_ids\": expected token ids in [0, 2147483647] but got " +
+                      id.dump());
+        p.ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+      }
+    } else if (key == "max_tokens") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxTokenCount)
+        throw Error(pre + "\"max_tokens\": expected an integer in [0, 2147483647] but got " +
+                    v.dump());
+      p.max_tokens = v.get<int64_t>();
+    } else {
+      throw Error(pre + "expected the keys prompt, prompt_ids, max_tokens but got \"" + key + "\"");
+    }
+  }
+  if (p.has_text == !p.ids.empty())
+    throw Error(pre + "expected exactly one of \"prompt\" and \"prompt_ids\"");
+  if (p.has_text && p.text.empty()) throw Error(pre + "\"prompt\": expected a non-empty text");
+  return p;
+}
+
+// JSONL (one object per non-empty line) or one JSON array of objects.
+std::vector<FilePrompt> read_prompts_file(const std::string& path) {
+  const std::string text = read_text_file(path, "generate", "--prompts-file");
+  std::vector<FilePrompt> out;
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  if (first != std::string::npos && text[first] == '[') {
+    nlohmann::json arr;
+    try {
+      arr = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw Error("[generate] --prompts-file: expected a JSON array but '" + path +
+                  "' does not parse: " + e.what());
+    }
+    for (size_t i = 0; i < arr.size(); ++i)
+      out.push_back(prompt_from_json(arr[i], "element " + std::to_string(i)));
+  } else {
+    std::stringstream ss(text);
+    std::string line;
+    for (int64_t ln = 1; std::getline(ss, line); ++ln) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception& e) {
+        throw Error("[generate] --prompts-file: line " + std::to_string(ln) +
+                    ": expected one JSON object but it does not parse: " + e.what());
+      }
+      out.push_back(prompt_from_json(j, "line " + std::to_string(ln)));
+    }
+  }
+  if (out.empty())
+    throw Error("[generate] --prompts-file: expected at least one prompt but '" + path +
+                "' has none");
+  return out;
+}
+
+// Refuses --device cuda where this build or machine has no CUDA device (exit status 2).
+Device checked_device(const std::string& name, const std::string& cmd) {
+  const Device d = parse_device(name);
+  if (d == Device::kCuda && !cuda::is_available()) {
+#ifdef VQ_HAVE_CUDA
+    throw Error("[" + cmd + "] --device cuda: expected a CUDA device but none was found");
+#else
+    throw Error("[" + cmd +
+                "] --device cuda: expected a build with CUDA but this one has none (configure "
+                "with -DVQ_CUDA=ON); use --device cpu");
+#endif
+  }
+  return d;
+}
+
+int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
+                       const std::string& model_dir, const std::optional<Tokenizer>& tok,
+                       const CacheConfig& cfg, std::vector<FilePrompt> fps) {
+  const ModelConfig& mc = model.config();
+  std::vector<BatchPrompt> prompts;
+  for (size_t i = 0; i < fps.size(); ++i) {
+    FilePrompt& p = fps[i];
+    if (p.has_text) {
+      if (!tok)
+        throw Error("[generate] " + model_dir + " has no tokenizer.json: prompt " +
+                    std::to_string(i) + " must be given as \"prompt_ids\"");
+      p.ids = tok->encode(p.text, /*add_special_tokens=*/true);
+    }
+    for (int32_t id : p.ids)
+      if (id >= mc.vocab_size)
+        throw Error("[generate] prompt " + std::to_string(i) + ": token " + std::to_string(id) +
+                    " is outside the vocabulary (" + std::to_string(mc.vocab_size) + ")");
+    prompts.push_back({p.ids, p.max_tokens});
+  }
+  EngineOptions eo;
+  eo.cache = cfg;
+  eo.kv_dtype = dtype_from_string(a.kv_dtype);
+  eo.matmul = matmul_from_string(a.matmul);
+  BatchGenerateOptions bo;
+  bo.gen.max_tokens = a.max_tokens;
+  bo.gen.prefill_step_size = a.prefill_step;
+  bo.gen.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
+  bo.gen.stop_at_eos = !a.ignore_eos;
+  if (tok) bo.gen.sample_vocab = std::min<int64_t>(tok->vocab_size(), mc.vocab_size);
+  bo.max_batch = a.max_batch;
+  if (dev == Device::kCuda) {
+    bo.device_bytes = plannable_device_bytes(true);
+    bo.weight_bytes = static_cast<int64_t>(model.checkpoint_bytes());
+  }
+  const auto engine = make_engine(dev, model, eo);
+  const BatchGenerateResult r = batch_generate(*engine, prompts, bo);
+
+  std::vector<std::string> texts;
+  for (const auto& res : r.results) {
+    std::string t;
+    if (tok) {
+      t = tok->decode(res.tokens, /*skip_special_tokens=*/true);
+    } else {
+      for (int32_t id : res.tokens) t += std::to_string(id) + " ";
+    }
+    texts.push_back(t);
+  }
+  const int64_t peak_dev = engine->peak_memory_bytes();
+  if (a.json) {
+    nlohmann::json results = nlohmann::json::array();
+    for (size_t i = 0; i < r.results.size(); ++i) {
+      const GenerateResult& x = r.results[i];
+      results.push_back({{"index", i},
+                         {"prompt_tokens", x.prompt_tokens},
+                         {"generated_tokens", x.tokens.size()},
+                         {"stop_reason", x.stop_reason},
+                         {"tokens", x.tokens},
+                         {"text", texts[i]},
+                         {"prefill_seconds", x.prefill_seconds},
+                         {"decode_seconds", x.decode_seconds},
+                         {"decode_steps", x.decode_steps},
+                         {"cache_bytes_prompt", x.cache_bytes_prompt},
+                         {"cache_bytes_end", x.cache_bytes_end}});
+    }
+    nlohmann::json j = {{"model", model_dir},
+                        {"device", device_name(dev)},
+                        {"cache", nlohmann::json::parse(config_to_json(cfg))},
+                        {"kv_dtype", a.kv_dtype},
+                        {"matmul", a.matmul},
+                        {"max_batch", a.max_batch},
+                        {"max_live", r.max_live},
+                        {"results", results},
+                        {"totals",
+                         {{"prefill_tokens", r.prefill_tokens},
+                          {"prefill_seconds", r.prefill_seconds},
+                          {"prefill_tokens_per_s", r.prefill_tokens_per_s()},
+                          {"decode_tokens", r.decode_tokens},
+                          {"decode_seconds", r.decode_seconds},
+                          {"decode_tokens_per_s", r.decode_tokens_per_s()},
+                          {"peak_cache_bytes_resident", r.peak_cache_bytes_resident},
+                          {"peak_cache_bytes_accounted", r.peak_cache_bytes_accounted},
+                          {"peak_device_bytes", peak_dev}}}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  for (size_t i = 0; i < r.results.size(); ++i) {
+    const GenerateResult& x = r.results[i];
+    std::printf("--- prompt %zu (%lld tokens, %zu generated, stop: %s)\n%s\n", i,
+                static_cast<long long>(x.prompt_tokens), x.tokens.size(), x.stop_reason.c_str(),
+                texts[i].c_str());
+  }
+  std::fflush(stdout);
+  std::fprintf(stderr,
+               "\n--- %s | %s | cache %s | %zu prompts, at most %lld at once (max batch %lld)\n"
+               "prefill  : %8.1f tokens/s (%lld tokens, %.3f s)\n"
+               "decode   : %8.1f tokens/s (%lld tokens in %lld steps, %.3f s)\n"
+               "cache    : peak %.1f MiB resident, %.1f MiB accounted (live sequences summed)\n",
+               model_dir.c_str(), device_name(dev), cfg.method.c_str(), r.results.size(),
+               static_cast<long long>(r.max_live), static_cast<long long>(a.max_batch),
+               r.prefill_tokens_per_s(), static_cast<long long>(r.prefill_tokens),
+               r.prefill_seconds, r.decode_tokens_per_s(), static_cast<long long>(r.decode_tokens),
+               static_cast<long long>(r.decode_steps), r.decode_seconds,
+               static_cast<double>(r.peak_cache_bytes_resident) / (1024.0 * 1024.0),
+               static_cast<double>(r.peak_cache_bytes_accounted) / (1024.0 * 1024.0));
+  return 0;
+}
+
 int run_generate(const GenerateArgs& a) {
+  const Device dev = checked_device(a.device, "generate");  // before anything loads
   // Model.
   std::string model_dir = a.model_dir;
   if (model_dir.empty()) {
@@ -133,14 +351,30 @@ int run_generate(const GenerateArgs& a) {
   if (!a.cache.empty()) apply_cache_arg(cfg, a.cache);  // a method or a compact spec
   for (const auto& o : a.cache_opts) apply_cache_option(cfg, o);
   check_cache_config(cfg);
-  auto caches = model->make_caches(cfg);
 
   // Prompt.
-  const int n_sources = !a.prompt.empty() + !a.prompt_file.empty() + !a.prompt_ids.empty();
+  const int n_sources =
+      !a.prompt.empty() + !a.prompt_file.empty() + !a.prompt_ids.empty() + !a.prompts_file.empty();
   if (n_sources != 1)
     throw Error(
-        "[generate] expected exactly one of --prompt, --prompt-file, --prompt-ids but got " +
+        "[generate] expected exactly one of --prompt, --prompt-file, --prompt-ids, "
+        "--prompts-file but got " +
         std::to_string(n_sources));
+  if (!a.prompts_file.empty())
+    return run_generate_batch(a, dev, *model, model_dir, tok, cfg,
+                              read_prompts_file(a.prompts_file));
+  if (dev == Device::kCuda) {  // one prompt through the engine
+    FilePrompt p;
+    if (!a.prompt_ids.empty()) {
+      p.ids = parse_ids(a.prompt_ids);
+    } else {
+      p.text =
+          a.prompt.empty() ? read_text_file(a.prompt_file, "generate", "--prompt-file") : a.prompt;
+      p.has_text = true;
+    }
+    return run_generate_batch(a, dev, *model, model_dir, tok, cfg, {p});
+  }
+  auto caches = model->make_caches(cfg);
   std::vector<int32_t> ids;
   if (!a.prompt_ids.empty()) {
     ids = parse_ids(a.prompt_ids);
@@ -327,6 +561,13 @@ void add_generate_command(CLI::App& app, int* status) {
   cmd->add_flag("--no-check-weights", a->no_check_weights,
                 "skip the scan of the weights for NaN/Inf at load (faster start)");
   cmd->add_flag("--json", a->json, "print the result as one JSON object");
+  cmd->add_option("--device", a->device, "cpu or cuda (cuda: the CUDA engine; needs a CUDA build)")
+      ->capture_default_str();
+  cmd->add_option("--prompts-file", a->prompts_file,
+                  "many prompts: JSONL, one {\"prompt\": \"...\"} or {\"prompt_ids\": [..]} per "
+                  "line (optional \"max_tokens\"), or one JSON array of them");
+  add_int_option(cmd, "--max-batch", &a->max_batch, 1, 4096,
+                 "sequences generated at once at most (--prompts-file, --device cuda)", "generate");
   cmd->callback([a, status] { *status = run_generate(*a); });
 }
 

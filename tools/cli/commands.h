@@ -12,5 +12,6 @@ void add_generate_command(CLI::App& app, int* status);
 void add_eval_command(CLI::App& app, int* status);
 void add_calibrate_command(CLI::App& app, int* status);
 void add_compare_command(CLI::App& app, int* status);
+void add_bench_command(CLI::App& app, int* status);
 
 }  // namespace vq::cli

@@ -2,13 +2,16 @@
 #include "options.h"
 
 #include <omp.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <system_error>
 
+#include "veloxquant/cuda.h"
 #include "veloxquant/error.h"
 
 namespace vq::cli {
@@ -129,6 +132,12 @@ std::string read_text_file(const std::string& path, const std::string& cmd,
   ss << in.rdbuf();
   if (in.bad()) throw Error(head + "reading '" + path + "' failed");
   return ss.str();
+}
+
+int64_t plannable_device_bytes(bool cuda) {
+  if (cuda) return std::max<int64_t>(cuda::device_info().global_bytes - kCudaReserveBytes, 0);
+  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) *
+         static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
 }  // namespace vq::cli

@@ -46,6 +46,13 @@ CLI::Option* add_threads_option(CLI::App* app, int64_t* target, const std::strin
 // Applies a --threads value (0 leaves OpenMP's default: every core).
 void apply_threads(int64_t threads);
 
+// Memory the planner (veloxquant/memory_plan.h) may give weights, workspace and caches on a
+// device: cuda, the card's global memory less kCudaReserveBytes (the CUDA context, cuBLAS
+// workspaces and the allocator's slack, which the planner does not model); cpu, the machine's
+// physical memory.
+inline constexpr int64_t kCudaReserveBytes = int64_t{1} << 30;
+int64_t plannable_device_bytes(bool cuda);
+
 // The whole content of the file at path (pipes such as /dev/stdin included); a directory, a
 // missing or an unreadable file is refused: "[cmd] option: expected a readable file but '<path>' is
 // a directory".

@@ -1,0 +1,71 @@
+// The memory planner: how many sequences of a given context fit in a device's memory, per cache
+// method, computed from shapes alone (nothing is allocated), so a batch that cannot fit is refused
+// before anything is.
+//
+// Per sequence, the caches' bytes summed over layers at their peak over the sequence's life, with
+// the byte formulas the caches report (CacheStats::bytes_accounted, docs/design.md §C2-§C5) at
+// every point a caller can read them: after each prefill chunk (prefill_chunks(prompt, step)),
+// after end_prompt, after each decode step (prompt + 1 .. prompt + max_new_tokens - 1 tokens: the
+// last generated token is never fed back). The figure equals the caches' reported peak for full,
+// streaming, snapkv and skvq; for snapkv+skvq it is an upper bound (which kept rows stay packed
+// depends on the scores; the bound counts the most full-precision rows the flush rule allows:
+// skvq_n_sink sinks + skvq_window + skvq_recent - 1 tail rows). The resident bytes add the
+// allocation slack of the row stores: the growth rule of the full and SnapKV stores (x1.25,
+// rounded up to 256 rows) on their full-precision rows, and one prefill chunk of fp16 rows that a
+// call holds before it evicts or flushes.
+//
+// Weights: the checkpoint's bytes (Model::checkpoint_bytes; uploaded once in their file dtype).
+// Workspace: the forward pass's fp32 activations for a step of `step_tokens` tokens (the prefill
+// chunk budget) plus the logits of max_batch sequences.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "veloxquant/cache_config.h"
+#include "veloxquant/dtype.h"
+#include "veloxquant/model.h"
+
+namespace vq {
+
+struct MemoryPlanRequest {
+  ModelConfig model;
+  CacheConfig cache;
+  DType kv_dtype = DType::kF16;  // K/V handed to the caches (the full cache stores this dtype)
+  int64_t prompt_tokens = 0;     // >= 1
+  int64_t max_new_tokens = 0;    // >= 0
+  int64_t prefill_step = 512;    // tokens per prefill chunk (and per step across sequences)
+  int64_t weight_bytes = 0;      // the checkpoint's bytes
+  int64_t device_bytes = 0;      // memory the weights, workspace and caches may use
+  int64_t max_batch = 1;         // sequences decoded together (the logits rows of a step)
+};
+
+struct MemoryPlan {
+  // Per sequence, summed over layers.
+  int64_t cache_bytes_peak = 0;      // bytes_accounted at its peak (see above)
+  bool cache_bytes_exact = false;    // true: equals the caches' peak; false: an upper bound
+  int64_t cache_bytes_resident = 0;  // bound on bytes_resident at any time (allocation slack)
+  int64_t cache_bytes_prompt = 0;    // bytes_accounted after the last prefill chunk
+  int64_t context_tokens = 0;  // tokens the caches see: prompt + max_new_tokens - 1 (>= prompt)
+  int64_t weight_bytes = 0;
+  int64_t workspace_bytes = 0;
+  // Sequences that fit at once: (device - weights - workspace) / cache_bytes_resident, >= 0.
+  int64_t max_sequences = 0;
+  std::string summary() const;  // one line: the figures above in MiB
+};
+
+// Errors (vq::Error "[memory_plan] ..."): prompt_tokens < 1, max_new_tokens < 0,
+// prefill_step < 1, max_batch < 1, negative byte counts, a context past the model's
+// max_position_embeddings, an invalid cache config.
+MemoryPlan plan_memory(const MemoryPlanRequest& req);
+
+// Refuses (vq::Error naming the figures) a batch of `n_sequences` that does not fit:
+// "[memory_plan] expected at most <max> sequences of <context> tokens with <method> to fit in
+// <device> MiB (weights <w> MiB + workspace <x> MiB + <c> MiB per sequence) but got <n>".
+void check_fits(const MemoryPlan& plan, const MemoryPlanRequest& req, int64_t n_sequences);
+
+// The forward pass's activation bytes for a call of `tokens` tokens (fp32 buffers of
+// ForwardScratch, model.h) plus `logit_rows` rows of fp32 logits.
+int64_t activation_bytes(const ModelConfig& m, int64_t tokens, int64_t logit_rows);
+
+}  // namespace vq

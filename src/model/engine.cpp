@@ -1,0 +1,162 @@
+// The CPU engine (veloxquant/engine.h): one vector of per-layer caches per sequence (batch 1,
+// Model::make_caches), step() = Model::forward per chunk over that sequence's caches, so every
+// sequence computes exactly what vq::generate computes for it alone. Also parse_device,
+// device_name, make_engine and the host copy bandwidth (the CPU decode bound of `bench`).
+//
+// A step is checked whole (ids, repeats, empty chunks, token ids, positions) before any forward
+// call, so a refused step changes no cache.
+#include "veloxquant/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "veloxquant/error.h"
+
+namespace vq {
+
+Device parse_device(const std::string& name) {
+  if (name == "cpu") return Device::kCpu;
+  if (name == "cuda") return Device::kCuda;
+  throw Error("[engine] device: expected cpu or cuda but got '" + name + "'");
+}
+
+const char* device_name(Device d) {
+  return d == Device::kCuda ? "cuda" : "cpu";
+}
+
+double Engine::host_copy_bandwidth(int64_t bytes) {
+  VQ_CHECK(bytes >= 1,
+           "[engine] host_copy_bandwidth: expected bytes >= 1 but got " + std::to_string(bytes));
+  const size_t n = static_cast<size_t>(bytes);
+  std::vector<char> src(n, 1), dst(n, 0);  // both touched: no first-touch page faults timed
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    src[static_cast<size_t>(rep) % n] = static_cast<char>(rep);  // not a copy of a constant
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(dst.data(), src.data(), n);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s > 0) best = std::max(best, 2.0 * static_cast<double>(bytes) / s);
+  }
+  return best;
+}
+
+namespace {
+
+class CpuEngine final : public Engine {
+ public:
+  CpuEngine(const Model& model, const EngineOptions& opts) : model_(model), opts_(opts) {
+    validate(opts_.cache);  // refused before any sequence exists
+  }
+
+  Device device() const override { return Device::kCpu; }
+  const ModelConfig& config() const override { return model_.config(); }
+  const EngineOptions& options() const override { return opts_; }
+
+  int64_t add_sequence() override {
+    const int64_t id = next_id_++;
+    seqs_.emplace(id, model_.make_caches(opts_.cache));
+    return id;
+  }
+
+  void remove_sequence(int64_t seq) override {
+    auto it = find(seq, "remove_sequence");
+    seqs_.erase(it);
+  }
+
+  int64_t offset(int64_t seq) const override {
+    const auto& caches = find(seq, "offset")->second;
+    return caches.empty() ? 0 : caches[0]->offset();
+  }
+
+  CacheMemory memory(int64_t seq) const override {
+    return cache_memory(find(seq, "memory")->second, model_.config().n_kv_heads);
+  }
+
+  void step(std::span<const SeqChunk> chunks, std::vector<float>* logits) override {
+    const ModelConfig& c = model_.config();
+    // Check everything first: nothing changes on a refused step.
+    std::set<int64_t> seen;
+    int64_t n_logits = 0;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const SeqChunk& ch = chunks[i];
+      const std::string where = "chunk " + std::to_string(i);
+      VQ_CHECK(seqs_.count(ch.seq) == 1, "[engine] step: expected a live sequence id in " + where +
+                                             " but got " + std::to_string(ch.seq));
+      VQ_CHECK(seen.insert(ch.seq).second, "[engine] step: expected distinct sequences but " +
+                                               where + " repeats sequence " +
+                                               std::to_string(ch.seq));
+      VQ_CHECK(!ch.tokens.empty(), "[engine] step: expected at least one token in " + where +
+                                       " (sequence " + std::to_string(ch.seq) + ") but got none");
+      for (size_t t = 0; t < ch.tokens.size(); ++t)
+        VQ_CHECK(ch.tokens[t] >= 0 && ch.tokens[t] < c.vocab_size,
+                 "[engine] step: expected token ids in [0, " + std::to_string(c.vocab_size) +
+                     ") but got " + std::to_string(ch.tokens[t]) + " at token " +
+                     std::to_string(t) + " of " + where);
+      const int64_t end = offset(ch.seq) + static_cast<int64_t>(ch.tokens.size());
+      if (c.max_position_embeddings > 0)
+        VQ_CHECK(end <= c.max_position_embeddings,
+                 "[engine] step: expected positions below the model's max_position_embeddings " +
+                     std::to_string(c.max_position_embeddings) + " but " + where + " (sequence " +
+                     std::to_string(ch.seq) + ") would take positions up to " +
+                     std::to_string(end - 1));
+      n_logits += ch.logits ? 1 : 0;
+    }
+    if (n_logits > 0 && logits) logits->resize(static_cast<size_t>(n_logits * c.vocab_size));
+    ForwardOptions fo;
+    fo.kv_dtype = opts_.kv_dtype;
+    fo.matmul = opts_.matmul;
+    int64_t row = 0;
+    for (const SeqChunk& ch : chunks) {
+      const auto& caches = seqs_.at(ch.seq);
+      const bool want = ch.logits && logits != nullptr;
+      fo.logits = want ? ForwardOptions::Logits::kLast : ForwardOptions::Logits::kNone;
+      model_.forward(ch.tokens.data(), 1, static_cast<int64_t>(ch.tokens.size()), caches, fo,
+                     want ? &out_ : nullptr, &scratch_);
+      if (want) {
+        std::copy(out_.begin(), out_.begin() + c.vocab_size,
+                  logits->begin() + static_cast<std::ptrdiff_t>(row * c.vocab_size));
+      }
+      if (ch.logits) ++row;
+      if (ch.end_prompt)
+        for (const auto& cache : caches) cache->end_prompt();
+    }
+  }
+
+ private:
+  using Caches = std::vector<std::unique_ptr<KVCache>>;
+
+  std::map<int64_t, Caches>::const_iterator find(int64_t seq, const char* op) const {
+    auto it = seqs_.find(seq);
+    VQ_CHECK(it != seqs_.end(), std::string("[engine] ") + op +
+                                    ": expected a live sequence id but got " + std::to_string(seq));
+    return it;
+  }
+  std::map<int64_t, Caches>::iterator find(int64_t seq, const char* op) {
+    auto it = seqs_.find(seq);
+    VQ_CHECK(it != seqs_.end(), std::string("[engine] ") + op +
+                                    ": expected a live sequence id but got " + std::to_string(seq));
+    return it;
+  }
+
+  const Model& model_;
+  EngineOptions opts_;
+  std::map<int64_t, Caches> seqs_;
+  int64_t next_id_ = 0;
+  ForwardScratch scratch_;
+  std::vector<float> out_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_cpu_engine(const Model& model, const EngineOptions& opts) {
+  return std::make_unique<CpuEngine>(model, opts);
+}
+
+std::unique_ptr<Engine> make_engine(Device d, const Model& model, const EngineOptions& opts) {
+  return d == Device::kCuda ? make_cuda_engine(model, opts) : make_cpu_engine(model, opts);
+}
+
+}  // namespace vq

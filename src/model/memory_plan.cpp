@@ -1,0 +1,211 @@
+// The memory planner (veloxquant/memory_plan.h): replays a sequence's life on counts alone (rows
+// per (b, h), the SKVQ frontier, SnapKV's keep count) at every point a caller can read the caches'
+// stats, and evaluates the caches' own byte formulas there (docs/design.md §C2-§C5:
+// eviction_stats' 2 bytes per element, skvq_compressed_bytes for packed rows).
+#include "veloxquant/memory_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "veloxquant/error.h"
+#include "veloxquant/group_quant.h"
+#include "veloxquant/prefill_schedule.h"
+#include "veloxquant/snapkv.h"
+
+namespace vq {
+
+namespace {
+
+constexpr int64_t kGrowStep = 256;  // row-store growth granularity (full cache; SnapKV uses 64)
+
+// The points a caller can read the stats at: tokens seen, whether a prompt-end eviction is still
+// pending (the prompt's chunks before end_prompt), whether this call was a multi-token call.
+struct Point {
+  int64_t offset = 0;
+  int64_t s = 0;        // tokens of the call that reached this point (0: end_prompt)
+  bool prompt = false;  // a prefill chunk (before end_prompt)
+};
+
+std::vector<Point> life(const MemoryPlanRequest& r) {
+  std::vector<Point> pts;
+  int64_t off = 0;
+  for (int64_t c : prefill_chunks(r.prompt_tokens, r.prefill_step)) {
+    off += c;
+    pts.push_back({off, c, true});
+  }
+  pts.push_back({off, 0, false});  // end_prompt
+  for (int64_t i = 1; i < r.max_new_tokens; ++i) pts.push_back({off + i, 1, false});
+  return pts;
+}
+
+struct Bytes {
+  int64_t accounted = 0;
+  int64_t fp_rows = 0;  // full-precision rows per (b, h) held (the part that grows with slack)
+};
+
+// Packed bytes of one row per (b, h) at the settings (an upper bound per row of the block
+// formula: ceil(n*d*bits/8) <= n*ceil(d*bits/8)).
+int64_t packed_row_bytes(const CacheConfig& c, int64_t d) {
+  return skvq_compressed_bytes(1, d, c.skvq_bits_key, c.skvq_group_size, c.skvq_meta).total() +
+         skvq_compressed_bytes(1, d, c.skvq_bits_value, c.skvq_group_size, c.skvq_meta).total();
+}
+
+}  // namespace
+
+int64_t activation_bytes(const ModelConfig& m, int64_t tokens, int64_t logit_rows) {
+  const int64_t T = tokens, Hd = m.hidden_size, D = m.head_dim, Hq = m.n_heads * D;
+  const int64_t Hkv = m.n_kv_heads * D, I = m.intermediate_size;
+  // x, h, q, k, v, qh, attn, attn_t, gate, up, cos/sin (forward.cpp's ForwardScratch buffers).
+  const int64_t f32 = T * (Hd + std::max(Hd, Hq) + 4 * Hq + 2 * Hkv + 2 * I + D);
+  const int64_t kv = 2 * T * Hkv;  // K/V blocks handed to the caches, counted at fp32
+  const int64_t logits = logit_rows * (Hd + m.vocab_size);
+  return 4 * (f32 + kv + logits);
+}
+
+MemoryPlan plan_memory(const MemoryPlanRequest& r) {
+  const ModelConfig& m = r.model;
+  VQ_CHECK(r.prompt_tokens >= 1,
+           "[memory_plan] prompt_tokens: expected >= 1 but got " + std::to_string(r.prompt_tokens));
+  VQ_CHECK(r.max_new_tokens >= 0, "[memory_plan] max_new_tokens: expected >= 0 but got " +
+                                      std::to_string(r.max_new_tokens));
+  VQ_CHECK(r.prefill_step >= 1,
+           "[memory_plan] prefill_step: expected >= 1 but got " + std::to_string(r.prefill_step));
+  VQ_CHECK(r.max_batch >= 1,
+           "[memory_plan] max_batch: expected >= 1 but got " + std::to_string(r.max_batch));
+  VQ_CHECK(r.weight_bytes >= 0 && r.device_bytes >= 0,
+           "[memory_plan] expected byte counts >= 0 but got weights " +
+               std::to_string(r.weight_bytes) + ", device " + std::to_string(r.device_bytes));
+  VQ_CHECK(m.n_layers >= 1 && m.n_kv_heads >= 1 && m.head_dim >= 1,
+           "[memory_plan] expected a model config with layers, KV heads and head_dim >= 1");
+  CacheConfig cc = r.cache;
+  cc.head_dim = m.head_dim;
+  validate(cc);
+
+  MemoryPlan p;
+  p.context_tokens = r.prompt_tokens + std::max<int64_t>(r.max_new_tokens - 1, 0);
+  if (m.max_position_embeddings > 0)
+    VQ_CHECK(p.context_tokens <= m.max_position_embeddings,
+             "[memory_plan] expected a context within the model's max_position_embeddings " +
+                 std::to_string(m.max_position_embeddings) + " but got " +
+                 std::to_string(p.context_tokens) + " tokens (" + std::to_string(r.prompt_tokens) +
+                 " prompt + " + std::to_string(r.max_new_tokens) + " new - 1)");
+
+  const int64_t d = m.head_dim, H = m.n_kv_heads;
+  const int64_t fp_row = 2 * H * d * 2;  // K and V of one position, all heads, 2 bytes each
+  const int64_t es = static_cast<int64_t>(dtype_size(r.kv_dtype));
+  const std::string& meth = cc.method;
+  const SnapSelectParams sp = SnapSelectParams::from_config(cc);
+  const int64_t w = cc.skvq_window, span = cc.skvq_window + cc.skvq_recent;
+  const int64_t perm = 2 * H * d * 4;
+  const int64_t prow = packed_row_bytes(cc, d) * H;
+  const int64_t comp_k0 = skvq_compressed_bytes(w - cc.skvq_n_sink, d, cc.skvq_bits_key,
+                                                cc.skvq_group_size, cc.skvq_meta)
+                              .total() +
+                          skvq_compressed_bytes(w - cc.skvq_n_sink, d, cc.skvq_bits_value,
+                                                cc.skvq_group_size, cc.skvq_meta)
+                              .total();
+  const int64_t comp_kw =
+      skvq_compressed_bytes(w, d, cc.skvq_bits_key, cc.skvq_group_size, cc.skvq_meta).total() +
+      skvq_compressed_bytes(w, d, cc.skvq_bits_value, cc.skvq_group_size, cc.skvq_meta).total();
+  const bool perm_file = !cc.skvq_perm_file.empty();
+
+  int64_t snap_rows = 0;  // SnapKV rows per (b, h)
+  bool pending = false;
+  int64_t max_fp_rows = 0, max_chunk = 0;
+  bool exact = true;
+  for (const Point& pt : life(r)) {
+    max_chunk = std::max(max_chunk, pt.s);
+    Bytes b;
+    if (meth == "full") {
+      b.accounted = pt.offset * 2 * H * d * es;
+      b.fp_rows = pt.offset;
+    } else if (meth == "streaming") {
+      const int64_t rows = std::min(pt.offset, cc.streaming_n_sink + cc.streaming_window);
+      b.accounted = rows * fp_row;
+      b.fp_rows = rows;
+    } else if (meth == "snapkv" || meth == "snapkv+skvq") {
+      const bool at_end = cc.snap_evict_at == SnapEvictAt::kPromptEnd;
+      if (pt.s > 1) {
+        snap_rows += pt.s;
+        if (at_end) {
+          pending = true;
+        } else {
+          snap_rows = snap_keep_count(snap_rows, sp);
+        }
+      } else if (pt.s == 1) {
+        if (pending) snap_rows = snap_keep_count(snap_rows, sp), pending = false;
+        snap_rows += 1;
+      } else if (pending) {  // end_prompt
+        snap_rows = snap_keep_count(snap_rows, sp);
+        pending = false;
+      }
+      if (meth == "snapkv") {
+        b.accounted = snap_rows * fp_row;
+        b.fp_rows = snap_rows;
+      } else {
+        // Full precision while a prompt-end eviction is pending; else at most the sinks and a
+        // tail below the flush span stay full precision, the rest is packed.
+        const int64_t fp = pending ? snap_rows : std::min(snap_rows, cc.skvq_n_sink + span - 1);
+        const bool perms = perm_file || (cc.skvq_reorder && snap_rows >= w);
+        b.accounted = fp * fp_row + (snap_rows - fp) * prow + (perms ? perm : 0);
+        b.fp_rows = fp;
+        exact = false;
+      }
+    } else if (meth == "skvq") {
+      int64_t q_end = 0;
+      while (pt.offset - q_end >= span) q_end += w;
+      const int64_t n_chunks = q_end / w;
+      const int64_t comp = n_chunks > 0 ? (comp_k0 + (n_chunks - 1) * comp_kw) * H : 0;
+      const int64_t sinks = std::min(cc.skvq_n_sink, q_end);
+      const bool perms = perm_file || (cc.skvq_reorder && q_end > 0);
+      const int64_t fp = pt.offset - q_end + sinks;
+      b.accounted = comp + fp * fp_row + (perms ? perm : 0);
+      b.fp_rows = fp;
+    } else {
+      throw Error("[memory_plan] expected a method of cache_methods() but got '" + meth + "'");
+    }
+    if (pt.prompt) p.cache_bytes_prompt = b.accounted;  // the last chunk's wins
+    p.cache_bytes_peak = std::max(p.cache_bytes_peak, b.accounted);
+    max_fp_rows = std::max(max_fp_rows, b.fp_rows);
+  }
+  p.cache_bytes_exact = exact;
+  const int64_t row_es = meth == "full" ? 2 * H * d * es : fp_row;
+  // Growth slack of the full-precision rows (x1.25 rounded up to the store's step) and one
+  // prefill chunk of rows held by a call before its eviction / flush.
+  const int64_t slack_rows = max_fp_rows / 4 + kGrowStep + max_chunk;
+  p.cache_bytes_resident = p.cache_bytes_peak + slack_rows * row_es;
+  p.cache_bytes_peak *= m.n_layers;
+  p.cache_bytes_prompt *= m.n_layers;
+  p.cache_bytes_resident *= m.n_layers;
+  p.weight_bytes = r.weight_bytes;
+  p.workspace_bytes = activation_bytes(m, std::max(r.prefill_step, r.max_batch), r.max_batch);
+  const int64_t free_bytes = r.device_bytes - p.weight_bytes - p.workspace_bytes;
+  p.max_sequences =
+      free_bytes > 0 && p.cache_bytes_resident > 0 ? free_bytes / p.cache_bytes_resident : 0;
+  return p;
+}
+
+std::string MemoryPlan::summary() const {
+  const auto mib = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                "%lld tokens: cache %.1f MiB peak (%s), %.1f MiB resident bound per sequence; "
+                "weights %.1f MiB, workspace %.1f MiB; %lld sequences fit",
+                static_cast<long long>(context_tokens), mib(cache_bytes_peak),
+                cache_bytes_exact ? "exact" : "upper bound", mib(cache_bytes_resident),
+                mib(weight_bytes), mib(workspace_bytes), static_cast<long long>(max_sequences));
+  return buf;
+}
+
+void check_fits(const MemoryPlan& p, const MemoryPlanRequest& r, int64_t n) {
+  if (n <= p.max_sequences) return;
+  const auto mib = [](int64_t b) { return std::to_string(b / (1024 * 1024)); };
+  throw Error("[memory_plan] expected at most " + std::to_string(p.max_sequences) +
+              " sequences of " + std::to_string(p.context_tokens) + " tokens with " +
+              r.cache.method + " to fit in " + mib(r.device_bytes) + " MiB (weights " +
+              mib(p.weight_bytes) + " MiB + workspace " + mib(p.workspace_bytes) + " MiB + " +
+              mib(p.cache_bytes_resident) + " MiB per sequence) but got " + std::to_string(n) +
+              "; nothing was allocated");
+}
+
+}  // namespace vq

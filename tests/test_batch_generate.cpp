@@ -1,0 +1,421 @@
+// Many sequences on one engine (engine.h, batch_generate.h, memory_plan.h), on the CPU engine and
+// a tiny random model: every sequence of a ragged batch gets exactly the tokens vq::generate gives
+// it alone (greedy and seeded sampling, every cache method, continuous admission); the engine's
+// refusals change nothing; the planner's per-sequence figure equals the caches' reported peak
+// (bytes_accounted after every step; an upper bound for snapkv+skvq) and bounds their resident
+// bytes; requests that cannot fit are refused before any sequence is added.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <random>
+
+#include "util/tiny_model.h"
+#include "veloxquant/batch_generate.h"
+#include "veloxquant/cuda.h"
+#include "veloxquant/engine.h"
+#include "veloxquant/error.h"
+#include "veloxquant/generate.h"
+#include "veloxquant/memory_plan.h"
+#include "veloxquant/model.h"
+#include "veloxquant/prefill_schedule.h"
+
+namespace vq {
+namespace {
+
+std::vector<int32_t> random_ids(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (auto& id : ids) id = static_cast<int32_t>(rng() % 300);  // below the eos id 319
+  return ids;
+}
+
+// Small settings so eviction and quantization happen within short prompts.
+CacheConfig small_config(const std::string& method) {
+  CacheConfig c;
+  c.method = method;
+  c.snap_budget = 24;
+  c.snap_obs_window = 8;
+  c.snap_n_sink = 2;
+  c.skvq_window = 16;
+  c.skvq_group_size = 8;
+  c.skvq_n_sink = 2;
+  c.streaming_n_sink = 2;
+  c.streaming_window = 24;
+  return c;
+}
+
+class BatchTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(test::write_tiny_model(test::make_temp_dir("vq-batch")));
+    model_ = Model::load(*dir_).release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    std::filesystem::remove_all(*dir_);
+    delete dir_;
+  }
+  static std::string* dir_;
+  static Model* model_;
+};
+std::string* BatchTest::dir_ = nullptr;
+Model* BatchTest::model_ = nullptr;
+
+TEST(Engine, DeviceNames) {
+  EXPECT_EQ(parse_device("cpu"), Device::kCpu);
+  EXPECT_EQ(parse_device("cuda"), Device::kCuda);
+  EXPECT_STREQ(device_name(Device::kCuda), "cuda");
+  try {
+    parse_device("gpu");
+    FAIL() << "gpu accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected cpu or cuda but got 'gpu'"), std::string::npos);
+  }
+  EXPECT_GT(Engine::host_copy_bandwidth(int64_t{8} << 20), 0.0);
+}
+
+TEST_F(BatchTest, CudaEngineWithoutDeviceIsRefused) {
+  if (cuda::is_available()) GTEST_SKIP() << "a CUDA device is present";
+  try {
+    make_engine(Device::kCuda, *model_, EngineOptions{});
+    FAIL() << "a CUDA engine without a device";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[engine]"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(BatchTest, EngineRefusalsChangeNothing) {
+  const auto eng = make_cpu_engine(*model_, EngineOptions{});
+  const int64_t a = eng->add_sequence(), b = eng->add_sequence();
+  EXPECT_NE(a, b);
+  const auto ids = random_ids(10, 1);
+  std::vector<float> logits;
+  eng->step(std::vector<SeqChunk>{{a, std::span(ids).first(4), true, false}}, &logits);
+  ASSERT_EQ(logits.size(), 320u);
+  const std::vector<int32_t> bad = {5, 320};
+  const std::vector<int32_t> empty;
+  std::vector<std::vector<SeqChunk>> refused = {
+      {{b, std::span(ids), true, false}, {99, std::span(ids), true, false}},   // unknown id
+      {{b, std::span(ids), true, false}, {b, std::span(ids), true, false}},    // repeated
+      {{a, std::span(ids), true, false}, {b, std::span(empty), true, false}},  // empty chunk
+      {{a, std::span(ids), true, false}, {b, std::span(bad), true, false}},    // token id
+  };
+  for (const auto& step : refused) {
+    EXPECT_THROW(eng->step(step, &logits), Error);
+    EXPECT_EQ(eng->offset(a), 4);
+    EXPECT_EQ(eng->offset(b), 0);
+  }
+  eng->remove_sequence(b);
+  EXPECT_THROW(eng->offset(b), Error);
+  EXPECT_THROW(eng->remove_sequence(b), Error);
+  EXPECT_EQ(eng->add_sequence(), b + 1);  // ids are never reused
+}
+
+// SeqChunk::end_prompt: a prompt-end SnapKV eviction runs right after the chunk (the budget's
+// rows stay), and only for the sequence that asked.
+TEST_F(BatchTest, EndPromptFlagEvictsThatSequence) {
+  for (const char* method : {"snapkv", "snapkv+skvq"}) {
+    SCOPED_TRACE(method);
+    EngineOptions eo;
+    eo.cache = small_config(method);
+    eo.cache.snap_evict_at = SnapEvictAt::kPromptEnd;
+    const auto eng = make_cpu_engine(*model_, eo);
+    const int64_t a = eng->add_sequence(), b = eng->add_sequence();
+    const auto ids = random_ids(70, 9);
+    std::vector<float> logits;
+    eng->step(
+        std::vector<SeqChunk>{{a, std::span(ids), true, true}, {b, std::span(ids), true, false}},
+        &logits);
+    ASSERT_EQ(logits.size(), 2u * 320u);
+    EXPECT_EQ(eng->memory(a).rows_kept_per_head, 24);
+    EXPECT_EQ(eng->memory(b).rows_kept_per_head, 70);
+    EXPECT_EQ(eng->memory(a).tokens_seen, 70);
+    // Same prompt, same caches before the eviction: the same logits for both rows.
+    for (size_t v = 0; v < 320; ++v) ASSERT_EQ(logits[v], logits[320 + v]);
+  }
+}
+
+TEST(EngineMaxPosition, PositionsPastTheModelAreRefused) {
+  test::TinyModelSpec spec;
+  spec.max_position_embeddings = 12;
+  const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-batch-pos"), spec);
+  {
+    const auto model = Model::load(dir);
+    const auto eng = make_cpu_engine(*model, EngineOptions{});
+    const int64_t s = eng->add_sequence();
+    const auto ids = random_ids(13, 2);
+    std::vector<float> logits;
+    try {
+      eng->step(std::vector<SeqChunk>{{s, std::span(ids), true, false}}, &logits);
+      FAIL() << "13 positions accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("max_position_embeddings 12"), std::string::npos);
+    }
+    EXPECT_EQ(eng->offset(s), 0);
+    eng->step(std::vector<SeqChunk>{{s, std::span(ids).first(12), true, false}}, &logits);
+    EXPECT_EQ(eng->offset(s), 12);
+
+    // A batch: the prompt at the limit stops with max_position, as generate does.
+    BatchGenerateOptions o;
+    o.gen.max_tokens = 5;
+    const std::vector<BatchPrompt> prompts = {{random_ids(10, 3), -1}, {random_ids(12, 4), -1}};
+    const auto r = batch_generate(*eng, prompts, o);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto caches = model->make_caches(CacheConfig{});
+      GenerateOptions g = o.gen;
+      g.sampling.seed += i;
+      const GenerateResult alone = generate(*model, prompts[i].ids, caches, g);
+      EXPECT_EQ(r.results[i].tokens, alone.tokens);
+      EXPECT_EQ(r.results[i].stop_reason, alone.stop_reason);
+    }
+    EXPECT_EQ(r.results[0].stop_reason, "max_position");
+    EXPECT_EQ(r.results[0].tokens.size(), 2u);
+    EXPECT_TRUE(r.results[1].tokens.empty());
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Each sequence of a ragged batch gets exactly what generate gives it alone: every method,
+// greedy and seeded sampling, every sequence live at once and continuous admission (max_batch 2
+// of 5 prompts), per-prompt max_tokens, a stop id that really stops some sequences.
+TEST_F(BatchTest, RaggedBatchEqualsGenerateAlone) {
+  const std::vector<int64_t> lengths = {70, 5, 33, 1, 48};
+  std::vector<BatchPrompt> prompts;
+  for (size_t i = 0; i < lengths.size(); ++i)
+    prompts.push_back({random_ids(lengths[i], 10 + i), i == 2 ? 7 : -1});
+  prompts[4].max_tokens = 0;
+  for (const std::string& method : cache_methods()) {
+    for (bool sampled : {false, true}) {
+      for (int64_t max_batch : {8, 2}) {
+        SCOPED_TRACE(method + (sampled ? " sampled" : " greedy") + " max_batch " +
+                     std::to_string(max_batch));
+        EngineOptions eo;
+        eo.cache = small_config(method);
+        const auto eng = make_cpu_engine(*model_, eo);
+        BatchGenerateOptions o;
+        o.gen.max_tokens = 20;
+        o.gen.prefill_step_size = 16;
+        if (sampled) o.gen.sampling = {0.9f, 40, 0.95f, 77};
+        o.max_batch = max_batch;
+        // A stop id the first prompt produces alone (so stopping really happens).
+        {
+          auto caches = model_->make_caches(eo.cache);
+          GenerateOptions g = o.gen;
+          g.stop_at_eos = false;
+          const auto free_run = generate(*model_, prompts[0].ids, caches, g).tokens;
+          o.gen.stop_ids = {free_run[5]};
+        }
+        const BatchGenerateResult r = batch_generate(*eng, prompts, o);
+        EXPECT_EQ(r.max_live, std::min<int64_t>(max_batch, 5));
+        int64_t eos = 0, decode_rows = 0;
+        for (size_t i = 0; i < prompts.size(); ++i) {
+          auto caches = model_->make_caches(eo.cache);
+          GenerateOptions g = o.gen;
+          g.sampling.seed += i;
+          if (prompts[i].max_tokens >= 0) g.max_tokens = prompts[i].max_tokens;
+          const GenerateResult alone = generate(*model_, prompts[i].ids, caches, g);
+          EXPECT_EQ(r.results[i].tokens, alone.tokens) << "prompt " << i;
+          EXPECT_EQ(r.results[i].stop_reason, alone.stop_reason) << "prompt " << i;
+          EXPECT_EQ(r.results[i].decode_steps, alone.decode_steps) << "prompt " << i;
+          EXPECT_EQ(r.results[i].prompt_tokens, lengths[i]);
+          eos += alone.stop_reason == "eos";
+          decode_rows += alone.decode_steps;
+        }
+        EXPECT_GE(eos, 1) << "the stop id stops at least the first prompt";
+        EXPECT_EQ(r.prefill_tokens, 70 + 5 + 33 + 1 + 48);
+        EXPECT_EQ(r.decode_tokens, decode_rows);
+        EXPECT_GT(r.peak_cache_bytes_resident, 0);
+        // Every sequence was removed: the engine holds none (ids are not reused, the next is new).
+        EXPECT_EQ(eng->add_sequence(), 5);
+      }
+    }
+  }
+}
+
+TEST_F(BatchTest, BatchRefusalsAddNoSequence) {
+  const auto eng = make_cpu_engine(*model_, EngineOptions{});
+  BatchGenerateOptions o;
+  const std::vector<BatchPrompt> none;
+  EXPECT_THROW(batch_generate(*eng, none, o), Error);
+  const std::vector<BatchPrompt> empty = {{random_ids(4, 1), -1}, {{}, -1}};
+  EXPECT_THROW(batch_generate(*eng, empty, o), Error);
+  const std::vector<BatchPrompt> bad = {{{1, 2, 400}, -1}};
+  EXPECT_THROW(batch_generate(*eng, bad, o), Error);
+  const std::vector<BatchPrompt> ok = {{random_ids(40, 1), -1}, {random_ids(30, 2), -1}};
+  o.max_batch = 0;
+  EXPECT_THROW(batch_generate(*eng, ok, o), Error);
+  o.max_batch = 2;
+  o.gen.max_tokens = -1;
+  EXPECT_THROW(batch_generate(*eng, ok, o), Error);
+  o.gen.max_tokens = 8;
+  // Memory: weights alone fill the device.
+  o.weight_bytes = static_cast<int64_t>(model_->checkpoint_bytes());
+  o.device_bytes = o.weight_bytes;
+  try {
+    batch_generate(*eng, ok, o);
+    FAIL() << "a batch that cannot fit was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[memory_plan] expected at most 0 sequences"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(eng->add_sequence(), 0) << "no sequence was added by a refused request";
+}
+
+// The planner caps admission: room for exactly two sequences of the longest request keeps at
+// most two live (and the batch still completes); require_full_batch refuses three.
+TEST_F(BatchTest, PlannerCapsAdmission) {
+  EngineOptions eo;
+  eo.cache = small_config("full");
+  const auto eng = make_cpu_engine(*model_, eo);
+  std::vector<BatchPrompt> prompts;
+  for (int i = 0; i < 4; ++i) prompts.push_back({random_ids(30 + i, 20 + i), -1});
+  BatchGenerateOptions o;
+  o.gen.max_tokens = 6;
+  o.gen.prefill_step_size = 16;
+  o.max_batch = 3;
+  o.weight_bytes = static_cast<int64_t>(model_->checkpoint_bytes());
+  MemoryPlanRequest req;
+  req.model = model_->config();
+  req.cache = eo.cache;
+  req.prompt_tokens = 33;
+  req.max_new_tokens = 6;
+  req.prefill_step = 16;
+  req.weight_bytes = o.weight_bytes;
+  req.max_batch = 3;
+  const MemoryPlan one = plan_memory(req);
+  o.device_bytes = one.weight_bytes + one.workspace_bytes + 2 * one.cache_bytes_resident + 1;
+  const auto r = batch_generate(*eng, prompts, o);
+  EXPECT_EQ(r.plan.max_sequences, 2);
+  EXPECT_EQ(r.max_live, 2);
+  for (const auto& x : r.results) EXPECT_EQ(x.tokens.size(), 6u);
+  o.require_full_batch = true;
+  EXPECT_THROW(batch_generate(*eng, prompts, o), Error);
+}
+
+struct PlanCase {
+  std::string method;
+  int64_t prompt, step, gen;
+  std::function<void(CacheConfig&)> tweak;
+};
+
+// The planner's figure against the caches' own: one sequence run on the CPU engine (prefill
+// chunks, end_prompt, decode steps), stats read after every step.
+TEST_F(BatchTest, PlannerEqualsTheCachesPeak) {
+  std::vector<PlanCase> cases;
+  for (const std::string& m : cache_methods()) {
+    cases.push_back({m, 70, 32, 20, [](CacheConfig&) {}});
+    cases.push_back({m, 200, 64, 40, [](CacheConfig&) {}});
+    cases.push_back({m, 17, 5, 1, [](CacheConfig&) {}});
+    cases.push_back({m, 100, 33, 30, [](CacheConfig& c) {
+                       c.snap_evict_at = SnapEvictAt::kPromptEnd;
+                       c.skvq_recent = 5;
+                     }});
+  }
+  for (const PlanCase& pc : cases) {
+    for (DType kv : {DType::kF16, DType::kF32}) {
+      CacheConfig cc = small_config(pc.method);
+      pc.tweak(cc);
+      if (pc.method != "snapkv" && pc.method != "snapkv+skvq")
+        cc.snap_evict_at = SnapEvictAt::kPrefillCall;
+      if (pc.method.find("skvq") == std::string::npos) cc.skvq_recent = 0;
+      SCOPED_TRACE(pc.method + " prompt " + std::to_string(pc.prompt) + " step " +
+                   std::to_string(pc.step) + " gen " + std::to_string(pc.gen) + " kv " +
+                   dtype_name(kv) +
+                   (cc.snap_evict_at == SnapEvictAt::kPromptEnd ? " prompt_end" : ""));
+      EngineOptions eo;
+      eo.cache = cc;
+      eo.kv_dtype = kv;
+      const auto eng = make_cpu_engine(*model_, eo);
+      const int64_t s = eng->add_sequence();
+      const auto ids = random_ids(pc.prompt, 5);
+      int64_t peak_acc = 0, peak_res = 0, prompt_acc = 0, done = 0;
+      auto record = [&] {
+        const CacheMemory m = eng->memory(s);
+        peak_acc = std::max(peak_acc, m.bytes_accounted);
+        peak_res = std::max(peak_res, m.bytes_resident);
+      };
+      std::vector<float> logits;
+      const auto chunks = prefill_chunks(pc.prompt, pc.step);
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const bool last = i + 1 == chunks.size();
+        // No end_prompt flag: the stats are read before it (a prompt-end SnapKV eviction then
+        // runs at the first decode call, KVCache::end_prompt's contract).
+        eng->step(std::vector<SeqChunk>{{s, std::span(ids).subspan(done, chunks[i]), last, false}},
+                  &logits);
+        done += chunks[i];
+        record();
+        if (last) prompt_acc = eng->memory(s).bytes_accounted;
+      }
+      std::vector<int32_t> tok = {7};
+      for (int64_t i = 1; i < pc.gen; ++i) {
+        eng->step(std::vector<SeqChunk>{{s, std::span(tok), true, false}}, &logits);
+        record();
+      }
+      MemoryPlanRequest req;
+      req.model = model_->config();
+      req.cache = cc;
+      req.kv_dtype = kv;
+      req.prompt_tokens = pc.prompt;
+      req.max_new_tokens = pc.gen;
+      req.prefill_step = pc.step;
+      const MemoryPlan p = plan_memory(req);
+      EXPECT_EQ(p.context_tokens, pc.prompt + pc.gen - 1);
+      if (pc.method == "snapkv+skvq") {
+        EXPECT_FALSE(p.cache_bytes_exact);
+        EXPECT_GE(p.cache_bytes_peak, peak_acc);
+      } else {
+        EXPECT_TRUE(p.cache_bytes_exact);
+        EXPECT_EQ(p.cache_bytes_peak, peak_acc);
+        EXPECT_EQ(p.cache_bytes_prompt, prompt_acc);
+      }
+      EXPECT_GE(p.cache_bytes_resident, peak_res);
+      EXPECT_GT(peak_acc, 0);
+    }
+  }
+}
+
+// The workspace figure covers the forward pass's buffers for a chunk (ForwardScratch capacity).
+TEST_F(BatchTest, WorkspaceCoversTheForwardBuffers) {
+  for (DType kv : {DType::kF16, DType::kF32}) {
+    auto caches = model_->make_caches(CacheConfig{});
+    ForwardScratch scratch;
+    std::vector<float> logits;
+    ForwardOptions fo;
+    fo.kv_dtype = kv;
+    const auto ids = random_ids(48, 3);
+    model_->forward(ids.data(), 1, 48, caches, fo, &logits, &scratch);
+    const auto used = static_cast<int64_t>(scratch_bytes(scratch));
+    EXPECT_GE(activation_bytes(model_->config(), 48, 1), used);
+    EXPECT_LE(activation_bytes(model_->config(), 48, 1), 2 * used);  // not a blanket figure
+  }
+}
+
+TEST(MemoryPlan, RefusesBadRequests) {
+  ModelConfig m;
+  m.n_layers = 2;
+  m.n_kv_heads = 2;
+  m.head_dim = 16;
+  m.hidden_size = 64;
+  m.n_heads = 4;
+  m.vocab_size = 100;
+  m.intermediate_size = 88;
+  m.max_position_embeddings = 100;
+  MemoryPlanRequest r;
+  r.model = m;
+  r.prompt_tokens = 0;
+  EXPECT_THROW(plan_memory(r), Error);
+  r.prompt_tokens = 90;
+  r.max_new_tokens = 12;  // 101 positions
+  EXPECT_THROW(plan_memory(r), Error);
+  r.max_new_tokens = 11;
+  EXPECT_NO_THROW(plan_memory(r));
+  r.prefill_step = 0;
+  EXPECT_THROW(plan_memory(r), Error);
+  r.prefill_step = 16;
+  r.cache.method = "bogus";
+  EXPECT_THROW(plan_memory(r), Error);
+}
+
+}  // namespace
+}  // namespace vq

@@ -1,0 +1,269 @@
+// `veloxquant bench`: end-to-end throughput of many sequences per cache method on one engine.
+//
+//   veloxquant bench [--model DIR] [--device cpu|cuda] --methods "full,skvq:bits_key=4:..."
+//       [--batch 8] [--context 32768] [--gen 32] [--prompt-ids random] [--prefill-step N]
+//       [--max-batch-fit] [--plan-only] [--seed S] [--threads N] [--kv-dtype ...] [--json]
+//
+// Per method: --batch sequences of --context random prompt ids (seeded, one prompt per sequence)
+// and --gen generated tokens each (greedy, no EOS stop) through the batch scheduler
+// (veloxquant/batch_generate.h), all of them live at once (refused by the memory planner before
+// anything is allocated when they cannot fit). Prints prefill and decode tokens/s, the caches'
+// peak bytes (summed over the live sequences), the engine's peak device memory (cuda), and the
+// decode bound: decode tokens / ((decode steps x weight bytes per token + cache bytes the decode
+// steps read) / copy bandwidth), the copy bandwidth measured in the same run by the engine
+// (Engine::copy_bandwidth: a memcpy of 256 MiB on the CPU), with the decode figure as % of it.
+// --max-batch-fit runs each method at the largest batch the planner fits in the device's memory
+// (plannable_device_bytes, options.h: cuda, the card's memory less 1 GiB; cpu, the machine's
+// physical memory) instead of --batch;
+// --plan-only prints the planner's figures without running anything.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "options.h"
+#include "veloxquant/batch_generate.h"
+#include "veloxquant/cache_config.h"
+#include "veloxquant/cuda.h"
+#include "veloxquant/dtype.h"
+#include "veloxquant/engine.h"
+#include "veloxquant/error.h"
+#include "veloxquant/memory_plan.h"
+#include "veloxquant/model.h"
+
+namespace vq::cli {
+
+namespace {
+
+struct BenchArgs {
+  std::string model_dir;
+  std::string device = "cpu";
+  std::string methods = "full";
+  int64_t batch = 8;
+  int64_t context = 4096;
+  int64_t gen = 32;
+  std::string prompt_ids = "random";
+  int64_t prefill_step = 512;
+  uint64_t seed = 0;
+  int64_t threads = 0;
+  std::string kv_dtype = "float16";
+  bool max_batch_fit = false;
+  bool plan_only = false;
+  bool no_check_weights = false;
+  bool json = false;
+};
+
+std::vector<std::string> split_methods(const std::string& list) {
+  std::vector<std::string> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  if (out.empty()) throw Error("[bench] --methods: expected at least one cache spec but got none");
+  return out;
+}
+
+struct Row {
+  std::string spec;
+  MemoryPlan plan;
+  int64_t batch = 0;
+  bool ran = false;
+  BatchGenerateResult r;
+  double bandwidth = 0;  // bytes/s
+  double bound_tps = 0;  // decode tokens/s bound
+  int64_t peak_device = 0;
+};
+
+int run_bench(const BenchArgs& a) {
+  const Device dev = parse_device(a.device);
+  if (dev == Device::kCuda && !cuda::is_available()) {
+#ifdef VQ_HAVE_CUDA
+    throw Error("[bench] --device cuda: expected a CUDA device but none was found");
+#else
+    throw Error(
+        "[bench] --device cuda: expected a build with CUDA but this one has none (configure "
+        "with -DVQ_CUDA=ON); use --device cpu");
+#endif
+  }
+  if (a.prompt_ids != "random")
+    throw Error("[bench] --prompt-ids: expected random but got '" + a.prompt_ids + "'");
+  const auto specs = split_methods(a.methods);
+  std::vector<CacheConfig> cfgs;
+  for (const auto& s : specs) cfgs.push_back(parse_cache_arg(s));  // all checked before loading
+  std::string model_dir = a.model_dir;
+  if (model_dir.empty()) model_dir = find_shipped_model();
+  if (model_dir.empty())
+    throw Error("[bench] --model: no model folder given and the shipped model was not found");
+  apply_threads(a.threads);
+  LoadOptions lo;
+  lo.check_finite = !a.no_check_weights;
+  const auto model = Model::load(model_dir, lo);
+  const ModelConfig& mc = model->config();
+  const DType kv = dtype_from_string(a.kv_dtype);
+  const int64_t weight_bytes = static_cast<int64_t>(model->checkpoint_bytes());
+  const int64_t mem = plannable_device_bytes(dev == Device::kCuda);
+
+  std::vector<Row> rows;
+  for (size_t m = 0; m < cfgs.size(); ++m) {
+    Row row;
+    row.spec = specs[m];
+    MemoryPlanRequest req;
+    req.model = mc;
+    req.cache = cfgs[m];
+    req.kv_dtype = kv;
+    req.prompt_tokens = a.context;
+    req.max_new_tokens = a.gen;
+    req.prefill_step = a.prefill_step;
+    req.weight_bytes = weight_bytes;
+    req.device_bytes = mem;
+    req.max_batch = a.batch;
+    row.plan = plan_memory(req);
+    row.batch = a.max_batch_fit ? row.plan.max_sequences : a.batch;
+    if (a.max_batch_fit && row.batch < 1) check_fits(row.plan, req, 1);  // refuses, naming why
+    if (!a.plan_only) {
+      EngineOptions eo;
+      eo.cache = cfgs[m];
+      eo.kv_dtype = kv;
+      if (dev == Device::kCuda) {  // refused before the engine uploads anything
+        req.max_batch = row.batch;
+        check_fits(plan_memory(req), req, row.batch);
+      }
+      std::vector<BatchPrompt> prompts(static_cast<size_t>(row.batch));
+      std::mt19937_64 rng(a.seed);
+      for (auto& p : prompts) {
+        p.ids.resize(static_cast<size_t>(a.context));
+        for (auto& id : p.ids)
+          id = static_cast<int32_t>(rng() % static_cast<uint64_t>(mc.vocab_size));
+      }
+      BatchGenerateOptions bo;
+      bo.gen.max_tokens = a.gen;
+      bo.gen.prefill_step_size = a.prefill_step;
+      bo.gen.stop_at_eos = false;
+      bo.max_batch = row.batch;
+      bo.require_full_batch = true;
+      if (dev == Device::kCuda) {
+        bo.device_bytes = mem;
+        bo.weight_bytes = weight_bytes;
+      }
+      if (!a.json)
+        std::fprintf(stderr, "bench: %s, %lld x %lld tokens + %lld generated...\n",
+                     row.spec.c_str(), static_cast<long long>(row.batch),
+                     static_cast<long long>(a.context), static_cast<long long>(a.gen));
+      auto engine = make_engine(dev, *model, eo);
+      row.r = batch_generate(*engine, prompts, bo);
+      row.bandwidth = engine->copy_bandwidth();
+      row.peak_device = engine->peak_memory_bytes();
+      const double step_bytes = static_cast<double>(row.r.decode_steps) *
+                                    static_cast<double>(model->weight_bytes_per_token()) +
+                                static_cast<double>(row.r.decode_cache_bytes);
+      row.bound_tps = step_bytes > 0
+                          ? static_cast<double>(row.r.decode_tokens) * row.bandwidth / step_bytes
+                          : 0.0;
+      row.ran = true;
+    }
+    rows.push_back(std::move(row));
+  }
+
+  const auto mib = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
+  if (a.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const Row& r : rows) {
+      nlohmann::json j = {{"method", r.spec},
+                          {"batch", r.batch},
+                          {"context", a.context},
+                          {"gen", a.gen},
+                          {"plan",
+                           {{"cache_bytes_per_sequence", r.plan.cache_bytes_peak},
+                            {"cache_bytes_exact", r.plan.cache_bytes_exact},
+                            {"cache_bytes_resident_per_sequence", r.plan.cache_bytes_resident},
+                            {"weight_bytes", r.plan.weight_bytes},
+                            {"workspace_bytes", r.plan.workspace_bytes},
+                            {"device_bytes", mem},
+                            {"max_sequences", r.plan.max_sequences}}}};
+      if (r.ran)
+        j["run"] = {{"prefill_tokens_per_s", r.r.prefill_tokens_per_s()},
+                    {"decode_tokens_per_s", r.r.decode_tokens_per_s()},
+                    {"prefill_seconds", r.r.prefill_seconds},
+                    {"decode_seconds", r.r.decode_seconds},
+                    {"decode_steps", r.r.decode_steps},
+                    {"peak_cache_bytes_resident", r.r.peak_cache_bytes_resident},
+                    {"peak_cache_bytes_accounted", r.r.peak_cache_bytes_accounted},
+                    {"peak_device_bytes", r.peak_device},
+                    {"copy_bandwidth_bytes_per_s", r.bandwidth},
+                    {"decode_bound_tokens_per_s", r.bound_tps},
+                    {"decode_pct_of_bound",
+                     r.bound_tps > 0 ? 100.0 * r.r.decode_tokens_per_s() / r.bound_tps : 0.0}};
+      out.push_back(j);
+    }
+    nlohmann::json top = {{"model", model_dir},
+                          {"device", device_name(dev)},
+                          {"kv_dtype", a.kv_dtype},
+                          {"weight_bytes_per_token", model->weight_bytes_per_token()},
+                          {"methods", out}};
+    std::printf("%s\n", top.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%s on %s: %lld-token prompts + %lld generated, device memory %.0f MiB\n\n",
+              model_dir.c_str(), device_name(dev), static_cast<long long>(a.context),
+              static_cast<long long>(a.gen), mib(mem));
+  std::printf(
+      "| method | batch | fits | cache MiB/seq (plan) | prefill tok/s | decode tok/s | peak cache "
+      "MiB | peak device MiB | bound tok/s | %% of bound |\n"
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const Row& r : rows) {
+    std::printf("| %s | %lld | %lld | %.1f%s |", r.spec.c_str(), static_cast<long long>(r.batch),
+                static_cast<long long>(r.plan.max_sequences), mib(r.plan.cache_bytes_peak),
+                r.plan.cache_bytes_exact ? "" : " (bound)");
+    if (!r.ran) {
+      std::printf(" - | - | - | - | - | - |\n");
+      continue;
+    }
+    std::printf(" %.1f | %.2f | %.1f | %s | %.2f | %.1f |\n", r.r.prefill_tokens_per_s(),
+                r.r.decode_tokens_per_s(), mib(r.r.peak_cache_bytes_resident),
+                r.peak_device > 0 ? std::to_string(mib(r.peak_device)).c_str() : "-", r.bound_tps,
+                r.bound_tps > 0 ? 100.0 * r.r.decode_tokens_per_s() / r.bound_tps : 0);
+  }
+  if (!rows.empty() && rows.front().ran)
+    std::printf("\ncopy bandwidth %.1f GB/s (measured after each run; the bound's divisor)\n",
+                rows.front().bandwidth / 1e9);
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, int* status) {
+  auto* cmd =
+      app.add_subcommand("bench", "prefill/decode tokens/s of many sequences per cache method");
+  auto a = std::make_shared<BenchArgs>();
+  cmd->add_option("--model", a->model_dir, "model folder; default: the shipped model");
+  cmd->add_option("--device", a->device, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--methods", a->methods,
+                  "comma-separated cache specs, e.g. full,skvq:bits_key=4:bits_value=4")
+      ->capture_default_str();
+  add_int_option(cmd, "--batch", &a->batch, 1, 65536, "sequences at once", "bench");
+  add_int_option(cmd, "--context", &a->context, 1, kMaxTokenCount, "prompt tokens per sequence",
+                 "bench");
+  add_int_option(cmd, "--gen", &a->gen, 0, kMaxTokenCount, "generated tokens per sequence",
+                 "bench");
+  cmd->add_option("--prompt-ids", a->prompt_ids, "random (seeded ids in [0, vocab))")
+      ->capture_default_str();
+  add_int_option(cmd, "--prefill-step", &a->prefill_step, 1, kMaxTokenCount,
+                 "tokens per prefill chunk and per prefill step", "bench");
+  add_uint64_option(cmd, "--seed", &a->seed, "prompt ids seed", "bench");
+  add_threads_option(cmd, &a->threads, "bench");
+  cmd->add_option("--kv-dtype", a->kv_dtype, "K/V dtype handed to the caches")
+      ->capture_default_str();
+  cmd->add_flag("--max-batch-fit", a->max_batch_fit,
+                "run each method at the largest batch the memory planner fits (instead of "
+                "--batch)");
+  cmd->add_flag("--plan-only", a->plan_only, "print the planner's figures only; run nothing");
+  cmd->add_flag("--no-check-weights", a->no_check_weights, "skip the NaN/Inf scan at load");
+  cmd->add_flag("--json", a->json, "print one JSON object");
+  cmd->callback([a, status] { *status = run_bench(*a); });
+}
+
+}  // namespace vq::cli
