@@ -14,25 +14,32 @@ dir=${1:-gpu-bundle}
 build=${2:-build-cuda}
 export PATH=$PATH:/usr/local/cuda/bin
 tests=(test_cuda_decode test_cuda_skvq test_cuda_snapkv test_cuda_caches
-  test_cuda_prefill test_backend_ops_cuda)
+  test_cuda_prefill test_backend_ops_cuda test_cuda_engine)
 benches=(cuda_decode_attention cuda_prefill_attention)
 # VQ_BUNDLE=peers: the decode benchmark and the decode test plus the peers' wheels (.whl/:
 # FlashInfer and its tvm-ffi), for a call that checks and times ours beside SDPA and FlashInfer;
 # the full bundle and the checkout together already fill most of the 64 MiB a device call carries
 # (the whole FlashInfer wheel, 18 MB: its JIT needs the CCCL and CUTLASS headers it bundles; with
 # the decode test alone beside the benchmark the call carries ~59 MB)
+# VQ_BUNDLE=engine: the CUDA engine's test alone (test_cuda_engine), no benchmarks: a small
+# bundle for a call that checks the model forward on the GPU (it reads models/ and tests/data/
+# of the checkout: gpu_run.sh sets VQ_SOURCE_DIR)
 peers=0
+if [ "${VQ_BUNDLE:-full}" = engine ]; then
+  tests=(test_cuda_engine)
+  benches=()
+fi
 if [ "${VQ_BUNDLE:-full}" = peers ]; then
   peers=1
   tests=(test_cuda_decode)
   benches=(cuda_decode_attention)
 fi
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DVQ_CUDA=ON -DVQ_NATIVE=OFF >/dev/null
-cmake --build "$build" -j"$(nproc)" --target "${tests[@]+"${tests[@]}"}" "${benches[@]}"
+cmake --build "$build" -j"$(nproc)" --target "${tests[@]+"${tests[@]}"}" "${benches[@]+"${benches[@]}"}"
 stage=$(mktemp -d)
 mkdir -p "$stage/lib" "$dir"
 for t in "${tests[@]+"${tests[@]}"}"; do strip -o "$stage/$t" "$build/tests/$t"; done
-for b in "${benches[@]}"; do strip -o "$stage/$b" "$build/bench/$b"; done
+for b in "${benches[@]+"${benches[@]}"}"; do strip -o "$stage/$b" "$build/bench/$b"; done
 for lib in libxxhash.so.0 libgomp.so.1; do
   cp -L "$(ldconfig -p | awk -v l="$lib" '$1 == l { print $NF; exit }')" "$stage/lib/"
 done

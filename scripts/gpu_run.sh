@@ -16,6 +16,12 @@ out=${OUT:-$here/out}
 mkdir -p "$out" /tmp/vq-gpu
 tar xJf "$here/gpu.txz" -C /tmp/vq-gpu
 export LD_LIBRARY_PATH=/tmp/vq-gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# libcublas.so.13 (the CUDA engine's products, linked dynamically): the toolkit's, else PyTorch's
+for d in /usr/local/cuda/lib64 /opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib; do
+  [ -e "$d/libcublas.so.13" ] && LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d
+done
+# the engine test reads the shipped model and the golden prompts from the checkout
+export VQ_SOURCE_DIR=$root VQ_MODEL_DIR=$root/models/vq-mini-llama
 # a script: the bundle's copy (gpu_bundle.sh packs the ones of its build) if any, else the checkout's
 script() { if [ -f "$here/$(basename "$1")" ]; then echo "$here/$(basename "$1")"; else echo "$root/$1"; fi; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
@@ -26,7 +32,7 @@ status=0
 full=1
 [ -x ./cuda_prefill_attention ] || full=0
 for t in test_cuda_decode test_cuda_skvq test_cuda_snapkv test_cuda_caches test_cuda_prefill \
-  test_backend_ops_cuda; do
+  test_backend_ops_cuda test_cuda_engine; do
   [ -x "./$t" ] || continue
   SECONDS=0
   timeout 300 "./$t" >"$out/$t.txt" 2>&1
@@ -35,6 +41,11 @@ for t in test_cuda_decode test_cuda_skvq test_cuda_snapkv test_cuda_caches test_
   [ "$rc" -eq 0 ] || status=1
   grep -E "^\[(  FAILED|  PASSED|  SKIPPED)|worst|Failure|exception" "$out/$t.txt" | head -20
 done
+# an engine bundle (VQ_BUNDLE=engine) holds test_cuda_engine alone: no benchmark, no sanitizer
+if [ ! -x ./cuda_decode_attention ]; then
+  echo "engine bundle: benchmarks and sanitizer left out; status=$status"
+  exit $status
+fi
 timeout 300 ./cuda_decode_attention --csv "$out/bench.csv" --repeats 20 >"$out/decode.txt" 2>&1
 echo "decode bench rc=$?"
 (cd "$root" && PYTHONUNBUFFERED=1 timeout 300 python3 "$(script tools/bench_sdpa.py)" \

@@ -175,6 +175,14 @@ class Model {
     std::vector<float> attn_norm, mlp_norm;  // [hidden] fp32 copies (small)
     Linear q, k, v, o, gate, up, down;
   };
+  // The weights as loaded (file dtype, read in place), for engines that upload them
+  // (src/model/engine_cuda.cpp); lm_head() is embedding() when the embeddings are tied.
+  const std::vector<Layer>& layers() const { return layers_; }
+  const Linear& embedding() const { return embed_; }
+  const Linear& lm_head() const { return lm_head_; }
+  const std::vector<float>& final_norm() const { return final_norm_; }
+  // rope_inv_freq(config().rope, head_dim): what forward() rotates with.
+  const std::vector<float>& inv_freq() const { return inv_freq_; }
 
  private:
   Model() = default;

@@ -5,6 +5,7 @@
 // DecodeContext) is plain C++ and is built in this configuration too.
 #include <string>
 
+#include "cuda/model_ops.cuh"
 #include "veloxquant/cuda.h"
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
@@ -152,6 +153,57 @@ void prefill_attention(const float*, int64_t, int64_t, const DeviceCacheView&,
 std::vector<float> prefill_attention_host(const std::vector<float>&, int64_t, int64_t,
                                           const DeviceCacheView&, const AttentionParams&) {
   not_built("cuda::prefill_attention_host");
+}
+
+// ---- the CUDA engine's forward ops (cuda/model_ops.cuh) ---------------------------------------
+
+void embed_rows(const int32_t*, int64_t, const void*, DType, int64_t, float*, Stream) {
+  not_built("cuda::embed_rows");
+}
+void add_rmsnorm(const AddNormParams&, Stream) {
+  not_built("cuda::add_rmsnorm");
+}
+void qkv_rope(const QkvRopeParams&, Stream) {
+  not_built("cuda::qkv_rope");
+}
+void heads_to_tokens(const float*, const StepTokens&, int64_t, int64_t, void*, DType, Stream) {
+  not_built("cuda::heads_to_tokens");
+}
+void swiglu(const float*, const float*, const float*, const float*, int64_t, int64_t, void*, DType,
+            Stream) {
+  not_built("cuda::swiglu");
+}
+void add_bias(float*, const float*, int64_t, int64_t, Stream) {
+  not_built("cuda::add_bias");
+}
+void gather_heads(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, Stream) {
+  not_built("cuda::gather_heads");
+}
+void scatter_heads(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, Stream) {
+  not_built("cuda::scatter_heads");
+}
+Blas::Blas(Stream) {
+  not_built("cuda::Blas");
+}
+Blas::~Blas() = default;
+void Blas::gemm(const void*, DType, int64_t, int64_t, const void*, int64_t, float*) {
+  not_built("cuda::Blas::gemm");
+}
+Stream create_stream() {
+  not_built("cuda::create_stream");
+}
+void destroy_stream(Stream) {}
+void copy_to_device(void*, const void*, size_t, Stream) {
+  not_built("cuda::copy_to_device");
+}
+void copy_to_host(void*, const void*, size_t, Stream) {
+  not_built("cuda::copy_to_host");
+}
+void device_memory(size_t*, size_t*) {
+  not_built("cuda::device_memory");
+}
+double device_copy_bandwidth(int64_t, Stream) {
+  not_built("cuda::device_copy_bandwidth");
 }
 
 }  // namespace vq::cuda
