@@ -46,6 +46,11 @@ def packed_bits(f):
     g = int(f.get("group_size", f.get("group", 32)))
     kb = float(f.get("bits_key", 2)) + 2 * meta / g
     vb = float(f.get("bits_value", 2)) + 2 * meta / g
+    if f.get("key_axis") == "channel":
+        # Channel-axis keys (packed.h): ceil(2D / (window - n_sink)) metadata slots per record,
+        # D = 64 on the shipped model.
+        d, w, s = 64, int(f.get("window", 128)), int(f.get("n_sink", 5))
+        kb = float(f.get("bits_key", 2)) + -(-2 * d // (w - s)) * meta / d
     return (kb + vb) / 2
 
 
