@@ -163,12 +163,21 @@ TEST(BinaryIo, OtherMethodVersionAndDataAreRefused) {
   // Any method accepted when none is expected.
   EXPECT_EQ(StateReader::from_bytes(sample_frame("snapkv"), "").method(), "snapkv");
 
-  // Version 2 with a valid checksum: refused as unsupported, not as corrupt.
-  std::string v2 = sample_frame();
-  v2[8] = 2;
-  const uint64_t sum = XXH64(v2.data(), v2.size() - 8, 0);
-  for (size_t i = 0; i < 8; ++i) v2[v2.size() - 8 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
-  expect_error([&] { StateReader::from_bytes(v2, "full"); }, "unsupported version");
+  // A version past kStateFormatVersionMax (3) with a valid checksum: refused as unsupported, not
+  // as corrupt; version 2 (skvq_key_axis=channel states) is read and reported.
+  for (const char v : {char{2}, char{3}, char{0}}) {
+    std::string fr = sample_frame();
+    fr[8] = v;
+    const uint64_t sum = XXH64(fr.data(), fr.size() - 8, 0);
+    for (size_t i = 0; i < 8; ++i)
+      fr[fr.size() - 8 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
+    if (v == 2)
+      EXPECT_EQ(StateReader::from_bytes(fr, "full").version(), 2u);
+    else
+      expect_error([&] { StateReader::from_bytes(fr, "full"); }, "unsupported version");
+  }
+  StateWriter w;
+  expect_error([&] { w.set_version(3); }, "[save_state] version: expected 1..2 but got 3");
 
   expect_error([] { StateReader::from_bytes("this is not a cache state file at all", "full"); },
                "expected a veloxquant state file");

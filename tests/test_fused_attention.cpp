@@ -203,6 +203,65 @@ TEST(FusedAttention, SkvqOptionsBitsMetaRotationWindows) {
   std::printf("[fused] %d option cases, worst share of the bound used: %.3g\n", n, worst);
 }
 
+// Channel-axis keys (skvq_key_axis=channel: per-channel metadata per chunk, packed.h): the
+// channel path of vq::attention (the query scaled per channel once per chunk, then dots with the
+// codes) meets the same bound (its logit depth 2D + 2 roundings per |q_c|(|c s_c| + |lo_c|) term
+// split over two sums of D: within D + 8), decode-sized and prefill-sized calls, every code width,
+// metadata type, rotation, GQA ratio, and lengths before, at and across chunk ends.
+TEST(FusedAttention, ChannelAxisKeys) {
+  double worst = 0;
+  int n = 0;
+  for (int variant = 0; variant < 14; ++variant) {
+    Case cs;
+    cs.cfg = method_cfg("skvq");
+    cs.cfg.skvq_key_axis = QuantAxis::kChannel;
+    cs.len = std::vector<int64_t>{129, 31, 300, 1, 64, 97, 129}[variant % 7];
+    cs.n_rep = std::vector<int64_t>{4, 1, 8}[variant % 3];
+    cs.d = variant % 2 ? 128 : 64;
+    cs.n_q = std::min<int64_t>(cs.len, variant % 4 == 3 ? 33 : (variant % 3 == 0 ? 1 : 7));
+    cs.cfg.skvq_bits_key = std::vector<double>{2, 3, 4, 1.5, 8, 1, 2}[variant % 7];
+    switch (variant) {
+      case 1:
+        cs.cfg.skvq_rotation = Rotation::kHadamard;
+        break;
+      case 2:
+        cs.cfg.skvq_meta = MetaType::kFP8E4M3;
+        cs.cfg.skvq_bits_value = 1.5;
+        break;
+      case 3:
+        cs.cfg.skvq_meta = MetaType::kF32;
+        cs.window = 40;
+        break;
+      case 4:
+        cs.cfg.skvq_recent = 9;
+        cs.cfg.skvq_window = 3;
+        cs.cfg.skvq_n_sink = 1;
+        break;
+      case 5:
+        cs.cfg.skvq_reorder = false;
+        cs.batch = 2;
+        cs.dtype = DType::kBF16;
+        break;
+      case 6:
+        cs.d = 96;
+        cs.cfg.skvq_n_sink = 0;
+        break;
+      case 8:
+        cs.cfg.skvq_clip_search = false;
+        cs.cfg.skvq_bits_value = 4;
+        cs.dtype = DType::kF32;
+        break;
+      case 9:
+        cs.cfg.skvq_window = 128;
+        cs.cfg.skvq_n_sink = 5;
+        break;
+    }
+    worst = std::max(worst, run_case(cs, 9000 + variant));
+    ++n;
+  }
+  std::printf("[fused] %d channel-axis cases, worst share of the bound used: %.3g\n", n, worst);
+}
+
 // Prefill-sized calls (>= 8 queries per head) take the lanes-over-queries tiles for
 // full-precision rows (mixed with packed segments for SKVQ/SnapKV): same bound.
 TEST(FusedAttention, ManyQueriesPerHead) {

@@ -513,6 +513,121 @@ TEST(GroupQuant, RecordsDecodeToReferenceDequantization) {
     }
 }
 
+// Channel-axis chunks (packed.h, skvq_key_axis=channel): channel c over the chunk's n rows is one
+// group of the scalar reference quantizer; every code, the metadata bits, the padding slots,
+// dequantize_row and the byte formula are checked exactly, for every width and metadata type,
+// chunks at and above the format's shortest and metadata slots per record from 1 to 12.
+TEST(GroupQuant, ChannelChunkRecordsMatchPerChannelReferenceExactly) {
+  struct Shape {
+    int64_t n, d, min_rows;
+  };
+  int cases = 0;
+  for (const Shape sh : {Shape{123, 64, 123}, Shape{128, 64, 123}, Shape{28, 64, 28},
+                         Shape{17, 96, 17}, Shape{256, 128, 256}, Shape{5, 3, 4}})
+    for (double bits : {1.0, 1.5, 2.0, 3.0, 4.0, 8.0})
+      for (MetaType m : {MetaType::kF16, MetaType::kF32, MetaType::kFP8E4M3})
+        for (bool clip : {true, false}) {
+          const int64_t n = sh.n, d = sh.d;
+          const auto x = heterogeneous(n, d, 77 + static_cast<uint64_t>(cases));
+          const GroupQuantParams p{bits, 32, clip, clip ? 1.0f : 0.9f, m};
+          const PackedRowFormat f = make_channel_row_format(d, bits, sh.min_rows, m);
+          ASSERT_EQ(f.n_groups, (2 * d + sh.min_rows - 1) / sh.min_rows);
+          ASSERT_EQ(f.row_stride, f.code_bytes + f.n_groups * meta_size(m));
+          std::vector<uint8_t> recs(static_cast<size_t>(n * f.row_stride), 0xAB);
+          quantize_chunk_to_records(x.data(), n, f, p, recs.data(), f.row_stride);
+          PackedTensor t;
+          t.data = recs.data();
+          t.fmt = f;
+          std::vector<float> row(static_cast<size_t>(d));
+          std::vector<std::vector<float>> deq(static_cast<size_t>(n), row);
+          for (int64_t r = 0; r < n; ++r) dequantize_row(t, 0, 0, r, deq[r].data());
+          for (int64_t c = 0; c < d; ++c) {
+            std::vector<float> col(static_cast<size_t>(n));
+            for (int64_t r = 0; r < n; ++r) col[r] = x[r * d + c];
+            GroupQuantParams pc = p;
+            pc.group_size = n;
+            std::vector<uint8_t> codes(static_cast<size_t>(n));
+            float lo = 0, sc = 0;
+            group_quantize_reference(col.data(), 1, n, pc, codes.data(), &lo, &sc);
+            ASSERT_TRUE(same_bits(channel_meta(recs.data(), f.row_stride, f, 2 * c), lo));
+            ASSERT_TRUE(same_bits(channel_meta(recs.data(), f.row_stride, f, 2 * c + 1), sc));
+            for (int64_t r = 0; r < n; ++r) {
+              ASSERT_EQ(code_at(recs.data() + r * f.row_stride, c, f.spec), codes[r])
+                  << "bits " << bits << " row " << r << " channel " << c;
+              ASSERT_TRUE(same_bits(deq[r][c], dequantize_code(codes[r], sc, lo)));
+            }
+          }
+          // Slots past the 2d elements are zero bytes; the codes' padding too.
+          for (int64_t e = 2 * d; e < n * f.n_groups; ++e) {
+            const uint8_t* slot = recs.data() + (e / f.n_groups) * f.row_stride + f.code_bytes +
+                                  (e % f.n_groups) * meta_size(m);
+            for (int i = 0; i < meta_size(m); ++i) ASSERT_EQ(slot[i], 0) << "slot " << e;
+          }
+          const SkvqBytes b = skvq_channel_bytes(n, f);
+          EXPECT_EQ(b.code_bytes,
+                    f.spec.ternary() ? n * ((d + 4) / 5) : (n * d * f.spec.bits() + 7) / 8);
+          EXPECT_EQ(b.meta_bytes, n * f.n_groups * meta_size(m));
+          ++cases;
+        }
+  EXPECT_EQ(cases, 6 * 6 * 3 * 2);
+}
+
+TEST(GroupQuant, ChannelChunkRefusesShortChunksAndOtherFormats) {
+  const PackedRowFormat f = make_channel_row_format(64, 2, 32, MetaType::kF16);  // 4 slots
+  const auto x = gaussian(64 * 64, 5);
+  std::vector<uint8_t> recs(static_cast<size_t>(64 * f.row_stride));
+  const GroupQuantParams p{2, 32, true, 1.0f, MetaType::kF16};
+  try {
+    quantize_chunk_to_records(x.data(), 31, f, p, recs.data(), f.row_stride);
+    ADD_FAILURE() << "a 31-row chunk of a 32-row format accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected a chunk of at least 32 rows"), std::string::npos)
+        << e.what();
+  }
+  const GroupQuantParams p4{4, 32, true, 1.0f, MetaType::kF16};
+  EXPECT_THROW(quantize_chunk_to_records(x.data(), 32, f, p4, recs.data(), f.row_stride), Error);
+  const PackedRowFormat tok = make_row_format(64, 2, 32, MetaType::kF16);
+  EXPECT_THROW(quantize_chunk_to_records(x.data(), 32, tok, p, recs.data(), tok.row_stride), Error);
+  std::vector<float> out(64);
+  EXPECT_THROW(dequantize_record(recs.data(), f, out.data()), Error);
+  EXPECT_THROW(make_channel_row_format(64, 2, 0, MetaType::kF16), Error);
+}
+
+// Keys shaped like an LLM's (each channel a fixed offset, outlier channels 10x larger, small
+// per-token spread): one (lo, scale) per channel over the chunk beats groups of 32 channels per
+// row at 2 bits by far, in fewer bytes per row.
+TEST(GroupQuant, ChannelAxisBeatsTokenAxisOnChannelOffsets) {
+  const int64_t n = 128, d = 64;
+  auto x = gaussian(n * d, 99, 0.5f);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c)
+      x[r * d + c] += 3.0f * static_cast<float>(c % 5 - 2) * (c % 11 == 0 ? 10.0f : 1.0f);
+  const GroupQuantParams p{2, 32, true, 1.0f, MetaType::kF16};
+  const PackedRowFormat fc = make_channel_row_format(d, 2, n, MetaType::kF16);
+  const PackedRowFormat ft = make_row_format(d, 2, 32, MetaType::kF16);
+  std::vector<uint8_t> rc(static_cast<size_t>(n * fc.row_stride)),
+      rt(static_cast<size_t>(n * ft.row_stride));
+  quantize_chunk_to_records(x.data(), n, fc, p, rc.data(), fc.row_stride);
+  quantize_to_records(x.data(), n, ft, p, rt.data(), ft.row_stride, false);
+  PackedTensor tc, tt;
+  tc.data = rc.data();
+  tc.fmt = fc;
+  tt.data = rt.data();
+  tt.fmt = ft;
+  double ec = 0, et = 0;
+  std::vector<float> a(static_cast<size_t>(d)), b(static_cast<size_t>(d));
+  for (int64_t r = 0; r < n; ++r) {
+    dequantize_row(tc, 0, 0, r, a.data());
+    dequantize_row(tt, 0, 0, r, b.data());
+    for (int64_t c = 0; c < d; ++c) {
+      ec += std::pow(a[c] - x[r * d + c], 2);
+      et += std::pow(b[c] - x[r * d + c], 2);
+    }
+  }
+  EXPECT_LT(ec, 0.25 * et) << "channel " << ec << " token " << et;
+  EXPECT_LT(fc.row_stride, ft.row_stride);  // 16 + 2 vs 16 + 8 bytes per row
+}
+
 TEST(GroupQuant, DeterministicAndBadParamsRefused) {
   const auto x = gaussian(64, 1);
   GroupQuantParams p;

@@ -983,3 +983,119 @@ TEST(SkvqCache, ResidentMemoryFollowsAccountedBytes) {
 
 }  // namespace
 }  // namespace vq
+
+// ---- skvq_key_axis=channel (per-channel keys over each chunk, packed.h) ---------------------
+
+namespace vq {
+namespace {
+
+CacheConfig channel_cfg() {
+  CacheConfig c = small_cfg();
+  c.skvq_key_axis = QuantAxis::kChannel;
+  return c;
+}
+
+TEST(SkvqCacheChannel, WorkedExampleByteFigures) {
+  // Chunk 0 holds rows 4..15 (12 rows: the format's shortest), chunk 1 rows 16..31. Each record:
+  // 64 2-bit codes (16 bytes) + ceil(2 * 64 / 12) = 11 fp16 metadata slots (22 bytes).
+  auto c = make(channel_cfg());
+  const Tensor k = hetero(1, 2, 35, 64, 1), v = hetero(1, 2, 35, 64, 2);
+  c->update_and_fetch(k.view(), v.view());
+  EXPECT_EQ(figure(*c, "compressed_key_bytes"), 2 * (12 * (16 + 22) + 16 * (16 + 22)));
+  EXPECT_EQ(figure(*c, "compressed_value_bytes"), 1792);  // values per token, as before
+  EXPECT_EQ(figure(*c, "residual_fp16_bytes"), 3584);
+  const CacheStats st = c->stats();
+  EXPECT_EQ(st.bytes_accounted, 2128 + 1792 + 3584 + 1024);
+}
+
+TEST(SkvqCacheChannel, OneShotEqualsTokenByTokenBitForBit) {
+  const Tensor k = hetero(2, 2, 70, 64, 11), v = hetero(2, 2, 70, 64, 12);
+  auto a = make(channel_cfg()), b = make(channel_cfg());
+  a->update_and_fetch(k.view(), v.view());
+  feed(*b, k, v);
+  EXPECT_EQ(state_of(*a), state_of(*b));
+  // Sinks and the tail are exact, packed rows are not (their codes: test_group_quant.cpp).
+  const auto rows = rows_of(a->stored_view(), 1, 1);
+  ASSERT_EQ(rows.size(), 70u);
+  for (int64_t s : {0, 3, 64, 69}) EXPECT_TRUE(row_equals_input(rows[s], k, 1, 1, s)) << s;
+  EXPECT_FALSE(row_equals_input(rows[10], k, 1, 1, 10));
+}
+
+TEST(SkvqCacheChannel, SaveLoadContinuesBitIdenticallyInStateVersion2) {
+  for (bool rotate : {false, true}) {
+    CacheConfig cfg = channel_cfg();
+    if (rotate) cfg.skvq_rotation = Rotation::kHadamard;
+    const Tensor k = hetero(2, 2, 90, 64, 180), v = hetero(2, 2, 90, 64, 181);
+    auto a = make(cfg);
+    a->update_and_fetch(k.view().slice_tokens(0, 41), v.view().slice_tokens(0, 41));
+    const std::string saved = state_of(*a);
+    EXPECT_EQ(saved[8], 2) << "channel-axis states are frame version 2";
+    std::istringstream in(saved);
+    auto b = make(cfg);
+    b->load(in);
+    EXPECT_EQ(state_of(*b), saved);
+    for (int64_t s = 41; s < 90; s += 7) {
+      const int64_t e = std::min<int64_t>(90, s + 7);
+      const CacheView va =
+          a->update_and_fetch(k.view().slice_tokens(s, e), v.view().slice_tokens(s, e));
+      const CacheView vb =
+          b->update_and_fetch(k.view().slice_tokens(s, e), v.view().slice_tokens(s, e));
+      EXPECT_EQ(rows_of(va, 1, 0), rows_of(vb, 1, 0));
+    }
+    EXPECT_EQ(state_of(*a), state_of(*b));
+    EXPECT_EQ(a->stats().figures, b->stats().figures);
+  }
+  // Token-axis states stay version 1 (tests/test_state_compat.cpp: old files resave identically).
+  auto t = make(small_cfg());
+  t->update_and_fetch(hetero(1, 2, 20, 64, 3).view(), hetero(1, 2, 20, 64, 4).view());
+  EXPECT_EQ(state_of(*t)[8], 1);
+}
+
+TEST(SkvqCacheChannel, StateOfTheOtherAxisRefusedNamingIt) {
+  const Tensor k = hetero(1, 2, 40, 64, 190), v = hetero(1, 2, 40, 64, 191);
+  for (int dir = 0; dir < 2; ++dir) {
+    auto a = make(dir == 0 ? small_cfg() : channel_cfg());
+    auto b = make(dir == 0 ? channel_cfg() : small_cfg());
+    a->update_and_fetch(k.view(), v.view());
+    b->update_and_fetch(k.view().slice_tokens(0, 20), v.view().slice_tokens(0, 20));
+    const std::string before = state_of(*b);
+    try {
+      std::istringstream in(state_of(*a));
+      b->load(in);
+      ADD_FAILURE() << "state of the other axis accepted";
+    } catch (const Error& e) {
+      const std::string want = dir == 0 ? "[skvq] state was saved with skvq_key_axis=token but "
+                                          "this cache has channel; nothing was changed"
+                                        : "[skvq] state was saved with skvq_key_axis=channel but "
+                                          "this cache has token; nothing was changed";
+      EXPECT_EQ(std::string(e.what()), want);
+    }
+    EXPECT_EQ(state_of(*b), before);
+  }
+}
+
+TEST(SkvqCacheChannel, OptionParsedAndRefusedWhereUnsupported) {
+  const CacheConfig c = parse_cache_arg("skvq:bits_key=2:key_axis=channel");
+  EXPECT_EQ(c.skvq_key_axis, QuantAxis::kChannel);
+  EXPECT_EQ(config_from_json(config_to_json(c)).skvq_key_axis, QuantAxis::kChannel);
+  try {
+    (void)parse_cache_arg("skvq:key_axis=rows");
+    ADD_FAILURE() << "key_axis=rows accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("skvq_key_axis"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("channel"), std::string::npos) << e.what();
+  }
+  CacheConfig sk = channel_cfg();
+  sk.method = "snapkv+skvq";
+  try {
+    (void)make_cache(sk);
+    ADD_FAILURE() << "snapkv+skvq with channel-axis keys accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[snapkv+skvq] skvq_key_axis: expected token"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace vq

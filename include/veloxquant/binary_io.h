@@ -18,7 +18,11 @@
 namespace vq {
 
 inline constexpr char kStateMagic[8] = {'V', 'Q', 'K', 'V', 'S', 'T', 'A', 'T'};
+// The version a frame gets unless its writer asks for a later one (set_version); readers accept
+// 1 .. kStateFormatVersionMax and hand the version to the cache's parser. Version 2 (an SKVQ
+// cache with skvq_key_axis=channel) adds fields only such caches write.
 inline constexpr uint32_t kStateFormatVersion = 1;
+inline constexpr uint32_t kStateFormatVersionMax = 2;
 
 // Builds a payload in memory, then writes one frame.
 class StateWriter {
@@ -42,6 +46,9 @@ class StateWriter {
   // u8 dtype, 4 x i64 shape, then the elements in [B, H, S, D] row-major order (any strides).
   void tensor(const TensorView& t);
 
+  // The frame's version, kStateFormatVersion .. kStateFormatVersionMax (throws otherwise).
+  void set_version(uint32_t v);
+  uint32_t version() const { return version_; }
   const std::string& payload() const { return payload_; }
   // Writes the frame; throws vq::Error "[save_state] ..." if the stream fails.
   void write(std::ostream& out, const std::string& method) const;
@@ -50,6 +57,7 @@ class StateWriter {
 
  private:
   std::string payload_;
+  uint32_t version_ = kStateFormatVersion;
 };
 
 // Reads and verifies one frame, then hands out bounds-checked fields of its payload. Every

@@ -28,6 +28,10 @@ enum class PoolKind : uint8_t { kMax, kAvg };
 enum class SnapEvictAt : uint8_t { kPrefillCall, kPromptEnd };
 enum class MetaType : uint8_t { kF16, kF32, kFP8E4M3 };
 enum class Rotation : uint8_t { kNone, kHadamard };
+// Along which axis SKVQ quantizes keys: kToken = groups of skvq_group_size channels within each
+// row (the seed); kChannel = each channel over the rows of its flushed chunk (KIVI's layout, one
+// (lo, scale) per (chunk, channel); see packed.h).
+enum class QuantAxis : uint8_t { kToken, kChannel };
 
 struct CacheConfig {
   // "full", "snapkv", "skvq", "snapkv+skvq", "streaming"
@@ -60,7 +64,8 @@ struct CacheConfig {
   Rotation skvq_rotation = Rotation::kNone;
   bool skvq_rotate_values = false;
   uint64_t skvq_rotation_seed = 0x5eed;
-  std::string skvq_perm_file;  // calibrated permutations (empty = from chunk 0)
+  std::string skvq_perm_file;                   // calibrated permutations (empty = from chunk 0)
+  QuantAxis skvq_key_axis = QuantAxis::kToken;  // values always per token
 
   // StreamingLLM-style baseline: sinks + most recent window.
   int64_t streaming_n_sink = 4;

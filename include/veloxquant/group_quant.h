@@ -55,6 +55,14 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
                          const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride,
                          bool parallel = true);
 
+// Quantizes one chunk of n rows (stored channel order, x [n, d]) into channel-axis records of
+// format f (packed.h): channel c over the n rows is one group of the quantizer above (the same
+// clip search, rounding and metadata rounding), its codes go to each row's record and its
+// (lo, scale) to the chunk's metadata slots. Needs n * f.n_groups >= 2d (the chunk holds its
+// metadata). Bit-identical to group_quantize_reference on the transposed chunk.
+void quantize_chunk_to_records(const float* x, int64_t n, const PackedRowFormat& f,
+                               const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride);
+
 // SKVQ byte formula for n rows of d channels (docs/design.md §C4): codes ceil(n*d*bits/8) (ternary:
 // n*ceil(d/5), five codes per byte within a row) + metadata n*ceil(d/g)*2*meta_size.
 struct SkvqBytes {
@@ -64,6 +72,9 @@ struct SkvqBytes {
 };
 SkvqBytes skvq_compressed_bytes(int64_t n, int64_t d, double bits, int64_t group_size,
                                 MetaType meta = MetaType::kF16);
+// The same for one chunk of n channel-axis rows of format f: codes as above, metadata the
+// n * f.n_groups elements its records hold (2D used, the rest padding, counted: they are stored).
+SkvqBytes skvq_channel_bytes(int64_t n, const PackedRowFormat& f);
 inline int64_t skvq_fp16_bytes(int64_t n, int64_t d) {
   return n * d * 2;
 }

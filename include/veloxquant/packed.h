@@ -328,7 +328,8 @@ struct PackedRowFormat {
   int32_t row_stride = 0;  // bytes per record: code_bytes + n_groups * 2 * meta_size(meta)
   CodeSpec spec;
   MetaType meta = MetaType::kF16;
-  uint8_t pad_[2] = {0, 0};
+  QuantAxis axis = QuantAxis::kToken;  // kChannel: the chunk layout below
+  uint8_t pad_ = 0;
 };
 static_assert(sizeof(PackedRowFormat) == 24, "PackedRowFormat layout is part of the format");
 static_assert(offsetof(PackedRowFormat, head_dim) == 0 &&
@@ -336,15 +337,36 @@ static_assert(offsetof(PackedRowFormat, head_dim) == 0 &&
                   offsetof(PackedRowFormat, n_groups) == 8 &&
                   offsetof(PackedRowFormat, code_bytes) == 12 &&
                   offsetof(PackedRowFormat, row_stride) == 16 &&
-                  offsetof(PackedRowFormat, spec) == 20 && offsetof(PackedRowFormat, meta) == 21,
+                  offsetof(PackedRowFormat, spec) == 20 && offsetof(PackedRowFormat, meta) == 21 &&
+                  offsetof(PackedRowFormat, axis) == 22,
               "PackedRowFormat field offsets are part of the format");
-static_assert(sizeof(MetaType) == 1, "MetaType is one byte in PackedRowFormat");
+static_assert(sizeof(MetaType) == 1 && sizeof(QuantAxis) == 1,
+              "MetaType and QuantAxis are one byte each in PackedRowFormat");
 static_assert(std::is_trivially_copyable_v<PackedRowFormat>);
 // The metadata element sizes the record layout (and the kernels' word loads) assume.
 static_assert(sizeof(uint16_t) == 2 && sizeof(float) == 4 && sizeof(uint32_t) == 4);
 
 // Throws vq::Error on a bad head_dim, group size or bits.
 PackedRowFormat make_row_format(int64_t head_dim, double bits, int64_t group_size, MetaType meta);
+
+// Channel-axis records (axis == QuantAxis::kChannel, the keys of skvq_key_axis=channel): the rows
+// of one flushed chunk share one (lo, scale) per stored channel, fitted over the chunk's rows.
+// Record t of a chunk holds row t's D codes (as above), then n_groups metadata *elements* (not
+// pairs): element e of the chunk's list (e = 2c: lo of stored channel c, e = 2c + 1: its scale)
+// is slot e % n_groups of record e / n_groups; slots past 2D are zero. n_groups =
+// ceil(2D / min_chunk_rows), so every chunk of at least min_chunk_rows rows holds its list;
+// group_size = D (one "group" per row: nothing is shared along a row). row_stride = code_bytes +
+// n_groups * meta_size. x_hat[t][c] = code[t][c] * scale_c + lo_c (two roundings). A
+// PackedTensor of channel records starts at its chunk's first record and covers that one chunk
+// (the SKVQ cache gives one packed segment per chunk on the CPU backend).
+PackedRowFormat make_channel_row_format(int64_t head_dim, double bits, int64_t min_chunk_rows,
+                                        MetaType meta);
+
+// Metadata element e of the chunk whose first record is at chunk0 (records `stride` bytes apart).
+VQ_HD inline float channel_meta(const uint8_t* chunk0, int64_t stride, const PackedRowFormat& f,
+                                int64_t e) {
+  return meta_load(chunk0 + (e / f.n_groups) * stride + f.code_bytes, e % f.n_groups, f.meta);
+}
 
 // Byte offset, within a record, of metadata element e (2*g: lo of group g, 2*g+1: its scale).
 VQ_HD inline int64_t record_meta_offset(const PackedRowFormat& f, int64_t e = 0) {
@@ -354,7 +376,8 @@ VQ_HD inline int64_t record_meta_offset(const PackedRowFormat& f, int64_t e = 0)
 VQ_HD inline const void* record_meta(const uint8_t* record, const PackedRowFormat& f) {
   return record + f.code_bytes;
 }
-// Stored channel j of a record, dequantized (code * scale + lo of its group, two roundings).
+// Stored channel j of a token-axis record, dequantized (code * scale + lo of its group, two
+// roundings). Channel-axis records need their chunk: dequantize_row.
 VQ_HD inline float record_value(const uint8_t* record, const PackedRowFormat& f, int64_t j) {
   const int64_t g = j / f.group_size;
   const void* meta = record_meta(record, f);
@@ -392,12 +415,14 @@ struct PackedSegment {
 static_assert(std::is_trivially_copyable_v<PackedSegment>,
               "PackedSegment is plain data so it can be copied to a device as is");
 
-// Dequantizes one record to fp32 in the *stored* (transformed) channel order: out[j] =
-// code_j * scale_g + lo_g, computed in fp32 with one rounding per operation.
+// Dequantizes one token-axis record to fp32 in the *stored* (transformed) channel order: out[j] =
+// code_j * scale_g + lo_g, computed in fp32 with one rounding per operation. Throws on a
+// channel-axis format (its metadata lives in the chunk: dequantize_row).
 void dequantize_record(const uint8_t* record, const PackedRowFormat& fmt, float* out);
 
 // Dequantizes row (b, h, i) of t to fp32 in the original channel order (inverse permutation,
-// inverse rotation). out: [D].
+// inverse rotation); channel-axis rows with their chunk's metadata (t starts at the chunk).
+// out: [D].
 void dequantize_row(const PackedTensor& t, int64_t b, int64_t h, int64_t i, float* out);
 
 // Maps a row from stored order back to original order in place (tmp: [D] scratch).

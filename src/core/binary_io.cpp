@@ -167,11 +167,18 @@ void StateWriter::tensor(const TensorView& t) {
       }
 }
 
+void StateWriter::set_version(uint32_t v) {
+  VQ_CHECK(v >= kStateFormatVersion && v <= kStateFormatVersionMax,
+           "[save_state] version: expected " + std::to_string(kStateFormatVersion) + ".." +
+               std::to_string(kStateFormatVersionMax) + " but got " + std::to_string(v));
+  version_ = v;
+}
+
 std::string StateWriter::frame(const std::string& method) const {
   VQ_CHECK(method.size() <= 255,
            "[save_state] expected a method name of at most 255 bytes but got " +
                std::to_string(method.size()));
-  std::string f = frame_prefix(kStateFormatVersion, method, payload_.size());
+  std::string f = frame_prefix(version_, method, payload_.size());
   f += payload_;
   const uint64_t sum = XXH64(f.data(), f.size(), 0);
   put_le<uint64_t>(f, sum);
@@ -217,9 +224,10 @@ void StateReader::parse(std::istream& in, const std::string& expected_method) {
   if (got < sizeof(head)) truncated("header", sizeof(head), got);
   hash.add(head, sizeof(head));
   const uint32_t version = get_le<uint32_t>(head + 8);
-  if (version != kStateFormatVersion)
+  if (version < kStateFormatVersion || version > kStateFormatVersionMax)
     throw Error("[load_state] unsupported version: expected " +
-                std::to_string(kStateFormatVersion) + " but got " + std::to_string(version));
+                std::to_string(kStateFormatVersion) + ".." +
+                std::to_string(kStateFormatVersionMax) + " but got " + std::to_string(version));
   const uint32_t method_len = get_le<uint32_t>(head + 12);
   if (method_len > 255)
     throw Error("[load_state] expected a method name of at most 255 bytes but got " +

@@ -67,6 +67,10 @@ const std::vector<std::string>& rotation_names() {
   static const std::vector<std::string> n = {"none", "hadamard"};
   return n;
 }
+const std::vector<std::string>& axis_names() {
+  static const std::vector<std::string> n = {"token", "channel"};
+  return n;
+}
 
 std::string join(const std::vector<std::string>& v) {
   std::string s;
@@ -263,6 +267,7 @@ const std::vector<Field>& fields() {
       bool_field("skvq_rotate_values", &CacheConfig::skvq_rotate_values),
       u64_field("skvq_rotation_seed", &CacheConfig::skvq_rotation_seed),
       string_field("skvq_perm_file", &CacheConfig::skvq_perm_file),
+      enum_field("skvq_key_axis", &CacheConfig::skvq_key_axis, axis_names()),
       allow(int_field("streaming_n_sink", &CacheConfig::streaming_n_sink), "0.." + rows_max()),
       allow(int_field("streaming_window", &CacheConfig::streaming_window), "1.." + rows_max()),
   };
@@ -468,10 +473,11 @@ std::string cache_enum_name(const std::string& field, int64_t code) {
   if (field == "snap_evict_at") names = &evict_at_names();
   if (field == "skvq_meta") names = &meta_names();
   if (field == "skvq_rotation") names = &rotation_names();
+  if (field == "skvq_key_axis") names = &axis_names();
   if (!names)
     throw Error(
         "[cache_config] expected an enum field (snap_dtype, snap_scoring, snap_pool, "
-        "snap_evict_at, skvq_meta, skvq_rotation) but got '" +
+        "snap_evict_at, skvq_meta, skvq_rotation, skvq_key_axis) but got '" +
         field + "'");
   if (code < 0 || code >= static_cast<int64_t>(names->size()))
     return "code " + std::to_string(code);
@@ -510,6 +516,7 @@ void validate(const CacheConfig& c) {
   check_enum("skvq_meta", c.skvq_meta, meta_names());
   check_int("skvq_recent", c.skvq_recent, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_enum("skvq_rotation", c.skvq_rotation, rotation_names());
+  check_enum("skvq_key_axis", c.skvq_key_axis, axis_names());
   check_int("streaming_n_sink", c.streaming_n_sink, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_int("streaming_window", c.streaming_window, 1, kMaxCacheRows, ">= 1", kWhyRows);
   static_assert(

@@ -156,6 +156,9 @@ DeviceCacheView DeviceCacheView::upload(const CacheView& v, Stream s) {
       VQ_CHECK(ps.keys.fmt.head_dim == D && ps.values.fmt.head_dim == D,
                "[cuda::DeviceCacheView::upload] expected packed rows of head_dim " +
                    std::to_string(D) + " but got " + std::to_string(ps.keys.fmt.head_dim));
+      VQ_CHECK(ps.keys.fmt.axis == QuantAxis::kToken && ps.values.fmt.axis == QuantAxis::kToken,
+               "[cuda::DeviceCacheView::upload] expected token-axis packed rows (the CUDA "
+               "kernels read per-token groups) but got skvq_key_axis=channel records");
       ds.packed = true;
       ds.k_fmt = ps.keys.fmt;
       ds.v_fmt = ps.values.fmt;

@@ -171,6 +171,9 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
     }
     d.capacity = sg.capacity > 0 ? sg.capacity : sg.n_rows;
     if (sg.packed) {
+      VQ_CHECK(sg.k_fmt.axis == QuantAxis::kToken && sg.v_fmt.axis == QuantAxis::kToken,
+               "[decode_attention] expected token-axis packed records but got "
+               "skvq_key_axis=channel records (CPU attention only)");
       if (!pk_set) {  // the format and transforms every fused packed segment shares
         pk_set = true;
         DecodePackedParams& pk = dp.pk;

@@ -20,6 +20,8 @@ PrefillTensor packed_tensor(const PackedRowFormat& f, const uint8_t* data, const
                std::to_string(f.spec.bits_value()));
   VQ_CHECK(f.group_size >= 1 && data != nullptr,
            "[prefill_attention] expected packed records with group_size >= 1 in " + where);
+  VQ_CHECK(f.axis == QuantAxis::kToken, "[prefill_attention] expected token-axis records but " +
+                                            where + " has skvq_key_axis=channel records");
   PrefillTensor t;
   t.data = data;
   t.perm = perm;

@@ -280,8 +280,12 @@ class CpuPackedStore final : public PackedStore {
                 }
               }
             const PackedRowFormat& fmt = shape_.format(kv);
-            quantize_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
-                                fmt.row_stride, false);
+            if (fmt.axis == QuantAxis::kChannel)  // the n rows are one chunk (packed.h)
+              quantize_chunk_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
+                                        fmt.row_stride);
+            else
+              quantize_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
+                                  fmt.row_stride, false);
           }
           if (pos_ && rows.positions())
             std::memcpy(pos_ + f * capacity_ + dst_row0,

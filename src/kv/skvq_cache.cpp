@@ -52,7 +52,12 @@ SkvqCache::SkvqCache(const CacheConfig& cfg, int64_t layer_index)
 SkvqCache::SkvqCache(const CacheConfig& cfg, const kv::RowBackend& backend, int64_t layer_index)
     : backend_(&backend),
       set_(std::make_unique<Settings>(Settings::from_config(cfg, layer_index, kOp))),
-      st_(std::make_unique<State>(backend, *set_)) {}
+      st_(std::make_unique<State>(backend, *set_)) {
+  // The CUDA cache keeps one packed run per cache and its kernels read token-axis records only.
+  VQ_CHECK(set_->key_axis == QuantAxis::kToken || backend.device() == kv::Device::kCpu,
+           "[skvq] skvq_key_axis: expected token on the CUDA backend (its attention kernels read "
+           "per-token key groups only) but got channel; use the CPU cache");
+}
 
 SkvqCache::~SkvqCache() = default;
 
@@ -135,9 +140,9 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
     for (int64_t c0 = st.q_end; c0 < q_new; c0 += w) {
       const int64_t n = c0 == 0 ? w - s.n_sink : w;
       chunks.push_back(n);
-      const int64_t bh = rows.batch * rows.heads, d = s.head_dim;
-      st.comp_k += skvq_compressed_bytes(n, d, s.qk.bits, s.qk.group_size, s.qk.meta).total() * bh;
-      st.comp_v += skvq_compressed_bytes(n, d, s.qv.bits, s.qv.group_size, s.qv.meta).total() * bh;
+      const int64_t bh = rows.batch * rows.heads;
+      st.comp_k += s.key_chunk_bytes(n) * bh;
+      st.comp_v += s.value_chunk_bytes(n) * bh;
     }
     rows.pack_tail(chunks);
     rows.fit();  // the flushed rows' full-precision copies are freed
@@ -192,6 +197,7 @@ void SkvqCache::save(std::ostream& out) const {
   const State& st = *st_;
   const skvq::Store& rows = st.rows;
   StateWriter w;
+  set_->set_state_version(w);
   set_->save(w);
   w.boolean(rows.has_data);
   if (rows.has_data) {
@@ -273,8 +279,8 @@ void SkvqCache::load(std::istream& in) {
       VQ_CHECK(static_cast<int64_t>(blk.k.size()) == bh * blk.rows * s.fk.row_stride &&
                    static_cast<int64_t>(blk.v.size()) == bh * blk.rows * s.fv.row_stride,
                pre + "expected packed chunk sizes of the row format");
-      ck += skvq_compressed_bytes(blk.rows, d, s.qk.bits, s.qk.group_size, s.qk.meta).total() * bh;
-      cv += skvq_compressed_bytes(blk.rows, d, s.qv.bits, s.qv.group_size, s.qv.meta).total() * bh;
+      ck += s.key_chunk_bytes(blk.rows) * bh;
+      cv += s.value_chunk_bytes(blk.rows) * bh;
       blocks.push_back(std::move(blk));
     }
     VQ_CHECK(ck == ns->comp_k && cv == ns->comp_v,

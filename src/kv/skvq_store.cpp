@@ -74,6 +74,9 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
     p.meta = cfg.skvq_meta;
     (kv == 0 ? s.fk : s.fv) = make_row_format(s.head_dim, p.bits, p.group_size, p.meta);
   }
+  s.key_axis = cfg.skvq_key_axis;
+  if (s.key_axis == QuantAxis::kChannel)  // chunk 0 is the shortest: window - n_sink rows
+    s.fk = make_channel_row_format(s.head_dim, s.qk.bits, s.window - s.n_sink, s.qk.meta);
   if (!cfg.skvq_perm_file.empty()) {
     const SkvqPermSet ps = load_skvq_perm_file(cfg.skvq_perm_file);
     if (ps.head_dim != s.head_dim)
@@ -88,6 +91,19 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
     s.reorder = true;
   }
   return s;
+}
+
+void Settings::set_state_version(StateWriter& w) const {
+  if (key_axis != QuantAxis::kToken) w.set_version(2);
+}
+
+int64_t Settings::key_chunk_bytes(int64_t n) const {
+  if (key_axis == QuantAxis::kChannel) return skvq_channel_bytes(n, fk).total();
+  return skvq_compressed_bytes(n, head_dim, qk.bits, qk.group_size, qk.meta).total();
+}
+
+int64_t Settings::value_chunk_bytes(int64_t n) const {
+  return skvq_compressed_bytes(n, head_dim, qv.bits, qv.group_size, qv.meta).total();
 }
 
 void Settings::save(StateWriter& w) const {
@@ -105,6 +121,7 @@ void Settings::save(StateWriter& w) const {
   w.boolean(rotate);
   w.boolean(rotate_values);
   w.u64(rotation_seed);
+  if (key_axis != QuantAxis::kToken) w.u8(static_cast<uint8_t>(key_axis));  // version 2
 }
 
 namespace {
@@ -151,6 +168,10 @@ void Settings::check_saved(StateReader& r, const char* op) const {
   check("skvq_rotation", r.boolean() ? "hadamard" : "none", rotate ? "hadamard" : "none");
   check("skvq_rotate_values", bool_text(r.boolean()), bool_text(rotate_values));
   check("skvq_rotation_seed", std::to_string(r.u64()), std::to_string(rotation_seed));
+  // Version 1 states predate the option: their keys are token-axis.
+  const int64_t axis = r.version() >= 2 ? r.u8() : 0;
+  check("skvq_key_axis", cache_enum_name("skvq_key_axis", axis),
+        cache_enum_name("skvq_key_axis", static_cast<int64_t>(key_axis)));
 }
 
 // ---- Transforms -------------------------------------------------------------------------------

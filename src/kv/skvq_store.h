@@ -41,6 +41,9 @@ struct Settings {
   bool rotate = false;
   bool rotate_values = false;
   uint64_t rotation_seed = 0;
+  // kChannel: keys quantized per channel over each flushed chunk (fk is a channel-axis format,
+  // packed.h); values always per token.
+  QuantAxis key_axis = QuantAxis::kToken;
   GroupQuantParams qk, qv;
   PackedRowFormat fk, fv;
   // Calibrated permutations of this layer ([H * D] each), empty when none.
@@ -48,9 +51,15 @@ struct Settings {
   int64_t file_heads = 0;
 
   static Settings from_config(const CacheConfig& cfg, int64_t layer_index, const char* op);
-  // Writes / checks the fields a state file must agree on.
+  // Writes / checks the fields a state file must agree on. A channel-axis cache writes state
+  // format version 2 (set_state_version), which adds the key axis after the version-1 fields;
+  // a version-1 state has token-axis keys.
+  void set_state_version(StateWriter& w) const;
   void save(StateWriter& w) const;
   void check_saved(StateReader& r, const char* op) const;
+  // The packed bytes of one chunk of n rows (the byte formulas of group_quant.h).
+  int64_t key_chunk_bytes(int64_t n) const;
+  int64_t value_chunk_bytes(int64_t n) const;
 };
 
 // Frozen channel transforms of one cache (host copies): t = P(R x).

@@ -60,7 +60,13 @@ SnapkvSkvqCache::SnapkvSkvqCache(const CacheConfig& cfg, const kv::RowBackend& b
     : backend_(&backend),
       cfg_(std::make_unique<CacheConfig>(cfg)),
       set_(std::make_unique<Settings>(Settings::from_config(cfg, layer_index, kOp))),
-      st_(std::make_unique<SnapSkvqState>(backend, *set_)) {}
+      st_(std::make_unique<SnapSkvqState>(backend, *set_)) {
+  // SnapKV keeps rows one by one and re-packs survivors into blocks of any size, while a
+  // channel-axis chunk's metadata is fitted to, and stored in, the whole chunk.
+  VQ_CHECK(set_->key_axis == QuantAxis::kToken,
+           "[snapkv+skvq] skvq_key_axis: expected token (eviction keeps single rows, and a "
+           "channel-axis chunk's metadata needs all of its rows) but got channel");
+}
 
 SnapkvSkvqCache::~SnapkvSkvqCache() = default;
 

@@ -459,6 +459,27 @@ void unpack_scaled(const uint8_t* rec, const PackedRowFormat& f, float* __restri
   }
 }
 
+// Codes of one channel-axis record (packed.h) as floats, unscaled: out[i] = c_i (exact).
+void unpack_codes_f32(const uint8_t* rec, const PackedRowFormat& f, float* __restrict out) {
+  const int64_t d = f.head_dim;
+  const int bx2 = f.spec.bits_x2;
+  [[maybe_unused]] const bool pow2 = bx2 == 2 || bx2 == 4 || bx2 == 8 || bx2 == 16;
+  [[maybe_unused]] const float one = 1.0f;
+#if defined(__AVX512F__)
+  if (pow2 && d % 16 == 0)
+    return with_pow2_bits(
+        bx2, [&](auto bits) { unpack_pow2_512<decltype(bits)::value>(rec, 1, d, d, &one, out); });
+#elif defined(__AVX2__)
+  if (pow2 && d % 8 == 0)
+    return with_pow2_bits(
+        bx2, [&](auto bits) { unpack_pow2_256<decltype(bits)::value>(rec, 1, d, d, &one, out); });
+#endif
+  const Luts& L = luts();
+  for (int64_t i = 0; i < d; ++i)
+    out[i] =
+        f.spec.ternary() ? L.t5[rec[i / 5]][i % 5] : static_cast<float>(code_at(rec, i, f.spec));
+}
+
 // ---- transform classes -----------------------------------------------------------------------
 
 // Queries mapped into one stored channel order (P R q) and their per-group sums.
@@ -499,6 +520,7 @@ struct Work {
   std::vector<float> kt, vt;         // [kTile, D] fp32 tiles of keys / values
   std::vector<float> klo, vlo;       // [n_groups, kTile] offsets of packed tiles (transposed)
   std::vector<float> tmp, dots;
+  std::vector<float> qch, qbias;  // channel-axis keys: [M, D] q'_c s_c, [M] sum_c q'_c lo_c
   std::vector<float> pscratch;    // packed value kernels' weights (packed_decode.h)
   std::vector<uint64_t> qprep;    // packed key kernels' prepared queries
   std::vector<int32_t> pos, vis;  // [kTile] positions; indices of visible rows
@@ -1364,6 +1386,45 @@ void attend_general(Work& w, const SegmentCtx& s, const TileRows& t) {
   }
 }
 
+// Channel-axis keys (skvq_key_axis=channel, one segment = one chunk, packed.h): with the
+// chunk's per-channel (lo_c, s_c) folded into the query once per segment (begin_segment:
+// w.qch = q' * s, w.qbias = sum_c q'_c lo_c), a row's logit is w.qch . c_t + w.qbias, read from
+// its codes alone. Values (per token) as the packed decode path (its kernels) or, for
+// prefill-sized calls, as the general path.
+void attend_channel(Work& w, const SegmentCtx& s, const TileRows& t) {
+  const int64_t M = w.m, d = w.d;
+  clear_hidden_offsets(w, t);
+  clear_logits(w, t.nt);
+  for (int64_t vi = 0; vi < t.n_vis; ++vi) {
+    const int64_t r = w.vis[static_cast<size_t>(vi)];
+    float* kt = w.kt.data() + r * d;
+    unpack_codes_f32(s.pk.record(s.b, s.kh, t.j0 + r), s.pk.fmt, kt);
+    dot_many(w.qch.data(), M, kt, d, w.dots.data());
+    for (int64_t m = 0; m < M; ++m)
+      w.logits[static_cast<size_t>(m * kTile + r)] =
+          w.dots[static_cast<size_t>(m)] + w.qbias[static_cast<size_t>(m)];
+  }
+  mask_logits(w, t, s.window);
+  softmax_tile(w, t.nt);
+  if (s.vk.values) {
+    const detail::PackedTile vals{s.pv.record(s.b, s.kh, t.j0), s.pv.fmt.row_stride, w.vis.data(),
+                                  t.n_vis};
+    s.vk.values(s.pv.fmt, vals, w.probs.data(), kTile, M, s.vc->acc.data(), s.vc->acc_lo.data(),
+                w.pscratch.data());
+    return;
+  }
+  for (int64_t vi = 0; vi < t.n_vis; ++vi) {
+    const int64_t r = w.vis[static_cast<size_t>(vi)];
+    tile_row(w, s, false, t.j0 + r, r, w.vt.data() + r * d);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float* pr = w.probs.data() + m * kTile;
+    accumulate_tile(s.vc->acc.data() + m * d, pr, w.vt.data(), w.vis.data(), t.n_vis, d);
+    float* al = s.vc->acc_lo.data() + m * s.vg;
+    for (int32_t g = 0; g < s.vg; ++g) al[g] += dot(pr, w.vlo.data() + g * kTile, t.nt);
+  }
+}
+
 // Packed decode path: logits and value sums computed on the codes by the segment's kernels
 // (packed_decode.h), the online softmax here.
 void attend_packed_decode(Work& w, const SegmentCtx& s, const TileRows& t) {
@@ -1445,6 +1506,26 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   w.vlo.assign(static_cast<size_t>(kTile * std::max(s.vg, 1)), 0.0f);
   w.tmp.resize(static_cast<size_t>(std::max<int64_t>({d, s.kg, s.vg})));
   s.qsrc = s.packed ? s.kc->q.data() : w.q.data();
+  if (s.packed && s.pk.fmt.axis == QuantAxis::kChannel) {
+    // The chunk's per-channel metadata folded into the queries (fp32: one rounding per product,
+    // the offsets' sum in channel order).
+    const uint8_t* chunk0 = s.pk.record(b, kh, 0);
+    const int64_t st = s.pk.fmt.row_stride;
+    w.qch.resize(static_cast<size_t>(M * d));
+    w.qbias.assign(static_cast<size_t>(M), 0.0f);
+    for (int64_t c = 0; c < d; ++c) {
+      const float lo = channel_meta(chunk0, st, s.pk.fmt, 2 * c);
+      const float sc = channel_meta(chunk0, st, s.pk.fmt, 2 * c + 1);
+      for (int64_t m = 0; m < M; ++m) {
+        const float qc = s.qsrc[m * d + c];
+        w.qch[static_cast<size_t>(m * d + c)] = qc * sc;
+        w.qbias[static_cast<size_t>(m)] += qc * lo;
+      }
+    }
+    s.vk = many ? detail::PackedKernel{} : detail::packed_kernel(s.pv.fmt, isa);
+    if (s.vk.values) w.pscratch.resize(static_cast<size_t>(detail::packed_values_scratch(s.vg, M)));
+    return attend_channel;
+  }
 #if defined(__AVX512F__)
   if (!s.packed) {
     if (many) return attend_fp_many;

@@ -57,7 +57,23 @@ PackedRowFormat make_row_format(int64_t head_dim, double bits, int64_t group_siz
   return f;
 }
 
+PackedRowFormat make_channel_row_format(int64_t head_dim, double bits, int64_t min_chunk_rows,
+                                        MetaType meta) {
+  VQ_CHECK(min_chunk_rows >= 1 && min_chunk_rows <= kMaxCacheRows,
+           "[packed] min_chunk_rows: expected 1.." + std::to_string(kMaxCacheRows) + " but got " +
+               std::to_string(min_chunk_rows));
+  PackedRowFormat f = make_row_format(head_dim, bits, head_dim, meta);
+  f.axis = QuantAxis::kChannel;
+  // 2D metadata elements spread over the chunk's records, n_groups of them per record.
+  f.n_groups = static_cast<int32_t>((2 * head_dim + min_chunk_rows - 1) / min_chunk_rows);
+  f.row_stride = f.code_bytes + f.n_groups * meta_size(meta);
+  return f;
+}
+
 void dequantize_record(const uint8_t* record, const PackedRowFormat& f, float* out) {
+  VQ_CHECK(f.axis == QuantAxis::kToken,
+           "[dequantize_record] expected a token-axis record but got a channel-axis one (its "
+           "metadata lives in its chunk: dequantize_row)");
   uint8_t small[512];
   std::vector<uint8_t> big;
   uint8_t* codes = small;
@@ -96,7 +112,16 @@ void transform_row(const PackedTensor& t, int64_t h, float* row, float* tmp) {
 }
 
 void dequantize_row(const PackedTensor& t, int64_t b, int64_t h, int64_t i, float* out) {
-  dequantize_record(t.record(b, h, i), t.fmt, out);
+  if (t.fmt.axis == QuantAxis::kChannel) {
+    const uint8_t* chunk0 = t.record(b, h, 0);
+    const uint8_t* rec = t.record(b, h, i);
+    for (int64_t c = 0; c < t.fmt.head_dim; ++c)
+      out[c] = dequantize_code(code_at(rec, c, t.fmt.spec),
+                               channel_meta(chunk0, t.fmt.row_stride, t.fmt, 2 * c + 1),
+                               channel_meta(chunk0, t.fmt.row_stride, t.fmt, 2 * c));
+  } else {
+    dequantize_record(t.record(b, h, i), t.fmt, out);
+  }
   if (t.transformed()) {
     std::vector<float> tmp(static_cast<size_t>(t.fmt.head_dim));
     untransform_row(t, h, out, tmp.data());
@@ -403,6 +428,49 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
       }
     }
   }
+}
+
+void quantize_chunk_to_records(const float* x, int64_t n, const PackedRowFormat& f,
+                               const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride) {
+  const int64_t d = f.head_dim;
+  VQ_CHECK(f.axis == QuantAxis::kChannel && code_spec_from_bits(p.bits).bits_x2 == f.spec.bits_x2 &&
+               p.meta == f.meta,
+           "[quantize_chunk_to_records] expected params matching a channel-axis row format");
+  VQ_CHECK(n >= 1 && n * f.n_groups >= 2 * d,
+           "[quantize_chunk_to_records] expected a chunk of at least " +
+               std::to_string((2 * d + f.n_groups - 1) / f.n_groups) +
+               " rows (its metadata lives in its records) but got " + std::to_string(n));
+  // Channel c over the chunk's rows is one group of n values: the group quantizer on x^T.
+  std::vector<float> xt(static_cast<size_t>(d * n));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < d; ++c) xt[static_cast<size_t>(c * n + t)] = x[t * d + c];
+  GroupQuantParams pc = p;
+  pc.group_size = n;
+  std::vector<uint8_t> ct(static_cast<size_t>(d * n)), row(static_cast<size_t>(d));
+  std::vector<float> lo(static_cast<size_t>(d)), sc(static_cast<size_t>(d));
+  group_quantize(xt.data(), d, n, pc, ct.data(), lo.data(), sc.data());
+  for (int64_t t = 0; t < n; ++t) {
+    uint8_t* rec = dst + t * dst_stride;
+    std::fill(rec, rec + f.row_stride, uint8_t{0});
+    for (int64_t c = 0; c < d; ++c)
+      row[static_cast<size_t>(c)] = ct[static_cast<size_t>(c * n + t)];
+    pack_row(row.data(), d, f.spec, rec);
+  }
+  for (int64_t e = 0; e < 2 * d; ++e) {
+    const float v = e % 2 == 0 ? lo[static_cast<size_t>(e / 2)] : sc[static_cast<size_t>(e / 2)];
+    meta_store(dst + (e / f.n_groups) * dst_stride + f.code_bytes, e % f.n_groups, v, f.meta);
+  }
+}
+
+SkvqBytes skvq_channel_bytes(int64_t n, const PackedRowFormat& f) {
+  VQ_CHECK(n >= 0 && f.axis == QuantAxis::kChannel,
+           "[skvq_channel_bytes] expected n >= 0 and a channel-axis format but got n = " +
+               std::to_string(n));
+  SkvqBytes b;
+  b.code_bytes =
+      f.spec.ternary() ? n * ((f.head_dim + 4) / 5) : (n * f.head_dim * f.spec.bits() + 7) / 8;
+  b.meta_bytes = n * f.n_groups * meta_size(f.meta);
+  return b;
 }
 
 SkvqBytes skvq_compressed_bytes(int64_t n, int64_t d, double bits, int64_t group_size,

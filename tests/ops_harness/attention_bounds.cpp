@@ -33,6 +33,7 @@ struct RowInfo {
   // Packed keys whose kernel rounds the query to int8 per group (PackedKernel::int8_query):
   // sum_{i in g} c_i s_g per group, and the key transform of this head.
   bool k_int8 = false;
+  bool k_channel = false;  // channel-axis keys: the general path's depth D + 8
   std::vector<double> k_cs;
   const int32_t* k_perm = nullptr;
   const float* k_signs = nullptr;
@@ -46,11 +47,15 @@ void magnitudes(const PackedTensor& t, int64_t b, int64_t h, int64_t i, double* 
   const uint8_t* rec = t.record(b, h, i);
   unpack_codes(rec, f.head_dim, f.spec, codes.data());
   *l2 = *l1 = *mx = 0;
+  // (lo, scale) of stored channel c: its group's in this record, or (channel-axis records,
+  // packed.h) channel c's of the chunk, whose first record is row 0 of t.
+  const auto meta = [&](int64_t c, int k) {
+    if (f.axis == QuantAxis::kChannel)
+      return double(channel_meta(t.record(b, h, 0), f.row_stride, f, 2 * c + k));
+    return double(meta_load(rec + f.code_bytes, 2 * (c / f.group_size) + k, f.meta));
+  };
   for (int64_t c = 0; c < f.head_dim; ++c) {
-    const int64_t g = c / f.group_size;
-    const double m =
-        std::fabs(codes[c] * double(meta_load(rec + f.code_bytes, 2 * g + 1, f.meta))) +
-        std::fabs(double(meta_load(rec + f.code_bytes, 2 * g, f.meta)));
+    const double m = std::fabs(codes[c] * meta(c, 1)) + std::fabs(meta(c, 0));
     *l2 += m * m;
     *l1 += m;
     *mx = std::max(*mx, m);
@@ -97,7 +102,12 @@ std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, in
         r.k_group = seg.packed->keys.fmt.group_size;
         r.k_groups = seg.packed->keys.fmt.n_groups;
         const PackedTensor& kt = seg.packed->keys;
-        r.k_int8 = detail::packed_kernel(kt.fmt, isa).int8_query;
+        // Channel-axis keys never take the key kernels (fused_attention.cpp's attend_channel:
+        // fp32 query times scale, then the general path's dot): no int8 term, and their logit
+        // depth (1 + D + 1 + D summands of one sum) is inside the general (D + 8) u.
+        r.k_channel = kt.fmt.axis == QuantAxis::kChannel;
+        r.k_int8 =
+            kt.fmt.axis == QuantAxis::kToken && detail::packed_kernel(kt.fmt, isa).int8_query;
         if (r.k_int8) {
           r.k_cs = code_scale_sums(kt, b, h, i);
           r.k_perm = kt.perm ? kt.perm + h * d : nullptr;
@@ -211,8 +221,9 @@ std::vector<double> bound_for(const std::vector<double>& q, const std::vector<Ro
     } else {
       for (int64_t c = 0; c < d; ++c) kterm += std::fabs(q[c] * r.k[c]);
     }
-    const double depth =
-        packed_decode && r.packed ? r.k_group + 2.0 * r.k_groups + 7 : static_cast<double>(d + 8);
+    const double depth = packed_decode && r.packed && !r.k_channel
+                             ? r.k_group + 2.0 * r.k_groups + 7
+                             : static_cast<double>(d + 8);
     if (r.k_int8) {
       if (r.k_perm != qk_perm || r.k_signs != qk_signs || qk.empty()) {
         qk = kernel_query(q, fscale, r, d);

@@ -44,8 +44,18 @@ def packed_bits(f):
     """Bits per element of a packed SKVQ row, metadata (scale and zero per group) included."""
     meta = {"float16": 16, "fp16": 16, "float32": 32, "fp32": 32, "fp8_e4m3": 8}[f.get("meta", "float16")]
     g = int(f.get("group_size", f.get("group", 32)))
-    kb = float(f.get("bits_key", 2)) + 2 * meta / g
-    vb = float(f.get("bits_value", 2)) + 2 * meta / g
+    d = 64  # head_dim of the shipped model
+
+    def code_bits(b):  # 1.5 bits: five three-level codes per byte, ceil(D / 5) bytes per row
+        b = float(b)
+        return 8 * -(-d // 5) / d if b == 1.5 else b
+
+    kb = code_bits(f.get("bits_key", 2)) + 2 * meta / g
+    vb = code_bits(f.get("bits_value", 2)) + 2 * meta / g
+    if f.get("key_axis") == "channel":
+        # Channel-axis keys (packed.h): ceil(2D / (window - n_sink)) metadata slots per record.
+        w, s = int(f.get("window", 128)), int(f.get("n_sink", 5))
+        kb = code_bits(f.get("bits_key", 2)) + -(-2 * d // (w - s)) * meta / d
     return (kb + vb) / 2
 
 

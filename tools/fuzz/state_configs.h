@@ -30,7 +30,8 @@ inline const std::vector<CacheConfig>& state_configs() {
       v.push_back(c);
     }
     // Variants whose state files hold other fields: a pending SnapKV eviction (query window),
-    // SKVQ with 1.5/4 bits, fp8 metadata, Hadamard rotation and a recent window.
+    // SKVQ with 1.5/4 bits, fp8 metadata, Hadamard rotation and a recent window, SKVQ with
+    // channel-axis keys.
     CacheConfig snap_pending = base;
     snap_pending.method = "snapkv";
     snap_pending.snap_evict_at = SnapEvictAt::kPromptEnd;
@@ -51,6 +52,12 @@ inline const std::vector<CacheConfig>& state_configs() {
     both_pending.snap_evict_at = SnapEvictAt::kPromptEnd;
     both_pending.skvq_bits_key = 4;
     v.push_back(both_pending);
+    // Channel-axis keys: state frame version 2 (skvq_key_axis, packed.h's chunk records).
+    CacheConfig skvq_channel = base;
+    skvq_channel.method = "skvq";
+    skvq_channel.skvq_key_axis = QuantAxis::kChannel;
+    skvq_channel.skvq_bits_key = 3;
+    v.push_back(skvq_channel);
     return v;
   }();
   return configs;
