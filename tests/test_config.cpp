@@ -54,7 +54,7 @@ TEST(CacheConfig, EveryBadValueIsRefusedNamingTheField) {
       {"snap_obs_window", "0", [](CacheConfig& c) { c.snap_obs_window = 0; }},
       {"snap_n_sink", "-1", [](CacheConfig& c) { c.snap_n_sink = -1; }},
       {"snap_dtype", "7", [](CacheConfig& c) { c.snap_dtype = static_cast<SnapDType>(7); }},
-      {"snap_scoring", "2", [](CacheConfig& c) { c.snap_scoring = static_cast<SnapScoring>(2); }},
+      {"snap_scoring", "3", [](CacheConfig& c) { c.snap_scoring = static_cast<SnapScoring>(3); }},
       {"snap_pool_kernel", "0", [](CacheConfig& c) { c.snap_pool_kernel = 0; }},
       {"snap_pool_kernel", "4", [](CacheConfig& c) { c.snap_pool_kernel = 4; }},
       {"snap_pool_kernel", "-3", [](CacheConfig& c) { c.snap_pool_kernel = -3; }},

@@ -140,6 +140,14 @@ class KVCache {
   // prompt pending, does nothing.
   virtual void end_prompt() {}
 
+  // Caches that select rows by scores the caller computes (SnapKV with snap_scoring = external)
+  // return true and take them here: scores [batch, heads, rows] fp32 contiguous, row i of (b, h)
+  // scoring the i-th of stored_positions(b, h), for every row stored now; the next end_prompt()
+  // selects by them. Wrong shape, or no prompt pending: vq::Error naming expected and got, nothing
+  // changed. The default refuses, naming the method.
+  virtual bool takes_external_scores() const { return false; }
+  virtual void set_external_scores(const float* scores, int64_t batch, int64_t heads, int64_t rows);
+
   virtual bool is_trimmable() const { return false; }
   // Drops the last n tokens; returns how many were dropped. Refused (vq::Error, nothing
   // changed) by caches that cannot do it.

@@ -21,7 +21,10 @@ inline constexpr int64_t kMaxCacheRows = 2147483647;
 inline constexpr int64_t kMaxCacheHeadDim = 65536;
 
 enum class SnapDType : uint8_t { kAuto, kFloat16, kBFloat16 };
-enum class SnapScoring : uint8_t { kKeyProxy, kQuery };
+// kExternal: the caller hands the cache a score per stored row before the prompt ends
+// (KVCache::set_external_scores, e.g. the context-reconstruction scores of
+// veloxquant/reconstruct.h); needs snap_evict_at = prompt_end and the snapkv method.
+enum class SnapScoring : uint8_t { kKeyProxy, kQuery, kExternal };
 enum class PoolKind : uint8_t { kMax, kAvg };
 // When SnapKV evicts: after every multi-token call (the seed), or once per prompt, at
 // KVCache::end_prompt() or the first single-token call after the prompt (the paper).

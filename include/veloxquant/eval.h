@@ -73,7 +73,12 @@ struct EvalSettings {
   DType kv_dtype = DType::kF16;                      // dtype of the K/V blocks handed to the caches
   MatmulPrecision matmul = MatmulPrecision::kExact;  // ForwardOptions::matmul of every forward
   bool progress = true;                              // progress lines on stderr
-  std::string model_name;                            // shown in reports
+  // Methods whose caches take external scores (snapkv:scoring=external) prefill through
+  // prefill_reconstruct (veloxquant/reconstruct.h) with this repeat prompt (token ids, no BOS;
+  // the CLI's --recon-prompt) and chunk.
+  std::vector<int32_t> recon_repeat_ids;
+  int64_t recon_chunk = 128;
+  std::string model_name;  // shown in reports
 };
 
 // ---- perplexity and KL divergence ---------------------------------------------------------------

@@ -137,6 +137,32 @@ struct SnapScratch {
   std::vector<double> acc;
 };
 
+// ---- (6): selection from given scores (snap_scoring = external) --------------------------------
+//
+// What snap_select_head does after its scoring step, on scores [n] the caller computed: pooling
+// over the competing rows, then selection (4), or (5) with window w = clamp(obs_window, 1, n).
+// The same tie and NaN rules (equal ranking keys: the lower index wins; NaN ranks as -inf).
+// scores may be null when the selection does not read them (count >= n, sinks == count, or
+// keep_window with no prefix quota). Writes snap_keep_count(n, p) ascending indices to out.
+int64_t snap_select_from_scores(const float* scores, int64_t n, const SnapSelectParams& p,
+                                int64_t* out, SnapScratch& scratch);
+
+// ---- (7): max attention weight: context-reconstruction scores (KVzip's) ----------------------
+//
+// keys [n, D] fp32 at key_pos [n], queries [n_rep, w, D] fp32 at query_pos [w] (key j is visible
+// to query i when key_pos[j] <= query_pos[i]; both null: every key visible). Per query row the
+// softmax of q.k / sqrt(D) over the visible keys, and scores[j] = max(scores[j], weight) for
+// j < n_score: a running max over query heads, query rows and calls (the caller zeroes scores
+// once). A row that sees no key contributes nothing; a NaN or +inf logit makes scores[0, n_score)
+// NaN (ranked -inf by the selection). Arithmetic: fp32 dot products (a sequential sum over D),
+// fp32 exp of (logit - row max), fp32 sum and reciprocal; the reference does it all in double.
+void snap_max_attention(const float* keys, const int32_t* key_pos, int64_t n, int64_t head_dim,
+                        const float* queries, const int32_t* query_pos, int64_t n_rep, int64_t w,
+                        int64_t n_score, float* scores, std::vector<float>* scratch = nullptr);
+void snap_max_attention_reference(const float* keys, const int32_t* key_pos, int64_t n,
+                                  int64_t head_dim, const float* queries, const int32_t* query_pos,
+                                  int64_t n_rep, int64_t w, int64_t n_score, float* scores);
+
 // Rows a frame of n rows keeps: snap_select_count(n, budget).
 inline int64_t snap_keep_count(int64_t n, const SnapSelectParams& p) {
   return snap_select_count(n, p.budget);

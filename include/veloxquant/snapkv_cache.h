@@ -65,8 +65,17 @@ class SnapKVCache final : public KVCache {
   // While a prompt-end eviction is pending, a single query's mask counts the rows that will stay
   // (window 0), and a windowed one is refused (call end_prompt() first).
   Mask make_mask(int64_t n_queries, int64_t window = 0) const override;
-  // snap_evict_at = prompt_end: runs the pending selection now; otherwise does nothing.
+  // snap_evict_at = prompt_end: runs the pending selection now; otherwise does nothing. With
+  // snap_scoring = external it selects by the scores of set_external_scores (refused, nothing
+  // changed, when none were given for the rows stored now).
   void end_prompt() override;
+  // snap_scoring = external: scores [B, H, stored_rows()] for the pending prompt-end selection
+  // (kept until it runs; rows appended after them make them stale and they are dropped).
+  bool takes_external_scores() const override {
+    return cfg_.snap_scoring == SnapScoring::kExternal;
+  }
+  void set_external_scores(const float* scores, int64_t batch, int64_t heads,
+                           int64_t rows) override;
   // True while a prompt-end eviction is pending.
   bool eviction_pending() const { return pending_; }
   CacheStats stats() const override;
@@ -88,6 +97,7 @@ class SnapKVCache final : public KVCache {
                    const UpdateOptions& opts) const;
   void reserve_rows(int64_t rows);
   void evict_after_step(int64_t n_new, const TensorView* queries);
+  void evict_by_external_scores();
 
   const kv::RowBackend* backend_;
   CacheConfig cfg_;
@@ -106,6 +116,8 @@ class SnapKVCache final : public KVCache {
   // ([B, H_q, rows, D] fp32 on the backend's device, or none: key proxy).
   bool pending_ = false;
   std::unique_ptr<kv::QueryRows> win_;
+  // snap_scoring = external: [B, H, n_sel_ + n_tail_] host scores for the pending selection.
+  std::vector<float> ext_;
 };
 
 class StateWriter;

@@ -48,7 +48,7 @@ const std::vector<std::string>& snap_dtype_names() {
   return n;
 }
 const std::vector<std::string>& scoring_names() {
-  static const std::vector<std::string> n = {"key_proxy", "query"};
+  static const std::vector<std::string> n = {"key_proxy", "query", "external"};
   return n;
 }
 const std::vector<std::string>& evict_at_names() {
@@ -502,6 +502,17 @@ void validate(const CacheConfig& c) {
   check_int("snap_pool_kernel", c.snap_pool_kernel, 1, kMaxCacheRows, ">= 1", kWhyRows);
   check_enum("snap_pool", c.snap_pool, pool_names());
   check_enum("snap_evict_at", c.snap_evict_at, evict_at_names());
+  // External scores are handed over once, for the whole prompt, before it ends.
+  if (c.snap_scoring == SnapScoring::kExternal && c.snap_evict_at != SnapEvictAt::kPromptEnd)
+    fail("snap_scoring",
+         "key_proxy or query with snap_evict_at = prefill_call (external scores "
+         "need snap_evict_at = prompt_end)",
+         "external");
+  if (c.snap_scoring == SnapScoring::kExternal && c.method == "snapkv+skvq")
+    fail("snap_scoring",
+         "key_proxy or query with method snapkv+skvq (external scores: method "
+         "snapkv)",
+         "external");
   check_bits("skvq_bits_key", c.skvq_bits_key);
   check_bits("skvq_bits_value", c.skvq_bits_value);
   check_int("skvq_group_size", c.skvq_group_size, 1, kMaxCacheHeadDim, ">= 1", kWhyDim);

@@ -14,6 +14,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
 #include "veloxquant/generate.h"
+#include "veloxquant/reconstruct.h"
 
 namespace vq::eval_detail {
 
@@ -23,6 +24,17 @@ void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& ca
   if (n == 0) {  // P = 1: nothing before the first decode step
     VQ_CHECK(logits == nullptr, "[eval] expected a prompt of at least one token for its logits");
     for (const auto& c : caches) c->end_prompt();
+    return;
+  }
+  if (!caches.empty() && caches[0]->takes_external_scores()) {
+    // Question-agnostic scores from the model re-reading the prompt (about 2x prefill).
+    ReconstructOptions ro;
+    ro.repeat_ids = st.recon_repeat_ids;
+    ro.chunk = st.recon_chunk;
+    ro.prefill_step = step;
+    ro.kv_dtype = st.kv_dtype;
+    ro.matmul = st.matmul;
+    prefill_reconstruct(model, ids, n, caches, ro, logits, &scratch);
     return;
   }
   // generate()'s prefill: the same chunks (veloxquant/prefill_schedule.h) and end_prompt().

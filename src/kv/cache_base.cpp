@@ -94,6 +94,13 @@ Mask KVCache::make_mask(int64_t n_queries, int64_t window) const {
   return m;
 }
 
+void KVCache::set_external_scores(const float*, int64_t, int64_t, int64_t) {
+  throw Error(
+      "[set_external_scores] expected a cache that selects by external scores (snapkv "
+      "with snap_scoring=external) but got method " +
+      method());
+}
+
 int64_t KVCache::trim(int64_t n) {
   throw Error("[trim] " + method() + " cache is not trimmable (asked to drop " + std::to_string(n) +
               " tokens); nothing was changed");

@@ -147,6 +147,7 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   }
   n_tail_ += s;
   offset_ += s;
+  if (s > 0) ext_.clear();  // scores were for the rows before these
 
   CacheView view = stored_view();
   if (s > 1) {
@@ -163,8 +164,68 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   return view;
 }
 
+void SnapKVCache::set_external_scores(const float* scores, int64_t batch, int64_t heads,
+                                      int64_t rows) {
+  VQ_CHECK(takes_external_scores(),
+           "[snapkv] set_external_scores: expected snap_scoring=external but this cache has " +
+               cache_enum_name("snap_scoring", static_cast<int64_t>(cfg_.snap_scoring)));
+  VQ_CHECK(pending_,
+           "[snapkv] set_external_scores: expected a pending prompt (rows appended by "
+           "a multi-token call, end_prompt not yet run) but there is none");
+  const int64_t n = n_sel_ + n_tail_;
+  VQ_CHECK(batch == batch_ && heads == heads_ && rows == n,
+           "[snapkv] set_external_scores: expected scores [" + std::to_string(batch_) + ", " +
+               std::to_string(heads_) + ", " + std::to_string(n) +
+               "] (batch, KV heads, stored "
+               "rows) but got [" +
+               std::to_string(batch) + ", " + std::to_string(heads) + ", " + std::to_string(rows) +
+               "]");
+  VQ_CHECK(scores != nullptr || n == 0,
+           "[snapkv] set_external_scores: expected scores but got nullptr");
+  ext_.assign(scores, scores + batch * heads * n);
+}
+
+void SnapKVCache::evict_by_external_scores() {
+  const int64_t n = n_sel_ + n_tail_;
+  const int64_t count = snap_keep_count(n, params_);
+  if (count >= n) return;  // nothing to evict
+  const int64_t frames = batch_ * heads_;
+  std::vector<int32_t> idx(static_cast<size_t>(frames * count));
+  std::vector<int64_t> out(static_cast<size_t>(count));
+  SnapScratch scratch;
+  for (int64_t f = 0; f < frames; ++f) {
+    const int64_t got =
+        snap_select_from_scores(ext_.data() + f * n, n, params_, out.data(), scratch);
+    VQ_CHECK(got == count, "[snapkv] internal: selected " + std::to_string(got) +
+                               " rows, expected " + std::to_string(count));
+    for (int64_t j = 0; j < count; ++j) idx[f * count + j] = static_cast<int32_t>(out[j]);
+  }
+  const auto index = backend_->upload_index(count, idx);
+  const int64_t new_cap = round_up(count, kRowStep);
+  auto kept = backend_->make({dtype_, batch_, heads_, head_dim_}, new_cap, true);
+  kept->gather(*rows_, *index, 0);
+  retired_ = std::move(rows_);
+  rows_ = std::move(kept);
+  capacity_ = new_cap;
+  n_sel_ = count;
+  n_tail_ = 0;
+}
+
 void SnapKVCache::end_prompt() {
   if (!pending_) return;
+  if (takes_external_scores()) {
+    const int64_t n = n_sel_ + n_tail_;
+    VQ_CHECK(snap_keep_count(n, params_) >= n || !ext_.empty(),
+             "[snapkv] end_prompt: expected external scores for the " + std::to_string(n) +
+                 " stored rows (set_external_scores, snap_scoring=external) but got none; "
+                 "nothing was changed");
+    evict_by_external_scores();
+    pending_ = false;
+    ext_.clear();
+    win_.reset();
+    retired_.reset();
+    return;
+  }
   // The window rows are the prompt's last rows: offset_ has not moved since they were kept.
   if (win_) {
     const TensorView q = win_->view();
@@ -265,9 +326,9 @@ Mask SnapKVCache::make_mask(int64_t n_queries, int64_t window) const {
 
 CacheStats SnapKVCache::stats() const {
   CacheStats st = eviction_stats(method(), batch_, heads_, head_dim_, stored_rows(), offset_, true);
-  st.bytes_resident = (rows_ ? rows_->resident_bytes() : 0) +
-                      (retired_ ? retired_->resident_bytes() : 0) +
-                      (win_ ? win_->resident_bytes() : 0);
+  st.bytes_resident =
+      (rows_ ? rows_->resident_bytes() : 0) + (retired_ ? retired_->resident_bytes() : 0) +
+      (win_ ? win_->resident_bytes() : 0) + static_cast<int64_t>(ext_.size() * sizeof(float));
   return st;
 }
 
@@ -334,6 +395,8 @@ void SnapKVCache::save(std::ostream& out) const {
   w.i64(win_ ? win_->hq : 0);
   w.i64(win_ ? win_->rows : 0);
   w.vec_f32(win_ ? win_->download() : std::vector<float>{});
+  // External scores only in the states of snap_scoring = external (older files stay readable).
+  if (takes_external_scores()) w.vec_f32(ext_);
   w.write(out, method());
 }
 
@@ -374,7 +437,18 @@ void SnapKVCache::load(std::istream& in) {
   const int64_t win_hq = r.i64_in("win_hq", 0, pending ? 256 * heads : 0);
   const int64_t win_rows = r.i64_in("win_rows", 0, std::min(cfg_.snap_obs_window, n_tail));
   std::vector<float> win_q = r.vec_f32();
+  std::vector<float> ext;
+  if (takes_external_scores()) ext = r.vec_f32();
   r.expect_end();
+  VQ_CHECK(ext.empty() ||
+               (pending &&
+                static_cast<int64_t>(ext.size()) / std::max<int64_t>(n_sel + n_tail, 1) ==
+                    batch * heads &&
+                static_cast<int64_t>(ext.size()) % std::max<int64_t>(n_sel + n_tail, 1) == 0 &&
+                n_sel + n_tail > 0),
+           "[load_state] snapkv: expected no external scores or [" + std::to_string(batch) + ", " +
+               std::to_string(heads) + ", " + std::to_string(n_sel + n_tail) +
+               "] with a pending prompt but got " + std::to_string(ext.size()) + " values");
   VQ_CHECK(!pending || cfg_.snap_evict_at == SnapEvictAt::kPromptEnd,
            "[load_state] snapkv: expected no pending eviction (snap_evict_at = prefill_call) but "
            "the file has one");
@@ -426,6 +500,7 @@ void SnapKVCache::load(std::istream& in) {
   retired_.reset();
   pending_ = pending;
   win_ = std::move(win);
+  ext_ = std::move(ext);
 }
 
 }  // namespace vq

@@ -64,11 +64,12 @@ void block_dots(const float* q, int64_t nqb, int64_t d, const float* kt, float (
   if (nqb > 3) std::memcpy(acc[3], &a3, sizeof(a3));
 }
 
-// Optimised window scores shared by the key-proxy and query modes. queries [n_rep, w, D].
-void window_scores_fast(const float* keys, const int32_t* key_pos, int64_t n, int64_t d,
-                        const float* queries, const int32_t* query_pos, int64_t n_rep, int64_t w,
-                        float* scores, std::vector<float>& logits, std::vector<double>& acc) {
-  if (n == 0) return;
+// Scaled logits [n_rep * w, n] of queries [n_rep, w, D] against keys [n, D]; -inf where
+// key_pos[j] > query_pos[i] (no mask when key_pos is null). Shared by the window scores and the
+// max-attention scores.
+void window_logits(const float* keys, const int32_t* key_pos, int64_t n, int64_t d,
+                   const float* queries, const int32_t* query_pos, int64_t n_rep, int64_t w,
+                   std::vector<float>& logits) {
   const int64_t nq = n_rep * w;  // query rows, head-major
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
   logits.resize(static_cast<size_t>(nq * n));
@@ -102,6 +103,14 @@ void window_scores_fast(const float* keys, const int32_t* key_pos, int64_t n, in
       }
     }
   }
+}
+
+// Optimised window scores shared by the key-proxy and query modes. queries [n_rep, w, D].
+void window_scores_fast(const float* keys, const int32_t* key_pos, int64_t n, int64_t d,
+                        const float* queries, const int32_t* query_pos, int64_t n_rep, int64_t w,
+                        float* scores, std::vector<float>& logits, std::vector<double>& acc) {
+  if (n == 0) return;
+  window_logits(keys, key_pos, n, d, queries, query_pos, n_rep, w, logits);
   // Softmax per query row in fp32; per-head sums in double.
   acc.assign(static_cast<size_t>(n), 0.0);
   std::vector<double> head_sum;  // only used when n_rep > 1
@@ -233,6 +242,85 @@ void snap_query_scores_reference(const float* keys, const int32_t* key_pos, int6
   check_score_args("snap_query_scores_reference", n, head_dim);
   check_query_args("snap_query_scores_reference", key_pos, queries, query_pos, n_rep, w);
   window_scores_reference(keys, key_pos, n, head_dim, queries, query_pos, n_rep, w, scores);
+}
+
+// ---- max attention (context-reconstruction scores)
+// -----------------------------------------------
+
+void snap_max_attention(const float* keys, const int32_t* key_pos, int64_t n, int64_t head_dim,
+                        const float* queries, const int32_t* query_pos, int64_t n_rep, int64_t w,
+                        int64_t n_score, float* scores, std::vector<float>* scratch) {
+  check_score_args("snap_max_attention", n, head_dim);
+  check_query_args("snap_max_attention", key_pos, queries, query_pos, n_rep, w);
+  VQ_CHECK(n_score >= 0 && n_score <= n, "[snap_max_attention] expected 0 <= n_score <= n (" +
+                                             std::to_string(n) + ") but got " +
+                                             std::to_string(n_score));
+  if (n == 0 || n_score == 0) return;
+  std::vector<float> local;
+  std::vector<float>& logits = scratch ? *scratch : local;
+  window_logits(keys, key_pos, n, head_dim, queries, query_pos, n_rep, w, logits);
+  for (int64_t qi = 0; qi < n_rep * w; ++qi) {
+    float* lrow = logits.data() + qi * n;
+    float m = kNegInf;
+    bool any_nan = false;
+    for (int64_t j = 0; j < n; ++j) {
+      if (lrow[j] > m) m = lrow[j];
+      any_nan |= std::isnan(lrow[j]);
+    }
+    if (any_nan || (std::isinf(m) && m > 0)) {  // undefined softmax: the scores become NaN
+      for (int64_t j = 0; j < n_score; ++j) scores[j] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    if (m == kNegInf) continue;  // sees no key: contributes nothing
+    float z = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float e = std::exp(lrow[j] - m);  // exp(-inf) = 0 for masked keys
+      lrow[j] = e;
+      z += e;
+    }
+    const float inv_z = 1.0f / z;
+    for (int64_t j = 0; j < n_score; ++j) {
+      const float p = lrow[j] * inv_z;
+      if (!(scores[j] >= p) && !std::isnan(scores[j])) scores[j] = p;
+    }
+  }
+}
+
+void snap_max_attention_reference(const float* keys, const int32_t* key_pos, int64_t n,
+                                  int64_t head_dim, const float* queries, const int32_t* query_pos,
+                                  int64_t n_rep, int64_t w, int64_t n_score, float* scores) {
+  check_score_args("snap_max_attention_reference", n, head_dim);
+  check_query_args("snap_max_attention_reference", key_pos, queries, query_pos, n_rep, w);
+  VQ_CHECK(n_score >= 0 && n_score <= n,
+           "[snap_max_attention_reference] expected 0 <= n_score <= n (" + std::to_string(n) +
+               ") but got " + std::to_string(n_score));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  std::vector<double> logit(static_cast<size_t>(n));
+  std::vector<char> seen(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n_rep; ++r)
+    for (int64_t i = 0; i < w; ++i) {
+      const float* q = queries + (r * w + i) * head_dim;
+      double m = -std::numeric_limits<double>::infinity();
+      bool any = false;
+      for (int64_t j = 0; j < n; ++j) {
+        seen[j] = !(key_pos && key_pos[j] > query_pos[i]);
+        if (!seen[j]) continue;
+        double dot = 0.0;
+        for (int64_t c = 0; c < head_dim; ++c)
+          dot += static_cast<double>(q[c]) * static_cast<double>(keys[j * head_dim + c]);
+        logit[j] = dot * scale;
+        m = any ? std::max(m, logit[j]) : logit[j];
+        any = true;
+      }
+      if (!any) continue;
+      double z = 0.0;
+      for (int64_t j = 0; j < n; ++j)
+        if (seen[j]) z += std::exp(logit[j] - m);
+      for (int64_t j = 0; j < n_score; ++j) {
+        const float p = seen[j] ? static_cast<float>(std::exp(logit[j] - m) / z) : 0.0f;
+        if (!(scores[j] >= p) && !std::isnan(scores[j])) scores[j] = p;
+      }
+    }
 }
 
 // ---- pooling ------------------------------------------------------------------------------------
@@ -457,6 +545,12 @@ DType snap_storage_dtype(SnapDType mode, DType keys, DType values) {
   return keys == DType::kBF16 && values == DType::kBF16 ? DType::kBF16 : DType::kF16;
 }
 
+namespace {
+// Pooling over the competing rows [lo, hi), then selection (4), or (5) with window w.
+int64_t select_scored(const float* scores, int64_t n, const SnapSelectParams& p, int64_t w,
+                      int64_t lo, int64_t hi, int64_t* out, SnapScratch& scratch);
+}  // namespace
+
 int64_t snap_select_head(const float* keys, const int32_t* key_pos, int64_t n, int64_t head_dim,
                          const SnapQueryWindow* q, const SnapSelectParams& p, int64_t* out,
                          SnapScratch& scratch) {
@@ -495,12 +589,44 @@ int64_t snap_select_head(const float* keys, const int32_t* key_pos, int64_t n, i
     window_scores_fast(keys, nullptr, n, head_dim, keys + (n - w) * head_dim, nullptr, 1, w,
                        scratch.scores.data(), scratch.logits, scratch.acc);
   }
-  const float* sel_scores = scratch.scores.data();
+  return select_scored(scratch.scores.data(), n, p, w, lo, hi, out, scratch);
+}
+
+int64_t snap_select_from_scores(const float* scores, int64_t n, const SnapSelectParams& p,
+                                int64_t* out, SnapScratch& scratch) {
+  VQ_CHECK(n >= 0, "[snap_select_from_scores] expected n >= 0 but got " + std::to_string(n));
+  VQ_CHECK(p.pool_kernel >= 1 && p.pool_kernel % 2 == 1,
+           "[snap_select_from_scores] expected an odd pool_kernel >= 1 but got " +
+               std::to_string(p.pool_kernel));
+  const int64_t count = snap_select_count(n, p.budget);
+  const int64_t sinks = std::min(std::max<int64_t>(p.n_sink, 0), count);
+  const int64_t w = std::clamp<int64_t>(p.obs_window, 1, std::max<int64_t>(n, 1));
+  int64_t lo = sinks, hi = n;
+  bool needs_scores = count < n && sinks < count;
+  if (p.keep_window && needs_scores) {
+    const KeepWindowPlan plan = plan_keep_window(n, p.budget, p.n_sink, w);
+    lo = plan.prefix_lo;
+    hi = plan.prefix_hi;
+    needs_scores = plan.quota > 0;
+  }
+  if (!needs_scores) {
+    if (p.keep_window)
+      return snap_select_keep_window(nullptr, n, p.budget, p.n_sink, w, out, &scratch.sel);
+    return snap_select(nullptr, n, p.budget, p.n_sink, out, &scratch.sel);
+  }
+  VQ_CHECK(scores != nullptr, "[snap_select_from_scores] expected scores but got nullptr");
+  return select_scored(scores, n, p, w, lo, hi, out, scratch);
+}
+
+namespace {
+
+int64_t select_scored(const float* scores, int64_t n, const SnapSelectParams& p, int64_t w,
+                      int64_t lo, int64_t hi, int64_t* out, SnapScratch& scratch) {
+  const float* sel_scores = scores;
   if (p.pool_kernel > 1) {
     // Pool over the competing rows only; rows outside [lo, hi) are never read by the selection.
     scratch.pooled.assign(static_cast<size_t>(n), 0.0f);
-    snap_pool_scores(scratch.scores.data() + lo, hi - lo, p.pool_kernel, p.pool,
-                     scratch.pooled.data() + lo);
+    snap_pool_scores(scores + lo, hi - lo, p.pool_kernel, p.pool, scratch.pooled.data() + lo);
     sel_scores = scratch.pooled.data();
   }
   if (p.keep_window) {
@@ -508,5 +634,7 @@ int64_t snap_select_head(const float* keys, const int32_t* key_pos, int64_t n, i
   }
   return snap_select(sel_scores, n, p.budget, p.n_sink, out, &scratch.sel);
 }
+
+}  // namespace
 
 }  // namespace vq

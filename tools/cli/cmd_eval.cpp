@@ -36,6 +36,9 @@ namespace vq::cli {
 
 namespace {
 
+// The repeat prompt of the reconstruction pass (docs/RESULTS.md: question-agnostic eviction).
+constexpr const char* kDefaultReconPrompt = " Repeat the text above.";
+
 struct Common {
   std::string model_dir = "models/vq-mini-llama";
   std::string methods;
@@ -47,6 +50,8 @@ struct Common {
   std::vector<std::string> peers;
   int64_t threads = 0;  // 0 = every core
   std::string device = "cpu";
+  std::string recon_prompt = kDefaultReconPrompt;
+  int64_t recon_chunk = 128;
 };
 
 // eval runs on the CPU engine only for now: the evaluation engines (src/eval) drive
@@ -84,6 +89,12 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
   c->add_option("--out", a.out, "write the table to this file instead of stdout");
   add_int_option(c, "--prefill-step", &a.prefill_step, 1, kMaxTokenCount,
                  "prefill chunk length (prefill_step_size)", "eval");
+  c->add_option("--recon-prompt", a.recon_prompt,
+                "repeat prompt of the reconstruction pass of snapkv:scoring=external (text, "
+                "encoded without BOS; \"\" = none)")
+      ->capture_default_str();
+  add_int_option(c, "--recon-chunk", &a.recon_chunk, 1, kMaxTokenCount,
+                 "prompt tokens re-read per reconstruction pass (snapkv:scoring=external)", "eval");
   c->add_option(
        "--matmul", a.matmul,
        "matrix-product arithmetic: exact (fp32) or bf16 (activations rounded to bf16, fp32 "
@@ -155,6 +166,11 @@ EvalSettings settings_of(const Common& a) {
            "[eval] --matmul: expected exact or bf16 but got " + a.matmul);
   s.matmul = a.matmul == "bf16" ? MatmulPrecision::kBF16 : MatmulPrecision::kExact;
   if (a.matmul == "bf16") s.model_name += " (bf16 matmul)";
+  s.recon_chunk = a.recon_chunk;
+  if (!a.recon_prompt.empty()) {
+    const Tokenizer tok = Tokenizer::from_file(a.model_dir + "/tokenizer.json");
+    s.recon_repeat_ids = tok.encode(a.recon_prompt, false);
+  }
   return s;
 }
 

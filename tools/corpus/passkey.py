@@ -17,6 +17,8 @@ Two uses:
   * training documents (`TrainingPasskeys`, used by tools/train/train.py): token-space
     assembly, lengths spread up to the full context, keys of 3-7 digits, filler either the
     classic sentences or a random slice of the training token stream.
+The evaluation set is 162 prompts of EVAL_SEED (6 per cell) followed by 54 of EXTEND_SEED
+(2 per cell): 216, ids 0..215.
 Usage: python3 tools/corpus/passkey.py --tokenizer models/vq-mini-llama/tokenizer.json \
          --out data/eval/passkey.jsonl
 """
@@ -45,6 +47,11 @@ QUESTION = " What is the pass key? The pass key is"
 EVAL_LENGTHS = (512, 1024, 1800)
 EVAL_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 EVAL_SEED = 20240511
+# The set's second part (issue 16: at least 200 prompts, one prompt at most half a point): the
+# same 3 lengths x 9 depths, EXTEND_PER_CELL more keys per cell from their own seed, appended
+# after the first 162 prompts (which stay byte for byte what EVAL_SEED gives).
+EXTEND_SEED = 20261202
+EXTEND_PER_CELL = 2
 PROBE_SEED = 777  # training-time probe, distinct from the evaluation seed
 
 
@@ -180,9 +187,17 @@ def main():
     ap.add_argument("--out", default="data/eval/passkey.jsonl")
     ap.add_argument("--seed", type=int, default=EVAL_SEED)
     ap.add_argument("--per-cell", type=int, default=6, help="prompts per (length, depth) cell")
+    ap.add_argument("--extend-seed", type=int, default=EXTEND_SEED,
+                    help="seed of the appended part (0 = none)")
+    ap.add_argument("--extend-per-cell", type=int, default=EXTEND_PER_CELL,
+                    help="prompts per (length, depth) cell of the appended part")
     args = ap.parse_args()
     tok = Tokenizer.from_file(args.tokenizer)
     rows = eval_set(tok, seed=args.seed, per_cell=args.per_cell)
+    if args.extend_seed and args.extend_per_cell > 0:
+        for r in eval_set(tok, seed=args.extend_seed, per_cell=args.extend_per_cell):
+            r["id"] = len(rows)
+            rows.append(r)
     with open(args.out, "w", encoding="utf-8") as f:
         for r in rows:
             r = {k: v for k, v in r.items() if k != "ids"}

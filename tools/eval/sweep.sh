@@ -7,7 +7,7 @@
 # renders the tables and charts with the peer rows of docs/results/peers_*.json.
 #
 #   tools/eval/sweep.sh [text|passkey|all] [JOBS (cores)] [OUT (docs/results)]
-#   env: VQ (binary, build/veloxquant), DOCS (8), PROMPTS (54), TEXT_LIST and PASSKEY_LIST
+#   env: VQ (binary, build/veloxquant), DOCS (8), PROMPTS (0 = all 216), TEXT_LIST and PASSKEY_LIST
 #   (other spec lists)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +16,7 @@ jobs=${2:-$(nproc)}
 out=${3:-docs/results}
 vq=${VQ:-build/veloxquant}
 docs=${DOCS:-8}
-prompts=${PROMPTS:-54}
+prompts=${PROMPTS:-0}
 threads=$(($(nproc) / jobs))
 [ "$threads" -ge 1 ] || threads=1
 mkdir -p "$out/parts"

@@ -49,14 +49,29 @@ def log(msg):
     print(f"[kvpress_eval {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# Press kinds: the name in the rows' labels. The question-agnostic presses of issue 16: KVzip
+# (context reconstruction, kvpress's defaults: chunk 2048, 4 sinks, budgets shared across layers
+# since layerwise=False), expected attention, and AdaKV (head-adaptive budgets) over expected
+# attention.
+PRESS_NAMES = {"snapkv": "SnapKVPress", "streaming": "StreamingLLMPress", "kvzip": "KVzipPress",
+               "expected_attention": "ExpectedAttentionPress",
+               "adakv": "AdaKVPress(ExpectedAttentionPress)"}
+
+
 def make_press(kind, kept):
-    from kvpress import SnapKVPress, StreamingLLMPress
+    import kvpress
 
     ratio = 1.0 - kept
     if kind == "snapkv":
-        return SnapKVPress(compression_ratio=ratio)
+        return kvpress.SnapKVPress(compression_ratio=ratio)
     if kind == "streaming":
-        return StreamingLLMPress(compression_ratio=ratio)
+        return kvpress.StreamingLLMPress(compression_ratio=ratio)
+    if kind == "kvzip":
+        return kvpress.KVzipPress(compression_ratio=ratio)
+    if kind == "expected_attention":
+        return kvpress.ExpectedAttentionPress(compression_ratio=ratio)
+    if kind == "adakv":
+        return kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio))
     raise ValueError(f"unknown press {kind}")
 
 
@@ -88,17 +103,17 @@ def select_prompts(prompts, lengths, max_prompts):
     return pool
 
 
-def passkey_run(model, tok, prompts, kind, kept):
+def passkey_run(model, tok, prompts, kind, kept, modes=("aware", "agnostic")):
     from transformers import DynamicCache
 
-    scores = {"aware": [], "agnostic": []}
+    scores = {m: [] for m in modes}
     kept_rows = []
     for i, p in enumerate(prompts):
         at = p["prompt"].rfind(QUESTION)
         ctx = tok.encode(p["prompt"][:at], add_special_tokens=True).ids
         q = tok.encode(p["prompt"][at:], add_special_tokens=False).ids
         n_ans = len(tok.encode(" " + p["answer"], add_special_tokens=False).ids)
-        for mode in ("aware", "agnostic"):
+        for mode in modes:
             press = make_press(kind, kept) if kind != "full" else None
             cache = DynamicCache()
             with torch.no_grad():
@@ -109,8 +124,10 @@ def passkey_run(model, tok, prompts, kind, kept):
                     compressed_prefill(model, ctx, cache, press)
                     logits = forward(model, q, cache, len(ctx), True)
                     pos = len(ctx) + len(q)
-                if mode == "aware":
-                    kept_rows.append((cache.get_seq_length(0), len(ctx) + len(q)))
+                # Rows after the compressed prefill (aware: of the prompt; agnostic: of the
+                # context, the question's rows added), at the longest prompt.
+                if mode == modes[0]:
+                    kept_rows.append((cache.get_seq_length(0), pos))
                 gen = [int(np.argmax(logits))]
                 for _ in range(n_ans - 1):
                     logits = forward(model, [gen[-1]], cache, pos, True)
@@ -120,8 +137,7 @@ def passkey_run(model, tok, prompts, kind, kept):
             scores[mode].append((p, ok))
         if (i + 1) % 10 == 0:
             log(f"passkey {kind} kept={kept}: {i + 1}/{len(prompts)} "
-                f"aware {sum(o for _, o in scores['aware'])} "
-                f"agnostic {sum(o for _, o in scores['agnostic'])}")
+                + " ".join(f"{m} {sum(o for _, o in scores[m])}" for m in modes))
     return scores, kept_rows
 
 
@@ -191,6 +207,7 @@ def main():
     ap.add_argument("--skip-text", action="store_true")
     ap.add_argument("--skip-passkey", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", default="aware,agnostic", help="passkey modes to run")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -215,12 +232,13 @@ def main():
         lengths = [int(x) for x in a.lengths.split(",") if x]
         prompts = select_prompts(prompts, lengths, a.prompts)
         log(f"passkey: {len(prompts)} prompts")
-        scores, rows = passkey_run(model, tok, prompts, "full", 1.0)
+        modes = tuple(m for m in a.modes.split(",") if m)
+        scores, rows = passkey_run(model, tok, prompts, "full", 1.0, modes)
         out["passkey"].append(passkey_row("kvpress no press (its full cache)", scores, rows, 1.0))
         for kind in presses:
             for kept in [float(x) for x in a.kept.split(",") if x]:
-                scores, rows = passkey_run(model, tok, prompts, kind, kept)
-                name = "SnapKVPress" if kind == "snapkv" else "StreamingLLMPress"
+                scores, rows = passkey_run(model, tok, prompts, kind, kept, modes)
+                name = PRESS_NAMES[kind]
                 out["passkey"].append(passkey_row(
                     f"kvpress {name} keep {kept:.0%} (compression_ratio {1 - kept:.2f})",
                     scores, rows, kept))
@@ -244,7 +262,7 @@ def main():
                 nll, kls, top1, rows, _ = text_run(model, docs, P, T, kind, kept, full_logits)
                 ppl = math.exp(sum(nll) / len(nll))
                 srt = sorted(kls)
-                name = "SnapKVPress" if kind == "snapkv" else "StreamingLLMPress"
+                name = PRESS_NAMES[kind]
                 out["text"].append({
                     "label": f"kvpress {name} {budget} rows (keep {kept:.1%})",
                     "ppl": ppl, "delta_ppl_pct": 100.0 * (ppl / ppl_f - 1.0),
