@@ -13,6 +13,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 out=${OUT:-$here/out}
+rm -rf /tmp/vq-gpu  # a warm machine keeps the last call's programs: run only this bundle's
 mkdir -p "$out" /tmp/vq-gpu
 tar xJf "$here/gpu.txz" -C /tmp/vq-gpu
 export LD_LIBRARY_PATH=/tmp/vq-gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
