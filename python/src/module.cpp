@@ -153,11 +153,72 @@ vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim) {
   });
 }
 
-// One layer's cache (one KVCache of the configured method).
-class LayerCache {
+// What both layer kinds expose of their cache C (vq::KVCache or vq::cuda::DeviceKVCache: the same
+// protocol): sizes, positions, the prompt end, trimming, statistics and the state file (the CPU
+// cache's format for both: a device layer's state loads into a CPU layer and back).
+template <typename C>
+class LayerBase {
  public:
-  LayerCache(const std::string& config_json, int64_t head_dim)
-      : cache_(vq::make_cache(layer_config(config_json, head_dim))) {}
+  std::string method() const { return cache_->method(); }
+  int64_t offset() const { return cache_->offset(); }
+  int64_t stored_rows() const { return cache_->stored_rows(); }
+  int64_t batch() const { return cache_->batch(); }
+  int64_t n_kv_heads() const { return cache_->n_kv_heads(); }
+  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const {
+    return as_value_error([&] {
+      VQ_CHECK(b >= 0 && b < cache_->batch() && h >= 0 && h < cache_->n_kv_heads(),
+               "[veloxquant.Cache] stored_positions: expected b < " +
+                   std::to_string(cache_->batch()) + " and h < " +
+                   std::to_string(cache_->n_kv_heads()) + " but got b " + std::to_string(b) +
+                   ", h " + std::to_string(h));
+      return cache_->stored_positions(b, h);
+    });
+  }
+  void end_prompt() { cache_->end_prompt(); }
+  bool is_trimmable() const { return cache_->is_trimmable(); }
+  int64_t trim(int64_t n) { return cache_->trim(n); }
+  nb::dict stats() const { return stats_dict(cache_->stats()); }
+
+  nb::bytes save() const {
+    std::ostringstream os(std::ios::binary);
+    cache_->save(os);
+    const std::string b = os.str();
+    return nb::bytes(b.data(), b.size());
+  }
+  // All-or-nothing (KVCache::load, DeviceKVCache::load): a refused state leaves the cache as it
+  // was.
+  void load(const nb::bytes& data) {
+    std::istringstream is(std::string(data.c_str(), data.size()), std::ios::binary);
+    cache_->load(is);
+  }
+
+  // Binds the members above on Layer, a class derived from this one.
+  template <typename Layer>
+  static void bind(nb::class_<Layer>& c) {
+    c.def_prop_ro("method", &Layer::method)
+        .def_prop_ro("offset", &Layer::offset)
+        .def_prop_ro("stored_rows", &Layer::stored_rows)
+        .def_prop_ro("batch", &Layer::batch)
+        .def_prop_ro("n_kv_heads", &Layer::n_kv_heads)
+        .def("stored_positions", &Layer::stored_positions)
+        .def("end_prompt", &Layer::end_prompt)
+        .def("is_trimmable", &Layer::is_trimmable)
+        .def("trim", &Layer::trim)
+        .def("stats", &Layer::stats)
+        .def("save", &Layer::save)
+        .def("load", &Layer::load);
+  }
+
+ protected:
+  std::unique_ptr<C> cache_;
+};
+
+// One layer's cache (one KVCache of the configured method).
+class LayerCache : public LayerBase<vq::KVCache> {
+ public:
+  LayerCache(const std::string& config_json, int64_t head_dim) {
+    cache_ = vq::make_cache(layer_config(config_json, head_dim));
+  }
 
   // One attention step: appends keys/values [B, H_kv, S, D] and writes attention of the queries
   // q [B, H_q, S, D] (fp32, contiguous; positions offset() .. offset() + S - 1) over every stored
@@ -183,49 +244,13 @@ class LayerCache {
       return 0;
     });
   }
-
-  std::string method() const { return cache_->method(); }
-  int64_t offset() const { return cache_->offset(); }
-  int64_t stored_rows() const { return cache_->stored_rows(); }
-  int64_t batch() const { return cache_->batch(); }
-  int64_t n_kv_heads() const { return cache_->n_kv_heads(); }
-  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const {
-    return as_value_error([&] {
-      VQ_CHECK(b >= 0 && b < cache_->batch() && h >= 0 && h < cache_->n_kv_heads(),
-               "[veloxquant.Cache] stored_positions: expected b < " +
-                   std::to_string(cache_->batch()) + " and h < " +
-                   std::to_string(cache_->n_kv_heads()) + " but got b " + std::to_string(b) +
-                   ", h " + std::to_string(h));
-      return cache_->stored_positions(b, h);
-    });
-  }
-  void end_prompt() { cache_->end_prompt(); }
-  bool is_trimmable() const { return cache_->is_trimmable(); }
-  int64_t trim(int64_t n) { return cache_->trim(n); }
-
-  nb::dict stats() const { return stats_dict(cache_->stats()); }
-
-  nb::bytes save() const {
-    std::ostringstream os(std::ios::binary);
-    cache_->save(os);
-    const std::string b = os.str();
-    return nb::bytes(b.data(), b.size());
-  }
-  // All-or-nothing (KVCache::load): a refused state leaves the cache as it was.
-  void load(const nb::bytes& data) {
-    std::istringstream is(std::string(data.c_str(), data.size()), std::ios::binary);
-    cache_->load(is);
-  }
-
- private:
-  std::unique_ptr<vq::KVCache> cache_;
 };
 
 // One layer's cache on a CUDA device: a DeviceKVCache of the configured method, made for the
 // first step's B, H_kv and D on the stream and device the Python side passes (torch's current
 // stream and the tensors' device); every later step must use the same ones. Same protocol as
 // LayerCache; the attention is the CUDA backend's over the fetched DeviceCacheView.
-class DeviceLayerCache {
+class DeviceLayerCache : public LayerBase<vq::cuda::DeviceKVCache> {
  public:
   DeviceLayerCache(const std::string& config_json, int64_t head_dim, int64_t batch,
                    int64_t n_kv_heads, uintptr_t stream, int32_t device)
@@ -279,46 +304,12 @@ class DeviceLayerCache {
     });
   }
 
-  std::string method() const { return cache_->method(); }
-  int64_t offset() const { return cache_->offset(); }
-  int64_t stored_rows() const { return cache_->stored_rows(); }
-  int64_t batch() const { return cache_->batch(); }
-  int64_t n_kv_heads() const { return cache_->n_kv_heads(); }
   int32_t device() const { return device_; }
   uintptr_t stream() const { return stream_; }
-  std::vector<int32_t> stored_positions(int64_t b, int64_t h) const {
-    return as_value_error([&] {
-      VQ_CHECK(b >= 0 && b < cache_->batch() && h >= 0 && h < cache_->n_kv_heads(),
-               "[veloxquant.Cache] stored_positions: expected b < " +
-                   std::to_string(cache_->batch()) + " and h < " +
-                   std::to_string(cache_->n_kv_heads()) + " but got b " + std::to_string(b) +
-                   ", h " + std::to_string(h));
-      return cache_->stored_positions(b, h);
-    });
-  }
-  void end_prompt() { cache_->end_prompt(); }
-  bool is_trimmable() const { return cache_->is_trimmable(); }
-  int64_t trim(int64_t n) { return cache_->trim(n); }
-  nb::dict stats() const { return stats_dict(cache_->stats()); }
-
-  // The CPU cache's state format (cuda_cache.h): a device layer's file loads into a CPU layer
-  // and back.
-  nb::bytes save() const {
-    std::ostringstream os(std::ios::binary);
-    cache_->save(os);
-    const std::string b = os.str();
-    return nb::bytes(b.data(), b.size());
-  }
-  // All-or-nothing (DeviceKVCache::load): a refused state leaves the cache as it was.
-  void load(const nb::bytes& data) {
-    std::istringstream is(std::string(data.c_str(), data.size()), std::ios::binary);
-    cache_->load(is);
-  }
 
  private:
   static vq::cuda::Stream as_stream(uintptr_t s) { return reinterpret_cast<vq::cuda::Stream>(s); }
 
-  std::unique_ptr<vq::cuda::DeviceKVCache> cache_;
   vq::cuda::DecodeWorkspace ws_;
   uintptr_t stream_ = 0;
   int32_t device_ = 0;
@@ -364,42 +355,21 @@ NB_MODULE(_veloxquant, m) {
   m.def(
       "cuda_built", [] { return kBuiltWithCuda; }, "True when built with VQ_CUDA=ON.");
 
-  nb::class_<LayerCache>(m, "LayerCache")
-      .def(nb::init<const std::string&, int64_t>(), nb::arg("config_json"), nb::arg("head_dim"))
+  nb::class_<LayerCache> layer(m, "LayerCache");
+  layer.def(nb::init<const std::string&, int64_t>(), nb::arg("config_json"), nb::arg("head_dim"))
       .def("attend", &LayerCache::attend, nb::arg("keys"), nb::arg("values"), nb::arg("queries"),
-           nb::arg("out"), nb::arg("scale"), nb::arg("window"), nb::arg("pass_queries"))
-      .def_prop_ro("method", &LayerCache::method)
-      .def_prop_ro("offset", &LayerCache::offset)
-      .def_prop_ro("stored_rows", &LayerCache::stored_rows)
-      .def_prop_ro("batch", &LayerCache::batch)
-      .def_prop_ro("n_kv_heads", &LayerCache::n_kv_heads)
-      .def("stored_positions", &LayerCache::stored_positions)
-      .def("end_prompt", &LayerCache::end_prompt)
-      .def("is_trimmable", &LayerCache::is_trimmable)
-      .def("trim", &LayerCache::trim)
-      .def("stats", &LayerCache::stats)
-      .def("save", &LayerCache::save)
-      .def("load", &LayerCache::load);
+           nb::arg("out"), nb::arg("scale"), nb::arg("window"), nb::arg("pass_queries"));
+  LayerCache::bind(layer);
 
-  nb::class_<DeviceLayerCache>(m, "DeviceLayerCache")
+  nb::class_<DeviceLayerCache> device_layer(m, "DeviceLayerCache");
+  device_layer
       .def(nb::init<const std::string&, int64_t, int64_t, int64_t, uintptr_t, int32_t>(),
            nb::arg("config_json"), nb::arg("head_dim"), nb::arg("batch"), nb::arg("n_kv_heads"),
            nb::arg("stream"), nb::arg("device"))
       .def("attend", &DeviceLayerCache::attend, nb::arg("keys"), nb::arg("values"),
            nb::arg("queries"), nb::arg("out"), nb::arg("scale"), nb::arg("window"),
            nb::arg("pass_queries"), nb::arg("stream"))
-      .def_prop_ro("method", &DeviceLayerCache::method)
-      .def_prop_ro("offset", &DeviceLayerCache::offset)
-      .def_prop_ro("stored_rows", &DeviceLayerCache::stored_rows)
-      .def_prop_ro("batch", &DeviceLayerCache::batch)
-      .def_prop_ro("n_kv_heads", &DeviceLayerCache::n_kv_heads)
       .def_prop_ro("device", &DeviceLayerCache::device)
-      .def_prop_ro("stream", &DeviceLayerCache::stream)
-      .def("stored_positions", &DeviceLayerCache::stored_positions)
-      .def("end_prompt", &DeviceLayerCache::end_prompt)
-      .def("is_trimmable", &DeviceLayerCache::is_trimmable)
-      .def("trim", &DeviceLayerCache::trim)
-      .def("stats", &DeviceLayerCache::stats)
-      .def("save", &DeviceLayerCache::save)
-      .def("load", &DeviceLayerCache::load);
+      .def_prop_ro("stream", &DeviceLayerCache::stream);
+  DeviceLayerCache::bind(device_layer);
 }
