@@ -23,6 +23,12 @@ namespace {
 bool is_available() {
   return false;
 }
+int device_count() {
+  return 0;
+}
+bool has_nccl() {
+  return false;
+}
 DeviceInfo device_info() {
   not_built("cuda::device_info");
 }

@@ -23,12 +23,24 @@ void throw_cuda_error(cudaError_t e, const char* call, const char* file, int lin
 using detail::to_stream;
 
 bool is_available() {
+  return device_count() > 0;
+}
+
+int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     (void)cudaGetLastError();  // clear the sticky "no device / no driver" status
-    return false;
+    return 0;
   }
-  return n > 0;
+  return n;
+}
+
+bool has_nccl() {
+#ifdef VQ_NCCL
+  return true;
+#else
+  return false;
+#endif
 }
 
 DeviceInfo device_info() {
