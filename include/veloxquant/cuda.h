@@ -30,10 +30,6 @@ using Stream = void*;  // a cudaStream_t
 
 // True when the library was built with CUDA and a device is present.
 bool is_available();
-// CUDA devices visible to this process (0 without a CUDA build, a driver or a device).
-int device_count();
-// True when the library was built with NCCL (VQ_NCCL: CMake found its headers and library).
-bool has_nccl();
 
 struct DeviceInfo {
   std::string name;

@@ -7,6 +7,7 @@
 
 #include "cuda/check.h"
 #include "veloxquant/cuda.h"
+#include "veloxquant/multi_gpu.h"
 
 namespace vq::cuda {
 
@@ -42,6 +43,15 @@ bool has_nccl() {
   return false;
 #endif
 }
+
+#ifndef VQ_NCCL  // else src/cuda/nccl_communicator.cpp
+std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<int>&,
+                                                     const std::vector<Stream>&) {
+  throw Error(
+      "[cuda] make_nccl_communicator: expected a build with NCCL but this one has none "
+      "(configure with -DVQ_NCCL=ON)");
+}
+#endif
 
 DeviceInfo device_info() {
   int dev = 0;

@@ -191,8 +191,8 @@ void check_cuda_tensor_parallel(const ModelConfig& c, int64_t n, int device_coun
   if (n == 1) return;
   VQ_CHECK(nccl, opt +
                      "expected a build with NCCL for more than one device but this build has "
-                     "none (configure with -DVQ_CUDA=ON and NCCL installed: CMake looks for "
-                     "nccl.h and libnccl, NCCL_ROOT or the nvidia-nccl wheel's folder)");
+                     "none (configure with -DVQ_CUDA=ON -DVQ_NCCL=ON: CMake looks for "
+                     "nccl.h and libnccl under NCCL_ROOT, the toolkit and the system folders)");
   throw Error(opt +
               "the CUDA engine runs one device per process in this version; the sharded "
               "forward pass runs on the CPU (--device cpu --tensor-parallel N)");

@@ -30,6 +30,7 @@
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/engine.h"
 #include "veloxquant/error.h"
+#include "veloxquant/multi_gpu.h"
 
 namespace vq {
 
