@@ -26,14 +26,7 @@ namespace {
 
 constexpr double kU = 1.0 / 16777216.0;  // 2^-24, the fp32 unit roundoff
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 ModelConfig config_with(int64_t heads, int64_t kv_heads) {
   ModelConfig c;
