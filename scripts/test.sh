@@ -17,7 +17,7 @@ mkdir -p build-python
 (
   python3 -m venv build-python/venv &&
     $py -m pip install -q --upgrade pip &&
-    $py -m pip install -q "torch>=2.4" "transformers>=5.2,<6" pytest safetensors numpy \
+    $py -m pip install -q "torch>=2.4" "transformers>=5.2,<6" accelerate pytest safetensors numpy \
       "scikit-build-core>=0.10" "nanobind>=2.4"
 ) >build-python/venv.log 2>&1 &
 venv_pid=$!

@@ -146,14 +146,7 @@ CacheConfig external_cfg(int64_t budget) {
   return c;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(SnapKVExternal, ConfigRules) {
   CacheConfig c = external_cfg(8);

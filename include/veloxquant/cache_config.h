@@ -40,6 +40,13 @@ struct CacheConfig {
   // "full", "snapkv", "skvq", "snapkv+skvq", "streaming"
   std::string method = "full";
   int64_t head_dim = 128;  // set per layer by the builder
+  // Set per rank by a tensor-parallel shard plan (veloxquant/tensor_parallel.h), never by users:
+  // the cache holds KV heads [kv_head_first, kv_head_first + its heads) of a layer of
+  // kv_heads_total heads (0 = not sharded: the cache's own heads are the layer's). SKVQ takes
+  // those heads' Hadamard signs and calibrated permutations, so a rank's cache is the unsharded
+  // cache restricted to its heads.
+  int64_t kv_head_first = 0;
+  int64_t kv_heads_total = 0;
 
   // SnapKV (docs/design.md §C3). Defaults are the seed's.
   int64_t snap_budget = 512;     // rows kept per (b, h) after a prefill call, sinks included

@@ -13,6 +13,8 @@
 //   prompt-end eviction), exactly as vq::prefill does after its last chunk;
 // - bad input (unknown or repeated id, empty chunk, a token id outside the vocabulary, a position
 //   past max_position_embeddings) is refused with vq::Error before any cache changes.
+// With EngineOptions::tensor_parallel = N > 1, a sequence's caches are N ranks' caches of its
+// KV heads (memory() sums them) and the CPU engine's step is ShardedModel::forward.
 // Numerics: the CPU engine is Model::forward per sequence (its declared arithmetic, model.h);
 // the CUDA engine uses bf16/fp16 operands with fp32 accumulation (cuBLAS) and the CUDA caches'
 // attention (cuda.h), within the bounds its tests declare against the CPU engine.
@@ -40,6 +42,11 @@ struct EngineOptions {
   CacheConfig cache;             // every sequence's cache method and options
   DType kv_dtype = DType::kF16;  // K/V handed to the caches (ForwardOptions::kv_dtype)
   MatmulPrecision matmul = MatmulPrecision::kExact;  // CPU engine only
+  // Ranks of tensor parallelism (veloxquant/tensor_parallel.h); must divide the KV heads. The
+  // CPU engine runs N > 1 as simulated ranks with the reference all-reduce (same tokens, logits
+  // within the declared bound: a check of the sharding); the CUDA engine needs N visible devices
+  // and a build with NCCL, and refuses otherwise naming what is missing.
+  int64_t tensor_parallel = 1;
 };
 
 struct SeqChunk {
@@ -89,6 +96,12 @@ std::unique_ptr<Engine> make_cpu_engine(const Model& model, const EngineOptions&
 // The CUDA engine: uploads the model's weights once in their file dtype; `model` must outlive the
 // engine. Without a CUDA build or a device: vq::Error "[engine] ..." saying which is missing.
 std::unique_ptr<Engine> make_cuda_engine(const Model& model, const EngineOptions& opts);
+
+// The CUDA engine's tensor-parallel checks, made before anything is uploaded: N divides the KV
+// heads (make_shard_plan), N <= the visible devices ("[engine] --tensor-parallel N: expected at
+// most D (the CUDA devices visible) but got N"), and for N > 1 a build with NCCL and the
+// engine's multi-device path. vq::Error naming what is missing.
+void check_cuda_tensor_parallel(const ModelConfig& c, int64_t n, int device_count, bool nccl);
 
 // make_cpu_engine or make_cuda_engine.
 std::unique_ptr<Engine> make_engine(Device d, const Model& model, const EngineOptions& opts);

@@ -487,6 +487,12 @@ std::string cache_enum_name(const std::string& field, int64_t code) {
 void validate(const CacheConfig& c) {
   check_method_known(c.method);
   check_int("head_dim", c.head_dim, 1, kMaxCacheHeadDim, ">= 1", kWhyDim);
+  check_int("kv_heads_total", c.kv_heads_total, 0, kMaxCacheRows, ">= 0 (0 = not sharded)",
+            kWhyRows);
+  if (c.kv_head_first < 0 || c.kv_head_first >= std::max<int64_t>(c.kv_heads_total, 1))
+    fail("kv_head_first", "0 .. kv_heads_total - 1 (0 when not sharded)",
+         std::to_string(c.kv_head_first) + " with kv_heads_total " +
+             std::to_string(c.kv_heads_total));
   // snap_budget < 1 is refused here, at the config level. The seed clamps budget <= 0 to a
   // count of 1 at selection time (docs/design.md §C3); that clamp stays in the
   // selection primitive (its tests use budgets -1..n+4), but a cache asked to keep < 1 rows is

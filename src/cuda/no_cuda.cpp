@@ -9,6 +9,7 @@
 #include "veloxquant/cuda.h"
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
+#include "veloxquant/multi_gpu.h"
 
 namespace vq::cuda {
 
@@ -22,6 +23,16 @@ namespace {
 
 bool is_available() {
   return false;
+}
+int device_count() {
+  return 0;
+}
+bool has_nccl() {
+  return false;
+}
+std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<int>&,
+                                                     const std::vector<Stream>&) {
+  not_built("cuda::make_nccl_communicator");
 }
 DeviceInfo device_info() {
   not_built("cuda::device_info");

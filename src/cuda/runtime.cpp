@@ -7,6 +7,7 @@
 
 #include "cuda/check.h"
 #include "veloxquant/cuda.h"
+#include "veloxquant/multi_gpu.h"
 
 namespace vq::cuda {
 
@@ -23,13 +24,34 @@ void throw_cuda_error(cudaError_t e, const char* call, const char* file, int lin
 using detail::to_stream;
 
 bool is_available() {
+  return device_count() > 0;
+}
+
+int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     (void)cudaGetLastError();  // clear the sticky "no device / no driver" status
-    return false;
+    return 0;
   }
-  return n > 0;
+  return n;
 }
+
+bool has_nccl() {
+#ifdef VQ_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifndef VQ_NCCL  // else src/cuda/nccl_communicator.cpp
+std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<int>&,
+                                                     const std::vector<Stream>&) {
+  throw Error(
+      "[cuda] make_nccl_communicator: expected a build with NCCL but this one has none "
+      "(configure with -DVQ_NCCL=ON)");
+}
+#endif
 
 DeviceInfo device_info() {
   int dev = 0;

@@ -53,6 +53,8 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
   s.rotate = cfg.skvq_rotation == Rotation::kHadamard;
   s.rotate_values = s.rotate && cfg.skvq_rotate_values;
   s.rotation_seed = cfg.skvq_rotation_seed;
+  s.head_first = cfg.kv_head_first;
+  s.heads_total = cfg.kv_heads_total;
   s.reorder = cfg.skvq_reorder && !s.rotate;
   if (s.rotate && s.head_dim % 2 != 0)
     fail(op, "head_dim",
@@ -179,17 +181,26 @@ void Settings::check_saved(StateReader& r, const char* op) const {
 Transforms initial_transforms(const Settings& s, int64_t heads, const char* op) {
   Transforms t;
   const int64_t d = s.head_dim;
+  const int64_t total = s.heads_total ? s.heads_total : heads;
+  if (s.head_first + heads > total)
+    fail(op, "kv_head_first", "heads within the layer's " + std::to_string(total) + " KV heads",
+         "heads " + std::to_string(s.head_first) + " .. " +
+             std::to_string(s.head_first + heads - 1));
+  const auto first = static_cast<std::ptrdiff_t>(s.head_first * d);
   if (s.rotate) {
-    t.signs = hadamard_signs(s.rotation_seed, heads * d);
+    // The signs of the layer's heads in order, so a shard's head h has the unsharded head's.
+    t.signs = hadamard_signs(s.rotation_seed, (s.head_first + heads) * d);
+    t.signs.erase(t.signs.begin(), t.signs.begin() + first);
     t.rot_block = static_cast<int32_t>(hadamard_block(d));
     t.rotate_values = s.rotate_values;
   }
   if (!s.file_perm_k.empty()) {
-    if (s.file_heads != heads)
-      fail(op, "skvq_perm_file", "permutations for " + std::to_string(heads) + " KV heads",
+    if (s.file_heads != total)
+      fail(op, "skvq_perm_file", "permutations for " + std::to_string(total) + " KV heads",
            std::to_string(s.file_heads) + " heads in the file");
-    t.perm_k = s.file_perm_k;
-    t.perm_v = s.file_perm_v;
+    const auto last = first + static_cast<std::ptrdiff_t>(heads * d);
+    t.perm_k.assign(s.file_perm_k.begin() + first, s.file_perm_k.begin() + last);
+    t.perm_v.assign(s.file_perm_v.begin() + first, s.file_perm_v.begin() + last);
   }
   return t;
 }

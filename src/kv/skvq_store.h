@@ -49,6 +49,9 @@ struct Settings {
   // Calibrated permutations of this layer ([H * D] each), empty when none.
   std::vector<int32_t> file_perm_k, file_perm_v;
   int64_t file_heads = 0;
+  // The layer's heads this cache holds (CacheConfig::kv_head_first, kv_heads_total): signs and
+  // file permutations are those of global heads head_first .. head_first + H - 1.
+  int64_t head_first = 0, heads_total = 0;
 
   static Settings from_config(const CacheConfig& cfg, int64_t layer_index, const char* op);
   // Writes / checks the fields a state file must agree on. A channel-axis cache writes state

@@ -1,6 +1,8 @@
 // The CPU engine (veloxquant/engine.h): one vector of per-layer caches per sequence (batch 1,
 // Model::make_caches), step() = Model::forward per chunk over that sequence's caches, so every
-// sequence computes exactly what vq::generate computes for it alone. Also parse_device,
+// sequence computes exactly what vq::generate computes for it alone. With tensor_parallel N > 1
+// a sequence holds N ranks' caches and step() is ShardedModel::forward with the reference
+// all-reduce (veloxquant/tensor_parallel.h). Also parse_device,
 // device_name, make_engine and the host copy bandwidth (the CPU decode bound of `bench`).
 //
 // A step is checked whole (ids, repeats, empty chunks, token ids, positions) before any forward
@@ -14,6 +16,7 @@
 #include <set>
 
 #include "veloxquant/error.h"
+#include "veloxquant/tensor_parallel.h"
 
 namespace vq {
 
@@ -49,6 +52,12 @@ class CpuEngine final : public Engine {
  public:
   CpuEngine(const Model& model, const EngineOptions& opts) : model_(model), opts_(opts) {
     validate(opts_.cache);  // refused before any sequence exists
+    const ShardPlan plan = make_shard_plan(model.config(), opts_.tensor_parallel);
+    for (int64_t r = 0; r < plan.n_ranks; ++r) rank_cache_config(plan, r, opts_.cache);
+    if (plan.n_ranks > 1) {
+      tp_ = std::make_unique<ShardedModel>(model, plan.n_ranks);
+      comm_ = make_reference_communicator(plan.n_ranks);
+    }
   }
 
   Device device() const override { return Device::kCpu; }
@@ -57,7 +66,12 @@ class CpuEngine final : public Engine {
 
   int64_t add_sequence() override {
     const int64_t id = next_id_++;
-    seqs_.emplace(id, model_.make_caches(opts_.cache));
+    RankCaches caches;
+    if (tp_)
+      caches = tp_->make_caches(opts_.cache);
+    else
+      caches.push_back(model_.make_caches(opts_.cache));
+    seqs_.emplace(id, std::move(caches));
     return id;
   }
 
@@ -67,12 +81,22 @@ class CpuEngine final : public Engine {
   }
 
   int64_t offset(int64_t seq) const override {
-    const auto& caches = find(seq, "offset")->second;
+    const auto& caches = find(seq, "offset")->second[0];
     return caches.empty() ? 0 : caches[0]->offset();
   }
 
   CacheMemory memory(int64_t seq) const override {
-    return cache_memory(find(seq, "memory")->second, model_.config().n_kv_heads);
+    const RankCaches& ranks = find(seq, "memory")->second;
+    const int64_t heads = model_.config().n_kv_heads / static_cast<int64_t>(ranks.size());
+    CacheMemory m = cache_memory(ranks[0], heads);
+    for (size_t r = 1; r < ranks.size(); ++r) {
+      const CacheMemory o = cache_memory(ranks[r], heads);
+      m.rows_kept += o.rows_kept;
+      m.bytes_accounted += o.bytes_accounted;
+      m.bytes_resident += o.bytes_resident;
+      m.fp16_bytes += o.fp16_bytes;
+    }
+    return m;
   }
 
   void step(std::span<const SeqChunk> chunks, std::vector<float>* logits) override {
@@ -113,20 +137,25 @@ class CpuEngine final : public Engine {
       const auto& caches = seqs_.at(ch.seq);
       const bool want = ch.logits && logits != nullptr;
       fo.logits = want ? ForwardOptions::Logits::kLast : ForwardOptions::Logits::kNone;
-      model_.forward(ch.tokens.data(), 1, static_cast<int64_t>(ch.tokens.size()), caches, fo,
-                     want ? &out_ : nullptr, &scratch_);
+      const auto n = static_cast<int64_t>(ch.tokens.size());
+      if (tp_)
+        tp_->forward(ch.tokens.data(), 1, n, caches, fo, *comm_, want ? &out_ : nullptr,
+                     &rank_scratch_);
+      else
+        model_.forward(ch.tokens.data(), 1, n, caches[0], fo, want ? &out_ : nullptr, &scratch_);
       if (want) {
         std::copy(out_.begin(), out_.begin() + c.vocab_size,
                   logits->begin() + static_cast<std::ptrdiff_t>(row * c.vocab_size));
       }
       if (ch.logits) ++row;
       if (ch.end_prompt)
-        for (const auto& cache : caches) cache->end_prompt();
+        for (const auto& rank : caches)
+          for (const auto& cache : rank) cache->end_prompt();
     }
   }
 
  private:
-  using Caches = std::vector<std::unique_ptr<KVCache>>;
+  using Caches = RankCaches;  // [rank][layer]; one rank without tensor parallelism
 
   std::map<int64_t, Caches>::const_iterator find(int64_t seq, const char* op) const {
     auto it = seqs_.find(seq);
@@ -147,9 +176,27 @@ class CpuEngine final : public Engine {
   int64_t next_id_ = 0;
   ForwardScratch scratch_;
   std::vector<float> out_;
+  std::unique_ptr<ShardedModel> tp_;  // tensor_parallel > 1
+  std::unique_ptr<Communicator> comm_;
+  std::vector<ForwardScratch> rank_scratch_;
 };
 
 }  // namespace
+
+void check_cuda_tensor_parallel(const ModelConfig& c, int64_t n, int device_count, bool nccl) {
+  make_shard_plan(c, n);  // N divides the KV heads
+  const std::string opt = "[engine] --tensor-parallel " + std::to_string(n) + ": ";
+  VQ_CHECK(n <= device_count, opt + "expected at most " + std::to_string(device_count) +
+                                  " (the CUDA devices visible) but got " + std::to_string(n));
+  if (n == 1) return;
+  VQ_CHECK(nccl, opt +
+                     "expected a build with NCCL for more than one device but this build has "
+                     "none (configure with -DVQ_CUDA=ON -DVQ_NCCL=ON: CMake looks for "
+                     "nccl.h and libnccl under NCCL_ROOT, the toolkit and the system folders)");
+  throw Error(opt +
+              "the CUDA engine runs one device per process in this version; the sharded "
+              "forward pass runs on the CPU (--device cpu --tensor-parallel N)");
+}
 
 std::unique_ptr<Engine> make_cpu_engine(const Model& model, const EngineOptions& opts) {
   return std::make_unique<CpuEngine>(model, opts);

@@ -30,6 +30,7 @@
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/engine.h"
 #include "veloxquant/error.h"
+#include "veloxquant/multi_gpu.h"
 
 namespace vq {
 
@@ -571,6 +572,8 @@ std::unique_ptr<Engine> make_cuda_engine(const Model& model, const EngineOptions
   VQ_CHECK(cuda::is_available(),
            "[engine] device cuda: expected a CUDA device but none was found (no device or no "
            "driver); use --device cpu");
+  check_cuda_tensor_parallel(model.config(), opts.tensor_parallel, cuda::device_count(),
+                             cuda::has_nccl());
   return std::make_unique<CudaEngine>(model, opts);
 }
 

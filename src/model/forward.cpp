@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "model/forward_parts.h"
 #include "ops/kernels.h"
 #include "ops/thread_pool.h"
 #include "veloxquant/attention.h"
@@ -64,10 +65,15 @@ T* grow(std::vector<T>& v, size_t n) {
 
 }  // namespace
 
-void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
-                    const std::vector<std::unique_ptr<KVCache>>& caches, const ForwardOptions& opts,
-                    std::vector<float>* logits, ForwardScratch* scratch) const {
-  const ModelConfig& c = cfg_;
+namespace fwd {
+
+LayerSlice layer_slice(const Model::Layer& L, int64_t n_heads, int64_t n_kv_heads) {
+  return {&L.attn_norm, &L.mlp_norm, &L.q,    &L.k,    &L.v,      &L.o,
+          &L.gate,      &L.up,       &L.down, n_heads, n_kv_heads};
+}
+
+int64_t check_call(const ModelConfig& c, const int32_t* tokens, int64_t batch, int64_t seq,
+                   const std::vector<std::unique_ptr<KVCache>>& caches) {
   VQ_CHECK(batch >= 1 && seq >= 1, "[forward] expected batch >= 1 and seq >= 1 but got batch " +
                                        std::to_string(batch) + ", seq " + std::to_string(seq));
   VQ_CHECK(static_cast<int64_t>(caches.size()) == c.n_layers,
@@ -84,15 +90,61 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
              "[forward] expected every layer's cache at offset " + std::to_string(offset) +
                  " but layer " + std::to_string(l) + " is at " +
                  (caches[l] ? std::to_string(caches[l]->offset()) : std::string("nullptr")));
+  return offset;
+}
 
-  ForwardScratch local;
-  ForwardScratch& s = scratch ? *scratch : local;
-  const kernels::Precision mp = opts.matmul == MatmulPrecision::kBF16 ? kernels::Precision::kBF16
-                                                                      : kernels::Precision::kExact;
-  const int64_t T = batch * seq, Hd = c.hidden_size, D = c.head_dim, half = D / 2;
-  const int64_t Hq = c.n_heads, Hkv = c.n_kv_heads, I = c.intermediate_size;
+Step begin(const Model& m, const int32_t* tokens, int64_t batch, int64_t seq, int64_t offset,
+           const ForwardOptions& opts, ForwardScratch& s) {
+  const ModelConfig& c = m.config();
+  Step st;
+  st.cfg = &c;
+  st.batch = batch;
+  st.seq = seq;
+  st.tokens = batch * seq;
+  st.offset = offset;
+  st.par = st.tokens >= kParallelTokens;
+  st.mp = opts.matmul == MatmulPrecision::kBF16 ? kernels::Precision::kBF16
+                                                : kernels::Precision::kExact;
+  st.kv_dtype = opts.kv_dtype;
+  st.pass_queries = opts.pass_queries;
+  const int64_t Hd = c.hidden_size, D = c.head_dim, half = D / 2;
+  float* x = grow(s.x, static_cast<size_t>(st.tokens * Hd));
+  float* cos_t = grow(s.cos_t, static_cast<size_t>(seq * half));
+  float* sin_t = grow(s.sin_t, static_cast<size_t>(seq * half));
+  // Embeddings.
+  const Linear& embed = m.embedding();
+  const size_t emb_es = dtype_size(embed.dtype);
+  for (int64_t t = 0; t < st.tokens; ++t)
+    to_f32(static_cast<const char*>(embed.w) + static_cast<size_t>(tokens[t]) * Hd * emb_es,
+           embed.dtype, x + t * Hd, static_cast<size_t>(Hd));
+  // RoPE tables for this call's positions, shared by every layer and head.
+  for (int64_t si = 0; si < seq; ++si)
+    rope_cos_sin(m.inv_freq(), offset + si, cos_t + si * half, sin_t + si * half);
+  st.cos_t = cos_t;
+  st.sin_t = sin_t;
+  st.ap.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  st.ap.window = c.sliding_window;
+  st.ap.q_pos0 = offset;
+  return st;
+}
+
+void norm_in(const Step& st, ForwardScratch& s, bool add, const std::vector<float>& w) {
+  const ModelConfig& c = *st.cfg;
+  const int64_t Hd = c.hidden_size;
+  float* x = s.x.data();
+  float* h = grow(s.h, static_cast<size_t>(st.tokens * Hd));
+  for_tokens(st.tokens, st.par, [&](int64_t t) {
+    if (add)
+      for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
+    kernels::rmsnorm(x + t * Hd, w.data(), Hd, c.rms_norm_eps, h + t * Hd);
+  });
+}
+
+void attention(const Step& st, const LayerSlice& L, KVCache& cache, ForwardScratch& s) {
+  const ModelConfig& c = *st.cfg;
+  const int64_t T = st.tokens, seq = st.seq, batch = st.batch, Hd = c.hidden_size;
+  const int64_t D = c.head_dim, half = D / 2, Hq = L.n_heads, Hkv = L.n_kv_heads;
   const size_t uT = static_cast<size_t>(T);
-  float* x = grow(s.x, uT * Hd);
   float* h = grow(s.h, uT * std::max(Hd, Hq * D));
   float* q = grow(s.q, uT * Hq * D);
   float* k = grow(s.k, uT * Hkv * D);
@@ -100,13 +152,8 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
   float* qh = grow(s.qh, uT * Hq * D);
   float* attn = grow(s.attn, uT * Hq * D);
   float* attn_t = grow(s.attn_t, uT * Hq * D);
-  float* gate = grow(s.gate, uT * I);
-  float* up = grow(s.up, uT * I);
-  float* cos_t = grow(s.cos_t, static_cast<size_t>(seq * half));
-  float* sin_t = grow(s.sin_t, static_cast<size_t>(seq * half));
-
-  // Head-major K/V blocks [B, H_kv, S, D] handed to the caches, in the cache dtype.
-  const DType kv_t = opts.kv_dtype;
+  // Head-major K/V blocks [B, H_kv, S, D] handed to the cache, in the cache dtype.
+  const DType kv_t = st.kv_dtype;
   const size_t kv_elems = uT * Hkv * D;
   void* kbuf;
   void* vbuf;
@@ -117,86 +164,74 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
     kbuf = grow(s.k16, kv_elems);
     vbuf = grow(s.v16, kv_elems);
   }
-
-  // Embeddings.
-  const size_t emb_es = dtype_size(embed_.dtype);
-  for (int64_t t = 0; t < T; ++t)
-    to_f32(static_cast<const char*>(embed_.w) + static_cast<size_t>(tokens[t]) * Hd * emb_es,
-           embed_.dtype, x + t * Hd, static_cast<size_t>(Hd));
-  // RoPE tables for this call's positions, shared by every layer and head.
-  for (int64_t si = 0; si < seq; ++si)
-    rope_cos_sin(inv_freq_, offset + si, cos_t + si * half, sin_t + si * half);
-
   const TensorView q_view = TensorView::contiguous(qh, DType::kF32, batch, Hq, seq, D);
   const TensorView k_view = TensorView::contiguous(kbuf, kv_t, batch, Hkv, seq, D);
   const TensorView v_view = TensorView::contiguous(vbuf, kv_t, batch, Hkv, seq, D);
-  AttentionParams ap;
-  ap.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  ap.window = c.sliding_window;
-  ap.q_pos0 = offset;
 
-  const bool par = T >= kParallelTokens;
-  for (int64_t li = 0; li < c.n_layers; ++li) {
-    const Layer& L = layers_[static_cast<size_t>(li)];
-    // x += h (the previous layer's MLP output; none before layer 0), h = RMSNorm(x).
-    for_tokens(T, par, [&](int64_t t) {
-      if (li > 0)
-        for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
-      kernels::rmsnorm(x + t * Hd, L.attn_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
-    });
-    const kernels::MatmulOut qkv[3] = {out_of(L.q, q), out_of(L.k, k), out_of(L.v, v)};
-    kernels::matmul_multi(h, T, Hd, Hd, qkv, 3, mp);
-    // RoPE, then token-major [T, heads, D] -> head-major [B, heads, S, D].
-    for_tokens(T, par, [&](int64_t t) {
-      const int64_t b = t / seq, si = t % seq;
-      apply_rope(q + t * Hq * D, Hq, D, cos_t + si * half, sin_t + si * half, c.rope.style);
-      apply_rope(k + t * Hkv * D, Hkv, D, cos_t + si * half, sin_t + si * half, c.rope.style);
-      for (int64_t hh = 0; hh < Hq; ++hh)
-        std::memcpy(qh + ((b * Hq + hh) * seq + si) * D, q + (t * Hq + hh) * D,
-                    static_cast<size_t>(D) * sizeof(float));
-      for (int64_t hh = 0; hh < Hkv; ++hh) {
-        const size_t dst = static_cast<size_t>(((b * Hkv + hh) * seq + si) * D);
-        const float* ks = k + (t * Hkv + hh) * D;
-        const float* vs = v + (t * Hkv + hh) * D;
-        if (kv_t == DType::kF32) {
-          std::memcpy(static_cast<float*>(kbuf) + dst, ks, static_cast<size_t>(D) * sizeof(float));
-          std::memcpy(static_cast<float*>(vbuf) + dst, vs, static_cast<size_t>(D) * sizeof(float));
-        } else {
-          from_f32(ks, static_cast<uint16_t*>(kbuf) + dst, kv_t, static_cast<size_t>(D));
-          from_f32(vs, static_cast<uint16_t*>(vbuf) + dst, kv_t, static_cast<size_t>(D));
-        }
+  const kernels::MatmulOut qkv[3] = {out_of(*L.q, q), out_of(*L.k, k), out_of(*L.v, v)};
+  kernels::matmul_multi(h, T, Hd, Hd, qkv, 3, st.mp);
+  // RoPE, then token-major [T, heads, D] -> head-major [B, heads, S, D].
+  const float* cos_t = st.cos_t;
+  const float* sin_t = st.sin_t;
+  for_tokens(T, st.par, [&](int64_t t) {
+    const int64_t b = t / seq, si = t % seq;
+    apply_rope(q + t * Hq * D, Hq, D, cos_t + si * half, sin_t + si * half, c.rope.style);
+    apply_rope(k + t * Hkv * D, Hkv, D, cos_t + si * half, sin_t + si * half, c.rope.style);
+    for (int64_t hh = 0; hh < Hq; ++hh)
+      std::memcpy(qh + ((b * Hq + hh) * seq + si) * D, q + (t * Hq + hh) * D,
+                  static_cast<size_t>(D) * sizeof(float));
+    for (int64_t hh = 0; hh < Hkv; ++hh) {
+      const size_t dst = static_cast<size_t>(((b * Hkv + hh) * seq + si) * D);
+      const float* ks = k + (t * Hkv + hh) * D;
+      const float* vs = v + (t * Hkv + hh) * D;
+      if (kv_t == DType::kF32) {
+        std::memcpy(static_cast<float*>(kbuf) + dst, ks, static_cast<size_t>(D) * sizeof(float));
+        std::memcpy(static_cast<float*>(vbuf) + dst, vs, static_cast<size_t>(D) * sizeof(float));
+      } else {
+        from_f32(ks, static_cast<uint16_t*>(kbuf) + dst, kv_t, static_cast<size_t>(D));
+        from_f32(vs, static_cast<uint16_t*>(vbuf) + dst, kv_t, static_cast<size_t>(D));
       }
-    });
-    KVCache& cache = *caches[static_cast<size_t>(li)];
-    UpdateOptions uo;
-    uo.queries = opts.pass_queries ? &q_view : nullptr;
-    const CacheView view = cache.update_and_fetch(k_view, v_view, uo);
-    attention(q_view, view, ap, attn);
-    // [B, H_q, S, D] -> [T, H_q * D]
-    for_tokens(T, par, [&](int64_t t) {
-      const int64_t b = t / seq, si = t % seq;
-      for (int64_t hh = 0; hh < Hq; ++hh)
-        std::memcpy(attn_t + (t * Hq + hh) * D, attn + ((b * Hq + hh) * seq + si) * D,
-                    static_cast<size_t>(D) * sizeof(float));
-    });
-    linear(L.o, attn_t, T, h, mp);
+    }
+  });
+  UpdateOptions uo;
+  uo.queries = st.pass_queries ? &q_view : nullptr;
+  const CacheView view = cache.update_and_fetch(k_view, v_view, uo);
+  vq::attention(q_view, view, st.ap, attn);
+  // [B, H_q, S, D] -> [T, H_q * D]
+  for_tokens(T, st.par, [&](int64_t t) {
+    const int64_t b = t / seq, si = t % seq;
+    for (int64_t hh = 0; hh < Hq; ++hh)
+      std::memcpy(attn_t + (t * Hq + hh) * D, attn + ((b * Hq + hh) * seq + si) * D,
+                  static_cast<size_t>(D) * sizeof(float));
+  });
+  linear(*L.o, attn_t, T, h, st.mp);
+}
 
-    for_tokens(T, par, [&](int64_t t) {
-      for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
-      kernels::rmsnorm(x + t * Hd, L.mlp_norm.data(), Hd, c.rms_norm_eps, h + t * Hd);
-    });
-    const kernels::MatmulOut gate_up[2] = {out_of(L.gate, gate), out_of(L.up, up)};
-    kernels::matmul_multi(h, T, Hd, Hd, gate_up, 2, mp);
-    for_tokens(T, par,
-               [&](int64_t t) { kernels::swiglu(gate + t * I, up + t * I, I, gate + t * I); });
-    linear(L.down, gate, T, h, mp);
-  }
+void mlp(const Step& st, const LayerSlice& L, ForwardScratch& s) {
+  const int64_t T = st.tokens, Hd = st.cfg->hidden_size, I = L.gate->out;
+  const size_t uT = static_cast<size_t>(T);
+  float* h = grow(s.h, uT * Hd);
+  float* gate = grow(s.gate, uT * I);
+  float* up = grow(s.up, uT * I);
+  const kernels::MatmulOut gate_up[2] = {out_of(*L.gate, gate), out_of(*L.up, up)};
+  kernels::matmul_multi(h, T, Hd, Hd, gate_up, 2, st.mp);
+  for_tokens(T, st.par,
+             [&](int64_t t) { kernels::swiglu(gate + t * I, up + t * I, I, gate + t * I); });
+  linear(*L.down, gate, T, h, st.mp);
+}
+
+void finish(const Model& m, const Step& st, const ForwardOptions& opts, ForwardScratch& s,
+            std::vector<float>* logits) {
+  const ModelConfig& c = *st.cfg;
+  const int64_t Hd = c.hidden_size, T = st.tokens, seq = st.seq, batch = st.batch;
+  float* x = s.x.data();
   // The last layer's MLP output.
-  if (c.n_layers > 0)
-    for_tokens(T, par, [&](int64_t t) {
+  if (c.n_layers > 0) {
+    const float* h = s.h.data();
+    for_tokens(T, st.par, [&](int64_t t) {
       for (int64_t i = 0; i < Hd; ++i) x[t * Hd + i] += h[t * Hd + i];
     });
-
+  }
   if (opts.logits == ForwardOptions::Logits::kNone || logits == nullptr) return;
   const bool all = opts.logits == ForwardOptions::Logits::kAll;
   const int64_t per_seq = all ? seq : 1;
@@ -205,11 +240,31 @@ void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t j = 0; j < per_seq; ++j) {
       const int64_t t = b * seq + (all ? j : seq - 1);
-      kernels::rmsnorm(x + t * Hd, final_norm_.data(), Hd, c.rms_norm_eps,
+      kernels::rmsnorm(x + t * Hd, m.final_norm().data(), Hd, c.rms_norm_eps,
                        fin + (b * per_seq + j) * Hd);
     }
   logits->resize(static_cast<size_t>(n_out * c.vocab_size));
-  linear(lm_head_, fin, n_out, logits->data(), mp);
+  linear(m.lm_head(), fin, n_out, logits->data(), st.mp);
+}
+
+}  // namespace fwd
+
+void Model::forward(const int32_t* tokens, int64_t batch, int64_t seq,
+                    const std::vector<std::unique_ptr<KVCache>>& caches, const ForwardOptions& opts,
+                    std::vector<float>* logits, ForwardScratch* scratch) const {
+  const int64_t offset = fwd::check_call(cfg_, tokens, batch, seq, caches);
+  ForwardScratch local;
+  ForwardScratch& s = scratch ? *scratch : local;
+  const fwd::Step st = fwd::begin(*this, tokens, batch, seq, offset, opts, s);
+  for (int64_t li = 0; li < cfg_.n_layers; ++li) {
+    const fwd::LayerSlice L =
+        fwd::layer_slice(layers_[static_cast<size_t>(li)], cfg_.n_heads, cfg_.n_kv_heads);
+    fwd::norm_in(st, s, li > 0, *L.attn_norm);
+    fwd::attention(st, L, *caches[static_cast<size_t>(li)], s);
+    fwd::norm_in(st, s, true, *L.mlp_norm);
+    fwd::mlp(st, L, s);
+  }
+  fwd::finish(*this, st, opts, s, logits);
 }
 
 }  // namespace vq

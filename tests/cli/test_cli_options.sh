@@ -117,6 +117,38 @@ expect 0 '"decode_bound_tokens_per_s"' \
 expect 2 "[memory_plan] expected a context within the model's max_position_embeddings" \
   -- bench --model "$MODEL" --methods full --context 100000 --plan-only
 
+# --tensor-parallel: N must divide the KV heads (2); the CPU runs simulated ranks with the same
+# greedy tokens as one device; eval accepts 1 only; cuda checks the visible devices.
+expect 2 "--tensor-parallel: expected an integer in [1, 4096] but got '0'" \
+  -- generate --prompt-ids 1,2 --tensor-parallel 0
+expect 2 "[generate] [tensor_parallel] expected N to divide the model's 2 KV heads (6 query heads), N in {1, 2}, but got N = 3" \
+  -- generate --model "$MODEL" --prompt-ids 1,2 --tensor-parallel 3
+expect 2 "[bench] [tensor_parallel] expected N to divide" \
+  -- bench --model "$MODEL" --methods full --context 40 --tensor-parallel 4
+expect 2 "[eval] --tensor-parallel: expected 1 but got 2" \
+  -- eval ppl --methods full --tensor-parallel 2
+printf '{"prompt_ids": [%s]}\n{"prompt_ids": [%s]}\n' "$(seq -s, 10 45)" "$(seq -s, 50 70)" \
+  > "$tmp/tp.jsonl"
+tp_tokens() {  # every prompt's generated ids (the snapkv budget evicts within the prompts)
+  timeout 60 "$VQ" generate --model "$MODEL" --prompts-file "$tmp/tp.jsonl" --max-tokens 6 \
+    --ignore-eos --json --cache snapkv:budget=12:obs_window=4:n_sink=2 "$@" 2>&1 |
+    tr -d ' \n' | grep -o '"tokens":\[[^]]*\]'
+}
+tp1=$(tp_tokens --tensor-parallel 1)
+tp2=$(tp_tokens --tensor-parallel 2)
+if [[ -z "$tp1" || "$tp1" != "$tp2" ]]; then
+  echo "FAIL: generate --tensor-parallel 2 tokens differ from 1: '$tp1' vs '$tp2'"
+  fails=$((fails + 1))
+else
+  echo "ok: generate --tensor-parallel 2 gives --tensor-parallel 1's greedy tokens"
+fi
+expect 0 '"decode_bound_tokens_per_s"' \
+  -- bench --model "$MODEL" --methods skvq --batch 2 --context 40 --gen 3 --json --tensor-parallel 2
+if command -v nvidia-smi > /dev/null 2>&1 && [[ $(nvidia-smi -L 2> /dev/null | wc -l) -eq 1 ]]; then
+  expect 2 "--tensor-parallel 2: expected at most 1 (the CUDA devices visible) but got 2" \
+    -- generate --model "$MODEL" --prompt-ids 1,2 --device cuda --tensor-parallel 2
+fi
+
 if [[ $fails -ne 0 ]]; then
   echo "$fails case(s) failed"
   exit 1

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <random>
 
+#include "veloxquant/error.h"
+
 namespace vq::test {
 
 Tensor random_tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d, uint64_t seed,
@@ -31,6 +33,15 @@ bool bit_equal(const TensorView& a, const TensorView& b) {
           if (std::memcmp(pa, pb, es) != 0) return false;
         }
   return true;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 std::string source_path(const std::string& rel) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "veloxquant/tensor.h"
@@ -15,6 +16,9 @@ Tensor random_tensor(DType t, int64_t b, int64_t h, int64_t s, int64_t d, uint64
 
 // True when both tensors have the same shape, dtype and bytes.
 bool bit_equal(const TensorView& a, const TensorView& b);
+
+// The message of the vq::Error f throws, or "" when it throws none.
+std::string error_of(const std::function<void()>& f);
 
 // Path of a file inside the repository (VQ_SOURCE_DIR).
 std::string source_path(const std::string& rel);

@@ -3,6 +3,7 @@
 //   veloxquant bench [--model DIR] [--device cpu|cuda] --methods "full,skvq:bits_key=4:..."
 //       [--batch 8] [--context 32768] [--gen 32] [--prompt-ids random] [--prefill-step N]
 //       [--max-batch-fit] [--plan-only] [--seed S] [--threads N] [--kv-dtype ...] [--json]
+//       [--tensor-parallel N]
 //
 // Per method: --batch sequences of --context random prompt ids (seeded, one prompt per sequence)
 // and --gen generated tokens each (greedy, no EOS stop) through the batch scheduler
@@ -16,6 +17,9 @@
 // (plannable_device_bytes, options.h: cuda, the card's memory less 1 GiB; cpu, the machine's
 // physical memory) instead of --batch;
 // --plan-only prints the planner's figures without running anything.
+// --tensor-parallel N splits every sequence's heads and caches over N ranks: on the CPU the
+// engine's simulated ranks (one machine holds them all, so the planner's single-device figures
+// stay right); on cuda N must not exceed the visible devices and N > 1 needs NCCL.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -55,6 +59,7 @@ struct BenchArgs {
   bool plan_only = false;
   bool no_check_weights = false;
   bool json = false;
+  int64_t tensor_parallel = 1;
 };
 
 std::vector<std::string> split_methods(const std::string& list) {
@@ -103,6 +108,7 @@ int run_bench(const BenchArgs& a) {
   lo.check_finite = !a.no_check_weights;
   const auto model = Model::load(model_dir, lo);
   const ModelConfig& mc = model->config();
+  check_tensor_parallel(mc, dev, a.tensor_parallel, "bench");
   const DType kv = dtype_from_string(a.kv_dtype);
   const int64_t weight_bytes = static_cast<int64_t>(model->checkpoint_bytes());
   const int64_t mem = plannable_device_bytes(dev == Device::kCuda);
@@ -128,6 +134,7 @@ int run_bench(const BenchArgs& a) {
       EngineOptions eo;
       eo.cache = cfgs[m];
       eo.kv_dtype = kv;
+      eo.tensor_parallel = a.tensor_parallel;
       if (dev == Device::kCuda) {  // refused before the engine uploads anything
         req.max_batch = row.batch;
         check_fits(plan_memory(req), req, row.batch);
@@ -255,6 +262,7 @@ void add_bench_command(CLI::App& app, int* status) {
                  "tokens per prefill chunk and per prefill step", "bench");
   add_uint64_option(cmd, "--seed", &a->seed, "prompt ids seed", "bench");
   add_threads_option(cmd, &a->threads, "bench");
+  add_tensor_parallel_option(cmd, &a->tensor_parallel, "bench");
   cmd->add_option("--kv-dtype", a->kv_dtype, "K/V dtype handed to the caches")
       ->capture_default_str();
   cmd->add_flag("--max-batch-fit", a->max_batch_fit,

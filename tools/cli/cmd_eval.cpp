@@ -11,7 +11,8 @@
 // progress goes to stderr, the table to stdout (Markdown; --json or --csv) or --out FILE.
 // --matmul bf16 runs every forward pass with ForwardOptions::matmul = kBF16 (the tables' model
 // name gets " (bf16 matmul)"); --threads N bounds the OpenMP threads (1 .. the machine's cores);
-// passkey's --question sets the question of prompt sets worded otherwise.
+// passkey's --question sets the question of prompt sets worded otherwise. --tensor-parallel
+// accepts 1 only (check_eval_tensor_parallel says why).
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -52,11 +53,23 @@ struct Common {
   std::string device = "cpu";
   std::string recon_prompt = kDefaultReconPrompt;
   int64_t recon_chunk = 128;
+  int64_t tensor_parallel = 1;
 };
+
+// --tensor-parallel: 1 only. The evaluation engines (src/eval) call Model::forward over one
+// set of per-layer caches; the sharded pass (veloxquant/tensor_parallel.h) runs in generate and
+// bench, whose engine holds the ranks.
+void check_eval_tensor_parallel(const Common& a) {
+  if (a.tensor_parallel == 1) return;
+  throw Error("[eval] --tensor-parallel: expected 1 but got " + std::to_string(a.tensor_parallel) +
+              ": the evaluation engines run Model::forward over one set of caches; the sharded "
+              "pass runs in generate and bench (--tensor-parallel N)");
+}
 
 // eval runs on the CPU engine only for now: the evaluation engines (src/eval) drive
 // Model::forward over per-layer caches directly, not an Engine (engine.h).
 void check_eval_device(const Common& a) {
+  check_eval_tensor_parallel(a);
   if (parse_device(a.device) == Device::kCpu) return;  // refuses names other than cpu, cuda
   throw Error("[eval] --device: expected cpu but got " + a.device +
               ": eval does not run on the CUDA engine yet (the evaluation engines call "
@@ -108,6 +121,7 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
       ->capture_default_str();
   c->add_option("--threads", a.threads, "OpenMP threads (0 = all cores; at most the cores)")
       ->capture_default_str();
+  add_tensor_parallel_option(c, &a.tensor_parallel, "eval");
   c->add_option("--peers", a.peers, "peer rows (JSON from tools/peers/*.py) to add to the tables");
 }
 

@@ -5,6 +5,7 @@
 //       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
 //       [--prefill-step N] [--threads N] [--kv-dtype float16|bfloat16|float32] [--ignore-eos]
 //       [--no-check-weights] [--json] [--device cpu|cuda] [--prompts-file F.jsonl] [--max-batch N]
+//       [--tensor-parallel N]
 //
 // Many prompts (--prompts-file: one JSON object per line, {"prompt": "..."} or
 // {"prompt_ids": [..]} with an optional "max_tokens", or one JSON array of such objects) and
@@ -13,6 +14,10 @@
 // output lists every prompt's text in prompt order, then the totals. On cuda the memory planner
 // (veloxquant/memory_plan.h) refuses a request of which not one sequence fits the card before
 // anything is allocated. --device cuda without a CUDA build or device: exit status 2.
+// --tensor-parallel N splits the heads and caches over N ranks (veloxquant/tensor_parallel.h):
+// on the CPU the engine runs them as simulated ranks (one prompt goes through the engine too),
+// which checks a checkpoint's sharding end to end; on cuda N must not exceed the visible devices
+// and N > 1 needs a build with NCCL (refused, exit status 2, naming what is missing).
 //
 // Streams the generated text to stdout (complete UTF-8 characters only), shows a prefill
 // progress bar on stderr when stderr is a terminal and the prompt spans several chunks, and ends
@@ -74,6 +79,7 @@ struct GenerateArgs {
   std::string device = "cpu";
   std::string prompts_file;
   int64_t max_batch = 8;
+  int64_t tensor_parallel = 1;
 };
 
 MatmulPrecision matmul_from_string(const std::string& s) {
@@ -238,6 +244,7 @@ int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
   eo.cache = cfg;
   eo.kv_dtype = dtype_from_string(a.kv_dtype);
   eo.matmul = matmul_from_string(a.matmul);
+  eo.tensor_parallel = a.tensor_parallel;
   BatchGenerateOptions bo;
   bo.gen.max_tokens = a.max_tokens;
   bo.gen.prefill_step_size = a.prefill_step;
@@ -338,6 +345,7 @@ int run_generate(const GenerateArgs& a) {
   lo.check_finite = !a.no_check_weights;
   const auto model = Model::load(model_dir, lo);
   const ModelConfig& mc = model->config();
+  check_tensor_parallel(mc, dev, a.tensor_parallel, "generate");
   std::optional<Tokenizer> tok;
   if (std::filesystem::exists(model_dir + "/tokenizer.json")) {
     tok.emplace(Tokenizer::from_file(model_dir + "/tokenizer.json"));
@@ -363,7 +371,7 @@ int run_generate(const GenerateArgs& a) {
   if (!a.prompts_file.empty())
     return run_generate_batch(a, dev, *model, model_dir, tok, cfg,
                               read_prompts_file(a.prompts_file));
-  if (dev == Device::kCuda) {  // one prompt through the engine
+  if (dev == Device::kCuda || a.tensor_parallel > 1) {  // one prompt through the engine
     FilePrompt p;
     if (!a.prompt_ids.empty()) {
       p.ids = parse_ids(a.prompt_ids);
@@ -568,6 +576,7 @@ void add_generate_command(CLI::App& app, int* status) {
                   "line (optional \"max_tokens\"), or one JSON array of them");
   add_int_option(cmd, "--max-batch", &a->max_batch, 1, 4096,
                  "sequences generated at once at most (--prompts-file, --device cuda)", "generate");
+  add_tensor_parallel_option(cmd, &a->tensor_parallel, "generate");
   cmd->callback([a, status] { *status = run_generate(*a); });
 }
 

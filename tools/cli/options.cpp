@@ -13,6 +13,8 @@
 
 #include "veloxquant/cuda.h"
 #include "veloxquant/error.h"
+#include "veloxquant/multi_gpu.h"
+#include "veloxquant/tensor_parallel.h"
 
 namespace vq::cli {
 
@@ -109,6 +111,25 @@ CLI::Option* add_threads_option(CLI::App* app, int64_t* target, const std::strin
                            "x this machine's " + std::to_string(hardware_threads()) +
                            " hardware threads)";
   return add_int_option(app, "--threads", target, 0, max_threads(), "OpenMP threads", cmd, note);
+}
+
+CLI::Option* add_tensor_parallel_option(CLI::App* app, int64_t* target, const std::string& cmd) {
+  return add_int_option(app, "--tensor-parallel", target, 1, 4096,
+                        "ranks the model's heads and caches are split over (must divide the KV "
+                        "heads; cpu: simulated ranks with the reference all-reduce; cuda: one "
+                        "device per rank)",
+                        cmd);
+}
+
+void check_tensor_parallel(const ModelConfig& mc, Device dev, int64_t n, const std::string& cmd) {
+  try {
+    if (dev == Device::kCuda)
+      check_cuda_tensor_parallel(mc, n, cuda::device_count(), cuda::has_nccl());
+    else
+      make_shard_plan(mc, n);
+  } catch (const Error& e) {
+    throw Error("[" + cmd + "] " + e.what());
+  }
 }
 
 void apply_threads(int64_t threads) {
