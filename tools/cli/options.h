@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "veloxquant/engine.h"
+
 namespace vq::cli {
 
 // Largest value an integer option that counts tokens or positions accepts (positions fit 32 bits).
@@ -58,5 +60,10 @@ int64_t plannable_device_bytes(bool cuda);
 // a directory".
 std::string read_text_file(const std::string& path, const std::string& cmd,
                            const std::string& option);
+
+// --device NAME of command cmd: parse_device's refusals, and "[cmd] --device cuda: expected a
+// CUDA device ..." (or "... a build with CUDA ...") where this build or machine has none, so the
+// command is refused (exit status 2) before anything loads.
+Device checked_device(const std::string& name, const std::string& cmd);
 
 }  // namespace vq::cli
