@@ -76,25 +76,23 @@ PY
 }
 cd /tmp/vqe
 if [ "$mode" = check ]; then
-  run test_cuda_engine 120 ./test_cuda_engine
-  run test_cuda_eval 150 ./test_cuda_eval
+  run test_cuda_engine 90 ./test_cuda_engine
+  make8b
+  bench phases_4k 60 --methods full --batch 1 --context 4096 --gen 32 --prefill-step 4096 --phases
+  bench phases_32k 70 --methods full --batch 1 --context 32768 --gen 8 --prefill-step 8192 --phases
+  bench phases_8x32k 70 --methods full,skvq:bits_key=2:bits_value=2 --batch 8 \
+    --context 32768 --gen 16 --prefill-step 32768 --synthetic-prefill --phases
+  run test_cuda_eval 100 ./test_cuda_eval
   cd "$root"
   E="--methods snapkv:budget=256,skvq:bits_key=4:bits_value=4,snapkv+skvq:budget=256 --quiet --json"
-  for d in cpu cuda; do
-    run "eval kld $d" 90 "$V" eval kld $E --docs 8 -P 1024 -T 256 --matmul bf16 --device "$d" \
+  for d in cuda cpu; do
+    run "eval kld $d" 40 "$V" eval kld $E --docs 4 -P 1024 -T 128 --matmul bf16 --device "$d" \
       >"$out/eval_kld_$d.json"
   done
-  for d in cpu cuda; do
-    run "eval passkey $d" 90 "$V" eval passkey $E --prompts 48 --matmul bf16 --device "$d" \
+  for d in cuda cpu; do
+    run "eval passkey $d" 40 "$V" eval passkey $E --prompts 24 --matmul bf16 --device "$d" \
       >"$out/eval_passkey_$d.json"
   done
-  cd /tmp/vqe
-  make8b
-  bench phases_4k 90 --methods full --batch 1 --context 4096 --gen 32 --prefill-step 4096 --phases
-  bench phases_32k 150 --methods full,skvq:bits_key=2:bits_value=2 --batch 1 --context 32768 \
-    --gen 8 --prefill-step 8192 --phases
-  bench phases_8x32k 150 --methods full,skvq:bits_key=2:bits_value=2 --batch 8 \
-    --context 32768 --gen 16 --prefill-step 32768 --synthetic-prefill --phases
 fi
 if [ "$mode" = bench ]; then
   make8b

@@ -30,6 +30,7 @@
 
 #include "cuda/cuda_test_util.h"
 #include "util/test_util.h"
+#include "veloxquant/error.h"
 #include "veloxquant/eval.h"
 #include "veloxquant/model.h"
 #include "veloxquant/tokenizer.h"
@@ -108,7 +109,9 @@ TEST(CudaEval, TextFiguresMatchCpu) {
     EXPECT_EQ(g.mem.context, c.mem.context) << c.label;
     EXPECT_EQ(g.mem.rows_kept, c.mem.rows_kept) << c.label;
     EXPECT_EQ(g.rows_end, c.rows_end) << c.label;
-    if (c.family != "snapkv+skvq") EXPECT_EQ(g.mem.bytes_accounted, c.mem.bytes_accounted);
+    if (c.family != "snapkv+skvq") {
+      EXPECT_EQ(g.mem.bytes_accounted, c.mem.bytes_accounted) << c.label;
+    }
     if (keeps_fp16_rows(c.family)) {
       EXPECT_LE(std::fabs(rel), 1e-4) << c.label;
     } else {
