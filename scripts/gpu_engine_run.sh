@@ -4,10 +4,11 @@
 #          on the shipped model on the CPU (--matmul bf16) and on the CUDA engine, and
 #          `bench --phases` on a random Llama-3-8B-shaped model (tools/make_llama_shapes.py):
 #          1 x 4K and 1 x 32K real prefill + decode, 8 x 32K decode over synthetic caches;
-#   bench: the benchmark of README "Many prompts, devices" for full, skvq K4V4, skvq K2V2, snapkv
-#          and snapkv+skvq: 1 x 4K (real prefill), 1 x 32K real prefill, 8 x 32K and the largest
-#          batch the planner fits at 32K (decode over --synthetic-prefill caches), with
-#          tools/bench_transformers.py at 1 x 4K and 8 x 32K in the same call.
+#   bench: the benchmark of README "Many prompts, devices": 8 x 32K for full, skvq K4V4, skvq
+#          K2V2, snapkv and snapkv+skvq and the largest batch the planner fits at 32K for full,
+#          K4V4 and K2V2 (decode over --synthetic-prefill caches), 1 x 32K real prefill (full,
+#          K2V2), 1 x 4K (full, K4V4, K2V2), tools/bench_transformers.py at 8 x 32K, then
+#          test_cuda_eval; each part cut off by its own limit so one call holds them all.
 # Output: OUT (default DIR/out): log.txt and one JSON per run (at most 8 files).
 set -uo pipefail
 mode=${1:-check}
@@ -30,10 +31,10 @@ git -C "$root" log --oneline -1 2>/dev/null
 run() {  # label, timeout, command...
   local label=$1 limit=$2
   shift 2
-  echo "=== $label: $*"
+  echo "=== $label: $*" >&2
   SECONDS=0
   timeout "$limit" "$@"
-  echo "=== $label rc=$? ${SECONDS}s"
+  echo "=== $label rc=$? ${SECONDS}s" >&2
 }
 make8b() {
   run make_llama_shapes 60 python3 "$root/tools/make_llama_shapes.py" "$M8" --preset 8b
@@ -55,12 +56,13 @@ for m in j["methods"]:
           "peak dev %6.1f GiB" % (m["method"], m["batch"], m["plan"]["max_sequences"],
           r.get("prefill_tokens_per_s", 0), r.get("decode_tokens_per_s", 0),
           r.get("decode_pct_of_bound", 0), r.get("peak_device_bytes", 0) / 2**30))
-    if r.get("synthetic_prefill"):
+    if r:
         st, n = r["decode_seconds"], r["decode_steps"]
         f = r["first_decode_step_seconds"]
         print("    synthetic fill %.1f s; first decode step %.1f ms; later steps %.2f ms each "
-              "(%.1f tok/s)" % (r["synthetic_fill_seconds"], f * 1e3,
-              (st - f) / max(n - 1, 1) * 1e3, m["batch"] * (n - 1) / max(st - f, 1e-9)))
+              "(steady %.1f tok/s, %.1f%% of bound)" % (r["synthetic_fill_seconds"], f * 1e3,
+              (st - f) / max(n - 1, 1) * 1e3, r["steady_decode_tokens_per_s"],
+              r["steady_decode_pct_of_bound"]))
     steps = {}
     for p in m.get("phases", []):
         k = "decode" if p["decode"] else "prefill"
@@ -97,18 +99,19 @@ fi
 if [ "$mode" = bench ]; then
   make8b
   S=budget=1024:scoring=query:pool_kernel=15:keep_window=true:evict_at=prompt_end
-  ALL=full,skvq:bits_key=4:bits_value=4,skvq:bits_key=2:bits_value=2,snapkv:$S
-  ALL=$ALL,snapkv+skvq:$S:bits_key=4:bits_value=4
-  bench bench_1x4k 120 --methods "$ALL" --batch 1 --context 4096 --gen 32 --prefill-step 4096
-  bench bench_1x32k 150 --methods "$ALL" --batch 1 --context 32768 --gen 4 --prefill-step 8192
-  bench bench_8x32k 150 --methods "$ALL" --batch 8 --context 32768 --gen 16 --prefill-step 32768 \
+  Q=skvq:bits_key=4:bits_value=4,skvq:bits_key=2:bits_value=2
+  ALL=full,$Q,snapkv:$S,snapkv+skvq:$S:bits_key=4:bits_value=4
+  bench bench_8x32k 75 --methods "$ALL" --batch 8 --context 32768 --gen 16 --prefill-step 32768 \
     --synthetic-prefill
-  bench bench_max32k 240 --methods "$ALL" --max-batch-fit --context 32768 --gen 16 \
+  bench bench_max32k 80 --methods "full,$Q" --max-batch-fit --context 32768 --gen 16 \
     --prefill-step 32768 --synthetic-prefill
+  bench bench_1x32k 40 --methods full,skvq:bits_key=2:bits_value=2 --batch 1 --context 32768 \
+    --gen 4 --prefill-step 8192
+  bench bench_1x4k 40 --methods "full,$Q" --batch 1 --context 4096 --gen 32 --prefill-step 4096
   cd "$root"
-  run "transformers 1x4k" 150 python3 tools/bench_transformers.py "$M8" --batch 1 --context 4096 \
-    --gen 32 --repeats 1 --out "$out/transformers_1x4k.json"
-  run "transformers 8x32k" 200 python3 tools/bench_transformers.py "$M8" --batch 8 \
+  run "transformers 8x32k" 60 python3 tools/bench_transformers.py "$M8" --batch 8 \
     --context 32768 --gen 16 --repeats 1 --out "$out/transformers_8x32k.json"
+  cd /tmp/vqe
+  run test_cuda_eval 60 ./test_cuda_eval
 fi
 echo "done: $mode"

@@ -243,6 +243,7 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
         res.prefill_tokens += static_cast<int64_t>(ch.tokens.size());
     } else {
       res.decode_seconds += dt;
+      if (res.decode_steps == 0) res.first_decode_step_seconds = dt;
       ++res.decode_steps;
       res.decode_tokens += static_cast<int64_t>(chunks.size());
     }

@@ -86,7 +86,6 @@ struct Row {
   int64_t peak_device = 0;
   std::vector<PhaseTime> phases;  // --phases (cuda)
   double fill_seconds = 0;        // --synthetic-prefill: time to fill the caches (not a prefill)
-  double first_step_seconds = 0;  // --synthetic-prefill: the first decode step (cache growth)
 };
 
 // --synthetic-prefill: every sequence's caches filled by Engine::fill_synthetic (no model
@@ -95,8 +94,7 @@ struct Row {
 // step for the bound). The first decode token is fed as id 1 (any id: the caches decide the
 // work).
 BatchGenerateResult synthetic_run(Engine& engine, int64_t batch, int64_t context, int64_t gen,
-                                  int64_t chunk, uint64_t seed, double* fill_seconds,
-                                  double* first_step_seconds) {
+                                  int64_t chunk, uint64_t seed, double* fill_seconds) {
   BatchGenerateResult r;
   std::vector<int64_t> ids;
   const auto t0 = std::chrono::steady_clock::now();
@@ -118,7 +116,7 @@ BatchGenerateResult synthetic_run(Engine& engine, int64_t batch, int64_t context
     engine.step_greedy(chunks, V, &picked);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
     r.decode_seconds += dt;
-    if (step == 1) *first_step_seconds = dt;  // the caches' first growth past the prompt
+    if (step == 1) r.first_decode_step_seconds = dt;  // the caches' first growth past the prompt
     ++r.decode_steps;
     r.decode_tokens += batch;
     int64_t resident = 0, accounted = 0;
@@ -228,7 +226,7 @@ int run_bench(const BenchArgs& a) {
       auto engine = make_engine(dev, *model, eo);
       if (a.synthetic_prefill)
         row.r = synthetic_run(*engine, row.batch, a.context, a.gen, a.prefill_step, a.seed,
-                              &row.fill_seconds, &row.first_step_seconds);
+                              &row.fill_seconds);
       else
         row.r = batch_generate(*engine, prompts, bo);
       row.bandwidth = engine->copy_bandwidth();
@@ -262,21 +260,25 @@ int run_bench(const BenchArgs& a) {
                             {"device_bytes", mem},
                             {"max_sequences", r.plan.max_sequences}}}};
       if (r.ran)
-        j["run"] = {{"prefill_tokens_per_s", r.r.prefill_tokens_per_s()},
-                    {"decode_tokens_per_s", r.r.decode_tokens_per_s()},
-                    {"prefill_seconds", r.r.prefill_seconds},
-                    {"decode_seconds", r.r.decode_seconds},
-                    {"decode_steps", r.r.decode_steps},
-                    {"synthetic_prefill", a.synthetic_prefill},
-                    {"synthetic_fill_seconds", r.fill_seconds},
-                    {"first_decode_step_seconds", r.first_step_seconds},
-                    {"peak_cache_bytes_resident", r.r.peak_cache_bytes_resident},
-                    {"peak_cache_bytes_accounted", r.r.peak_cache_bytes_accounted},
-                    {"peak_device_bytes", r.peak_device},
-                    {"copy_bandwidth_bytes_per_s", r.bandwidth},
-                    {"decode_bound_tokens_per_s", r.bound_tps},
-                    {"decode_pct_of_bound",
-                     r.bound_tps > 0 ? 100.0 * r.r.decode_tokens_per_s() / r.bound_tps : 0.0}};
+        j["run"] = {
+            {"prefill_tokens_per_s", r.r.prefill_tokens_per_s()},
+            {"decode_tokens_per_s", r.r.decode_tokens_per_s()},
+            {"prefill_seconds", r.r.prefill_seconds},
+            {"decode_seconds", r.r.decode_seconds},
+            {"decode_steps", r.r.decode_steps},
+            {"synthetic_prefill", a.synthetic_prefill},
+            {"synthetic_fill_seconds", r.fill_seconds},
+            {"first_decode_step_seconds", r.r.first_decode_step_seconds},
+            {"steady_decode_tokens_per_s", r.r.steady_decode_tokens_per_s()},
+            {"steady_decode_pct_of_bound",
+             r.bound_tps > 0 ? 100.0 * r.r.steady_decode_tokens_per_s() / r.bound_tps : 0.0},
+            {"peak_cache_bytes_resident", r.r.peak_cache_bytes_resident},
+            {"peak_cache_bytes_accounted", r.r.peak_cache_bytes_accounted},
+            {"peak_device_bytes", r.peak_device},
+            {"copy_bandwidth_bytes_per_s", r.bandwidth},
+            {"decode_bound_tokens_per_s", r.bound_tps},
+            {"decode_pct_of_bound",
+             r.bound_tps > 0 ? 100.0 * r.r.decode_tokens_per_s() / r.bound_tps : 0.0}};
       if (!r.phases.empty()) {
         nlohmann::json ph = nlohmann::json::array();
         for (const PhaseTime& p : r.phases)
