@@ -103,11 +103,11 @@ if [ "$mode" = bench ]; then
   ALL=full,$Q,snapkv:$S,snapkv+skvq:$S:bits_key=4:bits_value=4
   bench bench_8x32k 75 --methods "$ALL" --batch 8 --context 32768 --gen 16 --prefill-step 32768 \
     --synthetic-prefill
-  bench bench_max32k 80 --methods "full,$Q" --max-batch-fit --context 32768 --gen 16 \
+  bench bench_max32k 70 --methods "full,$Q" --max-batch-fit --context 32768 --gen 16 \
     --prefill-step 32768 --synthetic-prefill
   bench bench_1x32k 40 --methods full,skvq:bits_key=2:bits_value=2 --batch 1 --context 32768 \
     --gen 4 --prefill-step 8192
-  bench bench_1x4k 40 --methods "full,$Q" --batch 1 --context 4096 --gen 32 --prefill-step 4096
+  bench bench_1x4k 35 --methods "full,$Q" --batch 1 --context 4096 --gen 32 --prefill-step 4096
   cd "$root"
   run "transformers 8x32k" 60 python3 tools/bench_transformers.py "$M8" --batch 8 \
     --context 32768 --gen 16 --repeats 1 --out "$out/transformers_8x32k.json"

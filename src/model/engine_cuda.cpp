@@ -17,7 +17,10 @@
 // down_proj, residual (docs/design.md §C1 for the cache contract). Logits: the final RMSNorm and
 // lm_head on the requested rows only, then one copy to the host (the step's only host sync);
 // step_greedy picks each row's argmax on the device and copies only the ids.
-// Scratch buffers grow to the largest step and are reused; no CUDA graphs. Built only with
+// Scratch buffers grow to the largest step and are reused. No CUDA graphs: every step's kernel
+// arguments are made on the host (cache offsets and row counts, view pointers, decode plans), so a
+// captured graph would be stale at the next step and capturing costs what launching does
+// (docs/results/gpu/engine/run2/README.md measured where a step goes). Built only with
 // VQ_CUDA (src/model/engine_cuda_stub.cpp refuses otherwise).
 #include <algorithm>
 #include <cmath>

@@ -80,15 +80,24 @@ bool keeps_fp16_rows(const std::string& family) {
   return family == "full" || family == "snapkv" || family == "streaming";
 }
 
+std::vector<std::vector<int32_t>> heldout(const Model& m) {
+  return load_token_rows_u16(test::source_path("data/eval/heldout_ids.u16"),
+                             m.config().max_position_embeddings);
+}
+
+TextEvalOptions one_doc(int64_t prefill, int64_t decode) {
+  TextEvalOptions o;
+  o.prefill = prefill;
+  o.decode = decode;
+  o.max_docs = 1;
+  return o;
+}
+
 TEST(CudaEval, TextFiguresMatchCpu) {
   SKIP_WITHOUT_MODEL();
   const Model& m = *fixture().model;
-  const auto docs = load_token_rows_u16(test::source_path("data/eval/heldout_ids.u16"),
-                                        m.config().max_position_embeddings);
-  TextEvalOptions o;
-  o.prefill = 512;
-  o.decode = 128;
-  o.max_docs = 1;
+  const auto docs = heldout(m);
+  const TextEvalOptions o = one_doc(512, 128);
   // max|z| over the document's positions (the CPU forward, full cache, every position's logits)
   double max_z = 0;
   {
@@ -172,12 +181,8 @@ TEST(CudaEval, PasskeyAnswersMatchCpu) {
 TEST(CudaEval, RefusesWhatOnlyTheCpuRuns) {
   SKIP_WITHOUT_MODEL();
   const Model& m = *fixture().model;
-  const auto docs = load_token_rows_u16(test::source_path("data/eval/heldout_ids.u16"),
-                                        m.config().max_position_embeddings);
-  TextEvalOptions o;
-  o.prefill = 64;
-  o.decode = 4;
-  o.max_docs = 1;
+  const auto docs = heldout(m);
+  TextEvalOptions o = one_doc(64, 4);
   EXPECT_THROW(eval_attn_error(m, docs, parse_eval_methods("full"), o, settings(Device::kCuda)),
                Error);
   EXPECT_THROW(
