@@ -111,6 +111,82 @@ TEST_F(BatchTest, EngineRefusalsChangeNothing) {
   EXPECT_EQ(eng->add_sequence(), b + 1);  // ids are never reused
 }
 
+// step_greedy (the default: step() then vq::argmax) gives the ids of step()'s logits, -1 never
+// for finite logits; a sequence added with its own config runs that config, equal to an engine
+// made with it (rows, bytes, stored positions); a refused config adds nothing.
+TEST_F(BatchTest, StepGreedyAndPerSequenceConfig) {
+  const auto eng = make_cpu_engine(*model_, EngineOptions{});
+  const auto ids = random_ids(40, 3);
+  const int64_t a = eng->add_sequence(), b = eng->add_sequence();
+  std::vector<float> logits;
+  std::vector<int32_t> picked;
+  eng->step(std::vector<SeqChunk>{{a, std::span(ids), true, true}}, &logits);
+  eng->step_greedy(std::vector<SeqChunk>{{b, std::span(ids), true, true}}, 300, &picked);
+  ASSERT_EQ(picked.size(), 1u);
+  EXPECT_EQ(picked[0], argmax(logits.data(), 300));
+  EXPECT_THROW(eng->step_greedy({}, 321, &picked), Error);
+  EXPECT_THROW(eng->step_greedy({}, 0, &picked), Error);
+
+  const CacheConfig snap = small_config("snapkv");
+  const int64_t c = eng->add_sequence(snap);
+  EngineOptions eo;
+  eo.cache = snap;
+  const auto own = make_cpu_engine(*model_, eo);
+  const int64_t d = own->add_sequence();
+  eng->step(std::vector<SeqChunk>{{c, std::span(ids), false, true}}, nullptr);
+  own->step(std::vector<SeqChunk>{{d, std::span(ids), false, true}}, nullptr);
+  EXPECT_EQ(eng->memory(c).rows_kept_per_head, snap.snap_budget);
+  EXPECT_EQ(eng->memory(c).bytes_accounted, own->memory(d).bytes_accounted);
+  EXPECT_EQ(eng->memory(a).rows_kept_per_head, 40);  // the engine's own config: full
+  for (int64_t l = 0; l < model_->config().n_layers; ++l)
+    EXPECT_EQ(eng->stored_positions(c, l, 0), own->stored_positions(d, l, 0));
+  EXPECT_THROW(eng->stored_positions(c, -1, 0), Error);
+  EXPECT_THROW(eng->stored_positions(c, 0, model_->config().n_kv_heads), Error);
+  CacheConfig bad = snap;
+  bad.snap_budget = 0;
+  EXPECT_THROW(eng->add_sequence(bad), Error);
+  EXPECT_EQ(eng->add_sequence(), c + 1) << "a refused config adds no sequence";
+}
+
+// fill_synthetic leaves the caches of a prompt of n tokens (tokens seen, rows per method,
+// positions 0..n-1 for the full cache) with no forward; a decode step then continues at n; it
+// refuses a non-empty sequence and bad sizes before any change.
+TEST_F(BatchTest, FillSyntheticLeavesAPromptsCaches) {
+  for (const char* method : {"full", "snapkv", "skvq", "snapkv+skvq", "streaming"}) {
+    SCOPED_TRACE(method);
+    EngineOptions eo;
+    eo.cache = small_config(method);
+    const auto eng = make_cpu_engine(*model_, eo);
+    const int64_t a = eng->add_sequence();
+    eng->fill_synthetic(a, 50, 16, 7);
+    EXPECT_EQ(eng->offset(a), 50);
+    const CacheMemory m = eng->memory(a);
+    EXPECT_EQ(m.tokens_seen, 50);
+    const int64_t expect_rows = std::string(method) == "full" || std::string(method) == "skvq" ? 50
+                                : std::string(method) == "streaming"                           ? 26
+                                                                                               : 24;
+    EXPECT_EQ(m.rows_kept_per_head, expect_rows);
+    if (std::string(method) == "full") {
+      std::vector<int32_t> all(50);
+      for (int32_t i = 0; i < 50; ++i) all[static_cast<size_t>(i)] = i;
+      EXPECT_EQ(eng->stored_positions(a, 1, 0), all);
+    }
+    const std::vector<int32_t> tok = {5};
+    std::vector<int32_t> picked;
+    eng->step_greedy(std::vector<SeqChunk>{{a, std::span(tok), true, false}}, 320, &picked);
+    EXPECT_EQ(eng->offset(a), 51);
+    ASSERT_EQ(picked.size(), 1u);
+    EXPECT_GE(picked[0], 0);
+    EXPECT_THROW(eng->fill_synthetic(a, 10, 4, 0), Error);  // not empty
+    const int64_t b = eng->add_sequence();
+    EXPECT_THROW(eng->fill_synthetic(b, 0, 4, 0), Error);
+    EXPECT_THROW(eng->fill_synthetic(b, 10, 0, 0), Error);
+    EXPECT_THROW(eng->fill_synthetic(b, model_->config().max_position_embeddings + 1, 64, 0),
+                 Error);
+    EXPECT_EQ(eng->offset(b), 0);
+  }
+}
+
 // SeqChunk::end_prompt: a prompt-end SnapKV eviction runs right after the chunk (the budget's
 // rows stay), and only for the sequence that asked.
 TEST_F(BatchTest, EndPromptFlagEvictsThatSequence) {

@@ -64,7 +64,10 @@ struct BatchGenerateResult {
   int64_t prefill_steps = 0, decode_steps = 0;  // Engine::step calls of each kind
   double prefill_seconds = 0;                   // time in prefill steps (with their sampling)
   double decode_seconds = 0;                    // time in decode steps (with their sampling)
-  int64_t max_live = 0;                         // most sequences live at once
+  // The first decode step's time (in decode_seconds too): the caches' first growth past the
+  // prompt (the full cache reallocates and copies its rows there) falls in it.
+  double first_decode_step_seconds = 0;
+  int64_t max_live = 0;  // most sequences live at once
   // The live sequences' cache bytes summed, at their most after any step (CacheMemory).
   int64_t peak_cache_bytes_resident = 0;
   int64_t peak_cache_bytes_accounted = 0;
@@ -78,6 +81,16 @@ struct BatchGenerateResult {
   }
   double decode_tokens_per_s() const {
     return decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds : 0.0;
+  }
+  // Decode tokens/s of the steps after the first (0 with fewer than two steps): the steady rate
+  // once the caches have grown past the prompt. Assumes every decode step has the same number of
+  // sequences (bench: all live at once).
+  double steady_decode_tokens_per_s() const {
+    const double s = decode_seconds - first_decode_step_seconds;
+    return decode_steps > 1 && s > 0
+               ? static_cast<double>(decode_tokens) * static_cast<double>(decode_steps - 1) /
+                     static_cast<double>(decode_steps) / s
+               : 0.0;
   }
 };
 

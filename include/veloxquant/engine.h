@@ -47,6 +47,20 @@ struct EngineOptions {
   // within the declared bound: a check of the sharding); the CUDA engine needs N visible devices
   // and a build with NCCL, and refuses otherwise naming what is missing.
   int64_t tensor_parallel = 1;
+  // CUDA engine: time each phase of step() with CUDA events (phase_times(); `bench --phases`).
+  // Results are unchanged; each step then waits for its last event (one host sync per step).
+  bool time_phases = false;
+};
+
+// Time spent in one phase of the steps of one kind (EngineOptions::time_phases): gpu_seconds is
+// the sum over steps of the device time between the event that opens the phase and the next one
+// (so the phases of a step add up to its device time, host gaps included where the device waited
+// for the host); host_seconds the host's time between the same two points.
+struct PhaseTime {
+  std::string phase;
+  bool decode = false;  // steps whose chunks are all single tokens, else prefill/mixed steps
+  int64_t steps = 0;
+  double gpu_seconds = 0, host_seconds = 0;
 };
 
 struct SeqChunk {
@@ -65,16 +79,39 @@ class Engine {
   virtual const EngineOptions& options() const = 0;
 
   // A new sequence with empty caches; returns its id (never reused by this engine).
-  virtual int64_t add_sequence() = 0;
+  int64_t add_sequence() { return add_sequence(options().cache); }
+  // The same with caches of another config than options().cache (the evaluation engine runs every
+  // method of a comparison on one engine). A config the engine's caches refuse is refused with
+  // vq::Error naming what was wrong, before anything is allocated.
+  virtual int64_t add_sequence(const CacheConfig& cache) = 0;
   // Frees the sequence's caches (their memory goes back to the device at once).
   virtual void remove_sequence(int64_t seq) = 0;
   virtual int64_t offset(int64_t seq) const = 0;
   // The sequence's cache memory summed over layers (generate.h CacheMemory).
   virtual CacheMemory memory(int64_t seq) const = 0;
+  // The positions the sequence's cache of `layer` stores for KV head `head`, ascending
+  // (KVCache::stored_positions of batch row 0); out-of-range layer or head: vq::Error.
+  virtual std::vector<int32_t> stored_positions(int64_t seq, int64_t layer, int64_t head) const = 0;
 
   // Runs the chunks together. *logits gets [n, vocab] fp32, one row per chunk with logits = true,
   // in chunk order (resized; untouched when n = 0).
   virtual void step(std::span<const SeqChunk> chunks, std::vector<float>* logits) = 0;
+  // step() for greedy decoding: *tokens gets one id per chunk with logits = true, in chunk order:
+  // the argmax of that row's logits over ids [0, n_vocab) by vq::argmax's rule (generate.h: NaN
+  // as -inf, ties to the lower id), or -1 when none of the row's vocab_size logits is finite.
+  // The CUDA engine picks on the device and copies only the ids; this default calls step() and
+  // vq::argmax on the host. n_vocab outside [1, vocab_size]: vq::Error before anything runs.
+  virtual void step_greedy(std::span<const SeqChunk> chunks, int64_t n_vocab,
+                           std::vector<int32_t>* tokens);
+
+  // `bench --synthetic-prefill` only: appends n_tokens positions of pseudo-random K/V (uniform on
+  // [-sqrt 3, sqrt 3): unit variance; queries alike for SnapKV query scoring) to every layer of
+  // the sequence's caches in calls of `chunk` rows, with no model forward, then end_prompt(): the
+  // caches hold what a prompt of n_tokens leaves (rows, positions, SnapKV selection, SKVQ
+  // frontier) with other values, so decode can be timed at batches whose real prefill would take
+  // minutes. The sequence must be empty; n_tokens, chunk >= 1 and within the model's positions,
+  // else vq::Error before any change. Deterministic for (engine kind, seed, sequence id, layer).
+  virtual void fill_synthetic(int64_t seq, int64_t n_tokens, int64_t chunk, uint64_t seed) = 0;
 
   // Hooks for `veloxquant bench` (the decode bound and the peak-memory column); the CUDA engine
   // overrides both. copy_bandwidth(): bytes per second of a large copy on the engine's device,
@@ -83,6 +120,9 @@ class Engine {
   // engine: the caches' peak is in the scheduler's totals, the process's in its peak RSS).
   virtual double copy_bandwidth() { return host_copy_bandwidth(); }
   virtual int64_t peak_memory_bytes() const { return 0; }
+  // Per-phase times since the engine was made, in step order of the phases (decode steps' first);
+  // empty unless EngineOptions::time_phases on the CUDA engine.
+  virtual std::vector<PhaseTime> phase_times() const { return {}; }
 
   // Best of a few memcpy's of `bytes` between two host buffers: read + write bytes per second
   // (2 x bytes / seconds), the CPU's copy bandwidth.
@@ -102,6 +142,16 @@ std::unique_ptr<Engine> make_cuda_engine(const Model& model, const EngineOptions
 // most D (the CUDA devices visible) but got N"), and for N > 1 a build with NCCL and the
 // engine's multi-device path. vq::Error naming what is missing.
 void check_cuda_tensor_parallel(const ModelConfig& c, int64_t n, int device_count, bool nccl);
+// vq::Error unless layer is in [0, n_layers) and head in [0, n_kv_heads) (both engines'
+// stored_positions).
+void check_layer_head(const ModelConfig& c, int64_t layer, int64_t head);
+
+// fill_synthetic's refusals (both engines): an empty sequence (offset 0), n_tokens and chunk
+// >= 1, n_tokens within max_position_embeddings.
+void check_synthetic(const ModelConfig& c, int64_t offset, int64_t n_tokens, int64_t chunk);
+
+// vq::Error unless n_vocab is in [1, vocab_size] (step_greedy's check).
+void check_greedy_vocab(const ModelConfig& c, int64_t n_vocab);
 
 // make_cpu_engine or make_cuda_engine.
 std::unique_ptr<Engine> make_engine(Device d, const Model& model, const EngineOptions& opts);

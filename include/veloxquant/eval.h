@@ -27,6 +27,7 @@
 
 #include "veloxquant/cache_config.h"
 #include "veloxquant/dtype.h"
+#include "veloxquant/engine.h"
 #include "veloxquant/model.h"
 
 namespace vq {
@@ -79,6 +80,11 @@ struct EvalSettings {
   std::vector<int32_t> recon_repeat_ids;
   int64_t recon_chunk = 128;
   std::string model_name;  // shown in reports
+  // kCpu: Model::forward over per-layer caches. kCuda: every sequence (the full cache's and each
+  // method's) runs on one CUDA engine (engine.h make_cuda_engine, K/V in kv_dtype; matmul does not
+  // apply) with the same prefill chunks, end_prompt and decode steps; eval_attn_error and
+  // snapkv:scoring=external (prefill_reconstruct) are CPU only and refused there, as is P = 1.
+  Device device = Device::kCpu;
 };
 
 // ---- perplexity and KL divergence ---------------------------------------------------------------

@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <string>
 
@@ -108,7 +109,8 @@ __global__ void qkv_rope_kernel(QkvRopeParams p, int kv_dt) {
     } else {
       src = p.v, bias = p.v_bias, h = hh - Hq - Hkv, H = Hkv;
     }
-    float a = src[(t * H + h) * D + i1], b = src[(t * H + h) * D + i2];
+    const int64_t src_row = p.row_stride > 0 ? t * p.row_stride + h * D : (t * H + h) * D;
+    float a = src[src_row + i1], b = src[src_row + i2];
     if (bias) {
       a = __fadd_rn(a, bias[h * D + i1]);
       b = __fadd_rn(b, bias[h * D + i2]);
@@ -143,10 +145,11 @@ __global__ void heads_to_tokens_kernel(const float* attn, StepTokens tok, int64_
 }
 
 __global__ void swiglu_kernel(const float* gate, const float* up, const float* gate_bias,
-                              const float* up_bias, int64_t n_tokens, int64_t n, void* out,
-                              int out_dt) {
+                              const float* up_bias, int64_t n_tokens, int64_t n, int64_t in_stride,
+                              void* out, int out_dt) {
   VQ_GRID_STRIDE(e, n_tokens * n) {
-    float g = gate[e], u = up[e];
+    const int64_t in = (e / n) * in_stride + e % n;
+    float g = gate[in], u = up[in];
     if (gate_bias) g = __fadd_rn(g, gate_bias[e % n]);
     if (up_bias) u = __fadd_rn(u, up_bias[e % n]);
     const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
@@ -156,6 +159,52 @@ __global__ void swiglu_kernel(const float* gate, const float* up, const float* g
 
 __global__ void add_bias_kernel(float* y, const float* bias, int64_t n_tokens, int64_t n) {
   VQ_GRID_STRIDE(e, n_tokens * n) y[e] = __fadd_rn(y[e], bias[e % n]);
+}
+
+// One block per row: each thread scans a strided slice keeping (value, id) with NaN as -inf and
+// the lower id on ties, then a shared-memory tree reduction under the same rule; finite: any
+// thread saw a finite logit anywhere in the row.
+constexpr int kArgmaxThreads = 1024;
+__global__ void argmax_rows_kernel(const float* logits, int64_t vocab, int64_t n_vocab,
+                                   int32_t* out) {
+  const float* row = logits + blockIdx.x * vocab;
+  float best = -INFINITY;
+  int64_t best_i = INT64_MAX;
+  int finite = 0;
+  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float x = row[i];
+    finite |= isfinite(x) ? 1 : 0;
+    if (i >= n_vocab) continue;
+    const float v = isnan(x) ? -INFINITY : x;
+    if (v > best || (v == best && i < best_i)) best = v, best_i = i;
+  }
+  __shared__ float sv[kArgmaxThreads];
+  __shared__ int64_t si[kArgmaxThreads];
+  finite = __syncthreads_or(finite);
+  sv[threadIdx.x] = best;
+  si[threadIdx.x] = best_i;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) {
+      const float v = sv[threadIdx.x + w];
+      const int64_t i = si[threadIdx.x + w];
+      if (v > sv[threadIdx.x] || (v == sv[threadIdx.x] && i < si[threadIdx.x]))
+        sv[threadIdx.x] = v, si[threadIdx.x] = i;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = finite ? static_cast<int32_t>(si[0]) : -1;
+}
+
+__global__ void fill_uniform_kernel(void* out, int dt, int64_t n, uint64_t seed) {
+  VQ_GRID_STRIDE(e, n) {
+    uint64_t z = seed + static_cast<uint64_t>(e) * 0x9E3779B97F4A7C15ull;  // splitmix64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+    store_f32(out, e, (u - 0.5f) * 3.4641016f, dt);
+  }
 }
 
 // to_sub: dst[kv * sub + j] = src[kv * group + r * sub + j]; else the reverse.
@@ -227,10 +276,11 @@ void heads_to_tokens(const float* attn, const StepTokens& tok, int64_t n_heads, 
 }
 
 void swiglu(const float* gate, const float* up, const float* gate_bias, const float* up_bias,
-            int64_t n_tokens, int64_t n, void* out, DType out_t, Stream s) {
+            int64_t n_tokens, int64_t n, void* out, DType out_t, Stream s, int64_t in_stride) {
   if (n_tokens * n <= 0) return;
   swiglu_kernel<<<grid_for(n_tokens * n), 256, 0, detail::to_stream(s)>>>(
-      gate, up, gate_bias, up_bias, n_tokens, n, out, static_cast<int>(out_t));
+      gate, up, gate_bias, up_bias, n_tokens, n, in_stride > 0 ? in_stride : n, out,
+      static_cast<int>(out_t));
   VQ_CUDA_LAUNCH_CHECK("swiglu");
 }
 
@@ -290,6 +340,62 @@ void Blas::gemm(const void* w, DType t, int64_t out, int64_t in, const void* x, 
                    w, ab, static_cast<int>(in), x, ab, static_cast<int>(in), &beta, y, CUDA_R_32F,
                    static_cast<int>(out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "cublasGemmEx");
+}
+
+void argmax_rows(const float* logits, int64_t n_rows, int64_t vocab, int64_t n_vocab, int32_t* out,
+                 Stream s) {
+  if (n_rows <= 0) return;
+  VQ_CHECK(n_vocab >= 1 && n_vocab <= vocab && vocab <= INT_MAX && n_rows <= INT_MAX,
+           "[argmax_rows] expected 1 <= n_vocab <= vocab < 2^31 and rows < 2^31 but got n_vocab " +
+               std::to_string(n_vocab) + ", vocab " + std::to_string(vocab) + ", rows " +
+               std::to_string(n_rows));
+  argmax_rows_kernel<<<static_cast<unsigned>(n_rows), kArgmaxThreads, 0, detail::to_stream(s)>>>(
+      logits, vocab, n_vocab, out);
+  VQ_CUDA_LAUNCH_CHECK("argmax_rows");
+}
+
+void fill_uniform(void* out, DType t, int64_t n, uint64_t seed, Stream s) {
+  if (n <= 0) return;
+  fill_uniform_kernel<<<grid_for(n), 256, 0, detail::to_stream(s)>>>(out, static_cast<int>(t), n,
+                                                                     seed);
+  VQ_CUDA_LAUNCH_CHECK("fill_uniform");
+}
+
+PhaseEvents::~PhaseEvents() {
+  for (void* e : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
+
+void PhaseEvents::mark(int phase, Stream s) {
+  if (used_ == events_.size()) {
+    cudaEvent_t e = nullptr;
+    VQ_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  VQ_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[used_]), detail::to_stream(s)));
+  if (phases_.size() <= used_) {
+    phases_.resize(used_ + 1);
+    host_s_.resize(used_ + 1);
+  }
+  phases_[used_] = phase;
+  host_s_[used_] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  ++used_;
+}
+
+void PhaseEvents::collect(std::vector<double>* gpu_ms, std::vector<double>* host_ms) {
+  if (used_ == 0) return;
+  VQ_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[used_ - 1])));
+  for (size_t i = 0; i + 1 < used_; ++i) {
+    float ms = 0.0f;
+    VQ_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[i]),
+                                       static_cast<cudaEvent_t>(events_[i + 1])));
+    const size_t p = static_cast<size_t>(phases_[i]);
+    if (gpu_ms->size() <= p) gpu_ms->resize(p + 1, 0.0);
+    if (host_ms->size() <= p) host_ms->resize(p + 1, 0.0);
+    (*gpu_ms)[p] += ms;
+    (*host_ms)[p] += 1e3 * (host_s_[i + 1] - host_s_[i]);
+  }
+  used_ = 0;
 }
 
 Stream create_stream() {

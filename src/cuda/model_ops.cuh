@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "veloxquant/cuda.h"
 #include "veloxquant/dtype.h"
@@ -52,9 +53,12 @@ void add_rmsnorm(const AddNormParams& p, Stream s);
 // RopeStyle::kHalfSplit) or (2i, 2i + 1) (1, kInterleaved) with the host's fp32 cos/sin tables,
 // the same fp32 operations as vq::apply_rope.
 struct QkvRopeParams {
-  const float* q = nullptr;       // device [T, H_q * D]
-  const float* k = nullptr;       // device [T, H_kv * D]
-  const float* v = nullptr;       // device [T, H_kv * D]
+  const float* q = nullptr;  // device [T, H_q * D] (rows row_stride apart)
+  const float* k = nullptr;  // device [T, H_kv * D]
+  const float* v = nullptr;  // device [T, H_kv * D]
+  // Elements between consecutive token rows of q, k and v: 0 = each its own contiguous matrix;
+  // (H_q + 2 H_kv) D when they are the column blocks of one fused q|k|v product.
+  int64_t row_stride = 0;
   const float* q_bias = nullptr;  // device [H_q * D] or nullptr
   const float* k_bias = nullptr;  // device [H_kv * D] or nullptr
   const float* v_bias = nullptr;  // device [H_kv * D] or nullptr
@@ -75,9 +79,11 @@ void heads_to_tokens(const float* attn, const StepTokens& tok, int64_t n_heads, 
                      void* out, DType out_t, Stream s);
 
 // out[t, i] = silu(g) * u with g = gate[t, i] (+ gate_bias[i]), u = up[t, i] (+ up_bias[i]),
-// silu(g) = g / (1 + exp(-g)) in fp32, rounded to out_t. gate, up device [T, n] fp32.
+// silu(g) = g / (1 + exp(-g)) in fp32, rounded to out_t. gate, up device [T, n] fp32 with rows
+// in_stride elements apart (0 = n; 2n for the column blocks of one fused gate|up product); out
+// [T, n] contiguous.
 void swiglu(const float* gate, const float* up, const float* gate_bias, const float* up_bias,
-            int64_t n_tokens, int64_t n, void* out, DType out_t, Stream s);
+            int64_t n_tokens, int64_t n, void* out, DType out_t, Stream s, int64_t in_stride = 0);
 
 // y[t, i] += bias[i]: y device [n_tokens, n] fp32.
 void add_bias(float* y, const float* bias, int64_t n_tokens, int64_t n, Stream s);
@@ -104,6 +110,37 @@ class Blas {
 
  private:
   void* handle_ = nullptr;
+};
+
+// Greedy choice per row on the device (Engine::step_greedy): out[r] = the argmax of
+// logits[r, 0 .. n_vocab) with vq::argmax's rule (generate.h: NaN counts as -inf, ties go to the
+// lower id), or -1 when none of logits[r, 0 .. vocab) is finite. logits device [n_rows, vocab]
+// fp32, out device [n_rows] int32. Exact (comparisons only).
+void argmax_rows(const float* logits, int64_t n_rows, int64_t vocab, int64_t n_vocab, int32_t* out,
+                 Stream s);
+
+// out[i] = (u - 0.5) 2 sqrt(3), u = the top 24 bits of splitmix64(seed + i) / 2^24: uniform on
+// [-sqrt 3, sqrt 3) (unit variance), rounded to t (Engine::fill_synthetic's values).
+void fill_uniform(void* out, DType t, int64_t n, uint64_t seed, Stream s);
+
+// Phase timing (the engine's EngineOptions::time_phases): mark(phase, s) records a CUDA event on
+// s (and the host clock) where `phase` begins; collect() waits for the last mark and adds, for
+// each mark but the last, the device and host milliseconds up to the next mark into
+// gpu_ms[phase] / host_ms[phase], then forgets the marks. Events are pooled and reused.
+class PhaseEvents {
+ public:
+  PhaseEvents() = default;
+  ~PhaseEvents();
+  PhaseEvents(const PhaseEvents&) = delete;
+  PhaseEvents& operator=(const PhaseEvents&) = delete;
+  void mark(int phase, Stream s);
+  void collect(std::vector<double>* gpu_ms, std::vector<double>* host_ms);
+
+ private:
+  std::vector<void*> events_;  // cudaEvent_t, pooled
+  std::vector<int> phases_;
+  std::vector<double> host_s_;  // steady clock seconds at each mark
+  size_t used_ = 0;
 };
 
 // A new non-blocking stream, and its destruction (nullptr: nothing).

@@ -181,7 +181,7 @@ void heads_to_tokens(const float*, const StepTokens&, int64_t, int64_t, void*, D
   not_built("cuda::heads_to_tokens");
 }
 void swiglu(const float*, const float*, const float*, const float*, int64_t, int64_t, void*, DType,
-            Stream) {
+            Stream, int64_t) {
   not_built("cuda::swiglu");
 }
 void add_bias(float*, const float*, int64_t, int64_t, Stream) {
@@ -199,6 +199,19 @@ Blas::Blas(Stream) {
 Blas::~Blas() = default;
 void Blas::gemm(const void*, DType, int64_t, int64_t, const void*, int64_t, float*) {
   not_built("cuda::Blas::gemm");
+}
+void argmax_rows(const float*, int64_t, int64_t, int64_t, int32_t*, Stream) {
+  not_built("cuda::argmax_rows");
+}
+void fill_uniform(void*, DType, int64_t, uint64_t, Stream) {
+  not_built("cuda::fill_uniform");
+}
+PhaseEvents::~PhaseEvents() = default;
+void PhaseEvents::mark(int, Stream) {
+  not_built("cuda::PhaseEvents::mark");
+}
+void PhaseEvents::collect(std::vector<double>*, std::vector<double>*) {
+  not_built("cuda::PhaseEvents::collect");
 }
 Stream create_stream() {
   not_built("cuda::create_stream");

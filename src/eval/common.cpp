@@ -14,6 +14,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
 #include "veloxquant/generate.h"
+#include "veloxquant/prefill_schedule.h"
 #include "veloxquant/reconstruct.h"
 
 namespace vq::eval_detail {
@@ -48,6 +49,95 @@ void decode_step(const Model& model, int32_t id, const Caches& caches, const Eva
   fo.matmul = st.matmul;
   fo.logits = ForwardOptions::Logits::kLast;
   model.forward(&id, 1, 1, caches, fo, logits, &scratch);
+}
+
+std::unique_ptr<Engine> make_eval_engine(const Model& model, const EvalSettings& st) {
+  if (st.device == Device::kCpu) return nullptr;
+  EngineOptions eo;
+  eo.cache.method = "full";  // each sequence names its own config (add_sequence)
+  eo.kv_dtype = st.kv_dtype;
+  return make_engine(st.device, model, eo);
+}
+
+EvalSeq::EvalSeq(const Model& model, Engine* engine, const CacheConfig& cfg, const EvalSettings& st,
+                 ForwardScratch& scratch)
+    : model_(model), engine_(engine), st_(st), scratch_(scratch) {
+  if (!engine_) {
+    caches_ = model.make_caches(cfg);
+    return;
+  }
+  VQ_CHECK(!(cfg.method == "snapkv" || cfg.method == "snapkv+skvq") ||
+               cfg.snap_scoring != SnapScoring::kExternal,
+           std::string("[eval] device ") + device_name(engine->device()) +
+               ": expected a method without scoring=external (its reconstruction prefill drives "
+               "Model::forward on the CPU); use --device cpu for it");
+  seq_ = engine_->add_sequence(cfg);
+}
+
+EvalSeq::~EvalSeq() {
+  if (engine_ && seq_ >= 0) engine_->remove_sequence(seq_);
+}
+
+void EvalSeq::prefill(const int32_t* ids, int64_t n, std::vector<float>* logits) {
+  if (!engine_) {
+    eval_detail::prefill(model_, ids, n, caches_, st_.prefill_step, st_, scratch_, logits);
+    return;
+  }
+  VQ_CHECK(n >= 1, std::string("[eval] device ") + device_name(engine_->device()) +
+                       ": expected a prompt of at least one token (P >= 2: an engine step takes "
+                       "at least one token) but got none");
+  const std::vector<int64_t> chunks = prefill_chunks(n, st_.prefill_step);
+  int64_t at = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const bool last = i + 1 == chunks.size();
+    SeqChunk ch;
+    ch.seq = seq_;
+    ch.tokens = std::span<const int32_t>(ids + at, static_cast<size_t>(chunks[i]));
+    ch.logits = last && logits != nullptr;
+    ch.end_prompt = last;
+    engine_->step(std::span<const SeqChunk>(&ch, 1), logits);
+    at += chunks[i];
+  }
+}
+
+void EvalSeq::decode(int32_t id, std::vector<float>* logits) {
+  if (!engine_) {
+    decode_step(model_, id, caches_, st_, scratch_, logits);
+    return;
+  }
+  SeqChunk ch;
+  ch.seq = seq_;
+  ch.tokens = std::span<const int32_t>(&id, 1);
+  ch.logits = logits != nullptr;
+  engine_->step(std::span<const SeqChunk>(&ch, 1), logits);
+}
+
+MemoryFigures EvalSeq::memory() const {
+  if (!engine_) return memory_of(caches_);
+  const CacheMemory cm = engine_->memory(seq_);
+  MemoryFigures m;
+  m.context = cm.tokens_seen;
+  // CacheMemory::rows_kept sums over layers and kv heads (batch 1); memory_of's rows_kept is the
+  // mean over layers of the rows per (b, h)
+  const int64_t per = cm.n_layers * n_kv_heads();
+  m.rows_kept = per ? static_cast<double>(cm.rows_kept) / static_cast<double>(per) : 0.0;
+  m.bytes_accounted = cm.bytes_accounted;
+  m.bytes_resident = cm.bytes_resident;
+  m.fp16_bytes = cm.fp16_bytes;
+  return m;
+}
+
+int64_t EvalSeq::n_layers() const {
+  return model_.config().n_layers;
+}
+
+int64_t EvalSeq::n_kv_heads() const {
+  return model_.config().n_kv_heads;
+}
+
+std::vector<int32_t> EvalSeq::stored_positions(int64_t layer, int64_t head) const {
+  if (engine_) return engine_->stored_positions(seq_, layer, head);
+  return caches_[static_cast<size_t>(layer)]->stored_positions(0, head);
 }
 
 void log_softmax(const float* logits, int64_t n, std::vector<double>& out) {

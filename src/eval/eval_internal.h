@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "veloxquant/cache.h"
+#include "veloxquant/engine.h"
 #include "veloxquant/eval.h"
 #include "veloxquant/model.h"
 
@@ -31,6 +32,41 @@ void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& ca
 // One decode step (S == 1); *logits = [vocab].
 void decode_step(const Model& model, int32_t id, const Caches& caches, const EvalSettings& st,
                  ForwardScratch& scratch, std::vector<float>* logits);
+
+// The engine an evaluation runs its sequences on: null for st.device == kCpu (the caches are
+// driven through prefill/decode_step above), else a CUDA engine of the model (vq::Error from
+// make_cuda_engine without a build or device).
+std::unique_ptr<Engine> make_eval_engine(const Model& model, const EvalSettings& st);
+
+// One sequence of an evaluation with one cache config: per-layer caches through prefill and
+// decode_step above (engine == nullptr), or a sequence of `engine` fed the same chunks
+// (prefill_chunks of st.prefill_step, end_prompt after the last) and decode steps, so both
+// devices run one protocol. The engine's sequence is removed with the object.
+class EvalSeq {
+ public:
+  EvalSeq(const Model& model, Engine* engine, const CacheConfig& cfg, const EvalSettings& st,
+          ForwardScratch& scratch);
+  ~EvalSeq();
+  EvalSeq(const EvalSeq&) = delete;
+  EvalSeq& operator=(const EvalSeq&) = delete;
+
+  // prefill(ids, n, ...) as above (n == 0 only ends the prompt; on an engine it is refused).
+  void prefill(const int32_t* ids, int64_t n, std::vector<float>* logits);
+  void decode(int32_t id, std::vector<float>* logits);
+  MemoryFigures memory() const;
+  int64_t n_layers() const;
+  int64_t n_kv_heads() const;
+  // Positions stored for (layer, kv head) of batch row 0, ascending.
+  std::vector<int32_t> stored_positions(int64_t layer, int64_t head) const;
+
+ private:
+  const Model& model_;
+  Engine* engine_;
+  const EvalSettings& st_;
+  ForwardScratch& scratch_;
+  Caches caches_;     // CPU
+  int64_t seq_ = -1;  // engine
+};
 
 // log-softmax of logits[0, n) in double: out[i] = x[i] - logsumexp(x).
 void log_softmax(const float* logits, int64_t n, std::vector<double>& out);

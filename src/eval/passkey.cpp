@@ -22,8 +22,6 @@
 
 namespace vq {
 
-using eval_detail::Caches;
-
 std::vector<PasskeyPrompt> load_passkey_jsonl(const std::string& path) {
   std::ifstream in(path);
   VQ_CHECK(in.is_open(),
@@ -131,14 +129,14 @@ std::vector<std::vector<int32_t>> find_key_runs(const Tokenizer& tok,
 
 // Needle survival over every (layer, KV head) of batch row 0: (fraction of key digit rows stored,
 // fraction of heads keeping at least one occurrence whole).
-std::pair<double, double> needle_survival(const Caches& caches,
+std::pair<double, double> needle_survival(const eval_detail::EvalSeq& seq,
                                           const std::vector<std::vector<int32_t>>& runs) {
   double kept = 0, whole = 0;
   int64_t n_heads = 0, n_rows = 0;
   for (const auto& run : runs) n_rows += static_cast<int64_t>(run.size());
-  for (const auto& c : caches)
-    for (int64_t h = 0; h < c->n_kv_heads(); ++h) {
-      const std::vector<int32_t> pos = c->stored_positions(0, h);
+  for (int64_t l = 0; l < seq.n_layers(); ++l)
+    for (int64_t h = 0; h < seq.n_kv_heads(); ++h) {
+      const std::vector<int32_t> pos = seq.stored_positions(l, h);
       int64_t hit = 0;
       bool any_whole = false;
       for (const auto& run : runs) {
@@ -164,51 +162,49 @@ std::string strip(const std::string& s) {
 
 // Greedy continuation of n tokens after the cache consumed everything; first = the logits of the
 // last consumed position. mem (if not null) is taken after the first decode step.
-std::vector<int32_t> greedy(const Model& model, const Caches& caches, std::vector<float>& logits,
-                            int64_t n, const EvalSettings& st, ForwardScratch& scratch,
-                            MemoryFigures* mem) {
+std::vector<int32_t> greedy(const Model& model, eval_detail::EvalSeq& seq,
+                            std::vector<float>& logits, int64_t n, MemoryFigures* mem) {
   const int64_t V = model.config().vocab_size;
   std::vector<int32_t> out;
   int32_t tok = static_cast<int32_t>(eval_detail::argmax(logits.data(), V));
   out.push_back(tok);
   for (int64_t i = 1; i < n; ++i) {
-    eval_detail::decode_step(model, tok, caches, st, scratch, &logits);
-    if (i == 1 && mem) *mem = eval_detail::memory_of(caches);
+    seq.decode(tok, &logits);
+    if (i == 1 && mem) *mem = seq.memory();
     tok = static_cast<int32_t>(eval_detail::argmax(logits.data(), V));
     out.push_back(tok);
   }
-  if (n <= 1 && mem) *mem = eval_detail::memory_of(caches);
+  if (n <= 1 && mem) *mem = seq.memory();
   return out;
 }
 
-// Runs one prompt in one mode; returns whether the answer matched.
-bool run_prompt(const Model& model, const Tokenizer& tok, const EncodedPrompt& p,
+// Runs one prompt in one mode (on `engine`, or the CPU when null); returns whether the answer
+// matched.
+bool run_prompt(const Model& model, Engine* engine, const Tokenizer& tok, const EncodedPrompt& p,
                 const EvalMethod& method, bool aware, const EvalSettings& st,
                 ForwardScratch& scratch, MemoryFigures* mem, PasskeyModeScore& score) {
   const int64_t n_context =
       static_cast<int64_t>(p.context.size() + (aware ? p.question.size() : 0));
-  const Caches caches = model.make_caches(config_for_context(method, n_context));
+  eval_detail::EvalSeq seq(model, engine, config_for_context(method, n_context), st, scratch);
   std::vector<float> logits;
   if (aware) {
     std::vector<int32_t> all = p.context;
     all.insert(all.end(), p.question.begin(), p.question.end());
-    eval_detail::prefill(model, all.data(), static_cast<int64_t>(all.size()), caches,
-                         st.prefill_step, st, scratch, &logits);
+    seq.prefill(all.data(), static_cast<int64_t>(all.size()), &logits);
   } else {
-    eval_detail::prefill(model, p.context.data(), static_cast<int64_t>(p.context.size()), caches,
-                         st.prefill_step, st, scratch, &logits);
+    seq.prefill(p.context.data(), static_cast<int64_t>(p.context.size()), &logits);
   }
   if (!p.key_positions.empty()) {
     // Right after the compression of the context (aware: of the whole prompt).
-    const auto [kept, whole] = needle_survival(caches, p.key_positions);
+    const auto [kept, whole] = needle_survival(seq, p.key_positions);
     score.needle_rows_kept_sum += kept;
     score.needle_heads_whole_sum += whole;
     score.needle_prompts += 1;
   }
   if (!aware) {
-    for (int32_t q : p.question) eval_detail::decode_step(model, q, caches, st, scratch, &logits);
+    for (int32_t q : p.question) seq.decode(q, &logits);
   }
-  const std::vector<int32_t> gen = greedy(model, caches, logits, p.n_answer, st, scratch, mem);
+  const std::vector<int32_t> gen = greedy(model, seq, logits, p.n_answer, mem);
   return strip(tok.decode(gen, true)) == p.src->answer;
 }
 
@@ -283,6 +279,8 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
   res.n_prompts = static_cast<int64_t>(enc.size());
   ForwardScratch scratch;
   eval_detail::Progress prog(settings.progress, "passkey");
+  // On settings.device (one engine for every prompt and method; null on the CPU).
+  const std::unique_ptr<Engine> engine = eval_detail::make_eval_engine(model, settings);
 
   auto run_method = [&](const EvalMethod& cfg) {
     const std::string& label = cfg.label;
@@ -296,7 +294,7 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
       const bool is_longest =
           !mem_taken && static_cast<int64_t>(e.context.size() + e.question.size()) == longest;
       if (opts.question_aware) {
-        const bool ok = run_prompt(model, tokenizer, e, cfg, true, settings, scratch,
+        const bool ok = run_prompt(model, engine.get(), tokenizer, e, cfg, true, settings, scratch,
                                    is_longest ? &row.mem : nullptr, row.aware);
         add_score(row.aware, p, ok);
         if (is_longest) mem_taken = true;
@@ -304,7 +302,7 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
       if (opts.question_agnostic) {
         MemoryFigures m;
         const bool ok =
-            run_prompt(model, tokenizer, e, cfg, false, settings, scratch,
+            run_prompt(model, engine.get(), tokenizer, e, cfg, false, settings, scratch,
                        (is_longest && !opts.question_aware) ? &row.mem : &m, row.agnostic);
         add_score(row.agnostic, p, ok);
         if (is_longest) mem_taken = true;

@@ -116,18 +116,18 @@ TextEvalResult eval_text(const Model& model, const std::vector<std::vector<int32
   const int64_t mem_step = memory_step(opts);
 
   // Runs P-1 prefill tokens and T decode steps; calls score(t, logits) after each step.
+  // On settings.device (one engine for every sequence of the run; null on the CPU).
+  const std::unique_ptr<Engine> engine = eval_detail::make_eval_engine(model, settings);
   auto run = [&](const CacheConfig& cfg, auto&& score, MemoryFigures* mem, double* rows_end,
                  const std::vector<int32_t>& ids) {
-    const Caches caches = model.make_caches(cfg);
-    eval_detail::prefill(model, ids.data(), P - 1, caches, settings.prefill_step, settings, scratch,
-                         nullptr);
+    eval_detail::EvalSeq seq(model, engine.get(), cfg, settings, scratch);
+    seq.prefill(ids.data(), P - 1, nullptr);
     for (int64_t t = 0; t < T; ++t) {
-      eval_detail::decode_step(model, ids[static_cast<size_t>(P - 1 + t)], caches, settings,
-                               scratch, &logits);
-      if (t == mem_step) *mem = eval_detail::memory_of(caches);
+      seq.decode(ids[static_cast<size_t>(P - 1 + t)], &logits);
+      if (t == mem_step) *mem = seq.memory();
       score(t, logits.data());
     }
-    *rows_end = eval_detail::memory_of(caches).rows_kept;
+    *rows_end = seq.memory().rows_kept;
   };
 
   for (int64_t d = 0; d < n_docs; ++d) {
@@ -236,6 +236,11 @@ AttnErrorResult eval_attn_error(const Model& model, const std::vector<std::vecto
   check_text_inputs(model, docs, opts, n_docs);
   const int64_t P = opts.prefill, T = opts.decode;
   const int64_t L = model.config().n_layers, Hq = model.config().n_heads;
+  VQ_CHECK(settings.device == Device::kCpu,
+           std::string("[attn-error] device: expected cpu but got ") +
+               device_name(settings.device) +
+               " (the attention-error tap wraps the CPU caches of Model::forward); use --device "
+               "cpu");
 
   AttnErrorResult res;
   res.options = opts;

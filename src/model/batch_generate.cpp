@@ -105,7 +105,11 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
 
   // Samples token i = tokens.size() of s from logit row `row` and decides whether s goes on;
   // marks it finished (stop_reason set) otherwise. Mirrors vq::generate's decode loop.
-  auto advance = [&](Seq& s, const float* row) {
+  // Greedy decoding picks on the engine (Engine::step_greedy: on the CUDA engine only the ids
+  // leave the device); `row` is then null and `picked` the engine's id (-1: no finite logit).
+  const bool greedy = g.sampling.temperature <= 0.0f;
+  std::vector<int32_t> picked_ids;
+  auto advance = [&](Seq& s, const float* row, int32_t picked) {
     GenerateResult& r = res.results[static_cast<size_t>(s.index)];
     const int64_t n = r.prompt_tokens;
     const int64_t i = static_cast<int64_t>(r.tokens.size());
@@ -114,13 +118,13 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
       s.finished = true;
       return;
     }
-    bool finite = false;
-    for (int64_t v = 0; v < cfg.vocab_size && !finite; ++v) finite = std::isfinite(row[v]);
+    bool finite = !row && picked >= 0;
+    for (int64_t v = 0; row && v < cfg.vocab_size && !finite; ++v) finite = std::isfinite(row[v]);
     VQ_CHECK(finite, "[batch_generate] expected finite logits but all " +
                          std::to_string(cfg.vocab_size) + " logits for generated token " +
                          std::to_string(i) + " of prompt " + std::to_string(s.index) +
                          " (position " + std::to_string(n + i) + ") are NaN or infinite");
-    const int32_t token = s.sampler->sample(row, n_sample);
+    const int32_t token = row ? s.sampler->sample(row, n_sample) : picked;
     r.tokens.push_back(token);
     const bool keep_going = !o.on_token || o.on_token(s.index, token);
     if (g.stop_at_eos && std::find(stop.begin(), stop.end(), token) != stop.end()) {
@@ -202,7 +206,10 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
     }
 
     const auto t0 = std::chrono::steady_clock::now();
-    engine.step(chunks, &logits);
+    if (greedy)
+      engine.step_greedy(chunks, n_sample, &picked_ids);
+    else
+      engine.step(chunks, &logits);
     int64_t row = 0;
     for (size_t k = 0; k < chunks.size(); ++k) {
       Seq& s = *in_step[k];
@@ -217,7 +224,12 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
       } else {
         ++r.decode_steps;
       }
-      if (chunks[k].logits) advance(s, logits.data() + static_cast<size_t>(row++ * cfg.vocab_size));
+      if (chunks[k].logits) {
+        if (greedy)
+          advance(s, nullptr, picked_ids[static_cast<size_t>(row++)]);
+        else
+          advance(s, logits.data() + static_cast<size_t>(row++ * cfg.vocab_size), -1);
+      }
     }
     const double dt = seconds_since(t0);
     for (Seq* s : in_step) {
@@ -231,6 +243,7 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
         res.prefill_tokens += static_cast<int64_t>(ch.tokens.size());
     } else {
       res.decode_seconds += dt;
+      if (res.decode_steps == 0) res.first_decode_step_seconds = dt;
       ++res.decode_steps;
       res.decode_tokens += static_cast<int64_t>(chunks.size());
     }

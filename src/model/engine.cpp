@@ -11,14 +11,23 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
+#include <random>
 #include <set>
 
 #include "veloxquant/error.h"
 #include "veloxquant/tensor_parallel.h"
 
 namespace vq {
+
+void check_layer_head(const ModelConfig& c, int64_t layer, int64_t head) {
+  VQ_CHECK(layer >= 0 && layer < c.n_layers && head >= 0 && head < c.n_kv_heads,
+           "[engine] stored_positions: expected layer in [0, " + std::to_string(c.n_layers) +
+               ") and head in [0, " + std::to_string(c.n_kv_heads) + ") but got layer " +
+               std::to_string(layer) + ", head " + std::to_string(head));
+}
 
 Device parse_device(const std::string& name) {
   if (name == "cpu") return Device::kCpu;
@@ -28,6 +37,38 @@ Device parse_device(const std::string& name) {
 
 const char* device_name(Device d) {
   return d == Device::kCuda ? "cuda" : "cpu";
+}
+
+void check_synthetic(const ModelConfig& c, int64_t offset, int64_t n_tokens, int64_t chunk) {
+  VQ_CHECK(offset == 0, "[engine] fill_synthetic: expected an empty sequence but it holds " +
+                            std::to_string(offset) + " tokens");
+  VQ_CHECK(n_tokens >= 1 && chunk >= 1,
+           "[engine] fill_synthetic: expected n_tokens >= 1 and chunk >= 1 but got " +
+               std::to_string(n_tokens) + " and " + std::to_string(chunk));
+  VQ_CHECK(c.max_position_embeddings <= 0 || n_tokens <= c.max_position_embeddings,
+           "[engine] fill_synthetic: expected at most max_position_embeddings (" +
+               std::to_string(c.max_position_embeddings) + ") tokens but got " +
+               std::to_string(n_tokens));
+}
+
+void check_greedy_vocab(const ModelConfig& c, int64_t n_vocab) {
+  VQ_CHECK(n_vocab >= 1 && n_vocab <= c.vocab_size,
+           "[engine] step_greedy: expected n_vocab in [1, " + std::to_string(c.vocab_size) +
+               "] but got " + std::to_string(n_vocab));
+}
+
+void Engine::step_greedy(std::span<const SeqChunk> chunks, int64_t n_vocab,
+                         std::vector<int32_t>* tokens) {
+  const int64_t V = config().vocab_size;
+  check_greedy_vocab(config(), n_vocab);
+  std::vector<float> logits;
+  step(chunks, &logits);
+  tokens->clear();
+  for (size_t r = 0; r * static_cast<size_t>(V) < logits.size(); ++r) {
+    const float* row = logits.data() + r * static_cast<size_t>(V);
+    const bool finite = std::any_of(row, row + V, [](float x) { return std::isfinite(x); });
+    tokens->push_back(finite ? argmax(row, n_vocab) : -1);
+  }
 }
 
 double Engine::host_copy_bandwidth(int64_t bytes) {
@@ -52,11 +93,11 @@ class CpuEngine final : public Engine {
  public:
   CpuEngine(const Model& model, const EngineOptions& opts) : model_(model), opts_(opts) {
     validate(opts_.cache);  // refused before any sequence exists
-    const ShardPlan plan = make_shard_plan(model.config(), opts_.tensor_parallel);
-    for (int64_t r = 0; r < plan.n_ranks; ++r) rank_cache_config(plan, r, opts_.cache);
-    if (plan.n_ranks > 1) {
-      tp_ = std::make_unique<ShardedModel>(model, plan.n_ranks);
-      comm_ = make_reference_communicator(plan.n_ranks);
+    plan_ = make_shard_plan(model.config(), opts_.tensor_parallel);
+    for (int64_t r = 0; r < plan_.n_ranks; ++r) rank_cache_config(plan_, r, opts_.cache);
+    if (plan_.n_ranks > 1) {
+      tp_ = std::make_unique<ShardedModel>(model, plan_.n_ranks);
+      comm_ = make_reference_communicator(plan_.n_ranks);
     }
   }
 
@@ -64,13 +105,17 @@ class CpuEngine final : public Engine {
   const ModelConfig& config() const override { return model_.config(); }
   const EngineOptions& options() const override { return opts_; }
 
-  int64_t add_sequence() override {
+  using Engine::add_sequence;
+  int64_t add_sequence(const CacheConfig& cache) override {
+    validate(cache);
     const int64_t id = next_id_++;
     RankCaches caches;
-    if (tp_)
-      caches = tp_->make_caches(opts_.cache);
-    else
-      caches.push_back(model_.make_caches(opts_.cache));
+    if (tp_) {
+      for (int64_t r = 0; r < plan_.n_ranks; ++r) rank_cache_config(plan_, r, cache);
+      caches = tp_->make_caches(cache);
+    } else {
+      caches.push_back(model_.make_caches(cache));
+    }
     seqs_.emplace(id, std::move(caches));
     return id;
   }
@@ -97,6 +142,56 @@ class CpuEngine final : public Engine {
       m.fp16_bytes += o.fp16_bytes;
     }
     return m;
+  }
+
+  std::vector<int32_t> stored_positions(int64_t seq, int64_t layer, int64_t head) const override {
+    const Caches& ranks = find(seq, "stored_positions")->second;
+    check_layer_head(model_.config(), layer, head);
+    // Rank r holds the KV heads [r H/N, (r + 1) H/N) (make_shard_plan).
+    const int64_t per_rank = model_.config().n_kv_heads / static_cast<int64_t>(ranks.size());
+    return ranks[static_cast<size_t>(head / per_rank)][static_cast<size_t>(layer)]
+        ->stored_positions(0, head % per_rank);
+  }
+
+  // Host K/V/Q blocks [1, H, n, D] fp32 from mt19937_64(seed, id, layer), uniform on
+  // [-sqrt 3, sqrt 3), handed to each layer's cache in `chunk`-row calls.
+  void fill_synthetic(int64_t seq, int64_t n_tokens, int64_t chunk, uint64_t seed) override {
+    const Caches& ranks = find(seq, "fill_synthetic")->second;
+    const ModelConfig& c = model_.config();
+    check_synthetic(c, offset(seq), n_tokens, chunk);
+    VQ_CHECK(ranks.size() == 1,
+             "[engine] fill_synthetic: expected tensor_parallel 1 (a benchmark "
+             "fill of one device's caches) but got " +
+                 std::to_string(ranks.size()));
+    const auto& caches = ranks[0];
+    const int64_t Hkv = c.n_kv_heads, Hq = c.n_heads, D = c.head_dim;
+    const DType kt = opts_.kv_dtype;  // K/V as Model::forward hands them to the caches
+    std::vector<float> k, v, q;
+    std::vector<uint8_t> kb, vb;
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      std::mt19937_64 rng(seed ^ (static_cast<uint64_t>(seq) << 20) ^ static_cast<uint64_t>(l));
+      std::uniform_real_distribution<float> u(-std::sqrt(3.0f), std::sqrt(3.0f));
+      for (int64_t at = 0; at < n_tokens; at += chunk) {
+        const int64_t n = std::min(chunk, n_tokens - at);
+        for (auto* b : {&k, &v}) {
+          b->resize(static_cast<size_t>(Hkv * n * D));
+          for (float& x : *b) x = u(rng);
+        }
+        q.resize(static_cast<size_t>(Hq * n * D));
+        for (float& x : q) x = u(rng);
+        kb.resize(k.size() * dtype_size(kt));
+        vb.resize(v.size() * dtype_size(kt));
+        from_f32(k.data(), kb.data(), kt, k.size());
+        from_f32(v.data(), vb.data(), kt, v.size());
+        const TensorView qv = TensorView::contiguous(q.data(), DType::kF32, 1, Hq, n, D);
+        UpdateOptions uo;
+        uo.queries = &qv;
+        caches[static_cast<size_t>(l)]->update_and_fetch(
+            TensorView::contiguous(kb.data(), kt, 1, Hkv, n, D),
+            TensorView::contiguous(vb.data(), kt, 1, Hkv, n, D), uo);
+      }
+    }
+    for (const auto& cache : caches) cache->end_prompt();
   }
 
   void step(std::span<const SeqChunk> chunks, std::vector<float>* logits) override {
@@ -176,6 +271,7 @@ class CpuEngine final : public Engine {
   int64_t next_id_ = 0;
   ForwardScratch scratch_;
   std::vector<float> out_;
+  ShardPlan plan_;
   std::unique_ptr<ShardedModel> tp_;  // tensor_parallel > 1
   std::unique_ptr<Communicator> comm_;
   std::vector<ForwardScratch> rank_scratch_;

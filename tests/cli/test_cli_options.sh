@@ -89,8 +89,14 @@ expect 0 '"activation_bytes"' -- generate --model "$MODEL" --prompt-ids 5,6,7 --
 if ! command -v nvidia-smi > /dev/null 2>&1; then  # no device here (and maybe no CUDA build)
   expect 2 "[generate] --device cuda: expected a" -- generate --prompt-ids 1,2 --device cuda
   expect 2 "[bench] --device cuda: expected a" -- bench --methods full --device cuda
+  expect 2 "[eval] --device cuda: expected a" -- eval ppl --methods full --device cuda
+  expect 2 "[eval] --device cuda: expected a" -- eval passkey --methods full --device cuda
+else  # attn-error is CPU only, refused naming the device even where one exists
+  expect 2 "[eval attn-error] --device: expected cpu but got cuda" \
+    -- eval attn-error --methods full --device cuda
 fi
-expect 2 "[eval] --device: expected cpu but got cuda" -- eval ppl --methods full --device cuda
+expect 2 "[engine] device: expected cpu or cuda but got 'gpu'" \
+  -- eval ppl --methods full --device gpu
 expect 2 "[engine] device: expected cpu or cuda but got 'gpu'" \
   -- generate --prompt-ids 1,2 --device gpu
 # Many prompts: JSONL and a JSON array, per-prompt max_tokens, errors naming the line.

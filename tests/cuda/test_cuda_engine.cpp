@@ -465,6 +465,34 @@ TEST(CudaEngineOps, GemmWithinFp32AccumulationBound) {
   }
 }
 
+// argmax_rows is exact: every row's id must equal vq::argmax's (NaN as -inf, ties to the lower
+// id) over [0, n_vocab), and -1 exactly for the rows with no finite logit.
+TEST(CudaEngineOps, ArgmaxRowsMatchesHostArgmax) {
+  SKIP_WITHOUT_DEVICE();
+  const int64_t V = 5000, n_vocab = 4096, R = 7;
+  std::vector<float> z = rnd(static_cast<size_t>(R * V), 31);
+  const float nan = std::nanf(""), inf = INFINITY;
+  auto at = [&](int64_t r, int64_t i) -> float& { return z[static_cast<size_t>(r * V + i)]; };
+  at(1, 10) = at(1, 3000) = 9.0f;  // a tie: the lower id wins
+  at(2, 0) = nan;                  // NaN counts as -inf
+  at(2, 17) = 50.0f;
+  at(3, 4500) = 99.0f;                             // beyond n_vocab: not a candidate
+  for (int64_t i = 0; i < V; ++i) at(4, i) = nan;  // no finite logit: -1
+  for (int64_t i = 0; i < V; ++i) at(5, i) = i == 4999 ? 1.0f : -inf;  // finite beyond n_vocab
+  at(6, 100) = inf;                                                    // +inf is the largest
+  cuda::DeviceBuffer dz = cuda::DeviceBuffer::from_vector(z), dout(static_cast<size_t>(R) * 4);
+  cuda::argmax_rows(dz.as<float>(), R, V, n_vocab, dout.as<int32_t>(), nullptr);
+  const auto got = download<int32_t>(dout, static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = z.data() + r * V;
+    const bool finite = std::any_of(row, row + V, [](float x) { return std::isfinite(x); });
+    EXPECT_EQ(got[static_cast<size_t>(r)], finite ? vq::argmax(row, n_vocab) : -1) << "row " << r;
+  }
+  EXPECT_EQ(got[1], 10);
+  EXPECT_EQ(got[4], -1);
+  EXPECT_EQ(got[5], 0);  // every candidate -inf: the lowest id, as vq::argmax
+}
+
 TEST(CudaEngine, GoldenLogitsAndGreedyMatchCpu) {
   SKIP_WITHOUT_MODEL();
   const Model& m = *fixture().model;
@@ -651,6 +679,60 @@ TEST(CudaEngine, RaggedBatchGivesEachSequenceItsLoneTokens) {
           spec, i, prompts[i].size(), w.rel, w.kl, mixed_steps);
     }
   }
+}
+
+// step_greedy picks on the device what the host picks from step()'s logits (same engine state:
+// two sequences fed the same tokens), and a sequence added with another config than the engine's
+// runs that config (its cache figures equal an engine made with it).
+TEST(CudaEngine, StepGreedyAndPerSequenceConfig) {
+  SKIP_WITHOUT_MODEL();
+  const Model& m = *fixture().model;
+  const auto& ids = fixture().prompts[1];
+  const int64_t V = m.config().vocab_size;
+  auto e = make_cuda_engine(m, engine_opts("full", DType::kF16));
+  const int64_t a = e->add_sequence(), b = e->add_sequence();
+  const std::span<const int32_t> all(ids);
+  std::vector<int32_t> ta = {0}, tb = {0};
+  for (int step = 0; step < 6; ++step) {
+    SeqChunk ca, cb;
+    ca.seq = a;
+    cb.seq = b;
+    ca.tokens = step == 0 ? all : std::span<const int32_t>(ta);
+    cb.tokens = step == 0 ? all : std::span<const int32_t>(tb);
+    ca.end_prompt = cb.end_prompt = step == 0;
+    std::vector<float> lg;
+    std::vector<int32_t> picked;
+    e->step(std::span<const SeqChunk>(&ca, 1), &lg);
+    e->step_greedy(std::span<const SeqChunk>(&cb, 1), V - 7, &picked);
+    ASSERT_EQ(picked.size(), 1u);
+    EXPECT_EQ(picked[0], vq::argmax(lg.data(), V - 7)) << "step " << step;
+    ta[0] = vq::argmax(lg.data(), V - 7);
+    tb[0] = picked[0];
+  }
+  std::vector<int32_t> none;
+  EXPECT_THROW(e->step_greedy({}, V + 1, &none), Error);
+  EXPECT_THROW(e->step_greedy({}, 0, &none), Error);
+
+  const CacheConfig snap = config_from_spec("snapkv:budget=64:obs_window=16");
+  const int64_t c = e->add_sequence(snap);
+  auto e2 = make_cuda_engine(m, engine_opts("snapkv:budget=64:obs_window=16", DType::kF16));
+  const int64_t d = e2->add_sequence();
+  for (auto [eng, seq] : {std::pair<Engine*, int64_t>{e.get(), c}, {e2.get(), d}}) {
+    SeqChunk ch;
+    ch.seq = seq;
+    ch.tokens = all;
+    ch.end_prompt = true;
+    eng->step(std::span<const SeqChunk>(&ch, 1), nullptr);
+  }
+  EXPECT_EQ(e->memory(c).rows_kept, e2->memory(d).rows_kept);
+  EXPECT_EQ(e->memory(c).bytes_accounted, e2->memory(d).bytes_accounted);
+  EXPECT_EQ(e->memory(c).rows_kept_per_head, 64);
+  for (int64_t h = 0; h < m.config().n_kv_heads; ++h)
+    EXPECT_EQ(e->stored_positions(c, 0, h), e2->stored_positions(d, 0, h));
+  EXPECT_THROW(e->stored_positions(c, m.config().n_layers, 0), Error);
+  CacheConfig bad = snap;
+  bad.snap_budget = 0;
+  EXPECT_THROW(e->add_sequence(bad), Error);
 }
 
 TEST(CudaEngine, RefusesBadInputBeforeAnyChange) {

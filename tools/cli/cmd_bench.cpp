@@ -3,7 +3,7 @@
 //   veloxquant bench [--model DIR] [--device cpu|cuda] --methods "full,skvq:bits_key=4:..."
 //       [--batch 8] [--context 32768] [--gen 32] [--prompt-ids random] [--prefill-step N]
 //       [--max-batch-fit] [--plan-only] [--seed S] [--threads N] [--kv-dtype ...] [--json]
-//       [--tensor-parallel N]
+//       [--tensor-parallel N] [--phases] [--synthetic-prefill]
 //
 // Per method: --batch sequences of --context random prompt ids (seeded, one prompt per sequence)
 // and --gen generated tokens each (greedy, no EOS stop) through the batch scheduler
@@ -16,11 +16,16 @@
 // --max-batch-fit runs each method at the largest batch the planner fits in the device's memory
 // (plannable_device_bytes, options.h: cuda, the card's memory less 1 GiB; cpu, the machine's
 // physical memory) instead of --batch;
-// --plan-only prints the planner's figures without running anything.
 // --tensor-parallel N splits every sequence's heads and caches over N ranks: on the CPU the
 // engine's simulated ranks (one machine holds them all, so the planner's single-device figures
 // stay right); on cuda N must not exceed the visible devices and N > 1 needs NCCL.
+// --plan-only prints the planner's figures without running anything;
+// --phases (cuda) adds the time of each phase of the engine's steps (EngineOptions::time_phases);
+// --synthetic-prefill fills the caches with pseudo-random K/V instead of prefilling (no prefill
+// figure; decode only, see synthetic_run).
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -60,6 +65,8 @@ struct BenchArgs {
   bool no_check_weights = false;
   bool json = false;
   int64_t tensor_parallel = 1;
+  bool phases = false;
+  bool synthetic_prefill = false;
 };
 
 std::vector<std::string> split_methods(const std::string& list) {
@@ -81,19 +88,80 @@ struct Row {
   double bandwidth = 0;  // bytes/s
   double bound_tps = 0;  // decode tokens/s bound
   int64_t peak_device = 0;
+  std::vector<PhaseTime> phases;  // --phases (cuda)
+  double fill_seconds = 0;        // --synthetic-prefill: time to fill the caches (not a prefill)
 };
 
-int run_bench(const BenchArgs& a) {
-  const Device dev = parse_device(a.device);
-  if (dev == Device::kCuda && !cuda::is_available()) {
-#ifdef VQ_HAVE_CUDA
-    throw Error("[bench] --device cuda: expected a CUDA device but none was found");
-#else
-    throw Error(
-        "[bench] --device cuda: expected a build with CUDA but this one has none (configure "
-        "with -DVQ_CUDA=ON); use --device cpu");
-#endif
+// --synthetic-prefill: every sequence's caches filled by Engine::fill_synthetic (no model
+// forward, so no prefill figure), then gen - 1 greedy decode steps over all of them at once,
+// timed as batch_generate times its decode steps (step_greedy; cache bytes summed after each
+// step for the bound). The first decode token is fed as id 1 (any id: the caches decide the
+// work).
+BatchGenerateResult synthetic_run(Engine& engine, int64_t batch, int64_t context, int64_t gen,
+                                  int64_t chunk, uint64_t seed, double* fill_seconds) {
+  BatchGenerateResult r;
+  std::vector<int64_t> ids;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t b = 0; b < batch; ++b) {
+    ids.push_back(engine.add_sequence());
+    engine.fill_synthetic(ids.back(), context, chunk, seed);
   }
+  *fill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.max_live = batch;
+  std::vector<int32_t> tokens(static_cast<size_t>(batch), 1), picked;
+  std::vector<SeqChunk> chunks(static_cast<size_t>(batch));
+  const int64_t V = engine.config().vocab_size;
+  for (int64_t step = 1; step < gen; ++step) {
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      chunks[i].seq = ids[i];
+      chunks[i].tokens = std::span<const int32_t>(&tokens[i], 1);
+    }
+    const auto s0 = std::chrono::steady_clock::now();
+    engine.step_greedy(chunks, V, &picked);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+    r.decode_seconds += dt;
+    if (step == 1) r.first_decode_step_seconds = dt;  // the caches' first growth past the prompt
+    ++r.decode_steps;
+    r.decode_tokens += batch;
+    int64_t resident = 0, accounted = 0;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      tokens[i] = std::max(picked[i], 0);
+      const CacheMemory m = engine.memory(ids[i]);
+      resident += m.bytes_resident;
+      accounted += m.bytes_accounted;
+    }
+    r.peak_cache_bytes_resident = std::max(r.peak_cache_bytes_resident, resident);
+    r.peak_cache_bytes_accounted = std::max(r.peak_cache_bytes_accounted, accounted);
+    r.decode_cache_bytes += accounted;
+  }
+  return r;
+}
+
+// --phases: ms per step of each phase (device time between CUDA events, and the host's), per
+// step kind, with each phase's share of the kind's device time.
+void print_phases(const std::string& spec, const std::vector<PhaseTime>& phases) {
+  if (phases.empty()) return;
+  std::printf(
+      "\nphases of %s (ms per step; device time between CUDA events, host time between "
+      "the same points):\n\n| steps | phase | device ms | host ms | share |\n"
+      "|---|---|---:|---:|---:|\n",
+      spec.c_str());
+  for (int decode = 1; decode >= 0; --decode) {
+    double total = 0;
+    for (const PhaseTime& p : phases)
+      if (p.decode == (decode == 1)) total += p.gpu_seconds;
+    for (const PhaseTime& p : phases) {
+      if (p.decode != (decode == 1) || p.steps == 0) continue;
+      const double n = static_cast<double>(p.steps);
+      std::printf("| %s (%lld) | %s | %.3f | %.3f | %.1f%% |\n", decode ? "decode" : "prefill",
+                  static_cast<long long>(p.steps), p.phase.c_str(), 1e3 * p.gpu_seconds / n,
+                  1e3 * p.host_seconds / n, total > 0 ? 100.0 * p.gpu_seconds / total : 0.0);
+    }
+  }
+}
+
+int run_bench(const BenchArgs& a) {
+  const Device dev = checked_device(a.device, "bench");  // before anything loads
   if (a.prompt_ids != "random")
     throw Error("[bench] --prompt-ids: expected random but got '" + a.prompt_ids + "'");
   const auto specs = split_methods(a.methods);
@@ -135,6 +203,7 @@ int run_bench(const BenchArgs& a) {
       eo.cache = cfgs[m];
       eo.kv_dtype = kv;
       eo.tensor_parallel = a.tensor_parallel;
+      eo.time_phases = a.phases;
       if (dev == Device::kCuda) {  // refused before the engine uploads anything
         req.max_batch = row.batch;
         check_fits(plan_memory(req), req, row.batch);
@@ -161,9 +230,14 @@ int run_bench(const BenchArgs& a) {
                      row.spec.c_str(), static_cast<long long>(row.batch),
                      static_cast<long long>(a.context), static_cast<long long>(a.gen));
       auto engine = make_engine(dev, *model, eo);
-      row.r = batch_generate(*engine, prompts, bo);
+      if (a.synthetic_prefill)
+        row.r = synthetic_run(*engine, row.batch, a.context, a.gen, a.prefill_step, a.seed,
+                              &row.fill_seconds);
+      else
+        row.r = batch_generate(*engine, prompts, bo);
       row.bandwidth = engine->copy_bandwidth();
       row.peak_device = engine->peak_memory_bytes();
+      row.phases = engine->phase_times();
       const double step_bytes = static_cast<double>(row.r.decode_steps) *
                                     static_cast<double>(model->weight_bytes_per_token()) +
                                 static_cast<double>(row.r.decode_cache_bytes);
@@ -192,18 +266,35 @@ int run_bench(const BenchArgs& a) {
                             {"device_bytes", mem},
                             {"max_sequences", r.plan.max_sequences}}}};
       if (r.ran)
-        j["run"] = {{"prefill_tokens_per_s", r.r.prefill_tokens_per_s()},
-                    {"decode_tokens_per_s", r.r.decode_tokens_per_s()},
-                    {"prefill_seconds", r.r.prefill_seconds},
-                    {"decode_seconds", r.r.decode_seconds},
-                    {"decode_steps", r.r.decode_steps},
-                    {"peak_cache_bytes_resident", r.r.peak_cache_bytes_resident},
-                    {"peak_cache_bytes_accounted", r.r.peak_cache_bytes_accounted},
-                    {"peak_device_bytes", r.peak_device},
-                    {"copy_bandwidth_bytes_per_s", r.bandwidth},
-                    {"decode_bound_tokens_per_s", r.bound_tps},
-                    {"decode_pct_of_bound",
-                     r.bound_tps > 0 ? 100.0 * r.r.decode_tokens_per_s() / r.bound_tps : 0.0}};
+        j["run"] = {
+            {"prefill_tokens_per_s", r.r.prefill_tokens_per_s()},
+            {"decode_tokens_per_s", r.r.decode_tokens_per_s()},
+            {"prefill_seconds", r.r.prefill_seconds},
+            {"decode_seconds", r.r.decode_seconds},
+            {"decode_steps", r.r.decode_steps},
+            {"synthetic_prefill", a.synthetic_prefill},
+            {"synthetic_fill_seconds", r.fill_seconds},
+            {"first_decode_step_seconds", r.r.first_decode_step_seconds},
+            {"steady_decode_tokens_per_s", r.r.steady_decode_tokens_per_s()},
+            {"steady_decode_pct_of_bound",
+             r.bound_tps > 0 ? 100.0 * r.r.steady_decode_tokens_per_s() / r.bound_tps : 0.0},
+            {"peak_cache_bytes_resident", r.r.peak_cache_bytes_resident},
+            {"peak_cache_bytes_accounted", r.r.peak_cache_bytes_accounted},
+            {"peak_device_bytes", r.peak_device},
+            {"copy_bandwidth_bytes_per_s", r.bandwidth},
+            {"decode_bound_tokens_per_s", r.bound_tps},
+            {"decode_pct_of_bound",
+             r.bound_tps > 0 ? 100.0 * r.r.decode_tokens_per_s() / r.bound_tps : 0.0}};
+      if (!r.phases.empty()) {
+        nlohmann::json ph = nlohmann::json::array();
+        for (const PhaseTime& p : r.phases)
+          ph.push_back({{"phase", p.phase},
+                        {"decode", p.decode},
+                        {"steps", p.steps},
+                        {"gpu_seconds", p.gpu_seconds},
+                        {"host_seconds", p.host_seconds}});
+        j["phases"] = ph;
+      }
       out.push_back(j);
     }
     nlohmann::json top = {{"model", model_dir},
@@ -237,6 +328,14 @@ int run_bench(const BenchArgs& a) {
   if (!rows.empty() && rows.front().ran)
     std::printf("\ncopy bandwidth %.1f GB/s (measured after each run; the bound's divisor)\n",
                 rows.front().bandwidth / 1e9);
+  if (a.synthetic_prefill)
+    for (const Row& r : rows)
+      if (r.ran)
+        std::printf(
+            "%s: caches filled with pseudo-random K/V in %.1f s (--synthetic-prefill: no "
+            "prefill figure)\n",
+            r.spec.c_str(), r.fill_seconds);
+  for (const Row& r : rows) print_phases(r.spec, r.phases);
   return 0;
 }
 
@@ -271,6 +370,13 @@ void add_bench_command(CLI::App& app, int* status) {
   cmd->add_flag("--plan-only", a->plan_only, "print the planner's figures only; run nothing");
   cmd->add_flag("--no-check-weights", a->no_check_weights, "skip the NaN/Inf scan at load");
   cmd->add_flag("--json", a->json, "print one JSON object");
+  cmd->add_flag("--synthetic-prefill", a->synthetic_prefill,
+                "fill each sequence's caches with pseudo-random K/V (Engine::fill_synthetic, no "
+                "model forward: no prefill figure) and time gen - 1 greedy decode steps: decode "
+                "at batches whose real prefill would take minutes");
+  cmd->add_flag("--phases", a->phases,
+                "cuda: time each phase of the engine's steps with CUDA events (one host sync per "
+                "step) and print ms per step per phase");
   cmd->callback([a, status] { *status = run_bench(*a); });
 }
 

@@ -66,14 +66,17 @@ void check_eval_tensor_parallel(const Common& a) {
               "pass runs in generate and bench (--tensor-parallel N)");
 }
 
-// eval runs on the CPU engine only for now: the evaluation engines (src/eval) drive
-// Model::forward over per-layer caches directly, not an Engine (engine.h).
-void check_eval_device(const Common& a) {
+// --device: cpu, or cuda for ppl, kld, passkey and sweep (one CUDA engine per evaluation,
+// EvalSettings::device; checked_device refuses cuda without a build or device before anything
+// loads); attn-error is CPU only (its tap wraps the CPU caches of Model::forward).
+Device eval_device(const Common& a, bool cuda_ok) {
   check_eval_tensor_parallel(a);
-  if (parse_device(a.device) == Device::kCpu) return;  // refuses names other than cpu, cuda
-  throw Error("[eval] --device: expected cpu but got " + a.device +
-              ": eval does not run on the CUDA engine yet (the evaluation engines call "
-              "Model::forward on the CPU); use --device cpu, or generate/bench for the GPU");
+  const Device d = checked_device(a.device, cuda_ok ? "eval" : "eval attn-error");
+  VQ_CHECK(cuda_ok || d == Device::kCpu,
+           "[eval attn-error] --device: expected cpu but got " + a.device +
+               " (the attention-error tap wraps the CPU caches of Model::forward); use --device "
+               "cpu");
+  return d;
 }
 
 struct TextArgs {
@@ -117,8 +120,7 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
   c->add_option("--kv-dtype", a.kv_dtype, "dtype of K/V blocks handed to the caches")
       ->capture_default_str();
   c->add_flag("--quiet", a.quiet, "no progress lines on stderr");
-  c->add_option("--device", a.device, "cpu (cuda: not yet for eval; refused with a message)")
-      ->capture_default_str();
+  c->add_option("--device", a.device, "cpu or cuda (attn-error: cpu only)")->capture_default_str();
   c->add_option("--threads", a.threads, "OpenMP threads (0 = all cores; at most the cores)")
       ->capture_default_str();
   add_tensor_parallel_option(c, &a.tensor_parallel, "eval");
@@ -167,8 +169,9 @@ ReportFormat format_of(const Common& a) {
   return a.json ? ReportFormat::kJson : a.csv ? ReportFormat::kCsv : ReportFormat::kMarkdown;
 }
 
-EvalSettings settings_of(const Common& a) {
+EvalSettings settings_of(const Common& a, Device dev = Device::kCpu) {
   EvalSettings s;
+  s.device = dev;
   s.prefill_step = a.prefill_step;
   s.kv_dtype = dtype_from_string(a.kv_dtype);
   s.progress = !a.quiet;
@@ -180,6 +183,7 @@ EvalSettings settings_of(const Common& a) {
            "[eval] --matmul: expected exact or bf16 but got " + a.matmul);
   s.matmul = a.matmul == "bf16" ? MatmulPrecision::kBF16 : MatmulPrecision::kExact;
   if (a.matmul == "bf16") s.model_name += " (bf16 matmul)";
+  if (dev == Device::kCuda) s.model_name += " (cuda engine)";  // the tables say where it ran
   s.recon_chunk = a.recon_chunk;
   if (!a.recon_prompt.empty()) {
     const Tokenizer tok = Tokenizer::from_file(a.model_dir + "/tokenizer.json");
@@ -302,14 +306,14 @@ void add_eval_command(CLI::App& app, int* status) {
     add_common(c, common);
     add_text(c, text);
     c->callback([status, kld] {
-      check_eval_device(common);
+      const Device dev = eval_device(common, true);
       apply_threads(common);
       const auto model = Model::load(common.model_dir);
       const auto docs = load_docs(*model, text);
       const auto methods = parse_eval_methods(common.methods);
       const auto peers = peers_of(common);
       const TextEvalResult r =
-          eval_text(*model, docs, methods, text_opts(text, kld), settings_of(common));
+          eval_text(*model, docs, methods, text_opts(text, kld), settings_of(common, dev));
       emit(common, render(r, format_of(common), peers.get()));
       *status = 0;
     });
@@ -321,7 +325,7 @@ void add_eval_command(CLI::App& app, int* status) {
   add_common(ae, common);
   add_text(ae, text);
   ae->callback([status] {
-    check_eval_device(common);
+    eval_device(common, false);
     apply_threads(common);
     const auto model = Model::load(common.model_dir);
     const auto docs = load_docs(*model, text);
@@ -336,7 +340,7 @@ void add_eval_command(CLI::App& app, int* status) {
   add_common(pc, common);
   add_passkey(pc, pk);
   pc->callback([status] {
-    check_eval_device(common);
+    const Device dev = eval_device(common, true);
     apply_threads(common);
     const auto model = Model::load(common.model_dir);
     const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
@@ -345,7 +349,7 @@ void add_eval_command(CLI::App& app, int* status) {
     const auto methods = parse_eval_methods(common.methods);
     const auto peers = peers_of(common);
     const PasskeyResult r =
-        eval_passkey(*model, tok, prompts, methods, passkey_opts(pk), settings_of(common));
+        eval_passkey(*model, tok, prompts, methods, passkey_opts(pk), settings_of(common, dev));
     emit(common, render(r, format_of(common), peers.get()));
     *status = 0;
   });
@@ -367,7 +371,7 @@ void add_eval_command(CLI::App& app, int* status) {
   sw->add_option("--out-dir", out_dir, "folder for the tables and charts")->capture_default_str();
   add_chart_args(sw, charts);
   sw->callback([status] {
-    check_eval_device(common);
+    const Device dev = eval_device(common, true);
     apply_threads(common);
     std::filesystem::create_directories(out_dir);
     const auto model = Model::load(common.model_dir);
@@ -375,7 +379,7 @@ void add_eval_command(CLI::App& app, int* status) {
     check_tokenizer_vocab(tok.vocab_size(), model->config(), common.model_dir + "/tokenizer.json");
     const auto methods = parse_eval_methods(common.methods);
     const auto peers = peers_of(common);
-    const EvalSettings st = settings_of(common);
+    const EvalSettings st = settings_of(common, dev);
     const auto docs = load_docs(*model, text);
     const TextEvalResult tr = eval_text(*model, docs, methods, text_opts(text, true), st);
     write_all_formats(out_dir + "/text", &tr, nullptr, peers.get());

@@ -206,21 +206,6 @@ std::vector<FilePrompt> read_prompts_file(const std::string& path) {
   return out;
 }
 
-// Refuses --device cuda where this build or machine has no CUDA device (exit status 2).
-Device checked_device(const std::string& name, const std::string& cmd) {
-  const Device d = parse_device(name);
-  if (d == Device::kCuda && !cuda::is_available()) {
-#ifdef VQ_HAVE_CUDA
-    throw Error("[" + cmd + "] --device cuda: expected a CUDA device but none was found");
-#else
-    throw Error("[" + cmd +
-                "] --device cuda: expected a build with CUDA but this one has none (configure "
-                "with -DVQ_CUDA=ON); use --device cpu");
-#endif
-  }
-  return d;
-}
-
 int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
                        const std::string& model_dir, const std::optional<Tokenizer>& tok,
                        const CacheConfig& cfg, std::vector<FilePrompt> fps) {

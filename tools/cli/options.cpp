@@ -12,6 +12,7 @@
 #include <system_error>
 
 #include "veloxquant/cuda.h"
+#include "veloxquant/engine.h"
 #include "veloxquant/error.h"
 #include "veloxquant/multi_gpu.h"
 #include "veloxquant/tensor_parallel.h"
@@ -159,6 +160,20 @@ int64_t plannable_device_bytes(bool cuda) {
   if (cuda) return std::max<int64_t>(cuda::device_info().global_bytes - kCudaReserveBytes, 0);
   return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) *
          static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+Device checked_device(const std::string& name, const std::string& cmd) {
+  const Device d = parse_device(name);
+  if (d == Device::kCuda && !cuda::is_available()) {
+#ifdef VQ_HAVE_CUDA
+    throw Error("[" + cmd + "] --device cuda: expected a CUDA device but none was found");
+#else
+    throw Error("[" + cmd +
+                "] --device cuda: expected a build with CUDA but this one has none (configure "
+                "with -DVQ_CUDA=ON); use --device cpu");
+#endif
+  }
+  return d;
 }
 
 }  // namespace vq::cli

@@ -68,4 +68,9 @@ int64_t plannable_device_bytes(bool cuda);
 std::string read_text_file(const std::string& path, const std::string& cmd,
                            const std::string& option);
 
+// --device NAME of command cmd: parse_device's refusals, and "[cmd] --device cuda: expected a
+// CUDA device ..." (or "... a build with CUDA ...") where this build or machine has none, so the
+// command is refused (exit status 2) before anything loads.
+Device checked_device(const std::string& name, const std::string& cmd);
+
 }  // namespace vq::cli

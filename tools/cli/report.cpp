@@ -107,7 +107,8 @@ json settings_json(const EvalSettings& s) {
   return json{{"model", s.model_name},
               {"prefill_step", s.prefill_step},
               {"kv_dtype", dtype_name(s.kv_dtype)},
-              {"matmul", s.matmul == MatmulPrecision::kBF16 ? "bf16" : "exact"}};
+              {"matmul", s.matmul == MatmulPrecision::kBF16 ? "bf16" : "exact"},
+              {"device", device_name(s.device)}};
 }
 
 std::string peer_val(const PeerRow& p, const std::string& k, const char* fmt, double scale = 1) {
@@ -769,6 +770,8 @@ EvalSettings settings_from(const nlohmann::json& j) {
   VQ_CHECK(mm == "exact" || mm == "bf16",
            "[eval] settings.matmul: expected exact or bf16 but got '" + mm + "'");
   s.matmul = mm == "bf16" ? MatmulPrecision::kBF16 : MatmulPrecision::kExact;
+  // Files written before eval ran on the GPU were all computed on the CPU.
+  s.device = parse_device(j.value("device", std::string("cpu")));
   s.progress = false;
   return s;
 }
