@@ -807,7 +807,8 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
 //    exp_nonpos's operations (exp_nonpos16_exact), the weights summed over the rows in order;
 //  * acc' += p (c s) as accumulate_tile (an fmadd chain over the visible rows per channel) and
 //    acc_lo[g] += dot(p, lo_g) with dot's 16-lane split and sequential lane sum.
-// So every logit, weight and accumulator is bit-identical to the general path's.
+// So every logit, weight and accumulator is bit-identical to the general path's (not the weights'
+// sum l: softmax_tile sums in lanes on AVX-512, a different order within the same bound).
 
 // dot_many's logit of row k for the 16 queries at qt (qt[c * mp + lane]).
 template <int NV>
@@ -1268,6 +1269,45 @@ void mask_logits(Work& w, const TileRows& t, int64_t window) {
 
 // Online-softmax update from the tile's logits [M, kTile] (hidden rows -inf): running max (the
 // accumulators rescaled when it grows), the weights into Work::probs, and their sums into l.
+#if defined(__AVX512F__)
+// AVX-512: a query's (at most 32) logits in two vectors; the max as the scalar loop's (NaN
+// lanes only matter to a query flagged bad, whose output is NaN), the weights from
+// exp_nonpos16_exact (exp_nonpos's operations: the same bits), their sum as rows t and t + 16
+// added, then _mm512_reduce_add_ps's tree (depth 5 instead of nt: within the bound's n terms).
+static_assert(kTile == 32, "softmax_tile holds a tile in two 16-lane vectors");
+void softmax_tile(Work& w, int64_t nt) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 pinf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __mmask16 k0 = static_cast<__mmask16>(nt >= 16 ? 0xFFFFu : (1u << nt) - 1u);
+  const __mmask16 k1 = static_cast<__mmask16>(nt > 16 ? (1u << (nt - 16)) - 1u : 0u);
+  for (int64_t m = 0; m < w.m; ++m) {
+    const float* lr = w.logits.data() + m * kTile;
+    float* pr = w.probs.data() + m * kTile;
+    const __m512 v0 = _mm512_mask_loadu_ps(ninf, k0, lr);
+    const __m512 v1 = _mm512_mask_loadu_ps(ninf, k1, lr + 16);
+    // a visible row's logit is NaN or +inf (hidden rows hold -inf)
+    if ((_mm512_cmp_ps_mask(v0, pinf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(v1, pinf, _CMP_NLT_UQ)) !=
+        0)
+      w.bad[static_cast<size_t>(m)] = 1;
+    const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+    if (tmax == -std::numeric_limits<float>::infinity()) {
+      std::fill(pr, pr + nt, 0.0f);
+      continue;
+    }
+    float& mxm = w.mx[static_cast<size_t>(m)];
+    if (tmax > mxm) {
+      if (mxm != -std::numeric_limits<float>::infinity()) rescale(w, m, std::exp(mxm - tmax));
+      mxm = tmax;
+    }
+    const __m512 mv = _mm512_set1_ps(mxm);  // -inf - mx stays -inf -> weight 0
+    const __m512 p0 = simd::exp_nonpos16_exact(_mm512_sub_ps(v0, mv));
+    const __m512 p1 = simd::exp_nonpos16_exact(_mm512_sub_ps(v1, mv));
+    _mm512_mask_storeu_ps(pr, k0, p0);
+    _mm512_mask_storeu_ps(pr + 16, k1, p1);
+    w.l[static_cast<size_t>(m)] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  }
+}
+#else
 void softmax_tile(Work& w, int64_t nt) {
   const int64_t M = w.m;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -1304,6 +1344,7 @@ void softmax_tile(Work& w, int64_t nt) {
     for (int64_t j = 0; j < 4 && m0 + j < M; ++j) w.l[static_cast<size_t>(m0 + j)] += sum[j];
   }
 }
+#endif
 
 // Logits of every query and listed row set to -inf (the paths then fill the visible ones).
 void clear_logits(Work& w, int64_t nt) {
