@@ -492,6 +492,11 @@ struct KeyClass {
   std::vector<float> qsum;  // [M, n_groups]
   std::vector<float> qt;    // many-query path: q transposed [D, Mp] (padding lanes 0)
   std::vector<float> qst;   // many-query path: qsum transposed [n_groups, Mp]
+  // Packed decode: the key kernel's prepared queries for records of prep_fmt (made by prep_fn),
+  // shared by every segment of that format (SKVQ's CPU store has one segment per chunk).
+  std::vector<uint64_t> qprep;
+  detail::PackedPrepFn prep_fn = nullptr;
+  PackedRowFormat prep_fmt{};
 };
 
 // Value accumulators in one stored channel order.
@@ -522,7 +527,6 @@ struct Work {
   std::vector<float> tmp, dots;
   std::vector<float> qch, qbias;  // channel-axis keys: [M, D] q'_c s_c, [M] sum_c q'_c lo_c
   std::vector<float> pscratch;    // packed value kernels' weights (packed_decode.h)
-  std::vector<uint64_t> qprep;    // packed key kernels' prepared queries
   std::vector<int32_t> pos, vis;  // [kTile] positions; indices of visible rows
   // Many-query path (full-precision segments, see many_tile): lanes run over queries.
   int64_t mp = 0;               // M rounded up to 16 lanes
@@ -1243,6 +1247,7 @@ struct SegmentCtx {
   int32_t kg = 0, vg = 0;       // packed: groups per key / value row
   const float* qsrc = nullptr;  // the queries in the keys' channel order
   detail::PackedKernel kk, vk;  // packed decode: the kernels (packed_decode.h)
+  const void* prep = nullptr;   // packed decode: the key kernel's prepared queries
 };
 
 // One tile: rows j0 .. j0 + nt of the segment; w.vis[0 .. n_vis) are the rows visible to some
@@ -1472,7 +1477,7 @@ void attend_packed_decode(Work& w, const SegmentCtx& s, const TileRows& t) {
   clear_logits(w, t.nt);
   const detail::PackedTile keys{s.pk.record(s.b, s.kh, t.j0), s.pk.fmt.row_stride, w.vis.data(),
                                 t.n_vis};
-  s.kk.keys(s.pk.fmt, keys, s.qsrc, s.kc->qsum.data(), w.m, w.logits.data(), kTile, w.qprep.data());
+  s.kk.keys(s.pk.fmt, keys, s.qsrc, s.kc->qsum.data(), w.m, w.logits.data(), kTile, s.prep);
   mask_logits(w, t, s.window);
   softmax_tile(w, t.nt);
   const detail::PackedTile vals{s.pv.record(s.b, s.kh, t.j0), s.pv.fmt.row_stride, w.vis.data(),
@@ -1581,9 +1586,15 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   s.vk = detail::packed_kernel(s.pv.fmt, isa);
   if (s.kk.keys == nullptr || s.vk.values == nullptr) return attend_general;
   w.pscratch.resize(static_cast<size_t>(detail::packed_values_scratch(s.vg, M)));
-  if (s.kk.prepare) {  // the queries in the key kernel's form, once per segment
-    w.qprep.resize(static_cast<size_t>((s.kk.prep_bytes(s.pk.fmt, M) + 7) / 8));
-    s.kk.prepare(s.pk.fmt, s.qsrc, s.kc->qsum.data(), M, w.qprep.data());
+  if (s.kk.prepare) {  // the queries in the key kernel's form, once per class and format
+    KeyClass& kc = *s.kc;
+    if (kc.prep_fn != s.kk.prepare || std::memcmp(&kc.prep_fmt, &s.pk.fmt, sizeof(s.pk.fmt)) != 0) {
+      kc.qprep.resize(static_cast<size_t>((s.kk.prep_bytes(s.pk.fmt, M) + 7) / 8));
+      s.kk.prepare(s.pk.fmt, s.qsrc, kc.qsum.data(), M, kc.qprep.data());
+      kc.prep_fn = s.kk.prepare;
+      kc.prep_fmt = s.pk.fmt;
+    }
+    s.prep = kc.qprep.data();
   }
   return attend_packed_decode;
 }

@@ -202,6 +202,11 @@ void values_rows(const PackedRowFormat& f, const PackedTile& tile, const float* 
     const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
     const __m512i idx = _mm512_maskz_loadu_epi32(km, tile.rows + r0);
     const __m512i off = _mm512_mullo_epi32(idx, stride);
+    {  // the records 32 rows ahead into L1 (as packed_decode_vnni.cpp's prefetch_ahead)
+      const char* ahead =
+          reinterpret_cast<const char*>(tile.rec0 + (tile.rows[r0] + 32) * tile.stride);
+      for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    }
     const bool contiguous = tile.rows[r0 + n - 1] - tile.rows[r0] == n - 1;
     for (int64_t g = 0; g < ng; ++g) {
       const __m512i mw =

@@ -160,6 +160,15 @@ inline void block_queries(const PackedRowFormat& f, const int32_t* xw, const flo
   }
 }
 
+// The records 32 rows past row r (the block after next, or the next tile's: a segment's rows
+// are consecutive records) into L1: the gathers would otherwise wait on each first touch (a
+// decode step streams the weights through the caches between two layers' attention). A
+// prefetch never faults, so addresses past the segment are harmless.
+inline void prefetch_ahead(const PackedTile& tile, int64_t r) {
+  const char* p = reinterpret_cast<const char*>(tile.rec0 + (r + 32) * tile.stride);
+  for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
 template <int B>
 void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*q*/,
                const float* /*qsum*/, int64_t n_q, float* logits, int64_t ld, const void* prep) {
@@ -173,6 +182,7 @@ void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*
     const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
     const int32_t* rows = tile.rows + r0;
     const __m512i off = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(km, rows), stride);
+    prefetch_ahead(tile, rows[0]);
     for (int64_t k = 0; k < nw; ++k)
       _mm512_store_si512(xw + 16 * k, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off,
                                                                   tile.rec0 + 4 * k, 1));
