@@ -179,7 +179,8 @@ void accumulate_tile(float* __restrict acc, const float* __restrict p, const flo
 // y = exp(x) for x <= 0 (x = -inf gives 0), vectorisable: Cody-Waite reduction by ln 2 and the
 // Cephes degree-6 polynomial. Measured max relative error 1.41 u (u = 2^-24) over 17M points
 // of [-87, 0]; x < -87 (weights below 2^-125 of the largest) flushes to 0.
-inline void exp_nonpos(const float* x, float* y, int64_t n) {
+// (Used by the scalar softmax_tile only: AVX-512 builds run exp_nonpos16_exact, the same steps.)
+[[maybe_unused]] inline void exp_nonpos(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     float v = x[i];
     const bool tiny = !(v >= -87.0f);
