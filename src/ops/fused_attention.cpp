@@ -179,7 +179,8 @@ void accumulate_tile(float* __restrict acc, const float* __restrict p, const flo
 // y = exp(x) for x <= 0 (x = -inf gives 0), vectorisable: Cody-Waite reduction by ln 2 and the
 // Cephes degree-6 polynomial. Measured max relative error 1.41 u (u = 2^-24) over 17M points
 // of [-87, 0]; x < -87 (weights below 2^-125 of the largest) flushes to 0.
-inline void exp_nonpos(const float* x, float* y, int64_t n) {
+// (Used by the scalar softmax_tile only: AVX-512 builds run exp_nonpos16_exact, the same steps.)
+[[maybe_unused]] inline void exp_nonpos(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     float v = x[i];
     const bool tiny = !(v >= -87.0f);
@@ -492,6 +493,11 @@ struct KeyClass {
   std::vector<float> qsum;  // [M, n_groups]
   std::vector<float> qt;    // many-query path: q transposed [D, Mp] (padding lanes 0)
   std::vector<float> qst;   // many-query path: qsum transposed [n_groups, Mp]
+  // Packed decode: the key kernel's prepared queries for records of prep_fmt (made by prep_fn),
+  // shared by every segment of that format (SKVQ's CPU store has one segment per chunk).
+  std::vector<uint64_t> qprep;
+  detail::PackedPrepFn prep_fn = nullptr;
+  PackedRowFormat prep_fmt{};
 };
 
 // Value accumulators in one stored channel order.
@@ -522,7 +528,6 @@ struct Work {
   std::vector<float> tmp, dots;
   std::vector<float> qch, qbias;  // channel-axis keys: [M, D] q'_c s_c, [M] sum_c q'_c lo_c
   std::vector<float> pscratch;    // packed value kernels' weights (packed_decode.h)
-  std::vector<uint64_t> qprep;    // packed key kernels' prepared queries
   std::vector<int32_t> pos, vis;  // [kTile] positions; indices of visible rows
   // Many-query path (full-precision segments, see many_tile): lanes run over queries.
   int64_t mp = 0;               // M rounded up to 16 lanes
@@ -807,7 +812,8 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
 //    exp_nonpos's operations (exp_nonpos16_exact), the weights summed over the rows in order;
 //  * acc' += p (c s) as accumulate_tile (an fmadd chain over the visible rows per channel) and
 //    acc_lo[g] += dot(p, lo_g) with dot's 16-lane split and sequential lane sum.
-// So every logit, weight and accumulator is bit-identical to the general path's.
+// So every logit, weight and accumulator is bit-identical to the general path's (not the weights'
+// sum l: softmax_tile sums in lanes on AVX-512, a different order within the same bound).
 
 // dot_many's logit of row k for the 16 queries at qt (qt[c * mp + lane]).
 template <int NV>
@@ -1242,6 +1248,7 @@ struct SegmentCtx {
   int32_t kg = 0, vg = 0;       // packed: groups per key / value row
   const float* qsrc = nullptr;  // the queries in the keys' channel order
   detail::PackedKernel kk, vk;  // packed decode: the kernels (packed_decode.h)
+  const void* prep = nullptr;   // packed decode: the key kernel's prepared queries
 };
 
 // One tile: rows j0 .. j0 + nt of the segment; w.vis[0 .. n_vis) are the rows visible to some
@@ -1268,6 +1275,45 @@ void mask_logits(Work& w, const TileRows& t, int64_t window) {
 
 // Online-softmax update from the tile's logits [M, kTile] (hidden rows -inf): running max (the
 // accumulators rescaled when it grows), the weights into Work::probs, and their sums into l.
+#if defined(__AVX512F__)
+// AVX-512: a query's (at most 32) logits in two vectors; the max as the scalar loop's (NaN
+// lanes only matter to a query flagged bad, whose output is NaN), the weights from
+// exp_nonpos16_exact (exp_nonpos's operations: the same bits), their sum as rows t and t + 16
+// added, then _mm512_reduce_add_ps's tree (depth 5 instead of nt: within the bound's n terms).
+static_assert(kTile == 32, "softmax_tile holds a tile in two 16-lane vectors");
+void softmax_tile(Work& w, int64_t nt) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 pinf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __mmask16 k0 = static_cast<__mmask16>(nt >= 16 ? 0xFFFFu : (1u << nt) - 1u);
+  const __mmask16 k1 = static_cast<__mmask16>(nt > 16 ? (1u << (nt - 16)) - 1u : 0u);
+  for (int64_t m = 0; m < w.m; ++m) {
+    const float* lr = w.logits.data() + m * kTile;
+    float* pr = w.probs.data() + m * kTile;
+    const __m512 v0 = _mm512_mask_loadu_ps(ninf, k0, lr);
+    const __m512 v1 = _mm512_mask_loadu_ps(ninf, k1, lr + 16);
+    // a visible row's logit is NaN or +inf (hidden rows hold -inf)
+    if ((_mm512_cmp_ps_mask(v0, pinf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(v1, pinf, _CMP_NLT_UQ)) !=
+        0)
+      w.bad[static_cast<size_t>(m)] = 1;
+    const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+    if (tmax == -std::numeric_limits<float>::infinity()) {
+      std::fill(pr, pr + nt, 0.0f);
+      continue;
+    }
+    float& mxm = w.mx[static_cast<size_t>(m)];
+    if (tmax > mxm) {
+      if (mxm != -std::numeric_limits<float>::infinity()) rescale(w, m, std::exp(mxm - tmax));
+      mxm = tmax;
+    }
+    const __m512 mv = _mm512_set1_ps(mxm);  // -inf - mx stays -inf -> weight 0
+    const __m512 p0 = simd::exp_nonpos16_exact(_mm512_sub_ps(v0, mv));
+    const __m512 p1 = simd::exp_nonpos16_exact(_mm512_sub_ps(v1, mv));
+    _mm512_mask_storeu_ps(pr, k0, p0);
+    _mm512_mask_storeu_ps(pr + 16, k1, p1);
+    w.l[static_cast<size_t>(m)] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  }
+}
+#else
 void softmax_tile(Work& w, int64_t nt) {
   const int64_t M = w.m;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -1304,6 +1350,7 @@ void softmax_tile(Work& w, int64_t nt) {
     for (int64_t j = 0; j < 4 && m0 + j < M; ++j) w.l[static_cast<size_t>(m0 + j)] += sum[j];
   }
 }
+#endif
 
 // Logits of every query and listed row set to -inf (the paths then fill the visible ones).
 void clear_logits(Work& w, int64_t nt) {
@@ -1431,7 +1478,7 @@ void attend_packed_decode(Work& w, const SegmentCtx& s, const TileRows& t) {
   clear_logits(w, t.nt);
   const detail::PackedTile keys{s.pk.record(s.b, s.kh, t.j0), s.pk.fmt.row_stride, w.vis.data(),
                                 t.n_vis};
-  s.kk.keys(s.pk.fmt, keys, s.qsrc, s.kc->qsum.data(), w.m, w.logits.data(), kTile, w.qprep.data());
+  s.kk.keys(s.pk.fmt, keys, s.qsrc, s.kc->qsum.data(), w.m, w.logits.data(), kTile, s.prep);
   mask_logits(w, t, s.window);
   softmax_tile(w, t.nt);
   const detail::PackedTile vals{s.pv.record(s.b, s.kh, t.j0), s.pv.fmt.row_stride, w.vis.data(),
@@ -1540,9 +1587,15 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   s.vk = detail::packed_kernel(s.pv.fmt, isa);
   if (s.kk.keys == nullptr || s.vk.values == nullptr) return attend_general;
   w.pscratch.resize(static_cast<size_t>(detail::packed_values_scratch(s.vg, M)));
-  if (s.kk.prepare) {  // the queries in the key kernel's form, once per segment
-    w.qprep.resize(static_cast<size_t>((s.kk.prep_bytes(s.pk.fmt, M) + 7) / 8));
-    s.kk.prepare(s.pk.fmt, s.qsrc, s.kc->qsum.data(), M, w.qprep.data());
+  if (s.kk.prepare) {  // the queries in the key kernel's form, once per class and format
+    KeyClass& kc = *s.kc;
+    if (kc.prep_fn != s.kk.prepare || std::memcmp(&kc.prep_fmt, &s.pk.fmt, sizeof(s.pk.fmt)) != 0) {
+      kc.qprep.resize(static_cast<size_t>((s.kk.prep_bytes(s.pk.fmt, M) + 7) / 8));
+      s.kk.prepare(s.pk.fmt, s.qsrc, kc.qsum.data(), M, kc.qprep.data());
+      kc.prep_fn = s.kk.prepare;
+      kc.prep_fmt = s.pk.fmt;
+    }
+    s.prep = kc.qprep.data();
   }
   return attend_packed_decode;
 }

@@ -58,7 +58,7 @@ using PackedValuesFn = void (*)(const PackedRowFormat& f, const PackedTile& tile
 // Scratch floats a values kernel may use for a tile of up to 32 rows.
 inline int64_t packed_values_scratch(int64_t n_groups, int64_t n_q) {
   const int64_t mp = (n_q + 3) / 4 * 4;
-  return 32 * mp + 32 * n_groups * mp + n_groups * mp;
+  return 32 * mp + 48 * n_groups * mp + n_groups * mp;
 }
 
 struct PackedKernel {

@@ -73,106 +73,206 @@ struct V512 : Avx512Vec {
 
 #include "ops/packed_decode_simd.h"
 
-// ---- values of 4-bit codes, fp16 metadata, groups and D multiples of 32 ----------------------
+// ---- values of 2-, 4- and 8-bit codes, fp16 metadata ------------------------------------------
 //
-// 32 channels (16 bytes) per step: the bytes widened to 16 lanes, whose low and high nibbles
-// (a lane permute of {0..15}) are the even and odd channels. The accumulators are held in that
-// even / odd order over a tile's rows (deinterleaved once when loaded, interleaved when stored),
-// so a row costs one widening, two permutes and a shift per 32 channels plus the FMAs. Weights
-// w = p s_g are formed once per (row, group) for 4 queries at a time (queries padded to Mp, a
-// multiple of 4, with zero probabilities); acc += w c per channel, rows in order;
-// acc_lo += p lo_g per group. Scratch: pt [32][Mp], w [rows][ng][Mp], alo [ng][Mp].
+// A row's codes are read 16 bytes (one block: 16 P channels, P = 8 / B codes per byte) at a
+// time, widened to 16 lanes; for j < P, lane k's code j (its byte shifted by jB; a lane permute
+// of a table {i mod 2^B} keeps the code, 8-bit codes convert directly) is channel
+// 16 P blk + P k + j. The accumulators of a tile are held in that order (vector j of block blk),
+// deinterleaved from acc when the tile starts and interleaved back when it ends, all D channels
+// of up to QB queries in registers while the tile's rows pass in order. Weights w = p s_g are
+// formed for 16 rows at once (the rows' metadata gathered, p loaded per query) into
+// ws[m][g][32]; a lane's weight is its group's (one broadcast per group the block touches).
+// acc += w c per channel, rows in order (one FMA each); acc_lo[m][g] += p lo_g: 16 row lanes,
+// summed at the tile's end. Scratch: ws [n_q][ng][32], alo [n_q][ng][16].
 
-template <int QB>
-void b4_block(const PackedTile& tile, int64_t d, const float* w, int64_t ng, int64_t mp, float* acc,
-              int64_t m0, int64_t blk, int64_t g) {
-  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  const __m512i lo16 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi16 =
-      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 ae[QB], ao[QB];
-  for (int k = 0; k < QB; ++k) {
-    const float* a = acc + (m0 + k) * d + blk * 32;
-    const __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16);
-    ae[k] = _mm512_permutex2var_ps(a0, ev, a1);
-    ao[k] = _mm512_permutex2var_ps(a0, od, a1);
-  }
-  for (int64_t r = 0; r < tile.n_rows; ++r) {
-    const uint8_t* rec = tile.rec0 + tile.rows[r] * tile.stride;
-    const __m512i x =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + blk * 16)));
-    const __m512 ce = _mm512_permutexvar_ps(x, iota);
-    const __m512 co = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), iota);
-    const float* wr = w + (r * ng + g) * mp + m0;
-    for (int k = 0; k < QB; ++k) {
-      const __m512 wk = _mm512_set1_ps(wr[k]);
-      ae[k] = _mm512_fmadd_ps(wk, ce, ae[k]);
-      ao[k] = _mm512_fmadd_ps(wk, co, ao[k]);
+// v[j] lane k = src[P k + j] for the 16 P floats at src.
+template <int P>
+inline void deinterleave(const float* src, __m512* v) {
+  if constexpr (P == 1) {
+    v[0] = _mm512_loadu_ps(src);
+  } else {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512 a0 = _mm512_loadu_ps(src), a1 = _mm512_loadu_ps(src + 16);
+    if constexpr (P == 2) {
+      v[0] = _mm512_permutex2var_ps(a0, ev, a1);
+      v[1] = _mm512_permutex2var_ps(a0, od, a1);
+    } else {  // P == 4: even / odd of each half, then even / odd again
+      const __m512 a2 = _mm512_loadu_ps(src + 32), a3 = _mm512_loadu_ps(src + 48);
+      const __m512 e01 = _mm512_permutex2var_ps(a0, ev, a1),
+                   o01 = _mm512_permutex2var_ps(a0, od, a1);
+      const __m512 e23 = _mm512_permutex2var_ps(a2, ev, a3),
+                   o23 = _mm512_permutex2var_ps(a2, od, a3);
+      v[0] = _mm512_permutex2var_ps(e01, ev, e23);
+      v[1] = _mm512_permutex2var_ps(o01, ev, o23);
+      v[2] = _mm512_permutex2var_ps(e01, od, e23);
+      v[3] = _mm512_permutex2var_ps(o01, od, o23);
     }
-  }
-  for (int k = 0; k < QB; ++k) {
-    float* a = acc + (m0 + k) * d + blk * 32;
-    _mm512_storeu_ps(a, _mm512_permutex2var_ps(ae[k], lo16, ao[k]));
-    _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(ae[k], hi16, ao[k]));
   }
 }
 
-void values_b4(const PackedRowFormat& f, const PackedTile& tile, const float* p, int64_t ld,
-               int64_t n_q, float* acc, float* acc_lo, float* scratch) {
-  const int64_t d = f.head_dim, gs = f.group_size, ng = f.n_groups, mp = (n_q + 3) / 4 * 4;
-  const int64_t nr = tile.n_rows;
-  float* pt = scratch;            // [nr][mp] probabilities of the listed rows, transposed
-  float* w = pt + 32 * mp;        // [nr][ng][mp]
-  float* alo = w + 32 * ng * mp;  // [ng][mp]
-  for (int64_t r = 0; r < nr; ++r) {
-    const int64_t t = tile.rows[r];
-    for (int64_t m = 0; m < mp; ++m) pt[r * mp + m] = m < n_q ? p[m * ld + t] : 0.0f;
+// The inverse of deinterleave.
+template <int P>
+inline void interleave(const __m512* v, float* dst) {
+  if constexpr (P == 1) {
+    _mm512_storeu_ps(dst, v[0]);
+  } else {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi =
+        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    if constexpr (P == 2) {
+      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(v[0], lo, v[1]));
+      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(v[0], hi, v[1]));
+    } else {
+      const __m512 e01 = _mm512_permutex2var_ps(v[0], lo, v[2]),
+                   e23 = _mm512_permutex2var_ps(v[0], hi, v[2]);
+      const __m512 o01 = _mm512_permutex2var_ps(v[1], lo, v[3]),
+                   o23 = _mm512_permutex2var_ps(v[1], hi, v[3]);
+      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(e01, lo, o01));
+      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(e01, hi, o01));
+      _mm512_storeu_ps(dst + 32, _mm512_permutex2var_ps(e23, lo, o23));
+      _mm512_storeu_ps(dst + 48, _mm512_permutex2var_ps(e23, hi, o23));
+    }
   }
-  for (int64_t i = 0; i < ng * mp; ++i) alo[i] = 0.0f;
-  for (int64_t r = 0; r < nr; ++r) {
-    const uint16_t* meta =
-        reinterpret_cast<const uint16_t*>(tile.rec0 + tile.rows[r] * tile.stride + f.code_bytes);
+}
+
+// Code j of the 16 widened bytes x, as floats.
+template <int B>
+inline __m512 code_lanes(__m512i x, int j) {
+  if constexpr (B == 8) {
+    return _mm512_cvtepi32_ps(x);
+  } else {
+    const __m512 table = B == 4
+                             ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                             : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    return _mm512_permutexvar_ps(j == 0 ? x : _mm512_srli_epi32(x, j * B), table);
+  }
+}
+
+// Rows of the tile into the accumulators of queries m0 .. m0 + QB (NB blocks per row, a block
+// touching G groups: lanes [16 i / G, 16 (i + 1) / G) are group g0 + i). Every loop bound is a
+// template constant, so the QB NB P accumulators stay in registers.
+template <int B, int NB, int G, int QB>
+void rows_block(const PackedRowFormat& f, const PackedTile& tile, const float* ws, int64_t m0,
+                float* acc) {
+  constexpr int P = 8 / B;
+  const int64_t d = f.head_dim, gs = f.group_size, ng = f.n_groups;
+  const float* wb[QB][NB];  // ws of (query, the block's first group)
+  __m512 a[QB][NB][P];
+  for (int q = 0; q < QB; ++q)
+    for (int blk = 0; blk < NB; ++blk) {
+      wb[q][blk] = ws + ((m0 + q) * ng + blk * 16 * P / gs) * 32;
+      deinterleave<P>(acc + (m0 + q) * d + blk * 16 * P, a[q][blk]);
+    }
+  for (int64_t r = 0; r < tile.n_rows; ++r) {
+    const uint8_t* rec = tile.rec0 + tile.rows[r] * tile.stride;
+#pragma GCC unroll 4
+    for (int blk = 0; blk < NB; ++blk) {
+      const __m512i x =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + blk * 16)));
+      __m512 c[P];
+#pragma GCC unroll 4
+      for (int j = 0; j < P; ++j) c[j] = code_lanes<B>(x, j);
+#pragma GCC unroll 4
+      for (int q = 0; q < QB; ++q) {
+        __m512 wv = _mm512_set1_ps(wb[q][blk][r]);
+        if constexpr (G == 2)
+          wv = _mm512_mask_mov_ps(wv, 0xFF00, _mm512_set1_ps(wb[q][blk][32 + r]));
+#pragma GCC unroll 4
+        for (int j = 0; j < P; ++j) a[q][blk][j] = _mm512_fmadd_ps(wv, c[j], a[q][blk][j]);
+      }
+    }
+  }
+  for (int q = 0; q < QB; ++q)
+    for (int blk = 0; blk < NB; ++blk) interleave<P>(a[q][blk], acc + (m0 + q) * d + blk * 16 * P);
+}
+
+template <int B, int NB, int G>
+void values_rows(const PackedRowFormat& f, const PackedTile& tile, const float* p, int64_t ld,
+                 int64_t n_q, float* acc, float* acc_lo, float* scratch) {
+  const int64_t ng = f.n_groups;
+  float* ws = scratch;              // [n_q][ng][32]
+  float* alo = ws + n_q * ng * 32;  // [n_q][ng][16]
+  for (int64_t i = 0; i < n_q * ng * 16; ++i) alo[i] = 0.0f;
+  const __m512i stride = _mm512_set1_epi32(static_cast<int>(tile.stride));
+  const uint8_t* meta = tile.rec0 + f.code_bytes;
+  for (int64_t r0 = 0; r0 < tile.n_rows; r0 += 16) {
+    const int64_t n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
+    const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512i idx = _mm512_maskz_loadu_epi32(km, tile.rows + r0);
+    const __m512i off = _mm512_mullo_epi32(idx, stride);
+    {  // the records 32 rows ahead into L1 (as packed_decode_vnni.cpp's prefetch_ahead)
+      const char* ahead =
+          reinterpret_cast<const char*>(tile.rec0 + (tile.rows[r0] + 32) * tile.stride);
+      for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    }
+    const bool contiguous = tile.rows[r0 + n - 1] - tile.rows[r0] == n - 1;
     for (int64_t g = 0; g < ng; ++g) {
-      const __m128 lo = _mm_set1_ps(_cvtsh_ss(meta[2 * g]));
-      const __m128 sg = _mm_set1_ps(_cvtsh_ss(meta[2 * g + 1]));
-      for (int64_t m = 0; m < mp; m += 4) {
-        const __m128 pv = _mm_loadu_ps(pt + r * mp + m);
-        _mm_storeu_ps(w + (r * ng + g) * mp + m, _mm_mul_ps(pv, sg));
-        _mm_storeu_ps(alo + g * mp + m, _mm_fmadd_ps(pv, lo, _mm_loadu_ps(alo + g * mp + m)));
+      const __m512i mw =
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 4 * g, 1);
+      const __m512 lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw));
+      const __m512 sg = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16)));
+      for (int64_t m = 0; m < n_q; ++m) {
+        const float* pr = p + m * ld;
+        const __m512 pm = contiguous
+                              ? _mm512_maskz_loadu_ps(km, pr + tile.rows[r0])
+                              : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), km, idx, pr, 4);
+        _mm512_storeu_ps(ws + (m * ng + g) * 32 + r0, _mm512_mul_ps(pm, sg));
+        float* al = alo + (m * ng + g) * 16;
+        _mm512_storeu_ps(al, _mm512_fmadd_ps(pm, lo, _mm512_loadu_ps(al)));
       }
     }
   }
   for (int64_t m = 0; m < n_q; ++m)
-    for (int64_t g = 0; g < ng; ++g) acc_lo[m * ng + g] += alo[g * mp + m];
-  for (int64_t blk = 0; blk < d / 32; ++blk) {
-    const int64_t g = blk * 32 / gs;
-    int64_t m0 = 0;
-    for (; m0 + 4 <= n_q; m0 += 4) b4_block<4>(tile, d, w, ng, mp, acc, m0, blk, g);
-    switch (n_q - m0) {
-      case 3:
-        b4_block<3>(tile, d, w, ng, mp, acc, m0, blk, g);
-        break;
-      case 2:
-        b4_block<2>(tile, d, w, ng, mp, acc, m0, blk, g);
-        break;
-      case 1:
-        b4_block<1>(tile, d, w, ng, mp, acc, m0, blk, g);
-        break;
-      default:
-        break;
-    }
+    for (int64_t g = 0; g < ng; ++g)
+      acc_lo[m * ng + g] += _mm512_reduce_add_ps(_mm512_loadu_ps(alo + (m * ng + g) * 16));
+  constexpr int QM = NB * (8 / B) <= 4 ? 4 : 2;  // accumulator registers: QM D / 16 <= 16
+  int64_t m0 = 0;
+  for (; m0 + QM <= n_q; m0 += QM) rows_block<B, NB, G, QM>(f, tile, ws, m0, acc);
+  switch (n_q - m0) {
+    case 3:
+      rows_block<B, NB, G, 3>(f, tile, ws, m0, acc);
+      break;
+    case 2:
+      rows_block<B, NB, G, 2>(f, tile, ws, m0, acc);
+      break;
+    case 1:
+      rows_block<B, NB, G, 1>(f, tile, ws, m0, acc);
+      break;
+    default:
+      break;
   }
+}
+
+// The row-major values kernel for f, or null: fp16 metadata, token axis, whole blocks of 16 P
+// channels (1, 2 or 4 per row), a group covering whole blocks or half of one (G = 2, 8 lanes
+// each), at most 64 groups (scratch).
+PackedValuesFn values_rows_kernel(const PackedRowFormat& f) {
+  if (f.meta != MetaType::kF16 || f.axis != QuantAxis::kToken || f.spec.ternary()) return nullptr;
+  const int b = f.spec.bits();
+  if (b != 2 && b != 4 && b != 8) return nullptr;
+  const int64_t blk = 16 * (8 / b), nb = f.head_dim / blk, gs = f.group_size;
+  if (f.head_dim % blk != 0 || (nb != 1 && nb != 2 && nb != 4) || f.n_groups > 64) return nullptr;
+  const bool g1 = gs % blk == 0, g2 = 2 * gs == blk;
+  if (!g1 && !(g2 && b != 8)) return nullptr;
+  const auto pick = [nb](auto v1, auto v2, auto v4) -> PackedValuesFn {
+    return nb == 1 ? v1 : (nb == 2 ? v2 : v4);
+  };
+  if (b == 8) return pick(values_rows<8, 1, 1>, values_rows<8, 2, 1>, values_rows<8, 4, 1>);
+  if (b == 4)
+    return g1 ? pick(values_rows<4, 1, 1>, values_rows<4, 2, 1>, values_rows<4, 4, 1>)
+              : pick(values_rows<4, 1, 2>, values_rows<4, 2, 2>, values_rows<4, 4, 2>);
+  return g1 ? pick(values_rows<2, 1, 1>, values_rows<2, 2, 1>, values_rows<2, 4, 1>)
+            : pick(values_rows<2, 1, 2>, values_rows<2, 2, 2>, values_rows<2, 4, 2>);
 }
 
 }  // namespace
 
 PackedKernel packed_kernel_avx512(const PackedRowFormat& f) {
   PackedKernel k = simd_kernel<V512>(f, CpuIsa::kAvx512);
-  if (k.values && f.spec.bits_x2 == 8 && f.meta == MetaType::kF16 && f.group_size % 32 == 0 &&
-      f.head_dim % 32 == 0)
-    k.values = values_b4;
+  if (k.values)
+    if (PackedValuesFn v = values_rows_kernel(f)) k.values = v;
   return k;
 }
 

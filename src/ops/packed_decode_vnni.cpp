@@ -2,15 +2,16 @@
 // codes with the query rounded to int8 per group. Chosen at run time where the CPU has
 // avx512_vnni, for 1/2/4/8-bit codes with fp16 metadata; values use the AVX-512 fp32 kernel.
 //
-// A row's codes are read 64 bytes (one chunk: 64 * P channels, P = 8 / B codes per byte) at a
-// time. Sub-vector j (0 <= j < P) holds code j of every byte: (x >> jB) & (2^B - 1), bytes as u8.
-// The prepared query holds, per chunk and j, the int8 query of the channel each byte position
-// carries (channel = chunk start + byte * P + j), so vpdpbusd sums 4 bytes x P codes per 32-bit
-// lane: lane l of a chunk is the exact integer sum of q8_i c_i over its 4P channels (a lane never
-// crosses a group: the group size is a multiple of 4P). Then per lane, in fp32:
-//   tot += (float(lane) * sq_g) * s_g + lo_g * qs_l     (qs_l = qsum_g on a group's first lane)
-// and the logit is the sum of the 16 lanes of tot. The lanes' s_g and lo_g come from one masked
-// load of the chunk's metadata (<= 8 groups), converted from fp16 and permuted to the lanes.
+// Vector lanes run over 16 rows of the tile (not over channels), so a logit never needs a
+// horizontal sum: a gather reads one 32-bit word (4 bytes = 4P channels, P = 8 / B codes per
+// byte) of each of the 16 rows, and for each j < P the j-th code of every byte,
+// (word >> jB) & (2^B - 1) per byte, meets the query's 4 int8 values of those channels
+// (broadcast) in one vpdpbusd: lane r accumulates the exact integer sum of q8_i c_i of row r
+// over the words of one group (a word never crosses a group: the group size is a multiple of
+// 4P). At the group's end, per query, in fp32:
+//   tot_r += float(acc_r) * (s_{r,g} * sq_g);   tot_r += lo_{r,g} * qsum_g
+// with (lo, s) of every row from one gather of the group's fp16 pair. The 16 totals are the
+// logits of the 16 rows. float(acc) is exact: |acc| <= 127 (2^B - 1) g < 2^24 (checked).
 // Query rounding (packed_decode.h, PackedKernel::int8_query): sq_g = max_{i in g} |q'_i| / 127,
 // q8_i = rne(q'_i / sq_g); a group with a NaN or infinite q' gets sq_g = NaN (the logit is NaN,
 // as the reference's).
@@ -37,53 +38,41 @@
 namespace vq::detail {
 namespace {
 
-// Per chunk: the lanes' metadata indices (into the chunk's 16-value window lo0, s0, lo1, ...),
-// the window's first group, its value count and the chunk's code bytes. 192 bytes.
-struct ChunkHead {
-  int32_t s_idx[16];
-  int32_t lo_idx[16];
-  int32_t g0, n_meta, n_bytes, pad[13];
-};
-static_assert(sizeof(ChunkHead) == 192);
+constexpr int64_t kMaxWords = 64;   // code words per row (D B <= 2048)
+constexpr int64_t kMaxGroups = 64;  // groups per row
 
-// Per (query, chunk): int8 q8[P][64], float sq[16], float qs[16].
-template <int B>
-constexpr int64_t qblock_bytes() {
-  return (8 / B) * 64 + 128;
+// Prepared query m: int32 qw[nw][P] (4 int8 query values per word and code index j), then
+// float sq[ng], float qs[ng].
+int64_t words(const PackedRowFormat& f) {
+  return f.head_dim * f.spec.bits() / 32;
 }
 
-int64_t chunks(const PackedRowFormat& f, int p) {
-  return (f.head_dim + 64 * p - 1) / (64 * p);
+template <int B>
+int64_t qblock_bytes(const PackedRowFormat& f) {
+  return words(f) * (8 / B) * 4 + 8 * int64_t{f.n_groups};
 }
 
 template <int B>
 int64_t prep_bytes(const PackedRowFormat& f, int64_t n_q) {
-  const int64_t nc = chunks(f, 8 / B);
-  return nc * (static_cast<int64_t>(sizeof(ChunkHead)) + n_q * qblock_bytes<B>());
+  return n_q * qblock_bytes<B>(f);
+}
+
+// Round to nearest even for |x| < 2^22 (default rounding mode; the build does not contract).
+inline float rne_small(float x) {
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  return x >= 0.0f ? (x + magic) - magic : (x - magic) + magic;
 }
 
 template <int B>
 void prepare(const PackedRowFormat& f, const float* q, const float* qsum, int64_t n_q, void* out) {
-  constexpr int P = 8 / B, CH = 64 * P, LW = 4 * P;
-  const int64_t d = f.head_dim, gs = f.group_size, ng = f.n_groups, nc = chunks(f, P);
-  ChunkHead* heads = static_cast<ChunkHead*>(out);
-  uint8_t* qb = static_cast<uint8_t*>(out) + nc * static_cast<int64_t>(sizeof(ChunkHead));
-  for (int64_t c = 0; c < nc; ++c) {
-    ChunkHead& h = heads[c];
-    const int64_t ch0 = c * CH, ch1 = ch0 + CH < d ? ch0 + CH : d;
-    h.g0 = static_cast<int32_t>(ch0 / gs);
-    h.n_meta = static_cast<int32_t>(2 * ((ch1 - 1) / gs - h.g0 + 1));
-    h.n_bytes = static_cast<int32_t>((ch1 - ch0) / P);
-    for (int l = 0; l < 16; ++l) {
-      const int64_t ch = ch0 + l * LW;
-      const int64_t gl = (ch < d ? ch : d - 1) / gs - h.g0;
-      h.s_idx[l] = static_cast<int32_t>(2 * gl + 1);
-      h.lo_idx[l] = static_cast<int32_t>(2 * gl);
-    }
-  }
+  constexpr int P = 8 / B;
+  const int64_t d = f.head_dim, gs = f.group_size, ng = f.n_groups, nw = words(f);
   for (int64_t m = 0; m < n_q; ++m) {
+    uint8_t* blk = static_cast<uint8_t*>(out) + m * qblock_bytes<B>(f);
+    int32_t* qw = reinterpret_cast<int32_t*>(blk);
+    float* sq = reinterpret_cast<float*>(blk + nw * P * 4);
+    float* qs = sq + ng;
     const float* qm = q + m * d;
-    float sq[1024];
     for (int64_t g = 0; g < ng; ++g) {
       float mx = 0.0f;
       bool finite = true;
@@ -94,101 +83,130 @@ void prepare(const PackedRowFormat& f, const float* q, const float* qsum, int64_
         mx = a > mx ? a : mx;
       }
       sq[g] = finite ? mx / 127.0f : __builtin_nanf("");
+      qs[g] = qsum[m * ng + g];
     }
-    for (int64_t c = 0; c < nc; ++c) {
-      uint8_t* blk = qb + (m * nc + c) * qblock_bytes<B>();
-      int8_t* q8 = reinterpret_cast<int8_t*>(blk);
-      float* sqv = reinterpret_cast<float*>(blk + P * 64);
-      float* qsv = sqv + 16;
-      const int64_t ch0 = c * CH;
-      for (int j = 0; j < P; ++j)
-        for (int k = 0; k < 64; ++k) {
-          const int64_t ch = ch0 + k * P + j;
+    for (int64_t k = 0; k < nw; ++k)
+      for (int j = 0; j < P; ++j) {
+        uint32_t word = 0;
+        for (int b = 0; b < 4; ++b) {
+          const int64_t ch = 4 * P * k + b * P + j;
+          const float s = sq[ch / gs];
           int v = 0;
-          if (ch < d) {
-            const float s = sq[ch / gs];
-            if (s > 0.0f) {  // false for 0 and NaN
-              const float r = __builtin_nearbyintf(qm[ch] / s);
-              v = static_cast<int>(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r));
-            }
+          if (s > 0.0f) {  // false for 0 and NaN
+            const float r = rne_small(qm[ch] / s);
+            v = static_cast<int>(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r));
           }
-          q8[j * 64 + k] = static_cast<int8_t>(v);
+          word |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(v))) << (8 * b);
         }
-      for (int l = 0; l < 16; ++l) {
-        const int64_t ch = ch0 + l * LW;
-        const bool valid = ch < d;
-        const int64_t g = (valid ? ch : d - 1) / gs;
-        sqv[l] = valid ? sq[g] : 0.0f;
-        qsv[l] = valid && ch % gs == 0 ? qsum[m * ng + g] : 0.0f;
+        qw[k * P + j] = static_cast<int32_t>(word);
+      }
+  }
+}
+
+// The 16 logits of one block of rows for queries m0 .. m0 + QB. xw: [nw][16] the rows' code
+// words, lo / s: [ng][16] their metadata.
+template <int B, int QB>
+inline void block_logits(const PackedRowFormat& f, const int32_t* xw, const float* lo,
+                         const float* s, const uint8_t* prep, int64_t m0, __m512* tot) {
+  constexpr int P = 8 / B;
+  const int64_t nw = words(f), ng = f.n_groups, wpg = f.group_size / (4 * P);
+  const int64_t qbb = qblock_bytes<B>(f);
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << B) - 1));
+  const int32_t* qw[QB];
+  const float* sq[QB];
+  for (int q = 0; q < QB; ++q) {
+    qw[q] = reinterpret_cast<const int32_t*>(prep + (m0 + q) * qbb);
+    sq[q] = reinterpret_cast<const float*>(prep + (m0 + q) * qbb + nw * P * 4);
+    tot[q] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i acc[QB];
+    for (int q = 0; q < QB; ++q) acc[q] = _mm512_setzero_si512();
+    const int64_t k1 = (g + 1) * wpg < nw ? (g + 1) * wpg : nw;
+    for (int64_t k = g * wpg; k < k1; ++k) {
+      const __m512i x = _mm512_loadu_si512(xw + 16 * k);
+      for (int j = 0; j < P; ++j) {
+        const __m512i sub =
+            B == 8 ? x : _mm512_and_si512(j == 0 ? x : _mm512_srli_epi32(x, j * B), mask);
+        for (int q = 0; q < QB; ++q)
+          acc[q] = _mm512_dpbusd_epi32(acc[q], sub, _mm512_set1_epi32(qw[q][k * P + j]));
       }
     }
-  }
-}
-
-inline float hsum(__m512 v) {
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
-}
-
-// Logits of one row for queries m0 .. m0 + QB.
-template <int B, int QB>
-inline void row_logits(const uint8_t* rec, const PackedRowFormat& f, const ChunkHead* heads,
-                       const uint8_t* qb, int64_t nc, int64_t m0, float* logits, int64_t ld,
-                       int64_t t) {
-  constexpr int P = 8 / B;
-  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << B) - 1));
-  const uint16_t* meta = reinterpret_cast<const uint16_t*>(rec + f.code_bytes);
-  __m512 tot[QB];
-  for (int j = 0; j < QB; ++j) tot[j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < nc; ++c) {
-    const ChunkHead& h = heads[c];
-    const __mmask64 bm = h.n_bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << h.n_bytes) - 1;
-    const __m512i x = _mm512_maskz_loadu_epi8(bm, rec + c * 64);
-    const __m512 mw = _mm512_cvtph_ps(
-        _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << h.n_meta) - 1u), meta + 2 * h.g0));
-    const __m512 s = _mm512_permutexvar_ps(_mm512_loadu_si512(h.s_idx), mw);
-    const __m512 lo = _mm512_permutexvar_ps(_mm512_loadu_si512(h.lo_idx), mw);
-    __m512i sub[P];
-    for (int j = 0; j < P; ++j)
-      sub[j] = B == 8 ? x : _mm512_and_si512(j == 0 ? x : _mm512_srli_epi16(x, j * B), mask);
-    for (int k = 0; k < QB; ++k) {
-      const uint8_t* blk = qb + ((m0 + k) * nc + c) * qblock_bytes<B>();
-      __m512i a = _mm512_setzero_si512();
-      for (int j = 0; j < P; ++j)
-        a = _mm512_dpbusd_epi32(a, sub[j], _mm512_loadu_si512(blk + 64 * j));
-      const float* sqv = reinterpret_cast<const float*>(blk + P * 64);
-      const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(sqv));
-      tot[k] = _mm512_fmadd_ps(v, s, tot[k]);
-      tot[k] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(sqv + 16), tot[k]);
+    const __m512 sg = _mm512_loadu_ps(s + 16 * g), lg = _mm512_loadu_ps(lo + 16 * g);
+    for (int q = 0; q < QB; ++q) {
+      const __m512 sc = _mm512_mul_ps(sg, _mm512_set1_ps(sq[q][g]));
+      tot[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[q]), sc, tot[q]);
+      tot[q] = _mm512_fmadd_ps(lg, _mm512_set1_ps(sq[q][ng + g]), tot[q]);
     }
   }
-  for (int k = 0; k < QB; ++k) logits[(m0 + k) * ld + t] = hsum(tot[k]);
+}
+
+template <int B, int QB>
+inline void block_queries(const PackedRowFormat& f, const int32_t* xw, const float* lo,
+                          const float* s, const uint8_t* prep, int64_t m0, float* logits,
+                          int64_t ld, const int32_t* rows, int64_t n, bool contiguous) {
+  __m512 tot[QB];
+  block_logits<B, QB>(f, xw, lo, s, prep, m0, tot);
+  const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
+  for (int q = 0; q < QB; ++q) {
+    float* lr = logits + (m0 + q) * ld;
+    if (contiguous) {
+      _mm512_mask_storeu_ps(lr + rows[0], km, tot[q]);
+    } else {
+      alignas(64) float t[16];
+      _mm512_store_ps(t, tot[q]);
+      for (int64_t r = 0; r < n; ++r) lr[rows[r]] = t[r];
+    }
+  }
+}
+
+// The records 32 rows past row r (the block after next, or the next tile's: a segment's rows
+// are consecutive records) into L1: the gathers would otherwise wait on each first touch (a
+// decode step streams the weights through the caches between two layers' attention). A
+// prefetch never faults, so addresses past the segment are harmless.
+inline void prefetch_ahead(const PackedTile& tile, int64_t r) {
+  const char* p = reinterpret_cast<const char*>(tile.rec0 + (r + 32) * tile.stride);
+  for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
 template <int B>
 void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*q*/,
                const float* /*qsum*/, int64_t n_q, float* logits, int64_t ld, const void* prep) {
-  const int64_t nc = chunks(f, 8 / B);
-  const ChunkHead* heads = static_cast<const ChunkHead*>(prep);
-  const uint8_t* qb =
-      static_cast<const uint8_t*>(prep) + nc * static_cast<int64_t>(sizeof(ChunkHead));
-  for (int64_t r = 0; r < tile.n_rows; ++r) {
-    const int64_t t = tile.rows[r];
-    const uint8_t* rec = tile.rec0 + t * tile.stride;
+  const int64_t nw = words(f), ng = f.n_groups;
+  const uint8_t* pb = static_cast<const uint8_t*>(prep);
+  alignas(64) int32_t xw[kMaxWords * 16];
+  alignas(64) float lo[kMaxGroups * 16], s[kMaxGroups * 16];
+  const __m512i stride = _mm512_set1_epi32(static_cast<int>(tile.stride));
+  for (int64_t r0 = 0; r0 < tile.n_rows; r0 += 16) {
+    const int64_t n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
+    const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
+    const int32_t* rows = tile.rows + r0;
+    const __m512i off = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(km, rows), stride);
+    prefetch_ahead(tile, rows[0]);
+    for (int64_t k = 0; k < nw; ++k)
+      _mm512_store_si512(xw + 16 * k, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off,
+                                                                  tile.rec0 + 4 * k, 1));
+    const uint8_t* meta = tile.rec0 + f.code_bytes;
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m512i mw =
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 4 * g, 1);
+      _mm512_store_ps(lo + 16 * g, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw)));
+      _mm512_store_ps(s + 16 * g,
+                      _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16))));
+    }
+    const bool contiguous = rows[n - 1] - rows[0] == n - 1;
     int64_t m0 = 0;
-    for (; m0 + 4 <= n_q; m0 += 4) row_logits<B, 4>(rec, f, heads, qb, nc, m0, logits, ld, t);
+    for (; m0 + 4 <= n_q; m0 += 4)
+      block_queries<B, 4>(f, xw, lo, s, pb, m0, logits, ld, rows, n, contiguous);
     switch (n_q - m0) {
       case 3:
-        row_logits<B, 3>(rec, f, heads, qb, nc, m0, logits, ld, t);
+        block_queries<B, 3>(f, xw, lo, s, pb, m0, logits, ld, rows, n, contiguous);
         break;
       case 2:
-        row_logits<B, 2>(rec, f, heads, qb, nc, m0, logits, ld, t);
+        block_queries<B, 2>(f, xw, lo, s, pb, m0, logits, ld, rows, n, contiguous);
         break;
       case 1:
-        row_logits<B, 1>(rec, f, heads, qb, nc, m0, logits, ld, t);
+        block_queries<B, 1>(f, xw, lo, s, pb, m0, logits, ld, rows, n, contiguous);
         break;
       default:
         break;
@@ -210,15 +228,17 @@ PackedKernel kernel() {
 }  // namespace
 
 PackedKernel packed_kernel_vnni(const PackedRowFormat& f) {
-  if (f.spec.ternary() || f.meta != MetaType::kF16 || f.n_groups > 1024) return {};
+  if (f.spec.ternary() || f.meta != MetaType::kF16 || f.axis != QuantAxis::kToken) return {};
   const int b = f.spec.bits();
   if (b != 1 && b != 2 && b != 4 && b != 8) return {};
-  const int p = 8 / b;
-  if (f.group_size % (4 * p) != 0 || f.head_dim % p != 0) return {};
-  for (int64_t c = 0; c < chunks(f, p); ++c) {  // each chunk's metadata fits one 16-value window
-    const int64_t ch0 = c * 64 * p, ch1 = ch0 + 64 * p < f.head_dim ? ch0 + 64 * p : f.head_dim;
-    if ((ch1 - 1) / f.group_size - ch0 / f.group_size + 1 > 8) return {};
-  }
+  const int64_t word_ch = 4 * (8 / b);  // channels per 32-bit word
+  if (f.group_size % word_ch != 0 || f.head_dim % word_ch != 0 || words(f) > kMaxWords ||
+      f.n_groups > kMaxGroups)
+    return {};
+  // float(acc) exact: 127 (2^b - 1) g < 2^24; the record offsets fit int32 gathers.
+  if (int64_t{127} * ((1 << b) - 1) * f.group_size >= (int64_t{1} << 24) ||
+      f.row_stride > (int64_t{1} << 24))
+    return {};
   switch (b) {
     case 1:
       return kernel<1>();

@@ -230,6 +230,33 @@ std::vector<AttnCase> packed_decode_cases(bool small) {
       c.segs = {sink, pk, tail};
       out.push_back(c);
     }
+  // The shipped model's shape (D 64, 3 query heads per KV head, groups of 32, fp16 metadata:
+  // the row-lane key kernel and the row-major value kernels of packed_decode_{vnni,avx512}.cpp),
+  // every bit pair of {2, 4, 8}, with rotation, permutation, windows (visible rows not one run)
+  // and explicit positions; 87 packed rows (tiles of 32 with a 23-row tail, blocks of 16 with 7).
+  int k = 0;
+  for (double kb : {2.0, 4.0, 8.0})
+    for (double vb : {2.0, 4.0, 8.0}) {
+      AttnCase c;
+      c.head_dim = 64;
+      c.n_rep = 3;
+      c.n_q = k % 3 == 2 ? 2 : 1;
+      c.window = k % 4 == 1 ? 50 : 0;
+      SegSpec sink, pk, tail;
+      sink.n = 4;
+      pk.packed = true;
+      pk.pk.kbits = kb;
+      pk.pk.vbits = vb;
+      pk.pk.group = k % 5 == 3 ? 16 : 32;
+      pk.pk.rot = k % 3 == 1;
+      pk.pk.perm = k % 3 == 2;
+      pk.n = 87;
+      pk.explicit_pos = k % 2 == 1;
+      tail.n = 20;
+      c.segs = {sink, pk, tail};
+      out.push_back(c);
+      ++k;
+    }
   return out;
 }
 
