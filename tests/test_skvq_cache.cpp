@@ -1225,6 +1225,11 @@ CacheConfig snap_channel_cfg(int64_t key_rows) {
   return c;
 }
 
+CacheConfig as_skvq(CacheConfig c) {
+  c.method = "skvq";
+  return c;
+}
+
 // One prompt chunk [1, 2, s, 64] with its queries [1, 2, s, 64], then the end of the prompt.
 void snap_prompt(KVCache& c, const Tensor& k, const Tensor& v, uint64_t seed) {
   const Tensor q = test::random_tensor(DType::kF32, 1, 2, k.shape()[2], 64, seed);
@@ -1267,9 +1272,16 @@ TEST(SnapkvSkvqChannel, KeptRowsPackedAsSkvqAloneOverThem) {
     }
     EXPECT_EQ(figure(*both, "packed_rows"), 32);
     // Key bytes: 2 heads x 32 rows x (16 code bytes + n_groups fp16 slots); n_groups =
-    // ceil(128 / 16) = 8 for whole chunks (window - n_sink = 16 rows), 16 for runs of 8.
+    // ceil(128 / 16) = 8 for whole chunks (window = 16 rows), 16 for runs of 8.
     EXPECT_EQ(figure(*both, "compressed_key_bytes"), 2 * 32 * (16 + 2 * (key_rows ? 16 : 8)));
   }
+  // snapkv+skvq packs chunks of `window` kept rows whatever skvq_n_sink (its sinks stay apart):
+  // ceil(128 / 16) = 8 slots with skvq_n_sink = 4 too, where SKVQ alone (chunk 0: 12 rows) needs
+  // ceil(128 / 12) = 11.
+  CacheConfig sinks = snap_channel_cfg(0);
+  sinks.skvq_n_sink = 4;
+  EXPECT_EQ(skvq::Settings::from_config(sinks, 0, "snapkv+skvq").fk.n_groups, 8);
+  EXPECT_EQ(skvq::Settings::from_config(as_skvq(sinks), 0, "skvq").fk.n_groups, 11);
 }
 
 TEST(SnapkvSkvqChannel, SaveLoadAndRefusals) {

@@ -76,10 +76,12 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
   }
   s.key_axis = cfg.skvq_key_axis;
   s.key_rows = cfg.skvq_key_rows;  // validate(): 0, or channel axis and <= window - n_sink
-  // The shortest block: key_rows rows, or chunk 0 (window - n_sink rows).
+  // The shortest block: key_rows rows, or a whole chunk: chunk 0 (window - n_sink rows) for skvq,
+  // `window` kept rows for snapkv+skvq (its sinks are not part of a chunk).
+  const int64_t shortest =
+      s.key_rows > 0 ? s.key_rows : s.window - (cfg.method == "snapkv+skvq" ? 0 : s.n_sink);
   if (s.key_axis == QuantAxis::kChannel)
-    s.fk = make_channel_row_format(s.head_dim, s.qk.bits,
-                                   s.key_rows > 0 ? s.key_rows : s.window - s.n_sink, s.qk.meta);
+    s.fk = make_channel_row_format(s.head_dim, s.qk.bits, shortest, s.qk.meta);
   if (!cfg.skvq_perm_file.empty()) {
     const SkvqPermSet ps = load_skvq_perm_file(cfg.skvq_perm_file);
     if (ps.head_dim != s.head_dim)
