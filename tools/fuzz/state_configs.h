@@ -63,9 +63,7 @@ inline const std::vector<CacheConfig>& state_configs() {
     CacheConfig skvq_runs = skvq_channel;
     skvq_runs.skvq_key_rows = 3;
     v.push_back(skvq_runs);
-    CacheConfig both_channel = base;
-    both_channel.method = "snapkv+skvq";
-    both_channel.snap_evict_at = SnapEvictAt::kPromptEnd;
+    CacheConfig both_channel = both_pending;
     both_channel.skvq_key_axis = QuantAxis::kChannel;
     both_channel.skvq_key_rows = 4;
     v.push_back(both_channel);
