@@ -240,6 +240,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   c.skvq_rotation_seed = 0xfedcba9876543210ull;
   c.skvq_perm_file = "p.bin";
   c.skvq_key_axis = QuantAxis::kChannel;
+  c.skvq_key_rows = 24;
   c.streaming_n_sink = 1;
   c.streaming_window = 77;
   const std::string text = config_to_json(c);
@@ -273,7 +274,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
       }
     }
   }
-  EXPECT_EQ(keys.size(), 29u);
+  EXPECT_EQ(keys.size(), 30u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {
@@ -600,7 +601,7 @@ TEST(CacheConfig, EnumNamesForMessages) {
   EXPECT_EQ(cache_method_fields("full"), std::vector<std::string>{});
   EXPECT_EQ(cache_method_fields("streaming"),
             (std::vector<std::string>{"streaming_n_sink", "streaming_window"}));
-  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 25u);
+  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 26u);
   EXPECT_EQ(cache_enum_name("skvq_key_axis", 1), "channel");
 }
 

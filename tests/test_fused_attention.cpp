@@ -207,11 +207,12 @@ TEST(FusedAttention, SkvqOptionsBitsMetaRotationWindows) {
 // channel path of vq::attention (the query scaled per channel once per chunk, then dots with the
 // codes) meets the same bound (its logit depth 2D + 2 roundings per |q_c|(|c s_c| + |lo_c|) term
 // split over two sums of D: within D + 8), decode-sized and prefill-sized calls, every code width,
-// metadata type, rotation, GQA ratio, and lengths before, at and across chunk ends.
+// metadata type, rotation, GQA ratio, and lengths before, at and across chunk ends; with
+// skvq_key_rows (variants 14-16) each run of a chunk is its own segment with its own metadata.
 TEST(FusedAttention, ChannelAxisKeys) {
   double worst = 0;
   int n = 0;
-  for (int variant = 0; variant < 14; ++variant) {
+  for (int variant = 0; variant < 17; ++variant) {
     Case cs;
     cs.cfg = method_cfg("skvq");
     cs.cfg.skvq_key_axis = QuantAxis::kChannel;
@@ -254,6 +255,20 @@ TEST(FusedAttention, ChannelAxisKeys) {
       case 9:
         cs.cfg.skvq_window = 128;
         cs.cfg.skvq_n_sink = 5;
+        break;
+      case 14:  // runs of 8 (chunk 0: 8 + 20 rows), fp8 metadata
+        cs.cfg.skvq_key_rows = 8;
+        cs.cfg.skvq_meta = MetaType::kFP8E4M3;
+        break;
+      case 15:  // KIVI's layout: runs of 32 in chunks of 128, rotated
+        cs.cfg.skvq_window = 128;
+        cs.cfg.skvq_n_sink = 5;
+        cs.cfg.skvq_key_rows = 32;
+        cs.cfg.skvq_rotation = Rotation::kHadamard;
+        cs.len = 300;
+        break;
+      case 16:  // runs of 5 (a remainder in every chunk)
+        cs.cfg.skvq_key_rows = 5;
         break;
     }
     worst = std::max(worst, run_case(cs, 9000 + variant));

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <vector>
 
+#include "kv/skvq_store.h"
 #include "util/test_util.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/error.h"
@@ -1086,14 +1087,234 @@ TEST(SkvqCacheChannel, OptionParsedAndRefusedWhereUnsupported) {
     EXPECT_NE(std::string(e.what()).find("channel"), std::string::npos) << e.what();
   }
   CacheConfig sk = channel_cfg();
-  sk.method = "snapkv+skvq";
+  sk.method = "snapkv+skvq";  // snap_evict_at = prefill_call (the default)
   try {
     (void)make_cache(sk);
-    ADD_FAILURE() << "snapkv+skvq with channel-axis keys accepted";
+    ADD_FAILURE() << "snapkv+skvq with channel-axis keys evicting per prefill call accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("[snapkv+skvq] skvq_key_axis: expected token"),
+    EXPECT_NE(std::string(e.what()).find("[snapkv+skvq] skvq_key_axis=channel: expected "
+                                         "snap_evict_at=prompt_end"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// ---- skvq_key_rows (channel-axis keys over runs of rows inside each chunk) -------------------
+CacheConfig key_rows_cfg(int64_t r) {
+  CacheConfig c = channel_cfg();
+  c.skvq_key_rows = r;
+  return c;
+}
+
+TEST(SkvqCacheKeyRows, RunsOfAChunkAndWorkedByteFigures) {
+  // window 16, n_sink 4: chunk 0 holds 12 rows, later chunks 16.
+  const skvq::Settings s5 = skvq::Settings::from_config(key_rows_cfg(5), 0, "skvq");
+  EXPECT_EQ(s5.chunk_blocks(12), (std::vector<int64_t>{5, 7}));
+  EXPECT_EQ(s5.chunk_blocks(16), (std::vector<int64_t>{5, 5, 6}));
+  const skvq::Settings s8 = skvq::Settings::from_config(key_rows_cfg(8), 0, "skvq");
+  EXPECT_EQ(s8.chunk_blocks(12), (std::vector<int64_t>{12}));  // one run takes the remainder
+  EXPECT_EQ(s8.chunk_blocks(16), (std::vector<int64_t>{8, 8}));
+  // Runs of at least 8 rows hold ceil(2 * 64 / 8) = 16 fp16 metadata slots per record: 16 code
+  // bytes + 32 metadata bytes. S = 35 packs chunks 0 (12 rows) and 1 (16 rows) of 2 heads.
+  auto c = make(key_rows_cfg(8));
+  c->update_and_fetch(hetero(1, 2, 35, 64, 1).view(), hetero(1, 2, 35, 64, 2).view());
+  EXPECT_EQ(figure(*c, "compressed_key_bytes"), 2 * (12 + 16) * (16 + 32));
+  EXPECT_EQ(figure(*c, "compressed_value_bytes"), 1792);  // values per token, as before
+  EXPECT_EQ(figure(*c, "quantized_tokens"), 32);
+}
+
+// Runs of r rows inside chunks of window W hold the same codes and metadata as chunks of r rows
+// (no sinks, no reordering, so nothing else depends on the window): every packed row equal.
+TEST(SkvqCacheKeyRows, RunsEqualChunksOfTheirLength) {
+  for (bool rotate : {false, true}) {
+    CacheConfig a = key_rows_cfg(8), b = channel_cfg();
+    for (CacheConfig* c : {&a, &b}) {
+      c->skvq_n_sink = 0;
+      c->skvq_reorder = false;
+      if (rotate) c->skvq_rotation = Rotation::kHadamard;
+    }
+    b.skvq_window = 8;
+    const Tensor k = hetero(2, 2, 34, 64, 21), v = hetero(2, 2, 34, 64, 22);
+    auto ca = make(a), cb = make(b);
+    const CacheView va = ca->update_and_fetch(k.view(), v.view());
+    const CacheView vb = cb->update_and_fetch(k.view(), v.view());
+    EXPECT_EQ(ca->quantized_tokens(), 32);
+    EXPECT_EQ(cb->quantized_tokens(), 32);
+    for (int64_t h = 0; h < 2; ++h) {
+      EXPECT_EQ(rows_of(va, 1, h), rows_of(vb, 1, h)) << h;
+      EXPECT_EQ(rows_of(va, 1, h, true), rows_of(vb, 1, h, true)) << h;
+    }
+    // ... and differ from whole 16-row chunks (the runs are fitted separately).
+    CacheConfig whole = a;
+    whole.skvq_key_rows = 0;
+    auto cw = make(whole);
+    EXPECT_NE(rows_of(cw->update_and_fetch(k.view(), v.view()), 1, 0), rows_of(va, 1, 0));
+  }
+}
+
+TEST(SkvqCacheKeyRows, OneShotEqualsTokenByTokenAndSaveLoadInStateVersion3) {
+  const Tensor k = hetero(2, 2, 70, 64, 31), v = hetero(2, 2, 70, 64, 32);
+  auto a = make(key_rows_cfg(5)), b = make(key_rows_cfg(5));
+  a->update_and_fetch(k.view().slice_tokens(0, 41), v.view().slice_tokens(0, 41));
+  for (int64_t t = 0; t < 41; ++t)
+    b->update_and_fetch(k.view().slice_tokens(t, t + 1), v.view().slice_tokens(t, t + 1));
+  const std::string saved = state_of(*a);
+  EXPECT_EQ(saved, state_of(*b));
+  EXPECT_EQ(saved[8], 3) << "states with skvq_key_rows are frame version 3";
+  auto c = make(key_rows_cfg(5));
+  std::istringstream in(saved);
+  c->load(in);
+  EXPECT_EQ(state_of(*c), saved);
+  const CacheView va =
+      a->update_and_fetch(k.view().slice_tokens(41, 70), v.view().slice_tokens(41, 70));
+  const CacheView vc =
+      c->update_and_fetch(k.view().slice_tokens(41, 70), v.view().slice_tokens(41, 70));
+  EXPECT_EQ(rows_of(va, 1, 1), rows_of(vc, 1, 1));
+  EXPECT_EQ(a->stats().figures, c->stats().figures);
+  // A version-2 state (whole-chunk runs) and a version-3 one of other runs are refused by name.
+  for (const int64_t other : {int64_t{0}, int64_t{6}}) {
+    auto o = make(key_rows_cfg(other));
+    o->update_and_fetch(k.view().slice_tokens(0, 41), v.view().slice_tokens(0, 41));
+    std::istringstream oin(state_of(*o));
+    const std::string before = state_of(*c);
+    try {
+      c->load(oin);
+      ADD_FAILURE() << "state of key_rows " << other << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "[skvq] state was saved with skvq_key_rows=" + std::to_string(other) +
+                    " but this cache has 5; nothing was changed");
+    }
+    EXPECT_EQ(state_of(*c), before);
+  }
+}
+
+TEST(SkvqCacheKeyRows, BadValuesRefusedNamingTheField) {
+  const auto refused = [](const std::string& spec, const std::string& want) {
+    try {
+      CacheConfig c = parse_cache_arg(spec);
+      c.head_dim = 64;
+      (void)make_cache(c);
+      ADD_FAILURE() << spec << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  refused("skvq:key_rows=32", "skvq_key_rows: expected 0 with skvq_key_axis=token");
+  refused("skvq:key_axis=channel:key_rows=124",
+          "skvq_key_rows: expected 0 (the whole chunk) or 1..skvq_window - skvq_n_sink (123");
+  refused("skvq:key_axis=channel:key_rows=-1", "skvq_key_rows");
+  const CacheConfig ok = parse_cache_arg("skvq:key_axis=channel:key_rows=32");
+  EXPECT_EQ(ok.skvq_key_rows, 32);
+  EXPECT_EQ(config_from_json(config_to_json(ok)).skvq_key_rows, 32);
+}
+
+// ---- snapkv+skvq with channel-axis keys: the kept rows are packed per channel after the one
+// selection at the end of the prompt (snap_evict_at = prompt_end) ------------------------------
+
+CacheConfig snap_channel_cfg(int64_t key_rows) {
+  CacheConfig c = key_rows_cfg(key_rows);
+  c.method = "snapkv+skvq";
+  c.snap_budget = 40;
+  c.snap_obs_window = 8;
+  c.snap_n_sink = 0;
+  c.snap_scoring = SnapScoring::kQuery;
+  c.snap_evict_at = SnapEvictAt::kPromptEnd;
+  c.skvq_n_sink = 0;  // no full-precision sinks: frames are packed from their first kept row
+  c.skvq_reorder = false;
+  return c;
+}
+
+CacheConfig as_skvq(CacheConfig c) {
+  c.method = "skvq";
+  return c;
+}
+
+// One prompt chunk [1, 2, s, 64] with its queries [1, 2, s, 64], then the end of the prompt.
+void snap_prompt(KVCache& c, const Tensor& k, const Tensor& v, uint64_t seed) {
+  const Tensor q = test::random_tensor(DType::kF32, 1, 2, k.shape()[2], 64, seed);
+  const TensorView qv = q.view();
+  UpdateOptions o;
+  o.queries = &qv;
+  c.update_and_fetch(k.view(), v.view(), o);
+  c.end_prompt();
+}
+
+// Rows [positions] of head h of x as a [1, 1, n, 64] block.
+Tensor gather_rows(const Tensor& x, int64_t h, const std::vector<int32_t>& positions) {
+  Tensor out(x.dtype(), 1, 1, static_cast<int64_t>(positions.size()), 64);
+  for (size_t i = 0; i < positions.size(); ++i)
+    for (int64_t c = 0; c < 64; ++c)
+      out.set(0, 0, static_cast<int64_t>(i), c, x.at(0, h, positions[i], c));
+  return out;
+}
+
+// Evict then quantize == SKVQ alone over each head's kept rows: every kept row (packed or not)
+// dequantizes bit for bit as a channel-axis SKVQ cache fed that head's kept rows holds it.
+TEST(SnapkvSkvqChannel, KeptRowsPackedAsSkvqAloneOverThem) {
+  for (const int64_t key_rows : {int64_t{0}, int64_t{8}}) {
+    const Tensor k = hetero(1, 2, 100, 64, 41), v = hetero(1, 2, 100, 64, 42);
+    auto both = std::make_unique<SnapkvSkvqCache>(snap_channel_cfg(key_rows));
+    snap_prompt(*both, k, v, 43);
+    ASSERT_EQ(both->stored_rows(), 40);
+    const CacheView vb = both->stored_view();
+    for (int64_t h = 0; h < 2; ++h) {
+      const std::vector<int32_t> pos = both->stored_positions(0, h);
+      CacheConfig alone = key_rows_cfg(key_rows);
+      alone.skvq_n_sink = 0;
+      alone.skvq_reorder = false;
+      auto a = make(alone);
+      const CacheView va =
+          a->update_and_fetch(gather_rows(k, h, pos).view(), gather_rows(v, h, pos).view());
+      EXPECT_EQ(a->quantized_tokens(), 32);  // 2 chunks of 16 packed, 8 rows full precision
+      EXPECT_EQ(rows_of(vb, 0, h), rows_of(va, 0, 0)) << "key_rows " << key_rows << " h " << h;
+      EXPECT_EQ(rows_of(vb, 0, h, true), rows_of(va, 0, 0, true)) << key_rows << " h " << h;
+    }
+    EXPECT_EQ(figure(*both, "packed_rows"), 32);
+    // Key bytes: 2 heads x 32 rows x (16 code bytes + n_groups fp16 slots); n_groups =
+    // ceil(128 / 16) = 8 for whole chunks (window = 16 rows), 16 for runs of 8.
+    EXPECT_EQ(figure(*both, "compressed_key_bytes"), 2 * 32 * (16 + 2 * (key_rows ? 16 : 8)));
+  }
+  // snapkv+skvq packs chunks of `window` kept rows whatever skvq_n_sink (its sinks stay apart):
+  // ceil(128 / 16) = 8 slots with skvq_n_sink = 4 too, where SKVQ alone (chunk 0: 12 rows) needs
+  // ceil(128 / 12) = 11.
+  CacheConfig sinks = snap_channel_cfg(0);
+  sinks.skvq_n_sink = 4;
+  EXPECT_EQ(skvq::Settings::from_config(sinks, 0, "snapkv+skvq").fk.n_groups, 8);
+  EXPECT_EQ(skvq::Settings::from_config(as_skvq(sinks), 0, "skvq").fk.n_groups, 11);
+}
+
+TEST(SnapkvSkvqChannel, SaveLoadAndRefusals) {
+  const Tensor k = hetero(1, 2, 100, 64, 51), v = hetero(1, 2, 100, 64, 52);
+  for (const int64_t key_rows : {int64_t{0}, int64_t{8}}) {
+    const CacheConfig cfg = snap_channel_cfg(key_rows);
+    auto a = make_cache(cfg), b = make_cache(cfg);
+    snap_prompt(*a, k, v, 53);
+    const std::string saved = state_of(*a);
+    EXPECT_EQ(saved[8], key_rows ? 3 : 2);
+    std::istringstream in(saved);
+    b->load(in);
+    EXPECT_EQ(state_of(*b), saved);
+    for (int64_t t = 0; t < 20; ++t) {  // decode steps flush more chunks of kept rows
+      const Tensor kt = hetero(1, 2, 1, 64, 60 + t), vt = hetero(1, 2, 1, 64, 90 + t);
+      a->update_and_fetch(kt.view(), vt.view());
+      b->update_and_fetch(kt.view(), vt.view());
+    }
+    EXPECT_EQ(state_of(*a), state_of(*b));
+    EXPECT_EQ(figure(*a, "packed_rows"), 48);
+    // A new prompt over packed channel-axis rows would select single rows of packed chunks.
+    const std::string before = state_of(*a);
+    try {
+      a->update_and_fetch(k.view().slice_tokens(0, 5), v.view().slice_tokens(0, 5));
+      ADD_FAILURE() << "a prompt after packed channel-axis rows accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "[snapkv+skvq] skvq_key_axis=channel: expected single-token calls once rows are "
+                "packed (a new prompt's selection would keep single rows of packed chunks, whose "
+                "per-channel metadata needs all of their rows) but got 5 rows with 48 packed; "
+                "nothing was changed");
+    }
+    EXPECT_EQ(state_of(*a), before);
   }
 }
 

@@ -20,9 +20,10 @@ namespace vq {
 inline constexpr char kStateMagic[8] = {'V', 'Q', 'K', 'V', 'S', 'T', 'A', 'T'};
 // The version a frame gets unless its writer asks for a later one (set_version); readers accept
 // 1 .. kStateFormatVersionMax and hand the version to the cache's parser. Version 2 (an SKVQ
-// cache with skvq_key_axis=channel) adds fields only such caches write.
+// cache with skvq_key_axis=channel) adds fields only such caches write; version 3 (the same with
+// skvq_key_rows > 0) adds one more.
 inline constexpr uint32_t kStateFormatVersion = 1;
-inline constexpr uint32_t kStateFormatVersionMax = 2;
+inline constexpr uint32_t kStateFormatVersionMax = 3;
 
 // Builds a payload in memory, then writes one frame.
 class StateWriter {

@@ -76,6 +76,10 @@ struct CacheConfig {
   uint64_t skvq_rotation_seed = 0x5eed;
   std::string skvq_perm_file;                   // calibrated permutations (empty = from chunk 0)
   QuantAxis skvq_key_axis = QuantAxis::kToken;  // values always per token
+  // Channel-axis keys only: rows per (lo, scale) of a key channel inside each flushed chunk (KIVI's
+  // token groups); 0 = the whole chunk. A chunk of n rows holds floor(n / key_rows) runs, the
+  // last one taking the remainder (docs/design.md §C4).
+  int64_t skvq_key_rows = 0;
 
   // StreamingLLM-style baseline: sinks + most recent window.
   int64_t streaming_n_sink = 4;

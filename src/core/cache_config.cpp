@@ -268,6 +268,8 @@ const std::vector<Field>& fields() {
       u64_field("skvq_rotation_seed", &CacheConfig::skvq_rotation_seed),
       string_field("skvq_perm_file", &CacheConfig::skvq_perm_file),
       enum_field("skvq_key_axis", &CacheConfig::skvq_key_axis, axis_names()),
+      allow(int_field("skvq_key_rows", &CacheConfig::skvq_key_rows),
+            "0 (the whole chunk)..skvq_window - skvq_n_sink"),
       allow(int_field("streaming_n_sink", &CacheConfig::streaming_n_sink), "0.." + rows_max()),
       allow(int_field("streaming_window", &CacheConfig::streaming_window), "1.." + rows_max()),
   };
@@ -534,6 +536,17 @@ void validate(const CacheConfig& c) {
   check_int("skvq_recent", c.skvq_recent, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_enum("skvq_rotation", c.skvq_rotation, rotation_names());
   check_enum("skvq_key_axis", c.skvq_key_axis, axis_names());
+  // Every run of a chunk must be at least key_rows long (it holds its metadata, packed.h), and
+  // chunk 0, the shortest, has window - n_sink rows.
+  if (c.skvq_key_rows < 0 || c.skvq_key_rows > c.skvq_window - c.skvq_n_sink)
+    fail("skvq_key_rows",
+         "0 (the whole chunk) or 1..skvq_window - skvq_n_sink (" +
+             std::to_string(c.skvq_window - c.skvq_n_sink) + ", chunk 0's rows)",
+         std::to_string(c.skvq_key_rows));
+  if (c.skvq_key_rows > 0 && c.skvq_key_axis != QuantAxis::kChannel)
+    fail("skvq_key_rows",
+         "0 with skvq_key_axis=token (rows per key scale apply to channel-axis keys only)",
+         std::to_string(c.skvq_key_rows));
   check_int("streaming_n_sink", c.streaming_n_sink, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_int("streaming_window", c.streaming_window, 1, kMaxCacheRows, ">= 1", kWhyRows);
   static_assert(

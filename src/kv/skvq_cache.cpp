@@ -3,7 +3,8 @@
 //
 // State (skvq::Store, src/kv/skvq_store.h): sinks [B, H, n_sink, D] full precision (after chunk
 // 0), packed records for positions n_sink .. q_end-1 (implicit positions; one block per flushed
-// chunk: chunk 0 holds rows n_sink..window-1, chunk k rows k*window..(k+1)*window-1), and the
+// chunk: chunk 0 holds rows n_sink..window-1, chunk k rows k*window..(k+1)*window-1; with
+// skvq_key_rows, the chunk's runs of key rows, Settings::chunk_blocks), and the
 // full-precision tail (positions q_end..offset-1). A call appends its rows to the tail (converted
 // to the storage dtype), then packs every chunk the flush rule flushes, quantized on the
 // backend's device, and drops their full-precision copies (the row buffer shrinks when it is
@@ -136,15 +137,15 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
       if (s.reorder && !rows.tr.has_perms()) rows.freeze_perms(w);
       rows.promote_sinks(s.n_sink);
     }
-    std::vector<int64_t> chunks;
-    for (int64_t c0 = st.q_end; c0 < q_new; c0 += w) {
-      const int64_t n = c0 == 0 ? w - s.n_sink : w;
-      chunks.push_back(n);
-      const int64_t bh = rows.batch * rows.heads;
-      st.comp_k += s.key_chunk_bytes(n) * bh;
-      st.comp_v += s.value_chunk_bytes(n) * bh;
-    }
-    rows.pack_tail(chunks);
+    std::vector<int64_t> blocks;  // each chunk's blocks (skvq_key_rows runs, or the chunk)
+    for (int64_t c0 = st.q_end; c0 < q_new; c0 += w)
+      for (const int64_t n : s.chunk_blocks(c0 == 0 ? w - s.n_sink : w)) {
+        blocks.push_back(n);
+        const int64_t bh = rows.batch * rows.heads;
+        st.comp_k += s.key_chunk_bytes(n) * bh;
+        st.comp_v += s.value_chunk_bytes(n) * bh;
+      }
+    rows.pack_tail(blocks);
     rows.fit();  // the flushed rows' full-precision copies are freed
     rows.release_retired();
   }
@@ -259,21 +260,38 @@ void SkvqCache::load(std::istream& in) {
     VQ_CHECK(sinks.n == (ns->q_end > 0 ? s.n_sink : 0),
              pre + "expected " + std::to_string(ns->q_end > 0 ? s.n_sink : 0) +
                  " sink rows but got " + std::to_string(sinks.n));
+    // The blocks the flushes made: each chunk's runs (Settings::chunk_blocks), in order; counted
+    // without listing them (a forged frontier must not allocate).
+    const int64_t n_chunks = ns->q_end / s.window;
+    const int64_t per_chunk = static_cast<int64_t>(s.chunk_blocks(s.window).size());
+    const int64_t want_blocks =
+        n_chunks == 0 ? 0
+                      : static_cast<int64_t>(s.chunk_blocks(s.window - s.n_sink).size()) +
+                            (n_chunks - 1) * per_chunk;
     const uint64_t n_blocks = r.u64();
-    VQ_CHECK(n_blocks == static_cast<uint64_t>(ns->q_end / s.window),
-             pre + "expected " + std::to_string(ns->q_end / s.window) + " packed chunks but got " +
-                 std::to_string(n_blocks));
+    VQ_CHECK(n_blocks == static_cast<uint64_t>(want_blocks),
+             pre + "expected " + std::to_string(want_blocks) + " packed blocks (" +
+                 std::to_string(n_chunks) + " chunks) but got " + std::to_string(n_blocks));
     std::vector<skvq::HostBlock> blocks;
     int64_t ck = 0, cv = 0;
+    std::vector<int64_t> runs;  // the current chunk's runs, from its run j
+    size_t j = 0;
+    int64_t c0 = -s.window, want_first = 0;
     for (uint64_t i = 0; i < n_blocks; ++i) {
+      if (j == runs.size()) {  // the next chunk
+        c0 += s.window;
+        want_first = c0 == 0 ? s.n_sink : c0;
+        runs = s.chunk_blocks(c0 + s.window - want_first);
+        j = 0;
+      }
+      const int64_t want_rows = runs[j++];
       skvq::HostBlock blk;
       blk.rows = r.i64();
       const int64_t first_pos = r.i64();
-      const int64_t c0 = static_cast<int64_t>(i) * s.window;
-      const int64_t want_first = i == 0 ? s.n_sink : c0;
-      VQ_CHECK(first_pos == want_first && blk.rows == c0 + s.window - want_first,
-               pre + "expected chunk " + std::to_string(i) + " at rows " +
-                   std::to_string(want_first) + ".." + std::to_string(c0 + s.window - 1));
+      VQ_CHECK(first_pos == want_first && blk.rows == want_rows,
+               pre + "expected block " + std::to_string(i) + " at rows " +
+                   std::to_string(want_first) + ".." + std::to_string(want_first + want_rows - 1));
+      want_first += want_rows;
       blk.k = r.blob();
       blk.v = r.blob();
       VQ_CHECK(static_cast<int64_t>(blk.k.size()) == bh * blk.rows * s.fk.row_stride &&

@@ -77,8 +77,13 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
     (kv == 0 ? s.fk : s.fv) = make_row_format(s.head_dim, p.bits, p.group_size, p.meta);
   }
   s.key_axis = cfg.skvq_key_axis;
-  if (s.key_axis == QuantAxis::kChannel)  // chunk 0 is the shortest: window - n_sink rows
-    s.fk = make_channel_row_format(s.head_dim, s.qk.bits, s.window - s.n_sink, s.qk.meta);
+  s.key_rows = cfg.skvq_key_rows;  // validate(): 0, or channel axis and <= window - n_sink
+  // The shortest block: key_rows rows, or a whole chunk: chunk 0 (window - n_sink rows) for skvq,
+  // `window` kept rows for snapkv+skvq (its sinks are not part of a chunk).
+  const int64_t shortest =
+      s.key_rows > 0 ? s.key_rows : s.window - (cfg.method == "snapkv+skvq" ? 0 : s.n_sink);
+  if (s.key_axis == QuantAxis::kChannel)
+    s.fk = make_channel_row_format(s.head_dim, s.qk.bits, shortest, s.qk.meta);
   if (!cfg.skvq_perm_file.empty()) {
     const SkvqPermSet ps = load_skvq_perm_file(cfg.skvq_perm_file);
     if (ps.head_dim != s.head_dim)
@@ -96,7 +101,14 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
 }
 
 void Settings::set_state_version(StateWriter& w) const {
-  if (key_axis != QuantAxis::kToken) w.set_version(2);
+  if (key_axis != QuantAxis::kToken) w.set_version(key_rows > 0 ? 3 : 2);
+}
+
+std::vector<int64_t> Settings::chunk_blocks(int64_t n) const {
+  if (key_rows <= 0 || n < 2 * key_rows) return {n};
+  std::vector<int64_t> b(static_cast<size_t>(n / key_rows), key_rows);
+  b.back() += n % key_rows;
+  return b;
 }
 
 int64_t Settings::key_chunk_bytes(int64_t n) const {
@@ -124,6 +136,7 @@ void Settings::save(StateWriter& w) const {
   w.boolean(rotate_values);
   w.u64(rotation_seed);
   if (key_axis != QuantAxis::kToken) w.u8(static_cast<uint8_t>(key_axis));  // version 2
+  if (key_rows > 0) w.i64(key_rows);                                        // version 3
 }
 
 namespace {
@@ -174,6 +187,8 @@ void Settings::check_saved(StateReader& r, const char* op) const {
   const int64_t axis = r.version() >= 2 ? r.u8() : 0;
   check("skvq_key_axis", cache_enum_name("skvq_key_axis", axis),
         cache_enum_name("skvq_key_axis", static_cast<int64_t>(key_axis)));
+  // Version 2 states predate skvq_key_rows: their key runs are whole chunks.
+  check("skvq_key_rows", std::to_string(r.version() >= 3 ? r.i64() : 0), std::to_string(key_rows));
 }
 
 // ---- Transforms -------------------------------------------------------------------------------
@@ -458,6 +473,9 @@ void Store::keep(const std::vector<int32_t>& idx, int64_t count) {
   const int64_t F = batch * heads, n_s = n_sink, n_p = packed();
   const std::string pre = std::string("[") + op_ + "] internal: ";
   const int64_t n_s2 = std::min(n_s, count);
+  // Channel-axis records share their block's metadata: they are packed after the selection only.
+  VQ_CHECK(s_->key_axis == QuantAxis::kToken || n_p == 0,
+           pre + "a selection over packed channel-axis rows");
   std::vector<int64_t> pk(static_cast<size_t>(F), 0);
   for (int64_t f = 0; f < F; ++f) {
     const int32_t* sel = idx.data() + f * count;

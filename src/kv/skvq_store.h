@@ -44,6 +44,8 @@ struct Settings {
   // kChannel: keys quantized per channel over each flushed chunk (fk is a channel-axis format,
   // packed.h); values always per token.
   QuantAxis key_axis = QuantAxis::kToken;
+  // Channel-axis keys: rows per key (lo, scale) inside a chunk (skvq_key_rows; 0 = whole chunk).
+  int64_t key_rows = 0;
   GroupQuantParams qk, qv;
   PackedRowFormat fk, fv;
   // Calibrated permutations of this layer ([H * D] each), empty when none.
@@ -55,12 +57,16 @@ struct Settings {
 
   static Settings from_config(const CacheConfig& cfg, int64_t layer_index, const char* op);
   // Writes / checks the fields a state file must agree on. A channel-axis cache writes state
-  // format version 2 (set_state_version), which adds the key axis after the version-1 fields;
-  // a version-1 state has token-axis keys.
+  // format version 2 (set_state_version), which adds the key axis after the version-1 fields,
+  // or version 3 with skvq_key_rows > 0, which adds key_rows after the axis; a version-1 state
+  // has token-axis keys, a version-2 one whole-chunk key runs.
   void set_state_version(StateWriter& w) const;
   void save(StateWriter& w) const;
   void check_saved(StateReader& r, const char* op) const;
-  // The packed bytes of one chunk of n rows (the byte formulas of group_quant.h).
+  // The packed blocks a flushed chunk of n rows becomes: {n}, or with key_rows > 0 runs of
+  // key_rows rows, the last one taking the remainder (each holds its channel metadata).
+  std::vector<int64_t> chunk_blocks(int64_t n) const;
+  // The packed bytes of one block of n rows (the byte formulas of group_quant.h).
   int64_t key_chunk_bytes(int64_t n) const;
   int64_t value_chunk_bytes(int64_t n) const;
 };

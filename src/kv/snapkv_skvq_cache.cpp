@@ -61,11 +61,18 @@ SnapkvSkvqCache::SnapkvSkvqCache(const CacheConfig& cfg, const kv::RowBackend& b
       cfg_(std::make_unique<CacheConfig>(cfg)),
       set_(std::make_unique<Settings>(Settings::from_config(cfg, layer_index, kOp))),
       st_(std::make_unique<SnapSkvqState>(backend, *set_)) {
-  // SnapKV keeps rows one by one and re-packs survivors into blocks of any size, while a
-  // channel-axis chunk's metadata is fitted to, and stored in, the whole chunk.
-  VQ_CHECK(set_->key_axis == QuantAxis::kToken,
-           "[snapkv+skvq] skvq_key_axis: expected token (eviction keeps single rows, and a "
-           "channel-axis chunk's metadata needs all of its rows) but got channel");
+  // A channel-axis chunk's metadata is fitted to, and stored in, all of its rows, while SnapKV
+  // keeps rows one by one: channel-axis keys are packed only after the selection, from the kept
+  // rows in chunks of `window` (snap_evict_at = prompt_end selects before anything is packed).
+  if (set_->key_axis == QuantAxis::kChannel) {
+    VQ_CHECK(backend.device() == kv::Device::kCpu,
+             "[snapkv+skvq] skvq_key_axis: expected token on the CUDA backend (its attention "
+             "kernels read per-token key groups only) but got channel; use the CPU cache");
+    VQ_CHECK(cfg.snap_evict_at == SnapEvictAt::kPromptEnd,
+             "[snapkv+skvq] skvq_key_axis=channel: expected snap_evict_at=prompt_end (the kept "
+             "rows are packed per channel after the one selection; prefill_call selects again "
+             "over packed chunks, whose metadata needs all of their rows) but got prefill_call");
+  }
 }
 
 SnapkvSkvqCache::~SnapkvSkvqCache() = default;
@@ -134,10 +141,11 @@ void SnapkvSkvqCache::evict(const TensorView* queries, int64_t n_new) {
   st.rows.keep(idx, count);
 }
 
-// Packs the tail's oldest `window` rows (one block each) while it holds >= window + recent.
+// Packs the tail's oldest `window` rows (one block each, or their skvq_key_rows runs) while it
+// holds >= window + recent.
 void SnapkvSkvqCache::flush() {
   skvq::Store& rows = st_->rows;
-  while (rows.n_tail >= set_->flush_span) rows.pack_tail({set_->window});
+  while (rows.n_tail >= set_->flush_span) rows.pack_tail(set_->chunk_blocks(set_->window));
 }
 
 bool SnapkvSkvqCache::eviction_pending() const {
@@ -189,6 +197,12 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
   VQ_CHECK(st.offset + n_new <= INT32_MAX,
            "[snapkv+skvq] expected positions to fit int32 but offset " + std::to_string(st.offset) +
                " + S " + std::to_string(n_new) + " does not");
+  VQ_CHECK(s.key_axis == QuantAxis::kToken || n_new == 1 || rows.packed() == 0,
+           "[snapkv+skvq] skvq_key_axis=channel: expected single-token calls once rows are packed "
+           "(a new prompt's selection would keep single rows of packed chunks, whose per-channel "
+           "metadata needs all of their rows) but got " +
+               std::to_string(n_new) + " rows with " + std::to_string(rows.packed()) +
+               " packed; nothing was changed");
   const TensorView* queries = cfg.snap_scoring == SnapScoring::kQuery ? opts.queries : nullptr;
   if (queries) {
     const TensorView& q = *queries;
@@ -256,8 +270,8 @@ CacheStats SnapkvSkvqCache::stats() const {
   cs.rows_stored = rows;
   int64_t comp_k = 0, comp_v = 0;
   for (const int64_t n : sr.blocks()) {
-    comp_k += skvq_compressed_bytes(n, d, s.qk.bits, s.qk.group_size, s.qk.meta).total() * bh;
-    comp_v += skvq_compressed_bytes(n, d, s.qv.bits, s.qv.group_size, s.qv.meta).total() * bh;
+    comp_k += s.key_chunk_bytes(n) * bh;
+    comp_v += s.value_chunk_bytes(n) * bh;
   }
   const int64_t residual = n_fp * d * 2 * 2 * bh;
   const int64_t perm_bytes = sr.tr.has_perms() ? 2 * sr.heads * d * 4 : 0;
@@ -313,6 +327,7 @@ void SnapkvSkvqCache::save(std::ostream& out) const {
   const SnapSkvqState& st = *st_;
   const skvq::Store& rows = st.rows;
   StateWriter w;
+  set_->set_state_version(w);
   set_->save(w);
   write_snapkv_skvq_settings(w, *cfg_);
   w.boolean(rows.has_data);
@@ -392,6 +407,7 @@ void SnapkvSkvqCache::load(std::istream& in) {
   VQ_CHECK(n_blocks <= static_cast<uint64_t>(ns->offset) + 1,
            pre + "expected at most one packed block per token");
   std::vector<skvq::HostBlock> blocks;
+  const std::vector<int64_t> chunk_runs = s.chunk_blocks(s.window);
   for (uint64_t i = 0; i < n_blocks; ++i) {
     skvq::HostBlock blk;
     blk.rows = r.i64_in("packed rows", 1, ns->offset);
@@ -402,8 +418,22 @@ void SnapkvSkvqCache::load(std::istream& in) {
                  static_cast<int64_t>(blk.v.size()) == bh * blk.rows * s.fv.row_stride &&
                  static_cast<int64_t>(blk.pos.size()) == bh * blk.rows,
              pre + "expected packed block sizes of the row format");
+    // Channel-axis blocks are the flush's runs of `window` kept rows (a block's records hold
+    // its metadata: a shorter one would not).
+    if (s.key_axis == QuantAxis::kChannel) {
+      const size_t j = static_cast<size_t>(i % chunk_runs.size());
+      VQ_CHECK(blk.rows == chunk_runs[j], pre + "expected channel-axis block " + std::to_string(i) +
+                                              " of " + std::to_string(chunk_runs[j]) +
+                                              " rows (the flush's runs of skvq_window) but "
+                                              "got " +
+                                              std::to_string(blk.rows));
+    }
     blocks.push_back(std::move(blk));
   }
+  VQ_CHECK(s.key_axis == QuantAxis::kToken || n_blocks % chunk_runs.size() == 0,
+           pre + "expected whole chunks of channel-axis blocks (" +
+               std::to_string(chunk_runs.size()) + " per chunk) but got " +
+               std::to_string(n_blocks) + " blocks");
   VQ_CHECK(n_blocks == 0 || !s.reorder || has_perms,
            pre + "expected permutations with packed rows and reordering on");
   const skvq::HostRows tail = rows.read_rows(r, true);
@@ -422,6 +452,10 @@ void SnapkvSkvqCache::load(std::istream& in) {
            pre + "expected a query window [B, H_q (a multiple of H), rows, D] of " +
                std::to_string(win_hq) + " heads and " + std::to_string(win_rows) +
                " rows but got " + std::to_string(win_q.size()) + " values");
+  VQ_CHECK(s.key_axis == QuantAxis::kToken || !ns->pending || n_blocks == 0,
+           pre +
+               "expected no pending eviction over packed channel-axis rows (a selection keeps "
+               "single rows; the cache refuses the prompt that would owe one)");
   // A pending prompt keeps every row at full precision until its selection and flush.
   VQ_CHECK(ns->pending || tail.n < s.flush_span,
            pre + "expected fewer than window + recent full-precision tail rows");

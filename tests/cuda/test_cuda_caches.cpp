@@ -653,6 +653,23 @@ TEST(CudaCaches, SkvqWorkedExampleAndResidentBytes) {
   EXPECT_LT(s2.bytes_resident, s2.fp16_bytes / 4);
 }
 
+// Channel-axis keys (and their runs, skvq_key_rows) are CPU-only: the device caches refuse them
+// by name, for both SKVQ methods (snapkv+skvq with the schedule the CPU cache accepts).
+TEST(CudaCaches, ChannelAxisKeysRefusedByName) {
+  SKIP_WITHOUT_DEVICE();
+  for (const char* method : {"skvq", "snapkv+skvq"})
+    for (const int64_t key_rows : {int64_t{0}, int64_t{32}}) {
+      CacheConfig cfg;
+      cfg.method = method;
+      cfg.skvq_key_axis = QuantAxis::kChannel;
+      cfg.skvq_key_rows = key_rows;
+      cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+      const std::string msg = error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64); });
+      EXPECT_NE(msg.find("skvq_key_axis: expected token on the CUDA backend"), std::string::npos)
+          << method << " key_rows " << key_rows << ": " << msg;
+    }
+}
+
 TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
   SKIP_WITHOUT_DEVICE();
   // Bad configs: the CPU builder's message.

@@ -40,7 +40,7 @@ def fmt_pct(x, digits=2):
     return f"{x:+.{digits}f}"
 
 
-def packed_bits(f):
+def packed_bits(f, method="skvq"):
     """Bits per element of a packed SKVQ row, metadata (scale and zero per group) included."""
     meta = {"float16": 16, "fp16": 16, "float32": 32, "fp32": 32, "fp8_e4m3": 8}[f.get("meta", "float16")]
     g = int(f.get("group_size", f.get("group", 32)))
@@ -53,9 +53,12 @@ def packed_bits(f):
     kb = code_bits(f.get("bits_key", 2)) + 2 * meta / g
     vb = code_bits(f.get("bits_value", 2)) + 2 * meta / g
     if f.get("key_axis") == "channel":
-        # Channel-axis keys (packed.h): ceil(2D / (window - n_sink)) metadata slots per record.
-        w, s = int(f.get("window", 128)), int(f.get("n_sink", 5))
-        kb = code_bits(f.get("bits_key", 2)) + -(-2 * d // (w - s)) * meta / d
+        # Channel-axis keys (packed.h): ceil(2D / shortest block) metadata slots per record; the
+        # shortest block is key_rows rows, else chunk 0 (window - n_sink) for skvq, window kept
+        # rows for snapkv+skvq (docs/design.md §C4, §C5).
+        w, s, r = int(f.get("window", 128)), int(f.get("n_sink", 5)), int(f.get("key_rows", 0))
+        shortest = r if r > 0 else (w if method == "snapkv+skvq" else w - s)
+        kb = code_bits(f.get("bits_key", 2)) + -(-2 * d // shortest) * meta / d
     return (kb + vb) / 2
 
 
@@ -93,9 +96,9 @@ def quant_table(text, ll):
     for r in text["rows"]:
         if r["family"] != "skvq":
             continue
-        _, f = spec_fields(r["label"])
+        method, f = spec_fields(r["label"])
         ratio = r["memory"]["ratio_to_fp16"]
-        out.append(f"| `{r['label']}` | {packed_bits(f):.2f} | {16 * ratio:.2f} | {ratio:.4f} | "
+        out.append(f"| `{r['label']}` | {packed_bits(f, method):.2f} | {16 * ratio:.2f} | {ratio:.4f} | "
                    f"{fmt_pct(r['delta_ppl_pct'], 3)} | {r['kld_mean']:.5f} | {r['kld_p99']:.5f} | "
                    f"{r['top1_agree']:.4f} |")
     for p in ll["text"]:

@@ -31,7 +31,7 @@ inline const std::vector<CacheConfig>& state_configs() {
     }
     // Variants whose state files hold other fields: a pending SnapKV eviction (query window),
     // SKVQ with 1.5/4 bits, fp8 metadata, Hadamard rotation and a recent window, SKVQ with
-    // channel-axis keys.
+    // channel-axis keys (whole chunks and runs), snapkv+skvq with channel-axis keys.
     CacheConfig snap_pending = base;
     snap_pending.method = "snapkv";
     snap_pending.snap_evict_at = SnapEvictAt::kPromptEnd;
@@ -58,6 +58,15 @@ inline const std::vector<CacheConfig>& state_configs() {
     skvq_channel.skvq_key_axis = QuantAxis::kChannel;
     skvq_channel.skvq_bits_key = 3;
     v.push_back(skvq_channel);
+    // Channel-axis keys over runs of rows (skvq_key_rows): state frame version 3, for SKVQ and
+    // for snapkv+skvq (prompt-end eviction, the kept rows packed after it).
+    CacheConfig skvq_runs = skvq_channel;
+    skvq_runs.skvq_key_rows = 3;
+    v.push_back(skvq_runs);
+    CacheConfig both_channel = both_pending;
+    both_channel.skvq_key_axis = QuantAxis::kChannel;
+    both_channel.skvq_key_rows = 4;
+    v.push_back(both_channel);
     return v;
   }();
   return configs;
