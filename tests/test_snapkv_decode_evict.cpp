@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kv/row_store.h"
+#include "util/cpu_delegate_backend.h"
 #include "util/test_util.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cache_config.h"
@@ -48,26 +49,8 @@ std::string saved(const KVCache& c) {
   return out.str();
 }
 
-// One (b, h) of a view: positions and the fp16 bits of K and V.
-struct HeadRows {
-  std::vector<int32_t> pos;
-  std::vector<uint16_t> k, v;
-  bool operator==(const HeadRows&) const = default;
-};
-
-HeadRows view_head(const CacheView& view, int64_t b, int64_t h) {
-  HeadRows r;
-  for (const auto& seg : view.segments)
-    for (int64_t i = 0; i < seg.n_rows; ++i) {
-      r.pos.push_back(seg.position(b, h, i, view.n_kv_heads));
-      for (int64_t c = 0; c < view.head_dim; ++c) {
-        r.k.push_back(static_cast<const uint16_t*>(seg.keys.row(b, h, i))[c * seg.keys.stride[3]]);
-        r.v.push_back(
-            static_cast<const uint16_t*>(seg.values.row(b, h, i))[c * seg.values.stride[3]]);
-      }
-    }
-  return r;
-}
+using test::HeadRows;
+using test::view_head;
 
 // A generation: a prompt of `prompt` tokens (two chunks), end_prompt, then `steps` decode calls,
 // each with its fp32 queries [B, H_q, 1, D]. Inputs are recorded (fp16 K/V by position) so a test
@@ -324,46 +307,10 @@ TEST(SnapKVDecodeEvict, BadSettingsAndInputRefused) {
 }
 
 // A backend that reports a device other than the CPU (everything else is the CPU's).
-class OtherDeviceBackend final : public kv::RowBackend {
+class OtherDeviceBackend final : public test::CpuDelegateBackend {
  public:
   kv::Device device() const override { return kv::Device::kCuda; }
   std::string name() const override { return "test-device"; }
-  std::unique_ptr<kv::RowStore> make(const kv::RowShape& s, int64_t cap, bool pos) const override {
-    return cpu().make(s, cap, pos);
-  }
-  std::unique_ptr<kv::QueryRows> keep_queries(const TensorView& q, int64_t rows) const override {
-    return cpu().keep_queries(q, rows);
-  }
-  std::unique_ptr<kv::QueryRows> upload_queries(int64_t b, int64_t hq, int64_t rows, int64_t d,
-                                                const std::vector<float>& q) const override {
-    return cpu().upload_queries(b, hq, rows, d, q);
-  }
-  std::unique_ptr<kv::RowIndex> snap_select(const kv::RowStore& r, int64_t n, const TensorView* q,
-                                            int64_t q_first,
-                                            const SnapSelectParams& p) const override {
-    return cpu().snap_select(r, n, q, q_first, p);
-  }
-  std::unique_ptr<kv::RowIndex> upload_index(int64_t count,
-                                             const std::vector<int32_t>& idx) const override {
-    return cpu().upload_index(count, idx);
-  }
-  std::unique_ptr<kv::PackedStore> make_packed(const kv::PackedShape& s, int64_t cap,
-                                               bool pos) const override {
-    return cpu().make_packed(s, cap, pos);
-  }
-  std::unique_ptr<kv::PackedTransforms> make_transforms(const std::vector<int32_t>& pk,
-                                                        const std::vector<int32_t>& pv,
-                                                        const std::vector<float>& signs,
-                                                        int32_t block, bool rv) const override {
-    return cpu().make_transforms(pk, pv, signs, block, rv);
-  }
-  std::vector<int32_t> channel_perms(const kv::RowStore& r, int64_t row0, int64_t n,
-                                     bool values) const override {
-    return cpu().channel_perms(r, row0, n, values);
-  }
-
- private:
-  static const kv::RowBackend& cpu() { return kv::cpu_backend(); }
 };
 
 TEST(SnapKVDecodeEvict, NonCpuBackendRefusesTheOption) {

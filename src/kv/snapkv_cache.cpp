@@ -429,6 +429,22 @@ void expect_named(const char* field, int64_t mine, int64_t file) {
   check_saved_setting("snapkv", field, cache_enum_name(field, file), cache_enum_name(field, mine));
 }
 
+// A saved query window: hq == 0 exactly when rows == 0, hq a multiple of the KV heads, and
+// batch * hq * rows * head_dim values (a product that may overflow int64 in a corrupt file).
+void check_query_window(const char* what, int64_t batch, int64_t heads, int64_t head_dim,
+                        int64_t hq, int64_t rows, size_t got) {
+  int64_t elems = 0;
+  const bool fits = !__builtin_mul_overflow(batch, hq, &elems) &&
+                    !__builtin_mul_overflow(elems, rows, &elems) &&
+                    !__builtin_mul_overflow(elems, head_dim, &elems);
+  VQ_CHECK((hq == 0) == (rows == 0) && (hq == 0 || hq % heads == 0) && fits &&
+               static_cast<int64_t>(got) == elems,
+           "[load_state] snapkv: expected a " + std::string(what) + " [" + std::to_string(batch) +
+               ", H_q (a multiple of " + std::to_string(heads) + "), rows, " +
+               std::to_string(head_dim) + "] but got H_q " + std::to_string(hq) + ", rows " +
+               std::to_string(rows) + ", " + std::to_string(got) + " values");
+}
+
 void read_settings(StateReader& r, const CacheConfig& c) {
   expect_number("snap_budget", c.snap_budget, r.i64());
   expect_number("snap_obs_window", c.snap_obs_window, r.i64());
@@ -529,16 +545,7 @@ void SnapKVCache::load(std::istream& in) {
     dec_q = r.vec_f32();
   }
   r.expect_end();
-  int64_t dec_elems = 0;  // dec_rows * batch * dec_hq * head_dim, which may overflow int64
-  const bool dec_fits = !__builtin_mul_overflow(batch, dec_hq, &dec_elems) &&
-                        !__builtin_mul_overflow(dec_elems, dec_rows, &dec_elems) &&
-                        !__builtin_mul_overflow(dec_elems, head_dim, &dec_elems);
-  VQ_CHECK((dec_hq == 0) == (dec_rows == 0) && (dec_hq == 0 || dec_hq % heads == 0) && dec_fits &&
-               static_cast<int64_t>(dec_q.size()) == dec_elems,
-           "[load_state] snapkv: expected a decode query window [rows, " + std::to_string(batch) +
-               ", H_q (a multiple of " + std::to_string(heads) + "), " + std::to_string(head_dim) +
-               "] but got H_q " + std::to_string(dec_hq) + ", rows " + std::to_string(dec_rows) +
-               ", " + std::to_string(dec_q.size()) + " values");
+  check_query_window("decode query window", batch, heads, head_dim, dec_hq, dec_rows, dec_q.size());
   VQ_CHECK(ext.empty() ||
                (pending &&
                 static_cast<int64_t>(ext.size()) / std::max<int64_t>(n_sel + n_tail, 1) ==
@@ -551,16 +558,7 @@ void SnapKVCache::load(std::istream& in) {
   VQ_CHECK(!pending || cfg_.snap_evict_at == SnapEvictAt::kPromptEnd,
            "[load_state] snapkv: expected no pending eviction (snap_evict_at = prefill_call) but "
            "the file has one");
-  int64_t win_elems = 0;  // batch * win_hq * win_rows * head_dim, which may overflow int64
-  const bool win_fits = !__builtin_mul_overflow(batch, win_hq, &win_elems) &&
-                        !__builtin_mul_overflow(win_elems, win_rows, &win_elems) &&
-                        !__builtin_mul_overflow(win_elems, head_dim, &win_elems);
-  VQ_CHECK((win_hq == 0) == (win_rows == 0) && (win_hq == 0 || win_hq % heads == 0) && win_fits &&
-               static_cast<int64_t>(win_q.size()) == win_elems,
-           "[load_state] snapkv: expected a query window [" + std::to_string(batch) +
-               ", H_q (a multiple of " + std::to_string(heads) + "), rows, " +
-               std::to_string(head_dim) + "] but got H_q " + std::to_string(win_hq) + ", rows " +
-               std::to_string(win_rows) + ", " + std::to_string(win_q.size()) + " values");
+  check_query_window("query window", batch, heads, head_dim, win_hq, win_rows, win_q.size());
   const std::array<int64_t, 4> want{batch, heads, n, head_dim};
   for (const Tensor* t : {&keys, &values}) {
     VQ_CHECK(t->dtype() == dtype && t->shape() == want,
