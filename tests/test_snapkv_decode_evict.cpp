@@ -342,7 +342,7 @@ TEST(SnapKVDecodeEvict, MemoryPlanPeakEqualsTheCachePeak) {
     CacheConfig c = dec_cfg(20, every);
     c.head_dim = kD;
     SnapKVCache cache(c);
-    int64_t peak = 0;
+    int64_t peak = 0, peak_res = 0;
     const int64_t prompt = 12, gen = 60;
     uint64_t seed = 40;
     for (int64_t i = 0; i < gen; ++i) {  // the prompt, then gen - 1 fed-back tokens
@@ -355,6 +355,7 @@ TEST(SnapKVDecodeEvict, MemoryPlanPeakEqualsTheCachePeak) {
       cache.update_and_fetch(k.view(), k.view(), o);
       if (i == 0) cache.end_prompt();
       peak = std::max(peak, cache.stats().bytes_accounted);
+      peak_res = std::max(peak_res, cache.stats().bytes_resident);
     }
     MemoryPlanRequest r;
     r.model = m;
@@ -365,6 +366,7 @@ TEST(SnapKVDecodeEvict, MemoryPlanPeakEqualsTheCachePeak) {
     const MemoryPlan p = plan_memory(r);
     EXPECT_TRUE(p.cache_bytes_exact);
     EXPECT_EQ(p.cache_bytes_peak, peak);
+    EXPECT_GE(p.cache_bytes_resident, peak_res);
     // budget + every - 1 rows of fp16 K and V at most (2 bytes per element, seed's accounting).
     EXPECT_EQ(peak, (20 + every - 1) * kH * kD * 2 * 2);
   }
