@@ -255,6 +255,13 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   st.streaming_window = 77;
   const std::string st_text = config_to_json(st);
   EXPECT_EQ(config_to_json(config_from_json(st_text)), st_text);
+  // Decode-time eviction: snapkv's alone.
+  CacheConfig sn;
+  sn.method = "snapkv";
+  sn.snap_decode_budget = 100;
+  sn.snap_decode_every = 7;
+  const std::string sn_text = config_to_json(sn);
+  EXPECT_EQ(config_to_json(config_from_json(sn_text)), sn_text);
   // A config's JSON holds the method, head_dim and the method's own fields (issue 17: no other
   // method's settings); over snapkv+skvq and streaming every field appears and differs from its
   // default (so the round trips cover it).
@@ -264,17 +271,20 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   const auto d_both = nlohmann::json::parse(config_to_json(dflt));
   dflt.method = "streaming";
   const auto d_st = nlohmann::json::parse(config_to_json(dflt));
+  dflt.method = "snapkv";
+  const auto d_sn = nlohmann::json::parse(config_to_json(dflt));
   std::set<std::string> keys;
-  for (const auto& [t, d] : {std::pair{text, d_both}, std::pair{st_text, d_st}}) {
+  for (const auto& [t, d] :
+       {std::pair{text, d_both}, std::pair{st_text, d_st}, std::pair{sn_text, d_sn}}) {
     const auto j = nlohmann::json::parse(t);
     for (const auto& [k, v] : j.items()) {
       keys.insert(k);
-      if (k != "method") {
+      if (k != "method" && (t != sn_text || k.rfind("snap_decode_", 0) == 0)) {
         EXPECT_NE(v, d.at(k)) << k;
       }
     }
   }
-  EXPECT_EQ(keys.size(), 30u);
+  EXPECT_EQ(keys.size(), 32u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {

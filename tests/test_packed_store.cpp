@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kv/row_store.h"
+#include "util/cpu_delegate_backend.h"
 #include "util/test_util.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/hadamard.h"
@@ -26,47 +27,10 @@ namespace {
 constexpr int64_t kB = 2, kH = 3, kD = 64;
 
 // The CPU backend, except that a policy is asked to keep one packed run.
-class OneRunBackend final : public kv::RowBackend {
+class OneRunBackend final : public test::CpuDelegateBackend {
  public:
-  kv::Device device() const override { return cpu().device(); }
   std::string name() const override { return "cpu (one packed run)"; }
-  std::unique_ptr<kv::RowStore> make(const kv::RowShape& s, int64_t cap, bool pos) const override {
-    return cpu().make(s, cap, pos);
-  }
-  std::unique_ptr<kv::QueryRows> keep_queries(const TensorView& q, int64_t rows) const override {
-    return cpu().keep_queries(q, rows);
-  }
-  std::unique_ptr<kv::QueryRows> upload_queries(int64_t b, int64_t hq, int64_t rows, int64_t d,
-                                                const std::vector<float>& q) const override {
-    return cpu().upload_queries(b, hq, rows, d, q);
-  }
-  std::unique_ptr<kv::RowIndex> snap_select(const kv::RowStore& rows, int64_t n,
-                                            const TensorView* q, int64_t q_first,
-                                            const SnapSelectParams& p) const override {
-    return cpu().snap_select(rows, n, q, q_first, p);
-  }
-  std::unique_ptr<kv::RowIndex> upload_index(int64_t count,
-                                             const std::vector<int32_t>& idx) const override {
-    return cpu().upload_index(count, idx);
-  }
-  std::unique_ptr<kv::PackedStore> make_packed(const kv::PackedShape& s, int64_t cap,
-                                               bool pos) const override {
-    return cpu().make_packed(s, cap, pos);
-  }
-  std::unique_ptr<kv::PackedTransforms> make_transforms(const std::vector<int32_t>& pk,
-                                                        const std::vector<int32_t>& pv,
-                                                        const std::vector<float>& signs,
-                                                        int32_t block, bool rv) const override {
-    return cpu().make_transforms(pk, pv, signs, block, rv);
-  }
-  std::vector<int32_t> channel_perms(const kv::RowStore& rows, int64_t row0, int64_t n,
-                                     bool values) const override {
-    return cpu().channel_perms(rows, row0, n, values);
-  }
   bool one_packed_run() const override { return true; }
-
- private:
-  static const kv::RowBackend& cpu() { return kv::cpu_backend(); }
 };
 
 struct Fixture {

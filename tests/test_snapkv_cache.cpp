@@ -43,30 +43,9 @@ Tensor rnd(int64_t b, int64_t h, int64_t s, int64_t d, uint64_t seed, DType t = 
   return test::random_tensor(t, b, h, s, d, seed);
 }
 
-// Raw 16-bit pattern of element (b, h, row, c) of a 2-byte view.
-uint16_t bits_at(const TensorView& t, int64_t b, int64_t h, int64_t row, int64_t c) {
-  return static_cast<const uint16_t*>(t.row(b, h, row))[c * t.stride[3]];
-}
-
-// One (b, h) of a view, materialised: positions and raw K/V bits.
-struct HeadRows {
-  std::vector<int32_t> pos;
-  std::vector<uint16_t> k, v;  // [n, D]
-  bool operator==(const HeadRows&) const = default;
-};
-
-HeadRows view_head(const CacheView& view, int64_t b, int64_t h) {
-  HeadRows r;
-  for (const auto& seg : view.segments)
-    for (int64_t i = 0; i < seg.n_rows; ++i) {
-      r.pos.push_back(seg.position(b, h, i, view.n_kv_heads));
-      for (int64_t c = 0; c < view.head_dim; ++c) {
-        r.k.push_back(bits_at(seg.keys, b, h, i, c));
-        r.v.push_back(bits_at(seg.values, b, h, i, c));
-      }
-    }
-  return r;
-}
+using test::bits_at;
+using test::HeadRows;
+using test::view_head;
 
 // ---- a row-by-row model of the deferred-eviction contract ---------------------------------------
 //

@@ -58,6 +58,14 @@ struct CacheConfig {
   PoolKind snap_pool = PoolKind::kMax;
   bool snap_keep_window = false;  // score the prefix only and always keep the window
   SnapEvictAt snap_evict_at = SnapEvictAt::kPrefillCall;
+  // Decode-time eviction (long generations; snapkv on the CPU only): 0 = off; else after a
+  // single-token call that leaves more than snap_decode_budget + snap_decode_every - 1 rows per
+  // (b, h), the SnapKV selection re-scores every stored row with the queries of the last
+  // min(obs_window, decode steps) decode calls and keeps snap_decode_budget rows (sinks, pooling
+  // and keep_window as for the prompt). So a (b, h) holds at most budget + every - 1 rows after
+  // any decode call, and one selection runs every `every` decode steps once the cache is full.
+  int64_t snap_decode_budget = 0;
+  int64_t snap_decode_every = 32;  // >= 1
 
   // SKVQ (docs/design.md §C4). Bits are 1..8, or 1.5 (three levels, five codes per byte).
   double skvq_bits_key = 2;

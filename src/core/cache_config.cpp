@@ -250,6 +250,9 @@ const std::vector<Field>& fields() {
       enum_field("snap_pool", &CacheConfig::snap_pool, pool_names()),
       bool_field("snap_keep_window", &CacheConfig::snap_keep_window),
       enum_field("snap_evict_at", &CacheConfig::snap_evict_at, evict_at_names()),
+      allow(int_field("snap_decode_budget", &CacheConfig::snap_decode_budget),
+            "0 (off) or snap_n_sink + 1.." + rows_max()),
+      allow(int_field("snap_decode_every", &CacheConfig::snap_decode_every), "1.." + rows_max()),
       allow(double_field("skvq_bits_key", &CacheConfig::skvq_bits_key),
             "an integer in 1..8 or 1.5"),
       allow(double_field("skvq_bits_value", &CacheConfig::skvq_bits_value),
@@ -353,6 +356,8 @@ bool method_reads(const std::string& method, const std::string& field) {
   const std::string own = owner_of(field);
   if (own.empty()) return true;
   if (method == own) return true;
+  // Decode-time eviction is the snapkv cache's alone (snapkv+skvq does not read it).
+  if (field.rfind("snap_decode_", 0) == 0) return false;
   return method == "snapkv+skvq" && (own == "snapkv" || own == "skvq");
 }
 
@@ -516,6 +521,12 @@ void validate(const CacheConfig& c) {
          "key_proxy or query with snap_evict_at = prefill_call (external scores "
          "need snap_evict_at = prompt_end)",
          "external");
+  check_int("snap_decode_budget", c.snap_decode_budget, 0, kMaxCacheRows, ">= 0 (0 = off)",
+            kWhyRows);
+  check_int("snap_decode_every", c.snap_decode_every, 1, kMaxCacheRows, ">= 1", kWhyRows);
+  if (c.snap_decode_budget > 0 && c.method == "snapkv+skvq")
+    fail("snap_decode_budget", "0 with method snapkv+skvq (decode-time eviction: method snapkv)",
+         std::to_string(c.snap_decode_budget));
   if (c.snap_scoring == SnapScoring::kExternal && c.method == "snapkv+skvq")
     fail("snap_scoring",
          "key_proxy or query with method snapkv+skvq (external scores: method "
@@ -565,6 +576,12 @@ void check_cache_config(const CacheConfig& c) {
              "; keys of " + c.method + ": " + allowed_keys(c.method) + ")",
          mine.at(f.name).dump());
   }
+  if (method_reads(c.method, "snap_budget") && c.snap_decode_budget > 0 &&
+      c.snap_n_sink >= c.snap_decode_budget)
+    fail("snap_n_sink",
+         "< snap_decode_budget (" + std::to_string(c.snap_decode_budget) +
+             ": the budget counts the sinks, and a budget of sinks only keeps no scored row)",
+         std::to_string(c.snap_n_sink));
   if (method_reads(c.method, "snap_budget") && c.snap_n_sink >= c.snap_budget)
     fail("snap_n_sink",
          "< snap_budget (" + std::to_string(c.snap_budget) +

@@ -46,6 +46,11 @@ void check_params(const CacheConfig& cfg) {
   if (cfg.snap_obs_window > kMaxCacheRows) fail("snap_obs_window", cfg.snap_obs_window, cap);
   if (cfg.snap_n_sink > kMaxCacheRows) fail("snap_n_sink", cfg.snap_n_sink, cap);
   if (cfg.snap_pool_kernel > kMaxCacheRows) fail("snap_pool_kernel", cfg.snap_pool_kernel, cap);
+  if (cfg.snap_decode_budget < 0 || cfg.snap_decode_budget > kMaxCacheRows)
+    fail("snap_decode_budget", cfg.snap_decode_budget,
+         "0 (off) .. " + std::to_string(kMaxCacheRows));
+  if (cfg.snap_decode_every < 1 || cfg.snap_decode_every > kMaxCacheRows)
+    fail("snap_decode_every", cfg.snap_decode_every, "1 .. " + std::to_string(kMaxCacheRows));
 }
 
 }  // namespace
@@ -58,8 +63,17 @@ std::unique_ptr<KVCache> make_snapkv_cache(const CacheConfig& cfg) {
 SnapKVCache::SnapKVCache(const CacheConfig& cfg) : SnapKVCache(cfg, kv::cpu_backend()) {}
 
 SnapKVCache::SnapKVCache(const CacheConfig& cfg, const kv::RowBackend& backend)
-    : backend_(&backend), cfg_(cfg), params_(SnapSelectParams::from_config(cfg)) {
+    : backend_(&backend),
+      cfg_(cfg),
+      params_(SnapSelectParams::from_config(cfg)),
+      dec_params_(params_) {
   check_params(cfg);
+  dec_params_.budget = cfg.snap_decode_budget;
+  // The decode query window is kept in host memory and scored on the host.
+  VQ_CHECK(cfg.snap_decode_budget == 0 || backend.device() == kv::Device::kCpu,
+           "[snapkv] snap_decode_budget: expected 0 on the " + backend.name() +
+               " backend (decode-time eviction runs in the CPU cache only) but got " +
+               std::to_string(cfg.snap_decode_budget));
 }
 
 SnapKVCache::~SnapKVCache() = default;
@@ -90,7 +104,10 @@ void SnapKVCache::check_input(const TensorView& keys, const TensorView& values,
   VQ_CHECK(offset_ + keys.shape[2] <= max_pos,
            "[snapkv] expected positions to fit int32 but offset " + std::to_string(offset_) +
                " + S " + std::to_string(keys.shape[2]) + " does not");
-  if (cfg_.snap_scoring == SnapScoring::kQuery && opts.queries != nullptr) {
+  // Queries are read by query scoring and by decode-time eviction (single-token calls).
+  const bool reads_queries = cfg_.snap_scoring == SnapScoring::kQuery ||
+                             (cfg_.snap_decode_budget > 0 && keys.shape[2] == 1);
+  if (reads_queries && opts.queries != nullptr) {
     const TensorView& q = *opts.queries;
     VQ_CHECK(q.data != nullptr || q.numel() == 0, "[snapkv] expected queries data but got nullptr");
     VQ_CHECK(
@@ -150,7 +167,10 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   if (s > 0) ext_.clear();  // scores were for the rows before these
 
   CacheView view = stored_view();
+  if (s == 1 && cfg_.snap_decode_budget > 0) after_decode_step(opts);
   if (s > 1) {
+    dec_rows_ = 0;  // decode windows are runs of single-token calls
+    dec_q_.clear();
     const bool use_queries = cfg_.snap_scoring == SnapScoring::kQuery && opts.queries != nullptr;
     if (at_prompt_end) {
       pending_ = true;
@@ -265,9 +285,8 @@ CacheView SnapKVCache::stored_view() const {
 }
 
 void SnapKVCache::evict_after_step(int64_t n_new, const TensorView* queries) {
-  const int64_t n = n_sel_ + n_tail_;  // the frame: stored ++ new
-  const int64_t count = snap_keep_count(n, params_);
-  if (count >= n) return;  // nothing to evict: every row stays where it is
+  const int64_t n = n_sel_ + n_tail_;            // the frame: stored ++ new
+  if (snap_keep_count(n, params_) >= n) return;  // nothing to evict: every row stays where it is
 
   // Query window: the last w_q of this call's queries, positions offset_ - w_q .. offset_ - 1.
   TensorView qwin;
@@ -275,8 +294,54 @@ void SnapKVCache::evict_after_step(int64_t n_new, const TensorView* queries) {
     const int64_t w_q = std::min(std::clamp<int64_t>(params_.obs_window, 1, n), n_new);
     qwin = queries->slice_tokens(queries->shape[2] - w_q, queries->shape[2]);
   }
-  const auto idx = backend_->snap_select(*rows_, n, queries ? &qwin : nullptr,
-                                         offset_ - (queries ? qwin.shape[2] : 0), params_);
+  select_and_keep(params_, queries ? &qwin : nullptr, offset_ - (queries ? qwin.shape[2] : 0));
+}
+
+TensorView SnapKVCache::decode_window() const {
+  TensorView q;
+  q.data = const_cast<float*>(dec_q_.data());
+  q.dtype = DType::kF32;
+  q.shape = {batch_, dec_hq_, dec_rows_, head_dim_};
+  q.stride = {dec_hq_ * head_dim_, head_dim_, batch_ * dec_hq_ * head_dim_, 1};
+  return q;
+}
+
+void SnapKVCache::after_decode_step(const UpdateOptions& opts) {
+  // Keep this call's queries (the last obs_window calls' form the window).
+  const TensorView* q = opts.queries;
+  if (q == nullptr || (dec_rows_ > 0 && q->shape[1] != dec_hq_)) {
+    dec_rows_ = 0;
+    dec_q_.clear();
+  }
+  if (q != nullptr) {
+    dec_hq_ = q->shape[1];
+    const int64_t step = batch_ * dec_hq_ * head_dim_;
+    if (dec_rows_ == std::clamp<int64_t>(params_.obs_window, 1, kMaxCacheRows)) {
+      dec_q_.erase(dec_q_.begin(), dec_q_.begin() + step);  // drop the oldest step
+      --dec_rows_;
+    }
+    dec_q_.resize(static_cast<size_t>((dec_rows_ + 1) * step));
+    float* dst = dec_q_.data() + dec_rows_ * step;
+    for (int64_t b = 0; b < batch_; ++b)
+      for (int64_t h = 0; h < dec_hq_; ++h)
+        convert_view_row(*q, b, h, 0, dst + (b * dec_hq_ + h) * head_dim_, DType::kF32);
+    ++dec_rows_;
+  }
+  const int64_t n = n_sel_ + n_tail_;
+  if (n <= cfg_.snap_decode_budget + cfg_.snap_decode_every - 1) return;
+  if (dec_rows_ > 0) {
+    const TensorView w = decode_window();
+    select_and_keep(dec_params_, &w, offset_ - dec_rows_);
+  } else {
+    select_and_keep(dec_params_, nullptr, offset_);
+  }
+}
+
+void SnapKVCache::select_and_keep(const SnapSelectParams& p, const TensorView* qwin,
+                                  int64_t q_first) {
+  const int64_t n = n_sel_ + n_tail_;
+  const int64_t count = snap_keep_count(n, p);
+  const auto idx = backend_->snap_select(*rows_, n, qwin, q_first, p);
   const int64_t new_cap = round_up(count, kRowStep);
   auto kept = backend_->make({dtype_, batch_, heads_, head_dim_}, new_cap, true);
   kept->gather(*rows_, *idx, 0);
@@ -326,9 +391,10 @@ Mask SnapKVCache::make_mask(int64_t n_queries, int64_t window) const {
 
 CacheStats SnapKVCache::stats() const {
   CacheStats st = eviction_stats(method(), batch_, heads_, head_dim_, stored_rows(), offset_, true);
-  st.bytes_resident =
-      (rows_ ? rows_->resident_bytes() : 0) + (retired_ ? retired_->resident_bytes() : 0) +
-      (win_ ? win_->resident_bytes() : 0) + static_cast<int64_t>(ext_.size() * sizeof(float));
+  st.bytes_resident = (rows_ ? rows_->resident_bytes() : 0) +
+                      (retired_ ? retired_->resident_bytes() : 0) +
+                      (win_ ? win_->resident_bytes() : 0) +
+                      static_cast<int64_t>((ext_.size() + dec_q_.size()) * sizeof(float));
   return st;
 }
 
@@ -344,6 +410,12 @@ void write_snapkv_settings(StateWriter& w, const CacheConfig& c) {
   w.u8(static_cast<uint8_t>(c.snap_pool));
   w.boolean(c.snap_keep_window);
   w.u8(static_cast<uint8_t>(c.snap_evict_at));
+  // Decode-time eviction: a version-2 frame with its settings (older files stay readable).
+  if (c.snap_decode_budget > 0) {
+    w.set_version(std::max<uint32_t>(w.version(), 2));
+    w.i64(c.snap_decode_budget);
+    w.i64(c.snap_decode_every);
+  }
 }
 
 namespace {
@@ -355,6 +427,22 @@ void expect_number(const char* field, int64_t mine, int64_t file) {
 
 void expect_named(const char* field, int64_t mine, int64_t file) {
   check_saved_setting("snapkv", field, cache_enum_name(field, file), cache_enum_name(field, mine));
+}
+
+// A saved query window: hq == 0 exactly when rows == 0, hq a multiple of the KV heads, and
+// batch * hq * rows * head_dim values (a product that may overflow int64 in a corrupt file).
+void check_query_window(const char* what, int64_t batch, int64_t heads, int64_t head_dim,
+                        int64_t hq, int64_t rows, size_t got) {
+  int64_t elems = 0;
+  const bool fits = !__builtin_mul_overflow(batch, hq, &elems) &&
+                    !__builtin_mul_overflow(elems, rows, &elems) &&
+                    !__builtin_mul_overflow(elems, head_dim, &elems);
+  VQ_CHECK((hq == 0) == (rows == 0) && (hq == 0 || hq % heads == 0) && fits &&
+               static_cast<int64_t>(got) == elems,
+           "[load_state] snapkv: expected a " + std::string(what) + " [" + std::to_string(batch) +
+               ", H_q (a multiple of " + std::to_string(heads) + "), rows, " +
+               std::to_string(head_dim) + "] but got H_q " + std::to_string(hq) + ", rows " +
+               std::to_string(rows) + ", " + std::to_string(got) + " values");
 }
 
 void read_settings(StateReader& r, const CacheConfig& c) {
@@ -369,6 +457,13 @@ void read_settings(StateReader& r, const CacheConfig& c) {
   check_saved_setting("snapkv", "snap_keep_window", keep_window ? "true" : "false",
                       c.snap_keep_window ? "true" : "false");
   expect_named("snap_evict_at", static_cast<int64_t>(c.snap_evict_at), r.u8());
+  // Version 1: no decode-time eviction; version 2 adds it; later versions are SKVQ's
+  // (binary_io.h), never written for a SnapKV frame.
+  VQ_CHECK(r.version() <= 2, "[snapkv] load: expected a state frame of version 1 or 2 but got " +
+                                 std::to_string(r.version()));
+  const int64_t dec_budget = r.version() >= 2 ? r.i64() : 0;
+  expect_number("snap_decode_budget", c.snap_decode_budget, dec_budget);
+  if (dec_budget > 0) expect_number("snap_decode_every", c.snap_decode_every, r.i64());
 }
 
 }  // namespace
@@ -397,6 +492,11 @@ void SnapKVCache::save(std::ostream& out) const {
   w.vec_f32(win_ ? win_->download() : std::vector<float>{});
   // External scores only in the states of snap_scoring = external (older files stay readable).
   if (takes_external_scores()) w.vec_f32(ext_);
+  if (cfg_.snap_decode_budget > 0) {  // the decode query window
+    w.i64(dec_hq_);
+    w.i64(dec_rows_);
+    w.vec_f32(dec_q_);
+  }
   w.write(out, method());
 }
 
@@ -439,7 +539,16 @@ void SnapKVCache::load(std::istream& in) {
   std::vector<float> win_q = r.vec_f32();
   std::vector<float> ext;
   if (takes_external_scores()) ext = r.vec_f32();
+  int64_t dec_hq = 0, dec_rows = 0;
+  std::vector<float> dec_q;
+  if (cfg_.snap_decode_budget > 0) {
+    dec_hq = r.i64_in("dec_hq", 0, 256 * heads);
+    // The window's calls are single-token calls since the last multi-token one: the tail.
+    dec_rows = r.i64_in("dec_rows", 0, std::min(cfg_.snap_obs_window, offset));
+    dec_q = r.vec_f32();
+  }
   r.expect_end();
+  check_query_window("decode query window", batch, heads, head_dim, dec_hq, dec_rows, dec_q.size());
   VQ_CHECK(ext.empty() ||
                (pending &&
                 static_cast<int64_t>(ext.size()) / std::max<int64_t>(n_sel + n_tail, 1) ==
@@ -452,16 +561,7 @@ void SnapKVCache::load(std::istream& in) {
   VQ_CHECK(!pending || cfg_.snap_evict_at == SnapEvictAt::kPromptEnd,
            "[load_state] snapkv: expected no pending eviction (snap_evict_at = prefill_call) but "
            "the file has one");
-  int64_t win_elems = 0;  // batch * win_hq * win_rows * head_dim, which may overflow int64
-  const bool win_fits = !__builtin_mul_overflow(batch, win_hq, &win_elems) &&
-                        !__builtin_mul_overflow(win_elems, win_rows, &win_elems) &&
-                        !__builtin_mul_overflow(win_elems, head_dim, &win_elems);
-  VQ_CHECK((win_hq == 0) == (win_rows == 0) && (win_hq == 0 || win_hq % heads == 0) && win_fits &&
-               static_cast<int64_t>(win_q.size()) == win_elems,
-           "[load_state] snapkv: expected a query window [" + std::to_string(batch) +
-               ", H_q (a multiple of " + std::to_string(heads) + "), rows, " +
-               std::to_string(head_dim) + "] but got H_q " + std::to_string(win_hq) + ", rows " +
-               std::to_string(win_rows) + ", " + std::to_string(win_q.size()) + " values");
+  check_query_window("query window", batch, heads, head_dim, win_hq, win_rows, win_q.size());
   const std::array<int64_t, 4> want{batch, heads, n, head_dim};
   for (const Tensor* t : {&keys, &values}) {
     VQ_CHECK(t->dtype() == dtype && t->shape() == want,
@@ -501,6 +601,9 @@ void SnapKVCache::load(std::istream& in) {
   pending_ = pending;
   win_ = std::move(win);
   ext_ = std::move(ext);
+  dec_hq_ = dec_hq;
+  dec_rows_ = dec_rows;
+  dec_q_ = std::move(dec_q);
 }
 
 }  // namespace vq

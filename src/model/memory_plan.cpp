@@ -135,7 +135,10 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
       } else if (pt.s == 1) {
         if (pending) snap_rows = snap_keep_count(snap_rows, sp), pending = false;
         snap_rows += 1;
-      } else if (pending) {  // end_prompt
+        if (cc.snap_decode_budget > 0 &&
+            snap_rows > cc.snap_decode_budget + cc.snap_decode_every - 1)
+          snap_rows = cc.snap_decode_budget;  // decode-time eviction (snapkv only)
+      } else if (pending) {                   // end_prompt
         snap_rows = snap_keep_count(snap_rows, sp);
         pending = false;
       }

@@ -52,4 +52,21 @@ std::string source_path(const std::string& rel) {
   return std::string(root ? root : ".") + "/" + rel;
 }
 
+uint16_t bits_at(const TensorView& t, int64_t b, int64_t h, int64_t row, int64_t c) {
+  return static_cast<const uint16_t*>(t.row(b, h, row))[c * t.stride[3]];
+}
+
+HeadRows view_head(const CacheView& view, int64_t b, int64_t h) {
+  HeadRows r;
+  for (const auto& seg : view.segments)
+    for (int64_t i = 0; i < seg.n_rows; ++i) {
+      r.pos.push_back(seg.position(b, h, i, view.n_kv_heads));
+      for (int64_t c = 0; c < view.head_dim; ++c) {
+        r.k.push_back(bits_at(seg.keys, b, h, i, c));
+        r.v.push_back(bits_at(seg.values, b, h, i, c));
+      }
+    }
+  return r;
+}
+
 }  // namespace vq::test

@@ -4,7 +4,9 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
+#include "veloxquant/cache.h"
 #include "veloxquant/tensor.h"
 
 namespace vq::test {
@@ -22,5 +24,16 @@ std::string error_of(const std::function<void()>& f);
 
 // Path of a file inside the repository (VQ_SOURCE_DIR).
 std::string source_path(const std::string& rel);
+
+// Raw 16-bit pattern of element (b, h, row, c) of a view of a 2-byte dtype.
+uint16_t bits_at(const TensorView& t, int64_t b, int64_t h, int64_t row, int64_t c);
+
+// One (b, h) of a cache view of a 2-byte dtype, materialised: positions and raw K/V bits.
+struct HeadRows {
+  std::vector<int32_t> pos;
+  std::vector<uint16_t> k, v;  // [n, D]
+  bool operator==(const HeadRows&) const = default;
+};
+HeadRows view_head(const CacheView& view, int64_t b, int64_t h);
 
 }  // namespace vq::test
