@@ -308,6 +308,35 @@ std::vector<float> decode_attention_host(const std::vector<float>& q, int64_t n_
                                          const DeviceCacheView& view, const AttentionParams& p,
                                          const DecodePlanOptions& opt = {});
 
+// ---- decode in the model's dtype (python/src/module.cpp) -------------------------------------
+
+// Device scratch decode_attention_typed needs for B sequences of n_q_heads heads of head_dim.
+size_t decode_typed_staging_bytes(int64_t batch, int64_t n_q_heads, int64_t head_dim);
+
+// decode_attention with q and out in the model's dtype, for callers whose tensors are f16 or bf16
+// (transformers' layers): q device [B, H_q, 1, D] of f16, bf16 or f32 with any element strides;
+// out device [B, H_q, 1, D] contiguous, f16, bf16 or f32. q is widened to fp32 into staging
+// (exact; skipped when q is contiguous fp32), decode_attention runs on it, and its fp32 output is
+// rounded once to out's dtype (to nearest even; written in place when out is fp32). staging:
+// device memory of decode_typed_staging_bytes(B, H_q, D) bytes, not used by anything else queued
+// on s. At most two conversion launches beside the attention; no allocation, no synchronisation.
+void decode_attention_typed(const TensorView& q, const DeviceCacheView& view,
+                            const AttentionParams& p, const TensorView& out, void* staging,
+                            DecodeWorkspace& ws, Stream s = nullptr);
+
+// Makes `device` the calling thread's current CUDA device for the guard's life and restores the
+// previous one after (no device call when it already is).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 // ---- SKVQ flush -----------------------------------------------------------------------------
 
 // Stable ascending per-channel range permutation of each head, pooled over batch and rows (the

@@ -99,16 +99,21 @@ vq::TensorView to_view(const Array& a, const char* what,
 }
 
 // The checks of one attention step's queries and output against its keys (both layer kinds).
+// typed: a CUDA decode step (one query per sequence), whose queries may be float16, bfloat16 or
+// float32 with any strides and whose out is contiguous in the queries' dtype
+// (cuda::decode_attention_typed); otherwise both are contiguous float32.
 void check_step(const vq::TensorView& k, const vq::TensorView& qv, const vq::TensorView& ov,
-                const Array& q, const Array& out, int64_t window) {
+                const Array& q, const Array& out, int64_t window, bool typed = false) {
   const char* op = "[veloxquant.Cache] ";
   auto fail = [&](const std::string& m) { throw nb::value_error((op + m).c_str()); };
-  if (qv.dtype != vq::DType::kF32 || !qv.is_contiguous())
+  if (!typed && (qv.dtype != vq::DType::kF32 || !qv.is_contiguous()))
     fail("queries: expected contiguous float32 but got " + std::string(dtype_name(qv.dtype)) +
          (qv.is_contiguous() ? "" : " (strided)"));
-  if (ov.dtype != vq::DType::kF32 || !ov.is_contiguous() || ov.shape != qv.shape)
-    fail("out: expected contiguous float32 of the queries' shape " + dims_str(q) + " but got " +
-         dims_str(out) + " " + dtype_name(ov.dtype));
+  const char* out_kind = typed ? "contiguous, of the queries' dtype and" : "contiguous float32 of";
+  if (ov.dtype != (typed ? qv.dtype : vq::DType::kF32) || !ov.is_contiguous() ||
+      ov.shape != qv.shape)
+    fail(std::string("out: expected ") + out_kind + " the queries' shape " + dims_str(q) +
+         " but got " + dims_str(out) + " " + dtype_name(ov.dtype));
   if (qv.shape[0] != k.shape[0] || qv.shape[2] != k.shape[2] || qv.shape[3] != k.shape[3])
     fail("queries: expected [" + std::to_string(k.shape[0]) + ", H_q, " +
          std::to_string(k.shape[2]) + ", " + std::to_string(k.shape[3]) +
@@ -272,7 +277,10 @@ class DeviceLayerCache : public LayerBase<vq::cuda::DeviceKVCache> {
     const vq::TensorView v = to_view(values, "values", cuda, device_);
     const vq::TensorView qv = to_view(q, "queries", cuda, device_);
     const vq::TensorView ov = to_view(out, "out", cuda, device_);
-    check_step(k, qv, ov, q, out, window);
+    // One query per sequence: q and out in the model's dtype, converted on the device
+    // (cuda::decode_attention_typed), so Python makes no fp32 copies around a decode step.
+    const bool typed = qv.shape[2] == 1;
+    check_step(k, qv, ov, q, out, window, typed);
     if (stream != stream_)
       throw nb::value_error(("[veloxquant.Cache] stream: expected the CUDA stream this layer was "
                              "made on (" +
@@ -281,6 +289,7 @@ class DeviceLayerCache : public LayerBase<vq::cuda::DeviceKVCache> {
                                 .c_str());
     nb::gil_scoped_release unlocked;
     as_value_error([&] {
+      const vq::cuda::DeviceGuard on_device(device_);  // the tensors' device, restored after
       const int64_t n_q_heads = qv.shape[1], n = qv.shape[2];
       vq::AttentionParams ap;
       ap.scale = scale;
@@ -294,12 +303,16 @@ class DeviceLayerCache : public LayerBase<vq::cuda::DeviceKVCache> {
       vq::cuda::DeviceUpdateOptions uo;
       uo.queries = pass_queries ? &qv : nullptr;
       const vq::cuda::DeviceCacheView view = cache_->update_and_fetch(k, v, uo);
-      const auto* qp = static_cast<const float*>(qv.data);
-      auto* op = static_cast<float*>(ov.data);
-      if (n == 1)
-        vq::cuda::decode_attention(qp, n_q_heads, view, ap, op, ws_, as_stream(stream_));
-      else
-        vq::cuda::prefill_attention(qp, n_q_heads, n, view, ap, op, as_stream(stream_));
+      if (typed) {
+        const size_t need =
+            vq::cuda::decode_typed_staging_bytes(qv.shape[0], n_q_heads, qv.shape[3]);
+        if (staging_.size() < need) staging_ = vq::cuda::DeviceBuffer(need);
+        vq::cuda::decode_attention_typed(qv, view, ap, ov, staging_.data(), ws_,
+                                         as_stream(stream_));
+      } else {
+        vq::cuda::prefill_attention(static_cast<const float*>(qv.data), n_q_heads, n, view, ap,
+                                    static_cast<float*>(ov.data), as_stream(stream_));
+      }
       return 0;
     });
   }
@@ -311,6 +324,7 @@ class DeviceLayerCache : public LayerBase<vq::cuda::DeviceKVCache> {
   static vq::cuda::Stream as_stream(uintptr_t s) { return reinterpret_cast<vq::cuda::Stream>(s); }
 
   vq::cuda::DecodeWorkspace ws_;
+  vq::cuda::DeviceBuffer staging_;  // decode_attention_typed's fp32 q and out
   uintptr_t stream_ = 0;
   int32_t device_ = 0;
 };

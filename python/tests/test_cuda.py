@@ -166,6 +166,32 @@ kernels round the query to int8, a bound this file does not restate)."""
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["full", "skvq", "snapkv"])
+def test_decode_in_model_dtype(method, dtype):
+    """A decode step takes the query in the model's dtype as transformers hands it (the
+    [B, H_q, 1, D] transpose of a [B, 1, H_q, D] tensor) and returns the output in that dtype,
+    both converted on the device (cuda::decode_attention_typed). Widening the query is exact and
+    the kernels are deterministic, so the output is bit for bit the float32 query's output
+    rounded once to the dtype."""
+    g = torch.Generator().manual_seed(11)
+    b, hq, hkv, d, n = 2, 8, 2, 64, 24
+    typed, wide = veloxquant.Cache(SPECS[method]), veloxquant.Cache(SPECS[method])
+    k = torch.randn(b, hkv, n, d, generator=g).to(dtype).cuda()
+    v = torch.randn(b, hkv, n, d, generator=g).to(dtype).cuda()
+    q = torch.randn(b, n, hq, d, generator=g).to(dtype).cuda().transpose(1, 2)  # [B, Hq, n, D]
+    p = 16  # a prefill of 16 (the float32 route), then decode steps
+    for s0, s1 in [(0, p)] + [(t, t + 1) for t in range(p, n)]:
+        o_typed = step(typed, q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], 0.125)
+        o_wide = step(wide, q[:, :, s0:s1].float(), k[:, :, s0:s1], v[:, :, s0:s1], 0.125)
+        assert o_typed.dtype == dtype and o_typed.shape == (b, hq, s1 - s0, d)
+        if s1 - s0 == 1:
+            assert o_wide.dtype == torch.float32
+            assert torch.equal(o_typed, o_wide.to(dtype)), f"step {s0}"
+    assert typed.get_seq_length() == n
+
+
+@needs_cuda
 @pytest.mark.parametrize("method", list(SPECS))
 def test_generate_matches_cpu(method):
     """generate on the tiny Llama (head_dim 64): the CUDA cache has the CPU cache's byte figures

@@ -93,12 +93,11 @@ class CacheLayer(CacheLayerMixin):
                 "attn_implementation='veloxquant' but it did not: load the model with "
                 "attn_implementation='veloxquant' (import veloxquant registers it)"
             )
-        check_device(key_states.device)
         if value_states.device != key_states.device:
             raise ValueError(f"[veloxquant.Cache] values: expected the keys' device "
                              f"{key_states.device} but got {value_states.device}")
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(key_states, value_states)  # checks the device
         elif key_states.device != self.device:
             raise ValueError(
                 f"[veloxquant.Cache] expected tensors on {self.device} (where this layer's "
@@ -131,16 +130,22 @@ class CacheLayer(CacheLayerMixin):
                 )
             position_ids._vq_checked = (offset, s)
         # Inference only: the C++ step is outside autograd (detach: DLPack refuses grad tensors).
+        pass_queries = self.config.method.startswith("snapkv")
+        scale, window = float(scaling or 0.0), int(window or 0)
+        if self.device.type == "cuda" and s == 1:
+            # A decode step: the query goes in its own dtype and strides and the output comes back
+            # in it, converted on the device (cuda::decode_attention_typed), on torch's current
+            # stream of the tensors' device (the stream the layer was made on): no copies made
+            # here, no synchronisation. [B, H_q, 1, D] transposed to [B, 1, H_q, D] is contiguous.
+            out = torch.empty((b, hq, 1, d), dtype=query.dtype, device=query.device)
+            self._cache.attend(key.detach(), value.detach(), query.detach(), out, scale, window,
+                               pass_queries, torch.cuda.current_stream(self.device).cuda_stream)
+            return out.transpose(1, 2)
         q32 = query.detach().to(torch.float32).contiguous()
         out = torch.empty((b, hq, s, d), dtype=torch.float32, device=query.device)
-        pass_queries = self.config.method.startswith("snapkv")
-        args = (key.detach(), value.detach(), q32, out, float(scaling or 0.0), int(window or 0),
-                pass_queries)
+        args = (key.detach(), value.detach(), q32, out, scale, window, pass_queries)
         if self.device.type == "cuda":
-            # Queued on torch's current stream of the tensors' device (the stream the layer was
-            # made on): no synchronisation, the output is ordered like any torch kernel's.
-            with torch.cuda.device(self.device):
-                self._cache.attend(*args, torch.cuda.current_stream().cuda_stream)
+            self._cache.attend(*args, torch.cuda.current_stream(self.device).cuda_stream)
         else:
             self._cache.attend(*args)
         return out.to(query.dtype).transpose(1, 2).contiguous()

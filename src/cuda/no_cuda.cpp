@@ -111,6 +111,17 @@ std::vector<float> decode_attention_host(const std::vector<float>&, int64_t, con
   not_built("cuda::decode_attention_host");
 }
 
+size_t decode_typed_staging_bytes(int64_t, int64_t, int64_t) {
+  not_built("cuda::decode_typed_staging_bytes");
+}
+void decode_attention_typed(const TensorView&, const DeviceCacheView&, const AttentionParams&,
+                            const TensorView&, void*, DecodeWorkspace&, Stream) {
+  not_built("cuda::decode_attention_typed");
+}
+DeviceGuard::DeviceGuard(int) {
+  not_built("cuda::DeviceGuard");
+}
+DeviceGuard::~DeviceGuard() = default;
 void skvq_channel_perms(const TensorView&, int32_t*, Stream) {
   not_built("cuda::skvq_channel_perms");
 }
