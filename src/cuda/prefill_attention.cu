@@ -3,7 +3,9 @@
 //   packed records; D 64/128), templated on the 16-bit operand type E (fp16, or bf16 when the
 //   view's rows are bf16: every plane, q and P are then bf16, on mma.m16n8k16 .bf16 with fp32
 //   accumulation, 2^-8 relative where this text says fp16's 2^-11, and packed hi + lo planes
-//   carry k and v to 2^-16 instead of 2^-22; FlashAttention's bf16 numerics): one block of
+//   carry k and v to 2^-16 instead of 2^-22; FlashAttention's bf16 numerics). The kernel that
+//   runs is prefill_fa.cu's (32 query rows per warp, the same numerics and staging); the one
+//   below (VQ_PREFILL_FA=0, kept for comparison) has one block of
 //   4 or 8 warps per (tile of 16 query rows per warp, KV head, batch); rows t = i * n_rep + r, so
 //   the n_rep query heads of a KV head share each key tile. Tiles of 64 keys stream through a
 //   2-stage pipeline: rows by cp.async into swizzled fp16 planes (16-byte chunk c of row r at c ^
@@ -42,10 +44,12 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cuda/check.h"
 #include "cuda/device_cache_dequant.cuh"
 #include "cuda/prefill_attention.cuh"
+#include "cuda/prefill_tc.cuh"
 #include "cuda/tc_common.cuh"
 #include "veloxquant/packed.h"
 
@@ -317,7 +321,6 @@ template <int D, bool LO, int NW, class E>
 __global__ void __launch_bounds__(32 * NW, 8 / NW)
     prefill_tc_kernel(const __grid_constant__ PrefillParams p) {
   constexpr int KS = D / 16;  // k-steps of the logits, n-tile pairs of the outputs
-  constexpr int RB = 2 * D;   // bytes of an fp16 row
   constexpr int PB = tc_plane_bytes(D), SB = tc_stage_bytes(D, LO);
   extern __shared__ __align__(128) uint8_t tsm[];
 
@@ -356,93 +359,24 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
     cB = ldexpf(sl2e, -eB);
   }
 
-  // ---- tile schedule: the next tile (segment sg, first row j0) that some row of the block sees;
-  // full: every key of the tile is visible to every row of the block (no masking needed).
+  // ---- tile schedule (prefill_tc.cuh): the next tile some row of the block sees; full: every
+  // key of the tile is visible to every row of the block (no masking needed).
   auto seek = [&](int& sg, int64_t& j0, bool& full) -> bool {
-    while (sg < p.n_segs) {
-      const PrefillSeg& seg = p.segs[sg];
-      if (j0 >= seg.n_rows) {
-        ++sg;
-        j0 = 0;
-        continue;
-      }
-      const int nt = static_cast<int>(seg.n_rows - j0 < kTcBK ? seg.n_rows - j0 : kTcBK);
-      if (!seg.positions) {  // implicit positions first_pos + j, increasing
-        const int64_t k0 = seg.first_pos + j0, k1 = k0 + nt - 1;
-        if (k0 > qmax) {  // this and every later row of the segment is in every row's future
-          ++sg;
-          j0 = 0;
-          continue;
-        }
-        if (win > 0 && qmin >= k1 + win) {  // out of every row's window: jump to the first row in
-          const int64_t jv = qmin - win + 1 - seg.first_pos;
-          const int64_t jt = (jv / kTcBK) * kTcBK;
-          j0 = jt > j0 + kTcBK ? jt : j0 + kTcBK;
-          continue;
-        }
-        full = nt == kTcBK && k1 <= qmin && (win <= 0 || qmax < k0 + win);
-        return true;
-      }
-      int any = 0, all = 1;
-      if (tid < kTcBK) {
-        if (tid < nt) {
-          const int64_t kp = seg.positions[frame * seg.capacity + j0 + tid];
-          any = kp <= qmax && (win <= 0 || qmin < kp + win);
-          all = kp <= qmin && (win <= 0 || qmax < kp + win);
-        } else {
-          all = 0;
-        }
-      }
-      any = __syncthreads_or(any);
-      all = __syncthreads_and(all);
-      if (any) {
-        full = all != 0;
-        return true;
-      }
-      j0 += kTcBK;
-    }
-    return false;
+    return prefill_seek<kTcBK>(p, frame, qmin, qmax, tid, sg, j0, full);
   };
 
-  // Stages tile (sg, j0) into stage st: f16 rows by cp.async (rows past the end zeroed), packed
-  // records dequantized (code * scale + lo, the CPU's two roundings) and split into hi + lo planes
-  // in original channel order; positions (past the end: INT64_MAX, never visible).
+  // Stages tile (sg, j0) into stage st: the rows' planes by cp.async (a packed segment's hi + lo
+  // planes, dequantized before the kernel), then the key positions after the 4 (LO) or 2 planes.
   auto issue = [&](int sg, int64_t j0, int st) {
     const PrefillSeg& seg = p.segs[sg];
     uint8_t* base = tsm + st * SB;
     int64_t* spos = reinterpret_cast<int64_t*>(base + (LO ? 4 : 2) * PB);
-    const int nt = static_cast<int>(seg.n_rows - j0 < kTcBK ? seg.n_rows - j0 : kTcBK);
-    if (tid < kTcBK)
-      spos[tid] = tid < nt
-                      ? (seg.positions
-                             ? static_cast<int64_t>(seg.positions[frame * seg.capacity + j0 + tid])
-                             : seg.first_pos + j0 + tid)
-                      : LLONG_MAX;
-    const bool lo_seg = LO && seg.packed;
-    const int64_t off = (frame * seg.rows_cap + j0) * RB;
-    const uint8_t* gk = static_cast<const uint8_t*>(seg.keys) + off;
-    const uint8_t* gv = static_cast<const uint8_t*>(seg.values) + off;
-    const uint8_t* gkl = lo_seg ? static_cast<const uint8_t*>(seg.keys_lo) + off : nullptr;
-    const uint8_t* gvl = lo_seg ? static_cast<const uint8_t*>(seg.values_lo) + off : nullptr;
-    constexpr int CPR = D / 8;
-    for (int i = tid; i < kTcBK * CPR; i += kTcThreads) {
-      const int r = i / CPR, c = i % CPR;
-      const int o = tc_off<D>(r, 8 * c);
-      if (r < nt) {
-        tc_cp16(base + o, gk + 16 * i);
-        tc_cp16(base + PB + o, gv + 16 * i);
-        if (lo_seg) {
-          tc_cp16(base + 2 * PB + o, gkl + 16 * i);
-          tc_cp16(base + 3 * PB + o, gvl + 16 * i);
-        }
-      } else {
-        *reinterpret_cast<uint4*>(base + o) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(base + PB + o) = make_uint4(0u, 0u, 0u, 0u);
-        if (lo_seg) {
-          *reinterpret_cast<uint4*>(base + 2 * PB + o) = make_uint4(0u, 0u, 0u, 0u);
-          *reinterpret_cast<uint4*>(base + 3 * PB + o) = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
+    if (LO && seg.packed) {
+      const void* const src[4] = {seg.keys, seg.values, seg.keys_lo, seg.values_lo};
+      prefill_stage<D, kTcBK, kTcThreads, 4>(seg, frame, j0, tid, src, base, spos);
+    } else {
+      const void* const src[2] = {seg.keys, seg.values};
+      prefill_stage<D, kTcBK, kTcThreads, 2>(seg, frame, j0, tid, src, base, spos);
     }
   };
 
@@ -663,6 +597,17 @@ void prefill_tc_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
     g.values = vhi;
     g.keys_lo = klo;
     g.values_lo = vlo;
+  }
+  // The 32-rows-per-warp kernel (prefill_fa.cu) by default; VQ_PREFILL_FA=0 keeps the 16-row
+  // kernel below (benchmarking both in one build).
+  static const bool use_fa = [] {
+    const char* e = std::getenv("VQ_PREFILL_FA");
+    return !(e && std::atoi(e) == 0);
+  }();
+  if (use_fa) {
+    prefill_fa_launch(q, lo, std::is_same_v<T, __nv_bfloat16>, s);
+    if (ws) VQ_CUDA_CHECK(cudaFreeAsync(ws, s));
+    return;
   }
   // Blocks of 4 warps (2 per multiprocessor) for f16 or bf16 views; 8 warps for views with packed
   // segments (their 4 planes per stage leave room for one block). VQ_PREFILL_TC_WARPS=4|8

@@ -178,6 +178,37 @@ std::vector<AttnCase> attention_cases(bool small) {
     c.window = 10;
     out.push_back(c);
   }
+  // (4) Long prefill over f16 / bf16 rows: query rows (n_q x n_rep) over several 128-row blocks
+  // of the GPU prefill kernel (prefill_fa.cu), with a partial last block, causal diagonal tiles,
+  // windows, gapped explicit positions and batch 2.
+  {
+    AttnCase c;
+    SegSpec a;
+    a.n = 1000;
+    c.segs = {a};
+    c.n_q = 300;
+    c.n_rep = 4;
+    c.head_dim = 128;
+    out.push_back(c);
+    c.segs[0].dtype = DType::kBF16;
+    c.n_q = 1000;  // every query of the view: causal from position 0
+    c.n_rep = 1;
+    out.push_back(c);
+  }
+  {
+    AttnCase c;
+    SegSpec a, b;
+    a.n = 333;
+    a.dtype = b.dtype = DType::kBF16;
+    b.n = 667;
+    b.explicit_pos = true;
+    c.segs = {a, b};
+    c.n_q = 257;
+    c.n_rep = 8;
+    c.window = 200;
+    c.batch = 2;
+    out.push_back(c);
+  }
   return out;
 }
 
