@@ -9,12 +9,14 @@
 // in [2^11, 2^12), tc_common.cuh's tc_sigma: the same rounding as the 16-row kernel) and read
 // per k-step by ldmatrix; tiles of 64 keys stream through 2 cp.async stages (prefill_tc.cuh's
 // schedule and staging: tiles no row of the block sees are never loaded, masks only on tiles
-// some row sees partly); logits in log2 units (scale * log2 e * 2^-sigma), online softmax with
-// exp2f in fp32 (sums of the unrounded p), P kept in registers and rounded once to E as the A
-// operand of P V, fp32 accumulation; tiles of a packed segment add q k_lo and p v_lo (their lo
-// planes, staged beside the hi ones). The numerics are the 16-row kernel's (FlashAttention's,
-// docs/design.md section 4), so the same bounds hold (tests/ops_harness/attention_bounds.h);
-// only the fp32 summation order differs. Heaviest (latest) query blocks run first.
+// some row sees partly); logits in log2 units (scale * log2 e * 2^-sigma, folded into the
+// exponent's fma), online softmax with ex2.approx in fp32 (sums of the unrounded p; the outputs'
+// rescale skipped when no row of the warp raised its max), P kept in registers and rounded once to
+// E as the A operand of P V, fp32 accumulation; tiles of a packed segment add q k_lo and p v_lo
+// (their lo planes, staged beside the hi ones). The numerics are the 16-row kernel's
+// (FlashAttention's, docs/design.md section 4), so the same bounds hold
+// (tests/ops_harness/attention_bounds.h); only the fp32 summation order differs. Heaviest (latest)
+// query blocks run first.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -44,6 +46,15 @@ __host__ __device__ constexpr int fa_stage_bytes(int D, bool LO) {
 
 // NW = 4 (two blocks per multiprocessor) for rows alone; 8 with lo planes (one block: its
 // stages take twice the room).
+// 2^x in fp32 by ex2.approx.ftz (within 2 ulp, as exp2f, whose non-ftz form only adds the
+// scaling of subnormal results): a weight below 2^-126 becomes 0, an error under 2^-126 |v| per
+// term, far inside the accumulation term of the bounds (tests/ops_harness/attention_bounds.cpp).
+__device__ __forceinline__ float fa_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <int D, bool LO, int NW, class E>
 __global__ void __launch_bounds__(32 * NW, 8 / NW)
     prefill_fa_kernel(const __grid_constant__ PrefillParams p) {
@@ -203,7 +214,10 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
         }
       }
     }
-    // ---- scale (log2 units), mask, online softmax per row
+    // ---- mask, online softmax per row in log2 units: the row max of the raw logits times the
+    // row's multiplier c > 0 is the max of the scaled ones (rounding is monotonic), and each
+    // weight is 2^(fma(s, c, -z)) (one rounding of the exponent, where s * c - z had two)
+    float corr[2][2];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       float xm[2] = {-INFINITY, -INFINITY};
@@ -212,37 +226,44 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int hf = e >> 1;
-          float v = s[mt][n][e] * cm[mt][hf];
           if (!full) {
             const int64_t kp = spos[8 * n + 2 * t4 + (e & 1)];
-            if (!(kp <= qp[mt][hf] && (win <= 0 || qp[mt][hf] < kp + win))) v = -INFINITY;
+            if (!(kp <= qp[mt][hf] && (win <= 0 || qp[mt][hf] < kp + win))) s[mt][n][e] = -INFINITY;
           }
-          s[mt][n][e] = v;
-          xm[hf] = fmaxf(xm[hf], v);
+          xm[hf] = fmaxf(xm[hf], s[mt][n][e]);
         }
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
 #pragma unroll
         for (int of = 1; of <= 2; of <<= 1)
           xm[hf] = fmaxf(xm[hf], __shfl_xor_sync(0xffffffffu, xm[hf], of));
-        const float nm = fmaxf(mx[mt][hf], xm[hf]);
+        const float c = cm[mt][hf];
+        const float nm = fmaxf(mx[mt][hf], xm[hf] * c);
         const float z = nm == -INFINITY ? 0.0f : nm;
-        const float corr = exp2f(mx[mt][hf] - z);
+        corr[mt][hf] = fa_exp2(mx[mt][hf] - z);
         mx[mt][hf] = nm;
         float sum = 0.0f;
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-          s[mt][n][2 * hf] = exp2f(s[mt][n][2 * hf] - z);
-          s[mt][n][2 * hf + 1] = exp2f(s[mt][n][2 * hf + 1] - z);
+          s[mt][n][2 * hf] = fa_exp2(fmaf(s[mt][n][2 * hf], c, -z));
+          s[mt][n][2 * hf + 1] = fa_exp2(fmaf(s[mt][n][2 * hf + 1], c, -z));
           sum += s[mt][n][2 * hf] + s[mt][n][2 * hf + 1];
         }
-        l[mt][hf] = l[mt][hf] * corr + sum;
+        l[mt][hf] = l[mt][hf] * corr[mt][hf] + sum;
+      }
+    }
+    // the outputs' rescale, skipped when no row of the warp moved its max (every factor is 1)
+    if (__any_sync(0xffffffffu, corr[0][0] != 1.0f || corr[0][1] != 1.0f || corr[1][0] != 1.0f ||
+                                    corr[1][1] != 1.0f)) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int n = 0; n < 2 * KS; ++n) {
-          o[mt][n][2 * hf] *= corr;
-          o[mt][n][2 * hf + 1] *= corr;
+          o[mt][n][0] *= corr[mt][0];
+          o[mt][n][1] *= corr[mt][0];
+          o[mt][n][2] *= corr[mt][1];
+          o[mt][n][3] *= corr[mt][1];
         }
-      }
     }
     // ---- outputs += P V (P rounded once to E, V through ldmatrix.trans)
 #pragma unroll
