@@ -17,8 +17,6 @@
 // bench/cuda_prefill_sdpa.py times PyTorch SDPA on the same shapes for the ratios.
 // Usage: cuda_prefill_attention [--repeats N] [--context N] [--tag NAME] [--skip-bf16]
 //                               [--skip-snapkv]
-// VQ_PREFILL_FA=0 in the environment times the 16-row tensor-core kernel instead of
-// prefill_fa.cu's (src/cuda/prefill_attention.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -21,7 +21,6 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
-#include <cstdlib>
 
 #include "cuda/check.h"
 #include "cuda/prefill_attention.cuh"
@@ -327,13 +326,10 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
 
 template <class E>
 void fa_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
-  // VQ_PREFILL_FA_WARPS=8: blocks of 8 warps (256 rows) for rows alone too, one per
-  // multiprocessor (benchmarking: half the key/value tile loads, one block's barriers).
-  static const int env_nw = [] {
-    const char* e = std::getenv("VQ_PREFILL_FA_WARPS");
-    return e ? std::atoi(e) : 0;
-  }();
-  const int nw = lo || (env_nw == 8 && p.head_dim == 128) ? 8 : 4;
+  // 4 warps for rows alone (2 blocks per multiprocessor); 8 with lo planes (one block). 8-warp
+  // blocks over rows alone were slower on the H200 (41.7 against 40.1 ms at 32K,
+  // docs/results/gpu/run8_prefill/call1).
+  const int nw = lo ? 8 : 4;
   const int64_t rows = static_cast<int64_t>(p.n_rep) * p.n_queries;
   const dim3 grid(static_cast<unsigned>((rows + 32 * nw - 1) / (32 * nw)),
                   static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
@@ -346,12 +342,9 @@ void fa_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
   if (D == 64)
     lo ? launch(prefill_fa_kernel<64, true, 8, E>, smem)
        : launch(prefill_fa_kernel<64, false, 4, E>, smem);
-  else if (lo)
-    launch(prefill_fa_kernel<128, true, 8, E>, smem);
-  else if (nw == 8)
-    launch(prefill_fa_kernel<128, false, 8, E>, smem);
   else
-    launch(prefill_fa_kernel<128, false, 4, E>, smem);
+    lo ? launch(prefill_fa_kernel<128, true, 8, E>, smem)
+       : launch(prefill_fa_kernel<128, false, 4, E>, smem);
   VQ_CUDA_LAUNCH_CHECK("prefill_attention (fa)");
 }
 

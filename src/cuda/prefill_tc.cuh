@@ -1,6 +1,5 @@
-// Tile schedule and tile staging shared by the two tensor-core prefill kernels
-// (prefill_attention.cu: 16 query rows per warp, packed hi + lo planes; prefill_fa.cu: 32 rows
-// per warp, f16/bf16 rows only), device code only. A tile is BK consecutive rows (keys) of one
+// Tile schedule and tile staging of the tensor-core prefill kernel (prefill_fa.cu), device code
+// only. A tile is BK consecutive rows (keys) of one
 // segment of frame f = b * H_kv + h; staged as swizzled 16-bit planes of D channels
 // (tc_common.cuh's tc_off) followed by the tile's key positions (int64).
 #pragma once
