@@ -3,20 +3,19 @@
 // LO), FlashAttention-2's schedule on mma.sync: one block of NW warps per (32 NW query rows, KV
 // head, batch), rows t = i * n_rep + r so the n_rep query heads of a KV head share each key tile,
 // each warp owning 32 rows as two m16 tiles so every K and V fragment loaded by ldmatrix feeds
-// two mma.m16n8k16 (half the shared-memory reads per mma of prefill_attention.cu's 16-row warps,
-// and two independent accumulator chains). The queries are staged once per block in shared memory
-// as E (fp16, or bf16 for bf16 rows) rounded once from q * 2^sigma (sigma puts the row's max |q|
-// in [2^11, 2^12), tc_common.cuh's tc_sigma: the same rounding as the 16-row kernel) and read
-// per k-step by ldmatrix; tiles of 64 keys stream through 2 cp.async stages (prefill_tc.cuh's
-// schedule and staging: tiles no row of the block sees are never loaded, masks only on tiles
-// some row sees partly); logits in log2 units (scale * log2 e * 2^-sigma, folded into the
-// exponent's fma), online softmax with ex2.approx in fp32 (sums of the unrounded p; the outputs'
-// rescale skipped when no row of the warp raised its max), P kept in registers and rounded once to
-// E as the A operand of P V, fp32 accumulation; tiles of a packed segment add q k_lo and p v_lo
-// (their lo planes, staged beside the hi ones). The numerics are the 16-row kernel's
-// (FlashAttention's, docs/design.md section 4), so the same bounds hold
-// (tests/ops_harness/attention_bounds.h); only the fp32 summation order differs. Heaviest (latest)
-// query blocks run first.
+// two mma.m16n8k16 (half the shared-memory reads per mma of 16-row warps, and two independent
+// accumulator chains). The queries are staged once per block in shared memory as E (fp16, or
+// bf16 for bf16 rows) rounded once from q * 2^sigma (sigma puts the row's max |q| in
+// [2^11, 2^12), clear of fp16 subnormals: tc_common.cuh's tc_sigma) and read per k-step by
+// ldmatrix; tiles of 64 keys stream through 2 cp.async stages (prefill_tc.cuh's schedule and
+// staging: tiles no row of the block sees are never loaded, masks only on tiles some row sees
+// partly); logits in log2 units (scale * log2 e * 2^-sigma, folded into the exponent's fma),
+// online softmax with ex2.approx in fp32 (sums of the unrounded p; the outputs' rescale skipped
+// when no row of the warp raised its max), P kept in registers and rounded once to E as the A
+// operand of P V, fp32 accumulation; tiles of a packed segment add q k_lo and p v_lo (their lo
+// planes, staged beside the hi ones). FlashAttention numerics (docs/design.md section 4), held to
+// the bounds of tests/ops_harness/attention_bounds.h (kGpu* of the operand type). Heaviest
+// (latest) query blocks run first. Measured in docs/results/gpu/run8_prefill.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
