@@ -16,6 +16,7 @@
 // Also a sanity figure: max |f16 rows - f32 rows| outputs at 4K over the same (f16-valued) rows.
 // bench/cuda_prefill_sdpa.py times PyTorch SDPA on the same shapes for the ratios.
 // Usage: cuda_prefill_attention [--repeats N] [--context N] [--tag NAME] [--skip-bf16]
+//                               [--skip-snapkv]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -106,12 +107,13 @@ Timing time_ms(const std::function<void()>& f, int warmup, int repeats, cudaStre
 int main(int argc, char** argv) {
   int repeats = 5;
   std::string tag = "this build";
-  bool skip_bf16 = false;
+  bool skip_bf16 = false, skip_snap = false;
   std::vector<int64_t> contexts = {4096, 32768};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--repeats") && i + 1 < argc) repeats = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--tag") && i + 1 < argc) tag = argv[++i];
     if (!std::strcmp(argv[i], "--skip-bf16")) skip_bf16 = true;
+    if (!std::strcmp(argv[i], "--skip-snapkv")) skip_snap = true;
     if (!std::strcmp(argv[i], "--context") && i + 1 < argc) contexts = {std::atoll(argv[++i])};
   }
   if (!vq::cuda::is_available()) {
@@ -205,7 +207,7 @@ int main(int argc, char** argv) {
     }
 
     // ---- SnapKV selection at 32K, as bench/cuda_decode_attention.cu measures it
-    {
+    if (!skip_snap) {
       const int64_t n = 32768, count = 2048;
       const int64_t ne = H * n * D;
       vq::cuda::DeviceBuffer kh(static_cast<size_t>(ne) * 2), vh(kh.size()), kbf(kh.size()),

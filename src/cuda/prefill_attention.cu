@@ -1,30 +1,17 @@
-// Prefill attention kernels (prefill_attention.cuh), two paths:
+// Prefill attention (prefill_attention.cuh), two paths:
 // * Tensor cores (views whose full-precision segments are all f16 or all bf16 rows, beside any
-//   packed records; D 64/128), templated on the 16-bit operand type E (fp16, or bf16 when the
-//   view's rows are bf16: every plane, q and P are then bf16, on mma.m16n8k16 .bf16 with fp32
-//   accumulation, 2^-8 relative where this text says fp16's 2^-11, and packed hi + lo planes
-//   carry k and v to 2^-16 instead of 2^-22; FlashAttention's bf16 numerics): one block of
-//   4 or 8 warps per (tile of 16 query rows per warp, KV head, batch); rows t = i * n_rep + r, so
-//   the n_rep query heads of a KV head share each key tile. Tiles of 64 keys stream through a
-//   2-stage pipeline: rows by cp.async into swizzled fp16 planes (16-byte chunk c of row r at c ^
-//   (r & 7): ldmatrix and ldmatrix.trans free of bank conflicts). Packed segments are first
-//   dequantized once per call (prefill_dequant_kernel: code * scale + lo, the CPU's two fp32
-//   roundings, inverse channel permutation) into fp16 hi + lo planes of K and V in
-//   stream-ordered scratch (8 bytes per row and channel, freed after the kernel), streamed with
-//   their lo planes; re-dequantizing every tile in each query block cost 4.5x the f16 time. Each
-//   warp owns 16 rows: logits on mma.m16n8k16 (fp16 inputs, fp32 accumulation) with the query
-//   rounded once to fp16 as q * 2^sigma (sigma puts the row's max |q| in [2^11, 2^12), clear of
-//   fp16 subnormals; 2^-11 relative: FlashAttention numerics, docs/design.md section 4); packed
-//   keys add q * k_lo, so their hi + lo planes carry k to 2^-22. Logits are scaled to log2 units
-//   (scale * log2 e * 2^-sigma, exact power-of-two part), masked by position and window (skipped
-//   when the whole tile is visible to the whole block), online softmax with exp2f in fp32 (the
-//   sums from the unrounded p); P V again on mma with P rounded once to fp16 (and p * v_lo for
-//   packed values). Tiles no row of the block sees are never loaded; heaviest
-//   tiles run first. Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by
-//   the device caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the
-//   un-rotation included) and then split into the same planes. Limits (fp16 planes): dequantized
-//   values must lie within fp16's range (|x| < 65520). The mma, ldmatrix, cp.async, swizzle, hi +
-//   lo split and query-fragment helpers are tc_common.cuh's (shared with the SnapKV scores).
+//   packed records; D 64/128), on the 16-bit operand type T of the rows (fp16, or bf16 when the
+//   view's rows are bf16; FlashAttention numerics, docs/design.md section 4): the kernel is
+//   prefill_fa.cu's (32 query rows per warp, 4 or 8 warps per block). This file prepares its
+//   input: packed segments are first dequantized once per call (prefill_dequant_kernel: code *
+//   scale + lo, the CPU's two fp32 roundings, inverse channel permutation) into T hi + lo planes
+//   of K and V in stream-ordered scratch (8 bytes per row and channel, freed after the kernel),
+//   which the kernel streams beside their hi planes (hi + lo carry k and v to 2^-22 in fp16,
+//   2^-16 in bf16); re-dequantizing every tile in each query block cost 4.5x the f16 time.
+//   Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by the device
+//   caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the un-rotation
+//   included) and then split into the same planes. Limits (fp16 planes): dequantized values must
+//   lie within fp16's range (|x| < 65520). The split helpers are tc_common.cuh's.
 // * CUDA cores (every other view: f32 rows, or f16 beside bf16 rows; rotated or 1.5-bit packed
 // rows refused): one block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a
 // tile are (query i, head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query
@@ -41,7 +28,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
+#include <type_traits>
 
 #include "cuda/check.h"
 #include "cuda/device_cache_dequant.cuh"
@@ -213,19 +200,6 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(const PrefillParam
 
 // ---- tensor-core path ---------------------------------------------------------------------------
 
-// Warps per block (16 query rows each): NW = 4 with two resident blocks per multiprocessor (one
-// block's softmax overlaps the other's mma), NW = 8 with one.
-constexpr int kTcBK = 64;  // key rows per tile
-
-// Bytes of one pipeline stage: K hi, V hi (and K lo, V lo with packed segments) as [kTcBK][D]
-// fp16 planes, then the tile's key positions (int64).
-__host__ __device__ constexpr int tc_plane_bytes(int D) {
-  return kTcBK * D * 2;
-}
-__host__ __device__ constexpr int tc_stage_bytes(int D, bool lo) {
-  return (lo ? 4 : 2) * tc_plane_bytes(D) + kTcBK * 8;
-}
-
 // Stored channels c0 .. c0 + 7 (c0 a multiple of 8, so the codes start on a byte) of a record,
 // dequantized like dequant(): code * scale + lo in fp32, two roundings.
 __device__ __forceinline__ void dequant8(const uint8_t* rec, int c0, const PrefillTensor& t,
@@ -310,290 +284,11 @@ bool needs_general_dequant(const PrefillTensor& t) {
   return t.ternary != 0 || t.signs != nullptr;
 }
 
-// One block of 8 warps per (tile of 128 rows t = i * n_rep + r, KV head, batch), heaviest
-// (latest) query tiles first. LO: the view has packed segments (lo planes staged). E: the planes'
-// and operands' type (__half, or __nv_bfloat16 for views of bf16 rows).
-template <int D, bool LO, int NW, class E>
-__global__ void __launch_bounds__(32 * NW, 8 / NW)
-    prefill_tc_kernel(const __grid_constant__ PrefillParams p) {
-  constexpr int KS = D / 16;  // k-steps of the logits, n-tile pairs of the outputs
-  constexpr int RB = 2 * D;   // bytes of an fp16 row
-  constexpr int PB = tc_plane_bytes(D), SB = tc_stage_bytes(D, LO);
-  extern __shared__ __align__(128) uint8_t tsm[];
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t n_rep = p.n_rep, N = p.n_queries, T = n_rep * N;
-  constexpr int kTcBQ = 16 * NW, kTcThreads = 32 * NW;
-  const int64_t t0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kTcBQ;
-  const int64_t hq = static_cast<int64_t>(p.kv_heads) * n_rep;
-  const int64_t frame = static_cast<int64_t>(b) * p.kv_heads + h;
-  const int64_t t_last = (t0 + kTcBQ < T ? t0 + kTcBQ : T) - 1;
-  const int64_t qmin = p.q_pos0 + t0 / n_rep, qmax = p.q_pos0 + t_last / n_rep;
-  const int64_t win = p.window;
-
-  // ---- this lane's rows A = warp tile row g, B = row g + 8; queries as fp16 fragments
-  const int64_t tA = t0 + warp * 16 + g, tB = tA + 8;
-  const int64_t qpA = p.q_pos0 + tA / n_rep, qpB = p.q_pos0 + tB / n_rep;
-  const float* qa =
-      tA < T ? p.q + ((static_cast<int64_t>(b) * hq + h * n_rep + tA % n_rep) * N + tA / n_rep) * D
-             : nullptr;
-  const float* qb =
-      tB < T ? p.q + ((static_cast<int64_t>(b) * hq + h * n_rep + tB % n_rep) * N + tB / n_rep) * D
-             : nullptr;
-  float cA, cB;  // logit multipliers scale * log2(e) * 2^-sigma of each row
-  uint32_t qh[KS][4], ql[KS][4];
-  {
-    const auto load = [&](int row, int c) {
-      const float* q = row ? qb : qa;
-      return q ? *reinterpret_cast<const float2*>(q + c) : make_float2(0.0f, 0.0f);
-    };
-    int eA, eB;
-    tc_query_frags<D, false, E>(load, t4, qh, ql, eA, eB);
-    const float sl2e = p.scale * 1.4426950408889634f;
-    cA = ldexpf(sl2e, -eA);
-    cB = ldexpf(sl2e, -eB);
-  }
-
-  // ---- tile schedule: the next tile (segment sg, first row j0) that some row of the block sees;
-  // full: every key of the tile is visible to every row of the block (no masking needed).
-  auto seek = [&](int& sg, int64_t& j0, bool& full) -> bool {
-    while (sg < p.n_segs) {
-      const PrefillSeg& seg = p.segs[sg];
-      if (j0 >= seg.n_rows) {
-        ++sg;
-        j0 = 0;
-        continue;
-      }
-      const int nt = static_cast<int>(seg.n_rows - j0 < kTcBK ? seg.n_rows - j0 : kTcBK);
-      if (!seg.positions) {  // implicit positions first_pos + j, increasing
-        const int64_t k0 = seg.first_pos + j0, k1 = k0 + nt - 1;
-        if (k0 > qmax) {  // this and every later row of the segment is in every row's future
-          ++sg;
-          j0 = 0;
-          continue;
-        }
-        if (win > 0 && qmin >= k1 + win) {  // out of every row's window: jump to the first row in
-          const int64_t jv = qmin - win + 1 - seg.first_pos;
-          const int64_t jt = (jv / kTcBK) * kTcBK;
-          j0 = jt > j0 + kTcBK ? jt : j0 + kTcBK;
-          continue;
-        }
-        full = nt == kTcBK && k1 <= qmin && (win <= 0 || qmax < k0 + win);
-        return true;
-      }
-      int any = 0, all = 1;
-      if (tid < kTcBK) {
-        if (tid < nt) {
-          const int64_t kp = seg.positions[frame * seg.capacity + j0 + tid];
-          any = kp <= qmax && (win <= 0 || qmin < kp + win);
-          all = kp <= qmin && (win <= 0 || qmax < kp + win);
-        } else {
-          all = 0;
-        }
-      }
-      any = __syncthreads_or(any);
-      all = __syncthreads_and(all);
-      if (any) {
-        full = all != 0;
-        return true;
-      }
-      j0 += kTcBK;
-    }
-    return false;
-  };
-
-  // Stages tile (sg, j0) into stage st: f16 rows by cp.async (rows past the end zeroed), packed
-  // records dequantized (code * scale + lo, the CPU's two roundings) and split into hi + lo planes
-  // in original channel order; positions (past the end: INT64_MAX, never visible).
-  auto issue = [&](int sg, int64_t j0, int st) {
-    const PrefillSeg& seg = p.segs[sg];
-    uint8_t* base = tsm + st * SB;
-    int64_t* spos = reinterpret_cast<int64_t*>(base + (LO ? 4 : 2) * PB);
-    const int nt = static_cast<int>(seg.n_rows - j0 < kTcBK ? seg.n_rows - j0 : kTcBK);
-    if (tid < kTcBK)
-      spos[tid] = tid < nt
-                      ? (seg.positions
-                             ? static_cast<int64_t>(seg.positions[frame * seg.capacity + j0 + tid])
-                             : seg.first_pos + j0 + tid)
-                      : LLONG_MAX;
-    const bool lo_seg = LO && seg.packed;
-    const int64_t off = (frame * seg.rows_cap + j0) * RB;
-    const uint8_t* gk = static_cast<const uint8_t*>(seg.keys) + off;
-    const uint8_t* gv = static_cast<const uint8_t*>(seg.values) + off;
-    const uint8_t* gkl = lo_seg ? static_cast<const uint8_t*>(seg.keys_lo) + off : nullptr;
-    const uint8_t* gvl = lo_seg ? static_cast<const uint8_t*>(seg.values_lo) + off : nullptr;
-    constexpr int CPR = D / 8;
-    for (int i = tid; i < kTcBK * CPR; i += kTcThreads) {
-      const int r = i / CPR, c = i % CPR;
-      const int o = tc_off<D>(r, 8 * c);
-      if (r < nt) {
-        tc_cp16(base + o, gk + 16 * i);
-        tc_cp16(base + PB + o, gv + 16 * i);
-        if (lo_seg) {
-          tc_cp16(base + 2 * PB + o, gkl + 16 * i);
-          tc_cp16(base + 3 * PB + o, gvl + 16 * i);
-        }
-      } else {
-        *reinterpret_cast<uint4*>(base + o) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(base + PB + o) = make_uint4(0u, 0u, 0u, 0u);
-        if (lo_seg) {
-          *reinterpret_cast<uint4*>(base + 2 * PB + o) = make_uint4(0u, 0u, 0u, 0u);
-          *reinterpret_cast<uint4*>(base + 3 * PB + o) = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-    }
-  };
-
-  float o[2 * KS][4];
-#pragma unroll
-  for (int n = 0; n < 2 * KS; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
-  float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
-
-  int sg = 0;
-  int64_t j0 = 0;
-  bool full = false;
-  bool have = seek(sg, j0, full);
-  int st = 0;
-  if (have) issue(sg, j0, 0);
-  tc_commit();
-  while (have) {
-    int nsg = sg;
-    int64_t nj0 = j0 + kTcBK;
-    bool nfull = false;
-    const bool next = seek(nsg, nj0, nfull);
-    if (next) issue(nsg, nj0, st ^ 1);
-    tc_commit();
-    if (next)
-      tc_wait<1>();
-    else
-      tc_wait<0>();
-    __syncthreads();
-
-    const uint8_t* base = tsm + st * SB;
-    const int64_t* spos = reinterpret_cast<const int64_t*>(base + (LO ? 4 : 2) * PB);
-    const bool lo_tile = LO && p.segs[sg].packed;
-    // ---- logits of 16 rows x 64 keys: s[n] is n-tile n (keys 8n..8n+7)
-    float s[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-    tc_logits64<D, false, E>(base, lo_tile ? base + 2 * PB : nullptr, qh, ql, lane, s);
-    // ---- scale (log2 units), mask, online softmax
-    float xA = -INFINITY, xB = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[n][e] * (e < 2 ? cA : cB);
-        if (!full) {
-          const int64_t kp = spos[8 * n + 2 * t4 + (e & 1)];
-          const int64_t qp = e < 2 ? qpA : qpB;
-          if (!(kp <= qp && (win <= 0 || qp < kp + win))) v = -INFINITY;
-        }
-        s[n][e] = v;
-        if (e < 2)
-          xA = fmaxf(xA, v);
-        else
-          xB = fmaxf(xB, v);
-      }
-#pragma unroll
-    for (int of = 1; of <= 2; of <<= 1) {
-      xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, of));
-      xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, of));
-    }
-    const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
-    const float zA = nA == -INFINITY ? 0.0f : nA, zB = nB == -INFINITY ? 0.0f : nB;
-    const float corrA = exp2f(mA - zA), corrB = exp2f(mB - zB);
-    mA = nA;
-    mB = nB;
-    float sA = 0.0f, sB = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      s[n][0] = exp2f(s[n][0] - zA);
-      s[n][1] = exp2f(s[n][1] - zA);
-      s[n][2] = exp2f(s[n][2] - zB);
-      s[n][3] = exp2f(s[n][3] - zB);
-      sA += s[n][0] + s[n][1];
-      sB += s[n][2] + s[n][3];
-    }
-    lA = lA * corrA + sA;
-    lB = lB * corrB + sB;
-#pragma unroll
-    for (int n = 0; n < 2 * KS; ++n) {
-      o[n][0] *= corrA;
-      o[n][1] *= corrA;
-      o[n][2] *= corrB;
-      o[n][3] *= corrB;
-    }
-    // ---- outputs += P V (P rounded once to T, V through ldmatrix.trans)
-    const int lr = lane & 7, lm = lane >> 3;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t ah[4];
-      ah[0] = tc_pack2<E>(s[2 * kk][0], s[2 * kk][1]);
-      ah[1] = tc_pack2<E>(s[2 * kk][2], s[2 * kk][3]);
-      ah[2] = tc_pack2<E>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      ah[3] = tc_pack2<E>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      const int key = 16 * kk + 8 * (lm & 1) + lr;
-#pragma unroll
-      for (int cp = 0; cp < KS; ++cp) {
-        const int off = tc_off<D>(key, 16 * cp + 8 * (lm >> 1));
-        uint32_t r[4];
-        tc_ldsm_t(base + PB + off, r);
-        tc_mma<E>(o[2 * cp], ah, r[0], r[1]);
-        tc_mma<E>(o[2 * cp + 1], ah, r[2], r[3]);
-        if (lo_tile) {
-          tc_ldsm_t(base + 3 * PB + off, r);
-          tc_mma<E>(o[2 * cp], ah, r[0], r[1]);
-          tc_mma<E>(o[2 * cp + 1], ah, r[2], r[3]);
-        }
-      }
-    }
-    __syncthreads();  // stage st is free for the next issue
-    sg = nsg;
-    j0 = nj0;
-    full = nfull;
-    have = next;
-    st ^= 1;
-  }
-
-#pragma unroll
-  for (int of = 1; of <= 2; of <<= 1) {
-    lA += __shfl_xor_sync(0xffffffffu, lA, of);
-    lB += __shfl_xor_sync(0xffffffffu, lB, of);
-  }
-  const float iA = lA > 0.0f ? 1.0f / lA : 0.0f, iB = lB > 0.0f ? 1.0f / lB : 0.0f;
-  float* oa =
-      tA < T
-          ? p.out + ((static_cast<int64_t>(b) * hq + h * n_rep + tA % n_rep) * N + tA / n_rep) * D
-          : nullptr;
-  float* ob =
-      tB < T
-          ? p.out + ((static_cast<int64_t>(b) * hq + h * n_rep + tB % n_rep) * N + tB / n_rep) * D
-          : nullptr;
-#pragma unroll
-  for (int n = 0; n < 2 * KS; ++n) {
-    const int c = 8 * n + 2 * t4;
-    if (oa)
-      *reinterpret_cast<float2*>(oa + c) =
-          lA > 0.0f ? make_float2(o[n][0] * iA, o[n][1] * iA) : make_float2(0.0f, 0.0f);
-    if (ob)
-      *reinterpret_cast<float2*>(ob + c) =
-          lB > 0.0f ? make_float2(o[n][2] * iB, o[n][3] * iB) : make_float2(0.0f, 0.0f);
-  }
-}
-
 // The tensor-core path over a view whose full-precision rows (if any) are all of type T
 // (__half or __nv_bfloat16): packed segments dequantized into T hi + lo planes, then
-// prefill_tc_kernel<D, LO, NW, T>. lo: the view has packed segments.
+// prefill_fa.cu's kernel. lo: the view has packed segments.
 template <class T>
 void prefill_tc_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
-  const int64_t n_rows_q = static_cast<int64_t>(p.n_rep) * p.n_queries;
   // Packed segments are dequantized once per call into stream-ordered scratch (T hi + lo planes
   // of K and V: 8 bytes per row and channel), which the kernel streams like rows of T.
   // Rotated or 1.5-bit ones go through fp32 rows first (one scratch reused, stream-ordered).
@@ -664,38 +359,7 @@ void prefill_tc_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
     g.keys_lo = klo;
     g.values_lo = vlo;
   }
-  // Blocks of 4 warps (2 per multiprocessor) for f16 or bf16 views; 8 warps for views with packed
-  // segments (their 4 planes per stage leave room for one block). VQ_PREFILL_TC_WARPS=4|8
-  // overrides (benchmarking).
-  static const int env_nw = [] {
-    const char* e = std::getenv("VQ_PREFILL_TC_WARPS");
-    return e ? std::atoi(e) : 0;
-  }();
-  const int nw = (env_nw == 4 || env_nw == 8) ? env_nw : (lo ? 8 : 4);
-  const dim3 grid(static_cast<unsigned>((n_rows_q + 16 * nw - 1) / (16 * nw)),
-                  static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-  auto launch = [&](auto kernel, int smem) {
-    VQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<grid, 32 * nw, static_cast<size_t>(smem), s>>>(q);
-  };
-  const int sm_lo = 2 * tc_stage_bytes(p.head_dim, true);
-  const int sm_f = 2 * tc_stage_bytes(p.head_dim, false);
-  if (p.head_dim == 64) {
-    if (nw == 4)
-      lo ? launch(prefill_tc_kernel<64, true, 4, T>, sm_lo)
-         : launch(prefill_tc_kernel<64, false, 4, T>, sm_f);
-    else
-      lo ? launch(prefill_tc_kernel<64, true, 8, T>, sm_lo)
-         : launch(prefill_tc_kernel<64, false, 8, T>, sm_f);
-  } else {
-    if (nw == 4)
-      lo ? launch(prefill_tc_kernel<128, true, 4, T>, sm_lo)
-         : launch(prefill_tc_kernel<128, false, 4, T>, sm_f);
-    else
-      lo ? launch(prefill_tc_kernel<128, true, 8, T>, sm_lo)
-         : launch(prefill_tc_kernel<128, false, 8, T>, sm_f);
-  }
-  VQ_CUDA_LAUNCH_CHECK("prefill_attention");
+  prefill_fa_launch(q, lo, std::is_same_v<T, __nv_bfloat16>, s);
   if (ws) VQ_CUDA_CHECK(cudaFreeAsync(ws, s));
 }
 

@@ -53,4 +53,10 @@ struct PrefillParams {
 
 void prefill_attention_launch(const PrefillParams& p, cudaStream_t s);
 
+// The 32-rows-per-warp tensor-core kernel (prefill_fa.cu) over a view of f16 (bf16 false) or
+// bf16 rows, D 64 or 128, rows 16-byte and q, out 8-byte aligned (checked by the caller); lo:
+// packed segments given as hi + lo planes (keys/values, keys_lo/values_lo at rows_cap, set by
+// prefill_attention.cu). Every segment's rows_cap must be set.
+void prefill_fa_launch(const PrefillParams& p, bool lo, bool bf16, cudaStream_t s);
+
 }  // namespace vq::cuda

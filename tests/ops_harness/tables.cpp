@@ -178,6 +178,31 @@ std::vector<AttnCase> attention_cases(bool small) {
     c.window = 10;
     out.push_back(c);
   }
+  // (4) Long prefill over f16 / bf16 rows: query rows (n_q x n_rep) over several 128-row blocks
+  // of the GPU prefill kernel (prefill_fa.cu), with a partial last block, causal diagonal tiles,
+  // windows, gapped explicit positions (the second segment of the last case) and batch 2.
+  const auto long_prefill = [&](std::vector<int64_t> lens, DType dt, int64_t nq, int64_t rep,
+                                int64_t d, int64_t win, int64_t batch) {
+    AttnCase c;
+    for (size_t i = 0; i < lens.size(); ++i) {
+      SegSpec sg;
+      sg.n = lens[i];
+      sg.dtype = dt;
+      sg.explicit_pos = i == 1;
+      c.segs.push_back(sg);
+    }
+    c.n_q = nq;
+    c.n_rep = rep;
+    c.head_dim = d;
+    c.window = win;
+    c.batch = batch;
+    out.push_back(c);
+  };
+  long_prefill({1000}, DType::kF16, 300, 4, 128, 0, 1);
+  if (!small) {  // the reduced table (sanitizers) keeps the first
+    long_prefill({1000}, DType::kBF16, 1000, 1, 128, 0, 1);  // every query: causal from position 0
+    long_prefill({333, 667}, DType::kBF16, 257, 8, 64, 200, 2);
+  }
   return out;
 }
 
