@@ -4,7 +4,10 @@
 # -march=x86-64-v4 (no -march=native; the packed decode kernels pick VNNI at run time), the
 # shared libraries a bare host may lack (libxxhash, libgomp), a static llama-bench built with
 # GGML_NATIVE=OFF and AVX-512 (tools/llama_cpp/compare.sh's llama.cpp source in
-# .cache/llama_cpp), and the shipped model as GGUF (tools/llama_cpp/hf_to_gguf.py).
+# .cache/llama_cpp), and llama.cpp's gguf-py: the host converts the shipped model itself (the
+# 25 MB GGUF would not fit a device call's 64 MiB beside the checkout), from the checkout's root:
+#   python3 tools/llama_cpp/hf_to_gguf.py models/vq-mini-llama DIR/vq-mini-llama.bf16.gguf \
+#     --gguf-py DIR/gguf-py
 #   tools/llama_cpp/host_bundle.sh DIR [BUILD (build-v4)]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,9 +26,6 @@ if [ ! -x "$lb/bin/llama-bench" ]; then
     -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON >/dev/null
   cmake --build "$lb" -j"$(nproc)" --target llama-bench
 fi
-gguf=$work/vq-mini-llama.bf16.gguf
-[ -f "$gguf" ] || python3 tools/llama_cpp/hf_to_gguf.py models/vq-mini-llama "$gguf" \
-  --gguf-py "$src/gguf-py"
 mkdir -p "$dir/lib"
 strip -o "$dir/bench_e2e" "$build/bench/bench_e2e"
 strip -o "$dir/bench_decode_attention" "$build/bench/bench_decode_attention"
@@ -33,5 +33,6 @@ strip -o "$dir/llama-bench" "$lb/bin/llama-bench"
 for lib in libxxhash.so.0 libgomp.so.1; do
   cp -L "$(ldconfig -p | awk -v l="$lib" '$1 == l { print $NF; exit }')" "$dir/lib/"
 done
-cp "$gguf" tools/llama_cpp/host_run.sh "$dir/"
+cp -r "$src/gguf-py" tools/llama_cpp/host_run.sh "$dir/"
+rm -rf "$dir/gguf-py/tests"
 du -sh "$dir"
