@@ -248,6 +248,73 @@ TEST(BackendOps, AttentionPackedDecodePaths) {
   detail::set_attention_isa(best);
 }
 
+// fp8 (e4m3) metadata in the packed key kernels is decoded exactly: every fp8 value is an fp16
+// value, so records with fp8 metadata and the same records with that metadata stored as fp16
+// give bit-identical logits on every instruction set of this CPU (the same kernel arithmetic
+// after the decode). Metadata bytes cover every finite fp8 code (subnormals, both signs);
+// rows listed out of order, a 13-row tail (partial gathers). mutant: a one-ulp error in one
+// fp8 value's decode changes the logits (checked by the mutation in the commit message).
+TEST(BackendOps, PackedKeysFp8MetadataEqualsFp16) {
+  const detail::CpuIsa best = detail::detected_isa();
+  int checked = 0;
+  for (int bits : {1, 2, 4, 8})
+    for (int64_t d : {64, 128}) {
+      const PackedRowFormat f8 = make_row_format(d, bits, 32, MetaType::kFP8E4M3);
+      const PackedRowFormat f16 = make_row_format(d, bits, 32, MetaType::kF16);
+      const int64_t n = 45, n_q = 3;
+      std::vector<uint8_t> r8(static_cast<size_t>(n * f8.row_stride));
+      std::vector<uint8_t> r16(static_cast<size_t>(n * f16.row_stride));
+      std::mt19937_64 rng(static_cast<uint64_t>(bits * 1000 + d));
+      int code = 0;
+      for (int64_t r = 0; r < n; ++r) {
+        uint8_t* a = r8.data() + r * f8.row_stride;
+        uint8_t* b = r16.data() + r * f16.row_stride;
+        for (int32_t c = 0; c < f8.code_bytes; ++c) a[c] = b[c] = static_cast<uint8_t>(rng());
+        for (int32_t j = 0; j < 2 * f8.n_groups; ++j) {
+          uint8_t m = static_cast<uint8_t>(code++ % 256);
+          if ((m & 0x7f) == 0x7f) m = static_cast<uint8_t>(m - 1);  // finite codes only
+          a[f8.code_bytes + j] = m;
+          meta_store(b + f16.code_bytes, j, fp8_e4m3_decode(m), MetaType::kF16);
+        }
+      }
+      std::vector<int32_t> rows(static_cast<size_t>(n));
+      for (int64_t t = 0; t < n; ++t)
+        rows[static_cast<size_t>(t)] = static_cast<int32_t>((t * 7) % n);
+      const auto q = gaussian(n_q * d, 11, 1.0f);
+      std::vector<float> qsum(static_cast<size_t>(n_q * f8.n_groups), 0.0f);
+      for (int64_t m = 0; m < n_q; ++m)
+        for (int64_t i = 0; i < d; ++i)
+          qsum[static_cast<size_t>(m * f8.n_groups + i / 32)] += q[static_cast<size_t>(m * d + i)];
+      for (detail::CpuIsa isa : {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2,
+                                 detail::CpuIsa::kAvx512, detail::CpuIsa::kAvx512Vnni}) {
+        if (isa > best) continue;
+        const detail::PackedKernel k8 = detail::packed_kernel(f8, isa);
+        const detail::PackedKernel k16 = detail::packed_kernel(f16, isa);
+        if (k8.keys == nullptr || k8.isa != k16.isa) continue;  // not the same kernel family
+        auto logits = [&](const detail::PackedKernel& k, const PackedRowFormat& f,
+                          const std::vector<uint8_t>& rec) {
+          std::vector<uint64_t> prep;
+          if (k.prepare) {
+            prep.resize(static_cast<size_t>((k.prep_bytes(f, n_q) + 7) / 8));
+            k.prepare(f, q.data(), qsum.data(), n_q, prep.data());
+          }
+          std::vector<float> out(static_cast<size_t>(n_q * 64), 0.0f);  // [m][row], row < n
+          for (int64_t t0 = 0; t0 < n; t0 += 32) {
+            const detail::PackedTile tile{rec.data(), f.row_stride, rows.data() + t0,
+                                          std::min<int64_t>(32, n - t0)};
+            k.keys(f, tile, q.data(), qsum.data(), n_q, out.data(), 64, prep.data());
+          }
+          return out;
+        };
+        const auto a = logits(k8, f8, r8), b = logits(k16, f16, r16);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0)
+            << "bits " << bits << " d " << d << " isa " << detail::isa_name(isa);
+        ++checked;
+      }
+    }
+  EXPECT_GE(checked, 8);
+}
+
 // ---- group quantization -----------------------------------------------------------------------
 
 // Inputs for a quantizer case: normal rows with heterogeneous channels, then special rows (all

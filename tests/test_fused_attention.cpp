@@ -15,6 +15,7 @@
 // precision), V_j the row's value magnitude, r = sqrt(D) when values are rotated (1 otherwise),
 // R_j and T_rot the Hadamard transform errors. Every case reports the share of the bound used.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -501,6 +502,47 @@ TEST(FusedAttention, DecodeRowsInPlaceEqualStridedRowsBitForBit) {
           ++n;
         }
   EXPECT_GT(n, 90);
+}
+
+// Decode over a long SKVQ view (sinks, one packed segment per chunk, the full-precision window)
+// splits each KV head's rows into parts (fused_attention.cpp, kSplitRows) that the threads share:
+// the parts depend on the view's length only, so 1, 2 and 5 threads give the same bits, and the
+// result meets the fused bound against the reference at every length (one part and several).
+TEST(FusedAttention, DecodeSplitRowsSameBitsAtAnyThreadCount) {
+  const int old = omp_get_max_threads();
+  for (int64_t len : {1500, 4100, 9000}) {
+    Case cs;
+    cs.cfg = method_cfg("skvq");
+    cs.cfg.skvq_bits_key = cs.cfg.skvq_bits_value = 4;
+    cs.cfg.skvq_window = 64;
+    cs.len = len;
+    cs.n_rep = 3;
+    cs.window = len == 4100 ? 3000 : 0;  // the first part sees no key: its sum is 0
+    EXPECT_LE(run_case(cs, 77 + static_cast<uint64_t>(len)), 1.0) << cs.name();
+    CacheConfig cfg = cs.cfg;
+    cfg.head_dim = cs.d;
+    auto cache = make_cache(cfg);
+    const Tensor k = test::random_tensor(DType::kF16, 1, 2, len, cs.d, 5);
+    const Tensor v = test::random_tensor(DType::kF16, 1, 2, len, cs.d, 6);
+    cache->update_and_fetch(k.view().slice_tokens(0, len - 1), v.view().slice_tokens(0, len - 1));
+    const CacheView view = cache->update_and_fetch(k.view().slice_tokens(len - 1, len),
+                                                   v.view().slice_tokens(len - 1, len));
+    const Tensor q = test::random_tensor(DType::kF32, 1, 6, 1, cs.d, 7, 1.5f);
+    AttentionParams p;
+    p.q_pos0 = len - 1;
+    p.window = cs.window;
+    std::vector<float> one(static_cast<size_t>(q.numel()));
+    omp_set_num_threads(1);
+    attention(q.view(), view, p, one.data());
+    for (int t : {2, 5}) {
+      omp_set_num_threads(t);
+      std::vector<float> many(one.size());
+      attention(q.view(), view, p, many.data());
+      EXPECT_EQ(std::memcmp(one.data(), many.data(), one.size() * 4), 0)
+          << "len " << len << " threads " << t;
+    }
+  }
+  omp_set_num_threads(old);
 }
 
 // Prefill-sized calls (>= 8 queries per head) over packed rows take the lanes-over-queries tiles,

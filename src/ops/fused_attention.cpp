@@ -57,6 +57,13 @@ namespace {
 
 constexpr int64_t kTile = 32;         // rows per online-softmax step
 constexpr int64_t kMaxQueries = 256;  // query vectors per work item
+constexpr int64_t kManyQueries = 8;   // queries per head from which the many-query paths run
+// Decode-sized calls (fewer than kManyQueries queries per head) split each (batch, KV head)
+// item's rows into parts of at least kSplitRows rows (rounded up to whole tiles), at most
+// kMaxParts, merged after the parallel loop (merge_parts): the split depends on the view's length
+// only, never on the thread count, so every thread count gives the same bits.
+constexpr int64_t kSplitRows = 2048;
+constexpr int64_t kMaxParts = 16;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
@@ -605,7 +612,6 @@ void rescale(Work& w, int64_t m, float f) {
 // (exp_nonpos's polynomial with FMAs), its sum and accumulators run over the tile's rows in
 // order as in the general path. GQA and MHA with repeated heads therefore agree bit for bit
 // here too; the logits' summation order and the exp's last bits differ from the general path.
-constexpr int64_t kManyQueries = 8;  // queries per head from which this path is taken
 
 // exp(x) for x <= 0 on 16 lanes (x < -87, -inf and NaN give 0): the same reduction by ln 2 and
 // degree-6 polynomial as exp_nonpos, evaluated with FMAs and scalef. Measured over every float
@@ -1600,13 +1606,14 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   return attend_packed_decode;
 }
 
-// Rows j0 .. j0 + nt of seg: their positions into w.pos, the ones some query with a position in
-// [qpos_min, qpos_max] can see (causal, window) into w.vis; rows none can see are skipped.
+// Rows j0 .. j0 + nt of seg (nt <= kTile, j0 + nt <= end): their positions into w.pos, the ones
+// some query with a position in [qpos_min, qpos_max] can see (causal, window) into w.vis; rows
+// none can see are skipped.
 TileRows visible_rows(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, int64_t n_hkv,
-                      int64_t j0, int64_t window, int64_t qpos_min, int64_t qpos_max) {
+                      int64_t j0, int64_t end, int64_t window, int64_t qpos_min, int64_t qpos_max) {
   TileRows t;
   t.j0 = j0;
-  t.nt = std::min(kTile, seg.n_rows - j0);
+  t.nt = std::min(kTile, end - j0);
   const int64_t nt = t.nt;
   int64_t n_vis = 0;
   bool every = true;     // every listed row is visible to every query of the item
@@ -1669,43 +1676,109 @@ void begin_item(const TensorView& q, const AttentionParams& p, float scale, int6
   w.vis.resize(static_cast<size_t>(kTile));
 }
 
+// Query m's unnormalised output into o: the full-precision rows' sum plus each value class
+// un-transformed once.
+void item_sum(Work& w, int64_t m, float* o) {
+  const int64_t d = w.d;
+  std::copy(w.acc.begin() + m * d, w.acc.begin() + (m + 1) * d, o);
+  for (ValClass& v : w.vcls) {
+    float* a = v.acc.data() + m * d;
+    const float* al = v.acc_lo.data() + m * v.n_groups;
+    for (int64_t g = 0; g < v.n_groups; ++g)  // (the last group may be ragged)
+      for (int64_t c = g * v.group_size; c < std::min(d, (g + 1) * v.group_size); ++c)
+        a[c] += al[g];
+    if (v.perm) {
+      for (int64_t j = 0; j < d; ++j) w.tmp[static_cast<size_t>(v.perm[j])] = a[j];
+      std::copy(w.tmp.begin(), w.tmp.end(), a);
+    }
+    if (v.signs) hadamard_unrotate(a, v.signs, d, v.rot_block);
+    for (int64_t c = 0; c < d; ++c) o[c] += a[c];
+  }
+}
+
+// Output row of query m = r * nq + i of an item (query head kh * n_rep + r, query i0 + i).
+float* out_row(const TensorView& q, float* out, int64_t b, int64_t kh, int64_t n_rep, int64_t i0,
+               int64_t nq, int64_t m, int64_t d) {
+  const int64_t r = m / nq, i = m % nq;
+  return out + ((b * q.shape[1] + kh * n_rep + r) * q.shape[2] + i0 + i) * d;
+}
+
 // The item's outputs: each value class un-transformed once and added, then normalised (NaN for
 // a query that saw a NaN/+inf logit, zeros for one that saw no key).
 void finish_item(const TensorView& q, int64_t b, int64_t kh, int64_t n_rep, int64_t i0, int64_t i1,
                  float* out, Work& w) {
-  const int64_t d = w.d, nq = i1 - i0, n_q_all = q.shape[2];
-  for (int64_t r = 0; r < n_rep; ++r)
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t m = r * nq + i;
-      float* o = out + ((b * q.shape[1] + kh * n_rep + r) * n_q_all + i0 + i) * d;
-      const float lm = w.l[static_cast<size_t>(m)];
-      if (w.bad[static_cast<size_t>(m)]) {
-        std::fill(o, o + d, std::numeric_limits<float>::quiet_NaN());
-        continue;
-      }
-      if (lm == 0.0f) {
-        std::fill(o, o + d, 0.0f);
-        continue;
-      }
-      std::copy(w.acc.begin() + m * d, w.acc.begin() + (m + 1) * d, o);
-      for (ValClass& v : w.vcls) {
-        float* a = v.acc.data() + m * d;
-        const float* al = v.acc_lo.data() + m * v.n_groups;
-        for (int64_t c = 0; c < d; ++c) a[c] += al[c / v.group_size];
-        if (v.perm) {
-          for (int64_t j = 0; j < d; ++j) w.tmp[static_cast<size_t>(v.perm[j])] = a[j];
-          std::copy(w.tmp.begin(), w.tmp.end(), a);
-        }
-        if (v.signs) hadamard_unrotate(a, v.signs, d, v.rot_block);
-        for (int64_t c = 0; c < d; ++c) o[c] += a[c];
-      }
-      scal(o, 1.0f / lm, d);
+  const int64_t d = w.d, nq = i1 - i0;
+  for (int64_t m = 0; m < w.m; ++m) {
+    float* o = out_row(q, out, b, kh, n_rep, i0, nq, m, d);
+    const float lm = w.l[static_cast<size_t>(m)];
+    if (w.bad[static_cast<size_t>(m)]) {
+      std::fill(o, o + d, std::numeric_limits<float>::quiet_NaN());
+      continue;
     }
+    if (lm == 0.0f) {
+      std::fill(o, o + d, 0.0f);
+      continue;
+    }
+    item_sum(w, m, o);
+    scal(o, 1.0f / lm, d);
+  }
 }
 
-// One work item: batch b, KV head kh, queries [i0, i1) of each of the n_rep query heads.
+// One part of a split item (see kSplitRows): per query [bad, max, sum, D unnormalised output].
+int64_t part_floats(int64_t d) {
+  return d + 3;
+}
+void finish_part(float* part, Work& w) {
+  const int64_t d = w.d;
+  for (int64_t m = 0; m < w.m; ++m) {
+    float* pm = part + m * part_floats(d);
+    pm[0] = w.bad[static_cast<size_t>(m)] ? 1.0f : 0.0f;
+    pm[1] = w.mx[static_cast<size_t>(m)];
+    pm[2] = w.l[static_cast<size_t>(m)];
+    if (pm[2] != 0.0f && pm[0] == 0.0f) item_sum(w, m, pm + 3);
+  }
+}
+
+// The parts of one item merged in part order, as the online softmax merges tiles: with
+// M = max_p mx_p, out = sum_p e_p o_p / sum_p e_p l_p, e_p = exp(mx_p - M) (std::exp). Each
+// term of the value sum passes one more product (e_p) and the n_parts - 1 additions of the
+// parts instead of as many of its own chain's additions (a part holds at least one row), so
+// the fused bound's (n + n_tiles + 8) u covers the split (docs/design.md §4).
+void merge_parts(const TensorView& q, int64_t b, int64_t kh, int64_t n_rep, int64_t i0, int64_t nq,
+                 const float* parts, int64_t n_parts, int64_t stride, int64_t d, float* out) {
+  for (int64_t m = 0; m < n_rep * nq; ++m) {
+    float* o = out_row(q, out, b, kh, n_rep, i0, nq, m, d);
+    float mx = -std::numeric_limits<float>::infinity();
+    bool bad = false;
+    for (int64_t p = 0; p < n_parts; ++p) {
+      const float* pm = parts + p * stride + m * part_floats(d);
+      bad = bad || pm[0] != 0.0f;
+      if (pm[2] != 0.0f) mx = std::max(mx, pm[1]);
+    }
+    if (bad) {
+      std::fill(o, o + d, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    std::fill(o, o + d, 0.0f);
+    float l = 0.0f;
+    for (int64_t p = 0; p < n_parts; ++p) {
+      const float* pm = parts + p * stride + m * part_floats(d);
+      if (pm[2] == 0.0f) continue;  // the part saw no key of this query
+      const float e = std::exp(pm[1] - mx);
+      l += e * pm[2];
+      for (int64_t c = 0; c < d; ++c) o[c] += e * pm[3 + c];
+    }
+    if (l == 0.0f) continue;  // no key at all: zeros
+    scal(o, 1.0f / l, d);
+  }
+}
+
+// One work item: batch b, KV head kh, queries [i0, i1) of each of the n_rep query heads, the
+// view's rows [r0, r1) (counted over its segments in order). part null: the outputs into out;
+// else the item's part (finish_part) into part.
 void run_item(const TensorView& q, const CacheView& view, const AttentionParams& p, float scale,
-              int64_t b, int64_t kh, int64_t i0, int64_t i1, float* out, Work& w) {
+              int64_t b, int64_t kh, int64_t i0, int64_t i1, int64_t r0, int64_t r1, float* out,
+              float* part, Work& w) {
   const int64_t d = view.head_dim, n_hkv = view.n_kv_heads, n_rep = q.shape[1] / n_hkv;
   begin_item(q, p, scale, b, kh, n_rep, i0, i1, d, w);
   const int64_t qpos_min = p.q_pos0 + i0, qpos_max = p.q_pos0 + i1 - 1;
@@ -1717,16 +1790,22 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
   many = q.shape[2] >= kManyQueries && many_supported(d);
   if (many) build_many(w);
 #endif
+  int64_t base = 0;  // the segment's first row in the view
   for (const ViewSegment& seg : view.segments) {
-    if (seg.n_rows == 0) continue;
+    const int64_t lo = std::max<int64_t>(r0 - base, 0), hi = std::min(r1 - base, seg.n_rows);
+    base += seg.n_rows;
+    if (lo >= hi) continue;
     SegmentCtx s;
     const AttendFn attend = begin_segment(w, seg, b, kh, p.window, many, isa, s);
-    for (int64_t j0 = 0; j0 < seg.n_rows; j0 += kTile) {
-      const TileRows t = visible_rows(w, seg, b, kh, n_hkv, j0, p.window, qpos_min, qpos_max);
+    for (int64_t j0 = lo; j0 < hi; j0 += kTile) {
+      const TileRows t = visible_rows(w, seg, b, kh, n_hkv, j0, hi, p.window, qpos_min, qpos_max);
       if (t.n_vis > 0) attend(w, s, t);
     }
   }
-  finish_item(q, b, kh, n_rep, i0, i1, out, w);
+  if (part != nullptr)
+    finish_part(part, w);
+  else
+    finish_item(q, b, kh, n_rep, i0, i1, out, w);
 }
 
 }  // namespace
@@ -1744,22 +1823,42 @@ void attention(const TensorView& q, const CacheView& view, const AttentionParams
   const int64_t max_block = std::max<int64_t>(1, kMaxQueries / n_rep);
   const int64_t n_qb = (n_q + max_block - 1) / max_block;
   const int64_t q_block = (n_q + n_qb - 1) / n_qb;
+  // Decode-sized calls: each item's rows in n_parts parts of part_rows rows (the last shorter),
+  // so a few KV heads still spread over many threads (see kSplitRows).
+  int64_t n_rows = 0;
+  for (const ViewSegment& seg : view.segments) n_rows += seg.n_rows;
+  const int64_t n_parts =
+      n_q < kManyQueries ? std::clamp<int64_t>(n_rows / kSplitRows, 1, kMaxParts) : 1;
+  const int64_t part_rows = ((n_rows + n_parts - 1) / n_parts + kTile - 1) / kTile * kTile;
   const int64_t items = n_b * n_hkv * n_qb;
+  const int64_t m_all = n_rep * q_block;  // queries of an item (at most)
+  std::vector<float> parts(
+      n_parts > 1 ? static_cast<size_t>(items * n_parts * m_all * part_floats(d)) : 0);
   std::exception_ptr failure;
   std::mutex failure_mu;
-  // Items on the worker pool (ops/thread_pool.h), each thread with its own scratch.
-  ops::parallel_for(items, [&](int64_t it) {
+  // Items (times parts) on the worker pool (ops/thread_pool.h), each thread with its own scratch.
+  ops::parallel_for(items * n_parts, [&](int64_t u) {
     thread_local Work w;
     try {
+      const int64_t it = u / n_parts, pt = u % n_parts;
       const int64_t qb = n_qb - 1 - it / (n_b * n_hkv), kh = it % n_hkv, b = (it / n_hkv) % n_b;
       const int64_t i0 = qb * q_block, i1 = std::min(n_q, i0 + q_block);
-      run_item(q, view, p, scale, b, kh, i0, i1, out, w);
+      const int64_t r0 = pt * part_rows, r1 = std::min(n_rows, r0 + part_rows);
+      float* part = n_parts > 1 ? parts.data() + u * m_all * part_floats(d) : nullptr;
+      run_item(q, view, p, scale, b, kh, i0, i1, r0, r1, out, part, w);
     } catch (...) {
       std::lock_guard<std::mutex> lk(failure_mu);
       if (!failure) failure = std::current_exception();
     }
   });
   if (failure) std::rethrow_exception(failure);
+  if (n_parts == 1) return;
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t qb = n_qb - 1 - it / (n_b * n_hkv), kh = it % n_hkv, b = (it / n_hkv) % n_b;
+    const int64_t i0 = qb * q_block, nq = std::min(n_q, i0 + q_block) - i0;
+    merge_parts(q, b, kh, n_rep, i0, nq, parts.data() + it * n_parts * m_all * part_floats(d),
+                n_parts, m_all * part_floats(d), d, out);
+  }
 }
 
 DenseView dequantize_view(const CacheView& v, DType dtype) {

@@ -1,6 +1,7 @@
 // AVX-512 VNNI packed key kernels (packed_decode.h): key logits from integer dot products of the
 // codes with the query rounded to int8 per group. Chosen at run time where the CPU has
-// avx512_vnni, for 1/2/4/8-bit codes with fp16 metadata; values use the AVX-512 fp32 kernel.
+// avx512_vnni, for 1/2/4/8-bit codes with fp16 or fp8 metadata; values use the AVX-512 fp32
+// kernel.
 //
 // Vector lanes run over 16 rows of the tile (not over channels), so a logit never needs a
 // horizontal sum: a gather reads one 32-bit word (4 bytes = 4P channels, P = 8 / B codes per
@@ -10,7 +11,8 @@
 // over the words of one group (a word never crosses a group: the group size is a multiple of
 // 4P). At the group's end, per query, in fp32:
 //   tot_r += float(acc_r) * (s_{r,g} * sq_g);   tot_r += lo_{r,g} * qsum_g
-// with (lo, s) of every row from one gather of the group's fp16 pair. The 16 totals are the
+// with (lo, s) of every row from one gather of the group's fp16 pair (fp8 pair: the 32-bit word
+// that ends with it, decoded exactly in the lanes). The 16 totals are the
 // logits of the 16 rows. float(acc) is exact: |acc| <= 127 (2^B - 1) g < 2^24 (checked).
 // Query rounding (packed_decode.h, PackedKernel::int8_query): sq_g = max_{i in g} |q'_i| / 127,
 // q8_i = rne(q'_i / sq_g); a group with a NaN or infinite q' gets sq_g = NaN (the logit is NaN,
@@ -169,6 +171,25 @@ inline void prefetch_ahead(const PackedTile& tile, int64_t r) {
   for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
+// The fp8 e4m3 bytes in the low 8 bits of each lane (higher bits ignored) as fp32, exactly as
+// packed.h's fp8_e4m3_decode: normal (1 + m/8) 2^(e-7) built from its bits, subnormal
+// m 2^-9 (an exact product), 0x7f / 0xff a positive quiet NaN.
+inline __m512 fp8_e4m3_16(__m512i c) {
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(0xf));
+  const __m512i m = _mm512_and_si512(c, _mm512_set1_epi32(7));
+  const __m512 normal = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                      _mm512_slli_epi32(m, 20)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0x1p-9f));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  const __m512 v = _mm512_mask_blend_ps(is_sub, normal, sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+  const __m512 sv = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7f)),
+                                                _mm512_set1_epi32(0x7f));
+  return _mm512_mask_blend_ps(nan, sv, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+
 template <int B>
 void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*q*/,
                const float* /*qsum*/, int64_t n_q, float* logits, int64_t ld, const void* prep) {
@@ -187,13 +208,21 @@ void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*
       _mm512_store_si512(xw + 16 * k, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off,
                                                                   tile.rec0 + 4 * k, 1));
     const uint8_t* meta = tile.rec0 + f.code_bytes;
-    for (int64_t g = 0; g < ng; ++g) {
-      const __m512i mw =
-          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 4 * g, 1);
-      _mm512_store_ps(lo + 16 * g, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw)));
-      _mm512_store_ps(s + 16 * g,
-                      _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16))));
-    }
+    if (f.meta == MetaType::kF16)
+      for (int64_t g = 0; g < ng; ++g) {
+        const __m512i mw =
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 4 * g, 1);
+        _mm512_store_ps(lo + 16 * g, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw)));
+        _mm512_store_ps(s + 16 * g,
+                        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16))));
+      }
+    else  // fp8: the word ending with the group's (lo, s) bytes (starts inside the record)
+      for (int64_t g = 0; g < ng; ++g) {
+        const __m512i mw =
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 2 * g - 2, 1);
+        _mm512_store_ps(lo + 16 * g, fp8_e4m3_16(_mm512_srli_epi32(mw, 16)));
+        _mm512_store_ps(s + 16 * g, fp8_e4m3_16(_mm512_srli_epi32(mw, 24)));
+      }
     const bool contiguous = rows[n - 1] - rows[0] == n - 1;
     int64_t m0 = 0;
     for (; m0 + 4 <= n_q; m0 += 4)
@@ -228,7 +257,9 @@ PackedKernel kernel() {
 }  // namespace
 
 PackedKernel packed_kernel_vnni(const PackedRowFormat& f) {
-  if (f.spec.ternary() || f.meta != MetaType::kF16 || f.axis != QuantAxis::kToken) return {};
+  if (f.spec.ternary() || (f.meta != MetaType::kF16 && f.meta != MetaType::kFP8E4M3) ||
+      f.axis != QuantAxis::kToken || f.code_bytes < 2)
+    return {};
   const int b = f.spec.bits();
   if (b != 1 && b != 2 && b != 4 && b != 8) return {};
   const int64_t word_ch = 4 * (8 / b);  // channels per 32-bit word

@@ -203,6 +203,28 @@ std::vector<AttnCase> attention_cases(bool small) {
     long_prefill({1000}, DType::kBF16, 1000, 1, 128, 0, 1);  // every query: causal from position 0
     long_prefill({333, 667}, DType::kBF16, 257, 8, 64, 200, 2);
   }
+  // (5) Decode over views long enough that fused_attention.cpp splits each (batch, KV head)
+  // item's rows into parts merged after the loop (kSplitRows = 2048 rows per part): part
+  // boundaries inside segments, fp16 / bf16 / packed rows mixed, explicit positions, a window
+  // that leaves the first parts with no visible key (their sums are 0), one and two queries.
+  for (int k = 0; k < (small ? 2 : 4); ++k) {
+    AttnCase c;
+    SegSpec sink, mid, tail;
+    sink.n = 5;
+    sink.dtype = k % 2 ? DType::kBF16 : DType::kF16;
+    mid.n = k < 2 ? 4200 : 6100;
+    mid.packed = k % 2 == 1;
+    mid.pk.kbits = mid.pk.vbits = 4;
+    mid.pk.group = 32;
+    mid.explicit_pos = k == 2 || k == 3;
+    tail.n = 77;
+    c.segs = {sink, mid, tail};
+    c.n_rep = k % 2 ? 3 : 4;
+    c.n_q = k == 1 ? 2 : 1;
+    c.window = k == 2 || k == 1 ? 3000 : 0;
+    c.batch = k == 3 ? 2 : 1;
+    out.push_back(c);
+  }
   return out;
 }
 

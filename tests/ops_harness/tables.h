@@ -34,7 +34,8 @@ struct AttnCase {
   bool all_fp_dtype(DType t) const;  // every non-empty full-precision segment has dtype t
 };
 
-// Full-precision views, packed and mixed views, windows and edge cases.
+// Full-precision views, packed and mixed views, windows, edge cases, and decode over long
+// views (split into parts by the fused CPU attention).
 std::vector<AttnCase> attention_cases(bool small);
 
 // Decode over packed rows (the packed decode kernels, src/ops/packed_decode.h): every pair of key
