@@ -24,7 +24,15 @@ benches=(cuda_decode_attention cuda_prefill_attention)
 # VQ_BUNDLE=engine: the CUDA engine's test alone (test_cuda_engine), no benchmarks: a small
 # bundle for a call that checks the model forward on the GPU (it reads models/ and tests/data/
 # of the checkout: gpu_run.sh sets VQ_SOURCE_DIR)
+# VQ_BUNDLE=decode: the decode-attention programs alone (decode and cache tests, the op harness,
+# the decode benchmark) plus the peers' wheels when .whl/ holds them: a call that checks the
+# decode kernels and times them beside SDPA and FlashInfer (gpu_run.sh runs what it finds)
 peers=0
+if [ "${VQ_BUNDLE:-full}" = decode ]; then
+  tests=(test_cuda_decode test_cuda_caches test_backend_ops_cuda)
+  benches=(cuda_decode_attention)
+  ls .whl/*.whl >/dev/null 2>&1 && peers=1
+fi
 if [ "${VQ_BUNDLE:-full}" = engine ]; then
   tests=(test_cuda_engine)
   benches=()

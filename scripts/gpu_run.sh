@@ -69,7 +69,7 @@ else
   echo "flashinfer: no wheels in $here/whl (or VQ_PEERS=skip): no peer rows"
 fi
 if [ "$full" = 0 ]; then
-  echo "peers bundle: the other tests, prefill and sanitizer left out; status=$status"
+  echo "peers/decode bundle: the other tests, prefill and sanitizer left out; status=$status"
   exit $status
 fi
 timeout 300 ./cuda_prefill_attention --repeats 5 >"$out/prefill.txt" 2>&1

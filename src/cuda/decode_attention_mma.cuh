@@ -33,7 +33,9 @@
 //      32-bit word of 8 codes, taken by masks without shifts (f16 rows: one byte permute).
 //  (2) online softmax per head (exp2 of log2e-scaled logits; running max per warp and head).
 //  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (part-1
-//      columns zero again; packed: p * scale of the row's group, and p * lo summed on the side).
+//      columns zero again; packed: p * scale of the row's group; the zero-point sums p * lo with
+//      f16 metadata (PK >= 2) on one more mma per warp-tile, A = lo of (group, row), B = p, other
+//      metadata types summed on the side in fp32).
 //      f16 values arrive through ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b +
 //      mu of the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the
 //      next channel, so a lane's codes are one byte per row and block, each code read where it lies
@@ -42,7 +44,8 @@
 //      (4 nibbles: channels +0..+3), made exact fp16 integers by mask + (x - 1024) for the low
 //      nibble of a byte and mask + (x / 16 - 64) for the high one (both exact).
 // Numerics (FlashAttention's, docs/design.md section 4): q and p are rounded once to fp16 (2^-11
-// relative; the zero-point chunk sums are sums of the rounded q), products exact, fp32
+// relative; the zero-point chunk sums are sums of the rounded q; the f16 zero-points of packed
+// values meet the same fp16 p as f16 value rows), products exact, fp32
 // accumulation, softmax max and sum in fp32 from the unrounded p; packed values
 // use B = (p * 2^S) * scale, S warp-uniform and raised (the fp32 accumulators rescaled exactly)
 // whenever a row's scale exceeds the binade of the largest seen so far in the split (any channel
@@ -177,10 +180,11 @@ __device__ __forceinline__ void ldsm_x4_trans(const uint8_t* addr, uint32_t& r0,
 template <bool MF>
 __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int meta, int g,
                                        float& lo, float& sc) {
-  if (MF || meta == 0) {
+  if (MF || meta == 0) {  // the halves of one word, converted in place (no shift)
     const uint32_t w = lds32(rec + code_bytes + 4 * g);
-    lo = decode_impl::f16_bits_to_f32(w);
-    sc = decode_impl::f16_bits_to_f32(w >> 16);
+    const __half2 h = *reinterpret_cast<const __half2*>(&w);
+    lo = __low2float(h);
+    sc = __high2float(h);
   } else if (meta == 1) {
     lo = __uint_as_float(lds32(rec + code_bytes + 8 * g));
     sc = __uint_as_float(lds32(rec + code_bytes + 8 * g + 4));
@@ -362,7 +366,11 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
 
   float m_run[NT], l_run[NT];
   float vacc[NT][MT][4];
-  float vb[NT][NCH];  // packed: sum of p * lo per block for head (g >> 1) + 4 nt (part-0 lanes)
+  float vb[NT][NCH];  // PK 1: sum of p * lo per block for head (g >> 1) + 4 nt (part-0 lanes)
+  // MF: the same sums as the accumulators of one mma per warp-tile (A = the f16 zero-points lo
+  // of metadata group m (rows m < D / group size, rounded up) and of the tile's 16 rows, B = the
+  // probabilities): lane (g, t) holds in [0] the sum of group g for head t + 4 nt
+  float vbm[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     m_run[nt] = -INFINITY;
@@ -373,6 +381,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int i = 0; i < 4; ++i) vacc[nt][j][i] = 0.0f;
 #pragma unroll
     for (int c = 0; c < NCH; ++c) vb[nt][c] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) vbm[nt][i] = 0.0f;
   }
 
   const int hb = g >> 1, partb = g & 1;  // the B-operand column of this lane: head hb, part
@@ -568,7 +578,10 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           for (int j = 0; j < MT; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= al[nt];
-          if constexpr (PK > 0) {
+          if constexpr (MF) {  // columns 2t, 2t + 1: head t + 4 nt, al's head
+#pragma unroll
+            for (int i = 0; i < 4; ++i) vbm[nt][i] *= al[nt];
+          } else if constexpr (PK > 0) {
             const float ab = __shfl_sync(kFull, al[nt], hb);
 #pragma unroll
             for (int c = 0; c < NCH; ++c) vb[nt][c] *= ab;
@@ -586,7 +599,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           const float a1 = __shfl_sync(kFull, pr[w][nt][0], 8 * t + 4 + hb);
           const float a2 = __shfl_sync(kFull, pr[w][nt][1], 8 * t + hb);
           const float a3 = __shfl_sync(kFull, pr[w][nt][1], 8 * t + 4 + hb);
-          const bool on = hb + 4 * nt < G;
+          // zero for the part-1 columns (and heads past G): their B operands need no select
+          const bool on = hb + 4 * nt < G && partb == 0;
           pv[w][nt][0] = on ? a0 : 0.0f;
           pv[w][nt][1] = on ? a1 : 0.0f;
           pv[w][nt][2] = on ? a2 : 0.0f;
@@ -598,8 +612,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           uint32_t b0[NT], b1[NT];
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            b0[nt] = pack_part<BF>(pv[w][nt][0], pv[w][nt][1], partb);
-            b1[nt] = pack_part<BF>(pv[w][nt][2], pv[w][nt][3], partb);
+            b0[nt] = pack_part<BF>(pv[w][nt][0], pv[w][nt][1], 0);
+            b1[nt] = pack_part<BF>(pv[w][nt][2], pv[w][nt][3], 0);
           }
           const int lr = rb0[w] + (lane & 7) + 8 * (lane >> 4);
           const uint8_t* rowp = sv + lr * RB;
@@ -622,6 +636,27 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           rec[w][1] = sv + vmis + (ra + 1) * vrb;
           rec[w][2] = sv + vmis + (ra + 8) * vrb;
           rec[w][3] = sv + vmis + (ra + 9) * vrb;
+        }
+        if constexpr (MF) {
+          // the zero-point sums: A[m][k] = lo of group m in row k (rows 2t, 2t + 1 in a0, 2t + 8,
+          // 2t + 9 in a2; groups 8..15 and those past D / group size zero), B = fp16(p), the
+          // rounding the f16 value rows' probabilities take (FlashAttention numerics)
+          // metadata groups of a record (one group when group size > D)
+          const int ngr = FIX ? NCH : (D + p.pk.group_size - 1) / p.pk.group_size;
+#pragma unroll
+          for (int w = 0; w < W; ++w) {
+            uint32_t a0 = 0u, a2 = 0u;
+            if (g < ngr) {
+              a0 = __byte_perm(lds32(rec[w][0] + vcb + 4 * g), lds32(rec[w][1] + vcb + 4 * g),
+                               0x5410);
+              a2 = __byte_perm(lds32(rec[w][2] + vcb + 4 * g), lds32(rec[w][3] + vcb + 4 * g),
+                               0x5410);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              mma_16816(vbm[nt], a0, 0u, a2, 0u, pack_part(pv[w][nt][0], pv[w][nt][1], 0),
+                        pack_part(pv[w][nt][2], pv[w][nt][3], 0));
+          }
         }
         const int wo = KB == 2 ? 4 * (g >> 2) : 4 * (g >> 1);
         const int bstride = 4 * KB;  // bytes of a 32-channel block's codes
@@ -697,18 +732,18 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           for (int w = 0; w < W; ++w)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              const uint32_t bb0 =
-                  pack_part(pu[w][nt][0] * sc[w][0], pu[w][nt][1] * sc[w][1], partb);
-              const uint32_t bb1 =
-                  pack_part(pu[w][nt][2] * sc[w][2], pu[w][nt][3] * sc[w][3], partb);
+              const uint32_t bb0 = pack_part(pu[w][nt][0] * sc[w][0], pu[w][nt][1] * sc[w][1], 0);
+              const uint32_t bb1 = pack_part(pu[w][nt][2] * sc[w][2], pu[w][nt][3] * sc[w][3], 0);
               mma_16816(vacc[nt][2 * c], e[w][0], e[w][1], e[w][2], e[w][3], bb0, bb1);
               mma_16816(vacc[nt][2 * c + 1], f[w][0], f[w][1], f[w][2], f[w][3], bb0, bb1);
-              float s = vb[nt][c];
-              s = fmaf(pv[w][nt][0], lo[w][0], s);
-              s = fmaf(pv[w][nt][1], lo[w][1], s);
-              s = fmaf(pv[w][nt][2], lo[w][2], s);
-              s = fmaf(pv[w][nt][3], lo[w][3], s);
-              vb[nt][c] = s;
+              if constexpr (!MF) {
+                float s = vb[nt][c];
+                s = fmaf(pv[w][nt][0], lo[w][0], s);
+                s = fmaf(pv[w][nt][1], lo[w][1], s);
+                s = fmaf(pv[w][nt][2], lo[w][2], s);
+                s = fmaf(pv[w][nt][3], lo[w][3], s);
+                vb[nt][c] = s;
+              }
             }
         }
       }
@@ -740,7 +775,10 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       wm[warp * G + h] = m_run[nt];
       wl[warp * G + h] = l;
     }
-    if constexpr (PK > 0) {
+    if constexpr (MF) {  // group g's sum for head h (lanes g < groups), indexed by group
+      if (g < (FIX ? NCH : (D + p.pk.group_size - 1) / p.pk.group_size) && h < G)
+        sbias[(warp * G + h) * NCH + g] = packed ? vbm[nt][0] : 0.0f;
+    } else if constexpr (PK > 0) {
 #pragma unroll
       for (int c = 0; c < NCH; ++c) {
         float s = vb[nt][c];
@@ -790,7 +828,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int w = 0; w < kWarps; ++w) {
         const float f = exp2f(wm[w * G + h] - mx);
         float x = wacc[(w * G + h) * D + d];
-        if (PK > 0 && packed) x += sbias[(w * G + h) * NCH + d / 32];
+        if (PK > 0 && packed)  // MF: by metadata group, PK 1: by 32-channel block
+          x += sbias[(w * G + h) * NCH + (MF ? d / (PK == 3 ? 32 : p.pk.group_size) : d / 32)];
         a += x * f;
         l += wl[w * G + h] * f;
       }

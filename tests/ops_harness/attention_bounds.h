@@ -49,11 +49,14 @@ std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& 
 //    kGpuLogitRel * scale * ||q|| ||k|| for D <= 256;
 //  * values: p (fp32, in [0, 1]; the softmax sum l adds the unrounded p) enters P V as its fp16
 //    rounding (or that of p * scale * 2^S for packed values): relative 2^-11 of p |v - lo| per
-//    term (f16 rows: lo = 0), so the output errs by at most 2^-11 max |v - lo| (the p sum to l);
-//    |lo| <= V (lo is the group's clipped minimum, rounded to its metadata type, which the
-//    group's dequantized values reach to within a step; 1.07 V with fp8 metadata) gives
-//    max |v - lo| < 4 V: kGpuValueRel * V = 2^-9 V. Subnormal p (< 2^-14) err by at most 2^-25 |v|
-//    each, inside the accumulation term 2 gamma(9 n / 8 + 64) V as before.
+//    term (f16 rows: lo = 0); the zero-points of packed values with f16 metadata meet fp16(p)
+//    too (one mma per warp-tile; other metadata types: fp32 p, exact), relative 2^-11 of p |lo|.
+//    So the output errs by at most 2^-11 max (|v - lo| + |lo|) (the p sum to l); |lo| <= 1.07 V
+//    (lo is the group's clipped minimum, rounded to its metadata type, which the group's
+//    dequantized values reach to within a step; 1.07 with fp8 metadata, 1 + 2^-11 with f16)
+//    gives |v - lo| + |lo| <= |v| + 2 |lo| <= 3.14 V < 4 V: kGpuValueRel * V = 2^-9 V. Subnormal p
+//    (< 2^-14) err by at most 2^-25 |v| (2^-25 |lo| for a zero-point term) each, inside the
+//    accumulation term 2 gamma(9 n / 8 + 64) V as before.
 constexpr double kGpuLogitRel = 0x1p-11 + 0x1p-26;
 constexpr double kGpuValueRel = 0x1p-9;
 
