@@ -543,6 +543,14 @@ TEST(TensorParallel, CudaChecksNameDevicesAndNccl) {
   EXPECT_NE(e.find("NCCL"), std::string::npos) << e;
   e = error_of([&] { check_cuda_tensor_parallel(c, 3, 8, true); });
   EXPECT_NE(e.find("N in {1, 2}"), std::string::npos) << e;
+  // N > 1 over real devices with NCCL passes; --tp-simulate needs one device and no NCCL, and
+  // still refuses an N that does not divide the KV heads.
+  EXPECT_NO_THROW(check_cuda_tensor_parallel(c, 2, 2, true));
+  EXPECT_NO_THROW(check_cuda_tensor_parallel(c, 2, 1, false, true));
+  e = error_of([&] { check_cuda_tensor_parallel(c, 2, 0, false, true); });
+  EXPECT_NE(e.find("--tp-simulate: expected a CUDA device"), std::string::npos) << e;
+  e = error_of([&] { check_cuda_tensor_parallel(c, 3, 1, false, true); });
+  EXPECT_NE(e.find("N in {1, 2}"), std::string::npos) << e;
 }
 
 }  // namespace

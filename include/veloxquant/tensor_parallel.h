@@ -92,6 +92,9 @@ class ShardedModel {
 
   const Model& model() const { return model_; }
   const ShardPlan& plan() const { return plan_; }
+  // Rank r's layers: its slices of every layer's weights (norms replicated), the CUDA engine's
+  // upload source.
+  const std::vector<Model::Layer>& rank_layers(int64_t rank) const;
   // One cache per layer per rank (rank_cache_config of each rank).
   RankCaches make_caches(const CacheConfig& cfg) const;
 

@@ -166,6 +166,13 @@ ShardedModel::ShardedModel(const Model& model, int64_t n_ranks)
 
 ShardedModel::~ShardedModel() = default;
 
+const std::vector<Model::Layer>& ShardedModel::rank_layers(int64_t rank) const {
+  VQ_CHECK(rank >= 0 && rank < plan_.n_ranks,
+           "[tensor_parallel] rank_layers: expected a rank in 0.." +
+               std::to_string(plan_.n_ranks - 1) + " but got " + std::to_string(rank));
+  return w_->layers[static_cast<size_t>(rank)];
+}
+
 RankCaches ShardedModel::make_caches(const CacheConfig& cfg) const {
   RankCaches out;
   ModelCacheShape shape = model_.cache_shape();
