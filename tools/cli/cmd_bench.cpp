@@ -65,6 +65,7 @@ struct BenchArgs {
   bool no_check_weights = false;
   bool json = false;
   int64_t tensor_parallel = 1;
+  bool tp_simulate = false;  // --tp-simulate
   bool phases = false;
   bool synthetic_prefill = false;
 };
@@ -176,7 +177,7 @@ int run_bench(const BenchArgs& a) {
   lo.check_finite = !a.no_check_weights;
   const auto model = Model::load(model_dir, lo);
   const ModelConfig& mc = model->config();
-  check_tensor_parallel(mc, dev, a.tensor_parallel, "bench");
+  check_tensor_parallel(mc, dev, a.tensor_parallel, "bench", a.tp_simulate);
   const DType kv = dtype_from_string(a.kv_dtype);
   const int64_t weight_bytes = static_cast<int64_t>(model->checkpoint_bytes());
   const int64_t mem = plannable_device_bytes(dev == Device::kCuda);
@@ -203,6 +204,7 @@ int run_bench(const BenchArgs& a) {
       eo.cache = cfgs[m];
       eo.kv_dtype = kv;
       eo.tensor_parallel = a.tensor_parallel;
+      eo.tp_simulate = a.tp_simulate;
       eo.time_phases = a.phases;
       if (dev == Device::kCuda) {  // refused before the engine uploads anything
         req.max_batch = row.batch;
@@ -361,7 +363,7 @@ void add_bench_command(CLI::App& app, int* status) {
                  "tokens per prefill chunk and per prefill step", "bench");
   add_uint64_option(cmd, "--seed", &a->seed, "prompt ids seed", "bench");
   add_threads_option(cmd, &a->threads, "bench");
-  add_tensor_parallel_option(cmd, &a->tensor_parallel, "bench");
+  add_tensor_parallel_option(cmd, &a->tensor_parallel, "bench", &a->tp_simulate);
   cmd->add_option("--kv-dtype", a->kv_dtype, "K/V dtype handed to the caches")
       ->capture_default_str();
   cmd->add_flag("--max-batch-fit", a->max_batch_fit,
