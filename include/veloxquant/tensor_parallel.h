@@ -112,6 +112,14 @@ class ShardedModel {
   std::unique_ptr<Weights> w_;
 };
 
+// The weight bytes the CUDA engine uploads to its busiest device for N ranks (the memory
+// planner's MemoryPlanRequest::weight_bytes): N = 1, the checkpoint's bytes
+// (Model::checkpoint_bytes); N > 1, per rank its slices of every layer's matrices in their file
+// dtype (a q/k/v or gate/up group of mixed dtypes widened to fp32, as the engine does), its
+// biases and the norms in fp32, the embedding, and on rank 0 the final norm and lm_head (none
+// when tied); the largest rank, or with `simulate` (every rank on one device) their sum.
+int64_t device_weight_bytes(const Model& model, int64_t n_ranks, bool simulate);
+
 // Sharded state, one file with a rank table: one frame (binary_io.h, method "tensor_parallel")
 // holding N, the
 // model's layers, query and KV heads, each rank's KV head range and its layers' cache frames.

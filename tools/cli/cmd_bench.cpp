@@ -43,6 +43,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
+#include "veloxquant/tensor_parallel.h"
 
 namespace vq::cli {
 
@@ -179,7 +180,12 @@ int run_bench(const BenchArgs& a) {
   const ModelConfig& mc = model->config();
   check_tensor_parallel(mc, dev, a.tensor_parallel, "bench", a.tp_simulate);
   const DType kv = dtype_from_string(a.kv_dtype);
-  const int64_t weight_bytes = static_cast<int64_t>(model->checkpoint_bytes());
+  // cuda with tensor_parallel > 1: the plan is the busiest device's (memory_plan.h); the CPU
+  // engine's ranks share one memory and the mapped checkpoint
+  const bool one_memory = a.tp_simulate || dev == Device::kCpu;
+  const int64_t weight_bytes = dev == Device::kCpu
+                                   ? static_cast<int64_t>(model->checkpoint_bytes())
+                                   : device_weight_bytes(*model, a.tensor_parallel, a.tp_simulate);
   const int64_t mem = plannable_device_bytes(dev == Device::kCuda);
 
   std::vector<Row> rows;
@@ -196,6 +202,8 @@ int run_bench(const BenchArgs& a) {
     req.weight_bytes = weight_bytes;
     req.device_bytes = mem;
     req.max_batch = a.batch;
+    req.tensor_parallel = a.tensor_parallel;
+    req.ranks_per_device = one_memory ? a.tensor_parallel : 1;
     row.plan = plan_memory(req);
     row.batch = a.max_batch_fit ? row.plan.max_sequences : a.batch;
     if (a.max_batch_fit && row.batch < 1) check_fits(row.plan, req, 1);  // refuses, naming why

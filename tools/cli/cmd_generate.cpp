@@ -52,6 +52,7 @@
 #include "veloxquant/generate.h"
 #include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
+#include "veloxquant/tensor_parallel.h"
 #include "veloxquant/tokenizer.h"
 
 namespace vq::cli {
@@ -241,7 +242,7 @@ int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
   bo.max_batch = a.max_batch;
   if (dev == Device::kCuda) {
     bo.device_bytes = plannable_device_bytes(true);
-    bo.weight_bytes = static_cast<int64_t>(model.checkpoint_bytes());
+    bo.weight_bytes = device_weight_bytes(model, a.tensor_parallel, a.tp_simulate);
   }
   const auto engine = make_engine(dev, model, eo);
   const BatchGenerateResult r = batch_generate(*engine, prompts, bo);
