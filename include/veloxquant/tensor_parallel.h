@@ -26,8 +26,9 @@
 //   the engines do not expose.
 //
 // Processes: one process drives every rank, one device per rank (the reference communicator
-// runs the ranks in turn on the CPU; NCCL's form is ncclCommInitAll and one ncclAllReduce per
-// rank inside a group). Why: the scheduler, tokenizer, sampler, memory planner and the CLI stay
+// runs the ranks in turn on the CPU; the CUDA engine, src/model/engine_cuda.cpp, uses NCCL's
+// single-process form, ncclCommInitAll and one ncclAllReduce per rank inside a group, or with
+// EngineOptions::tp_simulate runs the ranks on one device with a rank-order device all-reduce). Why: the scheduler, tokenizer, sampler, memory planner and the CLI stay
 // single, so `--tensor-parallel N` needs no launcher and batch_generate.h runs unchanged on top;
 // the cost is one host thread launching every device's kernels (CUDA graphs amortize it).
 //
