@@ -652,7 +652,8 @@ class CudaEngine final : public Engine {
   std::vector<cuda::Stream> streams_;      // one per device used (simulated ranks share one)
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::unique_ptr<Communicator> comm_;  // N > 1
-  // EngineOptions::time_phases: the marks of the current step (on rank 0's stream);
+  // EngineOptions::time_phases: the marks of the current step (rank 0's, on its stream: with
+  // N > 1 the other ranks' work and the all-reduces fall into the phase open at the time);
   // milliseconds per phase summed over steps, [0] prefill/mixed steps, [1] decode steps (every
   // chunk one token).
   cuda::PhaseEvents phases_;
