@@ -639,6 +639,8 @@ class CudaEngine final : public Engine {
                       const std::vector<int64_t>& chunk_start, const cuda::StepTokens& st,
                       AttentionParams ap);
   void mlp_half(size_t r, int64_t li, int64_t T);
+  // The rank's residual x += h (when add) and RMSNorm(x) * weight into R.op as out_t, T rows.
+  void add_norm(Rank& R, int64_t T, bool add, const DeviceBuffer& weight, DType out_t);
   // The sum all-reduce of every rank's R.h [T, hidden] (nothing for N = 1).
   void all_reduce_h(int64_t T);
   // time_phases: closes the step's last phase and adds its marks to the step kind's sums.
@@ -701,16 +703,7 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   const size_t kv_es = dtype_size(opts_.kv_dtype);
   const DevLayer& L = R.layers[static_cast<size_t>(li)];
   mark(r, kPhNorm);
-  cuda::AddNormParams an;
-  an.x = R.x.as<float>();
-  an.add = li > 0 ? R.h.as<float>() : nullptr;
-  an.n_rows = T;
-  an.hidden = Hd;
-  an.weight = L.attn_norm.as<float>();
-  an.eps = c.rms_norm_eps;
-  an.out = R.op.data();
-  an.out_t = L.qkv_t;
-  cuda::add_rmsnorm(an, R.stream);
+  add_norm(R, T, li > 0, L.attn_norm, L.qkv_t);
   mark(r, kPhQkv);
   // one product over the fused q|k|v rows: [T, qd + 2 kd] fp32, rows qkv_cols apart
   const int64_t qkv_cols = L.q.out + L.k.out + L.v.out;
@@ -767,22 +760,26 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   cuda::add_bias(R.h.as<float>(), L.o.bias_ptr(), T, Hd, R.stream);
 }
 
+void CudaEngine::add_norm(Rank& R, int64_t T, bool add, const DeviceBuffer& weight, DType out_t) {
+  cuda::AddNormParams an;
+  an.x = R.x.as<float>();
+  an.add = add ? R.h.as<float>() : nullptr;
+  an.n_rows = T;
+  an.hidden = cfg_.hidden_size;
+  an.weight = weight.as<float>();
+  an.eps = cfg_.rms_norm_eps;
+  an.out = R.op.data();
+  an.out_t = out_t;
+  cuda::add_rmsnorm(an, R.stream);
+}
+
 void CudaEngine::mlp_half(size_t r, int64_t li, int64_t T) {
   Rank& R = *ranks_[r];
   const ModelConfig& c = cfg_;
   const int64_t Hd = c.hidden_size, I = R.inter;
   const DevLayer& L = R.layers[static_cast<size_t>(li)];
   mark(r, kPhNorm);
-  cuda::AddNormParams an;
-  an.x = R.x.as<float>();
-  an.add = R.h.as<float>();
-  an.n_rows = T;
-  an.hidden = Hd;
-  an.weight = L.mlp_norm.as<float>();
-  an.eps = c.rms_norm_eps;
-  an.out = R.op.data();
-  an.out_t = L.gate_up_t;
-  cuda::add_rmsnorm(an, R.stream);
+  add_norm(R, T, true, L.mlp_norm, L.gate_up_t);
   mark(r, kPhMlp);
   // one product over the fused gate|up rows: [T, 2I] fp32
   R.blas->gemm(L.gate.w, L.gate.t, 2 * I, L.gate.in, R.op.data(), T, R.gu.as<float>());
