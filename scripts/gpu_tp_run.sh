@@ -12,13 +12,19 @@ root=$(pwd)
 out=${OUT:-$here/out}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-rm -rf /tmp/vqtp && mkdir -p /tmp/vqtp && tar xJf "$here/gpu.txz" -C /tmp/vqtp
 export LD_LIBRARY_PATH=/tmp/vqtp/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 nccl=$(python3 -c 'import os, nvidia.nccl as m; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null)
 for d in "$nccl" /usr/local/cuda/lib64 /usr/local/cuda/lib \
   /opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib; do
   [ -n "$d" ] && [ -d "$d" ] && LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$d
 done
+bundle=$here/gpu.txz
+rm -rf /tmp/vqtp && mkdir -p /tmp/vqtp && tar xJf "$bundle" -C /tmp/vqtp
+if ldd /tmp/vqtp/test_cuda_tensor_parallel | grep -q "libnccl.*not found"; then
+  bundle=$here/nonccl/gpu.txz
+  echo "no libnccl.so.2 on this host: the bundle without NCCL ($bundle)"
+  rm -rf /tmp/vqtp && mkdir -p /tmp/vqtp && tar xJf "$bundle" -C /tmp/vqtp
+fi
 export VQ_SOURCE_DIR=$root VQ_MODEL_DIR=$root/models/vq-mini-llama
 log=$out/log.txt
 exec > >(tee -a "$log") 2>&1
