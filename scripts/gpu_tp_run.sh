@@ -40,13 +40,13 @@ run() {  # label, timeout, command...
   echo "=== $label rc=$? ${SECONDS}s"
 }
 V=/tmp/vqtp/veloxquant
-run test_cuda_tensor_parallel 120 /tmp/vqtp/test_cuda_tensor_parallel
-run test_nccl_communicator 30 /tmp/vqtp/test_nccl_communicator
-run test_cuda_engine 60 /tmp/vqtp/test_cuda_engine
-run generate-tp2-sim 30 "$V" generate --device cuda --tensor-parallel 2 --tp-simulate \
+run test_cuda_tensor_parallel 100 /tmp/vqtp/test_cuda_tensor_parallel
+run test_nccl_communicator 20 /tmp/vqtp/test_nccl_communicator
+run test_cuda_engine 45 /tmp/vqtp/test_cuda_engine
+run generate-tp2-sim 15 "$V" generate --device cuda --tensor-parallel 2 --tp-simulate \
   --cache skvq:bits_key=4:bits_value=4:rotation=hadamard \
   --prompt "The capital of France is" --max-tokens 24
-run generate-tp1 30 "$V" generate --device cuda --cache skvq:bits_key=4:bits_value=4:rotation=hadamard --prompt "The capital of France is" --max-tokens 24
-run generate-tp2-real 15 "$V" generate --device cuda --tensor-parallel 2 --prompt "x" --max-tokens 1
-run bench-tp2-sim 60 "$V" bench --device cuda --tensor-parallel 2 --tp-simulate \
+run generate-tp1 15 "$V" generate --device cuda --cache skvq:bits_key=4:bits_value=4:rotation=hadamard --prompt "The capital of France is" --max-tokens 24
+run generate-tp2-real 10 "$V" generate --device cuda --tensor-parallel 2 --prompt "x" --max-tokens 1
+run bench-tp2-sim 25 "$V" bench --device cuda --tensor-parallel 2 --tp-simulate \
   --methods full,skvq:bits_key=2:bits_value=2 --batch 4 --context 1024 --gen 16 --json
