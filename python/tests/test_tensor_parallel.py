@@ -101,8 +101,36 @@ def test_rank_cache_state_names_its_heads(tmp_path):
     same = veloxquant.Cache(spec, model_config=cfg, kv_heads=(half, cfg.num_key_value_heads))
     buf.seek(0)
     same.load(buf)
-    assert same.memory() == cache.memory()
+    for key in ("bytes_accounted", "fp16_bytes"):  # resident bytes follow the allocations
+        assert same.memory()[key] == cache.memory()[key], key
     other = veloxquant.Cache(spec, model_config=cfg)
     buf.seek(0)
     with pytest.raises(RuntimeError, match="KV heads"):
         other.load(buf)
+
+
+def test_rank_cache_is_the_one_process_cache_restricted_to_its_heads():
+    """A rank's layer (kv_heads=(first, total)) fed its heads' slice of the K/V and its query
+    heads gives, bit for bit, the one-process layer's attention output for those heads: rotated
+    4-bit SKVQ, so the Hadamard signs must be the global heads' (with the signs of heads 0..
+    on rank 1 the codes, hence the outputs, differ)."""
+    spec = "skvq:bits_key=4:bits_value=4:group_size=16:window=16:n_sink=2:rotation=hadamard"
+    h, g, d, n = 4, 2, 16, 40
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)
+    q = torch.randn(1, h * g, n, d, generator=gen)
+    one = veloxquant.CacheLayer(veloxquant.CacheConfig(spec))
+    one.lazy_initialization(k, v)
+    want = torch.empty_like(q)
+    one._cache.attend(k, v, q, want, 0.0, 0, False)
+    for r in range(2):
+        heads = slice(2 * r, 2 * r + 2)
+        qh = slice(2 * r * g, (2 * r + 2) * g)
+        layer = veloxquant.CacheLayer(veloxquant.CacheConfig(spec), kv_heads=(2 * r, h))
+        # fresh dense copies: contiguous() and clone() keep a batch-1 slice's batch stride,
+        # which the extension's contiguity check refuses
+        kr, vr, qr = (torch.empty(t.shape).copy_(t) for t in (k[:, heads], v[:, heads], q[:, qh]))
+        layer.lazy_initialization(kr, vr)
+        got = torch.empty_like(qr)
+        layer._cache.attend(kr, vr, qr, got, 0.0, 0, False)
+        assert torch.equal(got, want[:, qh]), r
