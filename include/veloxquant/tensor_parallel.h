@@ -31,7 +31,8 @@
 // EngineOptions::tp_simulate runs the ranks on one device with a rank-order device all-reduce).
 // Why: the scheduler, tokenizer, sampler, memory planner and the CLI stay single, so
 // `--tensor-parallel N` needs no launcher and batch_generate.h runs unchanged on top; the cost is
-// one host thread launching every device's kernels (CUDA graphs amortize it).
+// one host thread launching every device's kernels in turn (the engine captures no CUDA graphs:
+// engine_cuda.cpp says why).
 //
 // Numerics: a rank's partial o_proj/down_proj sums run over its K / N input columns in the
 // kernel's fp32 order, then the all-reduce adds the N partials in rank order in fp32. Against
