@@ -18,6 +18,7 @@
 #include "veloxquant/builder.h"
 #include "veloxquant/engine.h"
 #include "veloxquant/error.h"
+#include "veloxquant/memory_plan.h"
 #include "veloxquant/skvq_cache.h"
 #include "veloxquant/tensor_parallel.h"
 
@@ -543,6 +544,101 @@ TEST(TensorParallel, CudaChecksNameDevicesAndNccl) {
   EXPECT_NE(e.find("NCCL"), std::string::npos) << e;
   e = error_of([&] { check_cuda_tensor_parallel(c, 3, 8, true); });
   EXPECT_NE(e.find("N in {1, 2}"), std::string::npos) << e;
+  // N > 1 over real devices with NCCL passes; --tp-simulate needs one device and no NCCL, and
+  // still refuses an N that does not divide the KV heads.
+  EXPECT_NO_THROW(check_cuda_tensor_parallel(c, 2, 2, true));
+  EXPECT_NO_THROW(check_cuda_tensor_parallel(c, 2, 1, false, true));
+  e = error_of([&] { check_cuda_tensor_parallel(c, 2, 0, false, true); });
+  EXPECT_NE(e.find("--tp-simulate: expected a CUDA device"), std::string::npos) << e;
+  e = error_of([&] { check_cuda_tensor_parallel(c, 3, 1, false, true); });
+  EXPECT_NE(e.find("N in {1, 2}"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace vq
+
+namespace vq {
+namespace {
+
+// ---- the per-device memory planner (memory_plan.h with tensor_parallel)
+// ---------------------------
+
+// Every cache byte formula is a sum over KV heads, so a rank's caches are exactly 1/N of one
+// device's and the simulated ranks' device holds exactly one device's; a rank's workspace is
+// smaller; N that does not divide the KV heads and a ranks_per_device other than 1 or N are
+// refused.
+TEST(TensorParallel, MemoryPlanIsPerDevice) {
+  const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-tp"), many_kv_heads());
+  const auto m = Model::load(dir);
+  const ModelConfig& c = m->config();
+  for (const std::string& spec : method_specs(c.head_dim)) {
+    SCOPED_TRACE(spec);
+    MemoryPlanRequest req;
+    req.model = c;
+    req.cache = parse_cache_arg(spec);
+    req.prompt_tokens = 100;
+    req.max_new_tokens = 20;
+    req.prefill_step = 32;
+    req.weight_bytes = device_weight_bytes(*m, 1, false);
+    req.device_bytes = int64_t{64} << 20;
+    req.max_batch = 4;
+    const MemoryPlan one = plan_memory(req);
+    for (int64_t n : {2, 4}) {
+      req.tensor_parallel = n;
+      req.ranks_per_device = 1;
+      req.weight_bytes = device_weight_bytes(*m, n, false);
+      const MemoryPlan rank = plan_memory(req);
+      EXPECT_EQ(rank.cache_bytes_peak * n, one.cache_bytes_peak);
+      EXPECT_EQ(rank.cache_bytes_prompt * n, one.cache_bytes_prompt);
+      EXPECT_LT(rank.workspace_bytes, one.workspace_bytes);
+      EXPECT_LT(rank.weight_bytes, one.weight_bytes);
+      EXPECT_GE(rank.max_sequences, one.max_sequences);
+      req.ranks_per_device = n;
+      req.weight_bytes = device_weight_bytes(*m, n, true);
+      const MemoryPlan sim = plan_memory(req);
+      EXPECT_EQ(sim.cache_bytes_peak, one.cache_bytes_peak);
+      EXPECT_EQ(sim.cache_bytes_resident, rank.cache_bytes_resident * n);
+      EXPECT_EQ(sim.workspace_bytes, rank.workspace_bytes * n);
+    }
+    req.tensor_parallel = 3;
+    req.ranks_per_device = 1;
+    std::string e = error_of([&] { plan_memory(req); });
+    EXPECT_NE(e.find("N in {1, 2, 4}"), std::string::npos) << e;
+    req.tensor_parallel = 2;
+    req.ranks_per_device = 3;
+    e = error_of([&] { plan_memory(req); });
+    EXPECT_NE(e.find("ranks_per_device: expected 1"), std::string::npos) << e;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// device_weight_bytes: N = 1 is the checkpoint; the simulated device holds every rank's slices,
+// i.e. each layer's matrices once (at their uploaded dtype), the biases once, and the embedding
+// and norms once per rank, plus rank 0's final norm and (untied) lm_head; a rank's device holds
+// between 1/N of that and all of it.
+TEST(TensorParallel, DeviceWeightBytesCountEveryRanksUpload) {
+  const std::string dir = test::write_tiny_model(test::make_temp_dir("vq-tp"), many_kv_heads());
+  const auto m = Model::load(dir);
+  EXPECT_EQ(device_weight_bytes(*m, 1, false), static_cast<int64_t>(m->checkpoint_bytes()));
+  auto mat = [](const Linear& l) {
+    return l.out * l.in * static_cast<int64_t>(dtype_size(l.dtype)) +
+           4 * static_cast<int64_t>(l.bias.size());
+  };
+  for (int64_t n : {2, 4}) {
+    int64_t want = 0;
+    for (const Model::Layer& L : m->layers())
+      want += mat(L.q) + mat(L.k) + mat(L.v) + mat(L.o) + mat(L.gate) + mat(L.up) + mat(L.down) +
+              n * 4 * static_cast<int64_t>(L.attn_norm.size() + L.mlp_norm.size());
+    const Linear& e = m->embedding();
+    want += n * e.out * e.in * static_cast<int64_t>(dtype_size(e.dtype)) +
+            4 * static_cast<int64_t>(m->final_norm().size());
+    if (m->lm_head().w != e.w) want += mat(m->lm_head());
+    EXPECT_EQ(device_weight_bytes(*m, n, true), want) << "N = " << n;
+    const int64_t largest = device_weight_bytes(*m, n, false);
+    EXPECT_GE(largest * n, want);
+    EXPECT_LT(largest, want);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -48,7 +48,9 @@ struct BatchGenerateOptions {
   int64_t max_batch = 8;  // sequences live at once at most
   // Memory the planner may give the weights, workspace and caches; 0 = no memory limit.
   int64_t device_bytes = 0;
-  int64_t weight_bytes = 0;  // the checkpoint's bytes (Model::checkpoint_bytes)
+  // the checkpoint's bytes (Model::checkpoint_bytes); with tensor parallelism the busiest
+  // device's (device_weight_bytes, tensor_parallel.h): the plan is per device
+  int64_t weight_bytes = 0;
   // true: min(max_batch, prompts) sequences must fit at once or the request is refused (bench);
   // false: admission is capped at what fits and only a request of which not one fits is refused.
   bool require_full_batch = false;

@@ -44,9 +44,15 @@ struct EngineOptions {
   MatmulPrecision matmul = MatmulPrecision::kExact;  // CPU engine only
   // Ranks of tensor parallelism (veloxquant/tensor_parallel.h); must divide the KV heads. The
   // CPU engine runs N > 1 as simulated ranks with the reference all-reduce (same tokens, logits
-  // within the declared bound: a check of the sharding); the CUDA engine needs N visible devices
-  // and a build with NCCL, and refuses otherwise naming what is missing.
+  // within the declared bound: a check of the sharding); the CUDA engine runs rank r on device r
+  // with NCCL's all-reduce (N visible devices and a build with NCCL, refused otherwise naming
+  // what is missing), or with tp_simulate N simulated ranks on the current device.
   int64_t tensor_parallel = 1;
+  // CUDA engine, a test/diagnostic switch (`--tp-simulate`): the N ranks share the current device
+  // and one stream, each with its own weight shard, caches and scratch, and their all-reduce sums
+  // in rank order on the device (cuda::make_device_reference_communicator), so the sharded
+  // engine runs on one GPU. Costs N replicated embeddings and N times the launches; no speed-up.
+  bool tp_simulate = false;
   // CUDA engine: time each phase of step() with CUDA events (phase_times(); `bench --phases`).
   // Results are unchanged; each step then waits for its last event (one host sync per step).
   bool time_phases = false;
@@ -138,10 +144,12 @@ std::unique_ptr<Engine> make_cpu_engine(const Model& model, const EngineOptions&
 std::unique_ptr<Engine> make_cuda_engine(const Model& model, const EngineOptions& opts);
 
 // The CUDA engine's tensor-parallel checks, made before anything is uploaded: N divides the KV
-// heads (make_shard_plan), N <= the visible devices ("[engine] --tensor-parallel N: expected at
-// most D (the CUDA devices visible) but got N"), and for N > 1 a build with NCCL and the
-// engine's multi-device path. vq::Error naming what is missing.
-void check_cuda_tensor_parallel(const ModelConfig& c, int64_t n, int device_count, bool nccl);
+// heads (make_shard_plan); with `simulate` (EngineOptions::tp_simulate) one visible device is
+// enough; otherwise N <= the visible devices ("[engine] --tensor-parallel N: expected at most D
+// (the CUDA devices visible) but got N ...") and for N > 1 a build with NCCL. vq::Error naming
+// what is missing.
+void check_cuda_tensor_parallel(const ModelConfig& c, int64_t n, int device_count, bool nccl,
+                                bool simulate = false);
 // vq::Error unless layer is in [0, n_layers) and head in [0, n_kv_heads) (both engines'
 // stored_positions).
 void check_layer_head(const ModelConfig& c, int64_t layer, int64_t head);

@@ -17,6 +17,9 @@
 // Weights: the checkpoint's bytes (Model::checkpoint_bytes; uploaded once in their file dtype).
 // Workspace: the forward pass's fp32 activations for a step of `step_tokens` tokens (the prefill
 // chunk budget) plus the logits of max_batch sequences.
+// With tensor parallelism the figures are one device's: its ranks' caches (each rank's formulas
+// over its heads: every byte formula above is a sum over heads), its ranks' workspaces and the
+// weights the caller names; a batch that does not fit on a device is refused before allocation.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +41,14 @@ struct MemoryPlanRequest {
   int64_t weight_bytes = 0;      // the checkpoint's bytes
   int64_t device_bytes = 0;      // memory the weights, workspace and caches may use
   int64_t max_batch = 1;         // sequences decoded together (the logits rows of a step)
+  // Tensor parallelism (veloxquant/tensor_parallel.h): N ranks (must divide the KV heads), each
+  // holding n_kv_heads / N heads of every cache and the activations of its shard (query heads,
+  // KV heads and intermediate columns / N, hidden and logits whole). ranks_per_device: 1 (one
+  // device per rank: the plan is one device's, the largest rank's) or N (EngineOptions::
+  // tp_simulate: every rank on one device). The plan is then per device: weight_bytes must be
+  // that device's weights (device_weight_bytes, tensor_parallel.h) and device_bytes its memory.
+  int64_t tensor_parallel = 1;
+  int64_t ranks_per_device = 1;
 };
 
 struct MemoryPlan {
@@ -54,7 +65,8 @@ struct MemoryPlan {
   std::string summary() const;  // one line: the figures above in MiB
 };
 
-// Errors (vq::Error "[memory_plan] ..."): prompt_tokens < 1, max_new_tokens < 0,
+// Errors (vq::Error "[memory_plan] ..."): tensor_parallel not dividing the KV heads,
+// ranks_per_device neither 1 nor tensor_parallel, prompt_tokens < 1, max_new_tokens < 0,
 // prefill_step < 1, max_batch < 1, negative byte counts, a context past the model's
 // max_position_embeddings, an invalid cache config.
 MemoryPlan plan_memory(const MemoryPlanRequest& req);

@@ -26,10 +26,13 @@
 //   the engines do not expose.
 //
 // Processes: one process drives every rank, one device per rank (the reference communicator
-// runs the ranks in turn on the CPU; NCCL's form is ncclCommInitAll and one ncclAllReduce per
-// rank inside a group). Why: the scheduler, tokenizer, sampler, memory planner and the CLI stay
-// single, so `--tensor-parallel N` needs no launcher and batch_generate.h runs unchanged on top;
-// the cost is one host thread launching every device's kernels (CUDA graphs amortize it).
+// runs the ranks in turn on the CPU; the CUDA engine, src/model/engine_cuda.cpp, uses NCCL's
+// single-process form, ncclCommInitAll and one ncclAllReduce per rank inside a group, or with
+// EngineOptions::tp_simulate runs the ranks on one device with a rank-order device all-reduce).
+// Why: the scheduler, tokenizer, sampler, memory planner and the CLI stay single, so
+// `--tensor-parallel N` needs no launcher and batch_generate.h runs unchanged on top; the cost is
+// one host thread launching every device's kernels in turn (the engine captures no CUDA graphs:
+// engine_cuda.cpp says why).
 //
 // Numerics: a rank's partial o_proj/down_proj sums run over its K / N input columns in the
 // kernel's fp32 order, then the all-reduce adds the N partials in rank order in fp32. Against
@@ -92,6 +95,9 @@ class ShardedModel {
 
   const Model& model() const { return model_; }
   const ShardPlan& plan() const { return plan_; }
+  // Rank r's layers: its slices of every layer's weights (norms replicated), the CUDA engine's
+  // upload source.
+  const std::vector<Model::Layer>& rank_layers(int64_t rank) const;
   // One cache per layer per rank (rank_cache_config of each rank).
   RankCaches make_caches(const CacheConfig& cfg) const;
 
@@ -108,6 +114,14 @@ class ShardedModel {
   ShardPlan plan_;
   std::unique_ptr<Weights> w_;
 };
+
+// The weight bytes the CUDA engine uploads to its busiest device for N ranks (the memory
+// planner's MemoryPlanRequest::weight_bytes): N = 1, the checkpoint's bytes
+// (Model::checkpoint_bytes); N > 1, per rank its slices of every layer's matrices in their file
+// dtype (a q/k/v or gate/up group of mixed dtypes widened to fp32, as the engine does), its
+// biases and the norms in fp32, the embedding, and on rank 0 the final norm and lm_head (none
+// when tied); the largest rank, or with `simulate` (every rank on one device) their sum.
+int64_t device_weight_bytes(const Model& model, int64_t n_ranks, bool simulate);
 
 // Sharded state, one file with a rank table: one frame (binary_io.h, method "tensor_parallel")
 // holding N, the

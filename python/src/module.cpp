@@ -145,14 +145,19 @@ auto as_value_error(F&& fn) {
   }
 }
 
-// The config of a layer: the JSON the Python side built (method + fields), with head_dim.
-vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim) {
+// The config of a layer: the JSON the Python side built (method + fields), with head_dim and the
+// layer's KV heads this cache holds (CacheConfig::kv_head_first / kv_heads_total: a tensor-parallel
+// rank's share; 0, 0 = not sharded).
+vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim,
+                             int64_t kv_head_first, int64_t kv_heads_total) {
   return as_value_error([&] {
     vq::CacheConfig cfg = vq::config_from_json(config_json);
     VQ_CHECK(head_dim >= 1 && head_dim <= vq::kMaxCacheHeadDim,
              "[veloxquant.Cache] head_dim: expected 1.." + std::to_string(vq::kMaxCacheHeadDim) +
                  " but got " + std::to_string(head_dim));
     cfg.head_dim = head_dim;
+    cfg.kv_head_first = kv_head_first;
+    cfg.kv_heads_total = kv_heads_total;
     vq::check_cache_config(cfg);
     return cfg;
   });
@@ -221,8 +226,9 @@ class LayerBase {
 // One layer's cache (one KVCache of the configured method).
 class LayerCache : public LayerBase<vq::KVCache> {
  public:
-  LayerCache(const std::string& config_json, int64_t head_dim) {
-    cache_ = vq::make_cache(layer_config(config_json, head_dim));
+  LayerCache(const std::string& config_json, int64_t head_dim, int64_t kv_head_first,
+             int64_t kv_heads_total) {
+    cache_ = vq::make_cache(layer_config(config_json, head_dim, kv_head_first, kv_heads_total));
   }
 
   // One attention step: appends keys/values [B, H_kv, S, D] and writes attention of the queries
@@ -258,13 +264,14 @@ class LayerCache : public LayerBase<vq::KVCache> {
 class DeviceLayerCache : public LayerBase<vq::cuda::DeviceKVCache> {
  public:
   DeviceLayerCache(const std::string& config_json, int64_t head_dim, int64_t batch,
-                   int64_t n_kv_heads, uintptr_t stream, int32_t device)
+                   int64_t n_kv_heads, uintptr_t stream, int32_t device, int64_t kv_head_first,
+                   int64_t kv_heads_total)
       : stream_(stream), device_(device) {
     if (!kBuiltWithCuda)
       throw std::runtime_error(
           "[veloxquant.Cache] this veloxquant was built without CUDA: reinstall with VQ_CUDA=ON "
           "pip install .");
-    const vq::CacheConfig cfg = layer_config(config_json, head_dim);
+    const vq::CacheConfig cfg = layer_config(config_json, head_dim, kv_head_first, kv_heads_total);
     cache_ = as_value_error([&] {
       return vq::cuda::make_device_cache(cfg, batch, n_kv_heads, head_dim, as_stream(stream));
     });
@@ -370,16 +377,20 @@ NB_MODULE(_veloxquant, m) {
       "cuda_built", [] { return kBuiltWithCuda; }, "True when built with VQ_CUDA=ON.");
 
   nb::class_<LayerCache> layer(m, "LayerCache");
-  layer.def(nb::init<const std::string&, int64_t>(), nb::arg("config_json"), nb::arg("head_dim"))
+  layer
+      .def(nb::init<const std::string&, int64_t, int64_t, int64_t>(), nb::arg("config_json"),
+           nb::arg("head_dim"), nb::arg("kv_head_first") = 0, nb::arg("kv_heads_total") = 0)
       .def("attend", &LayerCache::attend, nb::arg("keys"), nb::arg("values"), nb::arg("queries"),
            nb::arg("out"), nb::arg("scale"), nb::arg("window"), nb::arg("pass_queries"));
   LayerCache::bind(layer);
 
   nb::class_<DeviceLayerCache> device_layer(m, "DeviceLayerCache");
   device_layer
-      .def(nb::init<const std::string&, int64_t, int64_t, int64_t, uintptr_t, int32_t>(),
+      .def(nb::init<const std::string&, int64_t, int64_t, int64_t, uintptr_t, int32_t, int64_t,
+                    int64_t>(),
            nb::arg("config_json"), nb::arg("head_dim"), nb::arg("batch"), nb::arg("n_kv_heads"),
-           nb::arg("stream"), nb::arg("device"))
+           nb::arg("stream"), nb::arg("device"), nb::arg("kv_head_first") = 0,
+           nb::arg("kv_heads_total") = 0)
       .def("attend", &DeviceLayerCache::attend, nb::arg("keys"), nb::arg("values"),
            nb::arg("queries"), nb::arg("out"), nb::arg("scale"), nb::arg("window"),
            nb::arg("pass_queries"), nb::arg("stream"))

@@ -19,6 +19,9 @@ from conftest import kv, tiny_llama
 
 SPECS = ["full",
          "skvq:bits_key=8:bits_value=8:group_size=16:window=16:n_sink=2",
+         # signs of the rank's global heads (kv_heads="auto": tp_kv_heads); with the signs of
+         # heads 0.. on rank 1 the rotated keys would differ from one process's
+         "skvq:bits_key=8:bits_value=8:group_size=16:window=16:n_sink=2:rotation=hadamard",
          "snapkv+skvq:snap_budget=40:obs_window=8:snap_n_sink=2:bits_key=8:bits_value=8:"
          "group_size=16:skvq_window=16:skvq_n_sink=2:evict_at=prompt_end"]
 
@@ -68,3 +71,66 @@ def test_tp_plan_ranks_hold_their_heads_and_match_one_process(tmp_path, prompt):
             diff = (torch.tensor(got["scores"]) - scores).abs().max().item()
             assert diff <= bound, (spec, r, diff, bound)
             assert got["kv_heads"] == [cfg.num_key_value_heads // 2] * cfg.num_hidden_layers
+            half = cfg.num_key_value_heads // 2
+            assert got["kv_head_range"] == [r * half, cfg.num_key_value_heads], (spec, r)
+
+
+def test_tp_kv_heads_outside_torch_distributed_is_not_sharded():
+    cfg = tiny_llama().config
+    assert veloxquant.tp_kv_heads(cfg) == (0, 0)
+    assert veloxquant.Cache("full", model_config=cfg).kv_heads == (0, 0)
+    with pytest.raises(ValueError, match="kv_heads: expected 'auto'"):
+        veloxquant.Cache("full", model_config=cfg, kv_heads="all")
+
+
+def test_rank_cache_state_names_its_heads(tmp_path):
+    """A rank's cache (kv_heads given) saves its head range and loads only into the same range."""
+    import io
+    cfg = tiny_llama().config
+    spec = "skvq:bits_key=8:bits_value=8:group_size=16:window=16:n_sink=2:rotation=hadamard"
+    half = cfg.num_key_value_heads // 2
+    cache = veloxquant.Cache(spec, model_config=cfg, kv_heads=(half, cfg.num_key_value_heads))
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    k = torch.randn(1, half, 40, cfg.hidden_size // cfg.num_attention_heads)
+    for layer in cache.layers:
+        layer.lazy_initialization(k, k)
+        layer._cache.attend(k, k, torch.randn(1, g * half, 40, k.shape[-1]),
+                            torch.empty(1, g * half, 40, k.shape[-1]), 0.0, 0, False)
+    buf = io.BytesIO()
+    cache.save(buf)
+    same = veloxquant.Cache(spec, model_config=cfg, kv_heads=(half, cfg.num_key_value_heads))
+    buf.seek(0)
+    same.load(buf)
+    for key in ("bytes_accounted", "fp16_bytes"):  # resident bytes follow the allocations
+        assert same.memory()[key] == cache.memory()[key], key
+    other = veloxquant.Cache(spec, model_config=cfg)
+    buf.seek(0)
+    with pytest.raises(RuntimeError, match="KV heads"):
+        other.load(buf)
+
+
+def test_rank_cache_is_the_one_process_cache_restricted_to_its_heads():
+    """A rank's layer (kv_heads=(first, total)) fed its heads' slice of the K/V and its query
+    heads gives, bit for bit, the one-process layer's attention output for those heads: rotated
+    4-bit SKVQ, so the Hadamard signs must be the global heads' (with the signs of heads 0..
+    on rank 1 the codes, hence the outputs, differ)."""
+    spec = "skvq:bits_key=4:bits_value=4:group_size=16:window=16:n_sink=2:rotation=hadamard"
+    h, g, d, n = 4, 2, 16, 40
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)
+    q = torch.randn(1, h * g, n, d, generator=gen)
+    one = veloxquant.CacheLayer(veloxquant.CacheConfig(spec))
+    one.lazy_initialization(k, v)
+    want = torch.empty_like(q)
+    one._cache.attend(k, v, q, want, 0.0, 0, False)
+    for r in range(2):
+        heads = slice(2 * r, 2 * r + 2)
+        qh = slice(2 * r * g, (2 * r + 2) * g)
+        layer = veloxquant.CacheLayer(veloxquant.CacheConfig(spec), kv_heads=(2 * r, h))
+        # fresh dense copies: contiguous() and clone() keep a batch-1 slice's batch stride,
+        # which the extension's contiguity check refuses
+        kr, vr, qr = (torch.empty(t.shape).copy_(t) for t in (k[:, heads], v[:, heads], q[:, qh]))
+        layer.lazy_initialization(kr, vr)
+        got = torch.empty_like(qr)
+        layer._cache.attend(kr, vr, qr, got, 0.0, 0, False)
+        assert torch.equal(got, want[:, qh]), r

@@ -25,6 +25,7 @@ for spec in specs:
                          output_scores=True, return_dict_in_generate=True)
     result[spec] = {"tokens": out.sequences[0].tolist(),
                     "scores": torch.stack(out.scores).flatten().tolist(),
-                    "kv_heads": [layer._cache.n_kv_heads for layer in cache.layers]}
+                    "kv_heads": [layer._cache.n_kv_heads for layer in cache.layers],
+                    "kv_head_range": list(cache.kv_heads)}
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)

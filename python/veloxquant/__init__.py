@@ -11,12 +11,12 @@ Importing the package registers the "veloxquant" attention function (attention.p
 from . import _veloxquant
 from .attention import register as _register
 from .attention import veloxquant_attention
-from .cache import Cache, CacheLayer
+from .cache import Cache, CacheLayer, tp_kv_heads
 from .config import CacheConfig, methods
 
 __version__ = "0.1.0"
 __all__ = ["Cache", "CacheLayer", "CacheConfig", "methods", "veloxquant_attention",
-           "cuda_available"]
+           "cuda_available", "tp_kv_heads"]
 
 
 def cuda_available() -> bool:

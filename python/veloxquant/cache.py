@@ -46,17 +46,37 @@ def check_device(device: torch.device) -> None:
         raise ValueError(f"[veloxquant.Cache] expected CPU or CUDA tensors but got {device}")
 
 
+def tp_kv_heads(model_config: Any) -> tuple:
+    """(kv_head_first, kv_heads_total) of this process under transformers' tensor parallelism
+    (tp_plan: k_proj / v_proj split by output rows, so rank r of W holds KV heads
+    [r H / W, (r + 1) H / W) of H): what a rank's Cache needs for exact Hadamard signs and
+    calibrated permutation files (CacheConfig::kv_head_first, include/veloxquant/cache_config.h).
+    (0, 0), not sharded, outside an initialised torch.distributed or with one process."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return (0, 0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    total = int(getattr(model_config, "num_key_value_heads", None)
+                or model_config.num_attention_heads)
+    if total % world:
+        raise ValueError(f"[veloxquant.Cache] tensor parallelism: expected the world size to divide "
+                         f"the model's {total} KV heads but got {world} processes")
+    return (rank * total // world, total)
+
+
 def _new_storage(config: CacheConfig, head_dim: int, device: torch.device, batch: int,
-                 n_kv_heads: int):
+                 n_kv_heads: int, kv_heads: tuple = (0, 0)):
     """The C++ layer for `device`: LayerCache (CPU; B and H_kv taken at its first step) or
-    DeviceLayerCache (CUDA: B, H_kv and D fixed now, on torch's current stream of `device`)."""
+    DeviceLayerCache (CUDA: B, H_kv and D fixed now, on torch's current stream of `device`).
+    kv_heads: (kv_head_first, kv_heads_total), the layer's heads this cache holds."""
     if device.type == "cpu":
-        return _vq.LayerCache(config.to_json(), head_dim)
+        return _vq.LayerCache(config.to_json(), head_dim, *kv_heads)
     check_device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
         stream = torch.cuda.current_stream().cuda_stream
-        return _vq.DeviceLayerCache(config.to_json(), head_dim, batch, n_kv_heads, stream, index)
+        return _vq.DeviceLayerCache(config.to_json(), head_dim, batch, n_kv_heads, stream, index,
+                                    *kv_heads)
 
 
 
@@ -67,9 +87,10 @@ class CacheLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, kv_heads: tuple = (0, 0)):
         super().__init__()
         self.config = config
+        self.kv_heads = (int(kv_heads[0]), int(kv_heads[1]))  # (kv_head_first, kv_heads_total)
         self._cache: Any = None  # _veloxquant.LayerCache, created at the first update
         self._pending = False
         self.head_dim = 0
@@ -80,7 +101,8 @@ class CacheLayer(CacheLayerMixin):
         check_device(device)
         b, h, _, d = key_states.shape
         self.head_dim = int(d)
-        self._cache = _new_storage(self.config, self.head_dim, device, int(b), int(h))
+        self._cache = _new_storage(self.config, self.head_dim, device, int(b), int(h),
+                                   self.kv_heads)
         self.device = device
         self.dtype = key_states.dtype
         self.is_initialized = True
@@ -228,20 +250,32 @@ class Cache(_HFCache):
 
     `config` is a spec string, a dict of fields (with "method"), or a CacheConfig. With a model
     config (or num_layers) the layers are made up front, otherwise at their first update.
+    kv_heads: (kv_head_first, kv_heads_total), the KV heads of each layer this cache holds under
+    tensor parallelism; "auto" (the default) takes them from torch.distributed and the model
+    config (tp_kv_heads: (0, 0) in a single process), so each rank's Hadamard signs and
+    calibrated permutations are those of its global heads.
     """
 
     def __init__(self, config: "str | Mapping[str, Any] | CacheConfig" = "full",
-                 model_config: Any = None, num_layers: int | None = None):
+                 model_config: Any = None, num_layers: int | None = None,
+                 kv_heads: "tuple | str" = "auto"):
         self.cache_config = CacheConfig(config)
+        if isinstance(kv_heads, str):
+            if kv_heads != "auto":
+                raise ValueError(f"[veloxquant.Cache] kv_heads: expected 'auto' or "
+                                 f"(kv_head_first, kv_heads_total) but got {kv_heads!r}")
+            kv_heads = tp_kv_heads(model_config) if model_config is not None else (0, 0)
+        self.kv_heads = (int(kv_heads[0]), int(kv_heads[1]))
         if num_layers is None and model_config is not None:
             num_layers = int(model_config.num_hidden_layers)
         if num_layers is not None:
-            super().__init__(layers=[CacheLayer(self.cache_config) for _ in range(num_layers)])
+            super().__init__(layers=[CacheLayer(self.cache_config, self.kv_heads)
+                                     for _ in range(num_layers)])
         else:
             super().__init__(layer_class_to_replicate=self._new_layer)
 
     def _new_layer(self) -> CacheLayer:
-        return CacheLayer(self.cache_config)
+        return CacheLayer(self.cache_config, self.kv_heads)
 
     @property
     def method(self) -> str:
@@ -290,7 +324,8 @@ class Cache(_HFCache):
                 raise RuntimeError("[veloxquant.Cache] save: expected no step in flight")
             layers.append((int(layer._cache.stats()["tokens_seen"]), layer._cache.save()))
         header = json.dumps({"config": self.cache_config.to_dict(),
-                             "head_dim": [layer.head_dim for layer in self.layers]}).encode()
+                             "head_dim": [layer.head_dim for layer in self.layers],
+                             "kv_heads": list(self.kv_heads)}).encode()
         buf = io.BytesIO()
         buf.write(_MAGIC + struct.pack("<II", _VERSION, len(header)) + header)
         buf.write(struct.pack("<I", len(layers)))
@@ -341,11 +376,15 @@ class Cache(_HFCache):
             header = json.loads(bytes(take(header_len, "header")).decode())
             cfg = CacheConfig(header["config"])
             head_dims = [int(x) for x in header["head_dim"]]
+            kv_heads = tuple(int(x) for x in header.get("kv_heads", (0, 0)))  # older files: (0, 0)
         except (ValueError, KeyError, TypeError) as e:
             raise RuntimeError(f"[veloxquant.Cache] load: expected a valid header but got {e}")
         if cfg != self.cache_config:
             raise RuntimeError("[veloxquant.Cache] load: expected a state of this cache's config "
                                f"{self.cache_config.to_dict()} but got {cfg.to_dict()}")
+        if kv_heads != self.kv_heads:
+            raise RuntimeError(f"[veloxquant.Cache] load: expected the state of KV heads (first, "
+                               f"total) {self.kv_heads} but got {kv_heads}")
         (n_layers,) = struct.unpack("<I", take(4, "layer count"))
         if n_layers != len(head_dims) or (self.layers and n_layers != len(self.layers)):
             raise RuntimeError(f"[veloxquant.Cache] load: expected {len(self.layers)} layers "
@@ -354,13 +393,13 @@ class Cache(_HFCache):
         for i in range(n_layers):
             (n,) = struct.unpack("<Q", take(8, f"layer {i} size"))
             blob = bytes(take(n, f"layer {i}"))
-            layer = CacheLayer(self.cache_config)
-            layer._cache = _vq.LayerCache(self.cache_config.to_json(), head_dims[i])
+            layer = CacheLayer(self.cache_config, self.kv_heads)
+            layer._cache = _vq.LayerCache(self.cache_config.to_json(), head_dims[i], *self.kv_heads)
             layer._cache.load(blob)  # RuntimeError with the library's message on a bad state
             if device.type != "cpu":  # the checked state, now on the device (same format)
                 cpu = layer._cache
                 layer._cache = _new_storage(self.cache_config, head_dims[i], device, cpu.batch,
-                                            cpu.n_kv_heads)
+                                            cpu.n_kv_heads, self.kv_heads)
                 layer._cache.load(blob)
             layer.is_initialized = True
             layer.head_dim = head_dims[i]

@@ -30,6 +30,15 @@ int device_count() {
 bool has_nccl() {
   return false;
 }
+void set_device(int) {
+  not_built("cuda::set_device");
+}
+int current_device() {
+  not_built("cuda::current_device");
+}
+std::unique_ptr<Communicator> make_device_reference_communicator(int64_t, Stream) {
+  not_built("cuda::make_device_reference_communicator");
+}
 std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<int>&,
                                                      const std::vector<Stream>&) {
   not_built("cuda::make_nccl_communicator");

@@ -36,6 +36,16 @@ int device_count() {
   return n;
 }
 
+void set_device(int device) {
+  VQ_CUDA_CHECK(cudaSetDevice(device));
+}
+
+int current_device() {
+  int d = 0;
+  VQ_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+
 bool has_nccl() {
 #ifdef VQ_NCCL
   return true;

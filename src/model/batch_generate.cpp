@@ -91,6 +91,9 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
     req.weight_bytes = o.weight_bytes;
     req.device_bytes = o.device_bytes;
     req.max_batch = live_cap;
+    req.tensor_parallel = engine.options().tensor_parallel;
+    const bool one_memory = engine.options().tp_simulate || engine.device() == Device::kCpu;
+    req.ranks_per_device = one_memory ? req.tensor_parallel : 1;
     res.plan = plan_memory(req);
     check_fits(res.plan, req, o.require_full_batch ? live_cap : 1);
     live_cap = std::min(live_cap, res.plan.max_sequences);

@@ -279,19 +279,24 @@ class CpuEngine final : public Engine {
 
 }  // namespace
 
-void check_cuda_tensor_parallel(const ModelConfig& c, int64_t n, int device_count, bool nccl) {
+void check_cuda_tensor_parallel(const ModelConfig& c, int64_t n, int device_count, bool nccl,
+                                bool simulate) {
   make_shard_plan(c, n);  // N divides the KV heads
   const std::string opt = "[engine] --tensor-parallel " + std::to_string(n) + ": ";
-  VQ_CHECK(n <= device_count, opt + "expected at most " + std::to_string(device_count) +
-                                  " (the CUDA devices visible) but got " + std::to_string(n));
+  if (simulate) {
+    VQ_CHECK(device_count >= 1, opt + "--tp-simulate: expected a CUDA device to run the " +
+                                    std::to_string(n) + " simulated ranks on but none is visible");
+    return;
+  }
+  VQ_CHECK(n <= device_count,
+           opt + "expected at most " + std::to_string(device_count) +
+               " (the CUDA devices visible) but got " + std::to_string(n) +
+               " (--tp-simulate runs N simulated ranks on one device, a check of the sharding)");
   if (n == 1) return;
   VQ_CHECK(nccl, opt +
                      "expected a build with NCCL for more than one device but this build has "
                      "none (configure with -DVQ_CUDA=ON -DVQ_NCCL=ON: CMake looks for "
                      "nccl.h and libnccl under NCCL_ROOT, the toolkit and the system folders)");
-  throw Error(opt +
-              "the CUDA engine runs one device per process in this version; the sharded "
-              "forward pass runs on the CPU (--device cpu --tensor-parallel N)");
 }
 
 std::unique_ptr<Engine> make_cpu_engine(const Model& model, const EngineOptions& opts) {

@@ -22,6 +22,21 @@
 // captured graph would be stale at the next step and capturing costs what launching does
 // (docs/results/gpu/engine/run2/README.md measured where a step goes). Built only with
 // VQ_CUDA (src/model/engine_cuda_stub.cpp refuses otherwise).
+//
+// Tensor parallelism (EngineOptions::tensor_parallel = N > 1, veloxquant/tensor_parallel.h):
+// the engine holds N ranks, each with its own stream, cuBLAS handle, decode workspace, scratch and
+// its shard of the weights (ShardedModel's slices: q/k/v and gate/up by output rows, o_proj and
+// down_proj by input columns, their biases on rank 0), and every sequence holds N caches per
+// layer, rank r's for its KV heads (rank_cache_config). A layer runs its attention half on every
+// rank, the sum all-reduce of the partial o_proj outputs, its MLP half on every rank and the
+// all-reduce of the partial down_proj outputs; the residual stream, norms and embedding are
+// replicated, and rank 0 alone makes the logits. One process drives every rank: with
+// EngineOptions::tp_simulate the N ranks share the current device and one stream and the sums
+// run in rank order (cuda::make_device_reference_communicator), otherwise rank r runs on device r
+// with its own stream and NCCL (cuda::make_nccl_communicator: ncclCommInitAll, one ncclAllReduce
+// per rank inside a group). Why one process: the scheduler, sampler, memory planner and CLI stay
+// single and batch_generate.h runs unchanged on top; the cost is one host thread launching every
+// device's kernels in turn. N = 1 runs the single-device path unchanged (no communicator).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -36,6 +51,7 @@
 #include "veloxquant/engine.h"
 #include "veloxquant/error.h"
 #include "veloxquant/multi_gpu.h"
+#include "veloxquant/tensor_parallel.h"
 
 namespace vq {
 
@@ -61,14 +77,46 @@ struct DevLayer {
   DeviceBuffer qkv_w, gate_up_w;
 };
 
-struct Sequence {
-  CacheConfig cache;                                         // its caches' config
-  std::vector<std::unique_ptr<cuda::DeviceKVCache>> caches;  // one per layer
-  int64_t offset = 0;
-  // The decode plan of this sequence's last single-token chunk and the key it was made for
-  // (view shape, q_pos0, query heads): reused by every layer whose view has that key.
+// One rank's share of a sequence: its caches (one per layer, the rank's KV heads) and the decode
+// plan of its last single-token chunk with the key it was made for (view shape, q_pos0, query
+// heads), reused by every layer whose view has that key.
+struct RankSeq {
+  std::vector<std::unique_ptr<cuda::DeviceKVCache>> caches;
   cuda::DecodePlan plan;
   std::vector<int64_t> plan_key;
+};
+
+struct Sequence {
+  CacheConfig cache;           // its caches' config (before rank_cache_config)
+  std::vector<RankSeq> ranks;  // one per rank
+  int64_t offset = 0;
+};
+
+// One rank's device state: its device and stream (shared by simulated ranks), its shard of the
+// weights (rank 0 also the final norm and lm_head), its RoPE tables and its scratch.
+struct Rank {
+  int device = 0;
+  int64_t hq = 0, hkv = 0, inter = 0;  // query heads, KV heads, intermediate columns it holds
+  int64_t kv_first = 0;                // its first KV head
+  cuda::Stream stream = nullptr;
+  std::unique_ptr<cuda::Blas> blas;
+  cuda::DecodeWorkspace ws;
+  std::map<std::pair<const void*, DType>, DeviceBuffer> pool;  // weights by host pointer, dtype
+  std::vector<DevLayer> layers;
+  const void* embed = nullptr;
+  DType embed_t = DType::kF32;
+  DevLinear lm_head;
+  DeviceBuffer final_norm;
+  DeviceBuffer rope_cos, rope_sin;
+  int64_t rope_rows = 0;
+  // Scratch (grown, never shrunk): x, h [T, hidden]; qkv [T, hq D + 2 hkv D] the fused
+  // product's output; qh [T hq D] and kh, vh [T hkv D] head-major per chunk; attn like qh; op
+  // the product operand (largest of the operands); gu [T, 2 inter] the fused gate|up output;
+  // ints the step's int32 tokens, positions, chunk starts, chunk lengths, logit rows; logits
+  // [n_out, vocab]; qsub / osub one decode sub-group's queries and outputs.
+  DeviceBuffer x, h, qkv, qh, kh, vh, attn, op, gu, ints, logits, qsub, osub;
+  DeviceBuffer greedy;  // step_greedy's ids [n_out] int32
+  int64_t tok_cap = 0, out_cap = 0;
 };
 
 // What a decode plan depends on (decode_plan.cpp match_plan): per non-empty segment its rows,
@@ -124,7 +172,10 @@ bool is_float_dtype(DType t) {
 class CudaEngine final : public Engine {
  public:
   CudaEngine(const Model& model, const EngineOptions& opts)
-      : model_(model), cfg_(model.config()), opts_(opts) {
+      : model_(model),
+        cfg_(model.config()),
+        opts_(opts),
+        plan_(make_shard_plan(model.config(), opts.tensor_parallel)) {
     const ModelConfig& c = cfg_;
     VQ_CHECK(is_float_dtype(opts.kv_dtype),
              std::string("[engine] kv_dtype: expected float32, float16 or bfloat16 but got ") +
@@ -132,19 +183,51 @@ class CudaEngine final : public Engine {
     VQ_CHECK(c.head_dim == 64 || c.head_dim == 128,
              "[engine] expected head_dim 64 or 128 (the CUDA attention kernels) but got " +
                  std::to_string(c.head_dim));
-    size_t total = 0;
-    cuda::device_memory(&free_at_start_, &total);
-    stream_ = cuda::create_stream();
+    const int64_t N = plan_.n_ranks;
+    const int first_device = cuda::current_device();
     try {
-      // The cache config is refused here (make_device_cache validates it as the CPU builder
-      // does), not at the first add_sequence().
-      (void)cuda::make_device_cache(opts.cache, 1, c.n_kv_heads, c.head_dim, stream_);
-      blas_ = std::make_unique<cuda::Blas>(stream_);
-      upload_weights();
-      ensure_rope(c.max_position_embeddings > 0
-                      ? std::min(c.max_position_embeddings, kRopeRowsAtStart)
-                      : kRopeRowsAtStart);
-      cuda::synchronize(stream_);
+      if (N > 1) sharded_ = std::make_unique<ShardedModel>(model, N);
+      for (int64_t r = 0; r < N; ++r) {
+        auto R = std::make_unique<Rank>();
+        const RankShard& sh = plan_.ranks[static_cast<size_t>(r)];
+        R->device = opts.tp_simulate ? first_device : static_cast<int>(r);
+        R->hq = sh.q_heads.count;
+        R->hkv = sh.kv_heads.count;
+        R->inter = sh.intermediate.count;
+        R->kv_first = sh.kv_heads.first;
+        cuda::set_device(R->device);
+        if (r == 0 || !opts.tp_simulate) {
+          size_t free_b = 0, total = 0;
+          cuda::device_memory(&free_b, &total);
+          free_at_start_.push_back(free_b);
+          streams_.push_back(cuda::create_stream());
+        }
+        R->stream = streams_.back();
+        // The cache config is refused here (make_device_cache validates it as the CPU builder
+        // does; rank_cache_config refuses what crosses heads), not at the first add_sequence().
+        (void)cuda::make_device_cache(rank_cache_config(plan_, r, opts.cache), 1, R->hkv,
+                                      c.head_dim, R->stream);
+        R->blas = std::make_unique<cuda::Blas>(R->stream);
+        upload_weights(*R, N > 1 ? sharded_->rank_layers(r) : model_.layers(), r == 0);
+        ensure_rope(*R, c.max_position_embeddings > 0
+                            ? std::min(c.max_position_embeddings, kRopeRowsAtStart)
+                            : kRopeRowsAtStart);
+        ranks_.push_back(std::move(R));
+      }
+      if (N > 1) {
+        if (opts.tp_simulate) {
+          comm_ = cuda::make_device_reference_communicator(N, streams_[0]);
+        } else {
+          std::vector<int> devices;
+          for (const auto& R : ranks_) devices.push_back(R->device);
+          comm_ = cuda::make_nccl_communicator(devices, streams_);
+        }
+      }
+      for (const auto& R : ranks_) {
+        cuda::set_device(R->device);
+        cuda::synchronize(R->stream);
+      }
+      cuda::set_device(first_device);
       sample_memory();
     } catch (...) {
       release();
@@ -160,14 +243,21 @@ class CudaEngine final : public Engine {
 
   using Engine::add_sequence;
   int64_t add_sequence(const CacheConfig& cache) override {
+    std::vector<CacheConfig> rc;  // every rank's config first: refusals before any allocation
+    for (int64_t r = 0; r < plan_.n_ranks; ++r) rc.push_back(rank_cache_config(plan_, r, cache));
     Sequence s;
     s.cache = cache;
-    s.caches.reserve(static_cast<size_t>(cfg_.n_layers));
-    // the first make_device_cache validates the config (as the CPU builder does) before any
-    // allocation of this sequence
-    for (int64_t l = 0; l < cfg_.n_layers; ++l)
-      s.caches.push_back(
-          cuda::make_device_cache(cache, 1, cfg_.n_kv_heads, cfg_.head_dim, stream_));
+    s.ranks.resize(ranks_.size());
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const Rank& R = *ranks_[r];
+      DeviceScope at(R.device);
+      s.ranks[r].caches.reserve(static_cast<size_t>(cfg_.n_layers));
+      // the first make_device_cache validates the config (as the CPU builder does) before any
+      // allocation of this sequence
+      for (int64_t l = 0; l < cfg_.n_layers; ++l)
+        s.ranks[r].caches.push_back(
+            cuda::make_device_cache(rc[r], 1, R.hkv, cfg_.head_dim, R.stream));
+    }
     const int64_t id = next_id_++;
     seqs_.emplace(id, std::move(s));
     sample_memory();
@@ -176,67 +266,91 @@ class CudaEngine final : public Engine {
 
   void remove_sequence(int64_t seq) override {
     auto it = find(seq, "remove_sequence");
+    free_caches(it->second);
     seqs_.erase(it);  // the caches' cudaFree (device-synchronising) returns their memory
   }
 
   int64_t offset(int64_t seq) const override { return find(seq, "offset")->second.offset; }
 
+  // Summed over ranks and layers; rows_kept_per_head from rank 0's first layer (every head of a
+  // layer keeps as many rows).
   CacheMemory memory(int64_t seq) const override {
     const Sequence& s = find(seq, "memory")->second;
     CacheMemory m;
-    m.n_layers = static_cast<int64_t>(s.caches.size());
-    for (size_t i = 0; i < s.caches.size(); ++i) {
-      const CacheStats st = s.caches[i]->stats();
-      if (i == 0) {
-        m.method = st.method;
-        m.tokens_seen = st.tokens_seen;
-        m.rows_kept_per_head = st.rows_stored;
+    m.n_layers = cfg_.n_layers;
+    m.method = opts_.cache.method;
+    for (size_t r = 0; r < s.ranks.size(); ++r) {
+      const auto& caches = s.ranks[r].caches;
+      for (size_t i = 0; i < caches.size(); ++i) {
+        const CacheStats st = caches[i]->stats();
+        if (r == 0 && i == 0) {
+          m.method = st.method;
+          m.tokens_seen = st.tokens_seen;
+          m.rows_kept_per_head = st.rows_stored;
+        }
+        m.rows_kept += st.rows_stored * ranks_[r]->hkv;
+        m.bytes_accounted += st.bytes_accounted;
+        m.bytes_resident += st.bytes_resident;
+        m.fp16_bytes += st.fp16_bytes;
       }
-      m.rows_kept += st.rows_stored * cfg_.n_kv_heads;
-      m.bytes_accounted += st.bytes_accounted;
-      m.bytes_resident += st.bytes_resident;
-      m.fp16_bytes += st.fp16_bytes;
     }
-    if (s.caches.empty()) m.method = opts_.cache.method;
     return m;
   }
 
   // Device K/V (kv_dtype) and fp32 queries from cuda::fill_uniform, one stream per (seed,
   // sequence, layer, chunk, K/V/Q), handed to each layer's cache in `chunk`-row calls; the three
   // blocks live in buffers of their own for the call (not the step scratch, which a chunk of a
-  // whole long prompt would grow to gigabytes).
+  // whole long prompt would grow to gigabytes). Every rank draws the whole layer's blocks and
+  // hands its caches the rows of its heads (contiguous in [1, H, n, D]), so the ranks together
+  // hold what one device holds for the same seed.
   void fill_synthetic(int64_t seq, int64_t n_tokens, int64_t chunk, uint64_t seed) override {
     Sequence& s = find(seq, "fill_synthetic")->second;
     check_synthetic(cfg_, s.offset, n_tokens, chunk);
     const int64_t Hkv = cfg_.n_kv_heads, Hq = cfg_.n_heads, D = cfg_.head_dim;
+    const int64_t G = Hq / Hkv;
+    const size_t kv_es = dtype_size(opts_.kv_dtype);
     const size_t rows = static_cast<size_t>(std::min(chunk, n_tokens));
-    DeviceBuffer kh(rows * static_cast<size_t>(Hkv * D) * dtype_size(opts_.kv_dtype)),
-        vh(kh.size()), qh(rows * static_cast<size_t>(Hq * D) * 4);
-    for (int64_t l = 0; l < cfg_.n_layers; ++l)
-      for (int64_t at = 0, c = 0; at < n_tokens; at += chunk, ++c) {
-        const int64_t n = std::min(chunk, n_tokens - at);
-        const uint64_t base = seed * 0x100000001B3ull + static_cast<uint64_t>(seq) * 0x1000193ull +
-                              static_cast<uint64_t>(l) * 0x10001ull + static_cast<uint64_t>(c) * 7;
-        cuda::fill_uniform(kh.data(), opts_.kv_dtype, Hkv * n * D, base * 3, stream_);
-        cuda::fill_uniform(vh.data(), opts_.kv_dtype, Hkv * n * D, base * 3 + 1, stream_);
-        cuda::fill_uniform(qh.data(), DType::kF32, Hq * n * D, base * 3 + 2, stream_);
-        const TensorView qv = TensorView::contiguous(qh.data(), DType::kF32, 1, Hq, n, D);
-        cuda::DeviceUpdateOptions uo;
-        uo.queries = &qv;
-        s.caches[static_cast<size_t>(l)]->update_and_fetch(
-            TensorView::contiguous(kh.data(), opts_.kv_dtype, 1, Hkv, n, D),
-            TensorView::contiguous(vh.data(), opts_.kv_dtype, 1, Hkv, n, D), uo);
-      }
-    for (auto& cache : s.caches) cache->end_prompt();
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const Rank& R = *ranks_[r];
+      DeviceScope at(R.device);
+      DeviceBuffer kh(rows * static_cast<size_t>(Hkv * D) * kv_es), vh(kh.size()),
+          qh(rows * static_cast<size_t>(Hq * D) * 4);
+      for (int64_t l = 0; l < cfg_.n_layers; ++l)
+        for (int64_t a = 0, c = 0; a < n_tokens; a += chunk, ++c) {
+          const int64_t n = std::min(chunk, n_tokens - a);
+          const uint64_t base =
+              seed * 0x100000001B3ull + static_cast<uint64_t>(seq) * 0x1000193ull +
+              static_cast<uint64_t>(l) * 0x10001ull + static_cast<uint64_t>(c) * 7;
+          cuda::fill_uniform(kh.data(), opts_.kv_dtype, Hkv * n * D, base * 3, R.stream);
+          cuda::fill_uniform(vh.data(), opts_.kv_dtype, Hkv * n * D, base * 3 + 1, R.stream);
+          cuda::fill_uniform(qh.data(), DType::kF32, Hq * n * D, base * 3 + 2, R.stream);
+          const size_t k0 = static_cast<size_t>(R.kv_first * n * D);
+          const TensorView qv = TensorView::contiguous(qh.as<float>() + R.kv_first * G * n * D,
+                                                       DType::kF32, 1, R.hq, n, D);
+          cuda::DeviceUpdateOptions uo;
+          uo.queries = &qv;
+          s.ranks[r].caches[static_cast<size_t>(l)]->update_and_fetch(
+              TensorView::contiguous(kh.as<char>() + k0 * kv_es, opts_.kv_dtype, 1, R.hkv, n, D),
+              TensorView::contiguous(vh.as<char>() + k0 * kv_es, opts_.kv_dtype, 1, R.hkv, n, D),
+              uo);
+        }
+      for (auto& cache : s.ranks[r].caches) cache->end_prompt();
+      cuda::synchronize(R.stream);  // before the blocks' buffers are freed
+    }
     s.offset = n_tokens;
-    cuda::synchronize(stream_);  // before the blocks' buffers are freed
     sample_memory();
   }
 
   std::vector<int32_t> stored_positions(int64_t seq, int64_t layer, int64_t head) const override {
     const Sequence& s = find(seq, "stored_positions")->second;
     check_layer_head(cfg_, layer, head);
-    return s.caches[static_cast<size_t>(layer)]->stored_positions(0, head);
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const Rank& R = *ranks_[r];
+      if (head < R.kv_first || head >= R.kv_first + R.hkv) continue;
+      DeviceScope at(R.device);
+      return s.ranks[r].caches[static_cast<size_t>(layer)]->stored_positions(0, head - R.kv_first);
+    }
+    return {};  // unreachable: the ranks' heads cover [0, n_kv_heads)
   }
 
   void step(std::span<const SeqChunk> chunks, std::vector<float>* logits) override {
@@ -249,16 +363,19 @@ class CudaEngine final : public Engine {
     run_step(chunks, nullptr, tokens, n_vocab);
   }
 
-  // bench's hooks (engine.h): the device's copy bandwidth, measured now with two 256 MiB buffers
-  // (64 MiB when those do not fit), and the peak of the device memory in use since the engine was
-  // made, over what was in use before it: cudaMemGetInfo sampled after construction, each
-  // add_sequence and each step (scratch a kernel takes and returns inside one step is not seen).
+  // bench's hooks (engine.h): rank 0's device's copy bandwidth, measured now with two 256 MiB
+  // buffers (64 MiB when those do not fit), and the peak of the device memory in use since the
+  // engine was made, over what was in use before it, the largest over the engine's devices:
+  // cudaMemGetInfo sampled after construction, each add_sequence and each step (scratch a kernel
+  // takes and returns inside one step is not seen).
   double copy_bandwidth() override {
-    cuda::synchronize(stream_);
+    const Rank& R = *ranks_[0];
+    DeviceScope at(R.device);
+    cuda::synchronize(R.stream);
     try {
-      return cuda::device_copy_bandwidth(int64_t{256} << 20, stream_);
+      return cuda::device_copy_bandwidth(int64_t{256} << 20, R.stream);
     } catch (const Error&) {
-      return cuda::device_copy_bandwidth(int64_t{64} << 20, stream_);
+      return cuda::device_copy_bandwidth(int64_t{64} << 20, R.stream);
     }
   }
   int64_t peak_memory_bytes() const override { return peak_bytes_; }
@@ -283,6 +400,26 @@ class CudaEngine final : public Engine {
  private:
   using SeqMap = std::map<int64_t, Sequence>;
 
+  // Makes `device` current for its lifetime (no-op when it already is), then restores the
+  // previous one.
+  class DeviceScope {
+   public:
+    explicit DeviceScope(int device) : prev_(cuda::current_device()) {
+      if (device != prev_) cuda::set_device(device);
+    }
+    ~DeviceScope() {
+      try {
+        if (cuda::current_device() != prev_) cuda::set_device(prev_);
+      } catch (...) {
+      }
+    }
+    DeviceScope(const DeviceScope&) = delete;
+    DeviceScope& operator=(const DeviceScope&) = delete;
+
+   private:
+    int prev_;
+  };
+
   SeqMap::iterator find(int64_t seq, const char* op) {
     auto it = seqs_.find(seq);
     VQ_CHECK(it != seqs_.end(), std::string("[engine] ") + op +
@@ -298,48 +435,77 @@ class CudaEngine final : public Engine {
     return it;
   }
 
+  // One sample per device the engine uses (free_at_start_[d]: device d's free bytes before the
+  // engine; simulated ranks use one device).
   void sample_memory() {
-    size_t free_now = 0, total = 0;
-    cuda::device_memory(&free_now, &total);
-    if (free_now < free_at_start_)
-      peak_bytes_ = std::max(peak_bytes_, static_cast<int64_t>(free_at_start_ - free_now));
+    for (size_t d = 0; d < free_at_start_.size(); ++d) {
+      DeviceScope at(ranks_[opts_.tp_simulate ? 0 : d]->device);
+      size_t free_now = 0, total = 0;
+      cuda::device_memory(&free_now, &total);
+      if (free_now < free_at_start_[d])
+        peak_bytes_ = std::max(peak_bytes_, static_cast<int64_t>(free_at_start_[d] - free_now));
+    }
   }
 
-  // Frees everything the engine holds; never throws (a failed sync still frees).
+  // Frees everything the engine holds, each rank's on its device; never throws (a failed sync
+  // still frees).
   void release() noexcept {
-    try {
-      if (stream_) cuda::synchronize(stream_);
-    } catch (...) {
+    for (const auto& R : ranks_) {
+      try {
+        DeviceScope at(R->device);
+        cuda::synchronize(R->stream);
+      } catch (...) {
+      }
     }
+    for (auto& [id, s] : seqs_) free_caches(s);
     seqs_.clear();
-    blas_.reset();
-    cuda::destroy_stream(stream_);
-    stream_ = nullptr;
+    comm_.reset();
+    for (auto& R : ranks_) {
+      try {
+        DeviceScope at(R->device);
+        R.reset();
+      } catch (...) {
+      }
+    }
+    ranks_.clear();
+    for (cuda::Stream s : streams_) cuda::destroy_stream(s);
+    streams_.clear();
+  }
+
+  // Frees a sequence's caches, each rank's with its device current.
+  void free_caches(Sequence& s) noexcept {
+    for (size_t r = 0; r < s.ranks.size() && r < ranks_.size(); ++r) {
+      try {
+        DeviceScope at(ranks_[r]->device);
+        s.ranks[r].caches.clear();
+      } catch (...) {
+      }
+    }
   }
 
   // The device copy of a weight (shared when the host pointer and dtype were uploaded before).
-  const void* upload_matrix(const Linear& l, DType as) {
+  static const void* upload_matrix(Rank& R, const Linear& l, DType as) {
     const auto key = std::make_pair(l.w, as);
-    if (auto it = pool_.find(key); it != pool_.end()) return it->second.data();
+    if (auto it = R.pool.find(key); it != R.pool.end()) return it->second.data();
     const size_t n = static_cast<size_t>(l.out * l.in);
     DeviceBuffer b;
     if (as == l.dtype) {
       b = DeviceBuffer(n * dtype_size(l.dtype));
-      b.upload(l.w, n * dtype_size(l.dtype), 0, stream_);
+      b.upload(l.w, n * dtype_size(l.dtype), 0, R.stream);
     } else {  // widened to f32 (exact)
       std::vector<float> f(n);
       to_f32(l.w, l.dtype, f.data(), n);
-      b = DeviceBuffer::from_vector(f, stream_);
+      b = DeviceBuffer::from_vector(f, R.stream);
     }
     const void* p = b.data();
-    pool_.emplace(key, std::move(b));
+    R.pool.emplace(key, std::move(b));
     return p;
   }
 
   // Uploads the matrices of a group (same `in`) as one [sum out, in] matrix of dtype `as` into
   // *buf; the DevLinears point into it (biases uploaded each on its own).
-  void upload_group(std::initializer_list<std::pair<const Linear*, DevLinear*>> g, DType as,
-                    DeviceBuffer* buf) {
+  static void upload_group(Rank& R, std::initializer_list<std::pair<const Linear*, DevLinear*>> g,
+                           DType as, DeviceBuffer* buf) {
     const size_t es = dtype_size(as);
     size_t total = 0;
     for (const auto& [l, d] : g) total += static_cast<size_t>(l->out * l->in) * es;
@@ -348,28 +514,28 @@ class CudaEngine final : public Engine {
     for (const auto& [l, d] : g) {
       const size_t n = static_cast<size_t>(l->out * l->in);
       if (as == l->dtype) {
-        buf->upload(l->w, n * es, at, stream_);
+        buf->upload(l->w, n * es, at, R.stream);
       } else {  // widened to f32 (exact)
         std::vector<float> f(n);
         to_f32(l->w, l->dtype, f.data(), n);
-        buf->upload(f.data(), n * es, at, stream_);
+        buf->upload(f.data(), n * es, at, R.stream);
       }
       d->w = static_cast<const char*>(buf->data()) + at;
       d->t = as;
       d->out = l->out;
       d->in = l->in;
-      if (!l->bias.empty()) d->bias = DeviceBuffer::from_vector(l->bias, stream_);
+      if (!l->bias.empty()) d->bias = DeviceBuffer::from_vector(l->bias, R.stream);
       at += n * es;
     }
   }
 
-  DevLinear upload_linear(const Linear& l, DType as) {
+  static DevLinear upload_linear(Rank& R, const Linear& l, DType as) {
     DevLinear d;
-    d.w = upload_matrix(l, as);
+    d.w = upload_matrix(R, l, as);
     d.t = as;
     d.out = l.out;
     d.in = l.in;
-    if (!l.bias.empty()) d.bias = DeviceBuffer::from_vector(l.bias, stream_);
+    if (!l.bias.empty()) d.bias = DeviceBuffer::from_vector(l.bias, R.stream);
     return d;
   }
 
@@ -380,24 +546,27 @@ class CudaEngine final : public Engine {
     return t;
   }
 
-  void upload_weights() {
-    for (const Model::Layer& L : model_.layers()) {
+  // The rank's layers (the model's own for N = 1, ShardedModel's slices otherwise), the
+  // embedding, and with `head` the final norm and lm_head.
+  void upload_weights(Rank& R, const std::vector<Model::Layer>& layers, bool head) {
+    for (const Model::Layer& L : layers) {
       DevLayer d;
-      d.attn_norm = DeviceBuffer::from_vector(L.attn_norm, stream_);
-      d.mlp_norm = DeviceBuffer::from_vector(L.mlp_norm, stream_);
+      d.attn_norm = DeviceBuffer::from_vector(L.attn_norm, R.stream);
+      d.mlp_norm = DeviceBuffer::from_vector(L.mlp_norm, R.stream);
       d.qkv_t = group_dtype({&L.q, &L.k, &L.v});
       d.gate_up_t = group_dtype({&L.gate, &L.up});
-      upload_group({{&L.q, &d.q}, {&L.k, &d.k}, {&L.v, &d.v}}, d.qkv_t, &d.qkv_w);
-      d.o = upload_linear(L.o, L.o.dtype);
-      upload_group({{&L.gate, &d.gate}, {&L.up, &d.up}}, d.gate_up_t, &d.gate_up_w);
-      d.down = upload_linear(L.down, L.down.dtype);
-      layers_.push_back(std::move(d));
+      upload_group(R, {{&L.q, &d.q}, {&L.k, &d.k}, {&L.v, &d.v}}, d.qkv_t, &d.qkv_w);
+      d.o = upload_linear(R, L.o, L.o.dtype);
+      upload_group(R, {{&L.gate, &d.gate}, {&L.up, &d.up}}, d.gate_up_t, &d.gate_up_w);
+      d.down = upload_linear(R, L.down, L.down.dtype);
+      R.layers.push_back(std::move(d));
     }
     const Linear& e = model_.embedding();
-    embed_ = upload_matrix(e, e.dtype);
-    embed_t_ = e.dtype;
-    lm_head_ = upload_linear(model_.lm_head(), model_.lm_head().dtype);
-    final_norm_ = DeviceBuffer::from_vector(model_.final_norm(), stream_);
+    R.embed = upload_matrix(R, e, e.dtype);
+    R.embed_t = e.dtype;
+    if (!head) return;
+    R.lm_head = upload_linear(R, model_.lm_head(), model_.lm_head().dtype);
+    R.final_norm = DeviceBuffer::from_vector(model_.final_norm(), R.stream);
   }
 
   // RoPE tables [rows, D/2] covering positions [0, n): grown by doubling (recomputed on the host
@@ -406,9 +575,9 @@ class CudaEngine final : public Engine {
   // so a step rarely pays for a table (bench --phases measured 100-130 ms once at position
   // 32768 when they grew in a decode step).
   static constexpr int64_t kRopeRowsAtStart = int64_t{1} << 17;
-  void ensure_rope(int64_t n) {
-    if (n <= rope_rows_) return;
-    int64_t rows = std::max<int64_t>(rope_rows_ * 2, 256);
+  void ensure_rope(Rank& R, int64_t n) {
+    if (n <= R.rope_rows) return;
+    int64_t rows = std::max<int64_t>(R.rope_rows * 2, 256);
     while (rows < n) rows *= 2;
     if (cfg_.max_position_embeddings > 0) rows = std::min(rows, cfg_.max_position_embeddings);
     rows = std::max(rows, n);
@@ -417,13 +586,13 @@ class CudaEngine final : public Engine {
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < rows; ++p)
       rope_cos_sin(model_.inv_freq(), p, cs.data() + p * half, sn.data() + p * half);
-    rope_cos_ = DeviceBuffer::from_vector(cs, stream_);
-    rope_sin_ = DeviceBuffer::from_vector(sn, stream_);
-    rope_rows_ = rows;
+    R.rope_cos = DeviceBuffer::from_vector(cs, R.stream);
+    R.rope_sin = DeviceBuffer::from_vector(sn, R.stream);
+    R.rope_rows = rows;
   }
 
-  // Scratch for steps of up to n_tokens tokens and n_out logit rows.
-  void ensure_scratch(int64_t n_tokens, int64_t n_out) {
+  // The rank's scratch for steps of up to n_tokens tokens and n_out logit rows (logits: rank 0).
+  void ensure_scratch(Rank& R, int64_t n_tokens, int64_t n_out, bool head) {
     const ModelConfig& c = cfg_;
     const size_t T = static_cast<size_t>(n_tokens);
     auto grow = [](DeviceBuffer& b, size_t bytes) {
@@ -432,99 +601,199 @@ class CudaEngine final : public Engine {
         b = DeviceBuffer(bytes);
       }
     };
-    const size_t Hd = static_cast<size_t>(c.hidden_size),
-                 I = static_cast<size_t>(c.intermediate_size);
-    const size_t qd = static_cast<size_t>(c.n_heads * c.head_dim);
-    const size_t kd = static_cast<size_t>(c.n_kv_heads * c.head_dim);
-    if (n_tokens > tok_cap_) {
-      grow(x_, T * Hd * 4);
-      grow(h_, T * Hd * 4);
-      grow(qkv_, T * (qd + 2 * kd) * 4);
-      grow(qh_, T * qd * 4);
-      grow(kh_, T * kd * dtype_size(opts_.kv_dtype));
-      grow(vh_, T * kd * dtype_size(opts_.kv_dtype));
-      grow(attn_, T * qd * 4);
-      grow(op_, T * std::max({Hd, qd, I}) * 4);
-      grow(gu_, T * 2 * I * 4);
-      tok_cap_ = n_tokens;
+    const size_t Hd = static_cast<size_t>(c.hidden_size), I = static_cast<size_t>(R.inter);
+    const size_t qd = static_cast<size_t>(R.hq * c.head_dim);
+    const size_t kd = static_cast<size_t>(R.hkv * c.head_dim);
+    if (n_tokens > R.tok_cap) {
+      grow(R.x, T * Hd * 4);
+      grow(R.h, T * Hd * 4);
+      grow(R.qkv, T * (qd + 2 * kd) * 4);
+      grow(R.qh, T * qd * 4);
+      grow(R.kh, T * kd * dtype_size(opts_.kv_dtype));
+      grow(R.vh, T * kd * dtype_size(opts_.kv_dtype));
+      grow(R.attn, T * qd * 4);
+      grow(R.op, T * std::max({Hd, qd, I}) * 4);
+      grow(R.gu, T * 2 * I * 4);
+      R.tok_cap = n_tokens;
     }
-    grow(ints_, (4 * T + static_cast<size_t>(n_out)) * 4);
-    if (n_out > out_cap_) {
-      grow(logits_, static_cast<size_t>(n_out) * static_cast<size_t>(c.vocab_size) * 4);
-      out_cap_ = n_out;
+    grow(R.ints, (4 * T + static_cast<size_t>(n_out)) * 4);
+    if (head && n_out > R.out_cap) {
+      grow(R.logits, static_cast<size_t>(n_out) * static_cast<size_t>(c.vocab_size) * 4);
+      R.out_cap = n_out;
     }
-    if (!qsub_.data()) {
-      qsub_ = DeviceBuffer(qd * 4);
-      osub_ = DeviceBuffer(qd * 4);
+    if (!R.qsub.data()) {
+      R.qsub = DeviceBuffer(qd * 4);
+      R.osub = DeviceBuffer(qd * 4);
     }
   }
 
-  void decode(Sequence& s, const cuda::DeviceCacheView& view, const AttentionParams& ap,
+  void decode(Rank& R, RankSeq& s, const cuda::DeviceCacheView& view, const AttentionParams& ap,
               const float* q, float* out);
   // step() (tokens == nullptr: the logit rows to *logits, if not null) or step_greedy() (each
   // logit row's argmax over [0, n_vocab) to *tokens).
   void run_step(std::span<const SeqChunk> chunks, std::vector<float>* logits,
                 std::vector<int32_t>* tokens, int64_t n_vocab);
+  // One layer's attention half on rank r (norm, q/k/v, RoPE, caches, attention, o_proj into
+  // R.h: the rank's partial sum) and its MLP half (norm, gate|up, SwiGLU, down_proj into R.h).
+  void attention_half(size_t r, int64_t li, std::span<const SeqChunk> chunks,
+                      const std::vector<int64_t>& chunk_start, const cuda::StepTokens& st,
+                      AttentionParams ap);
+  void mlp_half(size_t r, int64_t li, int64_t T);
+  // The rank's residual x += h (when add) and RMSNorm(x) * weight into R.op as out_t, T rows.
+  void add_norm(Rank& R, int64_t T, bool add, const DeviceBuffer& weight, DType out_t);
+  // The sum all-reduce of every rank's R.h [T, hidden] (nothing for N = 1).
+  void all_reduce_h(int64_t T);
   // time_phases: closes the step's last phase and adds its marks to the step kind's sums.
   void finish_timing(std::span<const SeqChunk> chunks, int64_t n_tokens);
 
   const Model& model_;
   ModelConfig cfg_;
   EngineOptions opts_;
-  cuda::Stream stream_ = nullptr;
-  std::unique_ptr<cuda::Blas> blas_;
-  cuda::DecodeWorkspace ws_;
-  std::map<std::pair<const void*, DType>, DeviceBuffer> pool_;  // weights by host pointer, dtype
-  std::vector<DevLayer> layers_;
-  const void* embed_ = nullptr;
-  DType embed_t_ = DType::kF32;
-  DevLinear lm_head_;
-  DeviceBuffer final_norm_;
-  DeviceBuffer rope_cos_, rope_sin_;
-  int64_t rope_rows_ = 0;
-  // Scratch (grown, never shrunk): x, h [T, hidden]; qkv [T, H_q D + 2 H_kv D] the fused
-  // product's output; qh [T H_q D] and kh, vh [T H_kv D] head-major per chunk; attn like qh; op
-  // the product operand (largest of the operands); gu [T, 2 intermediate] the fused gate|up
-  // output; ints the step's int32 tokens, positions, chunk starts, chunk lengths, logit rows;
-  // logits [n_out, vocab]; qsub / osub one decode sub-group's queries and outputs.
-  DeviceBuffer x_, h_, qkv_, qh_, kh_, vh_, attn_, op_, gu_, ints_, logits_, qsub_, osub_;
-  DeviceBuffer greedy_;  // step_greedy's ids [n_out] int32
-  int64_t tok_cap_ = 0, out_cap_ = 0;
-  // EngineOptions::time_phases: the marks of the current step; milliseconds per phase summed over
-  // steps, [0] prefill/mixed steps, [1] decode steps (every chunk one token).
+  ShardPlan plan_;
+  std::unique_ptr<ShardedModel> sharded_;  // N > 1: the ranks' host slices (before ranks_)
+  std::vector<cuda::Stream> streams_;      // one per device used (simulated ranks share one)
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<Communicator> comm_;  // N > 1
+  // EngineOptions::time_phases: the marks of the current step (rank 0's, on its stream: with
+  // N > 1 the other ranks' work and the all-reduces fall into the phase open at the time);
+  // milliseconds per phase summed over steps, [0] prefill/mixed steps, [1] decode steps (every
+  // chunk one token).
   cuda::PhaseEvents phases_;
   std::vector<double> phase_gpu_ms_[2], phase_host_ms_[2];
   int64_t steps_[2] = {0, 0};
-  void mark(int phase) {
-    if (opts_.time_phases) phases_.mark(phase, stream_);
+  void mark(size_t r, int phase) {
+    if (opts_.time_phases && r == 0) phases_.mark(phase, ranks_[0]->stream);
   }
   SeqMap seqs_;
   int64_t next_id_ = 0;
-  size_t free_at_start_ = 0;  // cudaMemGetInfo's free bytes before the engine allocated
+  std::vector<size_t> free_at_start_;  // cudaMemGetInfo's free bytes per device before the engine
   int64_t peak_bytes_ = 0;
 };
 
-void CudaEngine::decode(Sequence& s, const cuda::DeviceCacheView& view, const AttentionParams& ap,
-                        const float* q, float* out) {
-  const int64_t Hq = cfg_.n_heads, Hkv = cfg_.n_kv_heads, D = cfg_.head_dim;
-  const int64_t G = Hq / Hkv;
+void CudaEngine::decode(Rank& R, RankSeq& s, const cuda::DeviceCacheView& view,
+                        const AttentionParams& ap, const float* q, float* out) {
+  const int64_t Hkv = R.hkv, D = cfg_.head_dim;
+  const int64_t G = R.hq / Hkv;
   int64_t sub = 8;
   while (G % sub != 0) sub /= 2;
   const int64_t nq = Hkv * sub;
   std::vector<int64_t> key = plan_key(view, ap.q_pos0, nq);
   if (key != s.plan_key) {
-    s.plan = cuda::decode_attention_plan(ws_.context(), nq, view, ap);
+    s.plan = cuda::decode_attention_plan(R.ws.context(), nq, view, ap);
     s.plan_key = std::move(key);
   }
   if (sub == G) {
-    cuda::decode_attention_run(s.plan, q, view, out, ws_, stream_);
+    cuda::decode_attention_run(s.plan, q, view, out, R.ws, R.stream);
     return;
   }
-  for (int64_t r = 0; r < G / sub; ++r) {
-    cuda::gather_heads(q, Hkv, G, sub, r, D, qsub_.as<float>(), stream_);
-    cuda::decode_attention_run(s.plan, qsub_.as<float>(), view, osub_.as<float>(), ws_, stream_);
-    cuda::scatter_heads(osub_.as<float>(), Hkv, G, sub, r, D, out, stream_);
+  for (int64_t g = 0; g < G / sub; ++g) {
+    cuda::gather_heads(q, Hkv, G, sub, g, D, R.qsub.as<float>(), R.stream);
+    cuda::decode_attention_run(s.plan, R.qsub.as<float>(), view, R.osub.as<float>(), R.ws,
+                               R.stream);
+    cuda::scatter_heads(R.osub.as<float>(), Hkv, G, sub, g, D, out, R.stream);
   }
+}
+
+void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> chunks,
+                                const std::vector<int64_t>& chunk_start, const cuda::StepTokens& st,
+                                AttentionParams ap) {
+  Rank& R = *ranks_[r];
+  const ModelConfig& c = cfg_;
+  const int64_t T = st.n_tokens, Hd = c.hidden_size, D = c.head_dim, Hq = R.hq, Hkv = R.hkv;
+  const size_t kv_es = dtype_size(opts_.kv_dtype);
+  const DevLayer& L = R.layers[static_cast<size_t>(li)];
+  mark(r, kPhNorm);
+  add_norm(R, T, li > 0, L.attn_norm, L.qkv_t);
+  mark(r, kPhQkv);
+  // one product over the fused q|k|v rows: [T, qd + 2 kd] fp32, rows qkv_cols apart
+  const int64_t qkv_cols = L.q.out + L.k.out + L.v.out;
+  R.blas->gemm(L.q.w, L.q.t, qkv_cols, L.q.in, R.op.data(), T, R.qkv.as<float>());
+  mark(r, kPhRope);
+  cuda::QkvRopeParams rp;
+  rp.q = R.qkv.as<float>();
+  rp.k = R.qkv.as<float>() + L.q.out;
+  rp.v = R.qkv.as<float>() + L.q.out + L.k.out;
+  rp.row_stride = qkv_cols;
+  rp.q_bias = L.q.bias_ptr();
+  rp.k_bias = L.k.bias_ptr();
+  rp.v_bias = L.v.bias_ptr();
+  rp.cos = R.rope_cos.as<float>();
+  rp.sin = R.rope_sin.as<float>();
+  rp.tok = st;
+  rp.n_q_heads = Hq;
+  rp.n_kv_heads = Hkv;
+  rp.head_dim = D;
+  rp.rope_style = c.rope.style == RopeStyle::kHalfSplit ? 0 : 1;
+  rp.q_out = R.qh.as<float>();
+  rp.k_out = R.kh.data();
+  rp.v_out = R.vh.data();
+  rp.kv_t = opts_.kv_dtype;
+  cuda::qkv_rope(rp, R.stream);
+
+  // Attention per sequence over its own cache.
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    Sequence& s = seqs_.at(chunks[i].seq);
+    RankSeq& rs = s.ranks[r];
+    const int64_t n = static_cast<int64_t>(chunks[i].tokens.size()), t0 = chunk_start[i];
+    char* kb = R.kh.as<char>() + static_cast<size_t>(t0 * Hkv * D) * kv_es;
+    char* vb = R.vh.as<char>() + static_cast<size_t>(t0 * Hkv * D) * kv_es;
+    float* qb = R.qh.as<float>() + t0 * Hq * D;
+    float* ob = R.attn.as<float>() + t0 * Hq * D;
+    const TensorView kv_k = TensorView::contiguous(kb, opts_.kv_dtype, 1, Hkv, n, D);
+    const TensorView kv_v = TensorView::contiguous(vb, opts_.kv_dtype, 1, Hkv, n, D);
+    const TensorView qv = TensorView::contiguous(qb, DType::kF32, 1, Hq, n, D);
+    cuda::DeviceUpdateOptions uo;
+    uo.queries = &qv;
+    mark(r, kPhCache);
+    const cuda::DeviceCacheView view =
+        rs.caches[static_cast<size_t>(li)]->update_and_fetch(kv_k, kv_v, uo);
+    ap.q_pos0 = s.offset;
+    mark(r, kPhAttn);
+    if (n == 1)
+      decode(R, rs, view, ap, qb, ob);
+    else
+      cuda::prefill_attention(qb, Hq, n, view, ap, ob, R.stream);
+  }
+  mark(r, kPhOProj);
+  cuda::heads_to_tokens(R.attn.as<float>(), st, Hq, D, R.op.data(), L.o.t, R.stream);
+  R.blas->gemm(L.o.w, L.o.t, L.o.out, L.o.in, R.op.data(), T, R.h.as<float>());
+  cuda::add_bias(R.h.as<float>(), L.o.bias_ptr(), T, Hd, R.stream);
+}
+
+void CudaEngine::add_norm(Rank& R, int64_t T, bool add, const DeviceBuffer& weight, DType out_t) {
+  cuda::AddNormParams an;
+  an.x = R.x.as<float>();
+  an.add = add ? R.h.as<float>() : nullptr;
+  an.n_rows = T;
+  an.hidden = cfg_.hidden_size;
+  an.weight = weight.as<float>();
+  an.eps = cfg_.rms_norm_eps;
+  an.out = R.op.data();
+  an.out_t = out_t;
+  cuda::add_rmsnorm(an, R.stream);
+}
+
+void CudaEngine::mlp_half(size_t r, int64_t li, int64_t T) {
+  Rank& R = *ranks_[r];
+  const ModelConfig& c = cfg_;
+  const int64_t Hd = c.hidden_size, I = R.inter;
+  const DevLayer& L = R.layers[static_cast<size_t>(li)];
+  mark(r, kPhNorm);
+  add_norm(R, T, true, L.mlp_norm, L.gate_up_t);
+  mark(r, kPhMlp);
+  // one product over the fused gate|up rows: [T, 2I] fp32
+  R.blas->gemm(L.gate.w, L.gate.t, 2 * I, L.gate.in, R.op.data(), T, R.gu.as<float>());
+  cuda::swiglu(R.gu.as<float>(), R.gu.as<float>() + I, L.gate.bias_ptr(), L.up.bias_ptr(), T, I,
+               R.op.data(), L.down.t, R.stream, 2 * I);
+  R.blas->gemm(L.down.w, L.down.t, L.down.out, L.down.in, R.op.data(), T, R.h.as<float>());
+  cuda::add_bias(R.h.as<float>(), L.down.bias_ptr(), T, Hd, R.stream);
+}
+
+void CudaEngine::all_reduce_h(int64_t T) {
+  if (!comm_) return;
+  std::vector<float*> bufs;
+  for (const auto& R : ranks_) bufs.push_back(R->h.as<float>());
+  comm_->all_reduce_sum(bufs, T * cfg_.hidden_size);
 }
 
 void CudaEngine::run_step(std::span<const SeqChunk> chunks, std::vector<float>* logits,
@@ -566,10 +835,10 @@ void CudaEngine::run_step(std::span<const SeqChunk> chunks, std::vector<float>* 
     if (tokens) tokens->clear();
     return;
   }
+  const DeviceScope restore(ranks_[0]->device);
 
   // ---- the step's int32 data: tokens, positions, chunk starts, chunk lengths, logit rows
-  mark(kPhEmbed);
-  ensure_scratch(T, n_out);
+  mark(0, kPhEmbed);
   std::vector<int32_t> ints(static_cast<size_t>(4 * T + n_out));
   int32_t* tok = ints.data();
   int32_t* pos = tok + T;
@@ -592,113 +861,50 @@ void CudaEngine::run_step(std::span<const SeqChunk> chunks, std::vector<float>* 
     if (ch.logits) rows[o++] = static_cast<int32_t>(t - 1);
     max_pos = std::max(max_pos, off + n);
   }
-  ensure_rope(max_pos);
-  int32_t* d_ints = ints_.as<int32_t>();
-  cuda::copy_to_device(d_ints, ints.data(), ints.size() * 4, stream_);
-  cuda::StepTokens st;
-  st.pos = d_ints + T;
-  st.start = d_ints + 2 * T;
-  st.len = d_ints + 3 * T;
-  st.n_tokens = T;
-
-  const int64_t Hd = c.hidden_size, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads;
-  const int64_t I = c.intermediate_size;
-  const size_t kv_es = dtype_size(opts_.kv_dtype);
-  float* x = x_.as<float>();
-  float* h = h_.as<float>();
-  cuda::embed_rows(d_ints, T, embed_, embed_t_, Hd, x, stream_);
+  // Every rank: its scratch, RoPE rows, the step's ints and the embedding of its residual.
+  std::vector<cuda::StepTokens> st(ranks_.size());
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    Rank& R = *ranks_[r];
+    cuda::set_device(R.device);
+    ensure_scratch(R, T, n_out, r == 0);
+    ensure_rope(R, max_pos);
+    int32_t* d_ints = R.ints.as<int32_t>();
+    cuda::copy_to_device(d_ints, ints.data(), ints.size() * 4, R.stream);
+    st[r].pos = d_ints + T;
+    st[r].start = d_ints + 2 * T;
+    st[r].len = d_ints + 3 * T;
+    st[r].n_tokens = T;
+    cuda::embed_rows(d_ints, T, R.embed, R.embed_t, c.hidden_size, R.x.as<float>(), R.stream);
+  }
 
   AttentionParams ap;
-  ap.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  ap.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   ap.window = c.sliding_window;
 
   for (int64_t li = 0; li < c.n_layers; ++li) {
-    const DevLayer& L = layers_[static_cast<size_t>(li)];
-    mark(kPhNorm);
-    cuda::AddNormParams an;
-    an.x = x;
-    an.add = li > 0 ? h : nullptr;
-    an.n_rows = T;
-    an.hidden = Hd;
-    an.weight = L.attn_norm.as<float>();
-    an.eps = c.rms_norm_eps;
-    an.out = op_.data();
-    an.out_t = L.qkv_t;
-    cuda::add_rmsnorm(an, stream_);
-    mark(kPhQkv);
-    // one product over the fused q|k|v rows: [T, qd + 2 kd] fp32, rows qkv_cols apart
-    const int64_t qkv_cols = L.q.out + L.k.out + L.v.out;
-    blas_->gemm(L.q.w, L.q.t, qkv_cols, L.q.in, op_.data(), T, qkv_.as<float>());
-    mark(kPhRope);
-    cuda::QkvRopeParams rp;
-    rp.q = qkv_.as<float>();
-    rp.k = qkv_.as<float>() + L.q.out;
-    rp.v = qkv_.as<float>() + L.q.out + L.k.out;
-    rp.row_stride = qkv_cols;
-    rp.q_bias = L.q.bias_ptr();
-    rp.k_bias = L.k.bias_ptr();
-    rp.v_bias = L.v.bias_ptr();
-    rp.cos = rope_cos_.as<float>();
-    rp.sin = rope_sin_.as<float>();
-    rp.tok = st;
-    rp.n_q_heads = Hq;
-    rp.n_kv_heads = Hkv;
-    rp.head_dim = D;
-    rp.rope_style = c.rope.style == RopeStyle::kHalfSplit ? 0 : 1;
-    rp.q_out = qh_.as<float>();
-    rp.k_out = kh_.data();
-    rp.v_out = vh_.data();
-    rp.kv_t = opts_.kv_dtype;
-    cuda::qkv_rope(rp, stream_);
-
-    // Attention per sequence over its own cache.
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      Sequence& s = seqs_.at(chunks[i].seq);
-      const int64_t n = static_cast<int64_t>(chunks[i].tokens.size()), t0 = chunk_start[i];
-      char* kb = static_cast<char*>(kh_.data()) + static_cast<size_t>(t0 * Hkv * D) * kv_es;
-      char* vb = static_cast<char*>(vh_.data()) + static_cast<size_t>(t0 * Hkv * D) * kv_es;
-      float* qb = qh_.as<float>() + t0 * Hq * D;
-      float* ob = attn_.as<float>() + t0 * Hq * D;
-      const TensorView kv_k = TensorView::contiguous(kb, opts_.kv_dtype, 1, Hkv, n, D);
-      const TensorView kv_v = TensorView::contiguous(vb, opts_.kv_dtype, 1, Hkv, n, D);
-      const TensorView qv = TensorView::contiguous(qb, DType::kF32, 1, Hq, n, D);
-      cuda::DeviceUpdateOptions uo;
-      uo.queries = &qv;
-      mark(kPhCache);
-      const cuda::DeviceCacheView view =
-          s.caches[static_cast<size_t>(li)]->update_and_fetch(kv_k, kv_v, uo);
-      ap.q_pos0 = s.offset;
-      mark(kPhAttn);
-      if (n == 1)
-        decode(s, view, ap, qb, ob);
-      else
-        cuda::prefill_attention(qb, Hq, n, view, ap, ob, stream_);
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      cuda::set_device(ranks_[r]->device);
+      attention_half(r, li, chunks, chunk_start, st[r], ap);
     }
-    mark(kPhOProj);
-    cuda::heads_to_tokens(attn_.as<float>(), st, Hq, D, op_.data(), L.o.t, stream_);
-    blas_->gemm(L.o.w, L.o.t, L.o.out, L.o.in, op_.data(), T, h);
-    cuda::add_bias(h, L.o.bias_ptr(), T, Hd, stream_);
-
-    mark(kPhNorm);
-    an.add = h;
-    an.weight = L.mlp_norm.as<float>();
-    an.out_t = L.gate_up_t;
-    cuda::add_rmsnorm(an, stream_);
-    mark(kPhMlp);
-    // one product over the fused gate|up rows: [T, 2I] fp32
-    blas_->gemm(L.gate.w, L.gate.t, 2 * I, L.gate.in, op_.data(), T, gu_.as<float>());
-    cuda::swiglu(gu_.as<float>(), gu_.as<float>() + I, L.gate.bias_ptr(), L.up.bias_ptr(), T, I,
-                 op_.data(), L.down.t, stream_, 2 * I);
-    blas_->gemm(L.down.w, L.down.t, L.down.out, L.down.in, op_.data(), T, h);
-    cuda::add_bias(h, L.down.bias_ptr(), T, Hd, stream_);
+    all_reduce_h(T);
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      cuda::set_device(ranks_[r]->device);
+      mlp_half(r, li, T);
+    }
+    all_reduce_h(T);
   }
 
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence& s = seqs_.at(chunks[i].seq);
     s.offset += static_cast<int64_t>(chunks[i].tokens.size());
     if (chunks[i].end_prompt)
-      for (auto& cache : s.caches) cache->end_prompt();
+      for (size_t r = 0; r < s.ranks.size(); ++r) {
+        cuda::set_device(ranks_[r]->device);
+        for (auto& cache : s.ranks[r].caches) cache->end_prompt();
+      }
   }
+  Rank& R0 = *ranks_[0];
+  cuda::set_device(R0.device);
   sample_memory();
   if (n_out == 0) {
     if (tokens) tokens->clear();
@@ -707,41 +913,47 @@ void CudaEngine::run_step(std::span<const SeqChunk> chunks, std::vector<float>* 
   }
 
   // The last layer's MLP output joins the residual on the logit rows only, then the final norm
-  // and lm_head over those rows.
-  mark(kPhLogits);
+  // and lm_head over those rows (rank 0: every rank's residual is the same).
+  mark(0, kPhLogits);
   cuda::AddNormParams an;
-  an.x = x;
-  an.add = c.n_layers > 0 ? h : nullptr;
-  an.rows = d_ints + 4 * T;
+  an.x = R0.x.as<float>();
+  an.add = c.n_layers > 0 ? R0.h.as<float>() : nullptr;
+  an.rows = R0.ints.as<int32_t>() + 4 * T;
   an.n_rows = n_out;
-  an.hidden = Hd;
-  an.weight = final_norm_.as<float>();
+  an.hidden = c.hidden_size;
+  an.weight = R0.final_norm.as<float>();
   an.eps = c.rms_norm_eps;
-  an.out = op_.data();
-  an.out_t = lm_head_.t;
-  cuda::add_rmsnorm(an, stream_);
-  blas_->gemm(lm_head_.w, lm_head_.t, lm_head_.out, lm_head_.in, op_.data(), n_out,
-              logits_.as<float>());
-  mark(kPhToHost);
+  an.out = R0.op.data();
+  an.out_t = R0.lm_head.t;
+  cuda::add_rmsnorm(an, R0.stream);
+  R0.blas->gemm(R0.lm_head.w, R0.lm_head.t, R0.lm_head.out, R0.lm_head.in, R0.op.data(), n_out,
+                R0.logits.as<float>());
+  mark(0, kPhToHost);
   if (tokens) {
-    if (greedy_.size() < static_cast<size_t>(n_out) * 4) greedy_ = DeviceBuffer(n_out * 4);
-    cuda::argmax_rows(logits_.as<float>(), n_out, c.vocab_size, n_vocab, greedy_.as<int32_t>(),
-                      stream_);
+    if (R0.greedy.size() < static_cast<size_t>(n_out) * 4) R0.greedy = DeviceBuffer(n_out * 4);
+    cuda::argmax_rows(R0.logits.as<float>(), n_out, c.vocab_size, n_vocab, R0.greedy.as<int32_t>(),
+                      R0.stream);
     tokens->resize(static_cast<size_t>(n_out));
-    cuda::copy_to_host(tokens->data(), greedy_.data(), tokens->size() * 4, stream_);
+    cuda::copy_to_host(tokens->data(), R0.greedy.data(), tokens->size() * 4, R0.stream);
   } else if (logits) {
     logits->resize(static_cast<size_t>(n_out * c.vocab_size));
-    cuda::copy_to_host(logits->data(), logits_.data(), logits->size() * 4, stream_);
+    cuda::copy_to_host(logits->data(), R0.logits.data(), logits->size() * 4, R0.stream);
   } else {
-    cuda::synchronize(stream_);
+    cuda::synchronize(R0.stream);
   }
+  // Other devices' work of this step (their last all-reduce) ends before the next step.
+  for (size_t r = 1; r < ranks_.size(); ++r)
+    if (ranks_[r]->stream != R0.stream) {
+      cuda::set_device(ranks_[r]->device);
+      cuda::synchronize(ranks_[r]->stream);
+    }
   finish_timing(chunks, T);
 }
 
 void CudaEngine::finish_timing(std::span<const SeqChunk> chunks, int64_t n_tokens) {
   if (!opts_.time_phases) return;
   const int kind = n_tokens == static_cast<int64_t>(chunks.size()) ? 1 : 0;
-  phases_.mark(kPhCount, stream_);  // the end of the last phase
+  phases_.mark(kPhCount, ranks_[0]->stream);  // the end of the last phase
   phases_.collect(&phase_gpu_ms_[kind], &phase_host_ms_[kind]);
   phase_gpu_ms_[kind].resize(kPhCount, 0.0);
   phase_host_ms_[kind].resize(kPhCount, 0.0);
@@ -755,7 +967,7 @@ std::unique_ptr<Engine> make_cuda_engine(const Model& model, const EngineOptions
            "[engine] device cuda: expected a CUDA device but none was found (no device or no "
            "driver); use --device cpu");
   check_cuda_tensor_parallel(model.config(), opts.tensor_parallel, cuda::device_count(),
-                             cuda::has_nccl());
+                             cuda::has_nccl(), opts.tp_simulate);
   return std::make_unique<CudaEngine>(model, opts);
 }
 

@@ -11,6 +11,7 @@
 #include "veloxquant/group_quant.h"
 #include "veloxquant/prefill_schedule.h"
 #include "veloxquant/snapkv.h"
+#include "veloxquant/tensor_parallel.h"
 
 namespace vq {
 
@@ -77,6 +78,11 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
                std::to_string(r.weight_bytes) + ", device " + std::to_string(r.device_bytes));
   VQ_CHECK(m.n_layers >= 1 && m.n_kv_heads >= 1 && m.head_dim >= 1,
            "[memory_plan] expected a model config with layers, KV heads and head_dim >= 1");
+  const ShardPlan tp = make_shard_plan(m, r.tensor_parallel);  // N divides the KV heads
+  VQ_CHECK(r.ranks_per_device == 1 || r.ranks_per_device == r.tensor_parallel,
+           "[memory_plan] ranks_per_device: expected 1 (a device per rank) or tensor_parallel (" +
+               std::to_string(r.tensor_parallel) + ", simulated ranks on one device) but got " +
+               std::to_string(r.ranks_per_device));
   CacheConfig cc = r.cache;
   cc.head_dim = m.head_dim;
   validate(cc);
@@ -90,7 +96,8 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
                  std::to_string(p.context_tokens) + " tokens (" + std::to_string(r.prompt_tokens) +
                  " prompt + " + std::to_string(r.max_new_tokens) + " new - 1)");
 
-  const int64_t d = m.head_dim, H = m.n_kv_heads;
+  // One rank's heads; the figures are multiplied by the ranks on the device at the end.
+  const int64_t d = m.head_dim, H = m.n_kv_heads / tp.n_ranks;
   const int64_t fp_row = 2 * H * d * 2;  // K and V of one position, all heads, 2 bytes each
   const int64_t es = static_cast<int64_t>(dtype_size(r.kv_dtype));
   const std::string& meth = cc.method;
@@ -177,11 +184,18 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   // prefill chunk of rows held by a call before its eviction / flush.
   const int64_t slack_rows = max_fp_rows / 4 + kGrowStep + max_chunk;
   p.cache_bytes_resident = p.cache_bytes_peak + slack_rows * row_es;
-  p.cache_bytes_peak *= m.n_layers;
-  p.cache_bytes_prompt *= m.n_layers;
-  p.cache_bytes_resident *= m.n_layers;
+  const int64_t per_device = r.ranks_per_device;
+  p.cache_bytes_peak *= m.n_layers * per_device;
+  p.cache_bytes_prompt *= m.n_layers * per_device;
+  p.cache_bytes_resident *= m.n_layers * per_device;
   p.weight_bytes = r.weight_bytes;
-  p.workspace_bytes = activation_bytes(m, std::max(r.prefill_step, r.max_batch), r.max_batch);
+  // A rank's activations: its query / KV heads and the largest rank's intermediate columns.
+  ModelConfig shard = m;
+  shard.n_heads = m.n_heads / tp.n_ranks;
+  shard.n_kv_heads = H;
+  shard.intermediate_size = tp.ranks[0].intermediate.count;
+  p.workspace_bytes =
+      activation_bytes(shard, std::max(r.prefill_step, r.max_batch), r.max_batch) * per_device;
   const int64_t free_bytes = r.device_bytes - p.weight_bytes - p.workspace_bytes;
   p.max_sequences =
       free_bytes > 0 && p.cache_bytes_resident > 0 ? free_bytes / p.cache_bytes_resident : 0;

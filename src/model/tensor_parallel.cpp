@@ -166,6 +166,52 @@ ShardedModel::ShardedModel(const Model& model, int64_t n_ranks)
 
 ShardedModel::~ShardedModel() = default;
 
+const std::vector<Model::Layer>& ShardedModel::rank_layers(int64_t rank) const {
+  VQ_CHECK(rank >= 0 && rank < plan_.n_ranks,
+           "[tensor_parallel] rank_layers: expected a rank in 0.." +
+               std::to_string(plan_.n_ranks - 1) + " but got " + std::to_string(rank));
+  return w_->layers[static_cast<size_t>(rank)];
+}
+
+int64_t device_weight_bytes(const Model& model, int64_t n_ranks, bool simulate) {
+  if (n_ranks == 1) return static_cast<int64_t>(model.checkpoint_bytes());
+  const ShardPlan plan = make_shard_plan(model.config(), n_ranks);
+  const int64_t D = model.config().head_dim;
+  auto bytes = [](const Linear& l, int64_t out, int64_t in, DType as) {
+    return out * in * static_cast<int64_t>(dtype_size(as)) + (l.bias.empty() ? 0 : 4 * out);
+  };
+  auto group = [](std::initializer_list<const Linear*> g) {
+    for (const Linear* l : g)
+      if (l->dtype != (*g.begin())->dtype) return DType::kF32;
+    return (*g.begin())->dtype;
+  };
+  int64_t total = 0, largest = 0;
+  for (int64_t r = 0; r < n_ranks; ++r) {
+    const RankShard& sh = plan.ranks[static_cast<size_t>(r)];
+    const int64_t q = sh.q_heads.count * D, kv = sh.kv_heads.count * D, I = sh.intermediate.count;
+    int64_t b = 0;
+    for (const Model::Layer& L : model.layers()) {
+      const DType qkv = group({&L.q, &L.k, &L.v}), gu = group({&L.gate, &L.up});
+      b += bytes(L.q, q, L.q.in, qkv) + bytes(L.k, kv, L.k.in, qkv) + bytes(L.v, kv, L.v.in, qkv);
+      b += bytes(L.gate, I, L.gate.in, gu) + bytes(L.up, I, L.up.in, gu);
+      b += L.o.out * q * static_cast<int64_t>(dtype_size(L.o.dtype)) +
+           L.down.out * I * static_cast<int64_t>(dtype_size(L.down.dtype));
+      if (r == 0) b += 4 * static_cast<int64_t>(L.o.bias.size() + L.down.bias.size());
+      b += 4 * static_cast<int64_t>(L.attn_norm.size() + L.mlp_norm.size());
+    }
+    const Linear& e = model.embedding();
+    b += e.out * e.in * static_cast<int64_t>(dtype_size(e.dtype));
+    if (r == 0) {
+      const Linear& h = model.lm_head();
+      if (h.w != e.w) b += h.out * h.in * static_cast<int64_t>(dtype_size(h.dtype));
+      b += 4 * static_cast<int64_t>(model.final_norm().size() + h.bias.size());
+    }
+    total += b;
+    largest = std::max(largest, b);
+  }
+  return simulate ? total : largest;
+}
+
 RankCaches ShardedModel::make_caches(const CacheConfig& cfg) const {
   RankCaches out;
   ModelCacheShape shape = model_.cache_shape();

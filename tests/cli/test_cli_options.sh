@@ -133,6 +133,8 @@ expect 2 "[bench] [tensor_parallel] expected N to divide" \
   -- bench --model "$MODEL" --methods full --context 40 --tensor-parallel 4
 expect 2 "[eval] --tensor-parallel: expected 1 but got 2" \
   -- eval ppl --methods full --tensor-parallel 2
+expect 2 "[generate] --tp-simulate: expected --device cuda" \
+  -- generate --model "$MODEL" --prompt-ids 1,2 --tensor-parallel 2 --tp-simulate
 printf '{"prompt_ids": [%s]}\n{"prompt_ids": [%s]}\n' "$(seq -s, 10 45)" "$(seq -s, 50 70)" \
   > "$tmp/tp.jsonl"
 tp_tokens() {  # every prompt's generated ids (the snapkv budget evicts within the prompts)

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
+#include "cuda/golden_fixture.h"
 #include "cuda/model_ops.cuh"
 #include "ops/kernels.h"
 #include "util/test_util.h"
@@ -63,35 +64,9 @@ namespace {
 
 constexpr double kU = 1.0 / 512.0;  // bf16 unit roundoff
 
-struct Fixture {
-  std::unique_ptr<Model> model;
-  std::vector<std::vector<int32_t>> prompts;  // golden.json prompt ids: short, medium, long
-  std::string why;                            // non-empty: skip
-};
-
-const Fixture& fixture() {
-  static Fixture f = [] {
-    Fixture x;
-    std::string dir = find_shipped_model();
-    if (dir.empty()) dir = test::source_path("models/vq-mini-llama");
-    const std::string golden = test::source_path("tests/data/golden/golden.json");
-    std::ifstream in(golden);
-    if (!in || !std::ifstream(dir + "/config.json")) {
-      x.why = "no shipped model or golden prompts (" + dir + ", " + golden + ")";
-      return x;
-    }
-    const auto j = nlohmann::json::parse(in);
-    for (const auto& p : j.at("prompts"))
-      if (p.at("name") != "passkey") x.prompts.push_back(p.at("ids").get<std::vector<int32_t>>());
-    x.model = Model::load(dir);
-    return x;
-  }();
-  return f;
+const test::GoldenFixture& fixture() {
+  return test::golden_fixture();
 }
-
-#define SKIP_WITHOUT_MODEL() \
-  SKIP_WITHOUT_DEVICE();     \
-  if (!fixture().why.empty()) GTEST_SKIP() << fixture().why;
 
 int32_t argmax(const std::vector<float>& z) {
   return static_cast<int32_t>(std::max_element(z.begin(), z.end()) - z.begin());

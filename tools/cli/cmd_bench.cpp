@@ -43,6 +43,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
+#include "veloxquant/tensor_parallel.h"
 
 namespace vq::cli {
 
@@ -65,6 +66,7 @@ struct BenchArgs {
   bool no_check_weights = false;
   bool json = false;
   int64_t tensor_parallel = 1;
+  bool tp_simulate = false;  // --tp-simulate
   bool phases = false;
   bool synthetic_prefill = false;
 };
@@ -176,9 +178,14 @@ int run_bench(const BenchArgs& a) {
   lo.check_finite = !a.no_check_weights;
   const auto model = Model::load(model_dir, lo);
   const ModelConfig& mc = model->config();
-  check_tensor_parallel(mc, dev, a.tensor_parallel, "bench");
+  check_tensor_parallel(mc, dev, a.tensor_parallel, "bench", a.tp_simulate);
   const DType kv = dtype_from_string(a.kv_dtype);
-  const int64_t weight_bytes = static_cast<int64_t>(model->checkpoint_bytes());
+  // cuda with tensor_parallel > 1: the plan is the busiest device's (memory_plan.h); the CPU
+  // engine's ranks share one memory and the mapped checkpoint
+  const bool one_memory = a.tp_simulate || dev == Device::kCpu;
+  const int64_t weight_bytes = dev == Device::kCpu
+                                   ? static_cast<int64_t>(model->checkpoint_bytes())
+                                   : device_weight_bytes(*model, a.tensor_parallel, a.tp_simulate);
   const int64_t mem = plannable_device_bytes(dev == Device::kCuda);
 
   std::vector<Row> rows;
@@ -195,6 +202,8 @@ int run_bench(const BenchArgs& a) {
     req.weight_bytes = weight_bytes;
     req.device_bytes = mem;
     req.max_batch = a.batch;
+    req.tensor_parallel = a.tensor_parallel;
+    req.ranks_per_device = one_memory ? a.tensor_parallel : 1;
     row.plan = plan_memory(req);
     row.batch = a.max_batch_fit ? row.plan.max_sequences : a.batch;
     if (a.max_batch_fit && row.batch < 1) check_fits(row.plan, req, 1);  // refuses, naming why
@@ -203,6 +212,7 @@ int run_bench(const BenchArgs& a) {
       eo.cache = cfgs[m];
       eo.kv_dtype = kv;
       eo.tensor_parallel = a.tensor_parallel;
+      eo.tp_simulate = a.tp_simulate;
       eo.time_phases = a.phases;
       if (dev == Device::kCuda) {  // refused before the engine uploads anything
         req.max_batch = row.batch;
@@ -361,7 +371,7 @@ void add_bench_command(CLI::App& app, int* status) {
                  "tokens per prefill chunk and per prefill step", "bench");
   add_uint64_option(cmd, "--seed", &a->seed, "prompt ids seed", "bench");
   add_threads_option(cmd, &a->threads, "bench");
-  add_tensor_parallel_option(cmd, &a->tensor_parallel, "bench");
+  add_tensor_parallel_option(cmd, &a->tensor_parallel, "bench", &a->tp_simulate);
   cmd->add_option("--kv-dtype", a->kv_dtype, "K/V dtype handed to the caches")
       ->capture_default_str();
   cmd->add_flag("--max-batch-fit", a->max_batch_fit,

@@ -52,6 +52,7 @@
 #include "veloxquant/generate.h"
 #include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
+#include "veloxquant/tensor_parallel.h"
 #include "veloxquant/tokenizer.h"
 
 namespace vq::cli {
@@ -80,6 +81,7 @@ struct GenerateArgs {
   std::string prompts_file;
   int64_t max_batch = 8;
   int64_t tensor_parallel = 1;
+  bool tp_simulate = false;  // --tp-simulate
 };
 
 MatmulPrecision matmul_from_string(const std::string& s) {
@@ -230,6 +232,7 @@ int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
   eo.kv_dtype = dtype_from_string(a.kv_dtype);
   eo.matmul = matmul_from_string(a.matmul);
   eo.tensor_parallel = a.tensor_parallel;
+  eo.tp_simulate = a.tp_simulate;
   BatchGenerateOptions bo;
   bo.gen.max_tokens = a.max_tokens;
   bo.gen.prefill_step_size = a.prefill_step;
@@ -239,7 +242,7 @@ int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
   bo.max_batch = a.max_batch;
   if (dev == Device::kCuda) {
     bo.device_bytes = plannable_device_bytes(true);
-    bo.weight_bytes = static_cast<int64_t>(model.checkpoint_bytes());
+    bo.weight_bytes = device_weight_bytes(model, a.tensor_parallel, a.tp_simulate);
   }
   const auto engine = make_engine(dev, model, eo);
   const BatchGenerateResult r = batch_generate(*engine, prompts, bo);
@@ -330,7 +333,7 @@ int run_generate(const GenerateArgs& a) {
   lo.check_finite = !a.no_check_weights;
   const auto model = Model::load(model_dir, lo);
   const ModelConfig& mc = model->config();
-  check_tensor_parallel(mc, dev, a.tensor_parallel, "generate");
+  check_tensor_parallel(mc, dev, a.tensor_parallel, "generate", a.tp_simulate);
   std::optional<Tokenizer> tok;
   if (std::filesystem::exists(model_dir + "/tokenizer.json")) {
     tok.emplace(Tokenizer::from_file(model_dir + "/tokenizer.json"));
@@ -561,7 +564,7 @@ void add_generate_command(CLI::App& app, int* status) {
                   "line (optional \"max_tokens\"), or one JSON array of them");
   add_int_option(cmd, "--max-batch", &a->max_batch, 1, 4096,
                  "sequences generated at once at most (--prompts-file, --device cuda)", "generate");
-  add_tensor_parallel_option(cmd, &a->tensor_parallel, "generate");
+  add_tensor_parallel_option(cmd, &a->tensor_parallel, "generate", &a->tp_simulate);
   cmd->callback([a, status] { *status = run_generate(*a); });
 }
 

@@ -114,20 +114,31 @@ CLI::Option* add_threads_option(CLI::App* app, int64_t* target, const std::strin
   return add_int_option(app, "--threads", target, 0, max_threads(), "OpenMP threads", cmd, note);
 }
 
-CLI::Option* add_tensor_parallel_option(CLI::App* app, int64_t* target, const std::string& cmd) {
+CLI::Option* add_tensor_parallel_option(CLI::App* app, int64_t* target, const std::string& cmd,
+                                        bool* simulate) {
+  if (simulate)
+    app->add_flag("--tp-simulate", *simulate,
+                  "cuda: run the --tensor-parallel ranks as simulated ranks on one device (each "
+                  "its own weight shard, caches and scratch; rank-order all-reduce): a check of "
+                  "the sharding, not a speed-up");
   return add_int_option(app, "--tensor-parallel", target, 1, 4096,
                         "ranks the model's heads and caches are split over (must divide the KV "
                         "heads; cpu: simulated ranks with the reference all-reduce; cuda: one "
-                        "device per rank)",
+                        "device per rank over NCCL, or --tp-simulate)",
                         cmd);
 }
 
-void check_tensor_parallel(const ModelConfig& mc, Device dev, int64_t n, const std::string& cmd) {
+void check_tensor_parallel(const ModelConfig& mc, Device dev, int64_t n, const std::string& cmd,
+                           bool simulate) {
   try {
-    if (dev == Device::kCuda)
-      check_cuda_tensor_parallel(mc, n, cuda::device_count(), cuda::has_nccl());
-    else
+    if (dev == Device::kCuda) {
+      check_cuda_tensor_parallel(mc, n, cuda::device_count(), cuda::has_nccl(), simulate);
+    } else {
+      VQ_CHECK(!simulate,
+               "--tp-simulate: expected --device cuda (the CPU engine's ranks are "
+               "always simulated) but got --device cpu");
       make_shard_plan(mc, n);
+    }
   } catch (const Error& e) {
     throw Error("[" + cmd + "] " + e.what());
   }

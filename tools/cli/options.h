@@ -48,12 +48,17 @@ CLI::Option* add_threads_option(CLI::App* app, int64_t* target, const std::strin
 // Applies a --threads value (0 leaves OpenMP's default: every core).
 void apply_threads(int64_t threads);
 
-// --tensor-parallel N (1 .. 4096): ranks of tensor parallelism (veloxquant/tensor_parallel.h).
-CLI::Option* add_tensor_parallel_option(CLI::App* app, int64_t* target, const std::string& cmd);
+// --tensor-parallel N (1 .. 4096): ranks of tensor parallelism (veloxquant/tensor_parallel.h);
+// with `simulate`, also the flag --tp-simulate (EngineOptions::tp_simulate: N simulated ranks on
+// one CUDA device, a test/diagnostic of the sharding).
+CLI::Option* add_tensor_parallel_option(CLI::App* app, int64_t* target, const std::string& cmd,
+                                        bool* simulate = nullptr);
 // N for this model and device, checked before any engine is made: N divides the KV heads
-// (naming the allowed N); on cuda N <= the visible devices and, for N > 1, a build with NCCL
-// (check_cuda_tensor_parallel). vq::Error prefixed "[cmd] ".
-void check_tensor_parallel(const ModelConfig& mc, Device dev, int64_t n, const std::string& cmd);
+// (naming the allowed N); on cuda N <= the visible devices and, for N > 1, a build with NCCL,
+// unless `simulate` (check_cuda_tensor_parallel); --tp-simulate on cpu is refused. vq::Error
+// prefixed "[cmd] ".
+void check_tensor_parallel(const ModelConfig& mc, Device dev, int64_t n, const std::string& cmd,
+                           bool simulate = false);
 
 // Memory the planner (veloxquant/memory_plan.h) may give weights, workspace and caches on a
 // device: cuda, the card's global memory less kCudaReserveBytes (the CUDA context, cuBLAS
