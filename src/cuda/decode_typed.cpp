@@ -2,14 +2,12 @@
 // outputs are in the model's dtype (the Python package's CUDA layers). The conversions are the
 // row stores' own (detail::convert_block: widening exact, narrowing to nearest even), so the
 // values are decode_attention's on the widened query, rounded once at the end.
-#include <cuda_runtime_api.h>
-
 #include <string>
 
-#include "cuda/check.h"
 #include "cuda/device_cache_util.h"
 #include "veloxquant/cuda.h"
 #include "veloxquant/error.h"
+#include "veloxquant/multi_gpu.h"
 
 namespace vq::cuda {
 
@@ -49,16 +47,19 @@ void decode_attention_typed(const TensorView& q, const DeviceCacheView& view,
 }
 
 DeviceGuard::DeviceGuard(int device) {
-  int cur = 0;
-  VQ_CUDA_CHECK(cudaGetDevice(&cur));
+  const int cur = current_device();
   if (cur != device) {
-    VQ_CUDA_CHECK(cudaSetDevice(device));
+    set_device(device);
     prev_ = cur;
   }
 }
 
 DeviceGuard::~DeviceGuard() {
-  if (prev_ >= 0) (void)cudaSetDevice(prev_);  // never throws from a destructor
+  if (prev_ < 0) return;
+  try {
+    set_device(prev_);
+  } catch (...) {  // never throws from a destructor: a sticky device error is reported elsewhere
+  }
 }
 
 }  // namespace vq::cuda

@@ -62,7 +62,7 @@
 namespace vq {
 namespace {
 
-constexpr double kU = 1.0 / 512.0;  // bf16 unit roundoff
+constexpr double kU = 1.0 / 256.0;  // bf16 unit roundoff 2^-8 (8 significand bits, nearest)
 
 const test::GoldenFixture& fixture() {
   return test::golden_fixture();
