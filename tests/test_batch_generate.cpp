@@ -388,6 +388,12 @@ TEST_F(BatchTest, PlannerEqualsTheCachesPeak) {
                        c.skvq_recent = 5;
                      }});
   }
+  // Per-layer key bits (4 in layer 0, 2 after): planned at the largest, an upper bound.
+  const int64_t n_layers = model_->config().n_layers;
+  cases.push_back({"skvq", 200, 64, 40, [n_layers](CacheConfig& c) {
+                     c.skvq_layer_bits_key = "4";
+                     for (int64_t l = 1; l < n_layers; ++l) c.skvq_layer_bits_key += "/2";
+                   }});
   for (const PlanCase& pc : cases) {
     for (DType kv : {DType::kF16, DType::kF32}) {
       CacheConfig cc = small_config(pc.method);
@@ -437,7 +443,7 @@ TEST_F(BatchTest, PlannerEqualsTheCachesPeak) {
       req.prefill_step = pc.step;
       const MemoryPlan p = plan_memory(req);
       EXPECT_EQ(p.context_tokens, pc.prompt + pc.gen - 1);
-      if (pc.method == "snapkv+skvq") {
+      if (pc.method == "snapkv+skvq" || !cc.skvq_layer_bits_key.empty()) {
         EXPECT_FALSE(p.cache_bytes_exact);
         EXPECT_GE(p.cache_bytes_peak, peak_acc);
       } else {

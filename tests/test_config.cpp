@@ -89,6 +89,21 @@ TEST(CacheConfig, EveryBadValueIsRefusedNamingTheField) {
       {"skvq_rotation", "5", [](CacheConfig& c) { c.skvq_rotation = static_cast<Rotation>(5); }},
       {"streaming_n_sink", "-1", [](CacheConfig& c) { c.streaming_n_sink = -1; }},
       {"streaming_window", "0", [](CacheConfig& c) { c.streaming_window = 0; }},
+      // Per-layer lists: each entry as its single field, by its index.
+      {"skvq_layer_bits_key entry 1", "2.5",
+       [](CacheConfig& c) { c.skvq_layer_bits_key = "2/2.5/3"; }},
+      {"skvq_layer_bits_key entry 0", "'x'", [](CacheConfig& c) { c.skvq_layer_bits_key = "x/2"; }},
+      {"per-layer list '2//3'", "an empty entry 1",
+       [](CacheConfig& c) { c.skvq_layer_bits_key = "2//3"; }},
+      {"per-layer list '2/'", "an empty entry 1",
+       [](CacheConfig& c) { c.skvq_layer_bits_key = "2/"; }},
+      {"skvq_layer_key_rows entry 2", "124",
+       [](CacheConfig& c) {
+         c.skvq_key_axis = QuantAxis::kChannel;
+         c.skvq_layer_key_rows = "32/0/124";  // chunk 0 holds 128 - 5 rows
+       }},
+      {"skvq_layer_key_rows entry 0", "32",  // token-axis keys have no runs
+       [](CacheConfig& c) { c.skvq_layer_key_rows = "32/32"; }},
   };
   for (const auto& bc : cases) {
     CacheConfig c;
@@ -104,6 +119,34 @@ TEST(CacheConfig, EveryBadValueIsRefusedNamingTheField) {
               validate(c);
             }).find("expected one of full, snapkv, skvq, snapkv+skvq, streaming"),
             std::string::npos);
+}
+
+TEST(CacheConfig, PerLayerKeyListsGiveEachLayerItsEntry) {
+  CacheConfig c = parse_cache_arg(
+      "skvq:bits_key=2:key_axis=channel:key_rows=32:layer_bits_key=3/2/1.5:layer_key_rows=16/64/0");
+  EXPECT_EQ(c.skvq_layer_bits_key, "3/2/1.5");
+  const double bits[] = {3, 2, 1.5};
+  const int64_t rows[] = {16, 64, 0};
+  for (int64_t l = 0; l < 3; ++l) {
+    EXPECT_EQ(skvq_key_bits_of(c, l), bits[l]) << l;
+    EXPECT_EQ(skvq_key_rows_of(c, l), rows[l]) << l;
+  }
+  EXPECT_EQ(skvq_layer_list_size(c.skvq_layer_bits_key), 3);
+  EXPECT_EQ(skvq_layer_list_size(""), 0);
+  // A layer past the list is refused, naming the list.
+  const std::string msg = error_of([&] { (void)skvq_key_bits_of(c, 3); });
+  EXPECT_EQ(msg,
+            "[cache_config] skvq_layer_bits_key: expected an entry for layer 3 but got 3 entries "
+            "('3/2/1.5')");
+  // Empty lists: every layer takes the single fields.
+  c.skvq_layer_bits_key.clear();
+  c.skvq_layer_key_rows.clear();
+  EXPECT_EQ(skvq_key_bits_of(c, 7), 2.0);
+  EXPECT_EQ(skvq_key_rows_of(c, 7), 32);
+  // Only SKVQ methods read the lists.
+  EXPECT_NE(
+      error_of([] { (void)parse_cache_arg("snapkv:layer_bits_key=2"); }).find("layer_bits_key"),
+      std::string::npos);
 }
 
 TEST(CacheConfig, BoundariesAreAccepted) {
@@ -241,6 +284,8 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   c.skvq_perm_file = "p.bin";
   c.skvq_key_axis = QuantAxis::kChannel;
   c.skvq_key_rows = 24;
+  c.skvq_layer_bits_key = "3/2/1.5";
+  c.skvq_layer_key_rows = "8/0/61";
   c.streaming_n_sink = 1;
   c.streaming_window = 77;
   const std::string text = config_to_json(c);
@@ -284,7 +329,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
       }
     }
   }
-  EXPECT_EQ(keys.size(), 32u);
+  EXPECT_EQ(keys.size(), 34u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {
@@ -611,7 +656,7 @@ TEST(CacheConfig, EnumNamesForMessages) {
   EXPECT_EQ(cache_method_fields("full"), std::vector<std::string>{});
   EXPECT_EQ(cache_method_fields("streaming"),
             (std::vector<std::string>{"streaming_n_sink", "streaming_window"}));
-  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 26u);
+  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 28u);
   EXPECT_EQ(cache_enum_name("skvq_key_axis", 1), "channel");
 }
 

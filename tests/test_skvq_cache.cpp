@@ -1209,6 +1209,88 @@ TEST(SkvqCacheKeyRows, BadValuesRefusedNamingTheField) {
   EXPECT_EQ(config_from_json(config_to_json(ok)).skvq_key_rows, 32);
 }
 
+// ---- skvq_layer_bits_key / skvq_layer_key_rows (mixed key precision by layer) ----------------
+
+// Layer l of a model's caches with per-layer lists is the single-field cache of its entries: the
+// same state bytes (settings, codes, metadata) and byte figures, so each layer's formats, byte
+// formulas, attention and state frames are those the single fields already have.
+TEST(SkvqCacheLayerKeys, EachLayerEqualsTheSingleFieldCacheOfItsEntries) {
+  CacheConfig cfg = key_rows_cfg(8);
+  cfg.skvq_rotation = Rotation::kHadamard;
+  cfg.skvq_meta = MetaType::kFP8E4M3;
+  cfg.skvq_layer_bits_key = "3/2/1.5";
+  cfg.skvq_layer_key_rows = "5/0/8";
+  const double bits[] = {3, 2, 1.5};
+  const int64_t rows[] = {5, 0, 8};
+  const ModelCacheShape shape{{2, 2, 2}, {64, 64, 64}};
+  auto layers = build_caches(shape, cfg);
+  ASSERT_EQ(layers.size(), 3u);
+  const Tensor k = hetero(1, 2, 45, 64, 41), v = hetero(1, 2, 45, 64, 42);
+  std::vector<std::string> states;
+  for (int64_t l = 0; l < 3; ++l) {
+    CacheConfig one = cfg;
+    one.skvq_layer_bits_key.clear();
+    one.skvq_layer_key_rows.clear();
+    one.skvq_bits_key = bits[l];
+    one.skvq_key_rows = rows[l];
+    auto single = make_skvq_cache(one, l);
+    feed(*layers[static_cast<size_t>(l)], k, v, {17, 28});
+    feed(*single, k, v, {17, 28});
+    states.push_back(state_of(*layers[static_cast<size_t>(l)]));
+    EXPECT_TRUE(states.back() == state_of(*single)) << "state bytes differ, layer " << l;
+    EXPECT_EQ(layers[static_cast<size_t>(l)]->stats().figures, single->stats().figures) << l;
+  }
+  // Worked key bytes at S = 45 (chunks 0 and 1: 12 + 16 rows of 2 heads, fp8 metadata):
+  // layer 0, 3 bits, runs of >= 5: 24 code bytes + ceil(128 / 5) = 26 slots;
+  // layer 1, 2 bits, whole chunks (>= 12 rows): 16 + ceil(128 / 12) = 11;
+  // layer 2, 1.5 bits (five codes a byte), runs of >= 8: ceil(64 / 5) = 13 + 16 slots.
+  const int64_t per_row[] = {24 + 26, 16 + 11, 13 + 16};
+  for (int64_t l = 0; l < 3; ++l)
+    EXPECT_EQ(figure(*layers[static_cast<size_t>(l)], "compressed_key_bytes"),
+              2 * (12 + 16) * per_row[l])
+        << l;
+  // A layer's state is refused by another layer's cache, naming the setting; nothing changes.
+  std::istringstream in(states[0]);
+  try {
+    layers[1]->load(in);
+    ADD_FAILURE() << "layer 0's state accepted by layer 1";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[skvq] state was saved with skvq_bits_key=3 but this cache has 2; nothing was "
+              "changed");
+  }
+  EXPECT_EQ(state_of(*layers[1]), states[1]);
+}
+
+TEST(SkvqCacheLayerKeys, ListsOfAnotherLengthAreRefused) {
+  CacheConfig cfg = key_rows_cfg(8);
+  cfg.skvq_layer_bits_key = "3/2/2";
+  try {
+    (void)build_caches(ModelCacheShape{{2, 2}, {64, 64}}, cfg);
+    ADD_FAILURE() << "3 entries for 2 layers accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[build_caches] skvq_layer_bits_key: expected 2 entries (one per layer) but got 3 "
+              "('3/2/2')");
+  }
+  cfg.skvq_layer_bits_key.clear();
+  cfg.skvq_layer_key_rows = "8";
+  try {
+    (void)make_skvq_cache(cfg, 1);
+    ADD_FAILURE() << "layer 1 of a one-entry list accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[cache_config] skvq_layer_key_rows: expected an entry for layer 1 but got 1 "
+              "entries ('8')");
+  }
+  // snapkv+skvq reads the lists too (its settings are the same per-layer ones).
+  CacheConfig snap = cfg;
+  snap.method = "snapkv+skvq";
+  snap.snap_evict_at = SnapEvictAt::kPromptEnd;
+  snap.skvq_layer_key_rows = "8/4";
+  EXPECT_EQ(skvq::Settings::from_config(snap, 1, "snapkv+skvq").key_rows, 4);
+}
+
 // ---- snapkv+skvq with channel-axis keys: the kept rows are packed per channel after the one
 // selection at the end of the prompt (snap_evict_at = prompt_end) ------------------------------
 

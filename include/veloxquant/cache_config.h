@@ -88,6 +88,12 @@ struct CacheConfig {
   // token groups); 0 = the whole chunk. A chunk of n rows holds floor(n / key_rows) runs, the
   // last one taking the remainder (docs/design.md §C4).
   int64_t skvq_key_rows = 0;
+  // Mixed key precision by layer: per-layer overrides of skvq_bits_key and skvq_key_rows,
+  // '/'-separated, entry i for layer i ("2/3/2/2/2/2"); empty = every layer takes the single
+  // field. A model's caches need one entry per layer (build_caches); the packed formats are the
+  // single-field ones of each layer's values (docs/design.md §C4).
+  std::string skvq_layer_bits_key;
+  std::string skvq_layer_key_rows;
 
   // StreamingLLM-style baseline: sinks + most recent window.
   int64_t streaming_n_sink = 4;
@@ -108,6 +114,14 @@ std::string cache_enum_name(const std::string& field, int64_t code);
 
 // Throws vq::Error naming the first bad field, its value and the allowed range.
 void validate(const CacheConfig& cfg);
+
+// The key bits / rows per key scale of layer `layer`: the entry of skvq_layer_bits_key /
+// skvq_layer_key_rows, or skvq_bits_key / skvq_key_rows when the list is empty. Throws vq::Error
+// naming the list when it has no entry for the layer.
+double skvq_key_bits_of(const CacheConfig& cfg, int64_t layer);
+int64_t skvq_key_rows_of(const CacheConfig& cfg, int64_t layer);
+// Entries of the per-layer lists (0 when empty); validate() has checked each entry.
+int64_t skvq_layer_list_size(const std::string& list);
 
 // validate() plus the rules for a configuration a user wrote (the caches themselves accept these
 // degenerate settings from code): no field of another method differs from its default, and with

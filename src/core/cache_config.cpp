@@ -273,6 +273,10 @@ const std::vector<Field>& fields() {
       enum_field("skvq_key_axis", &CacheConfig::skvq_key_axis, axis_names()),
       allow(int_field("skvq_key_rows", &CacheConfig::skvq_key_rows),
             "0 (the whole chunk)..skvq_window - skvq_n_sink"),
+      allow(string_field("skvq_layer_bits_key", &CacheConfig::skvq_layer_bits_key),
+            "'' or '/'-separated skvq_bits_key values, one per layer"),
+      allow(string_field("skvq_layer_key_rows", &CacheConfig::skvq_layer_key_rows),
+            "'' or '/'-separated skvq_key_rows values, one per layer"),
       allow(int_field("streaming_n_sink", &CacheConfig::streaming_n_sink), "0.." + rows_max()),
       allow(int_field("streaming_window", &CacheConfig::streaming_window), "1.." + rows_max()),
   };
@@ -327,6 +331,35 @@ constexpr const char* kWhyDim = "the largest head_dim supported";
 void check_bits(const char* field, double v) {
   const bool ok = v == 1.5 || (v >= 1 && v <= 8 && std::floor(v) == v);
   if (!ok) fail(field, "an integer in 1..8 or exactly 1.5", fmt_double(v));
+}
+
+// Every run of a chunk must be at least key_rows long (it holds its metadata, packed.h), and
+// chunk 0, the shortest, has window - n_sink rows.
+void check_key_rows(const char* field, int64_t rows, const CacheConfig& c) {
+  if (rows < 0 || rows > c.skvq_window - c.skvq_n_sink)
+    fail(field,
+         "0 (the whole chunk) or 1..skvq_window - skvq_n_sink (" +
+             std::to_string(c.skvq_window - c.skvq_n_sink) + ", chunk 0's rows)",
+         std::to_string(rows));
+  if (rows > 0 && c.skvq_key_axis != QuantAxis::kChannel)
+    fail(field, "0 with skvq_key_axis=token (rows per key scale apply to channel-axis keys only)",
+         std::to_string(rows));
+}
+
+// The entries of a per-layer list ("2/3/2"; "" = none). An empty entry is refused.
+std::vector<std::string> split_layer_list(const std::string& list) {
+  std::vector<std::string> out;
+  if (list.empty()) return out;
+  size_t start = 0;
+  for (;;) {
+    const size_t end = list.find('/', start);
+    out.push_back(list.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (out.back().empty())
+      fail("per-layer list '" + list + "'", "one value per layer between '/' separators",
+           "an empty entry " + std::to_string(out.size() - 1));
+    if (end == std::string::npos) return out;
+    start = end + 1;
+  }
 }
 
 template <typename E>
@@ -547,22 +580,51 @@ void validate(const CacheConfig& c) {
   check_int("skvq_recent", c.skvq_recent, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_enum("skvq_rotation", c.skvq_rotation, rotation_names());
   check_enum("skvq_key_axis", c.skvq_key_axis, axis_names());
-  // Every run of a chunk must be at least key_rows long (it holds its metadata, packed.h), and
-  // chunk 0, the shortest, has window - n_sink rows.
-  if (c.skvq_key_rows < 0 || c.skvq_key_rows > c.skvq_window - c.skvq_n_sink)
-    fail("skvq_key_rows",
-         "0 (the whole chunk) or 1..skvq_window - skvq_n_sink (" +
-             std::to_string(c.skvq_window - c.skvq_n_sink) + ", chunk 0's rows)",
-         std::to_string(c.skvq_key_rows));
-  if (c.skvq_key_rows > 0 && c.skvq_key_axis != QuantAxis::kChannel)
-    fail("skvq_key_rows",
-         "0 with skvq_key_axis=token (rows per key scale apply to channel-axis keys only)",
-         std::to_string(c.skvq_key_rows));
+  check_key_rows("skvq_key_rows", c.skvq_key_rows, c);
+  // Per-layer lists: every entry as its single field.
+  const std::vector<std::string> lb = split_layer_list(c.skvq_layer_bits_key);
+  for (size_t i = 0; i < lb.size(); ++i) {
+    const std::string f = "skvq_layer_bits_key entry " + std::to_string(i);
+    check_bits(f.c_str(), parse_double(f, lb[i]));
+  }
+  const std::vector<std::string> lr = split_layer_list(c.skvq_layer_key_rows);
+  for (size_t i = 0; i < lr.size(); ++i) {
+    const std::string f = "skvq_layer_key_rows entry " + std::to_string(i);
+    check_key_rows(f.c_str(), parse_int(f, lr[i]), c);
+  }
   check_int("streaming_n_sink", c.streaming_n_sink, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_int("streaming_window", c.streaming_window, 1, kMaxCacheRows, ">= 1", kWhyRows);
   static_assert(
       2 * kMaxCacheRows + 2 * kMaxCacheRows <= kMax,
       "sums of a few bounded fields (window + recent, n_sink + window + slack) fit int64");
+}
+
+int64_t skvq_layer_list_size(const std::string& list) {
+  return static_cast<int64_t>(split_layer_list(list).size());
+}
+
+namespace {
+
+// Entry `layer` of a per-layer list (validated), or nullptr-equivalent "" when the list is empty.
+std::string layer_entry(const std::string& field, const std::string& list, int64_t layer) {
+  const std::vector<std::string> v = split_layer_list(list);
+  if (v.empty()) return {};
+  if (layer < 0 || layer >= static_cast<int64_t>(v.size()))
+    fail(field, "an entry for layer " + std::to_string(layer),
+         std::to_string(v.size()) + " entries ('" + list + "')");
+  return v[static_cast<size_t>(layer)];
+}
+
+}  // namespace
+
+double skvq_key_bits_of(const CacheConfig& c, int64_t layer) {
+  const std::string e = layer_entry("skvq_layer_bits_key", c.skvq_layer_bits_key, layer);
+  return e.empty() ? c.skvq_bits_key : parse_double("skvq_layer_bits_key", e);
+}
+
+int64_t skvq_key_rows_of(const CacheConfig& c, int64_t layer) {
+  const std::string e = layer_entry("skvq_layer_key_rows", c.skvq_layer_key_rows, layer);
+  return e.empty() ? c.skvq_key_rows : parse_int("skvq_layer_key_rows", e);
 }
 
 void check_cache_config(const CacheConfig& c) {

@@ -16,6 +16,12 @@ std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int6
   CacheConfig cfg = cfg_in;
   cfg.head_dim = head_dim;
   validate(cfg);  // names the first bad field, its value and the allowed range
+  // Mixed key precision by layer is a CPU cache option (its per-layer formats have no kernels).
+  if (!cfg.skvq_layer_bits_key.empty() || !cfg.skvq_layer_key_rows.empty())
+    throw Error(
+        "[make_device_cache] skvq_layer_bits_key, skvq_layer_key_rows: expected none on the "
+        "device (per-layer key precision is CPU only) but got '" +
+        cfg.skvq_layer_bits_key + "', '" + cfg.skvq_layer_key_rows + "'");
   if (cfg.method == "full") return make_device_full_cache(cfg, batch, heads, head_dim, s);
   if (cfg.method == "snapkv") return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);
   if (cfg.method == "skvq") return make_device_skvq_cache(cfg, batch, heads, head_dim, s);

@@ -35,6 +35,16 @@ std::vector<std::unique_ptr<KVCache>> build_caches(const ModelCacheShape& shape,
                std::to_string(shape.n_kv_heads.size()) + " and " +
                std::to_string(shape.head_dim.size()));
   VQ_CHECK(!shape.head_dim.empty(), "[build_caches] expected at least one layer but got 0");
+  // Per-layer SKVQ lists hold one entry per layer (a longer list is a spec for another model).
+  for (const auto& [name, list] :
+       {std::pair<const char*, const std::string*>{"skvq_layer_bits_key", &cfg.skvq_layer_bits_key},
+        {"skvq_layer_key_rows", &cfg.skvq_layer_key_rows}}) {
+    const int64_t n = skvq_layer_list_size(*list);
+    VQ_CHECK(n == 0 || n == static_cast<int64_t>(shape.head_dim.size()),
+             std::string("[build_caches] ") + name + ": expected " +
+                 std::to_string(shape.head_dim.size()) + " entries (one per layer) but got " +
+                 std::to_string(n) + " ('" + *list + "')");
+  }
   // Check every layer before building any cache, so a bad layer late in the list costs nothing.
   for (size_t i = 0; i < shape.head_dim.size(); ++i) {
     VQ_CHECK(shape.n_kv_heads[i] >= 1, "[build_caches] layer " + std::to_string(i) +

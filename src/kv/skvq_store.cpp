@@ -69,7 +69,8 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
                                  std::to_string(layer_index));
   for (int kv = 0; kv < 2; ++kv) {
     GroupQuantParams& p = kv == 0 ? s.qk : s.qv;
-    p.bits = kv == 0 ? cfg.skvq_bits_key : cfg.skvq_bits_value;
+    // Keys: the layer's entry of skvq_layer_bits_key when that list is set.
+    p.bits = kv == 0 ? skvq_key_bits_of(cfg, layer_index) : cfg.skvq_bits_value;
     p.group_size = cfg.skvq_group_size;
     p.clip_search = cfg.skvq_clip_search;
     p.clip_alpha = static_cast<float>(cfg.skvq_clip_alpha);
@@ -77,7 +78,8 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
     (kv == 0 ? s.fk : s.fv) = make_row_format(s.head_dim, p.bits, p.group_size, p.meta);
   }
   s.key_axis = cfg.skvq_key_axis;
-  s.key_rows = cfg.skvq_key_rows;  // validate(): 0, or channel axis and <= window - n_sink
+  // validate(): 0, or channel axis and <= window - n_sink (each entry of the per-layer list too)
+  s.key_rows = skvq_key_rows_of(cfg, layer_index);
   // The shortest block: key_rows rows, or a whole chunk: chunk 0 (window - n_sink rows) for skvq,
   // `window` kept rows for snapkv+skvq (its sinks are not part of a chunk).
   const int64_t shortest =

@@ -86,6 +86,13 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   CacheConfig cc = r.cache;
   cc.head_dim = m.head_dim;
   validate(cc);
+  // Per-layer key bits: every layer planned at the list's largest (an upper bound).
+  const int64_t n_layer_bits = skvq_layer_list_size(cc.skvq_layer_bits_key);
+  if (n_layer_bits > 0) {
+    double widest = 0;
+    for (int64_t i = 0; i < n_layer_bits; ++i) widest = std::max(widest, skvq_key_bits_of(cc, i));
+    cc.skvq_bits_key = widest;
+  }
 
   MemoryPlan p;
   p.context_tokens = r.prompt_tokens + std::max<int64_t>(r.max_new_tokens - 1, 0);
@@ -178,7 +185,7 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
     p.cache_bytes_peak = std::max(p.cache_bytes_peak, b.accounted);
     max_fp_rows = std::max(max_fp_rows, b.fp_rows);
   }
-  p.cache_bytes_exact = exact;
+  p.cache_bytes_exact = exact && n_layer_bits == 0;
   const int64_t row_es = meth == "full" ? 2 * H * d * es : fp_row;
   // Growth slack of the full-precision rows (x1.25 rounded up to the store's step) and one
   // prefill chunk of rows held by a call before its eviction / flush.
