@@ -14,6 +14,7 @@
 
 #include "util/test_util.h"
 #include "util/tiny_model.h"
+#include "util/tp_bound.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/engine.h"
@@ -25,7 +26,7 @@
 namespace vq {
 namespace {
 
-constexpr double kU = 1.0 / 16777216.0;  // 2^-24, the fp32 unit roundoff
+constexpr double kU = test::kFp32Roundoff;
 
 using test::error_of;
 
@@ -299,28 +300,9 @@ std::vector<std::vector<float>> run_greedy(const std::vector<int32_t>& prompt, i
   return out;
 }
 
-// The bound: the only arithmetic that changes is the o_proj and down_proj sums (q/k/v, gate/up,
-// attention, norms and lm_head compute each output from the same terms in the same order on the
-// rank that holds it). Single device: fp32 sum of K terms; sharded: fp32 sums of K / N terms per
-// rank, then N - 1 fp32 additions in rank order. Each is within gamma(n) ~ n u of the exact sum
-// times the sum of the terms' magnitudes, so the two differ by at most
-// (K + K / N + N - 1) u * sum|terms| with K = max(H_q * D, intermediate). Two such sums per
-// layer perturb the residual stream; through the later layers (norms, attention, SwiGLU, the
-// residual adds) and lm_head a relative perturbation grows by a gain we allow as 8 (the same
-// allowance as tests/test_forward.cpp's chunked-prefill bound), and sum|terms| is allowed 4x
-// the output's magnitude. Logits: 2 * n_layers * (K + K / N + N) * u * 8 * 4 of the step's
-// largest |logit|. SnapKV's kept rows are checked equal below (a selection flipped by an ulp
-// would fail the test). SKVQ's codes are not continuous: a K/V element that the perturbation
-// carries across a rounding boundary moves by one quantization step, at most 2 / (2^b - 1) of
-// its group's largest magnitude (the step is range / (2^b - 1), range <= 2 max|x|); at 4 bits
-// such flips alone were measured to exceed the fp32 term. The quantized methods run at b = 8
-// and add that relative K/V perturbation with the same gain: 8 * 2 / 255 of the largest |logit|.
+// The bound of tests/util/tp_bound.h, at kQuantBits for the quantized methods.
 double logit_bound(const ModelConfig& c, int64_t n, double max_logit, bool quant) {
-  const int64_t K = std::max(c.n_heads * c.head_dim, c.intermediate_size);
-  const double fp32 =
-      2.0 * static_cast<double>(c.n_layers) * static_cast<double>(K + K / n + n) * kU * 8 * 4;
-  const double step = quant ? 8 * 2.0 / ((1 << kQuantBits) - 1) : 0.0;
-  return (fp32 + step) * max_logit;
+  return test::sharded_logit_bound(c, n, max_logit, quant ? kQuantBits : 0);
 }
 
 void check_sharded_logits(const Model& m, const std::string& label) {

@@ -85,6 +85,14 @@ struct EvalSettings {
   // apply) with the same prefill chunks, end_prompt and decode steps; eval_attn_error and
   // snapkv:scoring=external (prefill_reconstruct) are CPU only and refused there, as is P = 1.
   Device device = Device::kCpu;
+  // EngineOptions::tensor_parallel and tp_simulate (veloxquant/engine.h). N > 1 runs every
+  // sequence on an engine of N ranks, on the CPU too (its simulated ranks, K/V in kv_dtype and
+  // matmul as above; the figures match N = 1 within the sharded pass's fp32 reordering,
+  // tests/test_eval_tensor_parallel.cpp); N = 1 on the CPU is the Model::forward path above.
+  // Refused with vq::Error before any work: N not dividing the KV heads, tp_simulate without
+  // kCuda, and with N > 1 eval_attn_error, snapkv:scoring=external and P = 1 (as on kCuda).
+  int64_t tensor_parallel = 1;
+  bool tp_simulate = false;
 };
 
 // ---- perplexity and KL divergence ---------------------------------------------------------------

@@ -51,12 +51,51 @@ void decode_step(const Model& model, int32_t id, const Caches& caches, const Eva
   model.forward(&id, 1, 1, caches, fo, logits, &scratch);
 }
 
-std::unique_ptr<Engine> make_eval_engine(const Model& model, const EvalSettings& st) {
-  if (st.device == Device::kCpu) return nullptr;
+namespace {
+
+bool external_scores(const CacheConfig& cfg) {
+  return (cfg.method == "snapkv" || cfg.method == "snapkv+skvq") &&
+         cfg.snap_scoring == SnapScoring::kExternal;
+}
+
+// "device cuda" or "tensor_parallel N" (the CPU engine): what put the sequences on an engine.
+std::string engine_reason(const Engine& engine) {
+  if (engine.device() == Device::kCpu)
+    return "tensor_parallel " + std::to_string(engine.options().tensor_parallel);
+  return std::string("device ") + device_name(engine.device());
+}
+
+// snapkv:scoring=external on an engine: its reconstruction prefill (veloxquant/reconstruct.h)
+// drives Model::forward over one set of per-layer caches.
+void check_engine_method(const CacheConfig& cfg, const std::string& label, const Engine& engine) {
+  if (!external_scores(cfg)) return;
+  const bool cpu = engine.device() == Device::kCpu;
+  throw Error("[eval] " + engine_reason(engine) + ": expected a method without scoring=external" +
+              (label.empty() ? std::string() : " but got " + label) +
+              " (its reconstruction prefill drives Model::forward over one set of per-layer "
+              "caches); use " +
+              (cpu ? "--tensor-parallel 1" : "--device cpu") + " for it");
+}
+
+}  // namespace
+
+std::unique_ptr<Engine> make_eval_engine(const Model& model, const EvalSettings& st,
+                                         const std::vector<EvalMethod>& methods) {
+  VQ_CHECK(st.device == Device::kCuda || !st.tp_simulate,
+           "[eval] tp_simulate: expected device cuda (the CPU engine's ranks are always "
+           "simulated) but got device cpu");
+  if (st.device == Device::kCpu && st.tensor_parallel == 1) return nullptr;
   EngineOptions eo;
   eo.cache.method = "full";  // each sequence names its own config (add_sequence)
   eo.kv_dtype = st.kv_dtype;
-  return make_engine(st.device, model, eo);
+  eo.matmul = st.matmul;  // the CPU engine's forward passes; the CUDA engine ignores it
+  eo.tensor_parallel = st.tensor_parallel;
+  eo.tp_simulate = st.tp_simulate;
+  // The engine refuses N not dividing the KV heads (make_shard_plan), and on CUDA N beyond the
+  // visible devices or a build without NCCL (check_cuda_tensor_parallel).
+  std::unique_ptr<Engine> engine = make_engine(st.device, model, eo);
+  for (const EvalMethod& m : methods) check_engine_method(m.cfg, m.label, *engine);
+  return engine;
 }
 
 EvalSeq::EvalSeq(const Model& model, Engine* engine, const CacheConfig& cfg, const EvalSettings& st,
@@ -66,11 +105,7 @@ EvalSeq::EvalSeq(const Model& model, Engine* engine, const CacheConfig& cfg, con
     caches_ = model.make_caches(cfg);
     return;
   }
-  VQ_CHECK(!(cfg.method == "snapkv" || cfg.method == "snapkv+skvq") ||
-               cfg.snap_scoring != SnapScoring::kExternal,
-           std::string("[eval] device ") + device_name(engine->device()) +
-               ": expected a method without scoring=external (its reconstruction prefill drives "
-               "Model::forward on the CPU); use --device cpu for it");
+  check_engine_method(cfg, "", *engine_);
   seq_ = engine_->add_sequence(cfg);
 }
 
@@ -83,7 +118,7 @@ void EvalSeq::prefill(const int32_t* ids, int64_t n, std::vector<float>* logits)
     eval_detail::prefill(model_, ids, n, caches_, st_.prefill_step, st_, scratch_, logits);
     return;
   }
-  VQ_CHECK(n >= 1, std::string("[eval] device ") + device_name(engine_->device()) +
+  VQ_CHECK(n >= 1, "[eval] " + engine_reason(*engine_) +
                        ": expected a prompt of at least one token (P >= 2: an engine step takes "
                        "at least one token) but got none");
   const std::vector<int64_t> chunks = prefill_chunks(n, st_.prefill_step);

@@ -33,15 +33,19 @@ void prefill(const Model& model, const int32_t* ids, int64_t n, const Caches& ca
 void decode_step(const Model& model, int32_t id, const Caches& caches, const EvalSettings& st,
                  ForwardScratch& scratch, std::vector<float>* logits);
 
-// The engine an evaluation runs its sequences on: null for st.device == kCpu (the caches are
-// driven through prefill/decode_step above), else a CUDA engine of the model (vq::Error from
-// make_cuda_engine without a build or device).
-std::unique_ptr<Engine> make_eval_engine(const Model& model, const EvalSettings& st);
+// The engine an evaluation runs its sequences on: null for st.device == kCpu with
+// tensor_parallel 1 (the caches are driven through prefill/decode_step above), else an engine of
+// the model on st.device with st's tensor_parallel, tp_simulate, kv_dtype and matmul (vq::Error
+// from make_engine without a CUDA build or device, or for N not dividing the KV heads).
+// tp_simulate on the CPU and, on an engine, any of `methods` with snapkv:scoring=external are
+// refused with vq::Error before anything runs.
+std::unique_ptr<Engine> make_eval_engine(const Model& model, const EvalSettings& st,
+                                         const std::vector<EvalMethod>& methods);
 
 // One sequence of an evaluation with one cache config: per-layer caches through prefill and
 // decode_step above (engine == nullptr), or a sequence of `engine` fed the same chunks
 // (prefill_chunks of st.prefill_step, end_prompt after the last) and decode steps, so both
-// devices run one protocol. The engine's sequence is removed with the object.
+// devices (and N ranks) run one protocol. The engine's sequence is removed with the object.
 class EvalSeq {
  public:
   EvalSeq(const Model& model, Engine* engine, const CacheConfig& cfg, const EvalSettings& st,

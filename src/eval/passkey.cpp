@@ -279,8 +279,8 @@ PasskeyResult eval_passkey(const Model& model, const Tokenizer& tokenizer,
   res.n_prompts = static_cast<int64_t>(enc.size());
   ForwardScratch scratch;
   eval_detail::Progress prog(settings.progress, "passkey");
-  // On settings.device (one engine for every prompt and method; null on the CPU).
-  const std::unique_ptr<Engine> engine = eval_detail::make_eval_engine(model, settings);
+  // On settings.device (one engine for every prompt and method; null on the CPU with one rank).
+  const std::unique_ptr<Engine> engine = eval_detail::make_eval_engine(model, settings, methods);
 
   auto run_method = [&](const EvalMethod& cfg) {
     const std::string& label = cfg.label;

@@ -116,8 +116,8 @@ TextEvalResult eval_text(const Model& model, const std::vector<std::vector<int32
   const int64_t mem_step = memory_step(opts);
 
   // Runs P-1 prefill tokens and T decode steps; calls score(t, logits) after each step.
-  // On settings.device (one engine for every sequence of the run; null on the CPU).
-  const std::unique_ptr<Engine> engine = eval_detail::make_eval_engine(model, settings);
+  // On settings.device (one engine for every sequence of the run; null on the CPU with one rank).
+  const std::unique_ptr<Engine> engine = eval_detail::make_eval_engine(model, settings, methods);
   auto run = [&](const CacheConfig& cfg, auto&& score, MemoryFigures* mem, double* rows_end,
                  const std::vector<int32_t>& ids) {
     eval_detail::EvalSeq seq(model, engine.get(), cfg, settings, scratch);
@@ -241,6 +241,12 @@ AttnErrorResult eval_attn_error(const Model& model, const std::vector<std::vecto
                device_name(settings.device) +
                " (the attention-error tap wraps the CPU caches of Model::forward); use --device "
                "cpu");
+  VQ_CHECK(settings.tensor_parallel == 1 && !settings.tp_simulate,
+           "[attn-error] tensor_parallel: expected 1 (without tp_simulate) but got " +
+               std::to_string(settings.tensor_parallel) +
+               (settings.tp_simulate ? " with tp_simulate" : "") +
+               " (the attention-error tap wraps the per-layer caches of one Model::forward, "
+               "which holds every head; sharded ranks each hold a slice); use --tensor-parallel 1");
 
   AttnErrorResult res;
   res.options = opts;

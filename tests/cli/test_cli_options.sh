@@ -124,15 +124,26 @@ expect 2 "[memory_plan] expected a context within the model's max_position_embed
   -- bench --model "$MODEL" --methods full --context 100000 --plan-only
 
 # --tensor-parallel: N must divide the KV heads (2); the CPU runs simulated ranks with the same
-# greedy tokens as one device; eval accepts 1 only; cuda checks the visible devices.
+# greedy tokens as one device; eval runs N ranks too (attn-error 1 only); cuda checks the visible
+# devices.
 expect 2 "--tensor-parallel: expected an integer in [1, 4096] but got '0'" \
   -- generate --prompt-ids 1,2 --tensor-parallel 0
 expect 2 "[generate] [tensor_parallel] expected N to divide the model's 2 KV heads (6 query heads), N in {1, 2}, but got N = 3" \
   -- generate --model "$MODEL" --prompt-ids 1,2 --tensor-parallel 3
 expect 2 "[bench] [tensor_parallel] expected N to divide" \
   -- bench --model "$MODEL" --methods full --context 40 --tensor-parallel 4
-expect 2 "[eval] --tensor-parallel: expected 1 but got 2" \
-  -- eval ppl --methods full --tensor-parallel 2
+expect 2 "[eval] [tensor_parallel] expected N to divide the model's 2 KV heads" \
+  -- eval ppl --model "$MODEL" --methods full --tensor-parallel 3
+expect 2 "[eval] --tp-simulate: expected --device cuda" \
+  -- eval kld --model "$MODEL" --methods full --tensor-parallel 2 --tp-simulate
+expect 2 "[eval attn-error] --tensor-parallel: expected 1 (without --tp-simulate) but got 2" \
+  -- eval attn-error --model "$MODEL" --methods full --tensor-parallel 2
+expect 2 "[eval] tensor_parallel 2: expected a method without scoring=external" \
+  -- eval ppl --model "$MODEL" --methods snapkv:budget=8:scoring=external:evict_at=prompt_end --tensor-parallel 2 \
+  --data "$SRC/data/eval/heldout_ids.u16" -P 16 -T 2 --docs 1 --quiet
+expect 0 "vq-mini-llama (tensor-parallel 2)" \
+  -- eval kld --model "$MODEL" --methods full,snapkv:budget=8 --tensor-parallel 2 \
+  --data "$SRC/data/eval/heldout_ids.u16" -P 16 -T 2 --docs 1 --quiet
 expect 2 "[generate] --tp-simulate: expected --device cuda" \
   -- generate --model "$MODEL" --prompt-ids 1,2 --tensor-parallel 2 --tp-simulate
 printf '{"prompt_ids": [%s]}\n{"prompt_ids": [%s]}\n' "$(seq -s, 10 45)" "$(seq -s, 50 70)" \

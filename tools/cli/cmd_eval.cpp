@@ -11,8 +11,11 @@
 // progress goes to stderr, the table to stdout (Markdown; --json or --csv) or --out FILE.
 // --matmul bf16 runs every forward pass with ForwardOptions::matmul = kBF16 (the tables' model
 // name gets " (bf16 matmul)"); --threads N bounds the OpenMP threads (1 .. the machine's cores);
-// passkey's --question sets the question of prompt sets worded otherwise. --tensor-parallel
-// accepts 1 only (check_eval_tensor_parallel says why).
+// passkey's --question sets the question of prompt sets worded otherwise. --tensor-parallel N
+// (ppl, kld, passkey, sweep) runs every sequence on an engine of N ranks (EvalSettings::
+// tensor_parallel): on the CPU its simulated ranks, on cuda one device per rank or, with
+// --tp-simulate, N simulated ranks on one device; checked (check_tensor_parallel) once the model
+// is loaded, before any evaluation. attn-error takes 1 only.
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -54,28 +57,23 @@ struct Common {
   std::string recon_prompt = kDefaultReconPrompt;
   int64_t recon_chunk = 128;
   int64_t tensor_parallel = 1;
+  bool tp_simulate = false;  // --tp-simulate
 };
-
-// --tensor-parallel: 1 only. The evaluation engines (src/eval) call Model::forward over one
-// set of per-layer caches; the sharded pass (veloxquant/tensor_parallel.h) runs in generate and
-// bench, whose engine holds the ranks.
-void check_eval_tensor_parallel(const Common& a) {
-  if (a.tensor_parallel == 1) return;
-  throw Error("[eval] --tensor-parallel: expected 1 but got " + std::to_string(a.tensor_parallel) +
-              ": the evaluation engines run Model::forward over one set of caches; the sharded "
-              "pass runs in generate and bench (--tensor-parallel N)");
-}
 
 // --device: cpu, or cuda for ppl, kld, passkey and sweep (one CUDA engine per evaluation,
 // EvalSettings::device; checked_device refuses cuda without a build or device before anything
-// loads); attn-error is CPU only (its tap wraps the CPU caches of Model::forward).
+// loads); attn-error is CPU only with one rank (its tap wraps the CPU caches of Model::forward).
 Device eval_device(const Common& a, bool cuda_ok) {
-  check_eval_tensor_parallel(a);
   const Device d = checked_device(a.device, cuda_ok ? "eval" : "eval attn-error");
   VQ_CHECK(cuda_ok || d == Device::kCpu,
            "[eval attn-error] --device: expected cpu but got " + a.device +
                " (the attention-error tap wraps the CPU caches of Model::forward); use --device "
                "cpu");
+  VQ_CHECK(cuda_ok || (a.tensor_parallel == 1 && !a.tp_simulate),
+           "[eval attn-error] --tensor-parallel: expected 1 (without --tp-simulate) but got " +
+               std::to_string(a.tensor_parallel) + (a.tp_simulate ? " --tp-simulate" : "") +
+               " (the attention-error tap wraps the per-layer caches of one Model::forward); "
+               "use --tensor-parallel 1");
   return d;
 }
 
@@ -123,7 +121,7 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
   c->add_option("--device", a.device, "cpu or cuda (attn-error: cpu only)")->capture_default_str();
   c->add_option("--threads", a.threads, "OpenMP threads (0 = all cores; at most the cores)")
       ->capture_default_str();
-  add_tensor_parallel_option(c, &a.tensor_parallel, "eval");
+  add_tensor_parallel_option(c, &a.tensor_parallel, "eval", &a.tp_simulate);
   c->add_option("--peers", a.peers, "peer rows (JSON from tools/peers/*.py) to add to the tables");
 }
 
@@ -184,6 +182,10 @@ EvalSettings settings_of(const Common& a, Device dev = Device::kCpu) {
   s.matmul = a.matmul == "bf16" ? MatmulPrecision::kBF16 : MatmulPrecision::kExact;
   if (a.matmul == "bf16") s.model_name += " (bf16 matmul)";
   if (dev == Device::kCuda) s.model_name += " (cuda engine)";  // the tables say where it ran
+  if (a.tensor_parallel > 1)
+    s.model_name += " (tensor-parallel " + std::to_string(a.tensor_parallel) + ")";
+  s.tensor_parallel = a.tensor_parallel;
+  s.tp_simulate = a.tp_simulate;
   s.recon_chunk = a.recon_chunk;
   if (!a.recon_prompt.empty()) {
     const Tokenizer tok = Tokenizer::from_file(a.model_dir + "/tokenizer.json");
@@ -309,6 +311,8 @@ void add_eval_command(CLI::App& app, int* status) {
       const Device dev = eval_device(common, true);
       apply_threads(common);
       const auto model = Model::load(common.model_dir);
+      check_tensor_parallel(model->config(), dev, common.tensor_parallel, "eval",
+                            common.tp_simulate);
       const auto docs = load_docs(*model, text);
       const auto methods = parse_eval_methods(common.methods);
       const auto peers = peers_of(common);
@@ -343,6 +347,7 @@ void add_eval_command(CLI::App& app, int* status) {
     const Device dev = eval_device(common, true);
     apply_threads(common);
     const auto model = Model::load(common.model_dir);
+    check_tensor_parallel(model->config(), dev, common.tensor_parallel, "eval", common.tp_simulate);
     const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
     check_tokenizer_vocab(tok.vocab_size(), model->config(), common.model_dir + "/tokenizer.json");
     const auto prompts = load_passkey_jsonl(pk.data);
@@ -375,6 +380,7 @@ void add_eval_command(CLI::App& app, int* status) {
     apply_threads(common);
     std::filesystem::create_directories(out_dir);
     const auto model = Model::load(common.model_dir);
+    check_tensor_parallel(model->config(), dev, common.tensor_parallel, "eval", common.tp_simulate);
     const Tokenizer tok = Tokenizer::from_file(common.model_dir + "/tokenizer.json");
     check_tokenizer_vocab(tok.vocab_size(), model->config(), common.model_dir + "/tokenizer.json");
     const auto methods = parse_eval_methods(common.methods);
