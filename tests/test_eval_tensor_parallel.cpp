@@ -2,7 +2,8 @@
 // ranks): eval_text on the shipped model (2 KV heads, N = 2) gives the N = 1 figures within the
 // bound of the sharded pass's fp32 reordering (tests/util/tp_bound.h), the same byte and row
 // figures, the same passkey answers and needle survival; and the refusals (N not dividing the KV
-// heads, tp_simulate on the CPU, attn-error, snapkv:scoring=external, P = 1).
+// heads, tp_simulate on the CPU, attn-error, snapkv:scoring=external, P = 1); the JSON report
+// records N.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/report.h"
 #include "util/test_util.h"
 #include "util/tp_bound.h"
 #include "veloxquant/error.h"
@@ -130,6 +132,10 @@ TEST(EvalTensorParallel, TwoRanksGiveTheOneRankFigures) {
   }
   // `full` on the ranks against the baseline on the same ranks: the same arithmetic.
   EXPECT_EQ(r2.rows[0].kld_mean, 0.0);
+  // The JSON report says how many ranks ran it (tools/cli/report.h), and reads back.
+  const TextEvalResult back = text_result_from_json(render(r2, ReportFormat::kJson));
+  EXPECT_EQ(back.settings.tensor_parallel, 2);
+  EXPECT_EQ(text_result_from_json(render(r1, ReportFormat::kJson)).settings.tensor_parallel, 1);
 }
 
 TEST(EvalTensorParallel, TwoRanksGiveTheSamePasskeyAnswers) {

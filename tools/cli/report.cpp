@@ -108,7 +108,9 @@ json settings_json(const EvalSettings& s) {
               {"prefill_step", s.prefill_step},
               {"kv_dtype", dtype_name(s.kv_dtype)},
               {"matmul", s.matmul == MatmulPrecision::kBF16 ? "bf16" : "exact"},
-              {"device", device_name(s.device)}};
+              {"device", device_name(s.device)},
+              {"tensor_parallel", s.tensor_parallel},
+              {"tp_simulate", s.tp_simulate}};
 }
 
 std::string peer_val(const PeerRow& p, const std::string& k, const char* fmt, double scale = 1) {
@@ -772,6 +774,9 @@ EvalSettings settings_from(const nlohmann::json& j) {
   s.matmul = mm == "bf16" ? MatmulPrecision::kBF16 : MatmulPrecision::kExact;
   // Files written before eval ran on the GPU were all computed on the CPU.
   s.device = parse_device(j.value("device", std::string("cpu")));
+  // Files written before eval took --tensor-parallel ran on one rank.
+  s.tensor_parallel = j.value("tensor_parallel", int64_t{1});
+  s.tp_simulate = j.value("tp_simulate", false);
   s.progress = false;
   return s;
 }
