@@ -324,19 +324,6 @@ void decode_attention_typed(const TensorView& q, const DeviceCacheView& view,
                             const AttentionParams& p, const TensorView& out, void* staging,
                             DecodeWorkspace& ws, Stream s = nullptr);
 
-// Makes `device` the calling thread's current CUDA device for the guard's life and restores the
-// previous one after (no device call when it already is).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = -1;
-};
-
 // ---- SKVQ flush -----------------------------------------------------------------------------
 
 // Stable ascending per-channel range permutation of each head, pooled over batch and rows (the

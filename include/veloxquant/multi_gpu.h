@@ -1,8 +1,8 @@
 // What tensor parallelism over several GPUs needs from the CUDA backend (veloxquant/cuda.h holds
-// the rest): the visible devices, the current device, whether the build has NCCL, and the two
-// device communicators: NCCL over one device per rank, and the reference that runs N simulated
-// ranks on one device (the sharding's test on one GPU). Without VQ_CUDA: no devices, no NCCL,
-// and the rest refuses (src/cuda/no_cuda.cpp).
+// the rest): the visible devices, the current device (and a guard that sets it), whether the build
+// has NCCL, and the two device communicators: NCCL over one device per rank, and the reference that
+// runs N simulated ranks on one device (the sharding's test on one GPU). Without VQ_CUDA: no
+// devices, no NCCL, and the rest refuses (src/cuda/no_cuda.cpp).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +20,18 @@ int device_count();
 // cudaSetDevice / cudaGetDevice (vq::Error on failure).
 void set_device(int device);
 int current_device();
+// Makes `device` the calling thread's current device for the guard's life (no call when it already
+// is), then makes the previous one current again if it no longer is (never throws from there).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_;
+};
 // True when the library was built with NCCL (-DVQ_NCCL=ON and CMake found it).
 bool has_nccl();
 // The NCCL sum all-reduce (veloxquant/communicator.h) over one device per rank, driven by this

@@ -32,6 +32,7 @@
 #include "veloxquant/cuda.h"
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
+#include "veloxquant/multi_gpu.h"
 #include "veloxquant/tensor.h"
 
 namespace nb = nanobind;

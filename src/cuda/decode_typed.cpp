@@ -7,7 +7,6 @@
 #include "cuda/device_cache_util.h"
 #include "veloxquant/cuda.h"
 #include "veloxquant/error.h"
-#include "veloxquant/multi_gpu.h"
 
 namespace vq::cuda {
 
@@ -44,22 +43,6 @@ void decode_attention_typed(const TensorView& q, const DeviceCacheView& view,
   if (!direct)
     detail::convert_block(TensorView::contiguous(o32, DType::kF32, B, Hq, 1, D), 0, 1, out.data,
                           out.dtype, 1, 0, s);
-}
-
-DeviceGuard::DeviceGuard(int device) {
-  const int cur = current_device();
-  if (cur != device) {
-    set_device(device);
-    prev_ = cur;
-  }
-}
-
-DeviceGuard::~DeviceGuard() {
-  if (prev_ < 0) return;
-  try {
-    set_device(prev_);
-  } catch (...) {  // never throws from a destructor: a sticky device error is reported elsewhere
-  }
 }
 
 }  // namespace vq::cuda

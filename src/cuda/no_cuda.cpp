@@ -36,6 +36,10 @@ void set_device(int) {
 int current_device() {
   not_built("cuda::current_device");
 }
+DeviceGuard::DeviceGuard(int) : prev_(0) {
+  not_built("cuda::DeviceGuard");
+}
+DeviceGuard::~DeviceGuard() = default;
 std::unique_ptr<Communicator> make_device_reference_communicator(int64_t, Stream) {
   not_built("cuda::make_device_reference_communicator");
 }
@@ -127,10 +131,6 @@ void decode_attention_typed(const TensorView&, const DeviceCacheView&, const Att
                             const TensorView&, void*, DecodeWorkspace&, Stream) {
   not_built("cuda::decode_attention_typed");
 }
-DeviceGuard::DeviceGuard(int) {
-  not_built("cuda::DeviceGuard");
-}
-DeviceGuard::~DeviceGuard() = default;
 void skvq_channel_perms(const TensorView&, int32_t*, Stream) {
   not_built("cuda::skvq_channel_perms");
 }

@@ -46,6 +46,17 @@ int current_device() {
   return d;
 }
 
+DeviceGuard::DeviceGuard(int device) : prev_(current_device()) {
+  if (device != prev_) set_device(device);
+}
+
+DeviceGuard::~DeviceGuard() {
+  try {
+    if (current_device() != prev_) set_device(prev_);
+  } catch (...) {  // a sticky device error: reported by the next checked call
+  }
+}
+
 bool has_nccl() {
 #ifdef VQ_NCCL
   return true;

@@ -250,7 +250,7 @@ class CudaEngine final : public Engine {
     s.ranks.resize(ranks_.size());
     for (size_t r = 0; r < ranks_.size(); ++r) {
       const Rank& R = *ranks_[r];
-      DeviceScope at(R.device);
+      cuda::DeviceGuard at(R.device);
       s.ranks[r].caches.reserve(static_cast<size_t>(cfg_.n_layers));
       // the first make_device_cache validates the config (as the CPU builder does) before any
       // allocation of this sequence
@@ -312,7 +312,7 @@ class CudaEngine final : public Engine {
     const size_t rows = static_cast<size_t>(std::min(chunk, n_tokens));
     for (size_t r = 0; r < ranks_.size(); ++r) {
       const Rank& R = *ranks_[r];
-      DeviceScope at(R.device);
+      cuda::DeviceGuard at(R.device);
       DeviceBuffer kh(rows * static_cast<size_t>(Hkv * D) * kv_es), vh(kh.size()),
           qh(rows * static_cast<size_t>(Hq * D) * 4);
       for (int64_t l = 0; l < cfg_.n_layers; ++l)
@@ -347,7 +347,7 @@ class CudaEngine final : public Engine {
     for (size_t r = 0; r < ranks_.size(); ++r) {
       const Rank& R = *ranks_[r];
       if (head < R.kv_first || head >= R.kv_first + R.hkv) continue;
-      DeviceScope at(R.device);
+      cuda::DeviceGuard at(R.device);
       return s.ranks[r].caches[static_cast<size_t>(layer)]->stored_positions(0, head - R.kv_first);
     }
     return {};  // unreachable: the ranks' heads cover [0, n_kv_heads)
@@ -370,7 +370,7 @@ class CudaEngine final : public Engine {
   // takes and returns inside one step is not seen).
   double copy_bandwidth() override {
     const Rank& R = *ranks_[0];
-    DeviceScope at(R.device);
+    cuda::DeviceGuard at(R.device);
     cuda::synchronize(R.stream);
     try {
       return cuda::device_copy_bandwidth(int64_t{256} << 20, R.stream);
@@ -400,26 +400,6 @@ class CudaEngine final : public Engine {
  private:
   using SeqMap = std::map<int64_t, Sequence>;
 
-  // Makes `device` current for its lifetime (no-op when it already is), then restores the
-  // previous one.
-  class DeviceScope {
-   public:
-    explicit DeviceScope(int device) : prev_(cuda::current_device()) {
-      if (device != prev_) cuda::set_device(device);
-    }
-    ~DeviceScope() {
-      try {
-        if (cuda::current_device() != prev_) cuda::set_device(prev_);
-      } catch (...) {
-      }
-    }
-    DeviceScope(const DeviceScope&) = delete;
-    DeviceScope& operator=(const DeviceScope&) = delete;
-
-   private:
-    int prev_;
-  };
-
   SeqMap::iterator find(int64_t seq, const char* op) {
     auto it = seqs_.find(seq);
     VQ_CHECK(it != seqs_.end(), std::string("[engine] ") + op +
@@ -439,7 +419,7 @@ class CudaEngine final : public Engine {
   // engine; simulated ranks use one device).
   void sample_memory() {
     for (size_t d = 0; d < free_at_start_.size(); ++d) {
-      DeviceScope at(ranks_[opts_.tp_simulate ? 0 : d]->device);
+      cuda::DeviceGuard at(ranks_[opts_.tp_simulate ? 0 : d]->device);
       size_t free_now = 0, total = 0;
       cuda::device_memory(&free_now, &total);
       if (free_now < free_at_start_[d])
@@ -452,7 +432,7 @@ class CudaEngine final : public Engine {
   void release() noexcept {
     for (const auto& R : ranks_) {
       try {
-        DeviceScope at(R->device);
+        cuda::DeviceGuard at(R->device);
         cuda::synchronize(R->stream);
       } catch (...) {
       }
@@ -462,7 +442,7 @@ class CudaEngine final : public Engine {
     comm_.reset();
     for (auto& R : ranks_) {
       try {
-        DeviceScope at(R->device);
+        cuda::DeviceGuard at(R->device);
         R.reset();
       } catch (...) {
       }
@@ -476,7 +456,7 @@ class CudaEngine final : public Engine {
   void free_caches(Sequence& s) noexcept {
     for (size_t r = 0; r < s.ranks.size() && r < ranks_.size(); ++r) {
       try {
-        DeviceScope at(ranks_[r]->device);
+        cuda::DeviceGuard at(ranks_[r]->device);
         s.ranks[r].caches.clear();
       } catch (...) {
       }
@@ -835,7 +815,7 @@ void CudaEngine::run_step(std::span<const SeqChunk> chunks, std::vector<float>* 
     if (tokens) tokens->clear();
     return;
   }
-  const DeviceScope restore(ranks_[0]->device);
+  const cuda::DeviceGuard restore(ranks_[0]->device);
 
   // ---- the step's int32 data: tokens, positions, chunk starts, chunk lengths, logit rows
   mark(0, kPhEmbed);
