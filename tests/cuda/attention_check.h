@@ -17,9 +17,10 @@
 
 namespace vq::test {
 
-// kDecode: decode_attention and the tensor-core prefill (harness GpuAttnKernel::kDecode);
-// kPrefillCudaCore: prefill_attention's CUDA-core path (GpuAttnKernel::kPrefill); kPrefill:
-// prefill_attention on either path (the larger bound), for callers that do not pin the path.
+// kDecode: decode_attention (harness GpuAttnKernel::kDecode); kPrefillCudaCore:
+// prefill_attention's CUDA-core path (GpuAttnKernel::kPrefill); kPrefill: prefill_attention on
+// either path (the larger of GpuAttnKernel::kPrefillTc and kPrefill), for callers that do not
+// pin the path.
 enum class AttnKernel { kDecode, kPrefill, kPrefillCudaCore };
 
 struct AttnCheck {
@@ -43,7 +44,7 @@ inline AttnCheck check_attention(const CacheView& dense, const std::vector<float
   } else if (kern == AttnKernel::kPrefillCudaCore) {
     tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kPrefill, ops, ref);
   } else {
-    tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kDecode, ops, ref);
+    tol = harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kPrefillTc, ops, ref);
     const auto cc =
         harness::gpu_attention_bound(dense, q, Hq, N, ap, GpuAttnKernel::kPrefill, ops, ref);
     for (size_t e = 0; e < tol.size(); ++e) tol[e] = std::max(tol[e], cc[e]);

@@ -110,8 +110,9 @@ TEST(BackendOpsCuda, PrefillAttention) {
     ap.window = c.window;
     const auto q = gaussian(c.batch * hq * c.n_q * c.head_dim, seed * 7 + 1, 1.5f);
     // The kernel the view takes (cuda_cache.h): full-precision rows all f16 or all bf16 (fp16 or
-    // bf16 operands) beside any packed records -> tensor cores, held to the tensor-core decode
-    // bound of that operand type; f32 rows or f16 beside bf16 -> CUDA cores (kPrefill).
+    // bf16 operands) beside any packed records -> tensor cores, held to the tensor-core prefill
+    // bound of that operand type (kPrefillTc: packed rows rounded once to it); f32 rows or f16
+    // beside bf16 -> CUDA cores (kPrefill).
     const bool tc = c.all_fp_dtype(DType::kF16) || c.all_fp_dtype(DType::kBF16);
     const DType ops = harness::tc_operands(hv->view);
     bool supported = tc;
@@ -144,7 +145,7 @@ TEST(BackendOpsCuda, PrefillAttention) {
         got, ref,
         harness::gpu_attention_bound(
             dense.view, q, hq, c.n_q, ap,
-            tc ? harness::GpuAttnKernel::kDecode : harness::GpuAttnKernel::kPrefill, ops, ref),
+            tc ? harness::GpuAttnKernel::kPrefillTc : harness::GpuAttnKernel::kPrefill, ops, ref),
         "out");
   }
 }

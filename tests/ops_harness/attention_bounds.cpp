@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "ops_harness/harness.h"
+#include "veloxquant/dtype.h"
 #include "veloxquant/hadamard.h"
 #include "veloxquant/packed.h"
 #include "veloxquant/tensor.h"
@@ -339,17 +340,53 @@ DType tc_operands(const CacheView& view) {
   return DType::kF16;
 }
 
+namespace {
+
+// |fl_E(x) - x| bounded as kPrefillTc's derivation has it (attention_bounds.h): 0 where x is
+// exact in the operand type E, else u_E |x| + s_E.
+double operand_rounding(float x, DType operands) {
+  uint16_t h = 0;
+  float back = 0;
+  from_f32(&x, &h, operands, 1);
+  to_f32(&h, operands, &back, 1);
+  if (back == x) return 0.0;
+  return operands == DType::kBF16 ? 0x1p-8 * std::abs(double(x)) + 0x1p-134
+                                  : 0x1p-11 * std::abs(double(x)) + 0x1p-25;
+}
+
+}  // namespace
+
 std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vector<float>& q,
                                         int64_t hq, int64_t n_q, const AttentionParams& ap,
                                         GpuAttnKernel kern, DType operands,
                                         const std::vector<double>& ref) {
   const int64_t B = dense.batch, H = dense.n_kv_heads, D = dense.head_dim, G = hq / H;
   const bool bf16 = operands == DType::kBF16;
+  const bool cuda_core = kern == GpuAttnKernel::kPrefill;
+  const bool rounded = kern == GpuAttnKernel::kPrefillTc;
   const double logit_rel = bf16 ? kGpuBf16LogitRel : kGpuLogitRel;
   const double value_rel = bf16 ? kGpuBf16ValueRel : kGpuValueRel;
   const double scale = scale_of(ap, D);
   const double log2d = std::log2(static_cast<double>(D));
+  // kPrefillTc: the operand roundings dk, dv of every stored element, per segment
+  // [(b H + h) n_rows + j][d]
+  std::vector<std::vector<double>> dks(dense.segments.size()), dvs(dense.segments.size());
+  if (rounded)
+    for (size_t si = 0; si < dense.segments.size(); ++si) {
+      const ViewSegment& s = dense.segments[si];
+      dks[si].resize(static_cast<size_t>(B * H * s.n_rows * D));
+      dvs[si].resize(dks[si].size());
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < s.n_rows; ++j)
+            for (int64_t d = 0; d < D; ++d) {
+              const size_t e = static_cast<size_t>(((b * H + h) * s.n_rows + j) * D + d);
+              dks[si][e] = operand_rounding(s.keys.at(b, h, j, d), operands);
+              dvs[si][e] = operand_rounding(s.values.at(b, h, j, d), operands);
+            }
+    }
   std::vector<double> out(q.size());
+  std::vector<double> dv_max(static_cast<size_t>(D));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t qh = 0; qh < hq; ++qh)
       for (int64_t i = 0; i < n_q; ++i) {
@@ -359,38 +396,46 @@ std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vecto
         for (int64_t d = 0; d < D; ++d) qn += static_cast<double>(qr[d]) * qr[d];
         qn = std::sqrt(qn);
         double vmax = 0, big = 0;
-        std::vector<double> kns, dots;
-        for (const ViewSegment& s : dense.segments)
+        std::fill(dv_max.begin(), dv_max.end(), 0.0);
+        std::vector<double> kns, dots, rks;
+        for (size_t si = 0; si < dense.segments.size(); ++si) {
+          const ViewSegment& s = dense.segments[si];
           for (int64_t j = 0; j < s.n_rows; ++j) {
             if (!visible(s.position(b, kh, j, H), qpos, ap.window)) continue;
-            double kn = 0, dot = 0;
+            double kn = 0, dot = 0, rk = 0;
+            const size_t e0 = static_cast<size_t>(((b * H + kh) * s.n_rows + j) * D);
             for (int64_t d = 0; d < D; ++d) {
               const double kv = s.keys.at(b, kh, j, d);
               kn += kv * kv;
               dot += kv * qr[d];
               vmax = std::max(vmax, std::abs(static_cast<double>(s.values.at(b, kh, j, d))));
+              if (rounded) {
+                rk += std::abs(static_cast<double>(qr[d])) * dks[si][e0 + d];
+                dv_max[d] = std::max(dv_max[d], dvs[si][e0 + d]);
+              }
             }
             kns.push_back(std::sqrt(kn));
             dots.push_back(dot * scale);
+            rks.push_back(scale * (1 + 0x1p-10) * rk);
             big = std::max(big, std::abs(dot * scale));
           }
+        }
         const double n_vis = static_cast<double>(kns.size());
         double delta = 0;
         for (size_t j = 0; j < kns.size(); ++j) {
           const double dj =
-              kern == GpuAttnKernel::kDecode
+              !cuda_core
                   ? scale * (gamma_n(D + log2d + 3.0 * D / 8 + 8) + logit_rel) * qn * kns[j] +
-                        4 * kU * std::abs(dots[j]) + 0x1p-22
+                        4 * kU * std::abs(dots[j]) + 0x1p-22 + rks[j]
                   : scale * gamma_n(static_cast<double>(D)) * qn * kns[j] +
                         4 * kU * std::abs(dots[j]) + 2 * kU * big + 0x1p-22 * (n_vis / 32 + 2);
           delta = std::max(delta, dj);
         }
-        const double sum_terms =
-            kern == GpuAttnKernel::kDecode ? 9.0 * n_vis / 8 + 64 : n_vis + n_vis / 32 + 4;
+        const double sum_terms = !cuda_core ? 9.0 * n_vis / 8 + 64 : n_vis + n_vis / 32 + 4;
         for (int64_t d = 0; d < D; ++d) {
           const size_t e = static_cast<size_t>(((b * hq + qh) * n_q + i) * D + d);
           out[e] = std::expm1(2 * delta) * vmax + 2 * gamma_n(sum_terms) * vmax +
-                   (kern == GpuAttnKernel::kDecode ? value_rel * vmax : 0.0) +
+                   (!cuda_core ? value_rel * vmax : 0.0) + (1 + 0x1p-10) * dv_max[d] +
                    0x1p-23 * std::abs(ref[e]) + 1e-30;
         }
       }

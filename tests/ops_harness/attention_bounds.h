@@ -39,8 +39,9 @@ std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& 
 // The fp16 operands of the CUDA tensor-core paths (FlashAttention numerics, docs/design.md
 // section 4): the decode kernels (f16 rows, 2-/4-bit codes; the generic kernel's logits of f16
 // rows and 2-bit codes) and the tensor-core prefill round q and p once to fp16 and multiply them
-// with exact fp16 keys, values and codes, accumulating in fp32. Their two terms, added to the
-// fp32 bound of kDecode below:
+// with fp16 keys, values and codes (exact for rows and codes; prefill's rounded packed rows add
+// the kPrefillTc terms below), accumulating in fp32. Their two terms, added to the fp32 bound
+// of kDecode below:
 //  * logit: q' = q * sigma (* 4^-i for 2-bit packed keys; sigma = 2^e puts max |q| in
 //    [2^11, 2^12)) rounds to fp16 with |dq_d| <= 2^-11 |q_d| where normal, and <= 2^-25 / sigma /
 //    4^-i <= 2^-30 max |q| where subnormal; the zero-point chunk sums are taken over the rounded
@@ -67,27 +68,42 @@ constexpr double kGpuValueRel = 0x1p-9;
 //    fp32's exponent range: subnormal only below 2^-126, i.e. below 2^-137 of max |q'|, an
 //    absolute error far under fp16's 2^-26 term, kept as it is); bf16 keys are exact operands:
 //    2^-8 ||q|| ||k||. Packed rows beside bf16 rows: decode keeps their fp16 operands
-//    (kGpuLogitRel, smaller); prefill splits their dequantized keys k into bf16 hi + lo with
-//    |k - hi - lo| <= 2^-8 |k - hi| <= 2^-16 |k| and multiplies both by the bf16 q: at most
-//    2^-8 ||q|| ||k|| + (1 + 2^-8) 2^-16 ||q|| ||k||. In all, 2^-8 + 2^-16 + 2^-24 + 2^-26 <=
-//    kGpuBf16LogitRel = 2^-8 + 2^-15 (times scale ||q|| ||k||).
-//  * values: p (fp32, in [0, 1]) enters P V as its bf16 rounding: 2^-8 p |v| per term over exact
-//    bf16 rows; over prefill's bf16 hi + lo planes of packed values (within 2^-16 |v| of v)
-//    (2^-8 + (1 + 2^-8) 2^-16) p |v|; decode's packed values keep fp16's 2^-9 V. The output errs
-//    by at most (2^-8 + 2^-16 + 2^-24) V <= kGpuBf16ValueRel V = (2^-8 + 2^-15) V. Subnormal p
-//    (below 2^-126) err by at most 2^-134 |v| each, inside the accumulation term.
-constexpr double kGpuBf16LogitRel = 0x1p-8 + 0x1p-15;
-constexpr double kGpuBf16ValueRel = 0x1p-8 + 0x1p-15;
+//    (kGpuLogitRel, smaller); prefill rounds them to bf16 (the kPrefillTc terms below). In all,
+//    2^-8 + 2^-26 <= kGpuBf16LogitRel = 2^-8 + 2^-24 (times scale ||q|| ||k||).
+//  * values: p (fp32, in [0, 1]) enters P V as its bf16 rounding: 2^-8 p |v| per term over
+//    bf16 operands (prefill's rounded packed values: the kPrefillTc terms); decode's packed
+//    values keep fp16's 2^-9 V. The output errs by at most 2^-8 V (the p sum to l) <=
+//    kGpuBf16ValueRel V = (2^-8 + 2^-24) V. Subnormal p (below 2^-126) err by at most
+//    2^-134 |v| each, inside the accumulation term.
+constexpr double kGpuBf16LogitRel = 0x1p-8 + 0x1p-24;
+constexpr double kGpuBf16ValueRel = 0x1p-8 + 0x1p-24;
 
 // The 16-bit operand type of the tensor-core paths over view: kBF16 when a non-empty
 // full-precision segment holds bf16 rows, else kF16 (f16 rows, packed rows alone, and the
 // f32 views of the CUDA-core kernels, whose kDecode bound keeps the fp16 terms).
 DType tc_operands(const CacheView& view);
 
-// CUDA kernels: decode_attention and the tensor-core prefill (kDecode: the fp32 bound plus the
-// 16-bit-operand terms above, fp16's or, with operands kBF16, bf16's), the CUDA-core prefill
-// (kPrefill; operands unused). ref is attention_ref's output.
-enum class GpuAttnKernel { kDecode, kPrefill };
+// The tensor-core prefill (kPrefillTc) takes packed segments as their dequantized fp32 values
+// rounded once to the operand type E (prefill_attention.cu; one plane, one MMA per product, as
+// f16/bf16 rows): such a key element k_d becomes k_d + dk_d with dk_d = 0 where k_d is exact in
+// E (every element of f16/bf16 rows; the dense twin holds the kernel's fp32 values: the kernel's
+// dequantization is the CPU's, prefill_attention.cu) and otherwise |dk_d| <= u_E |k_d| + s_E
+// (u_E = 2^-11, s_E = 2^-25 for fp16: half the spacing of its subnormals; u_E = 2^-8 and
+// s_E = 2^-134 for bf16); values likewise dv. On top of kDecode's terms:
+//  * logit: the rounded query q'' (within (1 + u_E) |q_d| of q after the multiplier, the
+//    subnormal term folded in as 2^-10) meets dk: scale (1 + 2^-10) sum_d |q_d| |dk_d| per key,
+//    evaluated per key and added to that key's logit error (kDecode's q-rounding term
+//    u_E ||q|| ||k|| is taken over the exact k; its product with dk is inside the 2^-10);
+//  * values: sum_j fl(p_j) |dv_jd| / l <= (1 + 2^-10) max_j |dv_jd| per output channel d (the
+//    rounded weights sum to l within u_E, the same slack); the rounding of p itself then meets
+//    v + dv, |v + dv| <= (1 + u_E) |v|, inside kGpuValueRel's slack (3.14 V against 4 V).
+// Where every operand is exact in E (f16 or bf16 rows alone) kPrefillTc equals kDecode.
+//
+// CUDA kernels: decode_attention (kDecode: the fp32 bound plus the 16-bit-operand terms above,
+// fp16's or, with operands kBF16, bf16's), the tensor-core prefill (kPrefillTc: kDecode's terms
+// plus the rounding of inexact operands above), the CUDA-core prefill (kPrefill; operands
+// unused). ref is attention_ref's output.
+enum class GpuAttnKernel { kDecode, kPrefill, kPrefillTc };
 std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vector<float>& q,
                                         int64_t hq, int64_t n_q, const AttentionParams& ap,
                                         GpuAttnKernel kern, DType operands,
