@@ -27,7 +27,14 @@ benches=(cuda_decode_attention cuda_prefill_attention)
 # VQ_BUNDLE=decode: the decode-attention programs alone (decode and cache tests, the op harness,
 # the decode benchmark) plus the peers' wheels when .whl/ holds them: a call that checks the
 # decode kernels and times them beside SDPA and FlashInfer (gpu_run.sh runs what it finds)
+# VQ_BUNDLE=prefill: the prefill-attention programs alone (the prefill, cache and op-harness
+# tests, the prefill benchmark): a call that checks the prefill kernels and times them beside
+# SDPA (bench/cuda_prefill_sdpa.py)
 peers=0
+if [ "${VQ_BUNDLE:-full}" = prefill ]; then
+  tests=(test_cuda_prefill test_cuda_caches test_backend_ops_cuda)
+  benches=(cuda_prefill_attention)
+fi
 if [ "${VQ_BUNDLE:-full}" = decode ]; then
   tests=(test_cuda_decode test_cuda_caches test_backend_ops_cuda)
   benches=(cuda_decode_attention)

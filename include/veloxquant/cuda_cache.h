@@ -116,7 +116,7 @@ HostSegment download_segment(const DeviceCacheView& view, size_t i, Stream s = n
 // reads KV head qh / (H_q / H_kv). Two kernels, both tiled over keys with an online softmax and
 // fp32 accumulation: views whose full-precision rows are all f16 or all bf16 run on tensor cores
 // (mma with q and p rounded once to the rows' type, fp16 for views of packed rows alone, and
-// dequantized packed rows as hi + lo parts of that type; packed segments are dequantized once per
+// dequantized packed rows rounded once to that type; packed segments are dequantized once per
 // call into stream-ordered scratch, code*scale + lo with the CPU's roundings, inverse channel
 // permutation and Hadamard un-rotation); views with f32 rows, or f16 beside bf16 rows, on CUDA
 // cores (fp32 tiles in shared memory). A query that sees no key gets zeros.

@@ -4,14 +4,15 @@
 //   view's rows are bf16; FlashAttention numerics, docs/design.md section 4): the kernel is
 //   prefill_fa.cu's (32 query rows per warp, 4 or 8 warps per block). This file prepares its
 //   input: packed segments are first dequantized once per call (prefill_dequant_kernel: code *
-//   scale + lo, the CPU's two fp32 roundings, inverse channel permutation) into T hi + lo planes
-//   of K and V in stream-ordered scratch (8 bytes per row and channel, freed after the kernel),
-//   which the kernel streams beside their hi planes (hi + lo carry k and v to 2^-22 in fp16,
-//   2^-16 in bf16); re-dequantizing every tile in each query block cost 4.5x the f16 time.
+//   scale + lo, the CPU's two fp32 roundings, inverse channel permutation) and rounded once to
+//   T into one plane of K and one of V in stream-ordered scratch (4 bytes per row and channel,
+//   freed after the kernel), which the kernel streams like rows of T (one MMA per product; the
+//   rounding is a term of tests/ops_harness/attention_bounds.h's kPrefillTc bound);
+//   re-dequantizing every tile in each query block cost 4.5x the f16 time.
 //   Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by the device
 //   caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the un-rotation
-//   included) and then split into the same planes. Limits (fp16 planes): dequantized values must
-//   lie within fp16's range (|x| < 65520). The split helpers are tc_common.cuh's.
+//   included) and then rounded to the same planes. Limits (fp16 planes): dequantized values must
+//   lie within fp16's range (|x| < 65520).
 // * CUDA cores (every other view: f32 rows, or f16 beside bf16 rows; rotated or 1.5-bit packed
 // rows refused): one block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a
 // tile are (query i, head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query
@@ -225,11 +226,10 @@ __device__ __forceinline__ void dequant8(const uint8_t* rec, int c0, const Prefi
   }
 }
 
-// Packed segment -> T hi + lo rows [F, n_rows, D] in original channel order (the tensor-core
-// kernel's input): thread per (frame, row, run of 8 stored channels), dequant8 then the split.
+// Packed segment -> T rows [F, n_rows, D] in original channel order, each value rounded once
+// (the tensor-core kernel's input): thread per (frame, row, run of 8 stored channels).
 template <class T>
-__global__ void prefill_dequant_kernel(const PrefillSeg seg, int kv_heads, int D, T* khi, T* vhi,
-                                       T* klo, T* vlo) {
+__global__ void prefill_dequant_kernel(const PrefillSeg seg, int kv_heads, int D, T* kt, T* vt) {
   const int64_t f = blockIdx.y;
   const int h = static_cast<int>(f % kv_heads);
   const int oct = D / 8;
@@ -242,39 +242,30 @@ __global__ void prefill_dequant_kernel(const PrefillSeg seg, int kv_heads, int D
 #pragma unroll
     for (int kv = 0; kv < 2; ++kv) {
       const PrefillTensor& pt = kv ? seg.pv : seg.pk;
-      T* hi = (kv ? vhi : khi) + dst;
-      T* lo = (kv ? vlo : klo) + dst;
+      T* out = (kv ? vt : kt) + dst;
       float x[8];
       dequant8(pt.data + src * pt.row_stride, c0, pt, x);
       if (pt.perm == nullptr) {
-        uint32_t h4[4], l4[4];
+        uint32_t w[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) tc_split<T>(x[2 * i], x[2 * i + 1], h4[i], l4[i]);
-        *reinterpret_cast<uint4*>(hi + c0) = make_uint4(h4[0], h4[1], h4[2], h4[3]);
-        *reinterpret_cast<uint4*>(lo + c0) = make_uint4(l4[0], l4[1], l4[2], l4[3]);
+        for (int i = 0; i < 4; ++i) w[i] = tc_pack2<T>(x[2 * i], x[2 * i + 1]);
+        *reinterpret_cast<uint4*>(out + c0) = make_uint4(w[0], w[1], w[2], w[3]);
       } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const T xh = tc_round<T>(x[i]);
-          const int c = pt.perm[static_cast<int64_t>(h) * D + c0 + i];
-          hi[c] = xh;
-          lo[c] = tc_round<T>(x[i] - static_cast<float>(xh));
-        }
+        for (int i = 0; i < 8; ++i)
+          out[pt.perm[static_cast<int64_t>(h) * D + c0 + i]] = tc_round<T>(x[i]);
       }
     }
   }
 }
 
-// fp32 rows -> T hi + lo planes (hi = x rounded to T, lo = x - hi rounded to T), the split of
-// tc_split, for packed segments dequantized by dequant_rows_launch (rotated or 1.5-bit codes).
+// fp32 rows -> T rows (each value rounded once), for packed segments dequantized by
+// dequant_rows_launch (rotated or 1.5-bit codes).
 template <class T>
-__global__ void prefill_split_kernel(const float* x, int64_t n, T* hi, T* lo) {
+__global__ void prefill_round_kernel(const float* x, int64_t n, T* y) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const T xh = tc_round<T>(x[e]);
-    hi[e] = xh;
-    lo[e] = tc_round<T>(x[e] - static_cast<float>(xh));
-  }
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[e] = tc_round<T>(x[e]);
 }
 
 // A packed tensor the dequant8 path cannot take: 1.5-bit codes or a Hadamard rotation. Such
@@ -285,19 +276,19 @@ bool needs_general_dequant(const PrefillTensor& t) {
 }
 
 // The tensor-core path over a view whose full-precision rows (if any) are all of type T
-// (__half or __nv_bfloat16): packed segments dequantized into T hi + lo planes, then
-// prefill_fa.cu's kernel. lo: the view has packed segments.
+// (__half or __nv_bfloat16): packed segments dequantized into T planes, then prefill_fa.cu's
+// kernel.
 template <class T>
-void prefill_tc_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
-  // Packed segments are dequantized once per call into stream-ordered scratch (T hi + lo planes
-  // of K and V: 8 bytes per row and channel), which the kernel streams like rows of T.
+void prefill_tc_launch(const PrefillParams& p, cudaStream_t s) {
+  // Packed segments are dequantized once per call into stream-ordered scratch (one T plane of K
+  // and one of V: 4 bytes per row and channel), which the kernel streams like rows of T.
   // Rotated or 1.5-bit ones go through fp32 rows first (one scratch reused, stream-ordered).
   PrefillParams q = p;
   const int64_t F = static_cast<int64_t>(p.batch) * p.kv_heads, D = p.head_dim;
   size_t bytes = 0, f32_bytes = 0;
   for (int i = 0; i < p.n_segs; ++i)
     if (p.segs[i].packed) {
-      bytes += static_cast<size_t>(4 * F * p.segs[i].n_rows * D) * 2;
+      bytes += static_cast<size_t>(2 * F * p.segs[i].n_rows * D) * 2;
       if (needs_general_dequant(p.segs[i].pk) || needs_general_dequant(p.segs[i].pv))
         f32_bytes = std::max(f32_bytes, static_cast<size_t>(F * p.segs[i].n_rows * D) * 4);
     }
@@ -312,12 +303,9 @@ void prefill_tc_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
       continue;
     }
     const size_t plane = static_cast<size_t>(F * g.n_rows * D) * 2;
-    T* base = reinterpret_cast<T*>(static_cast<uint8_t*>(ws) + used);
-    T* khi = base;
-    T* vhi = base + plane / 2;
-    T* klo = base + plane;
-    T* vlo = base + 3 * plane / 2;
-    used += 4 * plane;
+    T* kt = reinterpret_cast<T*>(static_cast<uint8_t*>(ws) + used);
+    T* vt = kt + plane / 2;
+    used += 2 * plane;
     if (needs_general_dequant(g.pk) || needs_general_dequant(g.pv)) {
       const int64_t n = F * g.n_rows * D;
       const unsigned sg = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536));
@@ -343,23 +331,21 @@ void prefill_tc_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
         d.rot_block = t.rot_block;
         d.rot_norm = t.rot_norm;
         dequant_rows_launch(d, s);
-        prefill_split_kernel<T><<<sg, 256, 0, s>>>(f32, n, kv ? vhi : khi, kv ? vlo : klo);
-        VQ_CUDA_LAUNCH_CHECK("prefill_split");
+        prefill_round_kernel<T><<<sg, 256, 0, s>>>(f32, n, kv ? vt : kt);
+        VQ_CUDA_LAUNCH_CHECK("prefill_round");
       }
     } else {
       const int64_t items = g.n_rows * (D / 8);
       const dim3 dg(static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 4096)),
                     static_cast<unsigned>(F));
-      prefill_dequant_kernel<T><<<dg, 256, 0, s>>>(g, p.kv_heads, p.head_dim, khi, vhi, klo, vlo);
+      prefill_dequant_kernel<T><<<dg, 256, 0, s>>>(g, p.kv_heads, p.head_dim, kt, vt);
       VQ_CUDA_LAUNCH_CHECK("prefill_dequant");
     }
     g.rows_cap = g.n_rows;
-    g.keys = khi;
-    g.values = vhi;
-    g.keys_lo = klo;
-    g.values_lo = vlo;
+    g.keys = kt;
+    g.values = vt;
   }
-  prefill_fa_launch(q, lo, std::is_same_v<T, __nv_bfloat16>, s);
+  prefill_fa_launch(q, std::is_same_v<T, __nv_bfloat16>, s);
   if (ws) VQ_CUDA_CHECK(cudaFreeAsync(ws, s));
 }
 
@@ -373,14 +359,10 @@ void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
   // 8-byte aligned: float2 accesses). Views of packed segments alone take fp16.
   bool tc =
       reinterpret_cast<uintptr_t>(p.q) % 8 == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
-  bool lo = false;
   int rows_dtype = -1;  // the vq::DType of the full-precision segments (-1: none)
   for (int i = 0; i < p.n_segs; ++i) {
     const PrefillSeg& g = p.segs[i];
-    if (g.packed) {
-      lo = true;
-      continue;
-    }
+    if (g.packed) continue;
     if ((g.dtype != 1 && g.dtype != 2) || (rows_dtype >= 0 && g.dtype != rows_dtype) ||
         reinterpret_cast<uintptr_t>(g.keys) % 16 != 0 ||
         reinterpret_cast<uintptr_t>(g.values) % 16 != 0)
@@ -400,9 +382,9 @@ void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
            "alignment");
   if (tc) {
     if (bf16)
-      prefill_tc_launch<__nv_bfloat16>(p, lo, s);
+      prefill_tc_launch<__nv_bfloat16>(p, s);
     else
-      prefill_tc_launch<__half>(p, lo, s);
+      prefill_tc_launch<__half>(p, s);
     return;
   }
   const dim3 grid(static_cast<unsigned>((T + kBQ - 1) / kBQ), static_cast<unsigned>(p.kv_heads),

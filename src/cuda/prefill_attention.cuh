@@ -31,11 +31,9 @@ struct PrefillSeg {
   const void* values = nullptr;
   PrefillTensor pk, pv;
   // Tensor-core path only (set by prefill_attention_launch): rows of frame f start at f*rows_cap
-  // in keys/values; a packed segment's rows there are its dequantized values as fp16 hi parts,
-  // with the lo parts (x - hi, rounded to fp16) in keys_lo/values_lo.
+  // in keys/values; a packed segment's rows there are its dequantized values rounded once to the
+  // kernel's operand type.
   int64_t rows_cap = 0;
-  const void* keys_lo = nullptr;
-  const void* values_lo = nullptr;
 };
 
 constexpr int kPrefillMaxSegs = 8;
@@ -54,9 +52,8 @@ struct PrefillParams {
 void prefill_attention_launch(const PrefillParams& p, cudaStream_t s);
 
 // The 32-rows-per-warp tensor-core kernel (prefill_fa.cu) over a view of f16 (bf16 false) or
-// bf16 rows, D 64 or 128, rows 16-byte and q, out 8-byte aligned (checked by the caller); lo:
-// packed segments given as hi + lo planes (keys/values, keys_lo/values_lo at rows_cap, set by
-// prefill_attention.cu). Every segment's rows_cap must be set.
-void prefill_fa_launch(const PrefillParams& p, bool lo, bool bf16, cudaStream_t s);
+// bf16 rows (packed segments given as such rows by prefill_attention.cu), D 64 or 128, rows
+// 16-byte and q, out 8-byte aligned (checked by the caller). Every segment's rows_cap must be set.
+void prefill_fa_launch(const PrefillParams& p, bool bf16, cudaStream_t s);
 
 }  // namespace vq::cuda

@@ -1,25 +1,27 @@
-// Prefill attention on tensor cores over views of f16 or bf16 rows (D 64/128), beside packed
-// segments given as E hi + lo planes (prefill_attention.cu dequantizes them once per call:
-// LO), FlashAttention-2's schedule on mma.sync: one block of NW warps per (32 NW query rows, KV
+// Prefill attention on tensor cores over views of f16 or bf16 rows (D 64/128; packed segments
+// arrive as such rows, dequantized and rounded once per call by prefill_attention.cu),
+// FlashAttention-2's schedule on mma.sync: one block of NW warps per (16 MT NW query rows, KV
 // head, batch), rows t = i * n_rep + r so the n_rep query heads of a KV head share each key tile,
-// each warp owning 32 rows as two m16 tiles so every K and V fragment loaded by ldmatrix feeds
-// two mma.m16n8k16 (half the shared-memory reads per mma of 16-row warps, and two independent
-// accumulator chains). The queries are staged once per block in shared memory as E (fp16, or
-// bf16 for bf16 rows) rounded once from q * 2^sigma (sigma puts the row's max |q| in
-// [2^11, 2^12), clear of fp16 subnormals: tc_common.cuh's tc_sigma) and read per k-step by
-// ldmatrix; tiles of 64 keys stream through 2 cp.async stages (prefill_tc.cuh's schedule and
-// staging: tiles no row of the block sees are never loaded, masks only on tiles some row sees
-// partly); logits in log2 units (scale * log2 e * 2^-sigma, folded into the exponent's fma),
-// online softmax with ex2.approx in fp32 (sums of the unrounded p; the outputs' rescale skipped
-// when no row of the warp raised its max), P kept in registers and rounded once to E as the A
-// operand of P V, fp32 accumulation; tiles of a packed segment add q k_lo and p v_lo (their lo
-// planes, staged beside the hi ones). FlashAttention numerics (docs/design.md section 4), held to
-// the bounds of tests/ops_harness/attention_bounds.h (kGpu* of the operand type). Heaviest
-// (latest) query blocks run first. Measured in docs/results/gpu/run8_prefill.
+// each warp owning 16 MT rows as MT m16 tiles (MT = 2: every K and V fragment loaded by ldmatrix
+// feeds two mma.m16n8k16, two independent accumulator chains; MT = 1: half the registers, so
+// more warps per multiprocessor hide the latency of each). The queries are staged once per block
+// in shared memory as E (fp16, or bf16 for bf16 rows) rounded once from q * 2^sigma (sigma puts
+// the row's max |q| in [2^11, 2^12), clear of fp16 subnormals: tc_common.cuh's tc_sigma) and read
+// per k-step by ldmatrix; tiles of BK keys stream through 2 cp.async stages (prefill_tc.cuh's
+// schedule and staging: tiles no row of the block sees are never loaded, masks only on tiles
+// some row sees partly); logits in log2 units (scale * log2 e * 2^-sigma, folded into the
+// exponent's fma), online softmax with ex2.approx in fp32 (sums of the unrounded p; the outputs'
+// rescale skipped when no row of the warp raised its max), P kept in registers and rounded once
+// to E as the A operand of P V, fp32 accumulation. FlashAttention numerics (docs/design.md
+// section 4), held to the bounds of tests/ops_harness/attention_bounds.h (kPrefillTc of the
+// operand type). Heaviest (latest) query blocks run first. Measured in
+// docs/results/gpu/run9_prefill.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <type_traits>
 
 #include "cuda/check.h"
 #include "cuda/prefill_attention.cuh"
@@ -30,20 +32,32 @@ namespace vq::cuda {
 
 namespace {
 
-constexpr int kFaBK = 64;  // key rows per tile
-
-// Shared memory of a block of NW warps (32 NW query rows): the queries [32 NW][D] (E, swizzled),
-// their logit multipliers (fp32), then 2 stages of K and V planes [kFaBK][D] (and K lo, V lo:
-// LO) and the tile's key positions.
-__host__ __device__ constexpr int fa_q_bytes(int D, int NW) {
-  return 32 * NW * (2 * D + 4);
+// Shared memory of a block of BM query rows: the queries [BM][D] (E, swizzled), their logit
+// multipliers (fp32), then 2 stages of the K and V planes [BK][D] and the tile's key positions.
+__host__ __device__ constexpr int fa_q_bytes(int D, int BM) {
+  return BM * (2 * D + 4);
 }
-__host__ __device__ constexpr int fa_stage_bytes(int D, bool LO) {
-  return (LO ? 4 : 2) * kFaBK * 2 * D + kFaBK * 8;
+__host__ __device__ constexpr int fa_stage_bytes(int D, int BK) {
+  return 2 * BK * 2 * D + BK * 8;
 }
 
-// NW = 4 (two blocks per multiprocessor) for rows alone; 8 with lo planes (one block: its
-// stages take twice the room).
+// d += a * b on mma.m16n8k16 as tc_common.cuh's tc_mma, without volatile: the product touches
+// registers alone, so the compiler may interleave it with the loads and the softmax.
+template <class T>
+__device__ __forceinline__ void fa_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // 2^x in fp32 by ex2.approx.ftz (within 2 ulp, as exp2f, whose non-ftz form only adds the
 // scaling of subnormal results): a weight below 2^-126 becomes 0, an error under 2^-126 |v| per
 // term, far inside the accumulation term of the bounds (tests/ops_harness/attention_bounds.cpp).
@@ -53,36 +67,38 @@ __device__ __forceinline__ float fa_exp2(float x) {
   return y;
 }
 
-template <int D, bool LO, int NW, class E>
-__global__ void __launch_bounds__(32 * NW, 8 / NW)
+template <int D, int MT, int NW, int BK, int MINB, class E>
+__global__ void __launch_bounds__(32 * NW, MINB)
     prefill_fa_kernel(const __grid_constant__ PrefillParams p) {
-  constexpr int KS = D / 16;  // k-steps of the logits, n-tile pairs of the outputs
-  constexpr int PB = kFaBK * 2 * D, SB = fa_stage_bytes(D, LO), NT = 32 * NW;
-  constexpr int kFaBM = 32 * NW, NPL = LO ? 4 : 2;
+  constexpr int KS = D / 16;                 // k-steps of the logits, n-tile pairs of the outputs
+  constexpr int NB = BK / 8;                 // n-tiles of a key tile
+  constexpr int RW = 16 * MT, BM = RW * NW;  // query rows per warp and per block
+  constexpr int PB = BK * 2 * D, SB = fa_stage_bytes(D, BK), NT = 32 * NW;
+  static_assert(NT >= BK, "prefill_seek and prefill_stage need a thread per key of a tile");
   extern __shared__ __align__(128) uint8_t fsm[];
   uint8_t* qsm = fsm;
-  float* csm = reinterpret_cast<float*>(fsm + kFaBM * 2 * D);
-  uint8_t* stages = fsm + fa_q_bytes(D, NW);
+  float* csm = reinterpret_cast<float*>(fsm + BM * 2 * D);
+  uint8_t* stages = fsm + fa_q_bytes(D, BM);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3, lr = lane & 7, lm = lane >> 3;
   const int h = blockIdx.y, b = blockIdx.z;
   const int64_t n_rep = p.n_rep, N = p.n_queries, T = n_rep * N;
-  const int64_t t0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kFaBM;
+  const int64_t t0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * BM;
   const int64_t hq = static_cast<int64_t>(p.kv_heads) * n_rep;
   const int64_t frame = static_cast<int64_t>(b) * p.kv_heads + h;
-  const int64_t t_last = (t0 + kFaBM < T ? t0 + kFaBM : T) - 1;
+  const int64_t t_last = (t0 + BM < T ? t0 + BM : T) - 1;
   const int64_t qmin = p.q_pos0 + t0 / n_rep, qmax = p.q_pos0 + t_last / n_rep;
   const int64_t win = p.window;
 
-  // ---- queries: warp w stages its rows 32 w .. 32 w + 31 (one row per step, D / 32 channels
-  // per lane), each rounded once to E as q * 2^sigma, and the row's multiplier
+  // ---- queries: warp w stages its rows RW w .. RW w + RW - 1 (one row per step, D / 32
+  // channels per lane), each rounded once to E as q * 2^sigma, and the row's multiplier
   // scale * log2 e * 2^-sigma; rows past the end are zeros.
   {
     constexpr int CPL = D / 32;
     const float sl2e = p.scale * 1.4426950408889634f;
-    for (int rr = 0; rr < 32; ++rr) {
-      const int r = 32 * warp + rr;
+    for (int rr = 0; rr < RW; ++rr) {
+      const int r = RW * warp + rr;
       const int64_t t = t0 + r;
       float x[CPL];
 #pragma unroll
@@ -112,15 +128,15 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
     }
     __syncwarp();
   }
-  // This lane's 4 rows: m-tile mt (rows 32 warp + 16 mt ..), half hf (row g or g + 8); their
+  // This lane's 2 MT rows: m-tile mt (rows RW warp + 16 mt ..), half hf (row g or g + 8); their
   // positions and multipliers.
-  int64_t qp[2][2];
-  float cm[2][2];
+  int64_t qp[MT][2];
+  float cm[MT][2];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int r = 32 * warp + 16 * mt + 8 * hf + g;
+      const int r = RW * warp + 16 * mt + 8 * hf + g;
       qp[mt][hf] = p.q_pos0 + (t0 + r) / n_rep;
       cm[mt][hf] = csm[r];
     }
@@ -128,26 +144,21 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
   auto issue = [&](int sg, int64_t j0, int st) {
     const PrefillSeg& seg = p.segs[sg];
     uint8_t* base = stages + st * SB;
-    int64_t* spos = reinterpret_cast<int64_t*>(base + NPL * PB);
-    if (LO && seg.packed) {
-      const void* const src[4] = {seg.keys, seg.values, seg.keys_lo, seg.values_lo};
-      prefill_stage<D, kFaBK, NT, 4>(seg, frame, j0, tid, src, base, spos);
-    } else {
-      const void* const src[2] = {seg.keys, seg.values};
-      prefill_stage<D, kFaBK, NT, 2>(seg, frame, j0, tid, src, base, spos);
-    }
+    int64_t* spos = reinterpret_cast<int64_t*>(base + 2 * PB);
+    const void* const src[2] = {seg.keys, seg.values};
+    prefill_stage<D, BK, NT, 2>(seg, frame, j0, tid, src, base, spos);
   };
 
-  float o[2][2 * KS][4];
+  float o[MT][2 * KS][4];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int n = 0; n < 2 * KS; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.0f;
-  float mx[2][2], l[2][2];
+  float mx[MT][2], l[MT][2];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       mx[mt][hf] = -INFINITY;
@@ -157,15 +168,15 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
   int sg = 0;
   int64_t j0 = 0;
   bool full = false;
-  bool have = prefill_seek<kFaBK>(p, frame, qmin, qmax, tid, sg, j0, full);
+  bool have = prefill_seek<BK>(p, frame, qmin, qmax, tid, sg, j0, full);
   int st = 0;
   if (have) issue(sg, j0, 0);
   tc_commit();
   while (have) {
     int nsg = sg;
-    int64_t nj0 = j0 + kFaBK;
+    int64_t nj0 = j0 + BK;
     bool nfull = false;
-    const bool next = prefill_seek<kFaBK>(p, frame, qmin, qmax, tid, nsg, nj0, nfull);
+    const bool next = prefill_seek<BK>(p, frame, qmin, qmax, tid, nsg, nj0, nfull);
     if (next) issue(nsg, nj0, st ^ 1);
     tc_commit();
     if (next)
@@ -176,51 +187,43 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
 
     const uint8_t* kb = stages + st * SB;
     const uint8_t* vb = kb + PB;
-    const int64_t* spos = reinterpret_cast<const int64_t*>(kb + NPL * PB);
-    const bool lo_tile = LO && p.segs[sg].packed;
-    // ---- logits of 32 rows x 64 keys: s[mt][n] is m-tile mt, n-tile n (keys 8n .. 8n + 7)
-    float s[2][8][4];
+    const int64_t* spos = reinterpret_cast<const int64_t*>(kb + 2 * PB);
+    // ---- logits of RW rows x BK keys: s[mt][n] is m-tile mt, n-tile n (keys 8n .. 8n + 7)
+    float s[MT][NB][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < NB; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      uint32_t a[2][4];
+      uint32_t a[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        tc_ldsm(qsm + tc_off<D>(32 * warp + 16 * mt + 8 * (lm & 1) + lr, 16 * ks + 8 * (lm >> 1)),
+      for (int mt = 0; mt < MT; ++mt)
+        tc_ldsm(qsm + tc_off<D>(RW * warp + 16 * mt + 8 * (lm & 1) + lr, 16 * ks + 8 * (lm >> 1)),
                 a[mt]);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
+      for (int np = 0; np < NB / 2; ++np) {
         uint32_t r[4];
         tc_ldsm(kb + tc_off<D>(16 * np + 8 * (lm >> 1) + lr, 16 * ks + 8 * (lm & 1)), r);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          tc_mma<E>(s[mt][2 * np], a[mt], r[0], r[1]);
-          tc_mma<E>(s[mt][2 * np + 1], a[mt], r[2], r[3]);
-        }
-        if (lo_tile) {
-          tc_ldsm(kb + 2 * PB + tc_off<D>(16 * np + 8 * (lm >> 1) + lr, 16 * ks + 8 * (lm & 1)), r);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            tc_mma<E>(s[mt][2 * np], a[mt], r[0], r[1]);
-            tc_mma<E>(s[mt][2 * np + 1], a[mt], r[2], r[3]);
-          }
+        for (int mt = 0; mt < MT; ++mt) {
+          fa_mma<E>(s[mt][2 * np], a[mt], r[0], r[1]);
+          fa_mma<E>(s[mt][2 * np + 1], a[mt], r[2], r[3]);
         }
       }
     }
     // ---- mask, online softmax per row in log2 units: the row max of the raw logits times the
     // row's multiplier c > 0 is the max of the scaled ones (rounding is monotonic), and each
     // weight is 2^(fma(s, c, -z)) (one rounding of the exponent, where s * c - z had two)
-    float corr[2][2];
+    float corr[MT][2];
+    bool moved = false;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
       float xm[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < NB; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int hf = e >> 1;
@@ -239,10 +242,11 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
         const float nm = fmaxf(mx[mt][hf], xm[hf] * c);
         const float z = nm == -INFINITY ? 0.0f : nm;
         corr[mt][hf] = fa_exp2(mx[mt][hf] - z);
+        moved = moved || corr[mt][hf] != 1.0f;
         mx[mt][hf] = nm;
         float sum = 0.0f;
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int n = 0; n < NB; ++n) {
           s[mt][n][2 * hf] = fa_exp2(fmaf(s[mt][n][2 * hf], c, -z));
           s[mt][n][2 * hf + 1] = fa_exp2(fmaf(s[mt][n][2 * hf + 1], c, -z));
           sum += s[mt][n][2 * hf] + s[mt][n][2 * hf + 1];
@@ -251,10 +255,9 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
       }
     }
     // the outputs' rescale, skipped when no row of the warp moved its max (every factor is 1)
-    if (__any_sync(0xffffffffu, corr[0][0] != 1.0f || corr[0][1] != 1.0f || corr[1][0] != 1.0f ||
-                                    corr[1][1] != 1.0f)) {
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int n = 0; n < 2 * KS; ++n) {
           o[mt][n][0] *= corr[mt][0];
@@ -265,10 +268,10 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
     }
     // ---- outputs += P V (P rounded once to E, V through ldmatrix.trans)
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t ah[2][4];
+    for (int kk = 0; kk < NB / 2; ++kk) {
+      uint32_t ah[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
         ah[mt][0] = tc_pack2<E>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
         ah[mt][1] = tc_pack2<E>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
         ah[mt][2] = tc_pack2<E>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
@@ -280,17 +283,9 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
         uint32_t r[4];
         tc_ldsm_t(vb + tc_off<D>(key, 16 * cp + 8 * (lm >> 1)), r);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          tc_mma<E>(o[mt][2 * cp], ah[mt], r[0], r[1]);
-          tc_mma<E>(o[mt][2 * cp + 1], ah[mt], r[2], r[3]);
-        }
-        if (lo_tile) {
-          tc_ldsm_t(vb + 2 * PB + tc_off<D>(key, 16 * cp + 8 * (lm >> 1)), r);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            tc_mma<E>(o[mt][2 * cp], ah[mt], r[0], r[1]);
-            tc_mma<E>(o[mt][2 * cp + 1], ah[mt], r[2], r[3]);
-          }
+        for (int mt = 0; mt < MT; ++mt) {
+          fa_mma<E>(o[mt][2 * cp], ah[mt], r[0], r[1]);
+          fa_mma<E>(o[mt][2 * cp + 1], ah[mt], r[2], r[3]);
         }
       }
     }
@@ -304,13 +299,13 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
 
   // ---- outputs: o / l per row (zeros for a row that saw no key), fp32
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       float lt = l[mt][hf];
 #pragma unroll
       for (int of = 1; of <= 2; of <<= 1) lt += __shfl_xor_sync(0xffffffffu, lt, of);
-      const int64_t t = t0 + 32 * warp + 16 * mt + 8 * hf + g;
+      const int64_t t = t0 + RW * warp + 16 * mt + 8 * hf + g;
       if (t >= T) continue;
       float* out =
           p.out + ((static_cast<int64_t>(b) * hq + h * n_rep + t % n_rep) * N + t / n_rep) * D;
@@ -323,37 +318,62 @@ __global__ void __launch_bounds__(32 * NW, 8 / NW)
     }
 }
 
-template <class E>
-void fa_launch(const PrefillParams& p, bool lo, cudaStream_t s) {
-  // 4 warps for rows alone (2 blocks per multiprocessor); 8 with lo planes (one block). 8-warp
-  // blocks over rows alone were slower on the H200 (41.7 against 40.1 ms at 32K,
-  // docs/results/gpu/run8_prefill/call1).
-  const int nw = lo ? 8 : 4;
+// The block shapes timed in docs/results/gpu/run9_prefill (one binary, chosen by
+// VQ_PREFILL_FA_CFG for the benchmark), MT x NW warps, BK-key tiles, MINB blocks per
+// multiprocessor: 0: 2 x 4, 64, 2 (session 8's kernel, 255 registers); 1: 1 x 8, 64, 2 (<= 128
+// registers); 2: 1 x 8, 32, 2 (<= 128); 3: 1 x 4, 32, 4 (<= 128); 4: 1 x 6, 64, 2 (<= 168).
+template <int D, int MT, int NW, int BK, int MINB, class E>
+void fa_run(const PrefillParams& p, cudaStream_t s) {
+  constexpr int BM = 16 * MT * NW;
   const int64_t rows = static_cast<int64_t>(p.n_rep) * p.n_queries;
-  const dim3 grid(static_cast<unsigned>((rows + 32 * nw - 1) / (32 * nw)),
-                  static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-  auto launch = [&](auto kernel, int smem) {
-    VQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<grid, 32 * nw, static_cast<size_t>(smem), s>>>(p);
-  };
-  const int D = p.head_dim;
-  const int smem = fa_q_bytes(D, nw) + 2 * fa_stage_bytes(D, lo);
-  if (D == 64)
-    lo ? launch(prefill_fa_kernel<64, true, 8, E>, smem)
-       : launch(prefill_fa_kernel<64, false, 4, E>, smem);
-  else
-    lo ? launch(prefill_fa_kernel<128, true, 8, E>, smem)
-       : launch(prefill_fa_kernel<128, false, 4, E>, smem);
+  const dim3 grid(static_cast<unsigned>((rows + BM - 1) / BM), static_cast<unsigned>(p.kv_heads),
+                  static_cast<unsigned>(p.batch));
+  constexpr int smem = fa_q_bytes(D, BM) + 2 * fa_stage_bytes(D, BK);
+  auto kernel = prefill_fa_kernel<D, MT, NW, BK, MINB, E>;
+  VQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, 32 * NW, static_cast<size_t>(smem), s>>>(p);
+}
+
+int fa_cfg() {
+  static const int cfg = [] {
+    const char* e = std::getenv("VQ_PREFILL_FA_CFG");
+    return e ? std::atoi(e) : 0;
+  }();
+  return cfg;
+}
+
+template <class E>
+void fa_launch(const PrefillParams& p, cudaStream_t s) {
+  if (p.head_dim == 64) {
+    fa_run<64, 2, 4, 64, 2, E>(p, s);
+  } else {
+    switch (fa_cfg()) {
+      case 1:
+        fa_run<128, 1, 8, 64, 2, E>(p, s);
+        break;
+      case 2:
+        fa_run<128, 1, 8, 32, 2, E>(p, s);
+        break;
+      case 3:
+        fa_run<128, 1, 4, 32, 4, E>(p, s);
+        break;
+      case 4:
+        fa_run<128, 1, 6, 64, 2, E>(p, s);
+        break;
+      default:
+        fa_run<128, 2, 4, 64, 2, E>(p, s);
+    }
+  }
   VQ_CUDA_LAUNCH_CHECK("prefill_attention (fa)");
 }
 
 }  // namespace
 
-void prefill_fa_launch(const PrefillParams& p, bool lo, bool bf16, cudaStream_t s) {
+void prefill_fa_launch(const PrefillParams& p, bool bf16, cudaStream_t s) {
   if (bf16)
-    fa_launch<__nv_bfloat16>(p, lo, s);
+    fa_launch<__nv_bfloat16>(p, s);
   else
-    fa_launch<__half>(p, lo, s);
+    fa_launch<__half>(p, s);
 }
 
 }  // namespace vq::cuda
