@@ -2,7 +2,7 @@
 // * Tensor cores (views whose full-precision segments are all f16 or all bf16 rows, beside any
 //   packed records; D 64/128), on the 16-bit operand type T of the rows (fp16, or bf16 when the
 //   view's rows are bf16; FlashAttention numerics, docs/design.md section 4): the kernel is
-//   prefill_fa.cu's (32 query rows per warp, 4 or 8 warps per block). This file prepares its
+//   prefill_fa.cu's (16 or 32 query rows per warp, 6 or 4 warps per block). This file prepares its
 //   input: packed segments are first dequantized once per call (prefill_dequant_kernel: code *
 //   scale + lo, the CPU's two fp32 roundings, inverse channel permutation) and rounded once to
 //   T into one plane of K and one of V in stream-ordered scratch (4 bytes per row and channel,

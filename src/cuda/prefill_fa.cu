@@ -1,26 +1,25 @@
 // Prefill attention on tensor cores over views of f16 or bf16 rows (D 64/128; packed segments
 // arrive as such rows, dequantized and rounded once per call by prefill_attention.cu),
-// FlashAttention-2's schedule on mma.sync: one block of NW warps per (16 MT NW query rows, KV
-// head, batch), rows t = i * n_rep + r so the n_rep query heads of a KV head share each key tile,
-// each warp owning 16 MT rows as MT m16 tiles (MT = 2: every K and V fragment loaded by ldmatrix
-// feeds two mma.m16n8k16, two independent accumulator chains; MT = 1: half the registers, so
-// more warps per multiprocessor hide the latency of each). The queries are staged once per block
-// in shared memory as E (fp16, or bf16 for bf16 rows) rounded once from q * 2^sigma (sigma puts
-// the row's max |q| in [2^11, 2^12), clear of fp16 subnormals: tc_common.cuh's tc_sigma) and read
-// per k-step by ldmatrix; tiles of BK keys stream through 2 cp.async stages (prefill_tc.cuh's
-// schedule and staging: tiles no row of the block sees are never loaded, masks only on tiles
-// some row sees partly); logits in log2 units (scale * log2 e * 2^-sigma, folded into the
-// exponent's fma), online softmax with ex2.approx in fp32 (sums of the unrounded p; the outputs'
-// rescale skipped when no row of the warp raised its max), P kept in registers and rounded once
-// to E as the A operand of P V, fp32 accumulation. FlashAttention numerics (docs/design.md
-// section 4), held to the bounds of tests/ops_harness/attention_bounds.h (kPrefillTc of the
-// operand type). Heaviest (latest) query blocks run first. Measured in
+// FlashAttention-2's schedule on mma.sync: one block of NW warps per (16 MT NW query rows, KV head,
+// batch), rows t = i * n_rep + r so the n_rep query heads of a KV head share each key tile, each
+// warp owning 16 MT rows as MT m16 tiles (MT = 2: every K and V fragment loaded by ldmatrix feeds
+// two mma.m16n8k16, two independent accumulator chains; MT = 1: half the registers, so more warps
+// per multiprocessor hide the latency of each; fa_launch's shapes: D 128 6 x MT 1, D 64 4 x MT 2).
+// The queries are staged once per block in shared memory as E (fp16, or bf16 for bf16 rows) rounded
+// once from q * 2^sigma (sigma puts the row's max |q| in [2^11, 2^12), clear of fp16 subnormals:
+// tc_common.cuh's tc_sigma) and read per k-step by ldmatrix; tiles of BK keys stream through 2
+// cp.async stages (prefill_tc.cuh's schedule and staging: tiles no row of the block sees are never
+// loaded, masks only on tiles some row sees partly); logits in log2 units (scale * log2 e *
+// 2^-sigma, folded into the exponent's fma), online softmax with ex2.approx in fp32 (sums of the
+// unrounded p; the outputs' rescale skipped when no row of the warp raised its max), P kept in
+// registers and rounded once to E as the A operand of P V, fp32 accumulation. FlashAttention
+// numerics (docs/design.md section 4), held to the bounds of tests/ops_harness/attention_bounds.h
+// (kPrefillTc of the operand type). Heaviest (latest) query blocks run first. Measured in
 // docs/results/gpu/run9_prefill.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/check.h"
@@ -318,10 +317,6 @@ __global__ void __launch_bounds__(32 * NW, MINB)
     }
 }
 
-// The block shapes timed in docs/results/gpu/run9_prefill (one binary, chosen by
-// VQ_PREFILL_FA_CFG for the benchmark), MT x NW warps, BK-key tiles, MINB blocks per
-// multiprocessor: 0: 2 x 4, 64, 2 (session 8's kernel, 255 registers); 1: 1 x 8, 64, 2 (<= 128
-// registers); 2: 1 x 8, 32, 2 (<= 128); 3: 1 x 4, 32, 4 (<= 128); 4: 1 x 6, 64, 2 (<= 168).
 template <int D, int MT, int NW, int BK, int MINB, class E>
 void fa_run(const PrefillParams& p, cudaStream_t s) {
   constexpr int BM = 16 * MT * NW;
@@ -334,36 +329,17 @@ void fa_run(const PrefillParams& p, cudaStream_t s) {
   kernel<<<grid, 32 * NW, static_cast<size_t>(smem), s>>>(p);
 }
 
-int fa_cfg() {
-  static const int cfg = [] {
-    const char* e = std::getenv("VQ_PREFILL_FA_CFG");
-    return e ? std::atoi(e) : 0;
-  }();
-  return cfg;
-}
-
+// D 128: 6 warps of 16 rows (MT 1), 64-key tiles, 2 blocks per multiprocessor (<= 168
+// registers, 91.5 KB): the fastest of five shapes timed in one call (H200, 32K f16 rows: 35.58
+// ms against 35.89 for session 8's 4 warps of 32 rows (255 registers), 38.98 for 8 x 16 rows,
+// 41.26 for 8 x 16 rows over 32-key tiles, 41.67 for 4 x 16 rows over 32-key tiles at 4 blocks;
+// 4K: 0.765 against 0.831 ms; docs/results/gpu/run9_prefill). D 64 keeps 4 warps of 32 rows.
 template <class E>
 void fa_launch(const PrefillParams& p, cudaStream_t s) {
-  if (p.head_dim == 64) {
+  if (p.head_dim == 64)
     fa_run<64, 2, 4, 64, 2, E>(p, s);
-  } else {
-    switch (fa_cfg()) {
-      case 1:
-        fa_run<128, 1, 8, 64, 2, E>(p, s);
-        break;
-      case 2:
-        fa_run<128, 1, 8, 32, 2, E>(p, s);
-        break;
-      case 3:
-        fa_run<128, 1, 4, 32, 4, E>(p, s);
-        break;
-      case 4:
-        fa_run<128, 1, 6, 64, 2, E>(p, s);
-        break;
-      default:
-        fa_run<128, 2, 4, 64, 2, E>(p, s);
-    }
-  }
+  else
+    fa_run<128, 1, 6, 64, 2, E>(p, s);
   VQ_CUDA_LAUNCH_CHECK("prefill_attention (fa)");
 }
 

@@ -328,6 +328,9 @@ std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& 
 //    products are exact, exp2 of log2e-scaled logits within 2 ulp); sums 2 gamma(9n/8 + 64) V
 //    (n fma terms, per-tile rescales, the split merge, the final division); plus the 16-bit
 //    operand terms of attention_bounds.h (kGpu* of operands' type).
+//  * kPrefillTc (tensor-core prefill): kDecode's terms plus, per key, scale (1 + 2^-10)
+//    sum_d |q_d| |dk_d| in its logit error and (1 + 2^-10) max_j |dv_jd| per output channel,
+//    the rounding of operands not exact in the operand type (attention_bounds.h).
 //  * kPrefill (CUDA-core prefill): a logit is an fp32 fma chain of D products (gamma(D)
 //    ||q|| ||k||) times the rounded scale (4u |logit|); the exponent s - m rounded once (2u L, L
 //    the largest |logit|); expf within 2 ulp and one rescale per 32 keys: 2^-22 (n/32 + 2);
