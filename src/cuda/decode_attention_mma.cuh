@@ -14,11 +14,12 @@
 // view. Same parameters, partials and combine.
 //
 // One block = 4 warps = one (split, kv head, batch); the split's rows of one segment stream
-// through a 3-stage cp.async pipeline of tile_rows rows (a multiple of 64). f16 rows are staged
-// with their 16-byte chunks swizzled (chunk c of row r at c ^ swz(r & 7)) so that the key loads
-// and the transposed value loads (ldmatrix.trans) are free of bank conflicts; packed records are
-// staged as byte ranges. Each warp takes warp-tiles of 16 rows, two at a time (wt and wt + 4: the
-// pair shares one softmax step), all on mma.m16n8k16 (fp16 inputs, fp32 accumulation):
+// through a 3-stage (4-bit packed views: 2-stage) cp.async pipeline of tile_rows rows (a multiple
+// of 64). f16 rows are staged with their 16-byte chunks swizzled (chunk c of row r at c ^ swz(r &
+// 7)) so that the key loads and the transposed value loads (ldmatrix.trans) are free of bank
+// conflicts; packed records are staged as byte ranges. Each warp takes warp-tiles of 16 rows, two
+// at a time (wt and wt + 4: the pair shares one softmax step), all on mma.m16n8k16 (fp16 inputs,
+// fp32 accumulation):
 //  (1) logits: A = 16 key rows x 16 channels, B = the queries as N = 8 columns n = 2 h + part
 //      (head h, part 0 the fp16 rounding of q * sigma_h, part 1 zero, the columns of the former
 //      exact hi + lo split; sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head)
@@ -73,7 +74,14 @@ using decode_impl::mma_16816;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kStages = 3;
+// Pipeline stages of an instance: 3, except 2 for 4-bit packed views (PK > 0, KB = 4), whose
+// three 64-row stages of 160-byte records (66 KB with the queries) left 3 blocks per SM; two
+// leave 4 (the register cap of kPackedMinBlocks), one tile in flight while the other is read.
+// decode_mma_stages (decode_plan.h) is the planner's copy of this rule.
+template <int PK, int KB>
+constexpr int mma_stages() {
+  return PK > 0 && KB == 4 ? 2 : 3;
+}
 // Resident blocks the packed kernels aim for with G <= 4 (register cap 65536 / (128 * this)).
 #ifndef VQ_MMA_PACKED_MIN_BLOCKS
 #define VQ_MMA_PACKED_MIN_BLOCKS 4
@@ -204,6 +212,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   constexpr bool FIX = PK == 3;  // compile-time record layout (group 32, f16 metadata)
   constexpr int KREC = D * KB / 8 + D / 8;
   constexpr bool Q4 = PK > 0 && KB == 4;  // the K-index -> channel map of 4-bit codes
+  constexpr int kStages = mma_stages<PK, KB>();
   constexpr int NT = Gm::NT, NCH = Gm::NCH, MT = Gm::MT;
   constexpr int RB = 2 * D;  // f16 (or bf16) row bytes
   extern __shared__ __align__(16) uint8_t smem[];
@@ -845,7 +854,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
 
 template <int D, int G, int PK, int KB, bool BF>
 int mma_smem_bytes(const DecodeParams& p) {
-  return kStages * 2 * p.stage_half_bytes + mma_extra_smem<D, G>();
+  return mma_stages<PK, KB>() * 2 * p.stage_half_bytes + mma_extra_smem<D, G>();
 }
 
 template <int D, int G, int PK, int KB, bool BF>

@@ -339,7 +339,8 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
     }
     // + 32 bytes of alignment slack for packed byte ranges; the block merge reuses the stages
     const int64_t merge = (2 * 4 * G + 4 * G * D) * 4;
-    half = std::max(half + 32, (merge + 5) / 6);
+    const int64_t stage_halves = 2 * decode_mma_stages(plan.kernel);
+    half = std::max(half + 32, (merge + stage_halves - 1) / stage_halves);
     plan.stage_half_bytes = static_cast<int32_t>((half + 15) / 16 * 16);
     const int bps =
         std::max(1, ctx.mma_blocks_per_sm(plan.kernel, static_cast<int32_t>(D),

@@ -20,6 +20,22 @@ constexpr int kDecodeMaxSegments = 8;
 constexpr int kDecodeMmaStageBytes = 32768;
 constexpr int kDecodeMmaPackedStageBytes = 12288;
 
+// Pipeline stages of a tensor-core kernel instance: 2 for the 4-bit packed ones, 3 for the others
+// (decode_attention_mma.cuh, mma_stages, has the reason); the block merge reuses those stages.
+inline int decode_mma_stages(DecodeKernel k) {
+  switch (k) {
+    case DecodeKernel::kMmaPacked4:
+    case DecodeKernel::kMmaPacked4F16Meta:
+    case DecodeKernel::kMmaPacked4G32:
+    case DecodeKernel::kMmaPacked4BF16:
+    case DecodeKernel::kMmaPacked4F16MetaBF16:
+    case DecodeKernel::kMmaPacked4G32BF16:
+      return 2;
+    default:
+      return 3;
+  }
+}
+
 // Rows one pipeline stage of K (or V) of the CUDA-core kernel can hold: tile_rows =
 // min(128, this / row_bytes) rounded down to a multiple of 8.
 constexpr int kDecodeStageBytes = 8192;
