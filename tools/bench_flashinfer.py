@@ -12,6 +12,9 @@ issue's peer targets. FlashInfer's JIT kernels are built once, before any timing
 and run of each data type), in FLASHINFER_WORKSPACE_BASE.
 
 Usage: python3 tools/bench_flashinfer.py cuda_decode_attention.csv [--repeats 20] [--quick]
+                                       [--hq 32|128] [--shapes 1x4096,8x32768]
+(--hq: query heads, 128 for issue 14's GQA-16 shape, with a CSV of cuda_decode_attention --hq of
+the same value; --shapes: the (batch x context) pairs timed, default all)
 Exits 0 with a note when flashinfer cannot be imported. The wheels are fetched once into .whl/
 (ignored) and carried to the GPU host in a peers bundle (VQ_BUNDLE=peers scripts/gpu_bundle.sh),
 whose gpu_run.sh installs them:
@@ -54,7 +57,12 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--shapes", default="")
     args = ap.parse_args()
+    global HQ
+    HQ = args.hq
+    want = {tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s}
     rows = list(csv.DictReader(open(args.csv)))
     copy_tbps = float(next(r for r in rows if r["kind"] == "copy")["tbps"])
     try:
@@ -90,48 +98,47 @@ def main():
     kinds = ok
     ctxs = [4096, 32768] if args.quick else [4096, 32768, 131072]
     res = {}
-    for b in (1, 8):
-        for ctx in ctxs:
-            for name, dt, tc in kinds:
-                w, q, kv, nb = make_case(fi, ws, b, ctx, dt, dev, tc)
-                med, p10, p90 = time_it(lambda: w.run(q, kv), flush, 5, args.repeats)
-                res[(b, ctx, name)] = (med, p10, p90, nb)
-                del w, q, kv
-                torch.cuda.empty_cache()
+    shapes = [(b, c) for b in (1, 8) for c in ctxs if not want or (b, c) in want]
+    for b, ctx in shapes:
+        for name, dt, tc in kinds:
+            w, q, kv, nb = make_case(fi, ws, b, ctx, dt, dev, tc)
+            med, p10, p90 = time_it(lambda: w.run(q, kv), flush, 5, args.repeats)
+            res[(b, ctx, name)] = (med, p10, p90, nb)
+            del w, q, kv
+            torch.cuda.empty_cache()
 
     ours = {(int(r["batch"]), int(r["context"]), r["method"]): r
             for r in rows if r["kind"] == "decode"}
-    print("\n## Decode peers (same call): FlashInfer paged decode beside ours\n")
+    print(f"\n## Decode peers (same call, H_q {HQ}, H_kv {HKV}): FlashInfer paged decode beside "
+          "ours\n")
     print("| batch | context | method | median us | p10-p90 us | MB read | % of copy BW | bound us |")
     print("|---|---|---|---|---|---|---|---|")
-    for b in (1, 8):
-        for ctx in ctxs:
-            for name, _, _ in kinds:
-                med, p10, p90, nb = res[(b, ctx, name)]
-                tb = nb / (med * 1e-6) / 1e12
-                print(f"| {b} | {ctx} | {name} | {med:.1f} | {p10:.1f}-{p90:.1f} | "
-                      f"{nb / 1e6:.1f} | {100 * tb / copy_tbps:.0f}% | "
-                      f"{nb / (copy_tbps * 1e12) * 1e6:.1f} |")
-            for (bb, cc, m), r in sorted(ours.items()):
-                if bb != b or cc != ctx:
-                    continue
-                nb = float(r["bytes"])
-                print(f"| {b} | {ctx} | {m} | {float(r['median_us']):.1f} | "
-                      f"{float(r['p10_us']):.1f}-{float(r['p90_us']):.1f} | {nb / 1e6:.1f} | "
-                      f"{float(r['pct_copy']):.0f}% | {nb / (copy_tbps * 1e12) * 1e6:.1f} |")
+    for b, ctx in shapes:
+        for name, _, _ in kinds:
+            med, p10, p90, nb = res[(b, ctx, name)]
+            tb = nb / (med * 1e-6) / 1e12
+            print(f"| {b} | {ctx} | {name} | {med:.1f} | {p10:.1f}-{p90:.1f} | "
+                  f"{nb / 1e6:.1f} | {100 * tb / copy_tbps:.0f}% | "
+                  f"{nb / (copy_tbps * 1e12) * 1e6:.1f} |")
+        for (bb, cc, m), r in sorted(ours.items()):
+            if bb != b or cc != ctx:
+                continue
+            nb = float(r["bytes"])
+            print(f"| {b} | {ctx} | {m} | {float(r['median_us']):.1f} | "
+                  f"{float(r['p10_us']):.1f}-{float(r['p90_us']):.1f} | {nb / 1e6:.1f} | "
+                  f"{float(r['pct_copy']):.0f}% | {nb / (copy_tbps * 1e12) * 1e6:.1f} |")
     print(f"\nCopy bandwidth (from the CSV, same run): {copy_tbps:.2f} TB/s")
 
     print("\n## Peer targets (issue 14)\n")
     print("| target | measured | met |\n|---|---|---|")
-    for b in (1, 8):
-        for ctx in ctxs:
-            r = ours.get((b, ctx, "fp16 full"))
-            fbs = [res[k][0] for k in res if k[:2] == (b, ctx) and "bf16" in k[2]]
-            if r and fbs:  # against the faster of FlashInfer's two bf16 kernels
-                fb = min(fbs)
-                m = float(r["median_us"])
-                print(f"| fp16 >= FlashInfer bf16 (faster kernel) at {b} x {ctx // 1024}K | "
-                      f"{m:.1f} vs {fb:.1f} us ({fb / m:.2f}x) | {'yes' if m <= fb else 'no'} |")
+    for b, ctx in shapes:
+        r = ours.get((b, ctx, "fp16 full"))
+        fbs = [res[k][0] for k in res if k[:2] == (b, ctx) and "bf16" in k[2]]
+        if r and fbs:  # against the faster of FlashInfer's two bf16 kernels
+            fb = min(fbs)
+            m = float(r["median_us"])
+            print(f"| fp16 >= FlashInfer bf16 (faster kernel) at {b} x {ctx // 1024}K | "
+                  f"{m:.1f} vs {fb:.1f} us ({fb / m:.2f}x) | {'yes' if m <= fb else 'no'} |")
     r = ours.get((8, 32768, "skvq K4V4 g32"))
     f8s = [res[k][0] for k in res if k[:2] == (8, 32768) and "fp8" in k[2]]
     if r and f8s:  # against the faster of FlashInfer's two fp8 kernels
