@@ -298,6 +298,10 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   c.skvq_key_rows = 24;
   c.skvq_layer_bits_key = "3/2/1.5";
   c.skvq_layer_key_rows = "8/0/61";
+  c.skvq_protect_scoring = SnapScoring::kExternal;
+  c.skvq_protect_obs_window = 9;
+  c.skvq_protect_pool_kernel = 5;
+  c.skvq_protect_values = false;
   c.streaming_n_sink = 1;
   c.streaming_window = 77;
   const std::string text = config_to_json(c);
@@ -319,6 +323,13 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   sn.snap_decode_every = 7;
   const std::string sn_text = config_to_json(sn);
   EXPECT_EQ(config_to_json(config_from_json(sn_text)), sn_text);
+  // Protected rows: skvq's alone (snapkv+skvq refuses a fraction).
+  CacheConfig sk;
+  sk.method = "skvq";
+  sk.skvq_protect = 0.0125;
+  const std::string sk_text = config_to_json(sk);
+  EXPECT_EQ(config_to_json(config_from_json(sk_text)), sk_text);
+  EXPECT_EQ(config_from_json(sk_text).skvq_protect, 0.0125);
   // A config's JSON holds the method, head_dim and the method's own fields (issue 17: no other
   // method's settings); over snapkv+skvq and streaming every field appears and differs from its
   // default (so the round trips cover it).
@@ -336,12 +347,13 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
     const auto j = nlohmann::json::parse(t);
     for (const auto& [k, v] : j.items()) {
       keys.insert(k);
-      if (k != "method" && (t != sn_text || k.rfind("snap_decode_", 0) == 0)) {
+      if (k != "method" && (t != sn_text || k.rfind("snap_decode_", 0) == 0) &&
+          !(t == text && k == "skvq_protect")) {
         EXPECT_NE(v, d.at(k)) << k;
       }
     }
   }
-  EXPECT_EQ(keys.size(), 34u);
+  EXPECT_EQ(keys.size(), 39u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {
