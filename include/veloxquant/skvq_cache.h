@@ -33,8 +33,8 @@
 // Protected rows (skvq_protect > 0, CPU only): the rows of the cache's first prompt (every call
 // before its end_prompt(), or before the first single-token call after a multi-token one) are
 // packed as above, and a host fp32 copy of them is kept until the prompt ends. Then, per (b, h),
-// the k = min(ceil(skvq_protect * prompt rows), packed rows) packed rows of the highest scores
-// (the SnapKV pipeline of snapkv.h over the prompt's rows: skvq_protect_scoring with window
+// the k = min(max(1, round(skvq_protect * prompt rows)), packed rows) packed rows of the highest
+// scores (the SnapKV pipeline of snapkv.h over the prompt's rows: skvq_protect_scoring with window
 // skvq_protect_obs_window, max-pooled over skvq_protect_pool_kernel; candidates are the packed
 // rows only, ties to the lower position) get a full-precision copy in the storage dtype: keys,
 // and values when skvq_protect_values (otherwise the values of their codes, dequantized). The
