@@ -87,6 +87,18 @@ TEST(CacheConfig, EveryBadValueIsRefusedNamingTheField) {
       {"skvq_meta", "3", [](CacheConfig& c) { c.skvq_meta = static_cast<MetaType>(3); }},
       {"skvq_recent", "-4", [](CacheConfig& c) { c.skvq_recent = -4; }},
       {"skvq_rotation", "5", [](CacheConfig& c) { c.skvq_rotation = static_cast<Rotation>(5); }},
+      {"skvq_protect", "1", [](CacheConfig& c) { c.skvq_protect = 1; }},
+      {"skvq_protect", "-0.01", [](CacheConfig& c) { c.skvq_protect = -0.01; }},
+      {"skvq_protect", "nan", [nan](CacheConfig& c) { c.skvq_protect = nan; }},
+      {"skvq_protect_scoring", "3",
+       [](CacheConfig& c) { c.skvq_protect_scoring = static_cast<SnapScoring>(3); }},
+      {"skvq_protect_obs_window", "0", [](CacheConfig& c) { c.skvq_protect_obs_window = 0; }},
+      {"skvq_protect_pool_kernel", "4", [](CacheConfig& c) { c.skvq_protect_pool_kernel = 4; }},
+      {"skvq_protect", "0.01",  // protected rows are the skvq cache's
+       [](CacheConfig& c) {
+         c.method = "snapkv+skvq";
+         c.skvq_protect = 0.01;
+       }},
       {"streaming_n_sink", "-1", [](CacheConfig& c) { c.streaming_n_sink = -1; }},
       {"streaming_window", "0", [](CacheConfig& c) { c.streaming_window = 0; }},
       // Per-layer lists: each entry as its single field, by its index.
@@ -286,6 +298,10 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   c.skvq_key_rows = 24;
   c.skvq_layer_bits_key = "3/2/1.5";
   c.skvq_layer_key_rows = "8/0/61";
+  c.skvq_protect_scoring = SnapScoring::kExternal;
+  c.skvq_protect_obs_window = 9;
+  c.skvq_protect_pool_kernel = 5;
+  c.skvq_protect_values = false;
   c.streaming_n_sink = 1;
   c.streaming_window = 77;
   const std::string text = config_to_json(c);
@@ -307,6 +323,13 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   sn.snap_decode_every = 7;
   const std::string sn_text = config_to_json(sn);
   EXPECT_EQ(config_to_json(config_from_json(sn_text)), sn_text);
+  // Protected rows: skvq's alone (snapkv+skvq refuses a fraction).
+  CacheConfig sk;
+  sk.method = "skvq";
+  sk.skvq_protect = 0.0125;
+  const std::string sk_text = config_to_json(sk);
+  EXPECT_EQ(config_to_json(config_from_json(sk_text)), sk_text);
+  EXPECT_EQ(config_from_json(sk_text).skvq_protect, 0.0125);
   // A config's JSON holds the method, head_dim and the method's own fields (issue 17: no other
   // method's settings); over snapkv+skvq and streaming every field appears and differs from its
   // default (so the round trips cover it).
@@ -324,12 +347,13 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
     const auto j = nlohmann::json::parse(t);
     for (const auto& [k, v] : j.items()) {
       keys.insert(k);
-      if (k != "method" && (t != sn_text || k.rfind("snap_decode_", 0) == 0)) {
+      if (k != "method" && (t != sn_text || k.rfind("snap_decode_", 0) == 0) &&
+          !(t == text && k == "skvq_protect")) {
         EXPECT_NE(v, d.at(k)) << k;
       }
     }
   }
-  EXPECT_EQ(keys.size(), 34u);
+  EXPECT_EQ(keys.size(), 39u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {
@@ -437,6 +461,8 @@ TEST(CacheConfig, EveryIntegerFieldHasAnUpperBound) {
       {"skvq_window", &CacheConfig::skvq_window, kMaxCacheRows},
       {"skvq_max_ctx", &CacheConfig::skvq_max_ctx, kMaxCacheRows},
       {"skvq_recent", &CacheConfig::skvq_recent, kMaxCacheRows},
+      {"skvq_protect_obs_window", &CacheConfig::skvq_protect_obs_window, kMaxCacheRows},
+      {"skvq_protect_pool_kernel", &CacheConfig::skvq_protect_pool_kernel, kMaxCacheRows},  // odd
       {"streaming_n_sink", &CacheConfig::streaming_n_sink, kMaxCacheRows},
       {"streaming_window", &CacheConfig::streaming_window, kMaxCacheRows},
   };
@@ -447,7 +473,9 @@ TEST(CacheConfig, EveryIntegerFieldHasAnUpperBound) {
     for (const int64_t bad : {k.cap + 2, int64_t{4611686018427387904}, kI64Max}) {
       CacheConfig c;
       c.*k.m = bad;
-      if (std::string(k.field) == "snap_pool_kernel" && bad % 2 == 0) c.*k.m = bad - 1;  // odd
+      const std::string f = k.field;
+      if ((f == "snap_pool_kernel" || f == "skvq_protect_pool_kernel") && bad % 2 == 0)
+        c.*k.m = bad - 1;  // odd
       const std::string msg = error_of([&] { validate(c); });
       EXPECT_EQ(msg.rfind(std::string("[cache_config] ") + k.field +
                               ": expected <= " + std::to_string(k.cap),
@@ -656,7 +684,8 @@ TEST(CacheConfig, EnumNamesForMessages) {
   EXPECT_EQ(cache_method_fields("full"), std::vector<std::string>{});
   EXPECT_EQ(cache_method_fields("streaming"),
             (std::vector<std::string>{"streaming_n_sink", "streaming_window"}));
-  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 28u);
+  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 33u);
+  EXPECT_EQ(cache_method_fields("skvq").size(), 24u);
   EXPECT_EQ(cache_enum_name("skvq_key_axis", 1), "channel");
 }
 

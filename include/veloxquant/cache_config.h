@@ -94,6 +94,18 @@ struct CacheConfig {
   // single-field ones of each layer's values (docs/design.md §C4).
   std::string skvq_layer_bits_key;
   std::string skvq_layer_key_rows;
+  // Salient rows kept precise (method skvq, CPU only; docs/design.md §C4): at the end of the
+  // cache's first prompt, k = min(max(1, round(skvq_protect * prompt rows)), packed rows) packed
+  // rows per (b, h), the k highest-scoring under SnapKV's rules (snapkv.h: scores of
+  // skvq_protect_scoring with an observation window of skvq_protect_obs_window rows, max-pooled
+  // over skvq_protect_pool_kernel positions, ties to the lower position), also get a full-precision
+  // copy (keys, and values with skvq_protect_values) that attention reads instead of their codes.
+  // 0 = off (the plain cache, bit for bit).
+  double skvq_protect = 0;  // [0, 1)
+  SnapScoring skvq_protect_scoring = SnapScoring::kQuery;
+  int64_t skvq_protect_obs_window = 32;  // >= 1
+  int64_t skvq_protect_pool_kernel = 1;  // odd, 1 = no pooling
+  bool skvq_protect_values = true;       // false: values of protected rows stay their codes
 
   // StreamingLLM-style baseline: sinks + most recent window.
   int64_t streaming_n_sink = 4;

@@ -30,6 +30,22 @@
 // valid until the next mutating call.
 // Not trimmable; merging into a batch is refused.
 //
+// Protected rows (skvq_protect > 0, CPU only): the rows of the cache's first prompt (every call
+// before its end_prompt(), or before the first single-token call after a multi-token one) are
+// packed as above, and a host fp32 copy of them is kept until the prompt ends. Then, per (b, h),
+// the k = min(max(1, round(skvq_protect * prompt rows)), packed rows) packed rows of the highest
+// scores (the SnapKV pipeline of snapkv.h over the prompt's rows: skvq_protect_scoring with window
+// skvq_protect_obs_window, max-pooled over skvq_protect_pool_kernel; candidates are the packed
+// rows only, ties to the lower position) get a full-precision copy in the storage dtype: keys,
+// and values when skvq_protect_values (otherwise the values of their codes, dequantized). The
+// copies are one view segment with their own positions; the packed segments get explicit
+// positions in which a protected row's entry is INT32_MAX, a position no query reaches, so the
+// causal test hides its codes. Codes, flushes and the prompt's own attention are those of the
+// plain cache (skvq_protect = 0), bit for bit. Bytes accounted: the plain cache's, plus per
+// protected row and (b, h) its full-precision key (and value) and a 4-byte position.
+// Protection selects once: later prompts add no protected rows. A state cannot be saved while
+// the selection is owed (call end_prompt() first).
+//
 // Calibrated permutation file (JSON, written by save_skvq_perm_file):
 //   {"format": "veloxquant.skvq_perms", "version": 1, "n_kv_heads": H, "head_dim": D,
 //    "layers": [{"key": [[D ints] x H], "value": [[D ints] x H]}, ...]}
@@ -79,6 +95,18 @@ class SkvqCache final : public KVCache {
   CacheStats stats() const override;
   void save(std::ostream& out) const override;
   void load(std::istream& in) override;
+  // skvq_protect > 0: runs the owed selection of protected rows; otherwise does nothing.
+  void end_prompt() override;
+  // skvq_protect > 0 with skvq_protect_scoring = external: scores [B, H, rows] of every stored
+  // row (rows == stored_rows()), taken while the first prompt is pending.
+  bool takes_external_scores() const override;
+  void set_external_scores(const float* scores, int64_t batch, int64_t heads,
+                           int64_t rows) override;
+  // Protected rows per (b, h) (0 before the selection), and the positions of (b, h)'s (ascending).
+  int64_t protected_rows() const;
+  std::vector<int32_t> protected_positions(int64_t b, int64_t h) const;
+  // True while the first prompt's selection is owed.
+  bool protection_pending() const;
 
   // The view of what is stored now (what the last update_and_fetch returned).
   CacheView stored_view() const;
@@ -93,6 +121,9 @@ class SkvqCache final : public KVCache {
   int64_t head_dim() const;
 
  private:
+  void select_protected();
+  CacheView with_protected(CacheView v) const;
+
   const kv::RowBackend* backend_;
   std::unique_ptr<skvq::Settings> set_;
   std::unique_ptr<skvq::State> st_;

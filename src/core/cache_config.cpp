@@ -277,6 +277,13 @@ const std::vector<Field>& fields() {
             "'' or '/'-separated skvq_bits_key values, one per layer"),
       allow(string_field("skvq_layer_key_rows", &CacheConfig::skvq_layer_key_rows),
             "'' or '/'-separated skvq_key_rows values, one per layer"),
+      allow(double_field("skvq_protect", &CacheConfig::skvq_protect), "a number in [0, 1)"),
+      enum_field("skvq_protect_scoring", &CacheConfig::skvq_protect_scoring, scoring_names()),
+      allow(int_field("skvq_protect_obs_window", &CacheConfig::skvq_protect_obs_window),
+            "1.." + rows_max()),
+      allow(int_field("skvq_protect_pool_kernel", &CacheConfig::skvq_protect_pool_kernel),
+            "odd, 1.." + rows_max()),
+      bool_field("skvq_protect_values", &CacheConfig::skvq_protect_values),
       allow(int_field("streaming_n_sink", &CacheConfig::streaming_n_sink), "0.." + rows_max()),
       allow(int_field("streaming_window", &CacheConfig::streaming_window), "1.." + rows_max()),
   };
@@ -508,7 +515,7 @@ std::vector<std::string> cache_method_fields(const std::string& method) {
 std::string cache_enum_name(const std::string& field, int64_t code) {
   const std::vector<std::string>* names = nullptr;
   if (field == "snap_dtype") names = &snap_dtype_names();
-  if (field == "snap_scoring") names = &scoring_names();
+  if (field == "snap_scoring" || field == "skvq_protect_scoring") names = &scoring_names();
   if (field == "snap_pool") names = &pool_names();
   if (field == "snap_evict_at") names = &evict_at_names();
   if (field == "skvq_meta") names = &meta_names();
@@ -592,6 +599,19 @@ void validate(const CacheConfig& c) {
     const std::string f = "skvq_layer_key_rows entry " + std::to_string(i);
     check_key_rows(f.c_str(), parse_int(f, lr[i]), c);
   }
+  if (!(c.skvq_protect >= 0.0 && c.skvq_protect < 1.0))
+    fail("skvq_protect", "a fraction in [0, 1) (0 = off)", fmt_double(c.skvq_protect));
+  check_enum("skvq_protect_scoring", c.skvq_protect_scoring, scoring_names());
+  check_int("skvq_protect_obs_window", c.skvq_protect_obs_window, 1, kMaxCacheRows, ">= 1",
+            kWhyRows);
+  if (c.skvq_protect_pool_kernel < 1 || c.skvq_protect_pool_kernel % 2 == 0)
+    fail("skvq_protect_pool_kernel", "an odd integer >= 1 (1 = no pooling)",
+         std::to_string(c.skvq_protect_pool_kernel));
+  check_int("skvq_protect_pool_kernel", c.skvq_protect_pool_kernel, 1, kMaxCacheRows, ">= 1",
+            kWhyRows);
+  if (c.skvq_protect > 0.0 && c.method == "snapkv+skvq")
+    fail("skvq_protect", "0 with method snapkv+skvq (protected rows: method skvq)",
+         fmt_double(c.skvq_protect));
   check_int("streaming_n_sink", c.streaming_n_sink, 0, kMaxCacheRows, ">= 0", kWhyRows);
   check_int("streaming_window", c.streaming_window, 1, kMaxCacheRows, ">= 1", kWhyRows);
   static_assert(

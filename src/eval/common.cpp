@@ -54,8 +54,10 @@ void decode_step(const Model& model, int32_t id, const Caches& caches, const Eva
 namespace {
 
 bool external_scores(const CacheConfig& cfg) {
-  return (cfg.method == "snapkv" || cfg.method == "snapkv+skvq") &&
-         cfg.snap_scoring == SnapScoring::kExternal;
+  return ((cfg.method == "snapkv" || cfg.method == "snapkv+skvq") &&
+          cfg.snap_scoring == SnapScoring::kExternal) ||
+         (cfg.method == "skvq" && cfg.skvq_protect > 0.0 &&
+          cfg.skvq_protect_scoring == SnapScoring::kExternal);
 }
 
 // "device cuda" or "tensor_parallel N" (the CPU engine): what put the sequences on an engine.

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <exception>
 #include <fstream>
 #include <istream>
@@ -22,9 +23,31 @@
 
 #include "kv/skvq_store.h"
 #include "veloxquant/error.h"
+#include "veloxquant/packed.h"
+#include "veloxquant/snapkv.h"
 
 namespace vq {
 namespace skvq {
+
+// Protected rows (skvq_protect > 0; see veloxquant/skvq_cache.h).
+struct Protect {
+  bool pending = false;  // the first prompt is being copied; its selection is owed
+  bool done = false;     // the selection has run (or cannot run any more)
+  // While pending: fp32 copies of the prompt's rows, per frame [rows, D].
+  std::vector<std::vector<float>> k, v;
+  int64_t rows = 0;
+  // Window queries of the latest multi-token call [B, hq, w, D] fp32 at positions q_first..
+  std::vector<float> q;
+  int64_t hq = 0, w = 0, q_first = 0;
+  std::vector<float> ext;  // external scores [F, ext_rows]
+  int64_t ext_rows = 0;
+  // After the selection: prompt rows it ran over, the packed frontier then (its candidates were
+  // positions n_sink .. covered - 1), rows per frame, their copies and the packed rows' positions
+  // [F, covered] (INT32_MAX for a protected row).
+  int64_t prompt_rows = 0, covered = 0, count = 0;
+  std::unique_ptr<kv::RowStore> fp;
+  std::vector<int32_t> table;
+};
 
 struct State {
   explicit State(const kv::RowBackend& be, const Settings& s) : rows(be, s, false, "skvq") {}
@@ -32,6 +55,7 @@ struct State {
   int64_t offset = 0;              // tokens seen
   int64_t q_end = 0;               // flush frontier (multiple of window)
   int64_t comp_k = 0, comp_v = 0;  // seed byte formula, cumulative over flushed chunks
+  Protect pr;
 };
 
 }  // namespace skvq
@@ -41,7 +65,20 @@ using skvq::State;
 
 namespace {
 constexpr const char* kOp = "skvq";
+
+// The flush frontier after n rows (the update's rule: chunks of w while >= span rows remain).
+int64_t flush_frontier(int64_t n, int64_t w, int64_t span) {
+  return n >= span ? ((n - span) / w + 1) * w : 0;
 }
+
+// Protected rows of a prompt of n rows with `packed` packed candidates: round(protect * n), at
+// least 1, at most the candidates.
+int64_t protect_count(double protect, int64_t n, int64_t packed) {
+  if (protect <= 0.0 || packed <= 0) return 0;
+  const int64_t k = std::max<int64_t>(1, std::llround(protect * static_cast<double>(n)));
+  return std::min(k, packed);
+}
+}  // namespace
 
 std::unique_ptr<KVCache> make_skvq_cache(const CacheConfig& cfg, int64_t layer_index) {
   return std::make_unique<SkvqCache>(cfg, layer_index);
@@ -58,6 +95,11 @@ SkvqCache::SkvqCache(const CacheConfig& cfg, const kv::RowBackend& backend, int6
   VQ_CHECK(set_->key_axis == QuantAxis::kToken || backend.device() == kv::Device::kCpu,
            "[skvq] skvq_key_axis: expected token on the CUDA backend (its attention kernels read "
            "per-token key groups only) but got channel; use the CPU cache");
+  // Protected rows hide packed rows by position inside one block per flushed chunk.
+  VQ_CHECK(set_->protect == 0.0 || backend.device() == kv::Device::kCpu,
+           "[skvq] skvq_protect: expected 0 on the CUDA backend (protected rows are CPU only) but "
+           "got " +
+               std::to_string(set_->protect) + "; use the CPU cache");
 }
 
 SkvqCache::~SkvqCache() = default;
@@ -104,7 +146,7 @@ std::vector<int32_t> SkvqCache::stored_positions(int64_t b, int64_t h) const {
 }
 
 CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& values,
-                                      const UpdateOptions&) {
+                                      const UpdateOptions& opts) {
   const Settings& s = *set_;
   State& st = *st_;
   skvq::Store& rows = st.rows;
@@ -119,11 +161,65 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
   VQ_CHECK(st.offset + n_new <= INT32_MAX, "[skvq] expected positions to fit int32 but offset " +
                                                std::to_string(st.offset) + " + S " +
                                                std::to_string(n_new) + " does not");
+  skvq::Protect& pr = st.pr;
+  const TensorView* queries = opts.queries;
+  if (s.protect > 0.0 && !pr.done && s.protect_scoring == SnapScoring::kQuery && queries &&
+      n_new > 1) {
+    const TensorView& q = *queries;
+    VQ_CHECK(q.shape[0] == keys.shape[0] && q.shape[2] == n_new && q.shape[3] == s.head_dim &&
+                 q.shape[1] >= keys.shape[1] && q.shape[1] % keys.shape[1] == 0 &&
+                 (q.data || q.numel() == 0),
+             "[skvq] skvq_protect_scoring=query: expected queries [" +
+                 std::to_string(keys.shape[0]) + ", H_q (a multiple of " +
+                 std::to_string(keys.shape[1]) + "), " + std::to_string(n_new) + ", " +
+                 std::to_string(s.head_dim) + "] but got " + skvq::shape_str(q));
+  }
   if (!rows.has_data) {
     skvq::Transforms tr = skvq::initial_transforms(s, keys.shape[1], kOp);  // may throw
     rows.start(keys.dtype, keys.shape[0], keys.shape[1], std::move(tr));
   }
+  // A single-token call after the first prompt: the prompt is over.
+  if (s.protect > 0.0 && !pr.done && n_new == 1) {
+    if (pr.pending)
+      end_prompt();
+    else
+      pr.done = true;  // no prompt came first: nothing is protected
+  }
   rows.release_retired();  // the previous view is over
+
+  // ---- protected rows: fp32 copies of the first prompt's rows and its window queries
+  if (s.protect > 0.0 && !pr.done) {
+    const int64_t B = keys.shape[0], H = keys.shape[1], D = s.head_dim;
+    pr.pending = true;
+    pr.k.resize(static_cast<size_t>(B * H));
+    pr.v.resize(static_cast<size_t>(B * H));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        std::vector<float>& kf = pr.k[static_cast<size_t>(b * H + h)];
+        std::vector<float>& vf = pr.v[static_cast<size_t>(b * H + h)];
+        kf.resize(static_cast<size_t>((pr.rows + n_new) * D));
+        vf.resize(static_cast<size_t>((pr.rows + n_new) * D));
+        for (int64_t i = 0; i < n_new; ++i) {
+          convert_view_row(keys, b, h, i, kf.data() + (pr.rows + i) * D, DType::kF32);
+          convert_view_row(values, b, h, i, vf.data() + (pr.rows + i) * D, DType::kF32);
+        }
+      }
+    pr.rows += n_new;
+    pr.ext.clear();  // scores cover the rows stored when they were given
+    pr.ext_rows = 0;
+    if (s.protect_scoring == SnapScoring::kQuery && queries) {
+      const TensorView& q = *queries;
+      pr.hq = q.shape[1];
+      pr.w = std::min(s.protect_obs_window, n_new);
+      pr.q_first = st.offset + n_new - pr.w;
+      pr.q.resize(static_cast<size_t>(B * pr.hq * pr.w * D));
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t g = 0; g < pr.hq; ++g)
+          for (int64_t i = 0; i < pr.w; ++i)
+            convert_view_row(q, b, g, n_new - pr.w + i,
+                             pr.q.data() + ((b * pr.hq + g) * pr.w + i) * D, DType::kF32);
+    }
+  }
 
   // ---- append, then flush the chunks [q_end, q_new)
   rows.append(keys, values, 0, n_new, st.offset);
@@ -151,11 +247,177 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
   }
   st.q_end = q_new;
   st.offset = n_total;
-  return rows.view(0);
+  return with_protected(rows.view(0));
 }
 
 CacheView SkvqCache::stored_view() const {
-  return st_->rows.view(1);
+  return with_protected(st_->rows.view(1));
+}
+
+// The protected rows' segment first, then the stored segments, packed ones below the selection's
+// frontier with the positions that hide their protected rows.
+CacheView SkvqCache::with_protected(CacheView v) const {
+  const skvq::Protect& pr = st_->pr;
+  if (pr.count == 0) return v;
+  for (ViewSegment& seg : v.segments) {
+    if (!seg.packed || seg.positions || seg.first_pos >= pr.covered) continue;
+    VQ_CHECK(seg.first_pos + seg.n_rows <= pr.covered,
+             "[skvq] internal: a packed segment straddles the protected rows' frontier");
+    seg.positions = pr.table.data() + seg.first_pos;
+    seg.pos_stride = pr.covered;
+  }
+  ViewSegment ps;
+  ps.n_rows = pr.count;
+  ps.positions = pr.fp->positions();
+  ps.pos_stride = pr.fp->capacity();
+  ps.keys = pr.fp->keys(0, pr.count);
+  ps.values = pr.fp->values(0, pr.count);
+  v.segments.insert(v.segments.begin(), ps);
+  return v;
+}
+
+bool SkvqCache::protection_pending() const {
+  return st_->pr.pending;
+}
+
+int64_t SkvqCache::protected_rows() const {
+  return st_->pr.count;
+}
+
+std::vector<int32_t> SkvqCache::protected_positions(int64_t b, int64_t h) const {
+  const skvq::Protect& pr = st_->pr;
+  VQ_CHECK(b >= 0 && b < st_->rows.batch && h >= 0 && h < st_->rows.heads,
+           "[skvq] expected (b, h) within [" + std::to_string(st_->rows.batch) + ", " +
+               std::to_string(st_->rows.heads) + ") but got (" + std::to_string(b) + ", " +
+               std::to_string(h) + ")");
+  if (pr.count == 0) return {};
+  const std::vector<int32_t> all = pr.fp->download_positions(pr.count);
+  const auto first = all.begin() + (b * st_->rows.heads + h) * pr.count;
+  return std::vector<int32_t>(first, first + pr.count);
+}
+
+bool SkvqCache::takes_external_scores() const {
+  return set_->protect > 0.0 && set_->protect_scoring == SnapScoring::kExternal;
+}
+
+void SkvqCache::set_external_scores(const float* scores, int64_t batch, int64_t heads,
+                                    int64_t rows) {
+  if (!takes_external_scores()) {
+    KVCache::set_external_scores(scores, batch, heads, rows);
+    return;
+  }
+  skvq::Protect& pr = st_->pr;
+  VQ_CHECK(pr.pending,
+           "[skvq] set_external_scores: expected a pending first prompt (scores "
+           "choose its protected rows) but there is none");
+  VQ_CHECK(batch == st_->rows.batch && heads == st_->rows.heads && rows == st_->offset &&
+               (scores || rows == 0),
+           "[skvq] set_external_scores: expected scores [" + std::to_string(st_->rows.batch) +
+               ", " + std::to_string(st_->rows.heads) + ", " + std::to_string(st_->offset) +
+               "] but got [" + std::to_string(batch) + ", " + std::to_string(heads) + ", " +
+               std::to_string(rows) + "]");
+  pr.ext.assign(scores, scores + batch * heads * rows);
+  pr.ext_rows = rows;
+}
+
+void SkvqCache::end_prompt() {
+  skvq::Protect& pr = st_->pr;
+  if (set_->protect == 0.0 || pr.done) return;
+  if (!pr.pending) {
+    pr.done = true;  // no prompt: nothing is protected
+    return;
+  }
+  select_protected();
+}
+
+// The selection of veloxquant/skvq_cache.h over the pending prompt, then its copies are freed.
+void SkvqCache::select_protected() {
+  const Settings& s = *set_;
+  State& st = *st_;
+  skvq::Protect& pr = st.pr;
+  const skvq::Store& rows = st.rows;
+  const int64_t n = pr.rows, B = rows.batch, H = rows.heads, F = B * H, D = s.head_dim;
+  VQ_CHECK(s.protect_scoring != SnapScoring::kExternal || pr.ext_rows == n,
+           "[skvq] skvq_protect_scoring=external: expected set_external_scores for the " +
+               std::to_string(n) + " rows of the prompt before end_prompt() but got none");
+  VQ_CHECK(n == st.offset, "[skvq] internal: the protected copies do not cover the prompt");
+  const int64_t lo = st.q_end > 0 ? s.n_sink : 0, hi = st.q_end;
+  const int64_t k = protect_count(s.protect, n, hi - lo);
+  std::vector<int32_t> pos(static_cast<size_t>(F * k));
+  if (k > 0) {
+    std::vector<int32_t> kpos(static_cast<size_t>(n)), qpos(static_cast<size_t>(pr.w));
+    for (int64_t i = 0; i < n; ++i) kpos[i] = static_cast<int32_t>(i);
+    for (int64_t i = 0; i < pr.w; ++i) qpos[i] = static_cast<int32_t>(pr.q_first + i);
+    std::vector<float> sc(static_cast<size_t>(n)), pooled(static_cast<size_t>(n));
+    std::vector<int64_t> idx(static_cast<size_t>(k));
+    for (int64_t f = 0; f < F; ++f) {
+      const float* kf = pr.k[static_cast<size_t>(f)].data();
+      if (s.protect_scoring == SnapScoring::kExternal) {
+        std::copy(pr.ext.begin() + f * n, pr.ext.begin() + (f + 1) * n, sc.begin());
+      } else if (s.protect_scoring == SnapScoring::kQuery && pr.w > 0) {
+        const int64_t n_rep = pr.hq / H, b = f / H, h = f % H;
+        snap_query_scores(kf, kpos.data(), n, D, pr.q.data() + (b * pr.hq + h * n_rep) * pr.w * D,
+                          qpos.data(), n_rep, pr.w, sc.data());
+      } else {  // key proxy (also query scoring without queries, as SnapKV)
+        snap_key_proxy_scores(kf, n, D, s.protect_obs_window, sc.data());
+      }
+      snap_pool_scores(sc.data(), n, s.protect_pool_kernel, PoolKind::kMax, pooled.data());
+      const int64_t got = snap_select(pooled.data() + lo, hi - lo, k, 0, idx.data());
+      VQ_CHECK(got == k, "[skvq] internal: protected selection size");
+      for (int64_t i = 0; i < k; ++i) pos[f * k + i] = static_cast<int32_t>(lo + idx[i]);
+    }
+  }
+  pr.prompt_rows = n;
+  pr.covered = hi;
+  pr.count = k;
+  if (k > 0) {
+    // Values of unprotected-value rows: the codes' own values, dequantized as attention would.
+    std::vector<float> vdq;
+    if (!s.protect_values) {
+      vdq.resize(static_cast<size_t>(F * k * D));
+      const DenseView dv = dequantize_view(rows.view(1), DType::kF32);
+      for (int64_t f = 0; f < F; ++f) {
+        const int64_t b = f / H, h = f % H;
+        for (const ViewSegment& seg : dv.view.segments)
+          for (int64_t i = 0; i < seg.n_rows; ++i) {
+            const int32_t p = seg.position(b, h, i, H);
+            const auto it = std::lower_bound(pos.begin() + f * k, pos.begin() + (f + 1) * k, p);
+            if (it != pos.begin() + (f + 1) * k && *it == p && p >= lo && p < hi)
+              convert_view_row(seg.values, b, h, i,
+                               vdq.data() + (f * k + (it - (pos.begin() + f * k))) * D,
+                               DType::kF32);
+          }
+      }
+    }
+    Tensor tk(DType::kF32, B, H, k, D), tv(DType::kF32, B, H, k, D);
+    float* ok = static_cast<float*>(tk.data());
+    float* ov = static_cast<float*>(tv.data());
+    for (int64_t f = 0; f < F; ++f)
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t p = pos[f * k + i];
+        std::copy_n(pr.k[static_cast<size_t>(f)].data() + p * D, D, ok + (f * k + i) * D);
+        if (s.protect_values)
+          std::copy_n(pr.v[static_cast<size_t>(f)].data() + p * D, D, ov + (f * k + i) * D);
+        else
+          std::copy_n(vdq.data() + (f * k + i) * D, D, ov + (f * k + i) * D);
+      }
+    auto tmp = backend_->make({DType::kF32, B, H, D}, k, true);
+    tmp->upload(tk.view(), tv.view(), 0, k, &pos);
+    pr.fp = backend_->make({rows.dtype, B, H, D}, k, true);
+    pr.fp->copy_range(*tmp, 0, 0, k);  // converted to the storage dtype, positions copied
+    pr.table.resize(static_cast<size_t>(F * hi));
+    for (int64_t f = 0; f < F; ++f) {
+      for (int64_t p = 0; p < hi; ++p) pr.table[f * hi + p] = static_cast<int32_t>(p);
+      for (int64_t i = 0; i < k; ++i) pr.table[f * hi + pos[f * k + i]] = INT32_MAX;
+    }
+  }
+  pr.pending = false;
+  pr.done = true;
+  std::vector<std::vector<float>>().swap(pr.k);
+  std::vector<std::vector<float>>().swap(pr.v);
+  std::vector<float>().swap(pr.q);
+  std::vector<float>().swap(pr.ext);
+  pr.rows = pr.w = pr.hq = pr.ext_rows = 0;
 }
 
 CacheStats SkvqCache::stats() const {
@@ -173,9 +435,16 @@ CacheStats SkvqCache::stats() const {
   const int64_t n_q = st.q_end - n_sink_kept;
   const double avg_bits =
       n_q > 0 ? 8.0 * static_cast<double>(st.comp_k) / static_cast<double>(n_q * d * bh) : 16.0;
-  cs.bytes_accounted = st.comp_k + st.comp_v + residual + perm_bytes;
+  // Protected rows: per row and (b, h) the fp16 key (and value) and an int32 position.
+  const skvq::Protect& pr = st.pr;
+  const int64_t protected_bytes = pr.count * (d * 2 * (s.protect_values ? 2 : 1) + 4) * bh;
+  cs.bytes_accounted = st.comp_k + st.comp_v + residual + perm_bytes + protected_bytes;
   cs.fp16_bytes = 2 * fp16_k;
-  cs.bytes_resident = st.rows.resident_bytes();
+  int64_t copies = static_cast<int64_t>(pr.q.size() + pr.ext.size()) * 4;
+  for (const auto& c : pr.k) copies += static_cast<int64_t>(c.size()) * 4;
+  for (const auto& c : pr.v) copies += static_cast<int64_t>(c.size()) * 4;
+  cs.bytes_resident = st.rows.resident_bytes() + (pr.fp ? pr.fp->resident_bytes() : 0) +
+                      static_cast<int64_t>(pr.table.size()) * 4 + copies;
   cs.figures = {
       {"compressed_key_bytes", static_cast<double>(st.comp_k)},
       {"compressed_value_bytes", static_cast<double>(st.comp_v)},
@@ -191,12 +460,19 @@ CacheStats SkvqCache::stats() const {
       {"packed_rows", static_cast<double>(n_q)},
       {"rotation", st.rows.tr.signs.empty() ? 0.0 : 1.0},
   };
+  if (s.protect > 0.0) {
+    cs.figures.push_back({"protected_rows", static_cast<double>(pr.count)});
+    cs.figures.push_back({"protected_bytes", static_cast<double>(protected_bytes)});
+  }
   return cs;
 }
 
 void SkvqCache::save(std::ostream& out) const {
   const State& st = *st_;
   const skvq::Store& rows = st.rows;
+  VQ_CHECK(!st.pr.pending,
+           "[skvq] save: expected no pending selection of protected rows (skvq_protect; call "
+           "end_prompt() first) but the first prompt's is owed");
   StateWriter w;
   set_->set_state_version(w);
   set_->save(w);
@@ -224,6 +500,19 @@ void SkvqCache::save(std::ostream& out) const {
       }
     }
     rows.write_rows(w, false);
+    if (set_->protect > 0.0) {  // version 4: the protected rows
+      const skvq::Protect& pr = st.pr;
+      w.boolean(pr.done);
+      w.i64(pr.prompt_rows);
+      w.i64(pr.covered);
+      w.i64(pr.count);
+      if (pr.count > 0) {
+        const Tensor k = pr.fp->download(false, pr.count), v = pr.fp->download(true, pr.count);
+        w.blob(k.data(), k.nbytes());
+        w.blob(v.data(), v.nbytes());
+        w.vec_i32(pr.fp->download_positions(pr.count));
+      }
+    }
   }
   w.write(out, method());
 }
@@ -307,8 +596,61 @@ void SkvqCache::load(std::istream& in) {
     VQ_CHECK(tail.n == ns->offset - ns->q_end, pre + "expected " +
                                                    std::to_string(ns->offset - ns->q_end) +
                                                    " tail rows but got " + std::to_string(tail.n));
+    // Protected rows (version 4): the selection's prompt, frontier and rows, each checked against
+    // the rule that made them; positions ascending among the frontier's packed rows.
+    skvq::Protect& pr = ns->pr;
+    std::string pk, pv;
+    std::vector<int32_t> ppos;
+    if (s.protect > 0.0) {
+      // Rows are stored only after a first call, which starts (or, single-token, skips) the
+      // selection, and a pending one is never saved: the selection is done.
+      pr.done = r.boolean();
+      VQ_CHECK(pr.done, pre + "expected the selection of protected rows done in a state with rows");
+      pr.prompt_rows = r.i64_in("protected prompt rows", 0, ns->offset);
+      const int64_t frontier = flush_frontier(pr.prompt_rows, s.window, s.flush_span);
+      pr.covered = r.i64_in("protected frontier", frontier, frontier);
+      const int64_t lo = pr.covered > 0 ? s.n_sink : 0;
+      const int64_t want = protect_count(s.protect, pr.prompt_rows, pr.covered - lo);
+      pr.count = r.i64_in("protected rows", want, want);
+      if (pr.count > 0) {
+        pk = r.blob();
+        pv = r.blob();
+        ppos = r.vec_i32();
+        const size_t rb =
+            static_cast<size_t>(bh * pr.count * d) * dtype_size(static_cast<DType>(dt));
+        VQ_CHECK(
+            pk.size() == rb && pv.size() == rb && ppos.size() == static_cast<size_t>(bh * pr.count),
+            pre + "expected " + std::to_string(pr.count) +
+                " protected rows per (b, h) of the storage dtype with their positions");
+        for (int64_t f = 0; f < bh; ++f)
+          for (int64_t i = 0; i < pr.count; ++i) {
+            const int32_t p = ppos[static_cast<size_t>(f * pr.count + i)];
+            VQ_CHECK(p >= lo && p < pr.covered &&
+                         (i == 0 || p > ppos[static_cast<size_t>(f * pr.count + i - 1)]),
+                     pre + "expected ascending protected positions among packed rows " +
+                         std::to_string(lo) + ".." + std::to_string(pr.covered - 1) + " but got " +
+                         std::to_string(p));
+          }
+      }
+    }
     r.expect_end();
     rows.install(sinks, blocks, tail);
+    if (pr.count > 0) {
+      const TensorView kv =
+          TensorView::contiguous(pk.data(), static_cast<DType>(dt), batch, heads, pr.count, d);
+      const TensorView vv =
+          TensorView::contiguous(pv.data(), static_cast<DType>(dt), batch, heads, pr.count, d);
+      pr.fp = backend_->make({static_cast<DType>(dt), batch, heads, d}, pr.count, true);
+      pr.fp->upload(kv, vv, 0, pr.count, &ppos);
+      pr.table.resize(static_cast<size_t>(bh * pr.covered));
+      for (int64_t f = 0; f < bh; ++f) {
+        for (int64_t p = 0; p < pr.covered; ++p)
+          pr.table[static_cast<size_t>(f * pr.covered + p)] = static_cast<int32_t>(p);
+        for (int64_t i = 0; i < pr.count; ++i)
+          pr.table[static_cast<size_t>(f * pr.covered +
+                                       ppos[static_cast<size_t>(f * pr.count + i)])] = INT32_MAX;
+      }
+    }
   } else {
     r.expect_end();
   }

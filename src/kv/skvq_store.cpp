@@ -77,6 +77,11 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
     p.meta = cfg.skvq_meta;
     (kv == 0 ? s.fk : s.fv) = make_row_format(s.head_dim, p.bits, p.group_size, p.meta);
   }
+  s.protect = cfg.skvq_protect;
+  s.protect_scoring = cfg.skvq_protect_scoring;
+  s.protect_obs_window = cfg.skvq_protect_obs_window;
+  s.protect_pool_kernel = cfg.skvq_protect_pool_kernel;
+  s.protect_values = cfg.skvq_protect_values;
   s.key_axis = cfg.skvq_key_axis;
   // validate(): 0, or channel axis and <= window - n_sink (each entry of the per-layer list too)
   s.key_rows = skvq_key_rows_of(cfg, layer_index);
@@ -102,8 +107,14 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
   return s;
 }
 
+int Settings::state_version() const {
+  if (protect > 0.0) return 4;
+  if (key_axis != QuantAxis::kToken) return key_rows > 0 ? 3 : 2;
+  return 1;
+}
+
 void Settings::set_state_version(StateWriter& w) const {
-  if (key_axis != QuantAxis::kToken) w.set_version(key_rows > 0 ? 3 : 2);
+  if (state_version() > 1) w.set_version(static_cast<uint32_t>(state_version()));
 }
 
 std::vector<int64_t> Settings::chunk_blocks(int64_t n) const {
@@ -137,8 +148,16 @@ void Settings::save(StateWriter& w) const {
   w.boolean(rotate);
   w.boolean(rotate_values);
   w.u64(rotation_seed);
-  if (key_axis != QuantAxis::kToken) w.u8(static_cast<uint8_t>(key_axis));  // version 2
-  if (key_rows > 0) w.i64(key_rows);                                        // version 3
+  const int v = state_version();
+  if (v >= 2) w.u8(static_cast<uint8_t>(key_axis));  // version 2
+  if (v >= 3) w.i64(key_rows);                       // version 3
+  if (v >= 4) {                                      // version 4
+    w.f64(protect);
+    w.u8(static_cast<uint8_t>(protect_scoring));
+    w.i64(protect_obs_window);
+    w.i64(protect_pool_kernel);
+    w.boolean(protect_values);
+  }
 }
 
 namespace {
@@ -150,6 +169,12 @@ std::string bits_text(int64_t bits_x2) {
 
 std::string bool_text(bool b) {
   return b ? "true" : "false";
+}
+
+std::string fmt_protect(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
 }
 
 std::string f32_text(float v) {
@@ -191,6 +216,19 @@ void Settings::check_saved(StateReader& r, const char* op) const {
         cache_enum_name("skvq_key_axis", static_cast<int64_t>(key_axis)));
   // Version 2 states predate skvq_key_rows: their key runs are whole chunks.
   check("skvq_key_rows", std::to_string(r.version() >= 3 ? r.i64() : 0), std::to_string(key_rows));
+  // Versions 1-3 predate skvq_protect: nothing protected.
+  if (r.version() >= 4) {
+    const double p = r.f64();
+    if (std::memcmp(&p, &protect, 8) != 0)
+      check("skvq_protect", fmt_protect(p), fmt_protect(protect));
+    check("skvq_protect_scoring", cache_enum_name("skvq_protect_scoring", r.u8()),
+          cache_enum_name("skvq_protect_scoring", static_cast<int64_t>(protect_scoring)));
+    check("skvq_protect_obs_window", num(r.i64()), num(protect_obs_window));
+    check("skvq_protect_pool_kernel", num(r.i64()), num(protect_pool_kernel));
+    check("skvq_protect_values", bool_text(r.boolean()), bool_text(protect_values));
+  } else if (protect > 0.0) {
+    check("skvq_protect", "0", fmt_protect(protect));
+  }
 }
 
 // ---- Transforms -------------------------------------------------------------------------------

@@ -46,6 +46,12 @@ struct Settings {
   QuantAxis key_axis = QuantAxis::kToken;
   // Channel-axis keys: rows per key (lo, scale) inside a chunk (skvq_key_rows; 0 = whole chunk).
   int64_t key_rows = 0;
+  // Protected rows (skvq_protect > 0, the skvq cache only): the config's fields as they are.
+  double protect = 0;
+  SnapScoring protect_scoring = SnapScoring::kQuery;
+  int64_t protect_obs_window = 32;
+  int64_t protect_pool_kernel = 1;
+  bool protect_values = true;
   GroupQuantParams qk, qv;
   PackedRowFormat fk, fv;
   // Calibrated permutations of this layer ([H * D] each), empty when none.
@@ -59,7 +65,9 @@ struct Settings {
   // Writes / checks the fields a state file must agree on. A channel-axis cache writes state
   // format version 2 (set_state_version), which adds the key axis after the version-1 fields,
   // or version 3 with skvq_key_rows > 0, which adds key_rows after the axis; a version-1 state
-  // has token-axis keys, a version-2 one whole-chunk key runs.
+  // has token-axis keys, a version-2 one whole-chunk key runs. Version 4 (skvq_protect > 0) writes
+  // the axis and key_rows whatever they are, then the skvq_protect* fields.
+  int state_version() const;
   void set_state_version(StateWriter& w) const;
   void save(StateWriter& w) const;
   void check_saved(StateReader& r, const char* op) const;

@@ -5,6 +5,7 @@
 #include "veloxquant/memory_plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "veloxquant/error.h"
@@ -178,6 +179,20 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
       const int64_t fp = pt.offset - q_end + sinks;
       b.accounted = comp + fp * fp_row + (perms ? perm : 0);
       b.fp_rows = fp;
+      // Protected rows (skvq_cache.h), chosen at end_prompt over the prompt's packed rows: per row
+      // and head an fp16 key (and value) and an int32 position.
+      if (cc.skvq_protect > 0.0 && !pt.prompt) {
+        int64_t q_p = 0;
+        while (r.prompt_tokens - q_p >= span) q_p += w;
+        const int64_t packed = q_p > 0 ? q_p - cc.skvq_n_sink : 0;
+        const int64_t k =
+            packed > 0
+                ? std::min(packed,
+                           std::max<int64_t>(1, std::llround(cc.skvq_protect *
+                                                             static_cast<double>(r.prompt_tokens))))
+                : 0;
+        b.accounted += k * H * (d * 2 * (cc.skvq_protect_values ? 2 : 1) + 4);
+      }
     } else {
       throw Error("[memory_plan] expected a method of cache_methods() but got '" + meth + "'");
     }
@@ -191,6 +206,9 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   // prefill chunk of rows held by a call before its eviction / flush.
   const int64_t slack_rows = max_fp_rows / 4 + kGrowStep + max_chunk;
   p.cache_bytes_resident = p.cache_bytes_peak + slack_rows * row_es;
+  // skvq_protect: the prompt's fp32 copies (keys and values) held until its selection.
+  if (meth == "skvq" && cc.skvq_protect > 0.0)
+    p.cache_bytes_resident += r.prompt_tokens * H * d * 8;
   const int64_t per_device = r.ranks_per_device;
   p.cache_bytes_peak *= m.n_layers * per_device;
   p.cache_bytes_prompt *= m.n_layers * per_device;

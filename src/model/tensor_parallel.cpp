@@ -112,6 +112,12 @@ CacheConfig rank_cache_config(const ShardPlan& plan, int64_t rank, const CacheCo
                std::to_string(plan.n_ranks) +
                " but got external (the caller's scores cover every head at once; no engine "
                "hands them to sharded caches)");
+  VQ_CHECK(plan.n_ranks == 1 || cfg.skvq_protect_scoring != SnapScoring::kExternal ||
+               cfg.method != "skvq" || cfg.skvq_protect == 0.0,
+           "[tensor_parallel] skvq_protect_scoring: expected key_proxy or query with N = " +
+               std::to_string(plan.n_ranks) +
+               " but got external (the caller's scores cover every head at once; no engine "
+               "hands them to sharded caches)");
   VQ_CHECK(plan.n_ranks == 1 || cfg.method != "snapkv+skvq" ||
                cfg.snap_evict_at == SnapEvictAt::kPromptEnd,
            "[tensor_parallel] snap_evict_at: expected prompt_end for snapkv+skvq with N = " +
