@@ -191,6 +191,12 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   // prefill chunk of rows held by a call before its eviction / flush.
   const int64_t slack_rows = max_fp_rows / 4 + kGrowStep + max_chunk;
   p.cache_bytes_resident = p.cache_bytes_peak + slack_rows * row_es;
+  if (meth == "full" && r.reserve_full) {
+    // one store of the reserved rows (FullCache::reserve): K and V one device allocation each,
+    // whole 16-byte words plus a spare one (DeviceBuffer, veloxquant/cuda.h)
+    const int64_t half = (p.context_tokens + kGrowStep - 1) / kGrowStep * kGrowStep * row_es / 2;
+    p.cache_bytes_resident = 2 * ((half + 15) / 16 * 16 + 16);
+  }
   const int64_t per_device = r.ranks_per_device;
   p.cache_bytes_peak *= m.n_layers * per_device;
   p.cache_bytes_prompt *= m.n_layers * per_device;
