@@ -293,7 +293,7 @@ struct DecodeBatchItem {
 // combine (a device array of per-sequence parameters indexed by the grid's z: ragged rows, own
 // positions, segments and transforms); each item's plan, splits and arithmetic are its own, so
 // every output equals its decode_attention_run bit for bit. Items that cannot join (batch > 1,
-// no rows, dequantized segments) run one at a time. Checks every item before queuing anything.
+// no rows, dequantized segments, a kernel instance of one item) run alone. Checks all first.
 void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, DecodeWorkspace& ws,
                                 Stream s = nullptr);
 

@@ -57,9 +57,9 @@ struct EngineOptions {
   // Results are unchanged; each step then waits for its last event (one host sync per step).
   bool time_phases = false;
   // CUDA engine: the single-token chunks of a step attend in one decode launch per layer (and
-  // rank) for all of them (cuda::decode_attention_run_batch), each planned for its share of one
-  // wave. false: the same plans run one launch per sequence (a test/diagnostic switch: the
-  // outputs are the same bit for bit).
+  // rank) for all of them (cuda::decode_attention_run_batch), each planned for its share of the
+  // launch's blocks. false: one launch per sequence, each planned for a launch of its own (for
+  // comparison; the split counts differ, so the outputs differ in fp32 rounding only).
   bool batch_decode = true;
   // CUDA engine: Engine::reserve sizes a sequence's caches for its whole length up front
   // (reserves_capacity() true). false: reserve() does nothing and the caches grow on demand.

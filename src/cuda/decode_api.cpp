@@ -248,7 +248,7 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
 
 void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, DecodeWorkspace& ws,
                                 Stream s) {
-  // every item checked before anything is queued
+  // every item's plan checked against its view before anything is queued
   std::vector<PlannedSegments> segs(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     const DecodeBatchItem& it = items[i];
@@ -275,6 +275,11 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
       g->push_back(i);
     }
   }
+  // a group of one needs no parameter array: it runs alone too
+  std::erase_if(groups, [&](const std::vector<size_t>& g) {
+    if (g.size() == 1) alone.push_back(g[0]);
+    return g.size() == 1;
+  });
   for (size_t i : alone) {
     const DecodeBatchItem& it = items[i];
     decode_attention_run(*it.plan, it.q, *it.view, it.out, ws, s);

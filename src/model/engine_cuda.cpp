@@ -761,10 +761,12 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   // the whole query-head group) in one batched decode launch after the loop.
   const int64_t G = Hq / Hkv;
   const bool whole_group = G == 1 || G == 2 || G == 4 || G == 8;
-  int64_t n_dec = 0;
-  for (const SeqChunk& ch : chunks) n_dec += ch.tokens.size() == 1 ? 1 : 0;
+  int64_t n_single = 0;
+  for (const SeqChunk& ch : chunks) n_single += ch.tokens.size() == 1 ? 1 : 0;
+  // sequences one batched launch takes (1: each its own launch)
+  const int64_t n_dec = opts_.batch_decode ? n_single : std::min<int64_t>(n_single, 1);
   std::vector<cuda::DeviceCacheView> dec_views;  // stable storage: the items point into it
-  dec_views.reserve(static_cast<size_t>(n_dec));
+  dec_views.reserve(static_cast<size_t>(n_single));
   std::vector<cuda::DecodeBatchItem> dec_items;
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence& s = seqs_.at(chunks[i].seq);

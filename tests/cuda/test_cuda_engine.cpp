@@ -657,13 +657,13 @@ TEST(CudaEngine, RaggedBatchGivesEachSequenceItsLoneTokens) {
   }
 }
 
-// One decode-attention launch per layer for every decoding sequence (EngineOptions::batch_decode)
-// and caches reserved for each sequence's length up front (Engine::reserve) change no logit: the
-// same ragged batch on an engine with both off gives the same logits bit for bit at every step
-// (the same plans, the same kernel arithmetic per sequence; a capacity only moves rows). The
-// reserved full caches hold exactly the planner's resident figure (reserve_full) from the first
-// step to the last.
-TEST(CudaEngine, BatchedDecodeAndReservationChangeNoLogit) {
+// Caches reserved for each sequence's length up front (Engine::reserve) change no logit: the same
+// ragged batch (decoded with one batched decode launch per layer, EngineOptions::batch_decode,
+// whose equality with one launch per sequence test_cuda_decode_batch checks bit for bit) on an
+// engine that grows its caches on demand gives the same logits bit for bit at every step (a
+// capacity only moves rows). The reserved full caches hold exactly the planner's resident figure
+// (reserve_full) from the first step to the last.
+TEST(CudaEngine, ReservationChangesNoLogit) {
   SKIP_WITHOUT_MODEL();
   const Model& m = *fixture().model;
   const auto& P = fixture().prompts;
@@ -674,7 +674,6 @@ TEST(CudaEngine, BatchedDecodeAndReservationChangeNoLogit) {
   for (const char* spec : {"full", "skvq:bits_key=2:bits_value=2:window=32"}) {
     SCOPED_TRACE(spec);
     EngineOptions before = engine_opts(spec, DType::kF16);
-    before.batch_decode = false;
     before.reserve_capacity = false;
     auto ea = make_cuda_engine(m, before);
     auto eb = make_cuda_engine(m, engine_opts(spec, DType::kF16));
@@ -725,7 +724,7 @@ TEST(CudaEngine, BatchedDecodeAndReservationChangeNoLogit) {
       ASSERT_EQ(lb.size(), n * V);
       for (size_t i = 0; i < n; ++i) {
         EXPECT_EQ(0, std::memcmp(la.data() + i * V, lb.data() + i * V, V * 4))
-            << "decode step " << s << " sequence " << i << ": batched / reserved differs";
+            << "decode step " << s << " sequence " << i << ": reserved differs";
         last[i] = argmax(std::vector<float>(la.begin() + static_cast<std::ptrdiff_t>(i * V),
                                             la.begin() + static_cast<std::ptrdiff_t>((i + 1) * V)));
       }
