@@ -146,7 +146,7 @@ TEST(FullCache, ReserveSizesTheFirstStoreAndNothingGrowsUpToIt) {
   }
   o.check(r.stored_view());
   EXPECT_EQ(saved(r), saved(g));  // the same state whatever the capacity
-  EXPECT_GT(g.capacity(), 1024);  // the unreserved one grew on the way
+  EXPECT_EQ(g.capacity(), 1024);  // the unreserved one grew (768 -> 1024: a copy) on the way
   const Tensor k = test::random_tensor(DType::kF16, 1, 2, 1, 8, 9);
   r.update_and_fetch(k.view(), k.view());  // past the reservation: 1.25x growth
   EXPECT_EQ(r.capacity(), 1280);
