@@ -9,11 +9,13 @@
 #include <filesystem>
 #include <random>
 
+#include "util/test_util.h"
 #include "util/tiny_model.h"
 #include "veloxquant/batch_generate.h"
 #include "veloxquant/cuda.h"
 #include "veloxquant/engine.h"
 #include "veloxquant/error.h"
+#include "veloxquant/full_cache.h"
 #include "veloxquant/generate.h"
 #include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
@@ -454,6 +456,48 @@ TEST_F(BatchTest, PlannerEqualsTheCachesPeak) {
       EXPECT_GE(p.cache_bytes_resident, peak_res);
       EXPECT_GT(peak_acc, 0);
     }
+  }
+}
+
+// reserve_full (the CUDA engine's Engine::reserve): a full cache that reserved the planner's
+// context_tokens (FullCache::reserve, what the engine hands each layer's cache) holds, at every
+// point of the sequence's life, exactly the planner's resident figure per layer: one store, no
+// growth (the device engine's figure: tests/cuda/test_cuda_engine.cpp). Without the reservation the
+// planner's figure is a bound with growth slack, larger.
+TEST_F(BatchTest, PlannerCountsExactlyWhatAFullCacheReserves) {
+  struct Life {
+    int64_t prompt, step, gen;
+  };
+  const ModelConfig& mc = model_->config();
+  for (const Life& lf : {Life{70, 32, 20}, Life{300, 64, 1}, Life{17, 5, 300}}) {
+    SCOPED_TRACE("prompt " + std::to_string(lf.prompt) + " gen " + std::to_string(lf.gen));
+    MemoryPlanRequest req;
+    req.model = mc;
+    req.cache = small_config("full");
+    req.kv_dtype = DType::kF16;
+    req.prompt_tokens = lf.prompt;
+    req.max_new_tokens = lf.gen;
+    req.prefill_step = lf.step;
+    const MemoryPlan grow = plan_memory(req);
+    req.reserve_full = true;
+    const MemoryPlan p = plan_memory(req);
+    FullCache c;
+    c.reserve(p.context_tokens);
+    int64_t done = 0;
+    auto feed = [&](int64_t n) {
+      const Tensor k = test::random_tensor(DType::kF16, 1, mc.n_kv_heads, n, mc.head_dim,
+                                           static_cast<uint64_t>(done + 1));
+      c.update_and_fetch(k.view(), k.view());
+      done += n;
+      // the device store's K and V buffers each hold one spare 16-byte word (DeviceBuffer) that
+      // the host store does not: the only difference
+      EXPECT_EQ((c.stats().bytes_resident + 2 * 16) * mc.n_layers, p.cache_bytes_resident) << done;
+    };
+    for (int64_t n : prefill_chunks(lf.prompt, lf.step)) feed(n);
+    for (int64_t i = 1; i < lf.gen; ++i) feed(1);
+    EXPECT_EQ(done, p.context_tokens);
+    EXPECT_EQ(p.cache_bytes_peak, grow.cache_bytes_peak);  // the same rows accounted
+    EXPECT_GT(grow.cache_bytes_resident, p.cache_bytes_resident);
   }
 }
 

@@ -124,6 +124,35 @@ TEST(FullCache, GrowsInStepsOf256Geometrically) {
   EXPECT_EQ(p.capacity(), 1536);  // max(1300, 640) rounded up to 256
 }
 
+// reserve(): the first store holds the reserved length (rounded up to 256), no growth follows up
+// to it, and the contents equal an unreserved cache's; past it the usual growth takes over.
+TEST(FullCache, ReserveSizesTheFirstStoreAndNothingGrowsUpToIt) {
+  FullCache r, g;
+  r.reserve(1000);
+  EXPECT_EQ(r.capacity(), 0);  // nothing allocated by reserve()
+  Oracle o(1, 2, 8, DType::kF16);
+  const Tensor prompt = test::random_tensor(DType::kF16, 1, 2, 700, 8, 5);
+  r.update_and_fetch(prompt.view(), prompt.view());
+  g.update_and_fetch(prompt.view(), prompt.view());
+  o.append(prompt.view(), prompt.view());
+  EXPECT_EQ(r.capacity(), 1024);  // round_up(max(700, 1000), 256)
+  EXPECT_EQ(g.capacity(), 768);   // unreserved: round_up(700, 256)
+  for (int64_t t = 701; t <= 1024; ++t) {
+    const Tensor k = test::random_tensor(DType::kF16, 1, 2, 1, 8, static_cast<uint64_t>(t));
+    r.update_and_fetch(k.view(), k.view());
+    g.update_and_fetch(k.view(), k.view());
+    o.append(k.view(), k.view());
+    ASSERT_EQ(r.capacity(), 1024) << "grew at row " << t;
+  }
+  o.check(r.stored_view());
+  EXPECT_EQ(saved(r), saved(g));  // the same state whatever the capacity
+  EXPECT_EQ(g.capacity(), 1024);  // the unreserved one grew (768 -> 1024: a copy) on the way
+  const Tensor k = test::random_tensor(DType::kF16, 1, 2, 1, 8, 9);
+  r.update_and_fetch(k.view(), k.view());  // past the reservation: 1.25x growth
+  EXPECT_EQ(r.capacity(), 1280);
+  expect_error([&] { r.reserve(-1); }, "[full_cache] reserve: expected 0 <= rows");
+}
+
 TEST(FullCache, ViewIsTheConcatenationOfEveryBlock) {
   const int64_t B = 2, H = 3, D = 16;
   FullCache c;

@@ -279,6 +279,24 @@ DecodePlan decode_attention_plan(const DecodeContext& ctx, int64_t n_q_heads,
 void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCacheView& view,
                           float* out, DecodeWorkspace& ws, Stream s = nullptr);
 
+// One sequence of a batched decode run: its plan, its queries [B, H_q, D], its view and its
+// output (as for decode_attention_run).
+struct DecodeBatchItem {
+  const DecodePlan* plan = nullptr;
+  const float* q = nullptr;
+  const DeviceCacheView* view = nullptr;
+  float* out = nullptr;
+};
+
+// decode_attention_run of every item, the items of batch-1 views whose plans share the kernel
+// instance (kernel, head_dim, query and KV heads, bits, stage bytes) in ONE split launch and one
+// combine (a device array of per-sequence parameters indexed by the grid's z: ragged rows, own
+// positions, segments and transforms); each item's plan, splits and arithmetic are its own, so
+// every output equals its decode_attention_run bit for bit. Items that cannot join (batch > 1,
+// no rows, dequantized segments, a kernel instance of one item) run alone. Checks all first.
+void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, DecodeWorkspace& ws,
+                                Stream s = nullptr);
+
 // One query per sequence (N = 1): out[b, qh] = softmax(q[b, qh] . K^T * scale) V over every row of
 // view that is visible from position p.q_pos0 (pos_j <= q_pos0, and with p.window > 0
 // q_pos0 < pos_j + window), query head qh reading KV head qh / (H_q / H_kv).

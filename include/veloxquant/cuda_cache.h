@@ -53,6 +53,9 @@ class DeviceKVCache {
   // multi-token call; a single-token call while one is owed does the same first. Invalidates the
   // last view. Every other cache: nothing.
   virtual void end_prompt() {}
+  // Capacity for `rows` rows per (b, h) at the cache's next allocation (full: FullCache::reserve,
+  // so a sequence of known length never grows; every other method sizes itself: nothing).
+  virtual void reserve(int64_t rows) { (void)rows; }
   virtual bool is_trimmable() const { return false; }
   // Refused (vq::Error, nothing changed) unless is_trimmable().
   virtual int64_t trim(int64_t n);

@@ -56,6 +56,14 @@ struct EngineOptions {
   // CUDA engine: time each phase of step() with CUDA events (phase_times(); `bench --phases`).
   // Results are unchanged; each step then waits for its last event (one host sync per step).
   bool time_phases = false;
+  // CUDA engine: the single-token chunks of a step attend in one decode launch per layer (and
+  // rank) for all of them (cuda::decode_attention_run_batch), each planned for its share of the
+  // launch's blocks. false: one launch per sequence, each planned for a launch of its own (for
+  // comparison; the split counts differ, so the outputs differ in fp32 rounding only).
+  bool batch_decode = true;
+  // CUDA engine: Engine::reserve sizes a sequence's caches for its whole length up front
+  // (reserves_capacity() true). false: reserve() does nothing and the caches grow on demand.
+  bool reserve_capacity = true;
 };
 
 // Time spent in one phase of the steps of one kind (EngineOptions::time_phases): gpu_seconds is
@@ -90,6 +98,15 @@ class Engine {
   // method of a comparison on one engine). A config the engine's caches refuse is refused with
   // vq::Error naming what was wrong, before anything is allocated.
   virtual int64_t add_sequence(const CacheConfig& cache) = 0;
+  // Before a sequence's first step: its caches reserve room for `tokens` tokens (prompt + new
+  // tokens - 1, memory_plan.h context_tokens) at their first allocation, so no growth copy
+  // follows (the full cache; other methods size themselves). Results are unchanged. Engines for
+  // which reserves_capacity() is false ignore it (the planner then counts growth slack).
+  virtual void reserve(int64_t seq, int64_t tokens) {
+    (void)seq;
+    (void)tokens;
+  }
+  virtual bool reserves_capacity() const { return false; }
   // Frees the sequence's caches (their memory goes back to the device at once).
   virtual void remove_sequence(int64_t seq) = 0;
   virtual int64_t offset(int64_t seq) const = 0;

@@ -60,6 +60,12 @@ class FullCache final : public KVCache {
 
   // Rows allocated per (b, h) (a multiple of kStep; 0 before the first call).
   int64_t capacity() const { return st_.capacity; }
+  // The next store this cache makes (its first, or a growth) holds at least `rows` rows per
+  // (b, h), rounded up to kStep: a caller that knows the sequence's length (prompt + new tokens)
+  // reserves it before the first call and no growth copy follows. Allocates nothing now; rows and
+  // results are unchanged. 0 <= rows <= 2^31 - 1 (vq::Error otherwise, nothing changed).
+  void reserve(int64_t rows);
+  int64_t reserved() const { return reserve_; }
   int64_t head_dim() const { return st_.head_dim; }
   DType dtype() const { return st_.dtype; }
   // Views of the stored rows [B, H, offset(), D] (strided into the store).
@@ -78,6 +84,7 @@ class FullCache final : public KVCache {
     std::unique_ptr<kv::RowStore> rows;  // [B, H, capacity, D] keys and values
   };
   State with_capacity(const State& shape_of, int64_t capacity) const;
+  int64_t reserve_ = 0;  // reserve(): the least capacity of the next store
 
   const kv::RowBackend* backend_;
   State st_;

@@ -49,6 +49,11 @@ struct MemoryPlanRequest {
   // that device's weights (device_weight_bytes, tensor_parallel.h) and device_bytes its memory.
   int64_t tensor_parallel = 1;
   int64_t ranks_per_device = 1;
+  // The engine reserves each sequence's whole context at creation (the CUDA engine's
+  // Engine::reserve, reserves_capacity()): a full cache then holds exactly context_tokens rows
+  // rounded up to its 256-row step, so cache_bytes_resident is exactly what that store's two
+  // device allocations hold (no growth slack). Other methods are unaffected.
+  bool reserve_full = false;
 };
 
 struct MemoryPlan {

@@ -99,8 +99,11 @@ const DecodeContext& DecodeWorkspace::context() {
   return *ctx_;
 }
 
-void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCacheView& view,
-                          float* out, DecodeWorkspace& ws, Stream s) {
+namespace {
+
+// Checks a run of plan on the current device over view (match_plan) and returns its segments.
+PlannedSegments check_run(const DecodePlan& plan, const float* q, const DeviceCacheView& view,
+                          const float* out) {
   VQ_CHECK(q && out, "[decode_attention_run] expected device q and out but got a null pointer");
   VQ_CHECK(plan.device >= 0,
            "[decode_attention_run] expected a plan made on a device context but got a fake one");
@@ -108,14 +111,14 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
   VQ_CHECK(plan.device == dev, "[decode_attention_run] expected the plan's device " +
                                    std::to_string(plan.device) + " but got current device " +
                                    std::to_string(dev));
-  const int64_t B = view.batch(), H = view.n_kv_heads(), D = view.head_dim();
-  const PlannedSegments segs = match_plan(plan, B, H, D, view.segments());
-  cudaStream_t st = detail::to_stream(s);
-  if (plan.total_rows == 0) {  // nothing to attend to: zeros, like the reference
-    VQ_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(B * plan.n_q_heads * D) * 4, st));
-    return;
-  }
+  return match_plan(plan, view.batch(), view.n_kv_heads(), view.head_dim(), view.segments());
+}
 
+// The DecodeParams of one run of plan over its matched segments (partials not set). Packed
+// segments the plan marks `dequantize` are dequantized into deq (plan.scratch_bytes) on st.
+DecodeParams fill_params(const DecodePlan& plan, const PlannedSegments& segs, const float* q,
+                         float* out, int64_t B, int64_t H, int64_t D, uint8_t* deq,
+                         cudaStream_t st) {
   DecodeParams dp;
   dp.q = q;
   dp.out = out;
@@ -138,8 +141,6 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
   // Packed segments of a format the split kernels do not read in place: fp32 copies in one
   // stream-ordered allocation, attended to as full-precision rows (not fused: they are read
   // three times, as codes, written and read as fp32).
-  StreamScratch deq{nullptr, st};
-  if (plan.scratch_bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&deq.p, plan.scratch_bytes, st));
   size_t deq_used = 0;
   bool pk_set = false;
   dp.n_segments = static_cast<int32_t>(plan.segments.size());
@@ -158,7 +159,7 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
     d.n_splits = sp.n_splits;
     if (sp.dequantize) {
       const int64_t cap = dequantized_capacity(sg);
-      float* k = reinterpret_cast<float*>(static_cast<uint8_t*>(deq.p) + deq_used);
+      float* k = reinterpret_cast<float*>(deq + deq_used);
       float* v = k + B * H * cap * D;
       deq_used += static_cast<size_t>(2 * B * H * cap * D) * 4;
       dequantize_segment(sg, B * H, H, cap, k, v, st);
@@ -205,12 +206,122 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
       d.v = static_cast<const uint8_t*>(sg.values);
     }
   }
-  uint8_t* w = static_cast<uint8_t*>(ws.reserve(plan.workspace_bytes));
-  const size_t n_part = static_cast<size_t>(B * plan.n_q_heads * plan.n_splits);
-  const size_t acc_bytes = (n_part * static_cast<size_t>(D) * 4 + 255) / 256 * 256;
+  return dp;
+}
+
+// Points dp's partials at w (plan.workspace_bytes: acc, then m/l 256-byte aligned).
+void set_partials(DecodeParams& dp, const DecodePlan& plan, uint8_t* w) {
+  const size_t n_part = static_cast<size_t>(plan.batch * plan.n_q_heads * plan.n_splits);
+  const size_t acc_bytes = (n_part * static_cast<size_t>(plan.head_dim) * 4 + 255) / 256 * 256;
   dp.part_acc = reinterpret_cast<float*>(w);
   dp.part_ml = reinterpret_cast<float*>(w + acc_bytes);
+}
+
+size_t round256(size_t n) {
+  return (n + 255) / 256 * 256;
+}
+
+// Whether two plans share a kernel instance and its launch shape (one batched launch).
+bool same_instance(const DecodePlan& a, const DecodePlan& b) {
+  return a.kernel == b.kernel && a.head_dim == b.head_dim && a.n_q_heads == b.n_q_heads &&
+         a.n_kv_heads == b.n_kv_heads && a.k_bits == b.k_bits && a.v_bits == b.v_bits &&
+         a.stage_half_bytes == b.stage_half_bytes && a.device == b.device;
+}
+
+}  // namespace
+
+void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCacheView& view,
+                          float* out, DecodeWorkspace& ws, Stream s) {
+  const PlannedSegments segs = check_run(plan, q, view, out);
+  const int64_t B = view.batch(), H = view.n_kv_heads(), D = view.head_dim();
+  cudaStream_t st = detail::to_stream(s);
+  if (plan.total_rows == 0) {  // nothing to attend to: zeros, like the reference
+    VQ_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(B * plan.n_q_heads * D) * 4, st));
+    return;
+  }
+  StreamScratch deq{nullptr, st};
+  if (plan.scratch_bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&deq.p, plan.scratch_bytes, st));
+  DecodeParams dp = fill_params(plan, segs, q, out, B, H, D, static_cast<uint8_t*>(deq.p), st);
+  set_partials(dp, plan, static_cast<uint8_t*>(ws.reserve(plan.workspace_bytes)));
   decode_attention_launch(dp, st);
+}
+
+void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, DecodeWorkspace& ws,
+                                Stream s) {
+  // every item's plan checked against its view before anything is queued
+  std::vector<PlannedSegments> segs(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const DecodeBatchItem& it = items[i];
+    VQ_CHECK(it.plan && it.view,
+             "[decode_attention_run_batch] expected a plan and a view for item " +
+                 std::to_string(i) + " but got a null pointer");
+    segs[i] = check_run(*it.plan, it.q, *it.view, it.out);
+  }
+  // groups of items that share a launch; the rest run alone
+  std::vector<std::vector<size_t>> groups;
+  std::vector<size_t> alone;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const DecodePlan& pl = *items[i].plan;
+    if (pl.batch != 1 || pl.total_rows == 0 || pl.scratch_bytes > 0) {
+      alone.push_back(i);
+      continue;
+    }
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const std::vector<size_t>& gr) {
+      return same_instance(*items[gr[0]].plan, pl);
+    });
+    if (g == groups.end()) {
+      groups.push_back({i});
+    } else {
+      g->push_back(i);
+    }
+  }
+  // a group of one needs no parameter array: it runs alone too
+  std::erase_if(groups, [&](const std::vector<size_t>& g) {
+    if (g.size() == 1) alone.push_back(g[0]);
+    return g.size() == 1;
+  });
+  for (size_t i : alone) {
+    const DecodeBatchItem& it = items[i];
+    decode_attention_run(*it.plan, it.q, *it.view, it.out, ws, s);
+  }
+  if (groups.empty()) return;
+  cudaStream_t st = detail::to_stream(s);
+  // one workspace: every sequence's partials, then every group's parameter array
+  std::vector<size_t> part_off(items.size()), desc_off(groups.size());
+  size_t bytes = 0;
+  for (const auto& g : groups)
+    for (size_t i : g) {
+      part_off[i] = bytes;
+      bytes += round256(items[i].plan->workspace_bytes);
+    }
+  for (size_t k = 0; k < groups.size(); ++k) {
+    desc_off[k] = bytes;
+    bytes += round256(groups[k].size() * sizeof(DecodeParams));
+  }
+  uint8_t* w = static_cast<uint8_t*>(ws.reserve(bytes));
+  std::vector<DecodeParams> seqs;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    seqs.clear();
+    DecodeParams all;
+    for (size_t i : groups[k]) {
+      const DecodeBatchItem& it = items[i];
+      const DeviceCacheView& v = *it.view;
+      DecodeParams dp = fill_params(*it.plan, segs[i], it.q, it.out, 1, v.n_kv_heads(),
+                                    v.head_dim(), nullptr, st);
+      set_partials(dp, *it.plan, w + part_off[i]);
+      if (seqs.empty()) all = dp;
+      all.n_splits = std::max(all.n_splits, dp.n_splits);
+      seqs.push_back(dp);
+    }
+    // the shared block: the first sequence's instance fields, the largest split count; the
+    // kernels read everything else from seqs (pageable copy: staged by the driver at the call)
+    DecodeParams* d_seqs = reinterpret_cast<DecodeParams*>(w + desc_off[k]);
+    VQ_CUDA_CHECK(cudaMemcpyAsync(d_seqs, seqs.data(), seqs.size() * sizeof(DecodeParams),
+                                  cudaMemcpyHostToDevice, st));
+    all.batch = static_cast<int32_t>(seqs.size());
+    all.seqs = d_seqs;
+    decode_attention_launch(all, st);
+  }
 }
 
 void decode_attention(const float* q, int64_t n_q_heads, const DeviceCacheView& view,

@@ -26,7 +26,10 @@ constexpr int combine_slices() {
 
 template <int D>
 __global__ void __launch_bounds__(512)
-    decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+    decode_combine_kernel(const __grid_constant__ DecodeParams P) {
+  __shared__ __align__(16) DecodeParams sp;  // batched: sequence blockIdx.y's parameters
+  decode_impl::stage_params(P, blockIdx.y, sp);
+  const DecodeParams& p = sp;
   constexpr int S = combine_slices<D>();
   constexpr int kNT = D * S;
   __shared__ float red_o[S][D];
@@ -35,7 +38,7 @@ __global__ void __launch_bounds__(512)
   __shared__ float wmax[kNT / 32];
   __shared__ float y[D];
   decode_impl::grid_dependency_wait();  // launched early (PDL): wait for the split kernel
-  const int qh = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const int qh = blockIdx.x, b = P.seqs ? 0 : blockIdx.y, tid = threadIdx.x;
   const int d = tid % D, slice = tid / D;
   const int n_q_heads = p.n_kv_heads * p.group;
   const int kvh = qh / p.group;

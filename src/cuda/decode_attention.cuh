@@ -8,6 +8,8 @@
 // combine kernel merges the splits of each (b, query head) exactly (log-sum-exp) and un-transforms
 // the accumulator of packed-value splits (stored channel order -> original) once.
 // Layouts: q, out [B, H_q, D] fp32; partial acc [B, H_q, n_splits, D], m/l [B, H_q, n_splits, 2].
+// A batched launch (DecodeParams::seqs) runs one such view of batch 1 per sequence: z (y for the
+// combine) indexes the sequence, whose own parameter block the kernels read instead.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -70,6 +72,13 @@ struct DecodeParams {
   // stage_half_bytes: bytes of K (and of V) per pipeline stage of the tensor-core kernel.
   DecodeKernel kernel = DecodeKernel::kCudaCore;
   int32_t stage_half_bytes = 0;
+  // A batched launch (decode_attention_run_batch): device array [batch] of every sequence's own
+  // parameters (its q, out, partials, q_pos, splits, segments, packed transforms; batch 1 each),
+  // read by block z of the split kernel and block y of the combine; this block then holds what
+  // they share (kernel, head_dim, group, n_kv_heads, bits, stage bytes) and n_splits = the
+  // largest sequence's, the blocks past a sequence's own n_splits returning at once. nullptr: one
+  // view of `batch` rows of B, this block alone.
+  const DecodeParams* seqs = nullptr;
 };
 
 // Queues the split kernel and the combine kernel on stream s; throws vq::Error for an unsupported

@@ -69,6 +69,20 @@ constexpr int split_smem_bytes() {
 
 // ---- small device helpers --------------------------------------------------------------------
 
+// The parameter block a block runs with, copied into shared memory sp by the whole block: a
+// batched launch's sequence z (DecodeParams::seqs), else the launch's own P. Read from shared
+// memory (not through a pointer that may be the kernel parameter or global memory) the
+// parameters stay as cheap to reload as the kernel parameter was: measured with ptxas, no
+// register spills where reading through the pointer spilled up to 192 bytes.
+__device__ __forceinline__ void stage_params(const DecodeParams& P, unsigned z, DecodeParams& sp) {
+  static_assert(sizeof(DecodeParams) % 4 == 0);
+  const DecodeParams& src = P.seqs ? P.seqs[z] : P;
+  const int* s4 = reinterpret_cast<const int*>(&src);
+  int* d4 = reinterpret_cast<int*>(&sp);
+  for (unsigned i = threadIdx.x; i < sizeof(DecodeParams) / 4; i += blockDim.x) d4[i] = s4[i];
+  __syncthreads();
+}
+
 // Programmatic dependent launch (sm_90): the split kernels let the combine grid launch at their
 // entry; the combine waits for their completion (and memory) before reading the partials.
 __device__ __forceinline__ void grid_dependency_trigger() {
@@ -420,7 +434,11 @@ constexpr int min_blocks() {
 
 template <int D, int G, int KB, int VB>
 __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
-    decode_split_kernel(const __grid_constant__ DecodeParams p) {
+    decode_split_kernel(const __grid_constant__ DecodeParams P) {
+  // a batched launch (P.seqs): sequence blockIdx.z's own parameters, its batch index 0
+  __shared__ __align__(16) DecodeParams sp;
+  stage_params(P, blockIdx.z, sp);
+  const DecodeParams& p = sp;
   using Gm = Geo<D, G>;
   constexpr int LPR = Gm::LPR, NP = Gm::NP, RPS = Gm::RPS, STEPS = Gm::STEPS;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -429,7 +447,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
   float* sbuf = qs + G * D;                                               // [warps][8][G]
 
   grid_dependency_trigger();
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int split = blockIdx.x, kvh = blockIdx.y, b = P.seqs ? 0 : blockIdx.z;
+  if (split >= p.n_splits) return;  // batched: past this sequence's splits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % LPR, rs = lane / LPR;
 

@@ -205,7 +205,11 @@ __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int m
 
 template <int D, int G, int PK, int KB, bool BF>
 __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : 3))
-    decode_mma_kernel(const __grid_constant__ DecodeParams p) {
+    decode_mma_kernel(const __grid_constant__ DecodeParams P) {
+  // a batched launch (P.seqs): sequence blockIdx.z's own parameters, its batch index 0
+  __shared__ __align__(16) DecodeParams sp;
+  decode_impl::stage_params(P, blockIdx.z, sp);
+  const DecodeParams& p = sp;
   using Gm = MGeo<D, G>;
   static_assert(KB == 2 || KB == 4, "2- or 4-bit codes");
   constexpr bool MF = PK >= 2;
@@ -225,7 +229,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   float* qtmp = sbias + kWarps * G * NCH;                         // [G][D]
 
   decode_impl::grid_dependency_trigger();
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int split = blockIdx.x, kvh = blockIdx.y, b = P.seqs ? 0 : blockIdx.z;
+  if (split >= p.n_splits) return;  // batched: past this sequence's splits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
 

@@ -100,6 +100,9 @@ class PolicyDeviceCache final : public DeviceKVCache {
     return p_->stored_positions(b, h);
   }
   void end_prompt() override { p_->end_prompt(); }
+  void reserve(int64_t rows) override {
+    if constexpr (std::is_same_v<Policy, FullCache>) p_->reserve(rows);
+  }
   // The policy's own mask (KVCache::make_mask over its positions, or its pending-eviction rule).
   Mask make_mask(int64_t n_queries, int64_t window) const override {
     return p_->make_mask(n_queries, window);

@@ -111,6 +111,9 @@ const DecodeContext& DecodeWorkspace::context() {
 DecodeContext DecodeContext::current() {
   not_built("cuda::DecodeContext::current");
 }
+void decode_attention_run_batch(const std::vector<DecodeBatchItem>&, DecodeWorkspace&, Stream) {
+  not_built("cuda::decode_attention_run_batch");
+}
 void decode_attention_run(const DecodePlan&, const float*, const DeviceCacheView&, float*,
                           DecodeWorkspace&, Stream) {
   not_built("cuda::decode_attention_run");

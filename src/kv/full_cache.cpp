@@ -1,10 +1,11 @@
 // The full-precision cache (docs/design.md §C2; layout in veloxquant/full_cache.h), a policy over
 // a row store (src/kv/row_store.h): the same code whatever device holds the rows.
 //
-// Growth copies the stored rows once into a store of max(needed, 1.25 x capacity) rows rounded up
-// to 256, so n decode appends copy at most 5n rows in total (amortised O(1) each: a growth copying
-// c rows buys c/4 appends) while the slack stays below a quarter of the capacity plus one 256-row
-// step (resident bytes track accounted bytes). Every call validates its input completely before
+// Growth copies the stored rows once into a store of max(needed, 1.25 x capacity, reserve())
+// rows rounded up to 256 (reserve() sizes the first store for a known length: then no growth), so
+// n decode appends copy at most 5n rows in total (amortised O(1) each: a growth copying c rows
+// buys c/4 appends) while the slack stays below a quarter of the capacity plus one 256-row step
+// (resident bytes track accounted bytes). Every call validates its input completely before
 // changing anything; growth builds the new store aside and swaps it in, so a failure (including
 // std::bad_alloc) leaves the cache as it was. Stores are not zero-filled: only rows below offset()
 // are ever read, saved or shown in a view.
@@ -111,7 +112,8 @@ CacheView FullCache::update_and_fetch(const TensorView& keys, const TensorView& 
     shape.batch = n_b;
     shape.heads = n_h;
     shape.head_dim = n_d;
-    const int64_t cap = round_up(std::max(new_offset, st_.capacity + st_.capacity / 4), kStep);
+    const int64_t cap =
+        round_up(std::max({new_offset, st_.capacity + st_.capacity / 4, reserve_}), kStep);
     grown = with_capacity(shape, cap);
     grown.offset = st_.offset;
     if (st_.offset > 0) grown.rows->copy_rows(*st_.rows, st_.offset);
@@ -122,6 +124,13 @@ CacheView FullCache::update_and_fetch(const TensorView& keys, const TensorView& 
   dst->offset = new_offset;
   if (dst != &st_) st_ = std::move(grown);
   return stored_view();
+}
+
+void FullCache::reserve(int64_t rows) {
+  VQ_CHECK(rows >= 0 && rows <= kMaxPositions,
+           "[full_cache] reserve: expected 0 <= rows <= " + std::to_string(kMaxPositions) +
+               " but got " + std::to_string(rows));
+  reserve_ = rows;
 }
 
 std::vector<int32_t> FullCache::stored_positions(int64_t b, int64_t h) const {

@@ -94,6 +94,7 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
     req.tensor_parallel = engine.options().tensor_parallel;
     const bool one_memory = engine.options().tp_simulate || engine.device() == Device::kCpu;
     req.ranks_per_device = one_memory ? req.tensor_parallel : 1;
+    req.reserve_full = engine.reserves_capacity();  // each sequence reserves below (admission)
     res.plan = plan_memory(req);
     check_fits(res.plan, req, o.require_full_batch ? live_cap : 1);
     live_cap = std::min(live_cap, res.plan.max_sequences);
@@ -168,6 +169,8 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
       sp.seed = g.sampling.seed + static_cast<uint64_t>(s.index);
       s.sampler.emplace(sp);
       s.id = engine.add_sequence();
+      // its whole length up front: no cache growth on the first decode steps
+      engine.reserve(s.id, r.prompt_tokens + std::max<int64_t>(s.max_tokens - 1, 0));
       live.push_back(std::move(s));
     }
     res.max_live = std::max<int64_t>(res.max_live, static_cast<int64_t>(live.size()));

@@ -12,12 +12,18 @@
 // DeviceKVCache::update_and_fetch (queries passed for SnapKV query scoring), then attention over
 // the view: prefill_attention for chunks of several tokens, the planned decode kernels for single
 // tokens (planned at the first layer of a step, re-planned only when a later layer's view has
-// another shape; a query-head group the decode kernels do not take runs as sub-groups of the
-// largest power of two dividing it); o_proj, residual, RMSNorm, gate|up (one product), SwiGLU,
+// another shape; when n sequences decode, each one's plan takes its share of whole waves of
+// blocks over all n, and all n run in ONE split launch and one combine per layer and rank,
+// cuda::decode_attention_run_batch, EngineOptions::batch_decode; a query-head group the decode
+// kernels do not take runs per sequence as sub-groups of the largest power of two dividing it);
+// o_proj, residual, RMSNorm, gate|up (one product), SwiGLU,
 // down_proj, residual (docs/design.md §C1 for the cache contract). Logits: the final RMSNorm and
 // lm_head on the requested rows only, then one copy to the host (the step's only host sync);
 // step_greedy picks each row's argmax on the device and copies only the ids.
-// Scratch buffers grow to the largest step and are reused. No CUDA graphs: every step's kernel
+// Engine::reserve sizes a sequence's caches for its whole length before its first step (the full
+// cache's one store, FullCache::reserve; the planner counts it exactly, reserve_full), so no
+// growth copy lands on a decode step. Scratch buffers grow to the largest step and are reused.
+// No CUDA graphs: every step's kernel
 // arguments are made on the host (cache offsets and row counts, view pointers, decode plans), so a
 // captured graph would be stale at the next step and capturing costs what launching does
 // (docs/results/gpu/engine/run2/README.md measured where a step goes). Built only with
@@ -263,6 +269,18 @@ class CudaEngine final : public Engine {
     sample_memory();
     return id;
   }
+
+  // Every layer's and rank's cache of the sequence (DeviceKVCache::reserve); sampled at its first
+  // allocation, so the engine's peak is unchanged until then.
+  void reserve(int64_t seq, int64_t tokens) override {
+    Sequence& s = find(seq, "reserve")->second;
+    VQ_CHECK(tokens >= 0,
+             "[engine] reserve: expected tokens >= 0 but got " + std::to_string(tokens));
+    if (!opts_.reserve_capacity) return;
+    for (RankSeq& rs : s.ranks)
+      for (auto& c : rs.caches) c->reserve(tokens);
+  }
+  bool reserves_capacity() const override { return opts_.reserve_capacity; }
 
   void remove_sequence(int64_t seq) override {
     auto it = find(seq, "remove_sequence");
@@ -608,7 +626,12 @@ class CudaEngine final : public Engine {
   }
 
   void decode(Rank& R, RankSeq& s, const cuda::DeviceCacheView& view, const AttentionParams& ap,
-              const float* q, float* out);
+              const float* q, float* out, int64_t n_dec);
+  // The plan of s over view for a step of n_dec single-token chunks (re-made only when its key
+  // changes): with n_dec > 1 its splits are sized for one batched launch of the step's sequences
+  // (whole waves of blocks over all of them, not one wave per sequence).
+  const cuda::DecodePlan& decode_plan(Rank& R, RankSeq& s, const cuda::DeviceCacheView& view,
+                                      const AttentionParams& ap, int64_t nq, int64_t n_dec);
   // step() (tokens == nullptr: the logit rows to *logits, if not null) or step_greedy() (each
   // logit row's argmax over [0, n_vocab) to *tokens).
   void run_step(std::span<const SeqChunk> chunks, std::vector<float>* logits,
@@ -650,18 +673,42 @@ class CudaEngine final : public Engine {
   int64_t peak_bytes_ = 0;
 };
 
+const cuda::DecodePlan& CudaEngine::decode_plan(Rank& R, RankSeq& s,
+                                                const cuda::DeviceCacheView& view,
+                                                const AttentionParams& ap, int64_t nq,
+                                                int64_t n_dec) {
+  std::vector<int64_t> key = plan_key(view, ap.q_pos0, nq);
+  key.push_back(n_dec);
+  if (key != s.plan_key) {
+    s.plan = cuda::decode_attention_plan(R.ws.context(), nq, view, ap);
+    if (n_dec > 1) {
+      // One launch of n_dec sequences: k splits per (sequence, kv head), the smallest k whose
+      // n_dec * H_kv * k blocks fill at least 85 % of the whole waves they take (a wave: one
+      // sequence's default target), so neither a short last wave nor needless partials.
+      const int64_t wave = std::max<int64_t>(1, s.plan.target_blocks), units = n_dec * R.hkv;
+      int64_t k = 1;
+      for (int64_t c = 1; c <= 64; ++c) {
+        const int64_t t = units * c, waves = (t + wave - 1) / wave;
+        k = c;
+        if (100 * t >= 85 * waves * wave) break;
+      }
+      cuda::DecodePlanOptions opt;
+      opt.target_blocks = R.hkv * k;
+      s.plan = cuda::decode_attention_plan(R.ws.context(), nq, view, ap, opt);
+    }
+    s.plan_key = std::move(key);
+  }
+  return s.plan;
+}
+
 void CudaEngine::decode(Rank& R, RankSeq& s, const cuda::DeviceCacheView& view,
-                        const AttentionParams& ap, const float* q, float* out) {
+                        const AttentionParams& ap, const float* q, float* out, int64_t n_dec) {
   const int64_t Hkv = R.hkv, D = cfg_.head_dim;
   const int64_t G = R.hq / Hkv;
   int64_t sub = 8;
   while (G % sub != 0) sub /= 2;
   const int64_t nq = Hkv * sub;
-  std::vector<int64_t> key = plan_key(view, ap.q_pos0, nq);
-  if (key != s.plan_key) {
-    s.plan = cuda::decode_attention_plan(R.ws.context(), nq, view, ap);
-    s.plan_key = std::move(key);
-  }
+  decode_plan(R, s, view, ap, nq, n_dec);
   if (sub == G) {
     cuda::decode_attention_run(s.plan, q, view, out, R.ws, R.stream);
     return;
@@ -710,7 +757,17 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   rp.kv_t = opts_.kv_dtype;
   cuda::qkv_rope(rp, R.stream);
 
-  // Attention per sequence over its own cache.
+  // Attention per sequence over its own cache; the single-token chunks (when the kernels take
+  // the whole query-head group) in one batched decode launch after the loop.
+  const int64_t G = Hq / Hkv;
+  const bool whole_group = G == 1 || G == 2 || G == 4 || G == 8;
+  int64_t n_single = 0;
+  for (const SeqChunk& ch : chunks) n_single += ch.tokens.size() == 1 ? 1 : 0;
+  // sequences one batched launch takes (1: each its own launch)
+  const int64_t n_dec = opts_.batch_decode ? n_single : std::min<int64_t>(n_single, 1);
+  std::vector<cuda::DeviceCacheView> dec_views;  // stable storage: the items point into it
+  dec_views.reserve(static_cast<size_t>(n_single));
+  std::vector<cuda::DecodeBatchItem> dec_items;
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence& s = seqs_.at(chunks[i].seq);
     RankSeq& rs = s.ranks[r];
@@ -725,15 +782,25 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
     cuda::DeviceUpdateOptions uo;
     uo.queries = &qv;
     mark(r, kPhCache);
-    const cuda::DeviceCacheView view =
+    cuda::DeviceCacheView view =
         rs.caches[static_cast<size_t>(li)]->update_and_fetch(kv_k, kv_v, uo);
     ap.q_pos0 = s.offset;
     mark(r, kPhAttn);
-    if (n == 1)
-      decode(R, rs, view, ap, qb, ob);
-    else
+    if (n == 1 && whole_group) {
+      dec_views.push_back(std::move(view));  // kept until the batched run below
+      const cuda::DecodePlan& plan = decode_plan(R, rs, dec_views.back(), ap, Hq, n_dec);
+      if (opts_.batch_decode) {
+        dec_items.push_back({&plan, qb, &dec_views.back(), ob});
+      } else {
+        cuda::decode_attention_run(plan, qb, dec_views.back(), ob, R.ws, R.stream);
+      }
+    } else if (n == 1) {
+      decode(R, rs, view, ap, qb, ob, n_dec);
+    } else {
       cuda::prefill_attention(qb, Hq, n, view, ap, ob, R.stream);
+    }
   }
+  if (!dec_items.empty()) cuda::decode_attention_run_batch(dec_items, R.ws, R.stream);
   mark(r, kPhOProj);
   cuda::heads_to_tokens(R.attn.as<float>(), st, Hq, D, R.op.data(), L.o.t, R.stream);
   R.blas->gemm(L.o.w, L.o.t, L.o.out, L.o.in, R.op.data(), T, R.h.as<float>());

@@ -209,6 +209,12 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   // skvq_protect: the prompt's fp32 copies (keys and values) held until its selection.
   if (meth == "skvq" && cc.skvq_protect > 0.0)
     p.cache_bytes_resident += r.prompt_tokens * H * d * 8;
+  if (meth == "full" && r.reserve_full) {
+    // one store of the reserved rows (FullCache::reserve): K and V one device allocation each,
+    // whole 16-byte words plus a spare one (DeviceBuffer, veloxquant/cuda.h)
+    const int64_t half = (p.context_tokens + kGrowStep - 1) / kGrowStep * kGrowStep * row_es / 2;
+    p.cache_bytes_resident = 2 * ((half + 15) / 16 * 16 + 16);
+  }
   const int64_t per_device = r.ranks_per_device;
   p.cache_bytes_peak *= m.n_layers * per_device;
   p.cache_bytes_prompt *= m.n_layers * per_device;

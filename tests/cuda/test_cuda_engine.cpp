@@ -57,6 +57,7 @@
 #include "veloxquant/cache_config.h"
 #include "veloxquant/engine.h"
 #include "veloxquant/error.h"
+#include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
 
 namespace vq {
@@ -653,6 +654,84 @@ TEST(CudaEngine, RaggedBatchGivesEachSequenceItsLoneTokens) {
           "max KL %.3g, %d mixed steps\n",
           spec, i, prompts[i].size(), w.rel, w.kl, mixed_steps);
     }
+  }
+}
+
+// Caches reserved for each sequence's length up front (Engine::reserve) change no logit: the same
+// ragged batch (decoded with one batched decode launch per layer, EngineOptions::batch_decode,
+// whose equality with one launch per sequence test_cuda_decode_batch checks bit for bit) on an
+// engine that grows its caches on demand gives the same logits bit for bit at every step (a
+// capacity only moves rows). The reserved full caches hold exactly the planner's resident figure
+// (reserve_full) from the first step to the last.
+TEST(CudaEngine, ReservationChangesNoLogit) {
+  SKIP_WITHOUT_MODEL();
+  const Model& m = *fixture().model;
+  const auto& P = fixture().prompts;
+  std::vector<std::vector<int32_t>> prompts = {
+      std::vector<int32_t>(P[2].begin(), P[2].begin() + 1024), P[0], P[1],
+      std::vector<int32_t>(P[2].begin(), P[2].begin() + 300)};
+  const int n_gen = 6;
+  for (const char* spec : {"full", "skvq:bits_key=2:bits_value=2:window=32"}) {
+    SCOPED_TRACE(spec);
+    EngineOptions before = engine_opts(spec, DType::kF16);
+    before.reserve_capacity = false;
+    auto ea = make_cuda_engine(m, before);
+    auto eb = make_cuda_engine(m, engine_opts(spec, DType::kF16));
+    ASSERT_FALSE(ea->reserves_capacity());
+    ASSERT_TRUE(eb->reserves_capacity());
+    const size_t n = prompts.size();
+    std::vector<int64_t> ia(n), ib(n);
+    std::vector<int32_t> last(n);
+    std::vector<float> la, lb;
+    const size_t V = static_cast<size_t>(m.config().vocab_size);
+    for (size_t i = 0; i < n; ++i) {
+      ia[i] = ea->add_sequence();
+      ib[i] = eb->add_sequence();
+      const int64_t len = static_cast<int64_t>(prompts[i].size());
+      ea->reserve(ia[i], len + n_gen - 1);  // ignored: reserve_capacity off
+      eb->reserve(ib[i], len + n_gen - 1);
+      ea->step(std::vector<SeqChunk>{{ia[i], prompts[i], true, true}}, &la);
+      eb->step(std::vector<SeqChunk>{{ib[i], prompts[i], true, true}}, &lb);
+      ASSERT_EQ(la.size(), V);
+      ASSERT_EQ(0, std::memcmp(la.data(), lb.data(), V * 4)) << "prefill of sequence " << i;
+      last[i] = argmax(la);
+    }
+    auto check_reserved = [&](const char* when) {
+      if (std::string(spec) != "full") return;
+      for (size_t i = 0; i < n; ++i) {
+        MemoryPlanRequest req;
+        req.model = m.config();
+        req.cache = eb->options().cache;
+        req.kv_dtype = DType::kF16;
+        req.prompt_tokens = static_cast<int64_t>(prompts[i].size());
+        req.max_new_tokens = n_gen;
+        req.prefill_step = req.prompt_tokens;
+        req.reserve_full = true;
+        EXPECT_EQ(eb->memory(ib[i]).bytes_resident, plan_memory(req).cache_bytes_resident)
+            << "sequence " << i << " " << when;
+      }
+    };
+    check_reserved("after the prompt");
+    for (int s = 1; s < n_gen; ++s) {
+      std::vector<SeqChunk> ca, cb;
+      for (size_t i = 0; i < n; ++i) {
+        ca.push_back({ia[i], std::span<const int32_t>(&last[i], 1)});
+        cb.push_back({ib[i], std::span<const int32_t>(&last[i], 1)});
+      }
+      ea->step(ca, &la);
+      eb->step(cb, &lb);
+      ASSERT_EQ(la.size(), n * V);
+      ASSERT_EQ(lb.size(), n * V);
+      for (size_t i = 0; i < n; ++i) {
+        EXPECT_EQ(0, std::memcmp(la.data() + i * V, lb.data() + i * V, V * 4))
+            << "decode step " << s << " sequence " << i << ": reserved differs";
+        last[i] = argmax(std::vector<float>(la.begin() + static_cast<std::ptrdiff_t>(i * V),
+                                            la.begin() + static_cast<std::ptrdiff_t>((i + 1) * V)));
+      }
+    }
+    check_reserved("after the last decode step");
+    for (size_t i = 0; i < n; ++i)
+      EXPECT_EQ(eb->memory(ib[i]).tokens_seen, static_cast<int64_t>(prompts[i].size()) + n_gen - 1);
   }
 }
 

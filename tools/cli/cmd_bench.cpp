@@ -3,7 +3,8 @@
 //   veloxquant bench [--model DIR] [--device cpu|cuda] --methods "full,skvq:bits_key=4:..."
 //       [--batch 8] [--context 32768] [--gen 32] [--prompt-ids random] [--prefill-step N]
 //       [--max-batch-fit] [--plan-only] [--seed S] [--threads N] [--kv-dtype ...] [--json]
-//       [--tensor-parallel N] [--phases] [--synthetic-prefill]
+//       [--tensor-parallel N] [--phases] [--synthetic-prefill] [--no-reserve]
+//       [--no-batch-decode]
 //
 // Per method: --batch sequences of --context random prompt ids (seeded, one prompt per sequence)
 // and --gen generated tokens each (greedy, no EOS stop) through the batch scheduler
@@ -22,7 +23,9 @@
 // --plan-only prints the planner's figures without running anything;
 // --phases (cuda) adds the time of each phase of the engine's steps (EngineOptions::time_phases);
 // --synthetic-prefill fills the caches with pseudo-random K/V instead of prefilling (no prefill
-// figure; decode only, see synthetic_run).
+// figure; decode only, see synthetic_run);
+// --no-reserve / --no-batch-decode (cuda) turn off EngineOptions::reserve_capacity / batch_decode
+// (the engine as before session 9, for a before / after in one run).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -69,6 +72,8 @@ struct BenchArgs {
   bool tp_simulate = false;  // --tp-simulate
   bool phases = false;
   bool synthetic_prefill = false;
+  bool no_reserve = false;       // --no-reserve (cuda): caches grow on demand (before session 9)
+  bool no_batch_decode = false;  // --no-batch-decode (cuda): one decode launch per sequence
 };
 
 std::vector<std::string> split_methods(const std::string& list) {
@@ -106,6 +111,7 @@ BatchGenerateResult synthetic_run(Engine& engine, int64_t batch, int64_t context
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t b = 0; b < batch; ++b) {
     ids.push_back(engine.add_sequence());
+    engine.reserve(ids.back(), context + std::max<int64_t>(gen - 1, 0));  // as batch_generate
     engine.fill_synthetic(ids.back(), context, chunk, seed);
   }
   *fill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -204,6 +210,7 @@ int run_bench(const BenchArgs& a) {
     req.max_batch = a.batch;
     req.tensor_parallel = a.tensor_parallel;
     req.ranks_per_device = one_memory ? a.tensor_parallel : 1;
+    req.reserve_full = dev == Device::kCuda && !a.no_reserve;  // the CUDA engine reserves
     row.plan = plan_memory(req);
     row.batch = a.max_batch_fit ? row.plan.max_sequences : a.batch;
     if (a.max_batch_fit && row.batch < 1) check_fits(row.plan, req, 1);  // refuses, naming why
@@ -214,6 +221,8 @@ int run_bench(const BenchArgs& a) {
       eo.tensor_parallel = a.tensor_parallel;
       eo.tp_simulate = a.tp_simulate;
       eo.time_phases = a.phases;
+      eo.reserve_capacity = !a.no_reserve;
+      eo.batch_decode = !a.no_batch_decode;
       if (dev == Device::kCuda) {  // refused before the engine uploads anything
         req.max_batch = row.batch;
         check_fits(plan_memory(req), req, row.batch);
@@ -311,6 +320,8 @@ int run_bench(const BenchArgs& a) {
                           {"device", device_name(dev)},
                           {"kv_dtype", a.kv_dtype},
                           {"weight_bytes_per_token", model->weight_bytes_per_token()},
+                          {"reserve", !a.no_reserve},
+                          {"batch_decode", !a.no_batch_decode},
                           {"methods", out}};
     std::printf("%s\n", top.dump(2).c_str());
     return 0;
@@ -384,6 +395,11 @@ void add_bench_command(CLI::App& app, int* status) {
                 "fill each sequence's caches with pseudo-random K/V (Engine::fill_synthetic, no "
                 "model forward: no prefill figure) and time gen - 1 greedy decode steps: decode "
                 "at batches whose real prefill would take minutes");
+  cmd->add_flag("--no-reserve", a->no_reserve,
+                "cuda: caches grow on demand instead of reserving each sequence's length (for "
+                "comparison)");
+  cmd->add_flag("--no-batch-decode", a->no_batch_decode,
+                "cuda: one decode-attention launch per sequence and layer (for comparison)");
   cmd->add_flag("--phases", a->phases,
                 "cuda: time each phase of the engine's steps with CUDA events (one host sync per "
                 "step) and print ms per step per phase");
