@@ -11,11 +11,17 @@ prefills random token ids of `--context` tokens per sequence at each batch size,
             group 64, keys per channel as the KIVI-style default), "sdpa"
   vq:SPEC   veloxquant.Cache(SPEC), attn_implementation "veloxquant" (fused attention over the
             packed rows)
+  vqc:SPEC  the same with the decode steps through torch.compile (inductor, CUDA graphs: mode
+            "reduce-overhead", fullgraph, what transformers' generate uses for a compileable
+            cache; python/veloxquant/compiled.py: the cache's step runs between the graphs)
+  static    transformers' StaticCache with the same compiled decode steps and "sdpa": the
+            fastest transformers decode, as a reference (no compression)
 With --rounds N every cache runs N times, interleaved, and the table gives the run of median
 decode rate with the rounds' range (at batch 1 a decode step is mostly the host's Python loop).
 Per run: prefill tokens/s (one forward over the whole prompt, logits of the last token only),
 decode tokens/s (batch x steps / wall time of the steps after two warm-up steps, host loop
-included, as a user sees it), KV memory (torch.cuda.memory_allocated after the run minus before
+included, as a user sees it; compiled kinds warm up for 4 steps: compiling, recording the
+graphs), KV memory (torch.cuda.memory_allocated after the run minus before
 it: what the cache holds at the end), and the peak (max_memory_allocated over the run minus the
 memory allocated before it: cache plus activations). A run that fails (out of memory, a backend
 missing) is reported with its error and the others go on.
@@ -41,6 +47,15 @@ DEFAULT_CACHES = ("dynamic,quanto4,quanto2,vq:full,vq:skvq:bits_key=4:bits_value
 
 
 DEV = "cuda"
+
+
+def cache_kw(cache):
+    """The keyword that hands a cache to forward: `cache` from transformers 5.3 on."""
+    import inspect
+    from transformers.models.llama.modeling_llama import LlamaModel
+    name = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters \
+        else "past_key_values"
+    return {name: cache}
 
 
 def sync():
@@ -80,7 +95,23 @@ def make_model(layers):
     return model.eval()
 
 
-def make_cache(kind, model, context):
+_COMPILED = {}
+
+
+def decode_forward(model, kind):
+    """The decode step's callable: the model, or (vqc:, static) its compiled forward, made once
+    (dynamo keeps one graph per attention implementation)."""
+    if not (kind.startswith("vqc:") or kind == "static"):
+        return model
+    if "f" not in _COMPILED:
+        _COMPILED["f"] = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    return _COMPILED["f"]
+
+
+def make_cache(kind, model, context, batch, extra):
+    if kind == "static":
+        from transformers import StaticCache
+        return StaticCache(config=model.config, max_cache_len=context + extra), "sdpa"
     if kind == "dynamic":
         from transformers import DynamicCache
         return DynamicCache(), "sdpa"
@@ -88,9 +119,9 @@ def make_cache(kind, model, context):
         from transformers import QuantizedCache
         bits = int(kind[len("quanto"):])
         return QuantizedCache(backend="quanto", config=model.config, nbits=bits), "sdpa"
-    if kind.startswith("vq:"):
+    if kind.startswith("vq:") or kind.startswith("vqc:"):
         import veloxquant
-        spec = kind[3:]
+        spec = kind.split(":", 1)[1]
         if ":keep=" in spec:  # keep=F: that fraction of the prompt, as the CLI's --methods
             head, rest = spec.split(":keep=", 1)
             frac, _, tail = rest.partition(":")
@@ -114,26 +145,31 @@ def run_one(model, kind, batch, context, gen):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     base = allocated()
-    cache, impl = make_cache(kind, model, context)
+    compiled = kind.startswith("vqc:") or kind == "static"
+    warm, steps = (4 if compiled else 2), gen
+    cache, impl = make_cache(kind, model, context, batch, warm + steps + 1)
     set_attn(model, impl)
+    fwd = decode_forward(model, kind)
     g = torch.Generator(device=DEV).manual_seed(1234)
     ids = torch.randint(0, SHAPES["vocab_size"], (batch, context), device=DEV, generator=g)
     with torch.no_grad():
         sync()
         t0 = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         sync()
         t_prefill = time.perf_counter() - t0
         del out
         vq_prompt = vq_resident(cache)
         kv_prompt = allocated() - base + vq_prompt
-        warm, steps = 2, gen
+        # positions passed as generate passes them (a compiled step reads no host counter)
+        pos = torch.arange(context, context + warm + steps, device=DEV).view(1, -1)
         for i in range(warm + steps):
             if i == warm:
                 sync()
                 t1 = time.perf_counter()
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = fwd(input_ids=nxt, position_ids=pos[:, i:i + 1].expand(batch, 1),
+                      **cache_kw(cache), use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             del out
         sync()

@@ -7,6 +7,8 @@ attention of src/ops over the returned view, packed rows read in place. Without 
 or another Cache class) it falls back to transformers' SDPA attention on the tensors it was given.
 The causal test uses each stored row's own position, so no mask is built for it (the function
 is deliberately not registered with the mask interface: transformers then passes no mask).
+Under torch.compile the step is compiled.py's attend op over the layer that the cache's update
+named with its park op (a compiled graph cannot carry the Python attribute of the eager path).
 """
 
 from __future__ import annotations
@@ -15,13 +17,24 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import compiled as _compiled
+
 NAME = "veloxquant"
+
+
+def _check_dropout(dropout) -> None:
+    if dropout:
+        raise ValueError(f"[veloxquant.attention] dropout: expected 0 (inference) but got {dropout}")
 
 
 def veloxquant_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          sliding_window=None, **kwargs):
     """transformers attention interface: query [B, H_q, S, D], key/value [B, H_kv, S, D];
     returns ([B, S, H_q, D], None)."""
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", 0)
+    if torch.compiler.is_compiling():
+        _check_dropout(dropout)
+        return _compiled.attend(query, key, value, float(scaling or 0.0), int(window or 0)), None
     layer = getattr(key, "_vq_layer", None)
     if layer is None:
         n_q, n_k = query.shape[2], key.shape[2]
@@ -35,9 +48,7 @@ def veloxquant_attention(module, query, key, value, attention_mask, dropout=0.0,
                                       dropout=dropout, sliding_window=sliding_window, **kwargs)
     del key._vq_layer
     value = key.__dict__.pop("_vq_values", value)
-    if dropout:
-        raise ValueError(f"[veloxquant.attention] dropout: expected 0 (inference) but got {dropout}")
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", 0)
+    _check_dropout(dropout)
     out = layer.attend(query, key, value, scaling, int(window or 0), kwargs.get("position_ids"))
     return out, None
 

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache as _HFCache
 from transformers.cache_utils import CacheLayerMixin
 
 from . import _veloxquant as _vq
+from . import compiled as _compiled
 from .config import CacheConfig
 
 _MAGIC = b"VQPYCACH"
@@ -83,7 +84,9 @@ def _new_storage(config: CacheConfig, head_dim: int, device: torch.device, batch
 class CacheLayer(CacheLayerMixin):
     """One model layer's veloxquant cache (transformers' per-layer cache object)."""
 
-    is_compileable = False
+    # Decode steps compile (compiled.py: the C++ step as custom ops that run between the
+    # compiled pieces); prefill runs eagerly, as transformers' generate does.
+    is_compileable = True
     is_croppable = False
     is_sliding = False
 
@@ -94,6 +97,7 @@ class CacheLayer(CacheLayerMixin):
         self._cache: Any = None  # _veloxquant.LayerCache, created at the first update
         self._pending = False
         self.head_dim = 0
+        self._token = _compiled.register_layer(self)  # the compiled step's handle (compiled.py)
 
     # -- transformers' layer protocol -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -108,6 +112,13 @@ class CacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # A compiled step: the layer was made by an eager step before (transformers' generate
+            # prefills eagerly); the park op names it for the attention op (compiled.py).
+            if not self.is_initialized:
+                raise RuntimeError("[veloxquant.Cache] compiled step: expected an eager first "
+                                   "step (the prefill) before a compiled one")
+            return _compiled.park(key_states, self._token), value_states
         if self._pending:
             self._pending = False
             raise RuntimeError(
@@ -134,7 +145,8 @@ class CacheLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, window: int, position_ids: torch.Tensor | None):
-        """One attention step over the stored rows and this call's: [B, S, H_q, D] output."""
+        """One attention step over the stored rows and this call's: [B, S, H_q, D] output,
+        contiguous (the strides a fresh tensor of that shape has: compiled.py's fake says so)."""
         self._pending = False
         b, hq, s, d = query.shape
         offset = self._cache.offset
@@ -158,11 +170,13 @@ class CacheLayer(CacheLayerMixin):
             # A decode step: the query goes in its own dtype and strides and the output comes back
             # in it, converted on the device (cuda::decode_attention_typed), on torch's current
             # stream of the tensors' device (the stream the layer was made on): no copies made
-            # here, no synchronisation. [B, H_q, 1, D] transposed to [B, 1, H_q, D] is contiguous.
-            out = torch.empty((b, hq, 1, d), dtype=query.dtype, device=query.device)
-            self._cache.attend(key.detach(), value.detach(), query.detach(), out, scale, window,
-                               pass_queries, torch.cuda.current_stream(self.device).cuda_stream)
-            return out.transpose(1, 2)
+            # here, no synchronisation. With S = 1, [B, 1, H_q, D] and [B, H_q, 1, D] are the same
+            # contiguous bytes: the C++ side writes the latter, the caller gets the former.
+            out = torch.empty((b, 1, hq, d), dtype=query.dtype, device=query.device)
+            self._cache.attend(key.detach(), value.detach(), query.detach(), out.view(b, hq, 1, d),
+                               scale, window, pass_queries,
+                               torch.cuda.current_stream(self.device).cuda_stream)
+            return out
         q32 = query.detach().to(torch.float32).contiguous()
         out = torch.empty((b, hq, s, d), dtype=torch.float32, device=query.device)
         args = (key.detach(), value.detach(), q32, out, scale, window, pass_queries)
@@ -170,7 +184,9 @@ class CacheLayer(CacheLayerMixin):
             self._cache.attend(*args, torch.cuda.current_stream(self.device).cuda_stream)
         else:
             self._cache.attend(*args)
-        return out.to(query.dtype).transpose(1, 2).contiguous()
+        res = torch.empty((b, s, hq, d), dtype=query.dtype, device=query.device)
+        res.copy_(out.transpose(1, 2))
+        return res
 
     def get_seq_length(self) -> int:
         """Tokens seen (the next token's position), not the rows kept after eviction."""
@@ -296,6 +312,12 @@ class Cache(_HFCache):
     @property
     def is_croppable(self) -> bool:
         return self.method == "full"
+
+    @property
+    def is_compileable(self) -> bool:
+        # Every layer is (CacheLayer.is_compileable), including those the eager prefill makes
+        # lazily: transformers asks before the prefill, when a lazily built cache has none yet.
+        return True
 
     # -- figures ----------------------------------------------------------------------------------
     def stats(self) -> list:
