@@ -274,17 +274,16 @@ def test_refusals():
 
 
 @needs_cuda
-@pytest.mark.parametrize("method", ["full", "skvq", "snapkv+skvq"])
-def test_compiled_cuda_graph_steps_reach_the_cache(method):
+def test_compiled_cuda_graph_steps_reach_the_cache():
     """Decode steps through torch.compile with inductor in CUDA-graph mode (what transformers'
-    generate uses; compiled.py): the cache's custom ops run between the graphs at every step, so
-    the cache ends with the eager run's figures (rows, tokens, bytes: a replayed graph that had
-    captured the step would leave them at the first step's), and the greedy choice of every
-    teacher-forced step is the eager one's. Inductor fuses the rest of the model differently from
-    eager torch, so logits differ by fp32 roundings and the rows stored can differ in their last
-    bits: the comparison is of figures and greedy choices (this model's top-2 logit gaps are
-    far above such roundings), not of bytes."""
-    from conftest import kv as kv_
+    generate uses; compiled.py), for full, skvq and snapkv+skvq through one compiled forward:
+    the cache's custom ops run between the graphs at every step, so the cache ends with the
+    eager run's figures (rows, tokens, bytes: a replayed graph that had captured the step would
+    leave them at the first step's), and the greedy choice of every teacher-forced step is the
+    eager one's. Inductor fuses the rest of the model differently from eager torch, so logits
+    differ by fp32 roundings and the rows stored can differ in their last bits: the comparison
+    is of figures and greedy choices (this model's top-2 logit gaps are far above such
+    roundings), not of bytes."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (1, 56), generator=g).cuda()
     model = llama64(device="cuda")
@@ -293,17 +292,18 @@ def test_compiled_cuda_graph_steps_reach_the_cache(method):
 
     def run(forward, cache):
         with torch.no_grad():
-            model(ids[:, :40], **kv_(cache), use_cache=True)
+            model(ids[:, :40], **kv(cache), use_cache=True)
             picks = []
             for t in range(40, ids.shape[1]):
                 pos = torch.tensor([[t]], device="cuda")
-                out = forward(input_ids=ids[:, t:t + 1], position_ids=pos, **kv_(cache),
+                out = forward(input_ids=ids[:, t:t + 1], position_ids=pos, **kv(cache),
                               use_cache=True)
                 picks.append(int(out.logits[0, -1].argmax()))
         return picks
 
-    eager_cache, comp_cache = veloxquant.Cache(SPECS[method]), veloxquant.Cache(SPECS[method])
-    ref = run(model.forward, eager_cache)
-    got = run(fwd, comp_cache)
-    assert figures(comp_cache.stats()) == figures(eager_cache.stats())
-    assert got == ref
+    for method in ("full", "skvq", "snapkv+skvq"):
+        eager_cache, comp_cache = veloxquant.Cache(SPECS[method]), veloxquant.Cache(SPECS[method])
+        ref = run(model.forward, eager_cache)
+        got = run(fwd, comp_cache)
+        assert figures(comp_cache.stats()) == figures(eager_cache.stats()), method
+        assert got == ref, method
