@@ -8,7 +8,11 @@
 #          K2V2, snapkv and snapkv+skvq and the largest batch the planner fits at 32K for full,
 #          K4V4 and K2V2 (decode over --synthetic-prefill caches), 1 x 32K real prefill (full,
 #          K2V2), 1 x 4K (full, K4V4, K2V2), tools/bench_transformers.py at 8 x 32K, then
-#          test_cuda_eval; each part cut off by its own limit so one call holds them all.
+#          test_cuda_eval but its passkey test; each part cut off by its own limit so one call
+#          holds them all;
+#   fit:   bench --max-batch-fit at 32K (prefill step 8192) for full and skvq K2V2, one method
+#          per process, progress on stderr;
+#   passkey: test_cuda_eval's passkey test (CPU and CUDA answers), cut off at PASSKEY_LIMIT s.
 # Output: OUT (default DIR/out): log.txt and one JSON per run (at most 8 files).
 set -uo pipefail
 mode=${1:-check}
@@ -112,6 +116,17 @@ if [ "$mode" = bench ]; then
   run "transformers 8x32k" 60 python3 tools/bench_transformers.py "$M8" --batch 8 \
     --context 32768 --gen 16 --repeats 1 --out "$out/transformers_8x32k.json"
   cd /tmp/vqe
-  run test_cuda_eval 60 ./test_cuda_eval
+  run test_cuda_eval 60 ./test_cuda_eval --gtest_filter=-*Passkey*
+fi
+if [ "$mode" = fit ]; then  # the largest batch at 32K, each method alone, progress on stderr
+  [ -d "$M8" ] || make8b
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+  for m in full skvq:bits_key=2:bits_value=2; do
+    run "fit $m" 60 "$V" bench --device cuda --model "$M8" --no-check-weights --methods "$m" \
+      --max-batch-fit --context 32768 --gen 16 --prefill-step 8192 --synthetic-prefill
+  done
+fi
+if [ "$mode" = passkey ]; then  # the CPU and CUDA passkey answers (test_cuda_eval), long limit
+  run "test_cuda_eval Passkey" "${PASSKEY_LIMIT:-240}" ./test_cuda_eval --gtest_filter=*Passkey*
 fi
 echo "done: $mode"

@@ -27,10 +27,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv,nohea
 run() {  # label, timeout, command...
   local label=$1 limit=$2
   shift 2
-  echo "=== $label: $*"
+  echo "=== $label: $*" >&2
   SECONDS=0
   timeout "$limit" "$@"
-  echo "=== $label rc=$? ${SECONDS}s"
+  echo "=== $label rc=$? ${SECONDS}s" >&2
 }
 gtest() {  # program, timeout, args...: the summary lines only
   local t=$1 limit=$2
