@@ -14,6 +14,10 @@ namespace vq::cuda {
 namespace detail {
 
 void throw_cuda_error(cudaError_t e, const char* call, const char* file, int line) {
+  // Consume the thread's last error: a failure the caller catches and handles (a refused
+  // allocation with a smaller fallback) must not resurface at the next VQ_CUDA_LAUNCH_CHECK,
+  // which reads cudaGetLastError(). Sticky errors stay: the runtime returns them again anyway.
+  (void)cudaGetLastError();
   throw Error(std::string("[cuda] expected ") + call + " to succeed but it failed at " + file +
               ":" + std::to_string(line) + ": " + cudaGetErrorName(e) + ": " +
               cudaGetErrorString(e));

@@ -470,6 +470,17 @@ TEST(CudaCaches, FullMatchesCpu) {
             1000);
 }
 
+// A refused allocation that the caller catches (DeviceBuffer's cudaMalloc of 4 PiB) leaves no
+// stale error behind: the next kernel launches and their checks succeed (a bench once failed at
+// a later engine's first launch check after copy_bandwidth's fallback from a refused buffer).
+TEST(CudaCaches, RefusedAllocationLeavesLaterLaunchesWorking) {
+  SKIP_WITHOUT_DEVICE();
+  EXPECT_THROW(cuda::DeviceBuffer(size_t{1} << 52), Error);
+  Case c;
+  c.cfg = config("full");
+  run_cases("full after a refused allocation", {c.with({5, 1}, "full f16 B1 H2 D64")}, 1000);
+}
+
 TEST(CudaCaches, FullTrimMatchesCpu) {
   SKIP_WITHOUT_DEVICE();
   CacheConfig cfg;
