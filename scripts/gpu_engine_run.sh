@@ -12,7 +12,9 @@
 #          holds them all;
 #   fit:   bench --max-batch-fit at 32K (prefill step 8192) for full and skvq K2V2, one method
 #          per process, progress on stderr;
-#   passkey: test_cuda_eval's passkey test (CPU and CUDA answers), cut off at PASSKEY_LIMIT s.
+#   passkey: test_cuda_eval's passkey test (CPU and CUDA answers), cut off at PASSKEY_LIMIT s;
+#   writes: the row-write batch tests and bench with and without --no-batch-writes at 8 x 32K and
+#          at the largest batch at 32K (prefill step 8192), --phases, the plan at step 512.
 # Output: OUT (default DIR/out): log.txt and one JSON per run (at most 8 files).
 set -uo pipefail
 mode=${1:-check}
@@ -125,6 +127,25 @@ if [ "$mode" = fit ]; then  # the largest batch at 32K, each method alone, progr
     run "fit $m" 60 "$V" bench --device cuda --model "$M8" --no-check-weights --methods "$m" \
       --max-batch-fit --context 32768 --gen 16 --prefill-step 8192 --synthetic-prefill
   done
+fi
+if [ "$mode" = writes ]; then  # batched cache row writes (EngineOptions::batch_cache_writes)
+  for t in test_cuda_row_writes test_cuda_caches test_cuda_decode_batch test_cuda_engine; do
+    run "$t" 150 ./"$t" 2>&1 |
+      grep -E "^\[  (PASSED|FAILED) |FAILED TEST|Failure|differ|error|batched vs" | head -40
+  done
+  run test_cuda_eval 60 ./test_cuda_eval --gtest_filter=-*Passkey* 2>&1 | tail -4
+  make8b
+  Q=skvq:bits_key=4:bits_value=4,skvq:bits_key=2:bits_value=2
+  B="--context 32768 --gen 16 --synthetic-prefill"
+  bench writes_8x32k 60 --methods "full,$Q" --batch 8 --prefill-step 32768 $B
+  bench nowrites_8x32k 60 --methods "full,$Q" --batch 8 --prefill-step 32768 $B --no-batch-writes
+  bench writes_max32k 100 --methods "full,$Q" --max-batch-fit --prefill-step 8192 $B
+  bench nowrites_max32k 60 --methods skvq:bits_key=2:bits_value=2 --max-batch-fit \
+    --prefill-step 8192 $B --no-batch-writes
+  bench writes_phases 60 --methods full,skvq:bits_key=2:bits_value=2 --batch 8 \
+    --prefill-step 32768 $B --phases
+  run "plan, prefill step 512" 30 "$V" bench --device cuda --model "$M8" --no-check-weights \
+    --methods "full,$Q" --max-batch-fit --context 32768 --gen 16 --plan-only
 fi
 if [ "$mode" = passkey ]; then  # the CPU and CUDA passkey answers (test_cuda_eval), long limit
   run "test_cuda_eval Passkey" "${PASSKEY_LIMIT:-240}" ./test_cuda_eval --gtest_filter=*Passkey*

@@ -64,6 +64,10 @@ struct EngineOptions {
   // CUDA engine: Engine::reserve sizes a sequence's caches for its whole length up front
   // (reserves_capacity() true). false: reserve() does nothing and the caches grow on demand.
   bool reserve_capacity = true;
+  // CUDA engine: the caches' row writes of a step's layer are recorded and launched together,
+  // up to 24 per launch (cuda::RowWriteBatch, veloxquant/cuda_row_writes.h), before the layer's
+  // attention. false: each write launches on its own (for comparison; the same bytes either way).
+  bool batch_cache_writes = true;
 };
 
 // Time spent in one phase of the steps of one kind (EngineOptions::time_phases): gpu_seconds is

@@ -68,7 +68,7 @@ void check_blocks(const TensorView& keys, const TensorView& values, int64_t batc
 }
 
 void convert_block(const TensorView& src, int64_t s0, int64_t n, void* dst, DType dst_t,
-                   int64_t cap, int64_t row0, Stream s) {
+                   int64_t cap, int64_t row0, Stream s, bool may_defer) {
   if (n <= 0) return;
   ConvertRowsParams p;
   p.src = src.data;
@@ -86,11 +86,12 @@ void convert_block(const TensorView& src, int64_t s0, int64_t n, void* dst, DTyp
   p.dst_dtype = static_cast<int>(dst_t);
   p.dst_cap = cap;
   p.dst_row0 = row0;
-  convert_rows_launch(p, to_stream(s));
+  if (!may_defer || !record_row_write(p, 0, 0, s)) convert_rows_launch(p, to_stream(s));
 }
 
 void copy_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src, int64_t src_cap,
                  int64_t src_row0, int64_t frames, int64_t n, int64_t row_bytes, Stream s) {
+  flush_row_writes(s);
   if (frames <= 0 || n <= 0) return;
   VQ_CUDA_CHECK(cudaMemcpy2DAsync(
       static_cast<char*>(dst) + dst_row0 * row_bytes, static_cast<size_t>(dst_cap * row_bytes),
@@ -100,12 +101,23 @@ void copy_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src, 
 }
 
 void fill_positions(int32_t* pos, int64_t frames, int64_t cap, int64_t row0, int64_t n,
-                    int64_t first, Stream s) {
+                    int64_t first, Stream s, bool may_defer) {
+  if (frames <= 0 || n <= 0) return;
+  ConvertRowsParams p;
+  p.dst = pos;
+  p.batch = frames;
+  p.heads = 1;
+  p.n = n;
+  p.head_dim = 1;
+  p.dst_cap = cap;
+  p.dst_row0 = row0;
+  if (may_defer && record_row_write(p, 1, static_cast<int32_t>(first), s)) return;
   fill_positions_launch(pos, frames, cap, row0, n, static_cast<int32_t>(first), to_stream(s));
 }
 
 void download_frames(void* dst, int64_t dst_cap, const void* src, int64_t src_cap, int64_t src_row0,
                      int64_t frames, int64_t n, int64_t row_bytes, Stream s) {
+  flush_row_writes(s);
   if (frames <= 0 || n <= 0) return;
   VQ_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(dst_cap * row_bytes),
                                   static_cast<const char*>(src) + src_row0 * row_bytes,
@@ -117,6 +129,7 @@ void download_frames(void* dst, int64_t dst_cap, const void* src, int64_t src_ca
 
 void upload_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src, int64_t src_cap,
                    int64_t frames, int64_t n, int64_t row_bytes, Stream s) {
+  flush_row_writes(s);
   if (frames <= 0 || n <= 0) return;
   VQ_CUDA_CHECK(cudaMemcpy2DAsync(
       static_cast<char*>(dst) + dst_row0 * row_bytes, static_cast<size_t>(dst_cap * row_bytes), src,

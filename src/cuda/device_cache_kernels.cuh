@@ -25,6 +25,22 @@ struct ConvertRowsParams {
 // vq::convert_row; the same dtype is copied bit for bit).
 void convert_rows_launch(const ConvertRowsParams& p, cudaStream_t s);
 
+// Many writes in few launches (src/cuda/row_writes.cpp): each item a conversion of
+// convert_rows_launch (kind 0) or a position run of fill_positions_launch (kind 1: dst = pos,
+// batch = frames, heads = 1, head_dim = 1, dst_cap = cap, dst_row0 = row0, first), applied in
+// order (items write disjoint rows, so order does not change the result).
+struct RowWriteItem {
+  ConvertRowsParams p;
+  int kind = 0;
+  int32_t first = 0;
+};
+inline constexpr int kRowWritesPerLaunch = 24;  // kernel parameters stay under 4 KiB
+struct RowWriteItems {
+  RowWriteItem item[kRowWritesPerLaunch];
+  int count = 0;
+};
+void row_writes_launch(const RowWriteItems& items, cudaStream_t s);
+
 // pos[f*cap + row0 + i] = first + i for every frame f < n_frames and i < n.
 void fill_positions_launch(int32_t* pos, int64_t n_frames, int64_t cap, int64_t row0, int64_t n,
                            int32_t first, cudaStream_t s);

@@ -83,10 +83,13 @@ class PolicyDeviceCache final : public DeviceKVCache {
     detail::check_blocks(keys, values, batch_, heads_, head_dim_, op().c_str());
     UpdateOptions o;
     o.queries = opts.queries;
+    // inside an open RowWriteBatch the stores' writes from these blocks are recorded
+    const detail::UpdateCall call(stream_, keys.data, values.data);
     const CacheView v = p_->update_and_fetch(keys, values, o);
     return device_view(v, batch_, heads_, head_dim_);
   }
   DeviceCacheView stored_view() const override {
+    detail::flush_row_writes(stream_);  // the view's reader cannot see a pending row
     return device_view(p_->stored_view(), batch_, heads_, head_dim_);
   }
   int64_t offset() const override { return p_->offset(); }

@@ -46,8 +46,9 @@ class CudaRowStore final : public kv::RowStore {
     pos_ = pb_.as<int32_t>();
   }
   ~CudaRowStore() override {
-    // Queued work may still read this memory.
+    // Recorded writes may target this memory, queued work may still read it.
     try {
+      detail::flush_row_writes(stream_);
       synchronize(stream_);
     } catch (...) {  // a sticky device error: nothing left to protect
     }
@@ -55,6 +56,7 @@ class CudaRowStore final : public kv::RowStore {
 
   void copy_range(const kv::RowStore& src, int64_t src_row0, int64_t dst_row0, int64_t n) override {
     if (n <= 0) return;
+    detail::flush_row_writes(stream_);
     const int64_t F = shape_.frames(), rb = shape_.row_bytes();
     if (src.shape().dtype != shape_.dtype) {  // another store: converted rows, positions copied
       detail::convert_block(src.keys(src_row0, n), 0, n, k_, shape_.dtype, capacity_, dst_row0,
@@ -85,17 +87,18 @@ class CudaRowStore final : public kv::RowStore {
 
   void write_block(const TensorView& keys, const TensorView& values, int64_t s0, int64_t n,
                    int64_t row0) override {
-    detail::convert_block(keys, s0, n, k_, shape_.dtype, capacity_, row0, stream_);
-    detail::convert_block(values, s0, n, v_, shape_.dtype, capacity_, row0, stream_);
+    detail::convert_block(keys, s0, n, k_, shape_.dtype, capacity_, row0, stream_, true);
+    detail::convert_block(values, s0, n, v_, shape_.dtype, capacity_, row0, stream_, true);
   }
 
   void fill_positions(int64_t row0, int64_t n, int64_t first) override {
-    detail::fill_positions(pos_, shape_.frames(), capacity_, row0, n, first, stream_);
+    detail::fill_positions(pos_, shape_.frames(), capacity_, row0, n, first, stream_, true);
   }
 
   void gather(const kv::RowStore& src, const kv::RowIndex& idx, int64_t src_first) override {
     const int64_t F = shape_.frames(), rb = shape_.row_bytes(), count = idx.count;
     if (count <= 0) return;
+    detail::flush_row_writes(stream_);
     // gather_rows writes [F, count] contiguous: gather straight into this store when its
     // capacity is the count, else through a contiguous scratch.
     const bool direct = capacity_ == count;
@@ -176,6 +179,7 @@ class CudaPackedStore final : public kv::PackedStore {
   }
   ~CudaPackedStore() override {
     try {
+      detail::flush_row_writes(stream_);
       synchronize(stream_);  // queued work may still read this memory
     } catch (...) {          // a sticky device error: nothing left to protect
     }
@@ -199,6 +203,7 @@ class CudaPackedStore final : public kv::PackedStore {
   void quantize(const kv::RowStore& rows, int64_t src_row0, int64_t n, int64_t dst_row0,
                 const GroupQuantParams& qk, const GroupQuantParams& qv,
                 const kv::PackedTransforms& t) override {
+    detail::flush_row_writes(stream_);  // the rows may still be pending
     if (n <= 0) return;
     const kv::RowShape& rs = rows.shape();
     const int64_t F = shape_.frames(), rb = rs.row_bytes();
@@ -226,6 +231,7 @@ class CudaPackedStore final : public kv::PackedStore {
   }
 
   void gather(const kv::PackedStore& src_base, const kv::RowIndex& idx) override {
+    detail::flush_row_writes(stream_);
     const auto& src = static_cast<const CudaPackedStore&>(src_base);
     const int64_t F = shape_.frames(), count = idx.count;
     if (count <= 0) return;
@@ -254,6 +260,7 @@ class CudaPackedStore final : public kv::PackedStore {
 
   void dequantize_keys(int64_t src_row0, int64_t n, kv::RowStore& dst, int64_t dst_row0,
                        const kv::PackedTransforms& t) const override {
+    detail::flush_row_writes(stream_);
     VQ_CHECK(dst.shape().dtype == DType::kF32,
              "[cuda packed store] internal: dequantize_keys expected a float32 store");
     if (n <= 0) return;
@@ -457,7 +464,10 @@ class CudaBackend final : public kv::RowBackend {
 
   bool one_packed_run() const override { return true; }
 
-  void synchronize() const override { vq::cuda::synchronize(stream_); }
+  void synchronize() const override {
+    detail::flush_row_writes(stream_);
+    vq::cuda::synchronize(stream_);
+  }
 
  private:
   Stream stream_;

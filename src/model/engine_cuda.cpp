@@ -9,11 +9,13 @@
 // product over the group's rows uploaded as one matrix, fp32 outputs, bias + RoPE (host cos/sin
 // tables, rope_cos_sin) into head-major per chunk: q fp32 [H_q, S, D], k/v [H_kv, S, D] in
 // EngineOptions::kv_dtype; per chunk its sequence's
-// DeviceKVCache::update_and_fetch (queries passed for SnapKV query scoring), then attention over
-// the view: prefill_attention for chunks of several tokens, the planned decode kernels for single
-// tokens (planned at the first layer of a step, re-planned only when a later layer's view has
-// another shape; when n sequences decode, each one's plan takes its share of whole waves of
-// blocks over all n, and all n run in ONE split launch and one combine per layer and rank,
+// DeviceKVCache::update_and_fetch (queries passed for SnapKV query scoring; the caches' row
+// writes of all the chunks recorded and launched together before any attention reads them,
+// EngineOptions::batch_cache_writes, veloxquant/cuda_row_writes.h), then attention over the view:
+// prefill_attention for chunks of several tokens, the planned decode kernels for single tokens
+// (planned at the first layer of a step, re-planned only when a later layer's view has another
+// shape; when n sequences decode, each one's plan takes its share of whole waves of blocks over all
+// n, and all n run in ONE split launch and one combine per layer and rank,
 // cuda::decode_attention_run_batch, EngineOptions::batch_decode; a query-head group the decode
 // kernels do not take runs per sequence as sub-groups of the largest power of two dividing it);
 // o_proj, residual, RMSNorm, gate|up (one product), SwiGLU,
@@ -47,6 +49,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -54,6 +57,7 @@
 #include "cuda/model_ops.cuh"
 #include "veloxquant/cuda.h"
 #include "veloxquant/cuda_cache.h"
+#include "veloxquant/cuda_row_writes.h"
 #include "veloxquant/engine.h"
 #include "veloxquant/error.h"
 #include "veloxquant/multi_gpu.h"
@@ -768,6 +772,10 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   std::vector<cuda::DeviceCacheView> dec_views;  // stable storage: the items point into it
   dec_views.reserve(static_cast<size_t>(n_single));
   std::vector<cuda::DecodeBatchItem> dec_items;
+  // The caches' row writes recorded and launched together (EngineOptions::batch_cache_writes),
+  // flushed before any attention reads them.
+  std::optional<cuda::RowWriteBatch> writes;
+  if (opts_.batch_cache_writes) writes.emplace(R.stream);
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence& s = seqs_.at(chunks[i].seq);
     RankSeq& rs = s.ranks[r];
@@ -795,10 +803,17 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
         cuda::decode_attention_run(plan, qb, dec_views.back(), ob, R.ws, R.stream);
       }
     } else if (n == 1) {
+      if (writes) writes->flush();
       decode(R, rs, view, ap, qb, ob, n_dec);
     } else {
+      if (writes) writes->flush();
       cuda::prefill_attention(qb, Hq, n, view, ap, ob, R.stream);
     }
+  }
+  if (writes) {
+    mark(r, kPhCache);
+    writes->flush();
+    mark(r, kPhAttn);
   }
   if (!dec_items.empty()) cuda::decode_attention_run_batch(dec_items, R.ws, R.stream);
   mark(r, kPhOProj);

@@ -24,7 +24,8 @@
 // --phases (cuda) adds the time of each phase of the engine's steps (EngineOptions::time_phases);
 // --synthetic-prefill fills the caches with pseudo-random K/V instead of prefilling (no prefill
 // figure; decode only, see synthetic_run);
-// --no-reserve / --no-batch-decode (cuda) turn off EngineOptions::reserve_capacity / batch_decode
+// --no-reserve / --no-batch-decode / --no-batch-writes (cuda) turn off EngineOptions::
+// reserve_capacity / batch_decode / batch_cache_writes
 // (the engine as before session 9, for a before / after in one run).
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -74,6 +75,7 @@ struct BenchArgs {
   bool synthetic_prefill = false;
   bool no_reserve = false;       // --no-reserve (cuda): caches grow on demand (before session 9)
   bool no_batch_decode = false;  // --no-batch-decode (cuda): one decode launch per sequence
+  bool no_batch_writes = false;  // --no-batch-writes (cuda): each cache row write on its own
 };
 
 std::vector<std::string> split_methods(const std::string& list) {
@@ -223,6 +225,7 @@ int run_bench(const BenchArgs& a) {
       eo.time_phases = a.phases;
       eo.reserve_capacity = !a.no_reserve;
       eo.batch_decode = !a.no_batch_decode;
+      eo.batch_cache_writes = !a.no_batch_writes;
       if (dev == Device::kCuda) {  // refused before the engine uploads anything
         req.max_batch = row.batch;
         check_fits(plan_memory(req), req, row.batch);
@@ -322,6 +325,7 @@ int run_bench(const BenchArgs& a) {
                           {"weight_bytes_per_token", model->weight_bytes_per_token()},
                           {"reserve", !a.no_reserve},
                           {"batch_decode", !a.no_batch_decode},
+                          {"batch_cache_writes", !a.no_batch_writes},
                           {"methods", out}};
     std::printf("%s\n", top.dump(2).c_str());
     return 0;
@@ -400,6 +404,8 @@ void add_bench_command(CLI::App& app, int* status) {
                 "comparison)");
   cmd->add_flag("--no-batch-decode", a->no_batch_decode,
                 "cuda: one decode-attention launch per sequence and layer (for comparison)");
+  cmd->add_flag("--no-batch-writes", a->no_batch_writes,
+                "cuda: each cache row write launches on its own (for comparison)");
   cmd->add_flag("--phases", a->phases,
                 "cuda: time each phase of the engine's steps with CUDA events (one host sync per "
                 "step) and print ms per step per phase");
