@@ -396,6 +396,16 @@ TEST_F(BatchTest, PlannerEqualsTheCachesPeak) {
                      c.skvq_layer_bits_key = "4";
                      for (int64_t l = 1; l < n_layers; ++l) c.skvq_layer_bits_key += "/2";
                    }});
+  // Channel-axis keys (one (lo, scale) per channel over a chunk or over runs of skvq_key_rows
+  // rows): the channel-axis byte formula, not the token-axis one.
+  for (const char* m : {"skvq", "snapkv+skvq"})
+    for (int64_t rows : {0, 7})
+      cases.push_back({m, 90, 32, 40, [rows](CacheConfig& c) {
+                         c.skvq_key_axis = QuantAxis::kChannel;
+                         c.skvq_key_rows = rows;
+                         c.skvq_group_size = 32;
+                         c.snap_evict_at = SnapEvictAt::kPromptEnd;  // snapkv+skvq needs it
+                       }});
   for (const PlanCase& pc : cases) {
     for (DType kv : {DType::kF16, DType::kF32}) {
       CacheConfig cc = small_config(pc.method);

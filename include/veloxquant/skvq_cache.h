@@ -129,6 +129,11 @@ class SkvqCache final : public KVCache {
   std::unique_ptr<skvq::State> st_;
 };
 
+// Packed bytes per (b, h) of one flushed chunk of n rows in layer `layer` at cfg's settings, keys
+// and values: its runs of skvq_key_rows rows each counted, channel-axis keys by the channel-axis
+// formula (group_quant.h), as the cache's stats count them. For the memory planner.
+int64_t skvq_flushed_chunk_bytes(const CacheConfig& cfg, int64_t layer, int64_t n);
+
 // ---- calibrated permutations ------------------------------------------------------------------
 
 struct SkvqPermSet {

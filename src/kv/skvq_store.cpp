@@ -752,3 +752,15 @@ int64_t Store::resident_bytes() const {
 }
 
 }  // namespace vq::skvq
+
+namespace vq {
+
+int64_t skvq_flushed_chunk_bytes(const CacheConfig& cfg, int64_t layer, int64_t n) {
+  const skvq::Settings s = skvq::Settings::from_config(cfg, layer, "memory_plan");
+  int64_t bytes = 0;
+  for (const int64_t rows : s.chunk_blocks(n))
+    bytes += s.key_chunk_bytes(rows) + s.value_chunk_bytes(rows);
+  return bytes;
+}
+
+}  // namespace vq

@@ -11,6 +11,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/prefill_schedule.h"
+#include "veloxquant/skvq_cache.h"
 #include "veloxquant/snapkv.h"
 #include "veloxquant/tensor_parallel.h"
 
@@ -87,6 +88,7 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   CacheConfig cc = r.cache;
   cc.head_dim = m.head_dim;
   validate(cc);
+  const CacheConfig as_given = cc;  // before the per-layer lists are folded below
   // Per-layer key bits: every layer planned at the list's largest (an upper bound).
   const int64_t n_layer_bits = skvq_layer_list_size(cc.skvq_layer_bits_key);
   if (n_layer_bits > 0) {
@@ -112,16 +114,21 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   const SnapSelectParams sp = SnapSelectParams::from_config(cc);
   const int64_t w = cc.skvq_window, span = cc.skvq_window + cc.skvq_recent;
   const int64_t perm = 2 * H * d * 4;
-  const int64_t prow = packed_row_bytes(cc, d) * H;
-  const int64_t comp_k0 = skvq_compressed_bytes(w - cc.skvq_n_sink, d, cc.skvq_bits_key,
-                                                cc.skvq_group_size, cc.skvq_meta)
-                              .total() +
-                          skvq_compressed_bytes(w - cc.skvq_n_sink, d, cc.skvq_bits_value,
-                                                cc.skvq_group_size, cc.skvq_meta)
-                              .total();
-  const int64_t comp_kw =
-      skvq_compressed_bytes(w, d, cc.skvq_bits_key, cc.skvq_group_size, cc.skvq_meta).total() +
-      skvq_compressed_bytes(w, d, cc.skvq_bits_value, cc.skvq_group_size, cc.skvq_meta).total();
+  // Packed bytes per (b, h) of skvq's chunk 0 (window - n_sink rows) and of a later chunk, and
+  // of snapkv+skvq's chunks (window rows), by the caches' own formula (skvq_flushed_chunk_bytes:
+  // runs of skvq_key_rows, channel-axis keys); the largest over the layers when per-layer lists
+  // make them differ (an upper bound).
+  int64_t comp_k0 = 0, comp_kw = 0;
+  const bool lists = n_layer_bits > 0 || skvq_layer_list_size(cc.skvq_layer_key_rows) > 0;
+  if (meth == "skvq" || meth == "snapkv+skvq") {
+    for (int64_t l = 0; l < (lists ? m.n_layers : 1); ++l) {
+      if (meth == "skvq")
+        comp_k0 = std::max(comp_k0, skvq_flushed_chunk_bytes(as_given, l, w - cc.skvq_n_sink));
+      comp_kw = std::max(comp_kw, skvq_flushed_chunk_bytes(as_given, l, w));
+    }
+  }
+  // snapkv+skvq: packed bytes per row (all heads), an upper bound for rows packed in whole chunks.
+  const int64_t prow = std::max(packed_row_bytes(cc, d), (comp_kw + w - 1) / w) * H;
   const bool perm_file = !cc.skvq_perm_file.empty();
 
   int64_t snap_rows = 0;  // SnapKV rows per (b, h)
@@ -200,7 +207,7 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
     p.cache_bytes_peak = std::max(p.cache_bytes_peak, b.accounted);
     max_fp_rows = std::max(max_fp_rows, b.fp_rows);
   }
-  p.cache_bytes_exact = exact && n_layer_bits == 0;
+  p.cache_bytes_exact = exact && !lists;
   const int64_t row_es = meth == "full" ? 2 * H * d * es : fp_row;
   // Growth slack of the full-precision rows (x1.25 rounded up to the store's step) and one
   // prefill chunk of rows held by a call before its eviction / flush.
