@@ -54,6 +54,7 @@ void write_seeds() {
     one->update_and_fetch(k.view(), v.view());
     if (cfg.snap_evict_at == SnapEvictAt::kPromptEnd)  // a pending eviction in the file
       write_seed(file_stem(i, cfg, "pending"), i, *one);
+    if (cfg.skvq_protect > 0.0) one->end_prompt();  // the protected rows in the file
     for (int step = 0; step < 2; ++step) {
       const Tensor k1 = test::random_tensor(DType::kF16, 1, 2, 1, cfg.head_dim, 300 + step);
       const Tensor v1 = test::random_tensor(DType::kF16, 1, 2, 1, cfg.head_dim, 400 + step);
@@ -65,6 +66,7 @@ void write_seeds() {
     const Tensor k2 = test::random_tensor(DType::kF16, 2, 1, 11, cfg.head_dim, 500 + i);
     const Tensor v2 = test::random_tensor(DType::kF16, 2, 1, 11, cfg.head_dim, 600 + i);
     two->update_and_fetch(k2.view(), v2.view());
+    if (cfg.skvq_protect > 0.0) two->end_prompt();  // a state is saved after the selection
     write_seed(file_stem(i, cfg, "batch2"), i, *two);
   }
 }

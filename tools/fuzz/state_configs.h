@@ -31,7 +31,8 @@ inline const std::vector<CacheConfig>& state_configs() {
     }
     // Variants whose state files hold other fields: a pending SnapKV eviction (query window),
     // SKVQ with 1.5/4 bits, fp8 metadata, Hadamard rotation and a recent window, SKVQ with
-    // channel-axis keys (whole chunks and runs), snapkv+skvq with channel-axis keys.
+    // channel-axis keys (whole chunks and runs), snapkv+skvq with channel-axis keys, SKVQ with
+    // protected rows.
     CacheConfig snap_pending = base;
     snap_pending.method = "snapkv";
     snap_pending.snap_evict_at = SnapEvictAt::kPromptEnd;
@@ -67,6 +68,15 @@ inline const std::vector<CacheConfig>& state_configs() {
     both_channel.skvq_key_axis = QuantAxis::kChannel;
     both_channel.skvq_key_rows = 4;
     v.push_back(both_channel);
+    // Protected rows (skvq_protect): state frame version 4, the protected keys, values and
+    // positions after the packed chunks.
+    CacheConfig skvq_protect = base;
+    skvq_protect.method = "skvq";
+    skvq_protect.skvq_bits_key = 2;
+    skvq_protect.skvq_bits_value = 2;
+    skvq_protect.skvq_protect = 0.25;
+    skvq_protect.skvq_protect_obs_window = 4;
+    v.push_back(skvq_protect);
     return v;
   }();
   return configs;
