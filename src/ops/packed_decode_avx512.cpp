@@ -189,10 +189,15 @@ void rows_block(const PackedRowFormat& f, const PackedTile& tile, const float* w
       interleave<P>(a[q][blk], acc + (m0 + q) * d + (b0 + blk) * 16 * P);
 }
 
-// rows_block over all NB blocks of the row for QB queries, NH blocks per pass.
-template <int B, int NB, int NH, int G, int QB>
+// rows_block over all NB blocks of the row for QB queries: as many blocks per pass as keep the
+// QB NH P accumulators within 16 registers (NB, 2 or 1: NB is 1, 2 or 4). A row wider than that
+// passes the tile twice (or four times) over parts of its channels, all QB queries at once: each
+// row's codes are widened once per block, not once per query pair; the FMAs of a channel meet
+// the rows in the same order (the same bits as one pass).
+template <int B, int NB, int G, int QB>
 void rows_passes(const PackedRowFormat& f, const PackedTile& tile, const float* ws, int64_t m0,
                  float* acc) {
+  constexpr int cap = 16 / (QB * (8 / B)), NH = NB <= cap ? NB : (cap >= 2 ? 2 : 1);
   for (int64_t b0 = 0; b0 < NB; b0 += NH) rows_block<B, NH, G, QB>(f, tile, ws, m0, b0, acc);
 }
 
@@ -235,22 +240,17 @@ void values_rows(const PackedRowFormat& f, const PackedTile& tile, const float* 
   for (int64_t m = 0; m < n_q; ++m)
     for (int64_t g = 0; g < ng; ++g)
       acc_lo[m * ng + g] += _mm512_reduce_add_ps(_mm512_loadu_ps(alo + (m * ng + g) * 16));
-  // Accumulator registers: 4 queries times NH blocks of P vectors, 4 NH P <= 16. A row wider
-  // than that passes the tile twice (or four times) over parts of its channels, all 4 queries
-  // at once: each row's codes are widened once per pass and block, never once per query pair
-  // (the FMAs of a channel meet the rows in the same order: the same bits as one pass).
-  constexpr int P = 8 / B, NH = NB * P <= 4 ? NB : 4 / P;
   int64_t m0 = 0;
-  for (; m0 + 4 <= n_q; m0 += 4) rows_passes<B, NB, NH, G, 4>(f, tile, ws, m0, acc);
+  for (; m0 + 4 <= n_q; m0 += 4) rows_passes<B, NB, G, 4>(f, tile, ws, m0, acc);
   switch (n_q - m0) {
     case 3:
-      rows_passes<B, NB, NH, G, 3>(f, tile, ws, m0, acc);
+      rows_passes<B, NB, G, 3>(f, tile, ws, m0, acc);
       break;
     case 2:
-      rows_passes<B, NB, NH, G, 2>(f, tile, ws, m0, acc);
+      rows_passes<B, NB, G, 2>(f, tile, ws, m0, acc);
       break;
     case 1:
-      rows_passes<B, NB, NH, G, 1>(f, tile, ws, m0, acc);
+      rows_passes<B, NB, G, 1>(f, tile, ws, m0, acc);
       break;
     default:
       break;
