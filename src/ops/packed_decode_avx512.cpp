@@ -150,23 +150,23 @@ inline __m512 code_lanes(__m512i x, int j) {
   }
 }
 
-// Rows of the tile into the accumulators of queries m0 .. m0 + QB (NB blocks per row, a block
-// touching G groups: lanes [16 i / G, 16 (i + 1) / G) are group g0 + i). Every loop bound is a
-// template constant, so the QB NB P accumulators stay in registers.
+// Rows of the tile into the accumulators of queries m0 .. m0 + QB over NB blocks of each row from
+// block b0 on (a block touching G groups: lanes [16 i / G, 16 (i + 1) / G) are group g0 + i).
+// Every loop bound is a template constant, so the QB NB P accumulators stay in registers.
 template <int B, int NB, int G, int QB>
 void rows_block(const PackedRowFormat& f, const PackedTile& tile, const float* ws, int64_t m0,
-                float* acc) {
+                int64_t b0, float* acc) {
   constexpr int P = 8 / B;
   const int64_t d = f.head_dim, gs = f.group_size, ng = f.n_groups;
   const float* wb[QB][NB];  // ws of (query, the block's first group)
   __m512 a[QB][NB][P];
   for (int q = 0; q < QB; ++q)
     for (int blk = 0; blk < NB; ++blk) {
-      wb[q][blk] = ws + ((m0 + q) * ng + blk * 16 * P / gs) * 32;
-      deinterleave<P>(acc + (m0 + q) * d + blk * 16 * P, a[q][blk]);
+      wb[q][blk] = ws + ((m0 + q) * ng + (b0 + blk) * 16 * P / gs) * 32;
+      deinterleave<P>(acc + (m0 + q) * d + (b0 + blk) * 16 * P, a[q][blk]);
     }
   for (int64_t r = 0; r < tile.n_rows; ++r) {
-    const uint8_t* rec = tile.rec0 + tile.rows[r] * tile.stride;
+    const uint8_t* rec = tile.rec0 + tile.rows[r] * tile.stride + b0 * 16;
 #pragma GCC unroll 4
     for (int blk = 0; blk < NB; ++blk) {
       const __m512i x =
@@ -185,7 +185,20 @@ void rows_block(const PackedRowFormat& f, const PackedTile& tile, const float* w
     }
   }
   for (int q = 0; q < QB; ++q)
-    for (int blk = 0; blk < NB; ++blk) interleave<P>(a[q][blk], acc + (m0 + q) * d + blk * 16 * P);
+    for (int blk = 0; blk < NB; ++blk)
+      interleave<P>(a[q][blk], acc + (m0 + q) * d + (b0 + blk) * 16 * P);
+}
+
+// rows_block over all NB blocks of the row for QB queries: as many blocks per pass as keep the
+// QB NH P accumulators within 16 registers (NB, 2 or 1: NB is 1, 2 or 4). A row wider than that
+// passes the tile twice (or four times) over parts of its channels, all QB queries at once: each
+// row's codes are widened once per block, not once per query pair; the FMAs of a channel meet
+// the rows in the same order (the same bits as one pass).
+template <int B, int NB, int G, int QB>
+void rows_passes(const PackedRowFormat& f, const PackedTile& tile, const float* ws, int64_t m0,
+                 float* acc) {
+  constexpr int cap = 16 / (QB * (8 / B)), NH = NB <= cap ? NB : (cap >= 2 ? 2 : 1);
+  for (int64_t b0 = 0; b0 < NB; b0 += NH) rows_block<B, NH, G, QB>(f, tile, ws, m0, b0, acc);
 }
 
 template <int B, int NB, int G>
@@ -227,18 +240,17 @@ void values_rows(const PackedRowFormat& f, const PackedTile& tile, const float* 
   for (int64_t m = 0; m < n_q; ++m)
     for (int64_t g = 0; g < ng; ++g)
       acc_lo[m * ng + g] += _mm512_reduce_add_ps(_mm512_loadu_ps(alo + (m * ng + g) * 16));
-  constexpr int QM = NB * (8 / B) <= 4 ? 4 : 2;  // accumulator registers: QM D / 16 <= 16
   int64_t m0 = 0;
-  for (; m0 + QM <= n_q; m0 += QM) rows_block<B, NB, G, QM>(f, tile, ws, m0, acc);
+  for (; m0 + 4 <= n_q; m0 += 4) rows_passes<B, NB, G, 4>(f, tile, ws, m0, acc);
   switch (n_q - m0) {
     case 3:
-      rows_block<B, NB, G, 3>(f, tile, ws, m0, acc);
+      rows_passes<B, NB, G, 3>(f, tile, ws, m0, acc);
       break;
     case 2:
-      rows_block<B, NB, G, 2>(f, tile, ws, m0, acc);
+      rows_passes<B, NB, G, 2>(f, tile, ws, m0, acc);
       break;
     case 1:
-      rows_block<B, NB, G, 1>(f, tile, ws, m0, acc);
+      rows_passes<B, NB, G, 1>(f, tile, ws, m0, acc);
       break;
     default:
       break;
