@@ -189,6 +189,57 @@ TEST_F(BatchTest, FillSyntheticLeavesAPromptsCaches) {
   }
 }
 
+// Engine::warm_up's row counts (every count up to kWarmUpEveryRowUpTo, then the largest) and
+// refusals; the CPU engine has nothing to warm (0 s, no sequence changes), and batch_generate
+// gives the same tokens with it as without it.
+TEST_F(BatchTest, WarmUpRowCountsAndCpuNoOp) {
+  EXPECT_TRUE(warm_up_row_counts(0).empty());
+  EXPECT_EQ(warm_up_row_counts(3, 512), (std::vector<int64_t>{1, 2, 3}));
+  const std::vector<int64_t> every = warm_up_row_counts(kWarmUpEveryRowUpTo);
+  ASSERT_EQ(static_cast<int64_t>(every.size()), kWarmUpEveryRowUpTo);
+  for (size_t i = 0; i < every.size(); ++i) EXPECT_EQ(every[i], static_cast<int64_t>(i) + 1);
+  const std::vector<int64_t> big = warm_up_row_counts(1000);
+  ASSERT_EQ(static_cast<int64_t>(big.size()), kWarmUpEveryRowUpTo + 1);
+  EXPECT_EQ(big[big.size() - 2], kWarmUpEveryRowUpTo);
+  EXPECT_EQ(big.back(), 1000);
+  for (auto [rows, prefill] : {std::pair<int64_t, int64_t>{-1, 0}, {2, -5}}) {
+    try {
+      (void)warm_up_row_counts(rows, prefill);
+      ADD_FAILURE() << "accepted " << rows << ", " << prefill;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(
+                    "[engine] warm_up: expected max_rows >= 0 and prefill_tokens >= 0 but got " +
+                    std::to_string(rows) + " and " + std::to_string(prefill)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+
+  const auto eng = make_cpu_engine(*model_, EngineOptions{});
+  const int64_t a = eng->add_sequence();
+  const auto ids = random_ids(20, 4);
+  eng->step(std::vector<SeqChunk>{{a, std::span(ids), false, true}}, nullptr);
+  const CacheMemory before = eng->memory(a);
+  EXPECT_EQ(eng->warm_up(8, 16), 0.0);
+  EXPECT_THROW(eng->warm_up(-1), Error);
+  EXPECT_EQ(eng->offset(a), 20);
+  EXPECT_EQ(eng->memory(a).bytes_resident, before.bytes_resident);
+  EXPECT_EQ(eng->memory(a).tokens_seen, before.tokens_seen);
+
+  const std::vector<BatchPrompt> prompts = {{random_ids(30, 5), -1}, {random_ids(9, 6), 3}};
+  BatchGenerateOptions o;
+  o.gen.max_tokens = 6;
+  o.gen.prefill_step_size = 16;
+  std::vector<BatchGenerateResult> runs;
+  for (bool warm : {false, true}) {
+    o.warm_up = warm;
+    runs.push_back(batch_generate(*make_cpu_engine(*model_, EngineOptions{}), prompts, o));
+    EXPECT_EQ(runs.back().warm_up_seconds, 0.0);
+  }
+  for (size_t i = 0; i < prompts.size(); ++i)
+    EXPECT_EQ(runs[0].results[i].tokens, runs[1].results[i].tokens) << "prompt " << i;
+}
+
 // SeqChunk::end_prompt: a prompt-end SnapKV eviction runs right after the chunk (the budget's
 // rows stay), and only for the sequence that asked.
 TEST_F(BatchTest, EndPromptFlagEvictsThatSequence) {

@@ -8,7 +8,8 @@
 // schedule vq::generate uses, so SnapKV evicts at the same points) in admission order while their
 // tokens fit the step budget of prefill_step_size tokens (always at least one chunk); its last
 // chunk asks for logits and calls end_prompt. Otherwise one decode step runs the last token of
-// every decoding sequence in one Engine::step.
+// every decoding sequence in one Engine::step. Before the first step, Engine::warm_up
+// (BatchGenerateOptions::warm_up) makes the first use of the steps' product shapes.
 // Per sequence, generation follows vq::generate exactly (generate.h): its own Sampler with seed
 // sampling.seed + prompt index, stop ids (or the model's eos ids), max_tokens (per prompt or the
 // default), the max_position_embeddings stop, sample_vocab, non-finite logits refused. With the
@@ -57,6 +58,11 @@ struct BatchGenerateOptions {
   // Called with (prompt index, token) for each generated token; return false to stop that
   // sequence (stop_reason "callback").
   std::function<bool(int64_t, int32_t)> on_token;
+  // Engine::warm_up before the first step, for decode steps of up to the sequences live at once
+  // and prefill steps of min(prefill_step_size, longest prompt) tokens (its time in
+  // BatchGenerateResult::warm_up_seconds, in no step's). false: each shape's first use falls in
+  // the step that first runs it (for comparison; the same tokens either way).
+  bool warm_up = true;
 };
 
 struct BatchGenerateResult {
@@ -67,9 +73,11 @@ struct BatchGenerateResult {
   double prefill_seconds = 0;                   // time in prefill steps (with their sampling)
   double decode_seconds = 0;                    // time in decode steps (with their sampling)
   // The first decode step's time (in decode_seconds too): the caches' first growth past the
-  // prompt (the full cache reallocates and copies its rows there) falls in it.
+  // prompt (the full cache reallocates and copies its rows there, when not reserved) falls in
+  // it, and without warm-up cuBLAS's first use of the decode step's product shapes.
   double first_decode_step_seconds = 0;
-  int64_t max_live = 0;  // most sequences live at once
+  double warm_up_seconds = 0;  // Engine::warm_up's time (BatchGenerateOptions::warm_up), else 0
+  int64_t max_live = 0;        // most sequences live at once
   // The live sequences' cache bytes summed, at their most after any step (CacheMemory).
   int64_t peak_cache_bytes_resident = 0;
   int64_t peak_cache_bytes_accounted = 0;

@@ -120,6 +120,19 @@ class Engine {
   // (KVCache::stored_positions of batch row 0); out-of-range layer or head: vq::Error.
   virtual std::vector<int32_t> stored_positions(int64_t seq, int64_t layer, int64_t head) const = 0;
 
+  // Before a run's first step (batch_generate, bench): the first use of every matrix-product
+  // shape the run's steps can take, done now so that no step pays it. The CUDA engine runs each
+  // product of a decode step of m rows (fused q|k|v, o_proj, gate|up, down_proj, lm_head) for
+  // every m in warm_up_row_counts(max_rows), and with prefill_tokens > 0 the four layer products
+  // of a prefill step of that many tokens, on its scratch buffers: cuBLAS's lazy kernel loading
+  // and its choice of kernel per shape then land here (the first decode step at 8 x 32K of an
+  // 8B model paid 89 ms of it, docs/results/gpu/engine/run6/README.md). No sequence, cache or
+  // offset changes, and later steps give the same results bit for bit (the same kernels run on
+  // the same shapes). Returns the seconds it took, the device's work included; shapes already
+  // warmed cost nothing. The CPU engine has nothing to warm: 0. max_rows or prefill_tokens < 0:
+  // vq::Error before anything runs.
+  virtual double warm_up(int64_t max_rows, int64_t prefill_tokens = 0);
+
   // Runs the chunks together. *logits gets [n, vocab] fp32, one row per chunk with logits = true,
   // in chunk order (resized; untouched when n = 0).
   virtual void step(std::span<const SeqChunk> chunks, std::vector<float>* logits) = 0;
@@ -181,6 +194,14 @@ void check_synthetic(const ModelConfig& c, int64_t offset, int64_t n_tokens, int
 
 // vq::Error unless n_vocab is in [1, vocab_size] (step_greedy's check).
 void check_greedy_vocab(const ModelConfig& c, int64_t n_vocab);
+
+// The decode-step row counts Engine::warm_up(max_rows) warms, ascending: every count in
+// [1, min(max_rows, kWarmUpEveryRowUpTo)], then max_rows itself when it is larger (a run's
+// first decode steps have all its sequences; only the counts between kWarmUpEveryRowUpTo and
+// max_rows that a shrinking batch passes through are left to their first use). Empty for 0;
+// max_rows or prefill_tokens < 0: vq::Error naming the value (warm_up's check).
+inline constexpr int64_t kWarmUpEveryRowUpTo = 256;
+std::vector<int64_t> warm_up_row_counts(int64_t max_rows, int64_t prefill_tokens = 0);
 
 // make_cpu_engine or make_cuda_engine.
 std::unique_ptr<Engine> make_engine(Device d, const Model& model, const EngineOptions& opts);

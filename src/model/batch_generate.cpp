@@ -49,6 +49,7 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
   const int64_t max_pos = cfg.max_position_embeddings;
   int64_t longest = 0;  // prompt + max_tokens of the longest request (the plan's context)
   int64_t longest_prompt = 1, longest_new = 0;
+  int64_t max_prompt = 0;  // the most prompt tokens of any request (warm_up's prefill step)
   for (size_t i = 0; i < prompts.size(); ++i) {
     const BatchPrompt& p = prompts[i];
     const std::string which = "prompt " + std::to_string(i);
@@ -60,6 +61,7 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
                    ") but " + which + " has " + std::to_string(p.ids[t]) + " at token " +
                    std::to_string(t));
     const int64_t n = static_cast<int64_t>(p.ids.size());
+    max_prompt = std::max(max_prompt, n);
     if (max_pos > 0)
       VQ_CHECK(n <= max_pos, "[batch_generate] expected " + which +
                                  " to fit the model's max_position_embeddings " +
@@ -99,6 +101,10 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
     check_fits(res.plan, req, o.require_full_batch ? live_cap : 1);
     live_cap = std::min(live_cap, res.plan.max_sequences);
   }
+  // Every step has at most live_cap logit rows and decode rows, and a prefill step at most
+  // min(prefill_step_size, longest prompt) tokens (its usual count).
+  if (o.warm_up)
+    res.warm_up_seconds = engine.warm_up(live_cap, std::min(g.prefill_step_size, max_prompt));
 
   const int64_t n_sample = g.sample_vocab > 0 ? g.sample_vocab : cfg.vocab_size;
   const std::vector<int32_t>& stop = g.stop_ids.empty() ? cfg.eos_token_ids : g.stop_ids;

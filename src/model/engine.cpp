@@ -57,6 +57,21 @@ void check_greedy_vocab(const ModelConfig& c, int64_t n_vocab) {
                "] but got " + std::to_string(n_vocab));
 }
 
+std::vector<int64_t> warm_up_row_counts(int64_t max_rows, int64_t prefill_tokens) {
+  VQ_CHECK(max_rows >= 0 && prefill_tokens >= 0,
+           "[engine] warm_up: expected max_rows >= 0 and prefill_tokens >= 0 but got " +
+               std::to_string(max_rows) + " and " + std::to_string(prefill_tokens));
+  std::vector<int64_t> rows;
+  for (int64_t m = 1; m <= std::min(max_rows, kWarmUpEveryRowUpTo); ++m) rows.push_back(m);
+  if (max_rows > kWarmUpEveryRowUpTo) rows.push_back(max_rows);
+  return rows;
+}
+
+double Engine::warm_up(int64_t max_rows, int64_t prefill_tokens) {
+  (void)warm_up_row_counts(max_rows, prefill_tokens);  // the same refusals as the CUDA engine
+  return 0.0;
+}
+
 void Engine::step_greedy(std::span<const SeqChunk> chunks, int64_t n_vocab,
                          std::vector<int32_t>* tokens) {
   const int64_t V = config().vocab_size;
