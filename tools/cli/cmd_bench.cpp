@@ -4,7 +4,7 @@
 //       [--batch 8] [--context 32768] [--gen 32] [--prompt-ids random] [--prefill-step N]
 //       [--max-batch-fit] [--plan-only] [--seed S] [--threads N] [--kv-dtype ...] [--json]
 //       [--tensor-parallel N] [--phases] [--synthetic-prefill] [--no-reserve]
-//       [--no-batch-decode]
+//       [--no-batch-decode] [--no-warm-up]
 //
 // Per method: --batch sequences of --context random prompt ids (seeded, one prompt per sequence)
 // and --gen generated tokens each (greedy, no EOS stop) through the batch scheduler
@@ -27,6 +27,10 @@
 // --no-reserve / --no-batch-decode / --no-batch-writes (cuda) turn off EngineOptions::
 // reserve_capacity / batch_decode / batch_cache_writes
 // (the engine as before session 9, for a before / after in one run).
+// Before the first step each run calls Engine::warm_up (cuBLAS's first use of the steps' product
+// shapes, engine.h) and reports its time apart ("warm_up_seconds", the "warm-up" lines): it is
+// in no prefill or decode figure. --no-warm-up leaves each shape's first use to the step that
+// first runs it (the engine before session 11, for a before / after).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -76,6 +80,7 @@ struct BenchArgs {
   bool no_reserve = false;       // --no-reserve (cuda): caches grow on demand (before session 9)
   bool no_batch_decode = false;  // --no-batch-decode (cuda): one decode launch per sequence
   bool no_batch_writes = false;  // --no-batch-writes (cuda): each cache row write on its own
+  bool no_warm_up = false;       // --no-warm-up: no Engine::warm_up before the first step
 };
 
 std::vector<std::string> split_methods(const std::string& list) {
@@ -102,12 +107,13 @@ struct Row {
 };
 
 // --synthetic-prefill: every sequence's caches filled by Engine::fill_synthetic (no model
-// forward, so no prefill figure), then gen - 1 greedy decode steps over all of them at once,
-// timed as batch_generate times its decode steps (step_greedy; cache bytes summed after each
-// step for the bound). The first decode token is fed as id 1 (any id: the caches decide the
-// work).
+// forward, so no prefill figure), then (with warm_up) Engine::warm_up for decode steps of up to
+// batch rows, then gen - 1 greedy decode steps over all of them at once, timed as batch_generate
+// times its decode steps (step_greedy; cache bytes summed after each step for the bound). The
+// first decode token is fed as id 1 (any id: the caches decide the work).
 BatchGenerateResult synthetic_run(Engine& engine, int64_t batch, int64_t context, int64_t gen,
-                                  int64_t chunk, uint64_t seed, double* fill_seconds) {
+                                  int64_t chunk, uint64_t seed, bool warm_up,
+                                  double* fill_seconds) {
   BatchGenerateResult r;
   std::vector<int64_t> ids;
   const auto t0 = std::chrono::steady_clock::now();
@@ -117,6 +123,7 @@ BatchGenerateResult synthetic_run(Engine& engine, int64_t batch, int64_t context
     engine.fill_synthetic(ids.back(), context, chunk, seed);
   }
   *fill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (warm_up) r.warm_up_seconds = engine.warm_up(batch);
   r.max_live = batch;
   std::vector<int32_t> tokens(static_cast<size_t>(batch), 1), picked;
   std::vector<SeqChunk> chunks(static_cast<size_t>(batch));
@@ -130,7 +137,7 @@ BatchGenerateResult synthetic_run(Engine& engine, int64_t batch, int64_t context
     engine.step_greedy(chunks, V, &picked);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
     r.decode_seconds += dt;
-    if (step == 1) r.first_decode_step_seconds = dt;  // the caches' first growth past the prompt
+    if (step == 1) r.first_decode_step_seconds = dt;  // as batch_generate's
     ++r.decode_steps;
     r.decode_tokens += batch;
     int64_t resident = 0, accounted = 0;
@@ -243,6 +250,7 @@ int run_bench(const BenchArgs& a) {
       bo.gen.stop_at_eos = false;
       bo.max_batch = row.batch;
       bo.require_full_batch = true;
+      bo.warm_up = !a.no_warm_up;
       if (dev == Device::kCuda) {
         bo.device_bytes = mem;
         bo.weight_bytes = weight_bytes;
@@ -254,7 +262,7 @@ int run_bench(const BenchArgs& a) {
       auto engine = make_engine(dev, *model, eo);
       if (a.synthetic_prefill)
         row.r = synthetic_run(*engine, row.batch, a.context, a.gen, a.prefill_step, a.seed,
-                              &row.fill_seconds);
+                              !a.no_warm_up, &row.fill_seconds);
       else
         row.r = batch_generate(*engine, prompts, bo);
       row.bandwidth = engine->copy_bandwidth();
@@ -296,6 +304,7 @@ int run_bench(const BenchArgs& a) {
             {"decode_steps", r.r.decode_steps},
             {"synthetic_prefill", a.synthetic_prefill},
             {"synthetic_fill_seconds", r.fill_seconds},
+            {"warm_up_seconds", r.r.warm_up_seconds},
             {"first_decode_step_seconds", r.r.first_decode_step_seconds},
             {"steady_decode_tokens_per_s", r.r.steady_decode_tokens_per_s()},
             {"steady_decode_pct_of_bound",
@@ -326,6 +335,7 @@ int run_bench(const BenchArgs& a) {
                           {"reserve", !a.no_reserve},
                           {"batch_decode", !a.no_batch_decode},
                           {"batch_cache_writes", !a.no_batch_writes},
+                          {"warm_up", !a.no_warm_up},
                           {"methods", out}};
     std::printf("%s\n", top.dump(2).c_str());
     return 0;
@@ -360,6 +370,11 @@ int run_bench(const BenchArgs& a) {
             "%s: caches filled with pseudo-random K/V in %.1f s (--synthetic-prefill: no "
             "prefill figure)\n",
             r.spec.c_str(), r.fill_seconds);
+  for (const Row& r : rows)
+    if (r.ran && dev == Device::kCuda)  // the CPU engine has nothing to warm
+      std::printf("%s: warm-up %.3f s (%s; in no prefill or decode figure)\n", r.spec.c_str(),
+                  r.r.warm_up_seconds,
+                  a.no_warm_up ? "off: --no-warm-up" : "first use of the steps' product shapes");
   for (const Row& r : rows) print_phases(r.spec, r.phases);
   return 0;
 }
@@ -406,6 +421,9 @@ void add_bench_command(CLI::App& app, int* status) {
                 "cuda: one decode-attention launch per sequence and layer (for comparison)");
   cmd->add_flag("--no-batch-writes", a->no_batch_writes,
                 "cuda: each cache row write launches on its own (for comparison)");
+  cmd->add_flag("--no-warm-up", a->no_warm_up,
+                "no Engine::warm_up before the first step: each product shape's first use "
+                "falls in the step that first runs it (for comparison)");
   cmd->add_flag("--phases", a->phases,
                 "cuda: time each phase of the engine's steps with CUDA events (one host sync per "
                 "step) and print ms per step per phase");

@@ -289,6 +289,7 @@ int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
                           {"decode_tokens", r.decode_tokens},
                           {"decode_seconds", r.decode_seconds},
                           {"decode_tokens_per_s", r.decode_tokens_per_s()},
+                          {"warm_up_seconds", r.warm_up_seconds},
                           {"peak_cache_bytes_resident", r.peak_cache_bytes_resident},
                           {"peak_cache_bytes_accounted", r.peak_cache_bytes_accounted},
                           {"peak_device_bytes", peak_dev}}}};
@@ -314,6 +315,10 @@ int run_generate_batch(const GenerateArgs& a, Device dev, const Model& model,
                static_cast<long long>(r.decode_steps), r.decode_seconds,
                static_cast<double>(r.peak_cache_bytes_resident) / (1024.0 * 1024.0),
                static_cast<double>(r.peak_cache_bytes_accounted) / (1024.0 * 1024.0));
+  if (dev == Device::kCuda)
+    std::fprintf(stderr,
+                 "warm-up  : %.3f s (first use of the steps' product shapes; before them)\n",
+                 r.warm_up_seconds);
   return 0;
 }
 
