@@ -25,6 +25,26 @@
 // Engine::reserve sizes a sequence's caches for its whole length before its first step (the full
 // cache's one store, FullCache::reserve; the planner counts it exactly, reserve_full), so no
 // growth copy lands on a decode step. Scratch buffers grow to the largest step and are reused.
+//
+// Engine::warm_up (batch_generate and bench call it before a run's first step): cuBLAS loads a
+// kernel on its first launch (lazy module loading) and chooses a kernel per product shape at that
+// shape's first use, which cost the first decode step 70 ms in q/k/v and 19 ms in o_proj at
+// 8 x 32K of an 8B model (docs/results/gpu/engine/run6/README.md); a decode step's shapes depend
+// on its row count m (its sequences), which batch_generate shrinks as sequences finish. warm_up
+// runs the step's own product calls (qkv_product .. lm_head_product: the same handle, shapes,
+// dtypes and weight pointers) on the scratch for every m in warm_up_row_counts (1 .. 256, then
+// the maximum) and for the prefill step's token count, once per distinct layer shape (layer 0's
+// for a uniform model); the products write only scratch that every step rewrites before reading.
+// Cost on paper for Llama-3-8B in bf16: a row count reads q|k|v 50 MB, o_proj 34 MB, gate|up
+// 235 MB, down_proj 117 MB and lm_head 1,051 MB, 1.49 GB, about 0.4 ms at the 3.7-4.2 TB/s
+// measured, and does 1.49 m GFLOP, under that read time up to m of about 250 at the H200's bf16
+// rate: about 0.1 s for 1 .. 256 (146 counts, a batch_generate at the largest K2V2 batch: 55 ms),
+// 3 ms at 8 rows, plus each distinct kernel's one load, which a run reaching that count pays
+// anyway. Chosen over bucketing (padding a step's rows up to a few sizes): padding changes which
+// kernel a row count runs (logits differ from today's in fp32 rounding) and costs the padded
+// rows' products on every step, while warming every count costs a fraction of one decode step
+// once. A prefill step of T tokens: its four layer products, 2 T x 218 M flops for the 8B (0.3
+// ms at T = 512, about 20 ms at 32768; one layer of one prefill step).
 // No CUDA graphs: every step's kernel
 // arguments are made on the host (cache offsets and row counts, view pointers, decode plans), so a
 // captured graph would be stale at the next step and capturing costs what launching does
@@ -46,6 +66,7 @@
 // single and batch_generate.h runs unchanged on top; the cost is one host thread launching every
 // device's kernels in turn. N = 1 runs the single-device path unchanged (no communicator).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -385,6 +406,41 @@ class CudaEngine final : public Engine {
     run_step(chunks, nullptr, tokens, n_vocab);
   }
 
+  // Engine::warm_up: on every rank the products of each distinct layer shape (warm_layers), and
+  // on rank 0 lm_head, at each row count not warmed before, then the prefill step's layer
+  // products; every rank's stream synchronised before the time is taken.
+  double warm_up(int64_t max_rows, int64_t prefill_tokens) override {
+    std::vector<int64_t> rows;
+    for (int64_t m : warm_up_row_counts(max_rows, prefill_tokens))
+      if (!warm_rows_.count(m)) rows.push_back(m);
+    const bool prefill = prefill_tokens > 0 && !warm_prefill_.count(prefill_tokens);
+    if (rows.empty() && !prefill) return 0.0;
+    const auto t0 = std::chrono::steady_clock::now();
+    const cuda::DeviceGuard restore(ranks_[0]->device);
+    const int64_t most_rows = rows.empty() ? 0 : rows.back();
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      Rank& R = *ranks_[r];
+      cuda::set_device(R.device);
+      ensure_scratch(R, std::max(most_rows, prefill ? prefill_tokens : 0), most_rows, r == 0);
+      R.op.fill_zero(R.stream);  // defined operands; their values do not matter
+      const std::vector<size_t> layers = warm_layers(R);
+      for (int64_t m : rows) {
+        for (size_t li : layers) layer_products(R, R.layers[li], m);
+        if (r == 0) lm_head_product(R, m);
+      }
+      if (prefill)
+        for (size_t li : layers) layer_products(R, R.layers[li], prefill_tokens);
+    }
+    for (const auto& R : ranks_) {
+      cuda::set_device(R->device);
+      cuda::synchronize(R->stream);
+    }
+    warm_rows_.insert(rows.begin(), rows.end());
+    if (prefill) warm_prefill_.insert(prefill_tokens);
+    sample_memory();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
   // bench's hooks (engine.h): rank 0's device's copy bandwidth, measured now with two 256 MiB
   // buffers (64 MiB when those do not fit), and the peak of the device memory in use since the
   // engine was made, over what was in use before it, the largest over the engine's devices:
@@ -629,6 +685,47 @@ class CudaEngine final : public Engine {
     }
   }
 
+  // The step's matrix products over T rows (lm_head: the n_out logit rows), each from R.op
+  // into the scratch the step reads it from: q|k|v into R.qkv, o_proj and down_proj into R.h,
+  // gate|up into R.gu, lm_head into R.logits. warm_up makes the same calls.
+  static void qkv_product(Rank& R, const DevLayer& L, int64_t T) {
+    R.blas->gemm(L.q.w, L.q.t, L.q.out + L.k.out + L.v.out, L.q.in, R.op.data(), T,
+                 R.qkv.as<float>());
+  }
+  static void o_product(Rank& R, const DevLayer& L, int64_t T) {
+    R.blas->gemm(L.o.w, L.o.t, L.o.out, L.o.in, R.op.data(), T, R.h.as<float>());
+  }
+  static void gate_up_product(Rank& R, const DevLayer& L, int64_t T) {
+    R.blas->gemm(L.gate.w, L.gate.t, 2 * R.inter, L.gate.in, R.op.data(), T, R.gu.as<float>());
+  }
+  static void down_product(Rank& R, const DevLayer& L, int64_t T) {
+    R.blas->gemm(L.down.w, L.down.t, L.down.out, L.down.in, R.op.data(), T, R.h.as<float>());
+  }
+  static void lm_head_product(Rank& R0, int64_t n_out) {
+    R0.blas->gemm(R0.lm_head.w, R0.lm_head.t, R0.lm_head.out, R0.lm_head.in, R0.op.data(), n_out,
+                  R0.logits.as<float>());
+  }
+  static void layer_products(Rank& R, const DevLayer& L, int64_t T) {
+    qkv_product(R, L, T);
+    o_product(R, L, T);
+    gate_up_product(R, L, T);
+    down_product(R, L, T);
+  }
+  // The rank's first layer of each distinct product shape (dtypes and [out, in] of the four
+  // products): [0] for a model whose layers all have one shape.
+  static std::vector<size_t> warm_layers(const Rank& R) {
+    std::set<std::vector<int64_t>> seen;
+    std::vector<size_t> out;
+    for (size_t li = 0; li < R.layers.size(); ++li) {
+      const DevLayer& L = R.layers[li];
+      std::vector<int64_t> key;
+      for (const DevLinear* l : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
+        key.insert(key.end(), {static_cast<int64_t>(l->t), l->out, l->in});
+      if (seen.insert(std::move(key)).second) out.push_back(li);
+    }
+    return out;
+  }
+
   void decode(Rank& R, RankSeq& s, const cuda::DeviceCacheView& view, const AttentionParams& ap,
               const float* q, float* out, int64_t n_dec);
   // The plan of s over view for a step of n_dec single-token chunks (re-made only when its key
@@ -673,6 +770,8 @@ class CudaEngine final : public Engine {
   }
   SeqMap seqs_;
   int64_t next_id_ = 0;
+  // Row counts and prefill token counts warm_up has run (on every rank).
+  std::set<int64_t> warm_rows_, warm_prefill_;
   std::vector<size_t> free_at_start_;  // cudaMemGetInfo's free bytes per device before the engine
   int64_t peak_bytes_ = 0;
 };
@@ -738,7 +837,7 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   mark(r, kPhQkv);
   // one product over the fused q|k|v rows: [T, qd + 2 kd] fp32, rows qkv_cols apart
   const int64_t qkv_cols = L.q.out + L.k.out + L.v.out;
-  R.blas->gemm(L.q.w, L.q.t, qkv_cols, L.q.in, R.op.data(), T, R.qkv.as<float>());
+  qkv_product(R, L, T);
   mark(r, kPhRope);
   cuda::QkvRopeParams rp;
   rp.q = R.qkv.as<float>();
@@ -818,7 +917,7 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   if (!dec_items.empty()) cuda::decode_attention_run_batch(dec_items, R.ws, R.stream);
   mark(r, kPhOProj);
   cuda::heads_to_tokens(R.attn.as<float>(), st, Hq, D, R.op.data(), L.o.t, R.stream);
-  R.blas->gemm(L.o.w, L.o.t, L.o.out, L.o.in, R.op.data(), T, R.h.as<float>());
+  o_product(R, L, T);
   cuda::add_bias(R.h.as<float>(), L.o.bias_ptr(), T, Hd, R.stream);
 }
 
@@ -844,10 +943,10 @@ void CudaEngine::mlp_half(size_t r, int64_t li, int64_t T) {
   add_norm(R, T, true, L.mlp_norm, L.gate_up_t);
   mark(r, kPhMlp);
   // one product over the fused gate|up rows: [T, 2I] fp32
-  R.blas->gemm(L.gate.w, L.gate.t, 2 * I, L.gate.in, R.op.data(), T, R.gu.as<float>());
+  gate_up_product(R, L, T);
   cuda::swiglu(R.gu.as<float>(), R.gu.as<float>() + I, L.gate.bias_ptr(), L.up.bias_ptr(), T, I,
                R.op.data(), L.down.t, R.stream, 2 * I);
-  R.blas->gemm(L.down.w, L.down.t, L.down.out, L.down.in, R.op.data(), T, R.h.as<float>());
+  down_product(R, L, T);
   cuda::add_bias(R.h.as<float>(), L.down.bias_ptr(), T, Hd, R.stream);
 }
 
@@ -988,8 +1087,7 @@ void CudaEngine::run_step(std::span<const SeqChunk> chunks, std::vector<float>* 
   an.out = R0.op.data();
   an.out_t = R0.lm_head.t;
   cuda::add_rmsnorm(an, R0.stream);
-  R0.blas->gemm(R0.lm_head.w, R0.lm_head.t, R0.lm_head.out, R0.lm_head.in, R0.op.data(), n_out,
-                R0.logits.as<float>());
+  lm_head_product(R0, n_out);
   mark(0, kPhToHost);
   if (tokens) {
     if (R0.greedy.size() < static_cast<size_t>(n_out) * 4) R0.greedy = DeviceBuffer(n_out * 4);
