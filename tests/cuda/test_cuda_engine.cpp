@@ -54,6 +54,7 @@
 #include "cuda/model_ops.cuh"
 #include "ops/kernels.h"
 #include "util/test_util.h"
+#include "veloxquant/batch_generate.h"
 #include "veloxquant/cache_config.h"
 #include "veloxquant/engine.h"
 #include "veloxquant/error.h"
@@ -733,6 +734,141 @@ TEST(CudaEngine, ReservationChangesNoLogit) {
     for (size_t i = 0; i < n; ++i)
       EXPECT_EQ(eb->memory(ib[i]).tokens_seen, static_cast<int64_t>(prompts[i].size()) + n_gen - 1);
   }
+}
+
+// What a warm-up must leave alone: each sequence's offset, cache figures and stored positions
+// (every layer and KV head).
+struct SeqState {
+  int64_t offset = 0;
+  CacheMemory mem;
+  std::vector<std::vector<int32_t>> positions;
+};
+SeqState seq_state(const Engine& e, int64_t seq) {
+  SeqState st;
+  st.offset = e.offset(seq);
+  st.mem = e.memory(seq);
+  for (int64_t l = 0; l < e.config().n_layers; ++l)
+    for (int64_t h = 0; h < e.config().n_kv_heads; ++h)
+      st.positions.push_back(e.stored_positions(seq, l, h));
+  return st;
+}
+void expect_same_state(const SeqState& a, const SeqState& b, const std::string& what) {
+  EXPECT_EQ(a.offset, b.offset) << what;
+  EXPECT_EQ(a.mem.tokens_seen, b.mem.tokens_seen) << what;
+  EXPECT_EQ(a.mem.rows_kept, b.mem.rows_kept) << what;
+  EXPECT_EQ(a.mem.bytes_accounted, b.mem.bytes_accounted) << what;
+  EXPECT_EQ(a.mem.bytes_resident, b.mem.bytes_resident) << what;
+  EXPECT_EQ(a.positions, b.positions) << what;
+}
+
+// Engine::warm_up changes no state and no result: an engine warmed before its first step and
+// again between steps (past the row counts it will run, growing its scratch, with a prefill
+// shape) gives the logits of one never warmed, bit for bit, at every prefill and decode step,
+// also after a sequence leaves and the decode steps have fewer rows; each sequence's offset,
+// cache figures and stored positions are the same just before and after a warm-up (its cache
+// rows are not read back here: any changed row would change the later logits). One and two
+// simulated ranks (tensor parallelism); a repeated warm-up of warmed shapes costs nothing.
+TEST(CudaEngine, WarmUpChangesNoStateAndNoLogit) {
+  SKIP_WITHOUT_MODEL();
+  const Model& m = *fixture().model;
+  const auto& P = fixture().prompts;
+  const std::vector<std::vector<int32_t>> prompts = {
+      P[0], P[1], std::vector<int32_t>(P[2].begin(), P[2].begin() + 300)};
+  const size_t n = prompts.size(), V = static_cast<size_t>(m.config().vocab_size);
+  const int n_gen = 6;
+  for (int64_t tp : {1, 2})
+    for (const char* spec : {"full", "skvq:bits_key=2:bits_value=2:window=32"}) {
+      SCOPED_TRACE(std::string(spec) + ", ranks " + std::to_string(tp));
+      EngineOptions o = engine_opts(spec, DType::kF16);
+      o.tensor_parallel = tp;
+      o.tp_simulate = tp > 1;
+      auto cold = make_cuda_engine(m, o);
+      auto warm = make_cuda_engine(m, o);
+      EXPECT_GT(warm->warm_up(static_cast<int64_t>(n), 64), 0.0);
+      EXPECT_EQ(warm->warm_up(static_cast<int64_t>(n), 64), 0.0) << "warmed shapes again";
+      EXPECT_THROW(warm->warm_up(-1), Error);
+      std::vector<int64_t> ic(n), iw(n);
+      std::vector<int32_t> last(n);
+      std::vector<float> lc, lw;
+      for (size_t i = 0; i < n; ++i) {
+        ic[i] = cold->add_sequence();
+        iw[i] = warm->add_sequence();
+        cold->step(std::vector<SeqChunk>{{ic[i], prompts[i], true, true}}, &lc);
+        warm->step(std::vector<SeqChunk>{{iw[i], prompts[i], true, true}}, &lw);
+        ASSERT_EQ(lc.size(), V);
+        ASSERT_EQ(lw.size(), V);
+        ASSERT_EQ(0, std::memcmp(lc.data(), lw.data(), V * 4)) << "prefill of sequence " << i;
+        last[i] = argmax(lc);
+      }
+      std::vector<SeqState> before;
+      for (size_t i = 0; i < n; ++i) before.push_back(seq_state(*warm, iw[i]));
+      EXPECT_GT(warm->warm_up(kWarmUpEveryRowUpTo + 40, 512), 0.0);
+      for (size_t i = 0; i < n; ++i)
+        expect_same_state(before[i], seq_state(*warm, iw[i]), "sequence " + std::to_string(i));
+      size_t live = n;
+      for (int s = 1; s <= n_gen; ++s) {
+        if (s == 4) {  // the last sequence leaves: the decode steps have one row fewer
+          --live;
+          cold->remove_sequence(ic[live]);
+          warm->remove_sequence(iw[live]);
+        }
+        std::vector<SeqChunk> cc, cw;
+        for (size_t i = 0; i < live; ++i) {
+          cc.push_back({ic[i], std::span<const int32_t>(&last[i], 1)});
+          cw.push_back({iw[i], std::span<const int32_t>(&last[i], 1)});
+        }
+        if (s < n_gen) {
+          cold->step(cc, &lc);
+          warm->step(cw, &lw);
+          ASSERT_EQ(lc.size(), live * V);
+          ASSERT_EQ(lw.size(), live * V);
+          for (size_t i = 0; i < live; ++i) {
+            EXPECT_EQ(0, std::memcmp(lc.data() + i * V, lw.data() + i * V, V * 4))
+                << "decode step " << s << " sequence " << i << ": warmed differs";
+            last[i] =
+                argmax(std::vector<float>(lc.begin() + static_cast<std::ptrdiff_t>(i * V),
+                                          lc.begin() + static_cast<std::ptrdiff_t>((i + 1) * V)));
+          }
+        } else {  // greedy on the device
+          std::vector<int32_t> tc, tw;
+          cold->step_greedy(cc, static_cast<int64_t>(V), &tc);
+          warm->step_greedy(cw, static_cast<int64_t>(V), &tw);
+          EXPECT_EQ(tc, tw) << "greedy step " << s;
+        }
+      }
+      for (size_t i = 0; i < live; ++i)
+        expect_same_state(seq_state(*cold, ic[i]), seq_state(*warm, iw[i]),
+                          "sequence " + std::to_string(i) + " at the end");
+    }
+}
+
+// batch_generate warms up once before its first step (BatchGenerateOptions::warm_up) and gives
+// the tokens it gives without (greedy, sequences finishing at different steps, so the decode
+// steps shrink); the warm-up's time is reported apart, 0 without it.
+TEST(CudaEngine, BatchGenerateWarmUpGivesTheSameTokens) {
+  SKIP_WITHOUT_MODEL();
+  const Model& m = *fixture().model;
+  const auto& P = fixture().prompts;
+  const std::vector<BatchPrompt> prompts = {
+      {P[0], 12}, {P[1], 5}, {std::vector<int32_t>(P[2].begin(), P[2].begin() + 200), 9}};
+  BatchGenerateOptions bo;
+  bo.gen.prefill_step_size = 64;
+  bo.gen.stop_at_eos = false;
+  std::vector<BatchGenerateResult> runs;
+  for (bool warm : {false, true}) {
+    bo.warm_up = warm;
+    auto e = make_cuda_engine(m, engine_opts("full", DType::kF16));
+    runs.push_back(batch_generate(*e, prompts, bo));
+  }
+  EXPECT_EQ(runs[0].warm_up_seconds, 0.0);
+  EXPECT_GT(runs[1].warm_up_seconds, 0.0);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(runs[0].results[i].tokens, runs[1].results[i].tokens) << "prompt " << i;
+    EXPECT_EQ(runs[1].results[i].tokens.size(), static_cast<size_t>(prompts[i].max_tokens));
+  }
+  std::printf("batch_generate warm-up %.3f s; first decode step %.4f s cold, %.4f s warmed\n",
+              runs[1].warm_up_seconds, runs[0].first_decode_step_seconds,
+              runs[1].first_decode_step_seconds);
 }
 
 // step_greedy picks on the device what the host picks from step()'s logits (same engine state:
