@@ -120,6 +120,8 @@ expect 2 "expected exactly one of --prompt, --prompt-file, --prompt-ids, --promp
 expect 0 "| full | 8 |" -- bench --model "$MODEL" --methods full,skvq --context 64 --plan-only
 expect 0 '"decode_bound_tokens_per_s"' \
   -- bench --model "$MODEL" --methods skvq --batch 2 --context 40 --gen 3 --json
+expect 0 '"warm_up": false' \
+  -- bench --model "$MODEL" --methods full --batch 2 --context 40 --gen 3 --json --no-warm-up
 expect 2 "[memory_plan] expected a context within the model's max_position_embeddings" \
   -- bench --model "$MODEL" --methods full --context 100000 --plan-only
 
