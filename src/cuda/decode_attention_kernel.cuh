@@ -100,6 +100,68 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src)
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem_src));
 }
+// Hopper's bulk copies (TMA without a tensor map) into shared memory, completing on an mbarrier:
+// one thread arms the barrier with the bytes it expects and issues the copies; every thread
+// waits on the barrier's phase. Addresses and sizes are multiples of 16 bytes. sm_90 and later;
+// kBulkCopy says whether this compilation has them (the callers keep cp.async otherwise).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kBulkCopy = true;
+#else
+constexpr bool kBulkCopy = false;
+#endif
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+// The byte range [src, src + n) as one bulk copy of whole aligned 16-byte words into dst (16-byte
+// aligned shared memory), starting at src rounded down to 16, completing on bar; thread 0 of the
+// block issues it. Returns the bytes the copy moves (for the barrier's expected count).
+__device__ __forceinline__ uint32_t bulk_range_bytes(const uint8_t* src, int n) {
+  const int mis = static_cast<int>(reinterpret_cast<uintptr_t>(src) & 15);
+  return static_cast<uint32_t>((mis + n + 15) & ~15);
+}
+__device__ __forceinline__ void bulk_range(uint8_t* dst, const uint8_t* src, uint32_t bytes,
+                                           uint64_t* bar) {
+  const uint8_t* s0 = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) &
+                                                       ~static_cast<uintptr_t>(15));
+  bulk_copy_g2s(dst, s0, bytes, bar);
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
 }

@@ -14,12 +14,13 @@
 // view. Same parameters, partials and combine.
 //
 // One block = 4 warps = one (split, kv head, batch); the split's rows of one segment stream
-// through a 3-stage (4-bit packed views: 2-stage) cp.async pipeline of tile_rows rows (a multiple
-// of 64). f16 rows are staged with their 16-byte chunks swizzled (chunk c of row r at c ^ swz(r &
-// 7)) so that the key loads and the transposed value loads (ldmatrix.trans) are free of bank
-// conflicts; packed records are staged as byte ranges. Each warp takes warp-tiles of 16 rows, two
-// at a time (wt and wt + 4: the pair shares one softmax step), all on mma.m16n8k16 (fp16 inputs,
-// fp32 accumulation):
+// through a 3-stage (4-bit packed views: 2-stage) pipeline of tile_rows rows (a multiple of 64):
+// f16 rows by cp.async, packed records as two byte ranges per tile, each one bulk copy issued by
+// one thread and completing on the stage's mbarrier (sm_90; cp.async elsewhere). f16 rows are
+// staged with their 16-byte chunks swizzled (chunk c of row r at c ^ swz(r & 7)) so that the key
+// loads and the transposed value loads (ldmatrix.trans) are free of bank conflicts; packed records
+// are staged as byte ranges. Each warp takes warp-tiles of 16 rows, two at a time (wt and wt + 4:
+// the pair shares one softmax step), all on mma.m16n8k16 (fp16 inputs, fp32 accumulation):
 //  (1) logits: A = 16 key rows x 16 channels, B = the queries as N = 8 columns n = 2 h + part
 //      (head h, part 0 the fp16 rounding of q * sigma_h, part 1 zero, the columns of the former
 //      exact hi + lo split; sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head)
@@ -34,26 +35,30 @@
 //      32-bit word of 8 codes, taken by masks without shifts (f16 rows: one byte permute).
 //  (2) online softmax per head (exp2 of log2e-scaled logits; running max per warp and head).
 //  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (part-1
-//      columns zero again; packed: p * scale of the row's group; the zero-point sums p * lo with
-//      f16 metadata (PK >= 2) on one more mma per warp-tile, A = lo of (group, row), B = p, other
-//      metadata types summed on the side in fp32).
+//      columns zero again). f16 metadata (PK >= 2): A holds the dequantized values c * scale + lo,
+//      one fp16 fma per pair of codes (a lane's pair is one channel of rows 2t, 2t + 1 or 2t + 8,
+//      2t + 9, so the pair's scales and zero-points are one half2 each), B = p. Other metadata
+//      types (PK 1): A the exact codes, B = p * scale of the row's group, the zero-point sums
+//      p * lo on the side in fp32.
 //      f16 values arrive through ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b +
 //      mu of the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the
 //      next channel, so a lane's codes are one byte per row and block, each code read where it lies
-//      (value 4^i c for the i-th code of the byte, undone by an exact power-of-two scale later).
+//      (PK 1: value 4^i c for the i-th code of the byte, undone by an exact power-of-two scale
+//      later; PK >= 2: c exactly, each position with its own magic number, see code_pair).
 //      KB = 4: the same channel map, a lane's codes are the 16 bits at byte 16 b + 2 g of a row
 //      (4 nibbles: channels +0..+3), made exact fp16 integers by mask + (x - 1024) for the low
 //      nibble of a byte and mask + (x / 16 - 64) for the high one (both exact).
 // Numerics (FlashAttention's, docs/design.md section 4): q and p are rounded once to fp16 (2^-11
-// relative; the zero-point chunk sums are sums of the rounded q; the f16 zero-points of packed
-// values meet the same fp16 p as f16 value rows), products exact, fp32
-// accumulation, softmax max and sum in fp32 from the unrounded p; packed values
-// use B = (p * 2^S) * scale, S warp-uniform and raised (the fp32 accumulators rescaled exactly)
-// whenever a row's scale exceeds the binade of the largest seen so far in the split (any channel
-// block), so S puts that scale in [2^14, 2^15) and the products accumulate in the mma accumulators
-// directly (2^-S applied once at the merge); no term overflows and a term loses relative precision
-// only below 2^-28 of that largest scale (fp16 subnormals: absolute error at most 2^-25 * 2^-S per
-// term). f16 value rows use B = p <= 1 (terms under 2^-14 carry an
+// relative; the zero-point chunk sums are sums of the rounded q), fp32 accumulation, softmax max
+// and sum in fp32 from the unrounded p; packed values with f16 metadata are rounded once to fp16
+// as dequantized values (2^-11 of |v|, the operand a dequantize-then-attend kernel would read; a
+// group whose dequantized values pass 65504 overflows, which f16 metadata cannot hold anyway);
+// PK 1's packed values use B = (p * 2^S) * scale, S warp-uniform and raised (the fp32 accumulators
+// rescaled exactly) whenever a row's scale exceeds the binade of the largest seen so far in the
+// split (any channel block), so S puts that scale in [2^14, 2^15) and the products accumulate in
+// the mma accumulators directly (2^-S applied once at the merge); no term overflows and a term
+// loses relative precision only below 2^-28 of that largest scale (fp16 subnormals: absolute error
+// at most 2^-25 * 2^-S per term). f16 value rows use B = p <= 1 (terms under 2^-14 carry an
 // absolute error of at most 2^-25 * |v|, within the fp32 accumulation budget of the tests). Rows
 // past the split end are zero-filled in shared memory (f16 rows when staged, packed bytes once
 // their tile has landed), so their p = 0 never meets a stale NaN; invisible rows get logit -inf.
@@ -120,12 +125,25 @@ __device__ __forceinline__ uint32_t lds16(const uint8_t* p) {
 
 // fp16 pair of the magic-biased codes: ((y & mask) | 0x6400 per half) - 1024, exact; the mask
 // and the OR in one lop3 (the magic number in a register: one immediate per instruction).
-template <uint32_t MASK>
+// MAGIC (default 0x6400 = 1024): the fp16 bits 2^e of a binade whose mantissa unit is 1 at the
+// masked bits' position, so that the masked code c reads as 2^e + c and the subtraction leaves c
+// exactly: 2-bit codes at bits 2i take 2^(10 - 2i), i.e. 0x6400, 0x5C00, 0x5400, 0x4C00.
+template <uint32_t MASK, uint32_t MAGIC = 0x6400u>
 __device__ __forceinline__ uint32_t code_pair(uint32_t y) {
   uint32_t u;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(u) : "r"(y), "n"(MASK), "r"(0x64006400u));
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(u) : "r"(y), "n"(MASK), "r"(MAGIC * 0x10001u));
   const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&u),
-                            __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
+                            __halves2half2(__ushort_as_half(static_cast<unsigned short>(MAGIC)),
+                                           __ushort_as_half(static_cast<unsigned short>(MAGIC))));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// c * scale + lo of a pair of codes (exact fp16 integers) in one fp16 fma: the pair's value
+// operand, rounded once to fp16 (the dequantized cache a dequantize-then-attend kernel would read)
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t c, uint32_t sc, uint32_t lo) {
+  const __half2 r =
+      __hfma2(*reinterpret_cast<const __half2*>(&c), *reinterpret_cast<const __half2*>(&sc),
+              *reinterpret_cast<const __half2*>(&lo));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
@@ -208,7 +226,15 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     decode_mma_kernel(const __grid_constant__ DecodeParams P) {
   // a batched launch (P.seqs): sequence blockIdx.z's own parameters, its batch index 0
   __shared__ __align__(16) DecodeParams sp;
-  decode_impl::stage_params(P, blockIdx.z, sp);
+  constexpr int kStages = mma_stages<PK, KB>();
+  // packed tiles arrive by bulk copies (sm_90), one mbarrier per stage
+  __shared__ __align__(8) uint64_t bars[kStages];
+  if (PK > 0 && decode_impl::kBulkCopy && threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) decode_impl::mbar_init(&bars[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  decode_impl::stage_params(P, blockIdx.z, sp);  // its barrier publishes the barriers' init
   const DecodeParams& p = sp;
   using Gm = MGeo<D, G>;
   static_assert(KB == 2 || KB == 4, "2- or 4-bit codes");
@@ -216,7 +242,6 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   constexpr bool FIX = PK == 3;  // compile-time record layout (group 32, f16 metadata)
   constexpr int KREC = D * KB / 8 + D / 8;
   constexpr bool Q4 = PK > 0 && KB == 4;  // the K-index -> channel map of 4-bit codes
-  constexpr int kStages = mma_stages<PK, KB>();
   constexpr int NT = Gm::NT, NCH = Gm::NCH, MT = Gm::MT;
   constexpr int RB = 2 * D;  // f16 (or bf16) row bytes
   extern __shared__ __align__(16) uint8_t smem[];
@@ -283,6 +308,19 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int i = nr * CPR + tid; i < nr16 * CPR; i += kThreads) {
         *reinterpret_cast<uint4*>(sk + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
         *reinterpret_cast<uint4*>(sv + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else if constexpr (decode_impl::kBulkCopy) {
+      // one thread moves the tile's K and V byte ranges (whole 16-byte words) with two bulk
+      // copies: a few instructions per tile instead of a cp.async and its address per 16 bytes
+      if (tid == 0) {
+        const uint8_t* gk = kbase + r0 * krb;
+        const uint8_t* gv = vbase + r0 * vrb;
+        const uint32_t nk = decode_impl::bulk_range_bytes(gk, nr * krb);
+        const uint32_t nv = decode_impl::bulk_range_bytes(gv, nr * vrb);
+        uint64_t* bar = &bars[tt % kStages];
+        decode_impl::mbar_expect_tx(bar, nk + nv);
+        decode_impl::bulk_range(sk, gk, nk, bar);
+        decode_impl::bulk_range(sv, gv, nv, bar);
       }
     } else {
       decode_impl::copy_range(sk, kbase + r0 * krb, static_cast<int64_t>(nr) * krb, tid);
@@ -381,10 +419,6 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   float m_run[NT], l_run[NT];
   float vacc[NT][MT][4];
   float vb[NT][NCH];  // PK 1: sum of p * lo per block for head (g >> 1) + 4 nt (part-0 lanes)
-  // MF: the same sums as the accumulators of one mma per warp-tile (A = the f16 zero-points lo
-  // of metadata group m (rows m < D / group size, rounded up) and of the tile's 16 rows, B = the
-  // probabilities): lane (g, t) holds in [0] the sum of group g for head t + 4 nt
-  float vbm[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     m_run[nt] = -INFINITY;
@@ -395,8 +429,6 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int i = 0; i < 4; ++i) vacc[nt][j][i] = 0.0f;
 #pragma unroll
     for (int c = 0; c < NCH; ++c) vb[nt][c] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) vbm[nt][i] = 0.0f;
   }
 
   const int hb = g >> 1, partb = g & 1;  // the B-operand column of this lane: head hb, part
@@ -404,9 +436,9 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   int grpc[NCH];  // metadata group of each 32-channel block
 #pragma unroll
   for (int c = 0; c < NCH; ++c) grpc[c] = FIX ? c : (32 * c) / p.pk.group_size;
-  // packed values: one power of two 2^S, warp-uniform, kept while the split streams (S puts the
-  // largest scale seen so far in [2^14, 2^15); a larger one rescales the accumulators exactly, as
-  // the online softmax does), so the products p * 2^S * scale accumulate in the mma's fp32
+  // PK 1's packed values: one power of two 2^S, warp-uniform, kept while the split streams (S puts
+  // the largest scale seen so far in [2^14, 2^15); a larger one rescales the accumulators exactly,
+  // as the online softmax does), so the products p * 2^S * scale accumulate in the mma's fp32
   // accumulators directly; exv = that scale's biased exponent
   int exv = 15;
 
@@ -414,6 +446,9 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     if (tt + kStages - 1 < n_tiles) issue(tt + kStages - 1);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
+    // the k-th use of a stage's barrier completes its phase k (parity k & 1)
+    if (decode_impl::kBulkCopy && packed)
+      decode_impl::mbar_wait(&bars[tt % kStages], (tt / kStages) & 1);
     __syncthreads();
 
     const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
@@ -519,8 +554,9 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
               float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
               mma_16816(cc, a[0], a8[0], a[1], a8[1], qb[nt][c][0], qb[nt][c][1]);
               mma_16816(cc, a[2], a8[2], a[3], a8[3], qb[nt][c][2], qb[nt][c][3]);
-              const float s0 = MF ? cc[0] + cc[1] : (cc[0] + cc[1]) * sinv[nt];
-              const float s1 = MF ? cc[2] + cc[3] : (cc[2] + cc[3]) * sinv[nt];
+              // cc[1], cc[3]: the part-1 columns, whose queries are zero (finite codes: 0 exactly)
+              const float s0 = MF ? cc[0] : cc[0] * sinv[nt];
+              const float s1 = MF ? cc[2] : cc[2] * sinv[nt];
               lg[w][nt][0] = fmaf(sc0, s0, fmaf(lo0, qsum[nt][c], lg[w][nt][0]));
               lg[w][nt][1] = fmaf(sc1, s1, fmaf(lo1, qsum[nt][c], lg[w][nt][1]));
             }
@@ -592,10 +628,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           for (int j = 0; j < MT; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= al[nt];
-          if constexpr (MF) {  // columns 2t, 2t + 1: head t + 4 nt, al's head
-#pragma unroll
-            for (int i = 0; i < 4; ++i) vbm[nt][i] *= al[nt];
-          } else if constexpr (PK > 0) {
+          if constexpr (PK == 1) {
             const float ab = __shfl_sync(kFull, al[nt], hb);
 #pragma unroll
             for (int c = 0; c < NCH; ++c) vb[nt][c] *= ab;
@@ -651,114 +684,157 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           rec[w][2] = sv + vmis + (ra + 8) * vrb;
           rec[w][3] = sv + vmis + (ra + 9) * vrb;
         }
-        if constexpr (MF) {
-          // the zero-point sums: A[m][k] = lo of group m in row k (rows 2t, 2t + 1 in a0, 2t + 8,
-          // 2t + 9 in a2; groups 8..15 and those past D / group size zero), B = fp16(p), the
-          // rounding the f16 value rows' probabilities take (FlashAttention numerics)
-          // metadata groups of a record (one group when group size > D)
-          const int ngr = FIX ? NCH : (D + p.pk.group_size - 1) / p.pk.group_size;
-#pragma unroll
-          for (int w = 0; w < W; ++w) {
-            uint32_t a0 = 0u, a2 = 0u;
-            if (g < ngr) {
-              a0 = __byte_perm(lds32(rec[w][0] + vcb + 4 * g), lds32(rec[w][1] + vcb + 4 * g),
-                               0x5410);
-              a2 = __byte_perm(lds32(rec[w][2] + vcb + 4 * g), lds32(rec[w][3] + vcb + 4 * g),
-                               0x5410);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-              mma_16816(vbm[nt], a0, 0u, a2, 0u, pack_part(pv[w][nt][0], pv[w][nt][1], 0),
-                        pack_part(pv[w][nt][2], pv[w][nt][3], 0));
-          }
-        }
         const int wo = KB == 2 ? 4 * (g >> 2) : 4 * (g >> 1);
         const int bstride = 4 * KB;  // bytes of a 32-channel block's codes
         // KB = 4: the halfword (g & 1) of the word of rows ra and ra + 1 in the two halves
         const uint32_t qsel = (g & 1) ? 0x7632u : 0x5410u;
-        float pu[W][NT][4];  // p * 2^S (exact)
-        {
-          const float up = __int_as_float((268 - exv) << 23);  // 2^S, S = 141 - exv
-#pragma unroll
-          for (int w = 0; w < W; ++w)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-              for (int r = 0; r < 4; ++r) pu[w][nt][r] = pv[w][nt][r] * up;
-        }
-#pragma unroll
-        for (int c = 0; c < NCH; ++c) {
-          uint32_t e[W][4], f[W][4];
-          float lo[W][4], sc[W][4];
-          float smax = 0.0f;
-#pragma unroll
-          for (int w = 0; w < W; ++w) {
-            const uint32_t ya =
-                __byte_perm(lds32(rec[w][0] + bstride * c + wo),
-                            lds32(rec[w][1] + bstride * c + wo), KB == 2 ? psel : qsel);
-            const uint32_t yc =
-                __byte_perm(lds32(rec[w][2] + bstride * c + wo),
-                            lds32(rec[w][3] + bstride * c + wo), KB == 2 ? psel : qsel);
-            if constexpr (KB == 2) {
-              // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
-              e[w][0] = code_pair<0x00030003u>(ya), e[w][1] = code_pair<0x000C000Cu>(ya);
-              e[w][2] = code_pair<0x00030003u>(yc), e[w][3] = code_pair<0x000C000Cu>(yc);
-              f[w][0] = code_pair<0x00300030u>(ya), f[w][1] = code_pair<0x00C000C0u>(ya);
-              f[w][2] = code_pair<0x00300030u>(yc), f[w][3] = code_pair<0x00C000C0u>(yc);
-            } else {
-              // m-tile 2c: channels +0, +1 (nibbles 0, 1); m-tile 2c + 1: +2, +3 (>> 8); exact
-              const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
-              e[w][0] = code_pair<0x000f000fu>(ya), e[w][1] = code_pair_hi4(ya);
-              e[w][2] = code_pair<0x000f000fu>(yc), e[w][3] = code_pair_hi4(yc);
-              f[w][0] = code_pair<0x000f000fu>(ya8), f[w][1] = code_pair_hi4(ya8);
-              f[w][2] = code_pair<0x000f000fu>(yc8), f[w][3] = code_pair_hi4(yc8);
-            }
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-              meta_a<MF>(rec[w][r], vcb, p.pk.v_meta, grpc[c], lo[w][r], sc[w][r]);
-              smax = fmaxf(smax, sc[w][r]);
-            }
-          }
-          // p * scale <= the largest scale seen (p <= 1): 2^S puts that in [2^14, 2^15), so the
-          // fp16 operands stay normal and finite whatever the scales (the same S for every lane);
-          // a scale of a larger binade (rare after the first tile) raises S for the whole warp
-          if (__any_sync(kFull, smax >= __int_as_float((exv + 1) << 23))) {
-            float m = fmaxf(smax, __shfl_xor_sync(kFull, smax, 1));
-            m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));  // the lanes t share the rows of a tile
-            const int ex = max(exv, min(max((__float_as_int(m) >> 23) & 0xff, 15), 250));
-            if (ex > exv) {
-              const float fs = ldexpf(1.0f, exv - ex);  // exact, or below 2^-126 of the new
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-                for (int j = 0; j < MT; ++j)
-#pragma unroll
-                  for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= fs;
-#pragma unroll
-                for (int w = 0; w < W; ++w)
-#pragma unroll
-                  for (int r = 0; r < 4; ++r) pu[w][nt][r] *= fs;
-              }
-              exv = ex;
-            }
-          }
+        if constexpr (MF) {
+          // f16 metadata: each pair of codes (rows 2t, 2t + 1 or 2t + 8, 2t + 9 of one channel)
+          // becomes its dequantized fp16 values c * scale + lo in one fp16 fma (the row pair's
+          // scales and zero-points gathered into half2 by one permute each), B = fp16(p) for
+          // every block: FlashAttention over the dequantized cache, one rounding per operand
+          uint32_t pb[W][NT][2];
 #pragma unroll
           for (int w = 0; w < W; ++w)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              const uint32_t bb0 = pack_part(pu[w][nt][0] * sc[w][0], pu[w][nt][1] * sc[w][1], 0);
-              const uint32_t bb1 = pack_part(pu[w][nt][2] * sc[w][2], pu[w][nt][3] * sc[w][3], 0);
-              mma_16816(vacc[nt][2 * c], e[w][0], e[w][1], e[w][2], e[w][3], bb0, bb1);
-              mma_16816(vacc[nt][2 * c + 1], f[w][0], f[w][1], f[w][2], f[w][3], bb0, bb1);
-              if constexpr (!MF) {
-                float s = vb[nt][c];
-                s = fmaf(pv[w][nt][0], lo[w][0], s);
-                s = fmaf(pv[w][nt][1], lo[w][1], s);
-                s = fmaf(pv[w][nt][2], lo[w][2], s);
-                s = fmaf(pv[w][nt][3], lo[w][3], s);
-                vb[nt][c] = s;
+              pb[w][nt][0] = pack_part(pv[w][nt][0], pv[w][nt][1], 0);
+              pb[w][nt][1] = pack_part(pv[w][nt][2], pv[w][nt][3], 0);
+            }
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+              const uint32_t ya =
+                  __byte_perm(lds32(rec[w][0] + bstride * c + wo),
+                              lds32(rec[w][1] + bstride * c + wo), KB == 2 ? psel : qsel);
+              const uint32_t yc =
+                  __byte_perm(lds32(rec[w][2] + bstride * c + wo),
+                              lds32(rec[w][3] + bstride * c + wo), KB == 2 ? psel : qsel);
+              const int mo = vcb + 4 * grpc[c];
+              const uint32_t m0 = lds32(rec[w][0] + mo), m1 = lds32(rec[w][1] + mo);
+              const uint32_t m2 = lds32(rec[w][2] + mo), m3 = lds32(rec[w][3] + mo);
+              const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
+              const uint32_t lo89 = __byte_perm(m2, m3, 0x5410), sc89 = __byte_perm(m2, m3, 0x7632);
+              uint32_t e[4], f[4];
+              if constexpr (KB == 2) {
+                // m-tile 2c: channels +0, +1; m-tile 2c + 1: +2, +3 (codes at bits 0, 2, 4, 6)
+                e[0] = code_pair<0x00030003u, 0x6400u>(ya);
+                e[1] = code_pair<0x000C000Cu, 0x5C00u>(ya);
+                e[2] = code_pair<0x00030003u, 0x6400u>(yc);
+                e[3] = code_pair<0x000C000Cu, 0x5C00u>(yc);
+                f[0] = code_pair<0x00300030u, 0x5400u>(ya);
+                f[1] = code_pair<0x00C000C0u, 0x4C00u>(ya);
+                f[2] = code_pair<0x00300030u, 0x5400u>(yc);
+                f[3] = code_pair<0x00C000C0u, 0x4C00u>(yc);
+              } else {
+                const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
+                e[0] = code_pair<0x000f000fu>(ya);
+                e[1] = code_pair_hi4(ya);
+                e[2] = code_pair<0x000f000fu>(yc);
+                e[3] = code_pair_hi4(yc);
+                f[0] = code_pair<0x000f000fu>(ya8);
+                f[1] = code_pair_hi4(ya8);
+                f[2] = code_pair<0x000f000fu>(yc8);
+                f[3] = code_pair_hi4(yc8);
+              }
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {  // registers 0, 1: rows 2t, 2t + 1; 2, 3: + 8
+                e[i] = dequant_pair(e[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
+                f[i] = dequant_pair(f[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
+              }
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                mma_16816(vacc[nt][2 * c], e[0], e[1], e[2], e[3], pb[w][nt][0], pb[w][nt][1]);
+                mma_16816(vacc[nt][2 * c + 1], f[0], f[1], f[2], f[3], pb[w][nt][0], pb[w][nt][1]);
               }
             }
+          }
+        } else {
+          float pu[W][NT][4];  // p * 2^S (exact)
+          {
+            const float up = __int_as_float((268 - exv) << 23);  // 2^S, S = 141 - exv
+#pragma unroll
+            for (int w = 0; w < W; ++w)
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) pu[w][nt][r] = pv[w][nt][r] * up;
+          }
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) {
+            uint32_t e[W][4], f[W][4];
+            float lo[W][4], sc[W][4];
+            float smax = 0.0f;
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+              const uint32_t ya =
+                  __byte_perm(lds32(rec[w][0] + bstride * c + wo),
+                              lds32(rec[w][1] + bstride * c + wo), KB == 2 ? psel : qsel);
+              const uint32_t yc =
+                  __byte_perm(lds32(rec[w][2] + bstride * c + wo),
+                              lds32(rec[w][3] + bstride * c + wo), KB == 2 ? psel : qsel);
+              if constexpr (KB == 2) {
+                // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
+                e[w][0] = code_pair<0x00030003u>(ya), e[w][1] = code_pair<0x000C000Cu>(ya);
+                e[w][2] = code_pair<0x00030003u>(yc), e[w][3] = code_pair<0x000C000Cu>(yc);
+                f[w][0] = code_pair<0x00300030u>(ya), f[w][1] = code_pair<0x00C000C0u>(ya);
+                f[w][2] = code_pair<0x00300030u>(yc), f[w][3] = code_pair<0x00C000C0u>(yc);
+              } else {
+                // m-tile 2c: channels +0, +1 (nibbles 0, 1); m-tile 2c + 1: +2, +3 (>> 8); exact
+                const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
+                e[w][0] = code_pair<0x000f000fu>(ya), e[w][1] = code_pair_hi4(ya);
+                e[w][2] = code_pair<0x000f000fu>(yc), e[w][3] = code_pair_hi4(yc);
+                f[w][0] = code_pair<0x000f000fu>(ya8), f[w][1] = code_pair_hi4(ya8);
+                f[w][2] = code_pair<0x000f000fu>(yc8), f[w][3] = code_pair_hi4(yc8);
+              }
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                meta_a<MF>(rec[w][r], vcb, p.pk.v_meta, grpc[c], lo[w][r], sc[w][r]);
+                smax = fmaxf(smax, sc[w][r]);
+              }
+            }
+            // p * scale <= the largest scale seen (p <= 1): 2^S puts that in [2^14, 2^15), so the
+            // fp16 operands stay normal and finite whatever the scales (the same S for every lane);
+            // a scale of a larger binade (rare after the first tile) raises S for the whole warp
+            if (__any_sync(kFull, smax >= __int_as_float((exv + 1) << 23))) {
+              float m = fmaxf(smax, __shfl_xor_sync(kFull, smax, 1));
+              m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));  // the lanes t share the rows of a tile
+              const int ex = max(exv, min(max((__float_as_int(m) >> 23) & 0xff, 15), 250));
+              if (ex > exv) {
+                const float fs = ldexpf(1.0f, exv - ex);  // exact, or below 2^-126 of the new
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                  for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= fs;
+#pragma unroll
+                  for (int w = 0; w < W; ++w)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) pu[w][nt][r] *= fs;
+                }
+                exv = ex;
+              }
+            }
+#pragma unroll
+            for (int w = 0; w < W; ++w)
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                const uint32_t bb0 = pack_part(pu[w][nt][0] * sc[w][0], pu[w][nt][1] * sc[w][1], 0);
+                const uint32_t bb1 = pack_part(pu[w][nt][2] * sc[w][2], pu[w][nt][3] * sc[w][3], 0);
+                mma_16816(vacc[nt][2 * c], e[w][0], e[w][1], e[w][2], e[w][3], bb0, bb1);
+                mma_16816(vacc[nt][2 * c + 1], f[w][0], f[w][1], f[w][2], f[w][3], bb0, bb1);
+                if constexpr (!MF) {
+                  float s = vb[nt][c];
+                  s = fmaf(pv[w][nt][0], lo[w][0], s);
+                  s = fmaf(pv[w][nt][1], lo[w][1], s);
+                  s = fmaf(pv[w][nt][2], lo[w][2], s);
+                  s = fmaf(pv[w][nt][3], lo[w][3], s);
+                  vb[nt][c] = s;
+                }
+              }
+          }
         }
       }
     };
@@ -789,10 +865,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       wm[warp * G + h] = m_run[nt];
       wl[warp * G + h] = l;
     }
-    if constexpr (MF) {  // group g's sum for head h (lanes g < groups), indexed by group
-      if (g < (FIX ? NCH : (D + p.pk.group_size - 1) / p.pk.group_size) && h < G)
-        sbias[(warp * G + h) * NCH + g] = packed ? vbm[nt][0] : 0.0f;
-    } else if constexpr (PK > 0) {
+    if constexpr (PK == 1) {
 #pragma unroll
       for (int c = 0; c < NCH; ++c) {
         float s = vb[nt][c];
@@ -808,7 +881,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int j = 0; j < MT; ++j) {
         float v0 = vacc[nt][j][0] + vacc[nt][j][1];
         float v1 = vacc[nt][j][2] + vacc[nt][j][3];
-        if (packed) {                                         // undo 2^S of the block (exact)
+        if (!MF && packed) {                                  // undo 2^S of the block (exact)
           const float dn = __int_as_float((exv - 14) << 23);  // 2^-S
           v0 *= dn;
           v1 *= dn;
@@ -819,7 +892,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
         } else {
           const int c = j >> 1, mu = j & 1;
           const int ch = 32 * c + 4 * g + 2 * mu;
-          if constexpr (KB == 2) {  // undo the in-place code scales 1, 4, 16, 64 (exact)
+          if constexpr (KB == 2 && !MF) {  // undo the in-place code scales 1, 4, 16, 64 (exact)
             dst[ch] = v0 * (mu ? 0.0625f : 1.0f);
             dst[ch + 1] = v1 * (mu ? 0.015625f : 0.25f);
           } else {
@@ -842,8 +915,8 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       for (int w = 0; w < kWarps; ++w) {
         const float f = exp2f(wm[w * G + h] - mx);
         float x = wacc[(w * G + h) * D + d];
-        if (PK > 0 && packed)  // MF: by metadata group, PK 1: by 32-channel block
-          x += sbias[(w * G + h) * NCH + (MF ? d / (PK == 3 ? 32 : p.pk.group_size) : d / 32)];
+        if (PK == 1 && packed)  // the zero-point sums of PK 1, by 32-channel block
+          x += sbias[(w * G + h) * NCH + d / 32];
         a += x * f;
         l += wl[w * G + h] * f;
       }

@@ -438,8 +438,9 @@ std::vector<double> gpu_attention_bound(const CacheView& dense, const std::vecto
         for (int64_t d = 0; d < D; ++d) {
           const size_t e = static_cast<size_t>(((b * hq + qh) * n_q + i) * D + d);
           out[e] = std::expm1(2 * delta) * vmax + 2 * gamma_n(sum_terms) * vmax +
-                   (!cuda_core ? value_rel * vmax : 0.0) + (1 + 0x1p-10) * dv_max[d] +
-                   0x1p-23 * std::abs(ref[e]) + 1e-30;
+                   (!cuda_core ? value_rel * vmax : 0.0) +
+                   (kern == GpuAttnKernel::kDecode ? kGpuValueAbs : 0.0) +
+                   (1 + 0x1p-10) * dv_max[d] + 0x1p-23 * std::abs(ref[e]) + 1e-30;
         }
       }
   return out;

@@ -49,17 +49,20 @@ std::vector<double> packed_decode_bound(const CacheView& view, const CacheView& 
 //    (Cauchy-Schwarz; the same under the orthonormal key transforms), i.e. at most
 //    kGpuLogitRel * scale * ||q|| ||k|| for D <= 256;
 //  * values: p (fp32, in [0, 1]; the softmax sum l adds the unrounded p) enters P V as its fp16
-//    rounding (or that of p * scale * 2^S for packed values): relative 2^-11 of p |v - lo| per
-//    term (f16 rows: lo = 0); the zero-points of packed values with f16 metadata meet fp16(p)
-//    too (one mma per warp-tile; other metadata types: fp32 p, exact), relative 2^-11 of p |lo|.
-//    So the output errs by at most 2^-11 max (|v - lo| + |lo|) (the p sum to l); |lo| <= 1.07 V
-//    (lo is the group's clipped minimum, rounded to its metadata type, which the group's
-//    dequantized values reach to within a step; 1.07 with fp8 metadata, 1 + 2^-11 with f16)
-//    gives |v - lo| + |lo| <= |v| + 2 |lo| <= 3.14 V < 4 V: kGpuValueRel * V = 2^-9 V. Subnormal p
-//    (< 2^-14) err by at most 2^-25 |v| (2^-25 |lo| for a zero-point term) each, inside the
-//    accumulation term 2 gamma(9 n / 8 + 64) V as before.
+//    rounding. f16 rows: relative 2^-11 of p |v| per term. Packed values with f16 metadata are
+//    dequantized in fp16 first, v' = fl16(c * scale + lo) (one fma, one rounding: |v' - v| <=
+//    2^-11 |v|, or <= 2^-25 where v' is subnormal), then meet fp16(p): |p' v' - p v| <=
+//    (2^-10 + 2^-22) p |v| + (1 + 2^-11) p 2^-25. Packed values with other metadata types take
+//    their codes exactly and p * scale * 2^S rounded to fp16 (2^-11 of p |v - lo|) plus the
+//    zero-points in fp32 with the unrounded p (exact). So the output errs by at most
+//    max(2^-10 + 2^-22, 2^-11 * 3.14) V (the p sum to l; |lo| <= 1.07 V, lo being the group's
+//    clipped minimum rounded to its metadata type, which the group's dequantized values reach to
+//    within a step, gives |v - lo| <= 2.07 V) < kGpuValueRel * V = 2^-9 V, plus the subnormal
+//    values' absolute (1 + 2^-10) 2^-25 < kGpuValueAbs = 2^-24. Subnormal p (< 2^-14) err by at
+//    most 2^-25 |v| each, inside the accumulation term 2 gamma(9 n / 8 + 64) V as before.
 constexpr double kGpuLogitRel = 0x1p-11 + 0x1p-26;
 constexpr double kGpuValueRel = 0x1p-9;
+constexpr double kGpuValueAbs = 0x1p-24;
 
 // The same two terms for the bf16 operands of views whose full-precision rows are bf16 (the
 // bf16-row decode instances, prefill's bf16 tensor-core kernel; FlashAttention's bf16
