@@ -289,15 +289,22 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   }
   // kept in registers: otherwise the 64-bit bound arithmetic is redone for every row
   asm volatile("" : "+r"(vis_lo), "+r"(vis_hi));
-  auto issue = [&](int tt) {
-    const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
-    const int nr = static_cast<int>(min64(TR, r_end - r0));
-    uint8_t* sk = stages + (tt % kStages) * 2 * SH;
+  // the split's first row of K, V and positions: the tiles' offsets from them are 32-bit
+  // (a split's rows times a row's bytes stay far below 2^31)
+  const int n_split = static_cast<int>(n_split_rows);
+  const uint8_t* kb0 = kbase + r_begin * krb;
+  const uint8_t* vb0 = vbase + r_begin * vrb;
+  const int32_t* pos0 = pos ? pos + r_begin : nullptr;
+  // tile tt into stage st (tile tt + kStages - 1 is issued while tile tt is read)
+  auto issue = [&](int tt, int st) {
+    const int r0 = tt * TR;
+    const int nr = min(TR, n_split - r0);
+    uint8_t* sk = stages + st * 2 * SH;
     uint8_t* sv = sk + SH;
     if (!packed) {
       constexpr int CPR = D / 8;  // 16-byte chunks per row
-      const uint8_t* gk = kbase + r0 * RB;
-      const uint8_t* gv = vbase + r0 * RB;
+      const uint8_t* gk = kb0 + r0 * RB;
+      const uint8_t* gv = vb0 + r0 * RB;
       for (int i = tid; i < nr * CPR; i += kThreads) {
         const int r = i / CPR, c = i % CPR;
         const int o = r * RB + 16 * (c ^ swz(r & 7));
@@ -313,23 +320,23 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
       // one thread moves the tile's K and V byte ranges (whole 16-byte words) with two bulk
       // copies: a few instructions per tile instead of a cp.async and its address per 16 bytes
       if (tid == 0) {
-        const uint8_t* gk = kbase + r0 * krb;
-        const uint8_t* gv = vbase + r0 * vrb;
+        const uint8_t* gk = kb0 + r0 * krb;
+        const uint8_t* gv = vb0 + r0 * vrb;
         const uint32_t nk = decode_impl::bulk_range_bytes(gk, nr * krb);
         const uint32_t nv = decode_impl::bulk_range_bytes(gv, nr * vrb);
-        uint64_t* bar = &bars[tt % kStages];
+        uint64_t* bar = &bars[st];
         decode_impl::mbar_expect_tx(bar, nk + nv);
         decode_impl::bulk_range(sk, gk, nk, bar);
         decode_impl::bulk_range(sv, gv, nv, bar);
       }
     } else {
-      decode_impl::copy_range(sk, kbase + r0 * krb, static_cast<int64_t>(nr) * krb, tid);
-      decode_impl::copy_range(sv, vbase + r0 * vrb, static_cast<int64_t>(nr) * vrb, tid);
+      decode_impl::copy_range(sk, kb0 + r0 * krb, static_cast<int64_t>(nr) * krb, tid);
+      decode_impl::copy_range(sv, vb0 + r0 * vrb, static_cast<int64_t>(nr) * vrb, tid);
     }
   };
 #pragma unroll
   for (int tt = 0; tt < kStages - 1; ++tt) {
-    if (tt < n_tiles) issue(tt);
+    if (tt < n_tiles) issue(tt, tt);
     cp_async_commit();
   }
 
@@ -442,23 +449,29 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   // accumulators directly; exv = that scale's biased exponent
   int exv = 15;
 
+  const int kmis0 = decode_impl::misalign16(kb0), vmis0 = decode_impl::misalign16(vb0);
+  // tile tt sits in stage `stage`; that stage's barrier completes its phase `phase` for it (the
+  // k-th use of a stage completes phase k, parity k & 1)
+  int stage = 0;
+  uint32_t phase = 0;
   for (int tt = 0; tt < n_tiles; ++tt) {
-    if (tt + kStages - 1 < n_tiles) issue(tt + kStages - 1);
+    if (tt + kStages - 1 < n_tiles) issue(tt + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
-    // the k-th use of a stage's barrier completes its phase k (parity k & 1)
-    if (decode_impl::kBulkCopy && packed)
-      decode_impl::mbar_wait(&bars[tt % kStages], (tt / kStages) & 1);
+    if (decode_impl::kBulkCopy && packed) decode_impl::mbar_wait(&bars[stage], phase);
     __syncthreads();
 
-    const int64_t r0 = r_begin + static_cast<int64_t>(tt) * TR;
-    const int nr = static_cast<int>(min64(TR, r_end - r0));
-    const uint8_t* sk = stages + (tt % kStages) * 2 * SH;
+    const int row_rel = tt * TR;
+    const int nr = min(TR, n_split - row_rel);
+    const uint8_t* sk = stages + stage * 2 * SH;
     const uint8_t* sv = sk + SH;
-    const int kmis = decode_impl::misalign16(kbase + r0 * krb);
-    const int vmis = decode_impl::misalign16(vbase + r0 * vrb);
+    const int kmis = (kmis0 + row_rel * krb) & 15;
+    const int vmis = (vmis0 + row_rel * vrb) & 15;
     const int n_wt = (nr + 15) / 16;
-    const int row_rel = static_cast<int>(r0 - r_begin);
+    // implicit positions and every row of the tile's warp-tiles visible (no padded rows): no
+    // per-row visibility test
+    const bool all_vis = !pos && row_rel >= vis_lo && row_rel + 16 * n_wt <= vis_hi;
+    if (++stage == kStages) stage = 0, phase ^= 1u;
     if (packed && nr < 16 * n_wt) {
       // a partial last tile: zero the packed bytes of its missing rows (their metadata would
       // otherwise be stale or uninitialised shared memory, and 0 * NaN is NaN)
@@ -570,27 +583,29 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
           }
         }
       }
+      if (!all_vis) {
 #pragma unroll
-      for (int w = 0; w < W; ++w)
+        for (int w = 0; w < W; ++w)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int rl = rb0[w] + g + 8 * j;
-          bool vis;
-          if (!pos) {
-            const int rel = row_rel + rl;
-            vis = rel >= vis_lo && rel < vis_hi;
-          } else {
-            vis = false;
-            if (rl < nr) {
-              const int64_t pj = pos[r0 + rl];
-              vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+          for (int j = 0; j < 2; ++j) {
+            const int rl = rb0[w] + g + 8 * j;
+            bool vis;
+            if (!pos) {
+              const int rel = row_rel + rl;
+              vis = rel >= vis_lo && rel < vis_hi;
+            } else {
+              vis = false;
+              if (rl < nr) {
+                const int64_t pj = pos0[row_rel + rl];
+                vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+              }
+            }
+            if (!vis) {
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) lg[w][nt][j] = -INFINITY;
             }
           }
-          if (!vis) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) lg[w][nt][j] = -INFINITY;
-          }
-        }
+      }
 
       // ---- (2) online softmax per head t + 4 nt (uniform over the 8 lanes g of a column t)
       float pr[W][NT][2], al[NT];
