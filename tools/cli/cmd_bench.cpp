@@ -219,7 +219,7 @@ int run_bench(const BenchArgs& a) {
     req.max_batch = a.batch;
     req.tensor_parallel = a.tensor_parallel;
     req.ranks_per_device = one_memory ? a.tensor_parallel : 1;
-    req.reserve_full = dev == Device::kCuda && !a.no_reserve;  // the CUDA engine reserves
+    req.reserve_capacity = dev == Device::kCuda && !a.no_reserve;  // the CUDA engine reserves
     row.plan = plan_memory(req);
     row.batch = a.max_batch_fit ? row.plan.max_sequences : a.batch;
     if (a.max_batch_fit && row.batch < 1) check_fits(row.plan, req, 1);  // refuses, naming why
