@@ -319,8 +319,10 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   if (meth == "skvq" || meth == "snapkv+skvq") {
     const SkvqResident sr =
         skvq_resident(r, as_given, lists ? m.n_layers : 1, H, max_packed, p.context_tokens);
-    // The fp store holds kv_dtype rows (the accounted figure counts them at 2 bytes).
-    const int64_t fp_store_row = 2 * H * d * std::max<int64_t>(es, 2);
+    // The fp store holds kv_dtype rows (the accounted figure counts them at 2 bytes), and for
+    // snapkv+skvq an int32 position per row and head.
+    const int64_t fp_store_row =
+        2 * H * d * std::max<int64_t>(es, 2) + (meth == "snapkv+skvq" ? 4 * H : 0);
     const int64_t fp_rows = std::max(max_fp_rows + slack_rows, fps.max_cap);
     p.cache_bytes_resident = std::max(sr.packed, max_comp) + max_other + fp_rows * fp_store_row;
     transient = std::max(sr.transient, fps.extra * fp_store_row);
