@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "veloxquant/device_memory.h"
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/prefill_schedule.h"
@@ -50,10 +51,11 @@ struct Bytes {
   int64_t comp = 0;     // their accounted bytes (all heads)
 };
 
-// Bytes one device allocation of `bytes` holds: whole 16-byte words plus a spare one
-// (DeviceBuffer, veloxquant/cuda.h); nothing for none.
+// Bytes one device allocation of `bytes` holds (cuda::device_alloc_bytes, device_memory.h:
+// DeviceBuffer's words and spare word, whole 2 MiB pages above 1 MiB); the CPU's host buffers
+// (64-byte aligned, whole 2 MiB above it) hold no more.
 int64_t device_alloc(int64_t bytes) {
-  return bytes > 0 ? (bytes + 15) / 16 * 16 + 16 : 0;
+  return cuda::device_alloc_bytes(bytes);
 }
 
 // A packed store of one sequence (B = 1) with `cap` records per head over `heads` heads
@@ -319,22 +321,24 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   if (meth == "skvq" || meth == "snapkv+skvq") {
     const SkvqResident sr =
         skvq_resident(r, as_given, lists ? m.n_layers : 1, H, max_packed, p.context_tokens);
-    // The fp store holds kv_dtype rows (the accounted figure counts them at 2 bytes), and for
-    // snapkv+skvq an int32 position per row and head.
-    const int64_t fp_store_row =
-        2 * H * d * std::max<int64_t>(es, 2) + (meth == "snapkv+skvq" ? 4 * H : 0);
+    // The fp store: keys and values of kv_dtype rows (the accounted figure counts them at 2
+    // bytes) and for snapkv+skvq int32 positions, one allocation each.
+    const int64_t half_row = H * d * std::max<int64_t>(es, 2);
+    const bool pos = meth == "snapkv+skvq";
+    const auto fp_store = [&](int64_t rows) {
+      return 2 * device_alloc(rows * half_row) + (pos ? device_alloc(rows * H * 4) : 0);
+    };
     const int64_t fp_rows = std::max(max_fp_rows + slack_rows, fps.max_cap);
-    p.cache_bytes_resident = std::max(sr.packed, max_comp) + max_other + fp_rows * fp_store_row;
-    transient = std::max(sr.transient, fps.extra * fp_store_row);
+    p.cache_bytes_resident = std::max(sr.packed, max_comp) + max_other + fp_store(fp_rows);
+    transient = std::max(sr.transient, fp_store(fps.extra));
   }
   // skvq_protect: the prompt's fp32 copies (keys and values) held until its selection.
   if (meth == "skvq" && cc.skvq_protect > 0.0)
     p.cache_bytes_resident += r.prompt_tokens * H * d * 8;
   if (meth == "full" && r.reserve_capacity) {
-    // one store of the reserved rows (FullCache::reserve): K and V one device allocation each,
-    // whole 16-byte words plus a spare one (DeviceBuffer, veloxquant/cuda.h)
+    // one store of the reserved rows (FullCache::reserve): K and V one device allocation each
     const int64_t half = (p.context_tokens + kGrowStep - 1) / kGrowStep * kGrowStep * row_es / 2;
-    p.cache_bytes_resident = 2 * ((half + 15) / 16 * 16 + 16);
+    p.cache_bytes_resident = 2 * device_alloc(half);
   }
   const int64_t per_device = r.ranks_per_device;
   p.cache_bytes_peak *= m.n_layers * per_device;
