@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <random>
 
+#include "util/cpu_delegate_backend.h"
 #include "util/test_util.h"
 #include "util/tiny_model.h"
 #include "veloxquant/batch_generate.h"
@@ -20,6 +21,7 @@
 #include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
 #include "veloxquant/prefill_schedule.h"
+#include "veloxquant/skvq_cache.h"
 
 namespace vq {
 namespace {
@@ -520,7 +522,7 @@ TEST_F(BatchTest, PlannerEqualsTheCachesPeak) {
   }
 }
 
-// reserve_full (the CUDA engine's Engine::reserve): a full cache that reserved the planner's
+// reserve_capacity (the CUDA engine's Engine::reserve): a full cache that reserved the planner's
 // context_tokens (FullCache::reserve, what the engine hands each layer's cache) holds, at every
 // point of the sequence's life, exactly the planner's resident figure per layer: one store, no
 // growth (the device engine's figure: tests/cuda/test_cuda_engine.cpp). Without the reservation the
@@ -540,7 +542,7 @@ TEST_F(BatchTest, PlannerCountsExactlyWhatAFullCacheReserves) {
     req.max_new_tokens = lf.gen;
     req.prefill_step = lf.step;
     const MemoryPlan grow = plan_memory(req);
-    req.reserve_full = true;
+    req.reserve_capacity = true;
     const MemoryPlan p = plan_memory(req);
     FullCache c;
     c.reserve(p.context_tokens);
@@ -560,6 +562,94 @@ TEST_F(BatchTest, PlannerCountsExactlyWhatAFullCacheReserves) {
     EXPECT_EQ(p.cache_bytes_peak, grow.cache_bytes_peak);  // the same rows accounted
     EXPECT_GT(grow.cache_bytes_resident, p.cache_bytes_resident);
   }
+}
+
+// SKVQ on the layout the CUDA backend asks for (one packed run per cache, grown x1.5 in steps of
+// 64 rows unless reserved; a CPU backend that asks for it, tests/util/cpu_delegate_backend.h):
+// one layer's cache fed a long-ish life (prefill chunks, then decode steps), its resident bytes
+// (CacheStats::bytes_resident, what the engine's CacheMemory sums) never pass the planner's
+// figure, for K2V2, K4V4 and channel-axis keys, with and without the reservation the planner is
+// told about (reserve_capacity: SkvqCache::reserve of context_tokens). The accounted peak is the
+// planner's exactly; reserved, the packed run is made once, with the context's records rounded
+// up to 64, and the plan is below the growing one's.
+class OneRunBackend final : public test::CpuDelegateBackend {
+ public:
+  bool one_packed_run() const override { return true; }
+};
+
+TEST_F(BatchTest, PlannerBoundsAGrowingOrReservedSkvqRun) {
+  struct Life {
+    int64_t prompt, step, gen;
+  };
+  struct Bits {
+    const char* name;
+    double k, v;
+    bool channel;
+  };
+  const ModelConfig& mc = model_->config();
+  const OneRunBackend one_run;
+  for (const Bits& bits : {Bits{"K2V2", 2, 2, false}, Bits{"K4V4", 4, 4, false},
+                           Bits{"K2V2 channel keys", 2, 2, true}})
+    for (const Life& lf : {Life{700, 64, 300}, Life{300, 33, 500}, Life{2000, 512, 17}})
+      for (bool reserve : {false, true}) {
+        SCOPED_TRACE(std::string(bits.name) + " prompt " + std::to_string(lf.prompt) + " step " +
+                     std::to_string(lf.step) + " gen " + std::to_string(lf.gen) +
+                     (reserve ? " reserved" : " growing"));
+        CacheConfig cc = small_config("skvq");
+        cc.skvq_bits_key = bits.k;
+        cc.skvq_bits_value = bits.v;
+        if (bits.channel) {
+          cc.skvq_key_axis = QuantAxis::kChannel;
+          cc.skvq_group_size = 32;
+        }
+        MemoryPlanRequest req;
+        req.model = mc;
+        req.cache = cc;
+        req.kv_dtype = DType::kF16;
+        req.prompt_tokens = lf.prompt;
+        req.max_new_tokens = lf.gen;
+        req.prefill_step = lf.step;
+        req.reserve_capacity = reserve;
+        const MemoryPlan p = plan_memory(req);
+        cc.head_dim = mc.head_dim;
+        SkvqCache c(cc, one_run);
+        if (reserve) c.reserve(p.context_tokens);
+        const int64_t want_cap =
+            round_up(std::max<int64_t>(skvq_packed_rows(cc, p.context_tokens), 64), 64);
+        int64_t done = 0, peak_acc = 0, peak_res = 0, caps = 0, last_cap = 0;
+        auto feed = [&](int64_t n) {
+          const Tensor k = test::random_tensor(DType::kF16, 1, mc.n_kv_heads, n, mc.head_dim,
+                                               static_cast<uint64_t>(done + 1));
+          c.update_and_fetch(k.view(), k.view());
+          done += n;
+          const CacheStats st = c.stats();
+          peak_acc = std::max(peak_acc, st.bytes_accounted * mc.n_layers);
+          peak_res = std::max(peak_res, st.bytes_resident * mc.n_layers);
+          ASSERT_LE(st.bytes_resident * mc.n_layers, p.cache_bytes_resident) << "after " << done;
+          if (c.packed_capacity() != last_cap) ++caps, last_cap = c.packed_capacity();
+          if (reserve && c.quantized_tokens() > 0) {
+            ASSERT_EQ(c.packed_capacity(), want_cap);
+          }
+        };
+        for (int64_t n : prefill_chunks(lf.prompt, lf.step)) feed(n);
+        for (int64_t i = 1; i < lf.gen; ++i) feed(1);
+        EXPECT_EQ(done, p.context_tokens);
+        EXPECT_TRUE(p.cache_bytes_exact);
+        EXPECT_EQ(p.cache_bytes_peak, peak_acc);
+        if (reserve) {
+          EXPECT_EQ(caps, 1);  // one run, made at the first flush, never copied
+          req.reserve_capacity = false;
+          EXPECT_LT(p.cache_bytes_resident, plan_memory(req).cache_bytes_resident);
+        } else {
+          EXPECT_GT(caps, 1);  // it grew
+        }
+        std::printf("[plan] %s %lld/%lld/%lld %s: resident %lld <= plan %lld (accounted %lld)\n",
+                    bits.name, static_cast<long long>(lf.prompt), static_cast<long long>(lf.step),
+                    static_cast<long long>(lf.gen), reserve ? "reserved" : "growing",
+                    static_cast<long long>(peak_res),
+                    static_cast<long long>(p.cache_bytes_resident),
+                    static_cast<long long>(peak_acc));
+      }
 }
 
 // The workspace figure covers the forward pass's buffers for a chunk (ForwardScratch capacity).

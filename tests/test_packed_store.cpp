@@ -15,6 +15,8 @@
 #include "kv/row_store.h"
 #include "util/cpu_delegate_backend.h"
 #include "util/test_util.h"
+#include "veloxquant/attention.h"
+#include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/hadamard.h"
 #include "veloxquant/packed.h"
@@ -220,6 +222,89 @@ TEST(SkvqPolicies, OneRunLayoutWritesTheSameStateAndRows) {
     }
     EXPECT_GT(a->stats().figure("packed_rows"), 0) << method;
   }
+}
+
+// SkvqCache::reserve: on the one-run layout the packed run is made once, at the first flush, with
+// every record of the reserved length (skvq_packed_rows rounded up to 64) and never copied; on
+// both layouts the stored rows, positions, state bytes and attention outputs equal an unreserved
+// cache's at every call (K2V2, K4V4, and channel-axis keys on the per-block layout, whose views
+// give one packed segment per chunk).
+TEST(SkvqPolicies, ReserveChangesNoRowPositionOrOutput) {
+  const OneRunBackend one_run;
+  struct Case {
+    const char* name;
+    double kbits, vbits;
+    bool channel;
+  };
+  constexpr int64_t kT = 300, kHq = 2 * kH;
+  const std::vector<int64_t> cuts = {0, 70, 71, 72, 140, 141, 200, 201, 202, 203, 264, kT};
+  for (const Case& cs : {Case{"K2V2", 2, 2, false}, Case{"K4V4", 4, 4, false},
+                         Case{"K2V2 channel keys", 2, 2, true}})
+    for (const kv::RowBackend* be :
+         {&kv::cpu_backend(), static_cast<const kv::RowBackend*>(&one_run)}) {
+      if (cs.channel && be == &one_run) continue;
+      CacheConfig cfg;
+      cfg.method = "skvq";
+      cfg.head_dim = kD;
+      cfg.skvq_window = 16;
+      cfg.skvq_n_sink = 4;
+      cfg.skvq_group_size = 16;
+      cfg.skvq_recent = 3;
+      cfg.skvq_bits_key = cs.kbits;
+      cfg.skvq_bits_value = cs.vbits;
+      if (cs.channel) cfg.skvq_key_axis = QuantAxis::kChannel;
+      SkvqCache a(cfg, *be), b(cfg, *be);
+      b.reserve(kT);
+      EXPECT_EQ(b.reserved(), kT);
+      EXPECT_EQ(b.packed_capacity(), 0);  // nothing allocated by reserve()
+      const int64_t want_cap = round_up(std::max<int64_t>(skvq_packed_rows(cfg, kT), 64), 64);
+      const Tensor k = test::random_tensor(DType::kF16, kB, kH, kT, kD, 41);
+      const Tensor v = test::random_tensor(DType::kF16, kB, kH, kT, kD, 42);
+      const Tensor q = test::random_tensor(DType::kF32, kB, kHq, 1, kD, 43);
+      for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+        const std::string what = std::string(cs.name) + " on " + be->name() + " after row " +
+                                 std::to_string(cuts[c + 1]);
+        const TensorView kb = k.view().slice_tokens(cuts[c], cuts[c + 1]);
+        const TensorView vb = v.view().slice_tokens(cuts[c], cuts[c + 1]);
+        const CacheView va = a.update_and_fetch(kb, vb), vr = b.update_and_fetch(kb, vb);
+        expect_same_rows(va, vr, what);
+        ASSERT_EQ(saved(a), saved(b)) << what;
+        for (int64_t h = 0; h < kH; ++h)
+          EXPECT_EQ(a.stored_positions(1, h), b.stored_positions(1, h));
+        AttentionParams ap;
+        ap.q_pos0 = cuts[c + 1] - 1;
+        std::vector<float> oa(static_cast<size_t>(kB * kHq * kD)), ob(oa.size());
+        attention(q.view(), va, ap, oa.data());
+        attention(q.view(), vr, ap, ob.data());
+        ASSERT_EQ(0, std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float))) << what;
+        EXPECT_EQ(a.stats().bytes_accounted, b.stats().bytes_accounted) << what;
+        if (be == &one_run && b.quantized_tokens() > 0) {
+          EXPECT_EQ(b.packed_capacity(), want_cap) << what << ": one run, never grown";
+        }
+      }
+    }
+}
+
+// A reservation outlives load() (the loaded run is made with it) and is refused out of range.
+TEST(SkvqPolicies, ReserveSurvivesLoadAndRefusesBadRows) {
+  const OneRunBackend one_run;
+  CacheConfig cfg;
+  cfg.method = "skvq";
+  cfg.head_dim = kD;
+  cfg.skvq_window = 16;
+  cfg.skvq_n_sink = 4;
+  cfg.skvq_group_size = 16;
+  SkvqCache a(cfg, one_run), b(cfg, one_run);
+  const Tensor k = test::random_tensor(DType::kF16, kB, kH, 100, kD, 51);
+  a.update_and_fetch(k.view(), k.view());
+  b.reserve(1000);
+  std::istringstream in(saved(a));
+  b.load(in);
+  EXPECT_EQ(saved(a), saved(b));
+  EXPECT_EQ(b.packed_capacity(), round_up(skvq_packed_rows(cfg, 1000), 64));
+  EXPECT_THROW(b.reserve(-1), Error);
+  EXPECT_THROW(b.reserve(int64_t{1} << 31), Error);
+  EXPECT_EQ(b.reserved(), 1000);  // unchanged by the refusals
 }
 
 }  // namespace

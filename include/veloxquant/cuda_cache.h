@@ -53,8 +53,9 @@ class DeviceKVCache {
   // multi-token call; a single-token call while one is owed does the same first. Invalidates the
   // last view. Every other cache: nothing.
   virtual void end_prompt() {}
-  // Capacity for `rows` rows per (b, h) at the cache's next allocation (full: FullCache::reserve,
-  // so a sequence of known length never grows; every other method sizes itself: nothing).
+  // Capacity for `rows` rows per (b, h) at the cache's next allocation (full: FullCache::reserve;
+  // skvq: SkvqCache::reserve, its packed run), so a sequence of known length never grows; every
+  // other method sizes itself: nothing.
   virtual void reserve(int64_t rows) { (void)rows; }
   virtual bool is_trimmable() const { return false; }
   // Refused (vq::Error, nothing changed) unless is_trimmable().

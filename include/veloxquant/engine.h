@@ -104,7 +104,8 @@ class Engine {
   virtual int64_t add_sequence(const CacheConfig& cache) = 0;
   // Before a sequence's first step: its caches reserve room for `tokens` tokens (prompt + new
   // tokens - 1, memory_plan.h context_tokens) at their first allocation, so no growth copy
-  // follows (the full cache; other methods size themselves). Results are unchanged. Engines for
+  // follows (the full cache's store, the skvq cache's packed run; other methods size themselves).
+  // Results are unchanged. Engines for
   // which reserves_capacity() is false ignore it (the planner then counts growth slack).
   virtual void reserve(int64_t seq, int64_t tokens) {
     (void)seq;

@@ -12,7 +12,10 @@
 // skvq_n_sink sinks + skvq_window + skvq_recent - 1 tail rows). The resident bytes add the
 // allocation slack of the row stores: the growth rule of the full and SnapKV stores (x1.25,
 // rounded up to 256 rows) on their full-precision rows, and one prefill chunk of fp16 rows that a
-// call holds before it evicts or flushes.
+// call holds before it evicts or flushes; for the SKVQ methods the packed run at its largest
+// capacity (reserved, or grown x1.5 in steps of 64 rows on a backend with one packed run, the
+// CUDA one), the full-precision store's doubling rule replayed in the storage dtype, and once per
+// sequence the old store a growth copy holds (one layer's at a time).
 //
 // Weights: the checkpoint's bytes (Model::checkpoint_bytes; uploaded once in their file dtype).
 // Workspace: the forward pass's fp32 activations for a step of `step_tokens` tokens (the prefill
@@ -52,8 +55,11 @@ struct MemoryPlanRequest {
   // The engine reserves each sequence's whole context at creation (the CUDA engine's
   // Engine::reserve, reserves_capacity()): a full cache then holds exactly context_tokens rows
   // rounded up to its 256-row step, so cache_bytes_resident is exactly what that store's two
-  // device allocations hold (no growth slack). Other methods are unaffected.
-  bool reserve_full = false;
+  // device allocations hold (no growth slack); an skvq cache's packed run holds exactly the
+  // records of the whole context (skvq_packed_rows) rounded up to 64 rows, counted exactly (its
+  // full-precision rows keep their slack). false: the skvq packed run's growth is counted (x1.5
+  // capacity, plus the old run a growth copy holds, once), as is snapkv+skvq's always.
+  bool reserve_capacity = false;
 };
 
 struct MemoryPlan {

@@ -120,6 +120,18 @@ class SkvqCache final : public KVCache {
   DType storage_dtype() const;
   int64_t head_dim() const;
 
+  // Room for a sequence of `rows` tokens: the packed store this cache makes next (its first, a
+  // growth, a load) holds every record the flush rule packs by then (skvq_packed_rows), rounded
+  // up to 64 rows. On a backend that keeps one growing packed run (the CUDA one) its first
+  // allocation then holds them all and no growth copy follows up to that length; per-block
+  // stores (the CPU backend) are sized exactly anyway. Allocates nothing now; rows, records,
+  // positions and results are unchanged. 0 <= rows <= 2^31 - 1 (vq::Error otherwise, nothing
+  // changed).
+  void reserve(int64_t rows);
+  int64_t reserved() const { return reserve_; }
+  // Records per (b, h) the packed stores hold now (>= the packed rows).
+  int64_t packed_capacity() const;
+
  private:
   void select_protected();
   CacheView with_protected(CacheView v) const;
@@ -127,12 +139,21 @@ class SkvqCache final : public KVCache {
   const kv::RowBackend* backend_;
   std::unique_ptr<skvq::Settings> set_;
   std::unique_ptr<skvq::State> st_;
+  int64_t reserve_ = 0;  // reserve(): tokens the next packed store is sized for
 };
+
+// Rows per (b, h) the skvq cache holds packed after `tokens` tokens at cfg's settings (the flush
+// rule's frontier less the sinks chunk 0 keeps; 0 before the first flush). For reserve() and the
+// memory planner.
+int64_t skvq_packed_rows(const CacheConfig& cfg, int64_t tokens);
 
 // Packed bytes per (b, h) of one flushed chunk of n rows in layer `layer` at cfg's settings, keys
 // and values: its runs of skvq_key_rows rows each counted, channel-axis keys by the channel-axis
 // formula (group_quant.h), as the cache's stats count them. For the memory planner.
 int64_t skvq_flushed_chunk_bytes(const CacheConfig& cfg, int64_t layer, int64_t n);
+// Bytes of one packed record (one row of one (b, h)) in layer `layer`'s packed stores: keys, or
+// values when `values` (PackedRowFormat::row_stride of the cache's formats). For the planner.
+int64_t skvq_record_stride(const CacheConfig& cfg, int64_t layer, bool values);
 
 // ---- calibrated permutations ------------------------------------------------------------------
 

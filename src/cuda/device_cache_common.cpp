@@ -9,6 +9,7 @@
 #include "cuda/check.h"
 #include "cuda/device_cache_kernels.cuh"
 #include "cuda/device_cache_util.h"
+#include "veloxquant/device_memory.h"
 #include "veloxquant/error.h"
 
 namespace vq::cuda {
@@ -45,7 +46,7 @@ std::string shape_str(const TensorView& t) {
 }
 
 int64_t held_bytes(const DeviceBuffer& b) {
-  return b.data() ? static_cast<int64_t>((b.size() + 15) / 16 * 16 + 16) : 0;
+  return b.data() ? device_alloc_bytes(static_cast<int64_t>(b.size())) : 0;
 }
 
 void check_blocks(const TensorView& keys, const TensorView& values, int64_t batch, int64_t heads,

@@ -103,8 +103,11 @@ class PolicyDeviceCache final : public DeviceKVCache {
     return p_->stored_positions(b, h);
   }
   void end_prompt() override { p_->end_prompt(); }
+  // The full cache's one store and the skvq cache's packed run (FullCache::reserve,
+  // SkvqCache::reserve); snapkv+skvq rebuilds its packed store at each eviction and sizes itself.
   void reserve(int64_t rows) override {
-    if constexpr (std::is_same_v<Policy, FullCache>) p_->reserve(rows);
+    if constexpr (std::is_same_v<Policy, FullCache> || std::is_same_v<Policy, SkvqCache>)
+      p_->reserve(rows);
   }
   // The policy's own mask (KVCache::make_mask over its positions, or its pending-eviction rule).
   Mask make_mask(int64_t n_queries, int64_t window) const override {

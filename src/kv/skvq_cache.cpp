@@ -71,6 +71,12 @@ int64_t flush_frontier(int64_t n, int64_t w, int64_t span) {
   return n >= span ? ((n - span) / w + 1) * w : 0;
 }
 
+// Rows packed after n tokens: the frontier less the sinks chunk 0 keeps.
+int64_t packed_rows_of(const Settings& s, int64_t n) {
+  const int64_t q_end = flush_frontier(n, s.window, s.flush_span);
+  return q_end > 0 ? q_end - s.n_sink : 0;
+}
+
 // Protected rows of a prompt of n rows with `packed` packed candidates: round(protect * n), at
 // least 1, at most the candidates.
 int64_t protect_count(double protect, int64_t n, int64_t packed) {
@@ -103,6 +109,23 @@ SkvqCache::SkvqCache(const CacheConfig& cfg, const kv::RowBackend& backend, int6
 }
 
 SkvqCache::~SkvqCache() = default;
+
+int64_t skvq_packed_rows(const CacheConfig& cfg, int64_t tokens) {
+  const int64_t q_end = flush_frontier(tokens, cfg.skvq_window, cfg.skvq_window + cfg.skvq_recent);
+  return q_end > 0 ? q_end - cfg.skvq_n_sink : 0;
+}
+
+void SkvqCache::reserve(int64_t rows) {
+  VQ_CHECK(rows >= 0 && rows <= INT32_MAX,
+           "[skvq] reserve: expected 0 <= rows <= " + std::to_string(INT32_MAX) + " but got " +
+               std::to_string(rows));
+  reserve_ = rows;
+  st_->rows.reserve_packed(packed_rows_of(*set_, rows));
+}
+
+int64_t SkvqCache::packed_capacity() const {
+  return st_->rows.packed_capacity();
+}
 
 int64_t SkvqCache::offset() const {
   return st_->offset;
@@ -523,6 +546,7 @@ void SkvqCache::load(std::istream& in) {
   s.check_saved(r, kOp);
   auto ns = std::make_unique<State>(*backend_, s);
   skvq::Store& rows = ns->rows;
+  rows.reserve_packed(packed_rows_of(s, reserve_));  // the reservation outlives a load
   const std::string pre = "[skvq] load: ";
   if (r.boolean()) {
     const uint8_t dt = r.u8();

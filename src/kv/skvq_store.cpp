@@ -341,6 +341,12 @@ int64_t Store::packed() const {
   return n;
 }
 
+int64_t Store::packed_capacity() const {
+  int64_t n = 0;
+  for (const Run& r : runs_) n += r.store ? r.store->capacity() : 0;
+  return n;
+}
+
 void Store::refit(int64_t extra, bool retire) {
   // The growth rule of a row buffer: max(need, 2 cap) rounded up to 16 rows; a buffer more than
   // twice its rows shrinks; otherwise the tail moves down to the sinks when the end is reached.
@@ -398,8 +404,9 @@ void Store::pack_tail(const std::vector<int64_t>& block_rows) {
     if (runs_.empty()) runs_.push_back(Run{});
     Run& r = runs_.back();
     const int64_t cap = r.store ? r.store->capacity() : 0;
-    if (r.rows + n > cap) {  // x1.5 growth in steps of 64 rows
-      const int64_t new_cap = round_up(std::max({r.rows + n, cap + cap / 2, int64_t{64}}), 64);
+    if (r.rows + n > cap) {  // x1.5 growth in steps of 64 rows, at least the reservation
+      const int64_t new_cap =
+          round_up(std::max({r.rows + n, cap + cap / 2, int64_t{64}, packed_reserve_}), 64);
       auto fresh = be_->make_packed(packed_shape(), new_cap, explicit_pos_);
       if (r.store) {
         fresh->copy_range(*r.store, 0, 0, r.rows);
@@ -720,7 +727,8 @@ void Store::install(const HostRows& sinks, const std::vector<HostBlock>& blocks,
   for (const HostBlock& b : blocks) total += b.rows;
   if (be_->one_packed_run() && total > 0) {
     Run r;
-    r.store = be_->make_packed(packed_shape(), round_up(total, 64), explicit_pos_);
+    r.store = be_->make_packed(packed_shape(), round_up(std::max(total, packed_reserve_), 64),
+                               explicit_pos_);
     for (const HostBlock& b : blocks) {
       r.store->upload(b.k.data(), b.v.data(), explicit_pos_ ? b.pos.data() : nullptr, r.rows,
                       b.rows);
@@ -761,6 +769,11 @@ int64_t skvq_flushed_chunk_bytes(const CacheConfig& cfg, int64_t layer, int64_t 
   for (const int64_t rows : s.chunk_blocks(n))
     bytes += s.key_chunk_bytes(rows) + s.value_chunk_bytes(rows);
   return bytes;
+}
+
+int64_t skvq_record_stride(const CacheConfig& cfg, int64_t layer, bool values) {
+  const skvq::Settings s = skvq::Settings::from_config(cfg, layer, "memory_plan");
+  return (values ? s.fv : s.fk).row_stride;
 }
 
 }  // namespace vq

@@ -151,6 +151,16 @@ class Store {
   // Frees what the last view alone still referenced.
   void release_retired();
 
+  // ---- capacity
+  // On a one_packed_run backend, the run this store makes next (its first, a growth, a load)
+  // holds at least `rows` records per (b, h), rounded up to 64: packing up to that many rows
+  // then copies no run. Allocates nothing now; rows and records are unchanged. Per-block stores
+  // (other backends) are sized exactly and ignore it.
+  void reserve_packed(int64_t rows) { packed_reserve_ = rows; }
+  int64_t packed_reserved() const { return packed_reserve_; }
+  // Records per (b, h) the packed stores hold (their capacities summed).
+  int64_t packed_capacity() const;
+
   // ---- views: [sinks, positions 0..][packed runs][tail], implicit positions following each
   // other, or explicit ones (sinks implicit); slot 0 / 1 keep the packed segments of two views.
   CacheView view(int slot) const;
@@ -201,6 +211,7 @@ class Store {
   int64_t t0_ = 0;
   std::vector<Run> runs_;
   std::vector<int64_t> blocks_;
+  int64_t packed_reserve_ = 0;  // reserve_packed(): the least capacity of the next packed run
   std::vector<std::unique_ptr<kv::RowStore>> retired_fp_;
   std::vector<std::unique_ptr<kv::PackedStore>> retired_packed_;
   mutable std::vector<PackedSegment> segs_[2];

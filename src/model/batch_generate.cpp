@@ -96,7 +96,7 @@ BatchGenerateResult batch_generate(Engine& engine, std::span<const BatchPrompt> 
     req.tensor_parallel = engine.options().tensor_parallel;
     const bool one_memory = engine.options().tp_simulate || engine.device() == Device::kCpu;
     req.ranks_per_device = one_memory ? req.tensor_parallel : 1;
-    req.reserve_full = engine.reserves_capacity();  // each sequence reserves below (admission)
+    req.reserve_capacity = engine.reserves_capacity();  // each sequence reserves below (admission)
     res.plan = plan_memory(req);
     check_fits(res.plan, req, o.require_full_batch ? live_cap : 1);
     live_cap = std::min(live_cap, res.plan.max_sequences);

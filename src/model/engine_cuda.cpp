@@ -23,8 +23,9 @@
 // lm_head on the requested rows only, then one copy to the host (the step's only host sync);
 // step_greedy picks each row's argmax on the device and copies only the ids.
 // Engine::reserve sizes a sequence's caches for its whole length before its first step (the full
-// cache's one store, FullCache::reserve; the planner counts it exactly, reserve_full), so no
-// growth copy lands on a decode step. Scratch buffers grow to the largest step and are reused.
+// cache's one store, FullCache::reserve; the skvq cache's packed run, SkvqCache::reserve; the
+// planner counts both exactly, reserve_capacity), so no growth copy lands on a decode step. Scratch
+// buffers grow to the largest step and are reused.
 //
 // Engine::warm_up (batch_generate and bench call it before a run's first step): cuBLAS loads a
 // kernel on its first launch (lazy module loading) and chooses a kernel per product shape at that

@@ -1,13 +1,16 @@
 // The memory planner (veloxquant/memory_plan.h): replays a sequence's life on counts alone (rows
 // per (b, h), the SKVQ frontier, SnapKV's keep count) at every point a caller can read the caches'
 // stats, and evaluates the caches' own byte formulas there (docs/design.md §C2-§C5:
-// eviction_stats' 2 bytes per element, skvq_compressed_bytes for packed rows).
+// eviction_stats' 2 bytes per element, skvq_compressed_bytes for packed rows). The resident bound
+// replays the stores' own growth rules where they matter (the SKVQ packed run, src/kv/
+// skvq_store.cpp) and counts a reserved store exactly (FullCache::reserve, SkvqCache::reserve).
 #include "veloxquant/memory_plan.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 
+#include "veloxquant/device_memory.h"
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/prefill_schedule.h"
@@ -44,6 +47,58 @@ std::vector<Point> life(const MemoryPlanRequest& r) {
 struct Bytes {
   int64_t accounted = 0;
   int64_t fp_rows = 0;  // full-precision rows per (b, h) held (the part that grows with slack)
+  int64_t packed = 0;   // SKVQ methods: packed rows per (b, h) (an upper bound for snapkv+skvq)
+  int64_t comp = 0;     // their accounted bytes (all heads)
+};
+
+// Bytes one device allocation of `bytes` holds (cuda::device_alloc_bytes, device_memory.h:
+// DeviceBuffer's words and spare word, whole 2 MiB pages above 1 MiB); the CPU's host buffers
+// (64-byte aligned, whole 2 MiB above it) hold no more.
+int64_t device_alloc(int64_t bytes) {
+  return cuda::device_alloc_bytes(bytes);
+}
+
+// A packed store of one sequence (B = 1) with `cap` records per head over `heads` heads
+// (src/kv/row_store.h PackedStore): keys, values and, when `positions`, int32 positions, one
+// allocation each.
+struct PackedFormat {
+  int64_t heads = 0, key = 0, value = 0;  // record bytes (row_stride) of keys and values
+  bool positions = false;
+  int64_t bytes(int64_t cap) const {
+    const int64_t f = heads * cap;
+    return device_alloc(f * key) + device_alloc(f * value) + (positions ? device_alloc(f * 4) : 0);
+  }
+};
+
+// Capacity, in records per head, of a packed run grown by skvq::Store::pack_tail's rule
+// (src/kv/skvq_store.cpp: round_up(max(needed, 1.5 x capacity, 64), 64), growing only when the
+// records do not fit) once it holds `rows`: below round_up(max(1.5 rows, 64), 64) at any time.
+int64_t grown_packed_capacity(int64_t rows) {
+  return rows > 0 ? round_up(std::max(rows + rows / 2, int64_t{64}), 64) : 0;
+}
+
+// The skvq full-precision store's capacity (skvq::Store::refit and fit, src/kv/skvq_store.cpp):
+// grown to max(needed, 2 x capacity) rounded up to 16 rows, shrunk to the rows (rounded up to 16,
+// at least 16) when more than twice them. A reallocation copies into a new store while the old
+// one is alive: `extra` is the most the smaller of the two held.
+struct FpStore {
+  int64_t cap = 0, max_cap = 0, extra = 0;
+  void set(int64_t c) {
+    if (c == cap) return;
+    extra = std::max(extra, std::min(c, cap));
+    cap = c;
+    max_cap = std::max(max_cap, cap);
+  }
+  void append(int64_t rows, int64_t n) {  // rows held before the call, n appended
+    const int64_t need = rows + n;
+    if (need > cap)
+      set(round_up(std::max({need, 2 * cap, int64_t{16}}), 16));
+    else
+      fit(need);
+  }
+  void fit(int64_t rows) {
+    if (cap > 2 * std::max<int64_t>(rows, 16)) set(round_up(std::max<int64_t>(rows, 16), 16));
+  }
 };
 
 // Packed bytes of one row per (b, h) at the settings (an upper bound per row of the block
@@ -51,6 +106,38 @@ struct Bytes {
 int64_t packed_row_bytes(const CacheConfig& c, int64_t d) {
   return skvq_compressed_bytes(1, d, c.skvq_bits_key, c.skvq_group_size, c.skvq_meta).total() +
          skvq_compressed_bytes(1, d, c.skvq_bits_value, c.skvq_group_size, c.skvq_meta).total();
+}
+
+// The packed stores of an SKVQ method, one layer of one sequence: `packed` bounds what they hold
+// at any time, `transient` what a growth copy holds besides (the old run, until the copy ends).
+struct SkvqResident {
+  int64_t packed = 0, transient = 0;
+};
+
+// skvq with reserve_capacity: one run of the context's packed rows rounded up to 64
+// (SkvqCache::reserve), never grown. Otherwise the run grows (x1.5, grown_packed_capacity) on a
+// backend with one packed run (CUDA; the CPU's per-block stores hold less); snapkv+skvq also
+// keeps, until its next call, the run an eviction replaced (<= the grown capacity) and the kept
+// records' store (<= the packed rows) it may grow out of.
+SkvqResident skvq_resident(const MemoryPlanRequest& r, const CacheConfig& cc, int64_t n_lists,
+                           int64_t heads, int64_t max_packed, int64_t context) {
+  PackedFormat f;
+  f.heads = heads;
+  f.positions = cc.method == "snapkv+skvq";  // explicit positions (evicted rows)
+  for (int64_t l = 0; l < n_lists; ++l) {
+    f.key = std::max(f.key, skvq_record_stride(cc, l, false));
+    f.value = std::max(f.value, skvq_record_stride(cc, l, true));
+  }
+  SkvqResident out;
+  if (cc.method == "skvq" && r.reserve_capacity) {
+    const int64_t rows = skvq_packed_rows(cc, context);
+    out.packed = rows > 0 ? f.bytes(round_up(std::max(rows, int64_t{64}), 64)) : 0;
+    return out;
+  }
+  const int64_t grown = f.bytes(grown_packed_capacity(max_packed));
+  out.packed = cc.method == "skvq" ? grown : 2 * grown + f.bytes(max_packed);
+  out.transient = f.bytes(max_packed);  // the old run: fewer records than the rows it overflowed
+  return out;
 }
 
 }  // namespace
@@ -135,6 +222,10 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   bool pending = false;
   int64_t max_fp_rows = 0, max_chunk = 0;
   bool exact = true;
+  // SKVQ methods: the most packed rows per (b, h), their accounted bytes, the most of the rest
+  // accounted besides full-precision rows (permutations, protected rows), the skvq fp store.
+  int64_t max_packed = 0, max_comp = 0, max_other = 0, prev_fp = 0, prev_q = 0;
+  FpStore fps;
   for (const Point& pt : life(r)) {
     max_chunk = std::max(max_chunk, pt.s);
     Bytes b;
@@ -174,6 +265,8 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
         const bool perms = perm_file || (cc.skvq_reorder && snap_rows >= w);
         b.accounted = fp * fp_row + (snap_rows - fp) * prow + (perms ? perm : 0);
         b.fp_rows = fp;
+        b.packed = snap_rows - fp;
+        b.comp = b.packed * prow;
         exact = false;
       }
     } else if (meth == "skvq") {
@@ -186,6 +279,14 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
       const int64_t fp = pt.offset - q_end + sinks;
       b.accounted = comp + fp * fp_row + (perms ? perm : 0);
       b.fp_rows = fp;
+      b.packed = q_end > 0 ? q_end - cc.skvq_n_sink : 0;
+      b.comp = comp;
+      if (pt.s > 0) {  // the call's append, then the fit after a flush (skvq_cache.cpp)
+        fps.append(prev_fp, pt.s);
+        if (q_end > prev_q) fps.fit(fp);
+      }
+      prev_fp = fp;
+      prev_q = q_end;
       // Protected rows (skvq_cache.h), chosen at end_prompt over the prompt's packed rows: per row
       // and head an fp16 key (and value) and an int32 position.
       if (cc.skvq_protect > 0.0 && !pt.prompt) {
@@ -206,6 +307,9 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
     if (pt.prompt) p.cache_bytes_prompt = b.accounted;  // the last chunk's wins
     p.cache_bytes_peak = std::max(p.cache_bytes_peak, b.accounted);
     max_fp_rows = std::max(max_fp_rows, b.fp_rows);
+    max_packed = std::max(max_packed, b.packed);
+    max_comp = std::max(max_comp, b.comp);
+    max_other = std::max(max_other, b.accounted - b.comp - b.fp_rows * fp_row);
   }
   p.cache_bytes_exact = exact && !lists;
   const int64_t row_es = meth == "full" ? 2 * H * d * es : fp_row;
@@ -213,19 +317,33 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   // prefill chunk of rows held by a call before its eviction / flush.
   const int64_t slack_rows = max_fp_rows / 4 + kGrowStep + max_chunk;
   p.cache_bytes_resident = p.cache_bytes_peak + slack_rows * row_es;
+  int64_t transient = 0;  // one layer's reallocation at a time (per rank, not per layer)
+  if (meth == "skvq" || meth == "snapkv+skvq") {
+    const SkvqResident sr =
+        skvq_resident(r, as_given, lists ? m.n_layers : 1, H, max_packed, p.context_tokens);
+    // The fp store: keys and values of kv_dtype rows (the accounted figure counts them at 2
+    // bytes) and for snapkv+skvq int32 positions, one allocation each.
+    const int64_t half_row = H * d * std::max<int64_t>(es, 2);
+    const bool pos = meth == "snapkv+skvq";
+    const auto fp_store = [&](int64_t rows) {
+      return 2 * device_alloc(rows * half_row) + (pos ? device_alloc(rows * H * 4) : 0);
+    };
+    const int64_t fp_rows = std::max(max_fp_rows + slack_rows, fps.max_cap);
+    p.cache_bytes_resident = std::max(sr.packed, max_comp) + max_other + fp_store(fp_rows);
+    transient = std::max(sr.transient, fp_store(fps.extra));
+  }
   // skvq_protect: the prompt's fp32 copies (keys and values) held until its selection.
   if (meth == "skvq" && cc.skvq_protect > 0.0)
     p.cache_bytes_resident += r.prompt_tokens * H * d * 8;
-  if (meth == "full" && r.reserve_full) {
-    // one store of the reserved rows (FullCache::reserve): K and V one device allocation each,
-    // whole 16-byte words plus a spare one (DeviceBuffer, veloxquant/cuda.h)
+  if (meth == "full" && r.reserve_capacity) {
+    // one store of the reserved rows (FullCache::reserve): K and V one device allocation each
     const int64_t half = (p.context_tokens + kGrowStep - 1) / kGrowStep * kGrowStep * row_es / 2;
-    p.cache_bytes_resident = 2 * ((half + 15) / 16 * 16 + 16);
+    p.cache_bytes_resident = 2 * device_alloc(half);
   }
   const int64_t per_device = r.ranks_per_device;
   p.cache_bytes_peak *= m.n_layers * per_device;
   p.cache_bytes_prompt *= m.n_layers * per_device;
-  p.cache_bytes_resident *= m.n_layers * per_device;
+  p.cache_bytes_resident = (p.cache_bytes_resident * m.n_layers + transient) * per_device;
   p.weight_bytes = r.weight_bytes;
   // A rank's activations: its query / KV heads and the largest rank's intermediate columns.
   ModelConfig shard = m;

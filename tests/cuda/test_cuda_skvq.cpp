@@ -19,10 +19,14 @@
 #include "util/test_util.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cuda.h"
+#include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/hadamard.h"
+#include "veloxquant/memory_plan.h"
 #include "veloxquant/packed.h"
+#include "veloxquant/prefill_schedule.h"
+#include "veloxquant/skvq_cache.h"
 
 namespace vq {
 namespace {
@@ -245,6 +249,72 @@ TEST(CudaSkvq, RealCacheFlushReproduced) {
     }
     EXPECT_GT(packed_segments, 0) << vars.str();
   }
+}
+
+// The device skvq cache (one packed run per cache, src/cuda/row_store_cuda.cpp) against the memory
+// planner at Llama-3-8B's per-layer shapes (8 KV heads, D 128) and the CLI's defaults (window 128,
+// 5 sinks, group 32): through a 2,048-token fill in 512-token calls and 199 decode steps (one more
+// flush) its
+// resident bytes (CacheStats::bytes_resident, device allocations) never pass the plan's per-layer
+// figure and the accounted peak is the plan's, with DeviceKVCache::reserve of the context (made
+// once, never grown: the resident bytes after the first flush move only with the full-precision
+// store) and without (grown x1.5, the planner's growth bound).
+TEST(CudaSkvq, ResidentBytesStayWithinThePlan) {
+  SKIP_WITHOUT_DEVICE();
+  ModelConfig mc;
+  mc.n_layers = 1;
+  mc.n_heads = 32;
+  mc.n_kv_heads = 8;
+  mc.head_dim = 128;
+  mc.hidden_size = 4096;
+  mc.intermediate_size = 14336;
+  mc.vocab_size = 128256;
+  const int64_t H = mc.n_kv_heads, D = mc.head_dim, prompt = 2048, step = 512, gen = 200;
+  for (const char* bits : {"K2V2", "K4V4"})
+    for (bool reserve : {true, false}) {
+      const std::string what = std::string(bits) + (reserve ? " reserved" : " growing");
+      CacheConfig cfg;
+      cfg.method = "skvq";
+      cfg.skvq_bits_key = cfg.skvq_bits_value = bits[1] == '2' ? 2 : 4;
+      MemoryPlanRequest req;
+      req.model = mc;
+      req.cache = cfg;
+      req.prompt_tokens = prompt;
+      req.max_new_tokens = gen;
+      req.prefill_step = step;
+      req.reserve_capacity = reserve;
+      const MemoryPlan plan = plan_memory(req);
+      auto c = cuda::make_device_cache(cfg, 1, H, D);
+      if (reserve) c->reserve(plan.context_tokens);
+      int64_t done = 0, peak = 0, peak_acc = 0;
+      auto feed = [&](int64_t n) {
+        const Tensor k = test::random_tensor(DType::kF16, 1, H, n, D, static_cast<uint64_t>(done));
+        const Tensor v = test::random_tensor(DType::kF16, 1, H, n, D, ~static_cast<uint64_t>(done));
+        cuda::DeviceBuffer dk = cuda::DeviceBuffer::from_host(k.data(), k.nbytes());
+        cuda::DeviceBuffer dv = cuda::DeviceBuffer::from_host(v.data(), v.nbytes());
+        c->update_and_fetch(TensorView::contiguous(dk.data(), DType::kF16, 1, H, n, D),
+                            TensorView::contiguous(dv.data(), DType::kF16, 1, H, n, D), {});
+        cuda::synchronize();
+        done += n;
+        const CacheStats st = c->stats();
+        const int64_t res = st.bytes_resident;
+        peak = std::max(peak, res);
+        peak_acc = std::max(peak_acc, st.bytes_accounted);
+        ASSERT_LE(res, plan.cache_bytes_resident) << what << " after " << done << " tokens";
+      };
+      for (int64_t n : prefill_chunks(prompt, step)) feed(n);
+      const int64_t after_prompt = c->stats().bytes_resident;
+      for (int64_t i = 1; i < gen; ++i) feed(1);
+      EXPECT_EQ(done, plan.context_tokens);
+      EXPECT_EQ(peak_acc, plan.cache_bytes_peak) << what;
+      // reserved: the packed run was not reallocated; only the small fp store moved
+      if (reserve) {
+        EXPECT_LE(peak - after_prompt, 2 * 256 * H * D * 2) << what;
+      }
+      std::printf("[plan] %s: resident peak %lld <= plan %lld (accounted %lld)\n", what.c_str(),
+                  static_cast<long long>(peak), static_cast<long long>(plan.cache_bytes_resident),
+                  static_cast<long long>(plan.cache_bytes_peak));
+    }
 }
 
 TEST(CudaSkvq, RefusesMismatchedFormat) {

@@ -16,7 +16,7 @@
 // (Engine::copy_bandwidth: a memcpy of 256 MiB on the CPU), with the decode figure as % of it.
 // --max-batch-fit runs each method at the largest batch the planner fits in the device's memory
 // (plannable_device_bytes, options.h: cuda, the card's memory less 1 GiB; cpu, the machine's
-// physical memory) instead of --batch;
+// physical memory) with that batch's own workspace (its logit rows) counted, instead of --batch;
 // --tensor-parallel N splits every sequence's heads and caches over N ranks: on the CPU the
 // engine's simulated ranks (one machine holds them all, so the planner's single-device figures
 // stay right); on cuda N must not exceed the visible devices and N > 1 needs NCCL.
@@ -177,6 +177,26 @@ void print_phases(const std::string& spec, const std::vector<PhaseTime>& phases)
   }
 }
 
+// --max-batch-fit: the largest n whose own plan (max_batch = n: n logit rows and a step of
+// max(prefill_step, n) tokens in the workspace) fits n sequences. The workspace grows with n, so
+// max_sequences(n) - n falls as n grows: a binary search over 1 .. max_sequences(1). Returns that
+// plan (req.max_batch = n), or the max_batch = 1 plan when not even one fits.
+MemoryPlan plan_largest_batch(MemoryPlanRequest& req) {
+  req.max_batch = 1;
+  const MemoryPlan one = plan_memory(req);
+  int64_t lo = 1, hi = one.max_sequences;  // fits(lo) once one fits; the answer is <= hi
+  if (hi < 1) return one;
+  while (lo < hi) {
+    req.max_batch = lo + (hi - lo + 1) / 2;
+    if (plan_memory(req).max_sequences >= req.max_batch)
+      lo = req.max_batch;
+    else
+      hi = req.max_batch - 1;
+  }
+  req.max_batch = lo;
+  return plan_memory(req);
+}
+
 int run_bench(const BenchArgs& a) {
   const Device dev = checked_device(a.device, "bench");  // before anything loads
   if (a.prompt_ids != "random")
@@ -219,9 +239,9 @@ int run_bench(const BenchArgs& a) {
     req.max_batch = a.batch;
     req.tensor_parallel = a.tensor_parallel;
     req.ranks_per_device = one_memory ? a.tensor_parallel : 1;
-    req.reserve_full = dev == Device::kCuda && !a.no_reserve;  // the CUDA engine reserves
-    row.plan = plan_memory(req);
-    row.batch = a.max_batch_fit ? row.plan.max_sequences : a.batch;
+    req.reserve_capacity = dev == Device::kCuda && !a.no_reserve;  // the CUDA engine reserves
+    row.plan = a.max_batch_fit ? plan_largest_batch(req) : plan_memory(req);
+    row.batch = a.max_batch_fit ? std::min(row.plan.max_sequences, req.max_batch) : a.batch;
     if (a.max_batch_fit && row.batch < 1) check_fits(row.plan, req, 1);  // refuses, naming why
     if (!a.plan_only) {
       EngineOptions eo;
