@@ -358,7 +358,9 @@ PackedRowFormat make_row_format(int64_t head_dim, double bits, int64_t group_siz
 // group_size = D (one "group" per row: nothing is shared along a row). row_stride = code_bytes +
 // n_groups * meta_size. x_hat[t][c] = code[t][c] * scale_c + lo_c (two roundings). A
 // PackedTensor of channel records starts at its chunk's first record and covers that one chunk
-// (the SKVQ cache gives one packed segment per chunk on the CPU backend).
+// (the SKVQ cache gives one packed segment per chunk on the CPU backend), or, with `runs`, several
+// chunks one after the other (the CUDA backend's one packed run): run r is records
+// [runs[r], runs[r + 1]) and its first record starts its metadata list.
 PackedRowFormat make_channel_row_format(int64_t head_dim, double bits, int64_t min_chunk_rows,
                                         MetaType meta);
 
@@ -395,12 +397,33 @@ struct PackedTensor {
   const int32_t* perm = nullptr;  // [H, D] or nullptr: stored channel j = rotated channel perm[j]
   const float* signs = nullptr;   // [H, D] of +-1, or nullptr: no rotation
   int32_t rot_block = 0;          // Hadamard block size (power of two dividing D) when rotated
+  // Channel-axis records only: [n_runs + 1] ascending record indices on the tensor's device,
+  // runs[0] = 0 and runs[n_runs] = the rows covered; run r = records [runs[r], runs[r + 1]) of
+  // every (b, h), one metadata list in its first record. nullptr: the tensor is one run.
+  const int32_t* runs = nullptr;
+  int32_t n_runs = 0;
 
   const uint8_t* record(int64_t b, int64_t h, int64_t i) const {
     return data + b * stride_b + h * stride_h + i * static_cast<int64_t>(fmt.row_stride);
   }
   bool transformed() const { return perm != nullptr || signs != nullptr; }
 };
+
+// The first record index of the run holding record i (runs as in PackedTensor, n_runs >= 1;
+// nullptr: 0). Binary search: O(log n_runs).
+VQ_HD inline int64_t channel_run_start(const int32_t* runs, int32_t n_runs, int64_t i) {
+  if (runs == nullptr) return 0;
+  int32_t lo = 0, hi = n_runs - 1;  // the last run r with runs[r] <= i
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (runs[mid] <= i) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return runs[lo];
+}
 
 // A run of packed rows shared by every (b, h) (see ViewSegment in cache.h).
 struct PackedSegment {
@@ -421,8 +444,8 @@ static_assert(std::is_trivially_copyable_v<PackedSegment>,
 void dequantize_record(const uint8_t* record, const PackedRowFormat& fmt, float* out);
 
 // Dequantizes row (b, h, i) of t to fp32 in the original channel order (inverse permutation,
-// inverse rotation); channel-axis rows with their chunk's metadata (t starts at the chunk).
-// out: [D].
+// inverse rotation); channel-axis rows with their run's metadata (t starts at the chunk, or
+// t.runs gives the runs; host memory here). out: [D].
 void dequantize_row(const PackedTensor& t, int64_t b, int64_t h, int64_t i, float* out);
 
 // Maps a row from stored order back to original order in place (tmp: [D] scratch).

@@ -1562,6 +1562,12 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   if (s.packed && s.pk.fmt.axis == QuantAxis::kChannel) {
     // The chunk's per-channel metadata folded into the queries (fp32: one rounding per product,
     // the offsets' sum in channel order).
+    // One chunk per segment: the CPU backend's layout (a one-run view lists several, for the
+    // CUDA attention: decode_attention_channel.cu).
+    VQ_CHECK(s.pk.runs == nullptr || s.pk.n_runs == 1,
+             "[attention] expected one chunk per channel-axis key segment (the CPU layout) but "
+             "got a segment of " +
+                 std::to_string(s.pk.n_runs) + " runs");
     const uint8_t* chunk0 = s.pk.record(b, kh, 0);
     const int64_t st = s.pk.fmt.row_stride;
     w.qch.resize(static_cast<size_t>(M * d));

@@ -113,7 +113,7 @@ void transform_row(const PackedTensor& t, int64_t h, float* row, float* tmp) {
 
 void dequantize_row(const PackedTensor& t, int64_t b, int64_t h, int64_t i, float* out) {
   if (t.fmt.axis == QuantAxis::kChannel) {
-    const uint8_t* chunk0 = t.record(b, h, 0);
+    const uint8_t* chunk0 = t.record(b, h, channel_run_start(t.runs, t.n_runs, i));
     const uint8_t* rec = t.record(b, h, i);
     for (int64_t c = 0; c < t.fmt.head_dim; ++c)
       out[c] = dequantize_code(code_at(rec, c, t.fmt.spec),

@@ -49,10 +49,11 @@ void magnitudes(const PackedTensor& t, int64_t b, int64_t h, int64_t i, double* 
   unpack_codes(rec, f.head_dim, f.spec, codes.data());
   *l2 = *l1 = *mx = 0;
   // (lo, scale) of stored channel c: its group's in this record, or (channel-axis records,
-  // packed.h) channel c's of the chunk, whose first record is row 0 of t.
+  // packed.h) channel c's of the run holding row i (row 0 of t without t.runs).
+  const uint8_t* run0 = t.record(b, h, channel_run_start(t.runs, t.n_runs, i));
   const auto meta = [&](int64_t c, int k) {
     if (f.axis == QuantAxis::kChannel)
-      return double(channel_meta(t.record(b, h, 0), f.row_stride, f, 2 * c + k));
+      return double(channel_meta(run0, f.row_stride, f, 2 * c + k));
     return double(meta_load(rec + f.code_bytes, 2 * (c / f.group_size) + k, f.meta));
   };
   for (int64_t c = 0; c < f.head_dim; ++c) {
