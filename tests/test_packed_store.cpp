@@ -224,6 +224,83 @@ TEST(SkvqPolicies, OneRunLayoutWritesTheSameStateAndRows) {
   }
 }
 
+// Channel-axis keys on the one-run layout (the CUDA backend's): every block (a chunk, or its runs
+// of skvq_key_rows rows, Settings::chunk_blocks) is quantized by itself inside the one run, and
+// the view's packed segment lists the blocks' first records (PackedTensor::runs), which
+// dequantize_row reads its metadata from. Rows, positions and state bytes equal the per-block
+// layout's (the CPU's, one segment per block) after every call; the runs are its segments.
+TEST(SkvqPolicies, OneRunLayoutOfChannelAxisKeysListsItsBlocks) {
+  const OneRunBackend one_run;
+  for (const char* method : {"skvq", "snapkv+skvq"})
+    for (int64_t key_rows : {0, 5}) {
+      CacheConfig cfg;
+      cfg.method = method;
+      cfg.head_dim = kD;
+      cfg.skvq_window = 16;
+      cfg.skvq_n_sink = 4;
+      cfg.skvq_group_size = 16;
+      cfg.skvq_recent = 3;
+      cfg.skvq_key_axis = QuantAxis::kChannel;
+      cfg.skvq_key_rows = key_rows;
+      cfg.snap_budget = 40;
+      cfg.snap_n_sink = 4;
+      cfg.snap_obs_window = 8;
+      cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+      const bool snap = std::string(method) == "snapkv+skvq";
+      auto make = [&](const kv::RowBackend& be) -> std::unique_ptr<KVCache> {
+        if (!snap) return std::make_unique<SkvqCache>(cfg, be);
+        return std::make_unique<SnapkvSkvqCache>(cfg, be);
+      };
+      auto a = make(kv::cpu_backend()), b = make(one_run);
+      const Tensor k = test::random_tensor(DType::kF16, kB, kH, 130, kD, 41);
+      const Tensor v = test::random_tensor(DType::kF16, kB, kH, 130, kD, 42);
+      // a prompt of two calls (snapkv+skvq: its eviction at end_prompt), then single tokens
+      std::vector<int64_t> cuts = {0, 30, 57};
+      for (int64_t t = 58; t <= 130; ++t) cuts.push_back(t);
+      for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+        const std::string what = std::string(method) + " key_rows " + std::to_string(key_rows) +
+                                 " after row " + std::to_string(cuts[c + 1]);
+        if (cuts[c] == 57) {
+          a->end_prompt();
+          b->end_prompt();
+        }
+        const TensorView kb = k.view().slice_tokens(cuts[c], cuts[c + 1]);
+        const TensorView vb = v.view().slice_tokens(cuts[c], cuts[c + 1]);
+        const CacheView va = a->update_and_fetch(kb, vb), vo = b->update_and_fetch(kb, vb);
+        expect_same_rows(va, vo, what);
+        ASSERT_EQ(saved(*a), saved(*b)) << what;
+        // the one run's blocks are the per-block layout's packed segments, in order
+        std::vector<int32_t> want(1, 0);
+        for (const ViewSegment& sg : va.segments)
+          if (sg.packed) want.push_back(static_cast<int32_t>(want.back() + sg.n_rows));
+        int n_packed = 0;
+        for (const ViewSegment& sg : vo.segments) {
+          if (!sg.packed) continue;
+          ++n_packed;
+          const PackedTensor& t = sg.packed->keys;
+          ASSERT_NE(t.runs, nullptr) << what;
+          ASSERT_EQ(std::vector<int32_t>(t.runs, t.runs + t.n_runs + 1), want) << what;
+        }
+        ASSERT_EQ(n_packed, want.size() > 1 ? 1 : 0) << what;
+      }
+      EXPECT_GT(a->stats().figure("packed_rows"), 0) << method;
+    }
+}
+
+// channel_run_start: the first record of the run holding record i (runs [n_runs + 1]).
+TEST(PackedFormat, ChannelRunStartFindsEachRecordsRun) {
+  const std::vector<int32_t> runs = {0, 12, 17, 22, 28};
+  for (int64_t i = 0; i < 28; ++i) {
+    int32_t want = 0;
+    for (size_t r = 0; r + 1 < runs.size(); ++r)
+      if (runs[r] <= i) want = runs[r];
+    EXPECT_EQ(channel_run_start(runs.data(), 4, i), want) << i;
+  }
+  EXPECT_EQ(channel_run_start(nullptr, 0, 9), 0);
+  const std::vector<int32_t> one = {0, 5};
+  EXPECT_EQ(channel_run_start(one.data(), 1, 4), 0);
+}
+
 // SkvqCache::reserve: on the one-run layout the packed run is made once, at the first flush, with
 // every record of the reserved length (skvq_packed_rows rounded up to 64) and never copied; on
 // both layouts the stored rows, positions, state bytes and attention outputs equal an unreserved

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "veloxquant/device_memory.h"
 #include "veloxquant/error.h"
 #include "veloxquant/hadamard.h"
 #include "veloxquant/skvq_cache.h"
@@ -414,8 +415,19 @@ void Store::pack_tail(const std::vector<int64_t>& block_rows) {
       }
       r.store = std::move(fresh);
     }
-    r.store->quantize(*fp_, t0_, n, r.rows, s.qk, s.qv, *dtr_);
-    r.rows += n;
+    if (s.key_axis == QuantAxis::kChannel) {
+      // Channel-axis keys: every block is one quantization run (its channels fitted over its
+      // own rows, the metadata in its first records), so each is quantized by itself.
+      int64_t at = t0_;
+      for (const int64_t m : block_rows) {
+        r.store->quantize(*fp_, at, m, r.rows, s.qk, s.qv, *dtr_);
+        r.rows += m;
+        at += m;
+      }
+    } else {
+      r.store->quantize(*fp_, t0_, n, r.rows, s.qk, s.qv, *dtr_);
+      r.rows += n;
+    }
   } else {
     int64_t at = t0_;
     for (const int64_t m : block_rows) {
@@ -462,6 +474,13 @@ CacheView Store::view(int slot) const {
   for (size_t i = 0; i < runs_.size(); ++i) {
     const Run& r = runs_[i];
     segs[i] = r.store->segment(0, r.rows, dtype, *dtr_);
+    if (s_->key_axis == QuantAxis::kChannel && be_->one_packed_run()) {
+      // One run of every block: the blocks' first records, on the device (kept per slot while
+      // the blocks stay the same).
+      const RunIndex& ri = run_index(slot);
+      segs[i].keys.runs = ri.dev->data();
+      segs[i].keys.n_runs = static_cast<int32_t>(ri.host.size() - 1);
+    }
     ViewSegment seg;
     seg.n_rows = r.rows;
     if (explicit_pos_) {
@@ -747,11 +766,28 @@ void Store::install(const HostRows& sinks, const std::vector<HostBlock>& blocks,
   for (const HostBlock& b : blocks) blocks_.push_back(b.rows);
 }
 
+const Store::RunIndex& Store::run_index(int slot) const {
+  VQ_CHECK(runs_.size() == 1,
+           std::string("[") + op_ + "] internal: channel-axis run starts need one packed run");
+  std::vector<int32_t> starts(1, 0);
+  for (const int64_t b : blocks_) starts.push_back(static_cast<int32_t>(starts.back() + b));
+  VQ_CHECK(starts.back() == runs_[0].rows,
+           std::string("[") + op_ + "] internal: the blocks do not cover the packed run");
+  RunIndex& ri = run_index_[slot];
+  if (!ri.dev || ri.host != starts) {
+    ri.dev = be_->upload_index(static_cast<int64_t>(starts.size()), starts);
+    ri.host = std::move(starts);
+  }
+  return ri;
+}
+
 int64_t Store::resident_bytes() const {
   int64_t n = static_cast<int64_t>(
       (tr.perm_k.capacity() + tr.perm_v.capacity() + tr.signs.capacity()) * 4 +
       (segs_[0].capacity() + segs_[1].capacity()) * sizeof(PackedSegment) + blocks_.capacity() * 8);
   if (dtr_) n += dtr_->bytes;
+  for (const RunIndex& ri : run_index_)  // the device copy of the run starts
+    if (ri.dev) n += cuda::device_alloc_bytes(static_cast<int64_t>(ri.host.size()) * 4);
   if (fp_) n += fp_->resident_bytes();
   for (const Run& r : runs_) n += r.store->resident_bytes();
   for (const auto& s : retired_fp_) n += s->resident_bytes();

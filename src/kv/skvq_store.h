@@ -9,7 +9,9 @@
 // live in runs of PackedStores (records [F, cap, row_stride], explicit positions or implicit
 // ones following the sinks), in position order: one run per packed block on a backend without
 // one_packed_run (no copies), else one growing run. `blocks` keeps the rows of each packed block
-// as the state file lists them, whatever the runs.
+// as the state file lists them, whatever the runs. Channel-axis keys: every block is quantized by
+// itself (one metadata list per block); a view of one growing run lists the blocks' first records
+// (PackedTensor::runs, packed.h).
 #pragma once
 
 #include <cstdint>
@@ -212,6 +214,14 @@ class Store {
   std::vector<Run> runs_;
   std::vector<int64_t> blocks_;
   int64_t packed_reserve_ = 0;  // reserve_packed(): the least capacity of the next packed run
+  // Channel-axis keys on a one_packed_run backend: the first record of every block of the run
+  // ([blocks + 1], the last the run's rows), host and device copies, one per view slot.
+  struct RunIndex {
+    std::vector<int32_t> host;
+    std::unique_ptr<kv::RowIndex> dev;
+  };
+  const RunIndex& run_index(int slot) const;
+  mutable RunIndex run_index_[2];
   std::vector<std::unique_ptr<kv::RowStore>> retired_fp_;
   std::vector<std::unique_ptr<kv::PackedStore>> retired_packed_;
   mutable std::vector<PackedSegment> segs_[2];
