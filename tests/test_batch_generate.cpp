@@ -18,6 +18,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
 #include "veloxquant/generate.h"
+#include "veloxquant/group_quant.h"
 #include "veloxquant/memory_plan.h"
 #include "veloxquant/model.h"
 #include "veloxquant/prefill_schedule.h"
@@ -520,6 +521,42 @@ TEST_F(BatchTest, PlannerEqualsTheCachesPeak) {
       EXPECT_GT(peak_acc, 0);
     }
   }
+}
+
+// snapkv+skvq with channel-axis keys: the planner's packed bytes per row are the chunk formula
+// (skvq_channel_bytes for keys, whose (lo, scale) per channel a chunk's rows share, plus the
+// values' token formula) over the chunk's rows, not the token-axis key formula per row (which,
+// with small key groups, counts up to 2 metadata elements per 8 channels for every row). A long
+// decode makes the last point the peak: 2 sinks + the largest tail (span - 1 rows) in full
+// precision, the rest packed, the permutations.
+TEST_F(BatchTest, PlannerCountsChannelAxisKeysByTheChunkFormula) {
+  const ModelConfig& mc = model_->config();
+  CacheConfig cc = small_config("snapkv+skvq");
+  cc.snap_evict_at = SnapEvictAt::kPromptEnd;
+  cc.skvq_window = 64;
+  cc.skvq_key_axis = QuantAxis::kChannel;
+  MemoryPlanRequest req;
+  req.model = mc;
+  req.cache = cc;
+  req.prompt_tokens = 40;
+  req.max_new_tokens = 400;
+  req.prefill_step = 64;
+  const MemoryPlan p = plan_memory(req);
+  const int64_t H = mc.n_kv_heads, d = mc.head_dim, w = cc.skvq_window;
+  const PackedRowFormat fk = make_channel_row_format(d, cc.skvq_bits_key, w, cc.skvq_meta);
+  const int64_t chunk =
+      skvq_channel_bytes(w, fk).total() +
+      skvq_compressed_bytes(w, d, cc.skvq_bits_value, cc.skvq_group_size, cc.skvq_meta).total();
+  const int64_t prow = (chunk + w - 1) / w * H;
+  const int64_t rows = cc.snap_budget + req.max_new_tokens - 1;  // after the eviction
+  const int64_t fp = cc.skvq_n_sink + w - 1;                     // sinks + the largest tail
+  const int64_t fp_row = 2 * H * d * 2, perm = 2 * H * d * 4;
+  EXPECT_EQ(p.cache_bytes_peak, (fp * fp_row + (rows - fp) * prow + perm) * mc.n_layers);
+  // the token-axis key formula per row is larger here (the figure this test guards against)
+  const int64_t token_row =
+      skvq_compressed_bytes(1, d, cc.skvq_bits_key, cc.skvq_group_size, cc.skvq_meta).total() +
+      skvq_compressed_bytes(1, d, cc.skvq_bits_value, cc.skvq_group_size, cc.skvq_meta).total();
+  EXPECT_GT(token_row * H, prow);
 }
 
 // reserve_capacity (the CUDA engine's Engine::reserve): a full cache that reserved the planner's

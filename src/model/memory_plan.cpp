@@ -214,8 +214,15 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
       comp_kw = std::max(comp_kw, skvq_flushed_chunk_bytes(as_given, l, w));
     }
   }
-  // snapkv+skvq: packed bytes per row (all heads), an upper bound for rows packed in whole chunks.
-  const int64_t prow = std::max(packed_row_bytes(cc, d), (comp_kw + w - 1) / w) * H;
+  // snapkv+skvq: packed bytes per row (all heads), an upper bound for rows packed in whole chunks
+  // of `window` rows (snapkv_skvq_cache.cpp packs nothing else): the chunk formula per row, and
+  // for token-axis keys at least their per-row formula. Channel-axis keys have no per-row
+  // formula (a chunk's rows share one (lo, scale) per channel): the chunk's alone.
+  const int64_t chunk_row = (comp_kw + w - 1) / w;
+  const int64_t prow =
+      (cc.skvq_key_axis == QuantAxis::kChannel ? chunk_row
+                                               : std::max(packed_row_bytes(cc, d), chunk_row)) *
+      H;
   const bool perm_file = !cc.skvq_perm_file.empty();
 
   int64_t snap_rows = 0;  // SnapKV rows per (b, h)
@@ -331,6 +338,16 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
     const int64_t fp_rows = std::max(max_fp_rows + slack_rows, fps.max_cap);
     p.cache_bytes_resident = std::max(sr.packed, max_comp) + max_other + fp_store(fp_rows);
     transient = std::max(sr.transient, fp_store(fps.extra));
+    if (cc.skvq_key_axis == QuantAxis::kChannel && max_packed > 0) {
+      // The one packed run's block starts for its views (skvq::Store::run_index, one device copy
+      // per view slot): blocks of at least the shortest run's rows.
+      int64_t shortest = meth == "skvq" ? w - cc.skvq_n_sink : w;
+      for (int64_t l = 0; l < (lists ? m.n_layers : 1); ++l)
+        if (skvq_key_rows_of(as_given, l) > 0)
+          shortest = std::min(shortest, skvq_key_rows_of(as_given, l));
+      const int64_t blocks = (max_packed + shortest - 1) / std::max<int64_t>(shortest, 1);
+      p.cache_bytes_resident += 2 * device_alloc((blocks + 1) * 4);
+    }
   }
   // skvq_protect: the prompt's fp32 copies (keys and values) held until its selection.
   if (meth == "skvq" && cc.skvq_protect > 0.0)
