@@ -4,8 +4,9 @@
 // contiguous copy of the frames. A store synchronises its stream before its memory is freed, so a
 // store dropped while work that reads it is queued stays valid until that work is done.
 // Packed stores: records in cudaMalloc memory, quantized by skvq_quantize_rows (bit-identical to
-// the CPU quantizer), dequantized for scoring by dequant_rows_launch, gathered by gather_rows;
-// the channel permutations come from skvq_channel_perms.
+// the CPU quantizer; channel-axis keys one chunk per call, as the CPU store), dequantized for
+// scoring by dequant_rows_launch, gathered by gather_rows; the channel permutations come from
+// skvq_channel_perms.
 #include "cuda/row_store_cuda.h"
 
 #include <algorithm>
@@ -265,6 +266,10 @@ class CudaPackedStore final : public kv::PackedStore {
              "[cuda packed store] internal: dequantize_keys expected a float32 store");
     if (n <= 0) return;
     const PackedRowFormat& f = shape_.fk;
+    // The store does not know its blocks; the policies never score packed channel-axis rows
+    // (skvq::Store::keep refuses a selection over them).
+    VQ_CHECK(f.axis == QuantAxis::kToken,
+             "[cuda packed store] internal: dequantize_keys expected token-axis key records");
     DequantRowsParams dp;
     dp.records = k_;
     dp.src_cap = capacity_;

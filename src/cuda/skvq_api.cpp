@@ -50,9 +50,16 @@ void skvq_quantize_rows(const TensorView& rows, const PackedRowFormat& fmt,
   check_rows(rows, "skvq_quantize_rows");
   const int64_t D = rows.shape[3];
   check_params(gp, D);
-  VQ_CHECK(fmt.head_dim == D && fmt.group_size == gp.group_size &&
+  const bool channel = fmt.axis == QuantAxis::kChannel;
+  VQ_CHECK(fmt.head_dim == D && (channel || fmt.group_size == gp.group_size) &&
                fmt.spec.bits_x2 == code_spec_from_bits(gp.bits).bits_x2 && fmt.meta == gp.meta,
            "[skvq_quantize_rows] expected a row format matching the rows and the quantizer");
+  // Channel-axis records: each (b, h)'s n rows are one chunk, which must hold its 2D metadata.
+  VQ_CHECK(!channel || rows.shape[2] == 0 || rows.shape[2] * fmt.n_groups >= 2 * D,
+           "[skvq_quantize_rows] expected a chunk of at least " +
+               std::to_string((2 * D + fmt.n_groups - 1) / fmt.n_groups) +
+               " rows for channel-axis records (its metadata lives in its records) but got " +
+               std::to_string(rows.shape[2]));
   VQ_CHECK(records != nullptr || rows.numel() == 0,
            "[skvq_quantize_rows] expected device records but got nullptr");
   SkvqQuantParams p;
@@ -71,7 +78,8 @@ void skvq_quantize_rows(const TensorView& rows, const PackedRowFormat& fmt,
     p.rot_block = rot_block;
     p.rot_norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(rot_block)));
   }
-  p.group_size = static_cast<int32_t>(gp.group_size);
+  p.channel = channel ? 1 : 0;
+  p.group_size = static_cast<int32_t>(channel ? rows.shape[2] : gp.group_size);
   p.n_groups = fmt.n_groups;
   p.levels = static_cast<float>(fmt.spec.levels());
   p.bits = fmt.spec.bits();

@@ -10,6 +10,12 @@
 // division by the scale replaced by a reciprocal product except near rounding ties, which gives
 // the same codes: see quant_code_fast), then writes each record byte by one thread (codes
 // packed little-endian, or five ternary codes per byte, then (lo, scale) per group).
+// Channel-axis records (quantize_chunk_to_records): three kernels over stream-ordered scratch.
+// (1) a block per row writes the row in stored order as fp32 (the rotation and gather above, in
+// the same operations); (2) a thread per (frame, stored channel) quantizes the channel's n values
+// as one group of group_quantize_reference (min/max scan in row order, every alpha's error summed
+// in row order, exact quant_code), writing the n codes and (lo, scale); (3) a thread per record
+// byte packs row t's codes and metadata elements t*n_groups .. of the chunk's list (zero past 2D).
 // Permutations: a block per head, thread c scans channel c over the B*n pooled rows (min/max as
 // std::min/std::max, range NaN -> +inf), then ranks channels for a stable ascending sort.
 #include <cuda_bf16.h>
@@ -239,6 +245,165 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+// ---- channel-axis records
+
+// Row r of p.rows in stored order (rotated, then permuted) as fp32 into t [n_rows_total, D]: one
+// block per row, the token kernel's operations (x *= signs, butterflies of span 1, 2, 4, ...
+// within each rot_block, * norm, gather). Dynamic shared memory: D floats.
+__global__ void skvq_channel_rows_kernel(const __grid_constant__ SkvqQuantParams p, float* t) {
+  extern __shared__ float xr[];  // [D]
+  const int D = p.head_dim;
+  const int64_t r = blockIdx.x;
+  const int64_t h = (r / p.rows_per_head) % p.n_heads;
+  const bool rot = p.signs != nullptr;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    const float x = load_elem(p.rows, p.dtype, r * D + c);
+    xr[c] = rot ? __fmul_rn(x, p.signs[h * D + c]) : x;
+  }
+  __syncthreads();
+  if (rot) {
+    for (int span = 1; span < p.rot_block; span *= 2) {
+      for (int jj = threadIdx.x; jj < D / 2; jj += blockDim.x) {
+        const int lo = (jj / span) * 2 * span + (jj % span);
+        const float a = xr[lo], c = xr[lo + span];
+        xr[lo] = __fadd_rn(a, c);
+        xr[lo + span] = __fsub_rn(a, c);
+      }
+      __syncthreads();
+    }
+    for (int c = threadIdx.x; c < D; c += blockDim.x) xr[c] = __fmul_rn(xr[c], p.rot_norm);
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < D; c += blockDim.x)
+    t[r * D + c] = p.perm ? xr[p.perm[h * D + c]] : xr[c];
+}
+
+// One thread per (frame f, stored channel c): the channel's n = rows_per_head values
+// t[(f*n + i)*D + c] are one group of group_quantize_reference (group_size n, no pad). Writes
+// codes [n_rows_total, D] and lo, scale [frames, D].
+__global__ void skvq_channel_quant_kernel(const __grid_constant__ SkvqQuantParams p, const float* t,
+                                          uint8_t* codes, float* lo_out, float* sc_out) {
+  const int D = p.head_dim;
+  const int64_t n = p.rows_per_head, frames = p.n_rows_total / n;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (item >= frames * D) return;
+  const int64_t f = item / D;
+  const int c = static_cast<int>(item % D);
+  const float* x = t + f * n * D + c;  // value i at x[i * D]
+  const MetaType mt = static_cast<MetaType>(p.meta);
+  const float levels = p.levels;
+  float gmin = x[0], gmax = x[0];
+  for (int64_t i = 1; i < n; ++i) {
+    const float v = x[i * D];
+    if (v < gmin) gmin = v;
+    if (v > gmax) gmax = v;
+  }
+  const float mid = __fdiv_rn(__fadd_rn(gmax, gmin), 2.0f);
+  const float rng = __fsub_rn(gmax, gmin);
+  float best_err = 0.0f, best_lo = 0.0f, best_sc = 1.0f;
+  for (int k = 0; k < p.n_alpha; ++k) {
+    const float ar = __fmul_rn(p.alpha[k], rng);
+    const float l = meta_round(__fsub_rn(mid, __fdiv_rn(ar, 2.0f)), mt);
+    float sc = __fdiv_rn(ar, levels);
+    sc = sc < 1e-8f ? 1e-8f : sc;  // kScaleFloor
+    const float s = meta_round_scale(sc, mt);
+    float err = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[i * D];
+      const float rec = __fadd_rn(__fmul_rn(quant_code(v, l, s, levels), s), l);
+      const float e = __fsub_rn(rec, v);
+      err = __fadd_rn(err, __fmul_rn(e, e));
+    }
+    err = __fdiv_rn(err, static_cast<float>(n));
+    if (k == 0 || err < best_err) {
+      best_err = err;
+      best_lo = l;
+      best_sc = s;
+    }
+  }
+  lo_out[f * D + c] = best_lo;
+  sc_out[f * D + c] = best_sc;
+  uint8_t* cd = codes + f * n * D + c;
+  for (int64_t i = 0; i < n; ++i)
+    cd[i * D] = static_cast<uint8_t>(quant_code(x[i * D], best_lo, best_sc, levels));
+}
+
+// One thread per record byte: record r = f*n + i holds row i's codes (packed as the token
+// kernel packs them), zeros up to code_bytes, then metadata slots e = i*n_groups + slot of frame
+// f's list (element 2c: lo of channel c, 2c + 1: its scale; zero from 2D on).
+__global__ void skvq_channel_pack_kernel(const __grid_constant__ SkvqQuantParams p,
+                                         const uint8_t* codes, const float* lo, const float* sc) {
+  const int D = p.head_dim, rsb = p.row_stride;
+  const int64_t n = p.rows_per_head;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (item >= p.n_rows_total * rsb) return;
+  const int64_t r = item / rsb;
+  const int byte = static_cast<int>(item % rsb);
+  const int64_t f = r / n, i = r % n;
+  const MetaType mt = static_cast<MetaType>(p.meta);
+  const uint8_t* cr = codes + r * D;
+  uint32_t v = 0;
+  if (byte < p.packed_bytes) {
+    if (p.ternary) {
+      for (int m = 4; m >= 0; --m) {
+        const int j = 5 * byte + m;
+        v = v * 3u + (j < D ? cr[j] : 0u);
+      }
+    } else {
+      const int b = p.bits;
+      const int j0 = (8 * byte) / b, j1 = (8 * byte + 7) / b;
+      for (int j = j0; j <= j1 && j < D; ++j) {
+        const int shift = j * b - 8 * byte;
+        v |= shift >= 0 ? (static_cast<uint32_t>(cr[j]) << shift)
+                        : (static_cast<uint32_t>(cr[j]) >> (-shift));
+      }
+    }
+  } else if (byte >= p.code_bytes) {
+    const int ms = meta_size(mt);
+    const int m = byte - p.code_bytes;
+    const int64_t e = i * p.n_groups + m / ms;
+    if (e < 2 * static_cast<int64_t>(D)) {
+      const float val = (e % 2 == 0) ? lo[f * D + e / 2] : sc[f * D + e / 2];
+      v = meta_encode(val, mt) >> (8 * (m % ms));
+    }
+  }
+  p.records[item] = static_cast<uint8_t>(v & 0xffu);
+}
+
+void skvq_quantize_channel_launch(const SkvqQuantParams& p, cudaStream_t s) {
+  const int64_t D = p.head_dim, rows = p.n_rows_total, n = p.rows_per_head;
+  VQ_CHECK(D >= 1 && D <= 1024 && n >= 1 && rows % n == 0,
+           "[skvq_quantize_rows] expected head_dim in 1..1024 and whole chunks but got head_dim " +
+               std::to_string(D) + ", " + std::to_string(rows) + " rows of chunks of " +
+               std::to_string(n));
+  const int64_t frames = rows / n;
+  // stream-ordered scratch: fp32 rows in stored order, codes, then lo and scale per channel
+  const size_t t_bytes = static_cast<size_t>(rows * D) * 4;
+  const size_t c_bytes = (static_cast<size_t>(rows * D) + 15) / 16 * 16;
+  const size_t m_bytes = static_cast<size_t>(frames * D) * 4;
+  void* ws = nullptr;
+  VQ_CUDA_CHECK(cudaMallocAsync(&ws, t_bytes + c_bytes + 2 * m_bytes, s));
+  float* t = static_cast<float*>(ws);
+  uint8_t* codes = static_cast<uint8_t*>(ws) + t_bytes;
+  float* lo = reinterpret_cast<float*>(codes + c_bytes);
+  float* sc = lo + frames * D;
+  VQ_CHECK(rows < (int64_t{1} << 31), "[skvq_quantize_rows] expected fewer rows");
+  const int threads = static_cast<int>(std::min<int64_t>(256, (D + 31) / 32 * 32));
+  skvq_channel_rows_kernel<<<static_cast<unsigned>(rows), threads, static_cast<size_t>(D) * 4, s>>>(
+      p, t);
+  VQ_CUDA_LAUNCH_CHECK(skvq_channel_rows_kernel);
+  const int64_t items = frames * D;
+  skvq_channel_quant_kernel<<<static_cast<unsigned>((items + 127) / 128), 128, 0, s>>>(p, t, codes,
+                                                                                       lo, sc);
+  VQ_CUDA_LAUNCH_CHECK(skvq_channel_quant_kernel);
+  const int64_t bytes = rows * p.row_stride;
+  VQ_CHECK(bytes / 256 < (int64_t{1} << 31), "[skvq_quantize_rows] expected fewer records");
+  skvq_channel_pack_kernel<<<static_cast<unsigned>((bytes + 255) / 256), 256, 0, s>>>(p, codes, lo,
+                                                                                      sc);
+  VQ_CUDA_LAUNCH_CHECK(skvq_channel_pack_kernel);
+  VQ_CUDA_CHECK(cudaFreeAsync(ws, s));
+}
+
 __global__ void skvq_perm_kernel(const __grid_constant__ SkvqPermParams p) {
   extern __shared__ float range[];  // [D]
   const int h = blockIdx.x, c = threadIdx.x, D = p.head_dim;
@@ -273,6 +438,7 @@ __global__ void skvq_perm_kernel(const __grid_constant__ SkvqPermParams p) {
 
 void skvq_quantize_launch(const SkvqQuantParams& p, cudaStream_t s) {
   if (p.n_rows_total == 0) return;
+  if (p.channel) return skvq_quantize_channel_launch(p, s);
   const int D = p.head_dim, NG = p.n_groups;
   // About one (row, group) item per thread, 16..128 rows per block.
   const int rows = std::min(128, std::max(16, kThreads / NG));

@@ -3,6 +3,8 @@
 //
 // Rows: [n_rows_total = B*H*n, D] contiguous, dtype f16/bf16/f32; row r belongs to head
 // (r / n) % H. Records: [n_rows_total, row_stride] bytes. perm/signs: [H, D] or nullptr.
+// Channel-axis records (channel = 1, packed.h): the n rows of each (b, h) are one chunk; stored
+// channel c over them is one group of n values (quantize_chunk_to_records of group_quant.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -35,6 +37,8 @@ struct SkvqQuantParams {
   int32_t packed_bytes = 0;  // packed codes, unrounded
   int32_t row_stride = 0;
   uint8_t* records = nullptr;
+  // Channel-axis records: group_size is then n, n_groups the metadata slots per record.
+  int32_t channel = 0;
 };
 
 void skvq_quantize_launch(const SkvqQuantParams& p, cudaStream_t s);

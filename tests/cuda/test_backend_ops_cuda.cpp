@@ -3,7 +3,8 @@
 // its declared metric: decode_attention (N = 1, automatic and forced small splits) and
 // prefill_attention against attention_reference within the bounds of
 // tests/ops_harness/attention_bounds.h; skvq_quantize_rows against the CPU flush path (to fp32,
-// rotate, permute, quantize_to_records) byte for byte; skvq_channel_perms against a stable sort;
+// rotate, permute, quantize_to_records; channel-axis chunks: quantize_chunk_to_records) byte for
+// byte; skvq_channel_perms against a stable sort;
 // snap_scores within a derived bound of the double references; snap_pool, snap_select (seed and
 // keep-window rules) and gather_rows exact. Skipped cleanly without a device (SKIP_WITHOUT_DEVICE).
 #include <gtest/gtest.h>
@@ -210,6 +211,78 @@ TEST(BackendOpsCuda, SkvqQuantizeRows) {
                              dperm.as<int32_t>(), dsigns.as<float>(), block, out.as<uint8_t>());
     cuda::synchronize();
     Check k("skvq_quantize_rows", "cuda", c.vars());
+    k.exact(out.to_vector<uint8_t>(nbytes), want, "records");
+  }
+}
+
+// Channel-axis chunks (skvq_key_axis=channel): each (b, h)'s n rows are one chunk, stored
+// channel c over them one group of n values; records with the chunk's metadata list spread over
+// its first records (packed.h). Against the CPU flush path (to fp32, rotate, permute,
+// quantize_chunk_to_records) byte for byte, every table case with n large enough to hold the
+// list (the format's metadata slots follow from min_chunk_rows = n, so every n >= 1 does; the
+// short ones give 2D slots per record). Exact.
+TEST(BackendOpsCuda, SkvqQuantizeChannelChunks) {
+  SKIP_WITHOUT_DEVICE();
+  uint64_t seed = 700;
+  for (const harness::QuantCase& c : harness::quant_cases(harness::small_sweep())) {
+    ++seed;
+    const int64_t B = 2, H = 2, n = c.n, D = c.d;
+    if (n < 1) continue;
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> xf(static_cast<size_t>(B * H * n * D));
+    // outlier channels (x (1 + c % 7)) and a zero channel 4: the per-channel groups see both
+    for (size_t i = 0; i < xf.size(); ++i) {
+      const size_t ch = i % static_cast<size_t>(D);
+      xf[i] = ch == 4 ? 0.0f : nd(rng) * (1.0f + (ch % 7));
+    }
+    std::vector<uint8_t> rows(xf.size() * dtype_size(c.in_dtype));
+    from_f32(xf.data(), rows.data(), c.in_dtype, xf.size());
+    to_f32(rows.data(), c.in_dtype, xf.data(), xf.size());  // the values the device sees
+    const PackedRowFormat f = make_channel_row_format(D, c.bits, n, c.meta);
+    GroupQuantParams gp;
+    gp.bits = c.bits;
+    gp.group_size = c.group;  // unused by channel-axis records
+    gp.meta = c.meta;
+    gp.clip_search = c.clip;
+    gp.clip_alpha = c.clip ? 1.0f : 0.9f;
+    std::vector<int32_t> perm;
+    std::vector<float> signs;
+    if (c.perm) {
+      perm.resize(static_cast<size_t>(H * D));
+      for (int64_t h = 0; h < H; ++h) {
+        std::iota(perm.begin() + h * D, perm.begin() + (h + 1) * D, 0);
+        std::shuffle(perm.begin() + h * D, perm.begin() + (h + 1) * D, rng);
+      }
+    }
+    const int32_t block = c.rot ? static_cast<int32_t>(hadamard_block(D)) : 0;
+    if (c.rot) signs = hadamard_signs(seed, H * D);
+    PackedTensor t;
+    t.fmt = f;
+    t.perm = c.perm ? perm.data() : nullptr;
+    t.signs = c.rot ? signs.data() : nullptr;
+    t.rot_block = block;
+    const size_t nbytes = static_cast<size_t>(B * H * n * f.row_stride);
+    std::vector<uint8_t> want(nbytes, 0);
+    std::vector<float> chunk(static_cast<size_t>(n * D)), tmp(static_cast<size_t>(D));
+    for (int64_t fr = 0; fr < B * H; ++fr) {
+      std::copy(xf.begin() + fr * n * D, xf.begin() + (fr + 1) * n * D, chunk.begin());
+      if (t.transformed())
+        for (int64_t i = 0; i < n; ++i) transform_row(t, fr % H, chunk.data() + i * D, tmp.data());
+      quantize_chunk_to_records(chunk.data(), n, f, gp, want.data() + fr * n * f.row_stride,
+                                f.row_stride);
+    }
+    cuda::DeviceBuffer drows = cuda::DeviceBuffer::from_host(rows.data(), rows.size());
+    cuda::DeviceBuffer dperm =
+        perm.empty() ? cuda::DeviceBuffer() : cuda::DeviceBuffer::from_vector(perm);
+    cuda::DeviceBuffer dsigns =
+        signs.empty() ? cuda::DeviceBuffer() : cuda::DeviceBuffer::from_vector(signs);
+    cuda::DeviceBuffer out(std::max<size_t>(nbytes, 1));
+    out.fill_zero();
+    cuda::skvq_quantize_rows(TensorView::contiguous(drows.data(), c.in_dtype, B, H, n, D), f, gp,
+                             dperm.as<int32_t>(), dsigns.as<float>(), block, out.as<uint8_t>());
+    cuda::synchronize();
+    Check k("skvq_quantize_rows channel-axis", "cuda", c.vars());
     k.exact(out.to_vector<uint8_t>(nbytes), want, "records");
   }
 }
