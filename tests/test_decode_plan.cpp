@@ -2,9 +2,10 @@
 // and no CUDA build needed. Kernel choice per view (f16-only, packed 2/4-bit with f16 or fp8
 // metadata, fixed group-32 records, bf16 rows alone and beside packed rows, f16 beside bf16,
 // formats that are dequantized first), split and tile
-// sizes against the rules written in decode_plan.cpp, the DecodePlanOptions overrides (and that
-// the environment no longer changes a plan), shape errors, and the check of a layer's view
-// against a plan. Segment pointers are fake aligned addresses: planning never dereferences them.
+// sizes against the rules written in decode_plan.cpp, channel-axis keys (the channel kernel), the
+// DecodePlanOptions overrides (and that the environment no longer changes a plan), shape errors,
+// and the check of a layer's view against a plan. Segment pointers are fake aligned addresses:
+// planning never dereferences them.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -235,6 +236,59 @@ TEST(DecodePlan, UnfusedFormatsAreDequantizedIntoScratch) {
   t.capacity = 512;
   t.positions = reinterpret_cast<const int32_t*>(fake_ptr(7));
   EXPECT_EQ(plan({t}, 2, 4, 16, 128).scratch_bytes, static_cast<size_t>(2 * 2 * 4 * 512 * 128) * 4);
+}
+
+// Channel-axis keys (skvq_key_axis=channel): read in place by the channel kernel, whatever the
+// code width or metadata type (no scratch), on the CUDA-core kernel for the view's other rows
+// (f16 rows that alone would take the tensor cores), in whole 64-row steps; a token-axis packed
+// segment beside them is refused (one packed format per view), and a layer's view must keep the
+// axis and give runs.
+TEST(DecodePlan, ChannelAxisKeysTakeTheChannelKernel) {
+  DeviceSegment ch = packed_seg(300, 3, 1.5, 32, MetaType::kFP8E4M3);
+  ch.k_fmt = make_channel_row_format(128, 3, 16, MetaType::kFP8E4M3);
+  const int32_t* runs = reinterpret_cast<const int32_t*>(fake_ptr(60));
+  ch.k_runs = runs;
+  ch.k_n_runs = 19;
+  const std::vector<DeviceSegment> segs = {fp_seg(5, DType::kF16), ch, fp_seg(20, DType::kF16)};
+  const DecodePlan p = plan(segs, 2, 4, 16, 128);
+  expect_consistent(p);
+  ASSERT_EQ(p.segments.size(), 3u);
+  EXPECT_TRUE(p.segments[1].channel);
+  EXPECT_FALSE(p.segments[1].dequantize);
+  EXPECT_FALSE(p.segments[0].channel);
+  EXPECT_EQ(p.segments[1].k_row_bytes, ch.k_fmt.row_stride);
+  EXPECT_EQ(p.segments[1].v_row_bytes, ch.v_fmt.row_stride);
+  EXPECT_EQ(p.segments[1].rows_per_split % 64, 0);
+  EXPECT_EQ(p.scratch_bytes, 0u);
+  EXPECT_EQ(p.kernel, DecodeKernel::kCudaCore);
+  EXPECT_EQ(p.k_bits, 3);
+  EXPECT_GT(p.v_bits, 0);  // the combine un-transforms packed values by it
+  // 2-bit keys and values of groups of 32 beside f16 rows: still the CUDA-core kernel
+  DeviceSegment ch2 = packed_seg(1000, 2, 2, 32, MetaType::kF16);
+  ch2.k_fmt = make_channel_row_format(128, 2, 128, MetaType::kF16);
+  EXPECT_EQ(plan({fp_seg(5, DType::kF16), ch2}, 1, 8, 32, 128).kernel, DecodeKernel::kCudaCore);
+  // one run without a list is fine; a list of no runs is not
+  DeviceSegment none = ch;
+  none.k_runs = nullptr;
+  none.k_n_runs = 0;
+  EXPECT_TRUE(plan({none}, 2, 4, 16, 128).segments[0].channel);
+  DeviceSegment bad = ch;
+  bad.k_n_runs = 0;
+  expect_error([&] { plan({bad}, 2, 4, 16, 128); }, "channel-axis key runs >= 1");
+  // a token-axis packed segment beside channel-axis keys
+  expect_error(
+      [&] {
+        plan({ch, packed_seg(64, 2, 2, 32, MetaType::kF16)}, 2, 4, 16, 128);
+      },
+      "share one format");
+  // a layer's view: the same axis and runs
+  std::vector<DeviceSegment> token = segs;
+  token[1].k_fmt = make_row_format(128, 3, 32, MetaType::kFP8E4M3);
+  expect_error([&] { match_plan(p, 2, 4, 128, token); }, "packed formats and transforms");
+  std::vector<DeviceSegment> no_runs = segs;
+  no_runs[1].k_n_runs = 0;
+  expect_error([&] { match_plan(p, 2, 4, 128, no_runs); }, "channel-axis key runs >= 1");
+  EXPECT_EQ(match_plan(p, 2, 4, 128, segs)[1], &segs[1]);
 }
 
 TEST(DecodePlan, OptionsOverrideThePlanAndTheEnvironmentDoesNot) {

@@ -109,6 +109,11 @@ struct DeviceSegment {
   const float* k_signs = nullptr;
   const float* v_signs = nullptr;
   int32_t k_rot_block = 0, v_rot_block = 0;
+  // Channel-axis keys (k_fmt.axis == kChannel, packed.h): device [k_n_runs + 1] int32, run r =
+  // rows [k_runs[r], k_runs[r + 1]) of every (b, h), its metadata list in its first record
+  // (k_runs[0] = 0, k_runs[k_n_runs] = n_rows); nullptr: the segment is one run.
+  const int32_t* k_runs = nullptr;
+  int32_t k_n_runs = 0;
 
   // Bytes one pass over the segment reads (rows, metadata and explicit positions).
   int64_t bytes(int64_t batch, int64_t heads, int64_t head_dim) const;
@@ -217,6 +222,8 @@ struct DecodeSegmentPlan {
   bool packed = false;           // packed records in the view
   bool dequantize = false;       // packed in a format no split kernel reads in place: dequantized
                                  // into fp32 scratch by every run, then read as f32 rows
+  bool channel = false;          // packed with channel-axis keys: read in place by the channel
+                                 // kernel (decode_attention_channel.cuh), fused
   DType dtype = DType::kF16;     // full-precision rows: their dtype
   PackedRowFormat k_fmt, v_fmt;  // packed rows: their formats and which transforms they have
   bool k_perm = false, v_perm = false, k_signs = false, v_signs = false;
@@ -308,7 +315,12 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
 // un-transformed once); every packed segment of one view must then share one format and one set
 // of transforms. Other formats (1.5-bit codes, other bit pairs, other groups) are first
 // dequantized into stream-ordered fp32 scratch (the CPU's dequantize_row values) and attended to
-// as f32 rows: exact but not fused. Anything else: vq::Error.
+// as f32 rows: exact but not fused. Channel-axis keys (skvq_key_axis=channel, any code bits and
+// metadata type, values of any token-axis format, the same transforms) are read in place by a
+// CUDA-core kernel of their own: per run of rows sharing (lo_c, scale_c), q'_c * scale_c is
+// folded once and sum_c q'_c * lo_c added to every logit of the run; the view's other segments
+// take the CUDA-core split kernel, and such plans run alone in decode_attention_run_batch.
+// Anything else: vq::Error.
 // Numerics: fp32 accumulation, exp2 of log2e-scaled logits, splits merged by an exact log-sum-exp
 // combine. Products are fp32 on the CUDA-core path; the tensor-core path (full-precision rows all
 // f16 or all bf16, 2-/4-bit codes, groups a multiple of 32) rounds q and p (times the group scale,
@@ -353,7 +365,9 @@ void skvq_channel_perms(const TensorView& rows, int32_t* perm, Stream s = nullpt
 // record (b, h, i) at records + ((b*H + h)*n + i)*fmt.row_stride. Each row is converted to fp32,
 // rotated (signs device [H, D], rot_block) and permuted (perm device [H, D]) when given, then
 // group-quantized with p (clip search, metadata rounding) exactly as the CPU quantizer: the same
-// IEEE operations in the same order, so codes and metadata are bit-identical.
+// IEEE operations in the same order, so codes and metadata are bit-identical. A channel-axis fmt
+// (packed.h) takes each (b, h)'s n rows as one chunk, quantize_chunk_to_records bit for bit (n
+// at least the rows its metadata needs).
 void skvq_quantize_rows(const TensorView& rows, const PackedRowFormat& fmt,
                         const GroupQuantParams& p, const int32_t* perm, const float* signs,
                         int32_t rot_block, uint8_t* records, Stream s = nullptr);

@@ -4,8 +4,9 @@
 // Upload merges neighbouring segments of one kind into one device segment: full-precision
 // segments of one dtype become one [B, H, n, D] contiguous block; packed segments of one format
 // and one set of transforms become one [B, H, n, row_stride] record block (records copied byte for
-// byte, never re-quantized). Positions stay implicit (first_pos + i) while the merged rows form
-// one run, and become an explicit [B, H, n] int32 array otherwise.
+// byte, never re-quantized; channel-axis key runs listed in the segment's run starts). Positions
+// stay implicit (first_pos + i) while the merged rows form one run, and become an explicit
+// [B, H, n] int32 array otherwise.
 #include <cuda_runtime_api.h>
 
 #include <cstring>
@@ -72,7 +73,7 @@ namespace {
 bool same_format(const PackedRowFormat& a, const PackedRowFormat& b) {
   return a.head_dim == b.head_dim && a.group_size == b.group_size && a.n_groups == b.n_groups &&
          a.code_bytes == b.code_bytes && a.row_stride == b.row_stride &&
-         a.spec.bits_x2 == b.spec.bits_x2 && a.meta == b.meta;
+         a.spec.bits_x2 == b.spec.bits_x2 && a.meta == b.meta && a.axis == b.axis;
 }
 
 bool same_transform(const PackedTensor& a, const PackedTensor& b) {
@@ -156,10 +157,35 @@ DeviceCacheView DeviceCacheView::upload(const CacheView& v, Stream s) {
       VQ_CHECK(ps.keys.fmt.head_dim == D && ps.values.fmt.head_dim == D,
                "[cuda::DeviceCacheView::upload] expected packed rows of head_dim " +
                    std::to_string(D) + " but got " + std::to_string(ps.keys.fmt.head_dim));
-      VQ_CHECK(ps.keys.fmt.axis == QuantAxis::kToken && ps.values.fmt.axis == QuantAxis::kToken,
-               "[cuda::DeviceCacheView::upload] expected token-axis packed rows (the CUDA "
-               "kernels read per-token groups) but got skvq_key_axis=channel records");
+      VQ_CHECK(ps.values.fmt.axis == QuantAxis::kToken,
+               "[cuda::DeviceCacheView::upload] expected token-axis packed values but got "
+               "channel-axis value records");
       ds.packed = true;
+      if (ps.keys.fmt.axis == QuantAxis::kChannel) {
+        // Channel-axis keys: every merged segment's runs (one per segment, or its own list, host
+        // memory in a CPU view) become the device segment's run starts.
+        std::vector<int32_t> runs(1, 0);
+        int64_t r0 = 0;
+        for (size_t k = i0; k < i1; ++k) {
+          const ViewSegment& sg = v.segments[k];
+          if (sg.n_rows == 0) continue;
+          const PackedTensor& t = sg.packed->keys;
+          if (t.runs) {
+            VQ_CHECK(t.n_runs >= 1 && t.runs[0] == 0 && t.runs[t.n_runs] == sg.n_rows,
+                     "[cuda::DeviceCacheView::upload] expected channel-axis runs covering the "
+                     "segment's " +
+                         std::to_string(sg.n_rows) + " rows");
+            for (int32_t r = 1; r <= t.n_runs; ++r)
+              runs.push_back(static_cast<int32_t>(r0 + t.runs[r]));
+          } else {
+            runs.push_back(static_cast<int32_t>(r0 + sg.n_rows));
+          }
+          r0 += sg.n_rows;
+        }
+        owned.push_back(DeviceBuffer::from_vector(runs, s));
+        ds.k_runs = owned.back().as<int32_t>();
+        ds.k_n_runs = static_cast<int32_t>(runs.size() - 1);
+      }
       ds.k_fmt = ps.keys.fmt;
       ds.v_fmt = ps.values.fmt;
       for (int kv = 0; kv < 2; ++kv) {

@@ -4,7 +4,7 @@
 // pointers, then the split + combine kernels queued) and the one-call decode_attention (plan on
 // the workspace's context, then run). A run does no host allocation once the workspace is large
 // enough; packed segments the plan marks `dequantize` are dequantized into stream-ordered fp32
-// scratch first (unfused fallback).
+// scratch first (unfused fallback); segments with channel-axis keys are read in place (packed 2).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -115,10 +115,11 @@ PlannedSegments check_run(const DecodePlan& plan, const float* q, const DeviceCa
 }
 
 // The DecodeParams of one run of plan over its matched segments (partials not set). Packed
-// segments the plan marks `dequantize` are dequantized into deq (plan.scratch_bytes) on st.
+// segments the plan marks `dequantize` are dequantized into deq (plan.scratch_bytes) on st; those
+// with channel-axis keys are described in *ch as well (nullptr: the plan has none).
 DecodeParams fill_params(const DecodePlan& plan, const PlannedSegments& segs, const float* q,
-                         float* out, int64_t B, int64_t H, int64_t D, uint8_t* deq,
-                         cudaStream_t st) {
+                         float* out, int64_t B, int64_t H, int64_t D, uint8_t* deq, cudaStream_t st,
+                         DecodeChannelParams* ch = nullptr) {
   DecodeParams dp;
   dp.q = q;
   dp.out = out;
@@ -172,13 +173,16 @@ DecodeParams fill_params(const DecodePlan& plan, const PlannedSegments& segs, co
     }
     d.capacity = sg.capacity > 0 ? sg.capacity : sg.n_rows;
     if (sg.packed) {
-      VQ_CHECK(sg.k_fmt.axis == QuantAxis::kToken && sg.v_fmt.axis == QuantAxis::kToken,
-               "[decode_attention] expected token-axis packed records but got "
-               "skvq_key_axis=channel records (CPU attention only)");
       if (!pk_set) {  // the format and transforms every fused packed segment shares
         pk_set = true;
         DecodePackedParams& pk = dp.pk;
-        pk.group_size = sg.k_fmt.group_size;
+        // channel-axis keys: group_size is the values' (the keys' is one per row)
+        pk.group_size = sp.channel ? sg.v_fmt.group_size : sg.k_fmt.group_size;
+        if (sp.channel && ch) {
+          ch->k_bits_x2 = sg.k_fmt.spec.bits_x2;
+          ch->v_bits_x2 = sg.v_fmt.spec.bits_x2;
+          ch->k_meta_slots = sg.k_fmt.n_groups;
+        }
         pk.k_code_bytes = sg.k_fmt.code_bytes;
         pk.v_code_bytes = sg.v_fmt.code_bytes;
         pk.k_meta = static_cast<int32_t>(sg.k_fmt.meta);
@@ -196,9 +200,14 @@ DecodeParams fill_params(const DecodePlan& plan, const PlannedSegments& segs, co
           pk.v_rot_norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sg.v_rot_block)));
         }
       }
-      d.packed = 1;
+      d.packed = sp.channel ? 2 : 1;
       d.k = sg.k_data;
       d.v = sg.v_data;
+      if (sp.channel) {
+        VQ_CHECK(ch != nullptr, "[decode_attention] internal: channel-axis keys in a batched run");
+        ch->k_runs[i] = sg.k_runs;
+        ch->k_n_runs[i] = sg.k_n_runs;
+      }
     } else {
       d.packed = 0;
       d.dtype = static_cast<int>(sg.dtype);
@@ -207,6 +216,12 @@ DecodeParams fill_params(const DecodePlan& plan, const PlannedSegments& segs, co
     }
   }
   return dp;
+}
+
+// Whether plan reads channel-axis keys (the channel kernel; such plans run alone).
+bool has_channel(const DecodePlan& plan) {
+  return std::any_of(plan.segments.begin(), plan.segments.end(),
+                     [](const DecodeSegmentPlan& d) { return d.channel; });
 }
 
 // Points dp's partials at w (plan.workspace_bytes: acc, then m/l 256-byte aligned).
@@ -241,9 +256,14 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
   }
   StreamScratch deq{nullptr, st};
   if (plan.scratch_bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&deq.p, plan.scratch_bytes, st));
-  DecodeParams dp = fill_params(plan, segs, q, out, B, H, D, static_cast<uint8_t*>(deq.p), st);
+  DecodeChannelParams ch;
+  DecodeParams dp = fill_params(plan, segs, q, out, B, H, D, static_cast<uint8_t*>(deq.p), st, &ch);
   set_partials(dp, plan, static_cast<uint8_t*>(ws.reserve(plan.workspace_bytes)));
-  decode_attention_launch(dp, st);
+  if (has_channel(plan)) {
+    decode_attention_launch_channel(dp, ch, st);
+  } else {
+    decode_attention_launch(dp, st);
+  }
 }
 
 void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, DecodeWorkspace& ws,
@@ -262,7 +282,7 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
   std::vector<size_t> alone;
   for (size_t i = 0; i < items.size(); ++i) {
     const DecodePlan& pl = *items[i].plan;
-    if (pl.batch != 1 || pl.total_rows == 0 || pl.scratch_bytes > 0) {
+    if (pl.batch != 1 || pl.total_rows == 0 || pl.scratch_bytes > 0 || has_channel(pl)) {
       alone.push_back(i);
       continue;
     }

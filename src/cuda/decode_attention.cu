@@ -1,7 +1,8 @@
 // Fused decode attention: the combine kernel (exact log-sum-exp merge of the splits of each
 // (b, query head), un-permute / un-rotate of the packed-value accumulator) and the dispatcher
 // that picks the split kernel instance for the view's (key bits, value bits). The split kernel
-// is in decode_attention_kernel.cuh, instantiated by decode_attention_k*.cu.
+// is in decode_attention_kernel.cuh, instantiated by decode_attention_k*.cu; views with
+// channel-axis keys add decode_attention_channel.cu's kernel.
 //
 // The combine is launched as a programmatic dependent of the split kernel (see the launcher).
 // Combine (one block of 512 threads per (b, query head): the max by a block reduction, then
@@ -11,6 +12,7 @@
 // mapped back once (y[perm[j]] = x[j], then y <- signs .* H_norm y) and added. L == 0 (no visible
 // key) gives zeros.
 #include "cuda/decode_attention.cuh"
+#include "cuda/decode_attention_channel.cuh"
 #include "cuda/decode_attention_kernel.cuh"
 
 namespace vq::cuda {
@@ -211,6 +213,31 @@ int mma_run(const DecodeParams& p, cudaStream_t s, bool query) {
   throw Error(std::string("[decode_attention] expected a tensor-core kernel but got ") +
               decode_kernel_name(p.kernel));
 }
+
+// Programmatic dependent launch: the combine grid is launched while the split kernel runs (its
+// blocks trigger at entry) and waits in griddepcontrol.wait for its completion and memory, which
+// hides the second launch's latency (batch-1 decode is latency-bound).
+void launch_combine(const DecodeParams& p, cudaStream_t s) {
+  using namespace decode_impl;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.n_kv_heads * p.group), static_cast<unsigned>(p.batch));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (p.head_dim == 64) {
+    cfg.blockDim = dim3(64 * combine_slices<64>());
+    VQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<64>, p));
+  } else {
+    cfg.blockDim = dim3(128 * combine_slices<128>());
+    VQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<128>, p));
+  }
+  VQ_CUDA_LAUNCH_CHECK(decode_combine_kernel);
+}
+
 }  // namespace
 
 int decode_mma_blocks_per_sm(const DecodeParams& p) {
@@ -220,6 +247,9 @@ int decode_mma_blocks_per_sm(const DecodeParams& p) {
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
   using namespace decode_impl;
   const int kb = p.k_bits, vb = p.v_bits;
+  for (int i = 0; i < p.n_segments; ++i)
+    VQ_CHECK(p.seg[i].packed != 2,
+             "[decode_attention] internal: channel-axis keys take decode_attention_launch_channel");
   if (p.kernel != DecodeKernel::kCudaCore) {
     mma_run(p, s, false);
   } else if (kb == 0 && vb == 0) {
@@ -240,26 +270,27 @@ void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
         "(2,4) but got (" +
         std::to_string(kb) + "," + std::to_string(vb) + ")");
   }
-  // Programmatic dependent launch: the combine grid is launched while the split kernel runs
-  // (its blocks trigger at entry) and waits in griddepcontrol.wait for its completion and memory,
-  // which hides the second launch's latency (batch-1 decode is latency-bound).
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.n_kv_heads * p.group), static_cast<unsigned>(p.batch));
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (p.head_dim == 64) {
-    cfg.blockDim = dim3(64 * combine_slices<64>());
-    VQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<64>, p));
-  } else {
-    cfg.blockDim = dim3(128 * combine_slices<128>());
-    VQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, decode_combine_kernel<128>, p));
-  }
-  VQ_CUDA_LAUNCH_CHECK(decode_combine_kernel);
+  launch_combine(p, s);
+}
+
+void decode_attention_launch_channel(const DecodeParams& p, const DecodeChannelParams& ch,
+                                     cudaStream_t s) {
+  using namespace decode_impl;
+  VQ_CHECK(p.kernel == DecodeKernel::kCudaCore && p.seqs == nullptr,
+           "[decode_attention] expected a CUDA-core, unbatched run for channel-axis keys");
+  // The full-precision split kernel over the other segments (the channel-axis ones emptied:
+  // their splits write empty partials), then the channel kernel over those splits' partials;
+  // plain launches in stream order, so the combine (launched as a programmatic dependent of the
+  // channel kernel, which never triggers early) starts after both.
+  DecodeParams fp = p;
+  for (int i = 0; i < fp.n_segments; ++i)
+    if (fp.seg[i].packed == 2) {
+      fp.seg[i].packed = 0;
+      fp.seg[i].n_rows = 0;
+    }
+  launch_split<0, 0>(fp, s);
+  decode_channel_launch(p, ch, s);
+  launch_combine(p, s);
 }
 
 }  // namespace vq::cuda

@@ -21,7 +21,7 @@
 namespace vq::cuda {
 
 struct DecodeSegmentParams {
-  int packed = 0;                      // 0: full precision rows, 1: packed records
+  int packed = 0;                      // 0: full precision, 1: packed, 2: channel-axis keys
   int dtype = 1;                       // full precision: 0 f32, 1 f16, 2 bf16 (vq::DType values)
   int64_t n_rows = 0;                  // rows per (b, h)
   int64_t first_pos = 0;               // implicit positions first_pos + i when positions == nullptr
@@ -82,8 +82,26 @@ struct DecodeParams {
 };
 
 // Queues the split kernel and the combine kernel on stream s; throws vq::Error for an unsupported
-// (head_dim, group, bits) combination or a failed launch.
+// (head_dim, group, bits) combination, a segment with channel-axis keys (packed 2:
+// decode_attention_launch_channel) or a failed launch.
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s);
+
+// What the channel kernel (decode_attention_channel.cuh) reads beyond DecodeParams for the
+// segments with channel-axis keys (DecodeSegmentParams::packed == 2; their DecodePackedParams
+// group_size is the values'). A separate block so that DecodeParams keeps its layout.
+struct DecodeChannelParams {
+  // per segment: run starts [k_n_runs + 1] (DeviceSegment::k_runs), or nullptr: one run
+  const int32_t* k_runs[kDecodeMaxSegments] = {};
+  int32_t k_n_runs[kDecodeMaxSegments] = {};
+  int32_t k_bits_x2 = 0, v_bits_x2 = 0;  // CodeSpec::bits_x2 of the key and value codes
+  int32_t k_meta_slots = 0;  // metadata slots per key record (PackedRowFormat::n_groups)
+};
+
+// A view with channel-axis key segments (unbatched, CUDA-core kernel): the split kernel over the
+// other segments (the channel-axis ones emptied: their splits get empty partials), then the
+// channel kernel over those splits, then the combine; all on stream s.
+void decode_attention_launch_channel(const DecodeParams& p, const DecodeChannelParams& ch,
+                                     cudaStream_t s);
 
 // Resident blocks per SM of the tensor-core kernel for p (p.kernel, head_dim, group and
 // stage_half_bytes set): the planner sizes the splits to one wave of them.

@@ -11,7 +11,8 @@
 // (about four waves of its ~4 resident blocks). DecodePlanOptions overrides the block target, the
 // packed stage bytes and the rows per split. Packed segments of a format no split kernel reads in
 // place (fused_format) are planned as f32 rows that each run dequantizes into scratch first
-// (unfused fallback).
+// (unfused fallback). Packed segments with channel-axis keys are read in place by the channel
+// kernel (64-row steps); a view holding them plans the CUDA-core kernel for its other segments.
 #include "cuda/decode_plan.h"
 
 #include <algorithm>
@@ -38,7 +39,12 @@ bool fused_format(const DeviceSegment& sg) {
 
 bool same_fmt(const PackedRowFormat& a, const PackedRowFormat& b) {
   return a.head_dim == b.head_dim && a.group_size == b.group_size && a.code_bytes == b.code_bytes &&
-         a.row_stride == b.row_stride && a.spec.bits_x2 == b.spec.bits_x2 && a.meta == b.meta;
+         a.row_stride == b.row_stride && a.spec.bits_x2 == b.spec.bits_x2 && a.meta == b.meta &&
+         a.n_groups == b.n_groups && a.axis == b.axis;
+}
+
+bool channel_keys(const DeviceSegment& sg) {
+  return sg.packed && sg.k_fmt.axis == QuantAxis::kChannel;
 }
 
 int32_t tile_rows_for(int64_t k_row_bytes, int64_t v_row_bytes) {
@@ -206,6 +212,40 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
       d.k_rot_block = d.k_signs ? sg.k_rot_block : 0;
       d.v_rot_block = d.v_signs ? sg.v_rot_block : 0;
     }
+    if (channel_keys(sg)) {
+      // Channel-axis keys: the channel kernel reads every code width and metadata type in place
+      // (64-row softmax steps); the view's other packed segments must share the format.
+      VQ_CHECK(sg.k_fmt.head_dim == D && sg.v_fmt.head_dim == D,
+               "[decode_attention] expected packed records of head_dim " + std::to_string(D));
+      VQ_CHECK(sg.v_fmt.axis == QuantAxis::kToken && sg.v_fmt.group_size >= 1,
+               "[decode_attention] expected token-axis value records beside channel-axis keys");
+      VQ_CHECK(sg.k_runs == nullptr || sg.k_n_runs >= 1,
+               "[decode_attention] expected channel-axis key runs >= 1 but got " +
+                   std::to_string(sg.k_n_runs));
+      VQ_CHECK(sg.k_fmt.n_groups >= 1 && (sg.capacity == 0 || sg.capacity >= sg.n_rows),
+               "[decode_attention] expected a channel-axis key format with metadata slots and "
+               "capacity >= n_rows");
+      if (!pk_first) {
+        pk_first = &sg;
+        plan.k_bits = sg.k_fmt.spec.bits();
+        plan.v_bits = sg.v_fmt.spec.bits();
+        if (d.k_signs) check_rot_block(d.k_rot_block, D, "decode_attention");
+        if (d.v_signs) check_rot_block(d.v_rot_block, D, "decode_attention");
+      } else {
+        VQ_CHECK(same_fmt(sg.k_fmt, pk_first->k_fmt) && same_fmt(sg.v_fmt, pk_first->v_fmt) &&
+                     sg.k_perm == pk_first->k_perm && sg.v_perm == pk_first->v_perm &&
+                     sg.k_signs == pk_first->k_signs && sg.v_signs == pk_first->v_signs,
+                 "[decode_attention] expected every packed segment of a view to share one "
+                 "format and one set of transforms");
+      }
+      d.channel = true;
+      d.k_row_bytes = sg.k_fmt.row_stride;
+      d.v_row_bytes = sg.v_fmt.row_stride;
+      d.tile_rows = 64;
+      plan.total_rows += sg.n_rows;
+      plan.segments.push_back(d);
+      continue;
+    }
     if (sg.packed && !fused_format(sg)) {
       VQ_CHECK(sg.k_fmt.head_dim == D && sg.v_fmt.head_dim == D,
                "[decode_attention] expected packed records of head_dim " + std::to_string(D));
@@ -261,11 +301,13 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   // instances) and 2/2- or 4/4-bit codes in groups of a multiple of 32 channels
   std::vector<DecodeSegmentPlan>& sp = plan.segments;
   bool all_16 = true, any_packed = false, packed_aligned = true, any_rows = false;
+  bool any_channel = false;  // channel-axis keys: CUDA-core kernels only
   DType rows_dtype = DType::kF16;
   size_t si = 0;
   for (const DeviceSegment& sg : segments) {
     if (sg.n_rows == 0) continue;
     const DecodeSegmentPlan& d = sp[si++];
+    any_channel = any_channel || d.channel;
     if (d.packed && !d.dequantize) {
       any_packed = true;
       packed_aligned = packed_aligned && d.k_row_bytes % 4 == 0 && d.v_row_bytes % 4 == 0 &&
@@ -280,7 +322,7 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   }
   const int32_t group_size = pk_first ? pk_first->k_fmt.group_size : 0;
   const bool mma =
-      all_16 &&
+      all_16 && !any_channel &&
       (!any_packed || ((plan.k_bits == 2 || plan.k_bits == 4) && plan.v_bits == plan.k_bits &&
                        group_size % 32 == 0 && pk_first->k_fmt.code_bytes % 4 == 0 &&
                        pk_first->v_fmt.code_bytes % 4 == 0 && packed_aligned));
@@ -417,6 +459,9 @@ PlannedSegments match_plan(const DecodePlan& plan, int64_t B, int64_t H, int64_t
                    " of the plan's packed formats and transforms but got others");
       VQ_CHECK(sg.k_data && sg.v_data, "[decode_attention_run] expected packed records in " + at +
                                            " but got a null pointer");
+      VQ_CHECK(!d.channel || sg.k_runs == nullptr || sg.k_n_runs >= 1,
+               "[decode_attention_run] expected channel-axis key runs >= 1 in " + at + " but got " +
+                   std::to_string(sg.k_n_runs));
       if (d.dequantize) {
         if (sg.k_signs) check_rot_block(sg.k_rot_block, D, "decode_attention_run");
         if (sg.v_signs) check_rot_block(sg.v_rot_block, D, "decode_attention_run");

@@ -51,6 +51,8 @@ DeviceCacheView device_view(const CacheView& v, int64_t batch, int64_t heads, in
       ds.v_signs = pv.signs;
       ds.k_rot_block = pk.rot_block;
       ds.v_rot_block = pv.rot_block;
+      ds.k_runs = pk.runs;  // channel-axis keys: the blocks of the run
+      ds.k_n_runs = pk.n_runs;
     } else {
       const TensorView& k = seg.keys;
       ds.capacity = k.stride[1] / head_dim;
