@@ -127,7 +127,9 @@ HostSegment download_segment(const DeviceCacheView& view, size_t i, Stream s = n
 // Supported: D in {64, 128}; H_q a multiple of H_kv; full-precision segments f16/bf16/f32; packed
 // segments with 1.5-bit or integer 1..8-bit codes, any metadata type, a channel permutation; a
 // Hadamard rotation or 1.5-bit codes only on the tensor-core path (full-precision rows all f16 or
-// all bf16).
+// all bf16). Channel-axis keys (skvq_key_axis=channel, runs from DeviceSegment::k_runs): the
+// CUDA-core kernel dequantizes them tile by tile (each tile row's run found once per tile); the
+// tensor-core path dequantizes the segment once per call like rotated ones (dequant_rows).
 // Anything else: vq::Error.
 void prefill_attention(const float* q, int64_t n_q_heads, int64_t n_queries,
                        const DeviceCacheView& view, const AttentionParams& p, float* out,

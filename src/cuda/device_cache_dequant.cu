@@ -1,8 +1,9 @@
 // Kernel of device_cache_dequant.cuh: one thread per (frame, row, stored channel). The code, the
-// group's (lo, scale) and code * scale + lo (rounded twice) come from packed.h's host/device
-// codecs (code_at, meta_load, dequantize_code), the ones the CPU's dequantize_record uses. With a
-// rotation a second kernel un-rotates each row (one thread per row: D <= a few hundred floats, the
-// CPU's fast Walsh-Hadamard transform in the same order of operations).
+// group's (lo, scale) (channel-axis records: the channel's, from its run's first records) and
+// code * scale + lo (rounded twice) come from packed.h's host/device codecs (code_at, meta_load,
+// dequantize_code, channel_run_start), the ones the CPU's dequantize_row uses. With a rotation a
+// second kernel un-rotates each row (one thread per row: D <= a few hundred floats, the CPU's
+// fast Walsh-Hadamard transform in the same order of operations).
 #include <cuda_fp16.h>
 
 #include "cuda/check.h"
@@ -26,10 +27,21 @@ __global__ void dequant_rows_kernel(DequantRowsParams p) {
     const int64_t f = e / (D * p.n);
     const uint8_t* rec = p.records + (f * p.src_cap + p.src_row0 + i) * p.row_stride;
     const uint32_t code = code_at(rec, j, spec);
-    const int g = j / p.group_size;
-    const uint8_t* meta = rec + p.code_bytes;
-    const float lo = meta_load(meta, 2 * g, mt);
-    const float scale = meta_load(meta, 2 * g + 1, mt);
+    float lo, scale;
+    if (p.channel) {  // the run's list: element e in slot e % slots of its record e / slots
+      const int64_t r0 = channel_run_start(p.runs, p.n_runs, i);
+      const uint8_t* chunk0 = p.records + (f * p.src_cap + p.src_row0 + r0) * p.row_stride;
+      const int64_t el = 2 * static_cast<int64_t>(j), es = el + 1;
+      lo = meta_load(chunk0 + (el / p.meta_slots) * p.row_stride + p.code_bytes, el % p.meta_slots,
+                     mt);
+      scale = meta_load(chunk0 + (es / p.meta_slots) * p.row_stride + p.code_bytes,
+                        es % p.meta_slots, mt);
+    } else {
+      const int g = j / p.group_size;
+      const uint8_t* meta = rec + p.code_bytes;
+      lo = meta_load(meta, 2 * g, mt);
+      scale = meta_load(meta, 2 * g + 1, mt);
+    }
     const float x = dequantize_code(code, scale, lo);
     const int64_t c = p.perm ? p.perm[(f % p.heads) * D + j] : j;
     p.dst[(f * p.dst_cap + p.dst_row0 + i) * D + c] = x;

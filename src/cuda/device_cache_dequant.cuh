@@ -29,6 +29,14 @@ struct DequantRowsParams {
   const float* signs = nullptr;
   int32_t rot_block = 0;
   float rot_norm = 1.0f;
+  // Channel-axis records (packed.h): each row's (lo, scale) of stored channel j are elements 2j,
+  // 2j + 1 of its run's list, the run starting at record channel_run_start(runs, n_runs, i) of
+  // the frame (runs device [n_runs + 1] relative to src_row0, or nullptr: one run from src_row0);
+  // meta_slots = the format's n_groups. group_size is then unused.
+  int32_t channel = 0;
+  int32_t meta_slots = 0;
+  const int32_t* runs = nullptr;
+  int32_t n_runs = 0;
 };
 
 // dst[(f*dst_cap + dst_row0 + i)*D + perm[h*D + j]] = code_j * scale_g + lo_g of record

@@ -13,16 +13,24 @@ namespace vq::cuda {
 namespace {
 
 PrefillTensor packed_tensor(const PackedRowFormat& f, const uint8_t* data, const int32_t* perm,
-                            const float* signs, size_t seg_index, const char* which) {
+                            const float* signs, size_t seg_index, const char* which,
+                            const int32_t* runs = nullptr, int32_t n_runs = 0) {
   const std::string where = "segment " + std::to_string(seg_index) + " " + which;
   VQ_CHECK(f.spec.ternary() || (f.spec.bits() >= 1 && f.spec.bits() <= 8),
            "[prefill_attention] expected 1.5-bit or integer code bits 1..8 but " + where + " has " +
                std::to_string(f.spec.bits_value()));
   VQ_CHECK(f.group_size >= 1 && data != nullptr,
            "[prefill_attention] expected packed records with group_size >= 1 in " + where);
-  VQ_CHECK(f.axis == QuantAxis::kToken, "[prefill_attention] expected token-axis records but " +
-                                            where + " has skvq_key_axis=channel records");
   PrefillTensor t;
+  if (f.axis == QuantAxis::kChannel) {  // keys of skvq_key_axis=channel: metadata per run
+    VQ_CHECK(runs == nullptr || n_runs >= 1,
+             "[prefill_attention] expected channel-axis runs >= 1 in " + where + " but got " +
+                 std::to_string(n_runs));
+    t.channel = 1;
+    t.meta_slots = f.n_groups;
+    t.runs = runs;
+    t.n_runs = n_runs;
+  }
   t.data = data;
   t.perm = perm;
   t.bits = f.spec.bits();
@@ -92,7 +100,10 @@ void prefill_attention(const float* q, int64_t n_q_heads, int64_t n_queries,
       VQ_CHECK(d.k_fmt.head_dim == D && d.v_fmt.head_dim == D,
                "[prefill_attention] expected packed formats of head_dim " + std::to_string(D) +
                    " in segment " + std::to_string(i));
-      g.pk = packed_tensor(d.k_fmt, d.k_data, d.k_perm, d.k_signs, i, "keys");
+      VQ_CHECK(d.v_fmt.axis == QuantAxis::kToken,
+               "[prefill_attention] expected token-axis value records in segment " +
+                   std::to_string(i) + " but got channel-axis ones");
+      g.pk = packed_tensor(d.k_fmt, d.k_data, d.k_perm, d.k_signs, i, "keys", d.k_runs, d.k_n_runs);
       g.pv = packed_tensor(d.v_fmt, d.v_data, d.v_perm, d.v_signs, i, "values");
     } else {
       VQ_CHECK(

@@ -9,20 +9,22 @@
 //   freed after the kernel), which the kernel streams like rows of T (one MMA per product; the
 //   rounding is a term of tests/ops_harness/attention_bounds.h's kPrefillTc bound);
 //   re-dequantizing every tile in each query block cost 4.5x the f16 time.
-//   Packed segments with a Hadamard rotation or 1.5-bit codes are dequantized by the device
-//   caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the un-rotation
-//   included) and then rounded to the same planes. Limits (fp16 planes): dequantized values must
-//   lie within fp16's range (|x| < 65520).
+//   Packed segments with a Hadamard rotation, 1.5-bit codes or channel-axis keys are dequantized
+//   by the device caches' dequant_rows (fp32 rows bit-identical to the CPU's dequantize_row, the
+//   un-rotation and the run metadata of channel-axis keys included) and then rounded to the same
+//   planes. Limits (fp16 planes): dequantized values must lie within fp16's range (|x| < 65520).
 // * CUDA cores (every other view: f32 rows, or f16 beside bf16 rows; rotated or 1.5-bit packed
 // rows refused): one block of 4 warps per (tile of 16 query rows, KV head, batch); the rows of a
 // tile are (query i, head r of the GQA group) pairs ordered t = i * n_rep + r, so the n_rep query
 // heads sharing a KV head read each key tile once. Keys and values are staged 32 rows at a time in
 // shared memory as fp32 ([32][D + 1]: the pad makes lane j's reads of row j conflict-free); packed
 // records are dequantized there (code * scale + lo, one rounding each, no FMA: the CPU's
-// dequantize_record values) and put back in original channel order. A tile no query row of the
-// block can see (by position and window) is skipped before its rows are read. Each warp owns 4
-// query rows: lane j scores key j (fp32 dot product), then an online softmax (running max, expf,
-// fp32 sums) accumulates p * v into D/32 outputs per lane. A query that sees no key gets zeros.
+// dequantize_record values; channel-axis keys with their run's (lo, scale) per channel, the run
+// of each tile row found once per tile) and put back in original channel order. A tile no query
+// row of the block can see (by position and window) is skipped before its rows are read. Each
+// warp owns 4 query rows: lane j scores key j (fp32 dot product), then an online softmax (running
+// max, expf, fp32 sums) accumulates p * v into D/32 outputs per lane. A query that sees no key
+// gets zeros.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -57,6 +59,19 @@ __device__ __forceinline__ float meta_at(const uint8_t* meta, int i, int type) {
   return meta_load(meta, i, static_cast<MetaType>(type));
 }
 
+// Stored channel c of channel-axis record rec whose run starts at record chunk0 (packed.h's
+// channel_meta): code * scale_c + lo_c in fp32 (two roundings).
+__device__ __forceinline__ float dequant_channel(const uint8_t* rec, const uint8_t* chunk0, int c,
+                                                 const PrefillTensor& t) {
+  CodeSpec spec;
+  spec.bits_x2 = static_cast<uint8_t>(t.ternary ? 3 : 2 * t.bits);
+  const uint32_t code = code_at(rec, c, spec);
+  const int el = 2 * c, es = 2 * c + 1, ns = t.meta_slots;
+  const float lo = meta_at(chunk0 + (el / ns) * t.row_stride + t.code_bytes, el % ns, t.meta);
+  const float scale = meta_at(chunk0 + (es / ns) * t.row_stride + t.code_bytes, es % ns, t.meta);
+  return dequantize_code(code, scale, lo);
+}
+
 // Stored channel c of a record, dequantized: code * scale + lo in fp32 (two roundings).
 __device__ __forceinline__ float dequant(const uint8_t* rec, int c, const PrefillTensor& t) {
   CodeSpec spec;
@@ -88,6 +103,7 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(const PrefillParam
   __shared__ float ks[kKT][D + 1];
   __shared__ float vs[kKT][D + 1];
   __shared__ int64_t ps[kKT];
+  __shared__ int64_t run0[kKT];  // channel-axis keys: the first row of each tile row's run
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -131,6 +147,8 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(const PrefillParam
           kp = seg.positions ? seg.positions[frame * cap + j0 + tid] : seg.first_pos + j0 + tid;
         ps[tid] = kp;
         flag = kp <= qmax && (p.window <= 0 || qmin < kp + p.window);
+        if (seg.packed && seg.pk.channel)
+          run0[tid] = channel_run_start(seg.pk.runs, seg.pk.n_runs, tid < nt ? j0 + tid : j0);
       }
       if (!__syncthreads_or(flag)) continue;  // no row of this block sees this tile
 
@@ -141,7 +159,12 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(const PrefillParam
         int kc = c, vc = c;
         if (r < nt) {
           if (seg.packed) {
-            kx = dequant(seg.pk.data + (row0 + r) * seg.pk.row_stride, c, seg.pk);
+            const uint8_t* krec = seg.pk.data + (row0 + r) * seg.pk.row_stride;
+            kx = seg.pk.channel
+                     ? dequant_channel(krec,
+                                       seg.pk.data + (frame * cap + run0[r]) * seg.pk.row_stride, c,
+                                       seg.pk)
+                     : dequant(krec, c, seg.pk);
             vx = dequant(seg.pv.data + (row0 + r) * seg.pv.row_stride, c, seg.pv);
             if (seg.pk.perm) kc = seg.pk.perm[h * D + c];
             if (seg.pv.perm) vc = seg.pv.perm[h * D + c];
@@ -268,11 +291,12 @@ __global__ void prefill_round_kernel(const float* x, int64_t n, T* y) {
     y[e] = tc_round<T>(x[e]);
 }
 
-// A packed tensor the dequant8 path cannot take: 1.5-bit codes or a Hadamard rotation. Such
+// A packed tensor the dequant8 path cannot take: 1.5-bit codes, a Hadamard rotation or
+// channel-axis keys (metadata in the run's first records). Such
 // segments are dequantized by the device caches' dequant_rows (the CPU's dequantize_row
 // operations, un-rotation included) into fp32 scratch, then split.
 bool needs_general_dequant(const PrefillTensor& t) {
-  return t.ternary != 0 || t.signs != nullptr;
+  return t.ternary != 0 || t.signs != nullptr || t.channel != 0;
 }
 
 // The tensor-core path over a view whose full-precision rows (if any) are all of type T
@@ -330,6 +354,10 @@ void prefill_tc_launch(const PrefillParams& p, cudaStream_t s) {
         d.signs = t.signs;
         d.rot_block = t.rot_block;
         d.rot_norm = t.rot_norm;
+        d.channel = t.channel;
+        d.meta_slots = t.meta_slots;
+        d.runs = t.runs;
+        d.n_runs = t.n_runs;
         dequant_rows_launch(d, s);
         prefill_round_kernel<T><<<sg, 256, 0, s>>>(f32, n, kv ? vt : kt);
         VQ_CUDA_LAUNCH_CHECK("prefill_round");
@@ -370,11 +398,13 @@ void prefill_attention_launch(const PrefillParams& p, cudaStream_t s) {
     rows_dtype = g.dtype;
   }
   const bool bf16 = rows_dtype == 2;
-  bool general = false;  // some packed segment needs dequant_rows (rotation or 1.5-bit codes)
-  for (int i = 0; i < p.n_segs; ++i)
-    if (p.segs[i].packed &&
-        (needs_general_dequant(p.segs[i].pk) || needs_general_dequant(p.segs[i].pv)))
-      general = true;
+  // Some packed segment the CUDA-core kernel cannot read (rotation or 1.5-bit codes; it reads
+  // channel-axis keys tile by tile).
+  bool general = false;
+  for (int i = 0; i < p.n_segs; ++i) {
+    const PrefillTensor &k = p.segs[i].pk, &v = p.segs[i].pv;
+    if (p.segs[i].packed && (k.ternary || k.signs || v.ternary || v.signs)) general = true;
+  }
   VQ_CHECK(tc || !general,
            "[prefill_attention] expected a view for the tensor-core path (full-precision rows "
            "all f16 or all bf16 and 16-byte aligned, q and out 8-byte aligned) with "

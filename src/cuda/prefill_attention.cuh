@@ -21,6 +21,12 @@ struct PrefillTensor {  // one packed tensor (keys or values) of a segment
   const float* signs = nullptr;
   int32_t rot_block = 0;
   float rot_norm = 1.0f;
+  // Channel-axis keys (packed.h): metadata element e of a run in slot e % meta_slots of its
+  // record e / meta_slots; runs device [n_runs + 1] (DeviceSegment::k_runs) or nullptr: one run.
+  int32_t channel = 0;
+  int32_t meta_slots = 0;
+  const int32_t* runs = nullptr;
+  int32_t n_runs = 0;
 };
 
 struct PrefillSeg {
