@@ -97,10 +97,6 @@ SkvqCache::SkvqCache(const CacheConfig& cfg, const kv::RowBackend& backend, int6
     : backend_(&backend),
       set_(std::make_unique<Settings>(Settings::from_config(cfg, layer_index, kOp))),
       st_(std::make_unique<State>(backend, *set_)) {
-  // The CUDA cache keeps one packed run per cache and its kernels read token-axis records only.
-  VQ_CHECK(set_->key_axis == QuantAxis::kToken || backend.device() == kv::Device::kCpu,
-           "[skvq] skvq_key_axis: expected token on the CUDA backend (its attention kernels read "
-           "per-token key groups only) but got channel; use the CPU cache");
   // Protected rows hide packed rows by position inside one block per flushed chunk.
   VQ_CHECK(set_->protect == 0.0 || backend.device() == kv::Device::kCpu,
            "[skvq] skvq_protect: expected 0 on the CUDA backend (protected rows are CPU only) but "

@@ -65,9 +65,6 @@ SnapkvSkvqCache::SnapkvSkvqCache(const CacheConfig& cfg, const kv::RowBackend& b
   // keeps rows one by one: channel-axis keys are packed only after the selection, from the kept
   // rows in chunks of `window` (snap_evict_at = prompt_end selects before anything is packed).
   if (set_->key_axis == QuantAxis::kChannel) {
-    VQ_CHECK(backend.device() == kv::Device::kCpu,
-             "[snapkv+skvq] skvq_key_axis: expected token on the CUDA backend (its attention "
-             "kernels read per-token key groups only) but got channel; use the CPU cache");
     VQ_CHECK(cfg.snap_evict_at == SnapEvictAt::kPromptEnd,
              "[snapkv+skvq] skvq_key_axis=channel: expected snap_evict_at=prompt_end (the kept "
              "rows are packed per channel after the one selection; prefill_call selects again "

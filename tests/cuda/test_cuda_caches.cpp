@@ -300,6 +300,45 @@ std::pair<std::unique_ptr<KVCache>, std::unique_ptr<cuda::DeviceKVCache>> exchan
 
 using test::random_q;
 
+// Channel-axis keys (skvq_key_axis=channel): the decode kernel (decode_attention_channel.cu)
+// computes a logit as sum_c fl(q'_c s_c) code_tc + sum_c q'_c lo_c in fp32, against the dense
+// twin's keys k_c = fl(fl(code_tc s_c) + lo_c): one rounding of each product q'_c s_c, a chain
+// of D fmas over the codes (exact in fp32), D fmas for the bias and one addition, and the twin's
+// two roundings, so the logit errs by at most gamma(D + 4) sum_c |q'_c| m_c with
+// m_c = |code_tc s_c| + |lo_c| (the metadata values exact in fp32), <= gamma(D + 4) ||q|| ||m||
+// (Cauchy-Schwarz; ||q'|| = ||q|| up to the transform's rounding, inside gamma's slack). kDecode's
+// bound (attention_bounds.h) carries gamma(D + log2 D + 3D/8 + 8) ||q|| ||k|| plus kGpuLogitRel
+// ||q|| ||k|| = 2^-11 ||q|| ||k||; with ||m|| <= 16 ||k|| per row the channel term is at most
+// 16 gamma(132) < 2^-12 of ||q|| ||k|| (D <= 128), inside kGpuLogitRel alone. Values are the
+// dense twin's values bit for bit (code * scale + lo, two roundings) times fp32 weights: inside
+// the fp32 sum terms. This checks the precondition ||m|| <= 16 ||k|| on every packed channel-axis
+// row of a CPU view (per-block segments: a segment is one chunk).
+void expect_channel_magnitudes(const CacheView& cv, const std::string& vars) {
+  const int64_t D = cv.head_dim;
+  std::vector<float> k(static_cast<size_t>(D));
+  double worst = 0;
+  for (const ViewSegment& sg : cv.segments) {
+    if (!sg.packed || sg.packed->keys.fmt.axis != QuantAxis::kChannel) continue;
+    const PackedTensor& t = sg.packed->keys;
+    for (int64_t b = 0; b < cv.batch; ++b)
+      for (int64_t h = 0; h < cv.n_kv_heads; ++h)
+        for (int64_t i = 0; i < sg.n_rows; ++i) {
+          dequantize_row(t, b, h, i, k.data());
+          double kn = 0, mn = 0;
+          for (int64_t c = 0; c < D; ++c) {
+            const double lo = channel_meta(t.record(b, h, 0), t.fmt.row_stride, t.fmt, 2 * c);
+            const double sc = channel_meta(t.record(b, h, 0), t.fmt.row_stride, t.fmt, 2 * c + 1);
+            const double m =
+                std::abs(code_at(t.record(b, h, i), c, t.fmt.spec) * sc) + std::abs(lo);
+            mn += m * m;
+            kn += static_cast<double>(k[c]) * k[c];
+          }
+          worst = std::max(worst, std::sqrt(mn / std::max(kn, 1e-300)));
+        }
+  }
+  EXPECT_LE(worst, 16.0) << vars << ": ||m|| / ||k|| of a channel-axis key row";
+}
+
 // ---- the driver ---------------------------------------------------------------------------------
 
 struct Case {
@@ -309,6 +348,9 @@ struct Case {
   bool token_major = false;
   bool queries = false;   // pass the real queries (SnapKV query scoring)
   bool attention = true;  // decode / prefill attention checks over the views
+  // Also upload the CPU view (DeviceCacheView::upload: per-block channel-axis segments merged
+  // into one with its run starts) and check its rows and decode attention.
+  bool upload_twin = false;
   std::vector<int64_t> steps;
   std::vector<size_t> end_prompt_after;  // 1-based steps after which end_prompt() runs on both
   std::string name;
@@ -386,6 +428,7 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
     const cuda::DeviceCacheView gv = gpu->update_and_fetch(k->dev, v->dev, go);
     expect_same_rows(cpu_rows(cv), gpu_rows(gv), vars + " fetched view");
     expect_same_perms(cv, gv, vars);
+    if (cfg.skvq_key_axis == QuantAxis::kChannel) expect_channel_magnitudes(cv, vars);
     if (cs.attention && cv.n_rows() > 0) {
       const DenseView dense = dequantize_view(cv, DType::kF32);
       AttentionParams ap;
@@ -397,6 +440,15 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
                                 harness::tc_operands(cv), vars + " decode");
       EXPECT_GT(cd.nonzero, 0) << vars;
       worst.decode = std::max(worst.decode, cd.worst_ratio);
+      if (cs.upload_twin) {
+        const cuda::DeviceCacheView uv = cuda::DeviceCacheView::upload(cv);
+        expect_same_rows(cpu_rows(cv), gpu_rows(uv), vars + " uploaded view");
+        const auto ou = cuda::decode_attention_host(qd, Hq, uv, ap);
+        const auto cu =
+            test::check_attention(dense.view, qd, Hq, 1, ap, ou, test::AttnKernel::kDecode,
+                                  harness::tc_operands(cv), vars + " decode (uploaded view)");
+        worst.decode = std::max(worst.decode, cu.worst_ratio);
+      }
       // Rotated packed rows take prefill's tensor-core path only (full-precision rows all f16
       // or all bf16).
       bool rotated = false, tc_rows = true, f16 = false, bf16 = false;
@@ -664,21 +716,100 @@ TEST(CudaCaches, SkvqWorkedExampleAndResidentBytes) {
   EXPECT_LT(s2.bytes_resident, s2.fp16_bytes / 4);
 }
 
-// Channel-axis keys (and their runs, skvq_key_rows) are CPU-only: the device caches refuse them
-// by name, for both SKVQ methods (snapkv+skvq with the schedule the CPU cache accepts).
-TEST(CudaCaches, ChannelAxisKeysRefusedByName) {
+// Channel-axis keys (skvq_key_axis=channel, with whole-chunk runs and runs of skvq_key_rows rows):
+// the device caches pack each block on the device (skvq_quantize_rows' channel kernels) into one
+// run whose blocks the view lists (DeviceSegment::k_runs), bit for bit the CPU's records,
+// positions, figures and state bytes (both directions of the state exchange); decode attention
+// reads the keys in place (decode_attention_channel.cu), prefill tile by tile on CUDA cores (f32
+// rows) or through dequant_rows on the tensor-core path; every output within kDecode / kPrefill
+// bounds (the channel term derived at expect_channel_magnitudes). Rotation on and off; f16, fp8
+// and f32 metadata; 2-, 3- and 4-bit keys, 2-, 4- and 1.5-bit values; skvq and snapkv+skvq.
+TEST(CudaCaches, ChannelAxisKeysMatchCpu) {
   SKIP_WITHOUT_DEVICE();
-  for (const char* method : {"skvq", "snapkv+skvq"})
-    for (const int64_t key_rows : {int64_t{0}, int64_t{32}}) {
-      CacheConfig cfg;
-      cfg.method = method;
-      cfg.skvq_key_axis = QuantAxis::kChannel;
-      cfg.skvq_key_rows = key_rows;
-      cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
-      const std::string msg = error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64); });
-      EXPECT_NE(msg.find("skvq_key_axis: expected token on the CUDA backend"), std::string::npos)
-          << method << " key_rows " << key_rows << ": " << msg;
-    }
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("skvq");
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_window = 32;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 16;
+  c.upload_twin = true;
+  cases.push_back(c.with(steps({70}, 20, {33, 1}), "skvq channel K2V2 f16 meta B1 H2 D64"));
+  c.upload_twin = false;
+  c.cfg.skvq_key_rows = 7;
+  c.cfg.skvq_bits_key = 4;
+  c.cfg.skvq_meta = MetaType::kFP8E4M3;
+  c.blocks(2, 2, 128, 8, DType::kBF16, true);
+  c.upload_twin = true;
+  cases.push_back(c.with({17, 1, 129, 1, 1, 40},
+                         "skvq channel key_rows 7 K4V2 fp8 meta bf16 token-major B2 H2 D128"));
+  c.upload_twin = false;
+  c.cfg = config("skvq");
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_window = 32;
+  c.cfg.skvq_bits_key = 3;
+  c.cfg.skvq_bits_value = 1.5;
+  c.cfg.skvq_meta = MetaType::kF32;
+  c.cfg.skvq_rotation = Rotation::kHadamard;
+  c.cfg.skvq_rotate_values = true;
+  c.blocks(1, 2, 128, 16, DType::kF16);
+  cases.push_back(c.with({70, 1, 33, 1}, "skvq channel K3V1.5 f32 meta hadamard keys+values D128"));
+  c.cfg = config("skvq");
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 2;
+  c.cfg.skvq_key_rows = 5;
+  c.cfg.skvq_bits_value = 4;
+  c.cfg.skvq_group_size = 32;
+  c.cfg.skvq_recent = 3;
+  c.blocks(2, 1, 64, 2, DType::kF32);  // f32 rows: prefill's CUDA-core path (tiles in place)
+  cases.push_back(
+      c.with({1, 17, 50, 1, 1, 19}, "skvq channel key_rows 5 K2V4 recent 3 f32 B2 D64"));
+  c.cfg.skvq_key_rows = 0;
+  c.cfg.skvq_reorder = false;
+  c.blocks(1, 4, 64, 16, DType::kF16);
+  cases.push_back(c.with({45, 1, 31}, "skvq channel no reorder K2V4 f16 B1 H4 G4 D64"));
+
+  // snapkv+skvq: packed after the one prompt-end selection (the kept rows in chunks of window)
+  Case sc;
+  sc.cfg = config("snapkv+skvq");
+  sc.cfg.skvq_key_axis = QuantAxis::kChannel;
+  sc.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  sc.cfg.snap_budget = 40;
+  sc.cfg.snap_obs_window = 8;
+  sc.cfg.snap_n_sink = 4;
+  sc.cfg.skvq_window = 16;
+  sc.cfg.skvq_n_sink = 4;
+  sc.cfg.skvq_group_size = 16;
+  sc.end_prompt_after = {2};
+  sc.upload_twin = true;
+  cases.push_back(sc.with(steps({50, 37}, 30, {}), "snapkv+skvq channel K2V2 f16 B1 H2 D64"));
+  sc.upload_twin = false;
+  sc.cfg.skvq_key_rows = 5;
+  sc.cfg.skvq_rotation = Rotation::kHadamard;
+  sc.cfg.skvq_meta = MetaType::kFP8E4M3;
+  sc.cfg.skvq_bits_key = 4;
+  sc.cfg.skvq_bits_value = 4;
+  sc.queries = true;
+  sc.cfg.snap_scoring = SnapScoring::kQuery;
+  sc.end_prompt_after = {1};
+  sc.blocks(2, 2, 128, 8, DType::kBF16);
+  cases.push_back(sc.with(steps({60}, 40, {}),
+                          "snapkv+skvq channel key_rows 5 hadamard fp8 K4V4 query bf16 D128"));
+  sc.cfg = config("snapkv+skvq");
+  sc.cfg.skvq_key_axis = QuantAxis::kChannel;
+  sc.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  sc.cfg.snap_budget = 24;
+  sc.cfg.skvq_window = 8;
+  sc.cfg.skvq_n_sink = 2;
+  sc.cfg.skvq_group_size = 32;
+  sc.cfg.skvq_meta = MetaType::kF32;
+  sc.queries = false;
+  sc.end_prompt_after = {};  // the first single-token call runs the owed selection
+  sc.blocks(1, 2, 64, 2, DType::kF32);
+  cases.push_back(
+      sc.with(steps({45}, 25, {}), "snapkv+skvq channel f32 meta f32 rows, no end_prompt"));
+  run_cases("channel-axis keys", cases, 3500);
 }
 
 TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {

@@ -531,6 +531,10 @@ TEST(CudaEngine, EveryMethodMatchesCpuBf16) {
       "skvq:bits_key=4:bits_value=4:window=32:rotation=hadamard",
       "snapkv+skvq:budget=96:obs_window=16:window=32",
       "streaming:window=64:n_sink=4",
+      // channel-axis keys: packed on the device, read in place by the channel decode kernel
+      "skvq:bits_key=2:bits_value=2:window=32:key_axis=channel:key_rows=8",
+      "snapkv+skvq:budget=96:obs_window=16:window=32:key_axis=channel:evict_at=prompt_end:"
+      "rotation=hadamard:meta=fp8_e4m3",
   };
   for (const char* spec : specs) {
     SCOPED_TRACE(spec);
