@@ -221,21 +221,13 @@ __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int m
   }
 }
 
+// One block's work over the parameters p (the kernel parameter itself, or a batched launch's copy
+// of its sequence's parameters in shared memory) for batch row b; bars: the stages' mbarriers,
+// initialised and published by the caller.
 template <int D, int G, int PK, int KB, bool BF>
-__global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : 3))
-    decode_mma_kernel(const __grid_constant__ DecodeParams P) {
-  // a batched launch (P.seqs): sequence blockIdx.z's own parameters, its batch index 0
-  __shared__ __align__(16) DecodeParams sp;
+__device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const int b,
+                                                 uint64_t* bars) {
   constexpr int kStages = mma_stages<PK, KB>();
-  // packed tiles arrive by bulk copies (sm_90), one mbarrier per stage
-  __shared__ __align__(8) uint64_t bars[kStages];
-  if (PK > 0 && decode_impl::kBulkCopy && threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) decode_impl::mbar_init(&bars[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  decode_impl::stage_params(P, blockIdx.z, sp);  // its barrier publishes the barriers' init
-  const DecodeParams& p = sp;
   using Gm = MGeo<D, G>;
   static_assert(KB == 2 || KB == 4, "2- or 4-bit codes");
   constexpr bool MF = PK >= 2;
@@ -254,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   float* qtmp = sbias + kWarps * G * NCH;                         // [G][D]
 
   decode_impl::grid_dependency_trigger();
-  const int split = blockIdx.x, kvh = blockIdx.y, b = P.seqs ? 0 : blockIdx.z;
+  const int split = blockIdx.x, kvh = blockIdx.y;
   if (split >= p.n_splits) return;  // batched: past this sequence's splits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -945,6 +937,38 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   }
 }
 
+// BATCH: a batched launch (P.seqs) reads sequence blockIdx.z's own parameters, staged in shared
+// memory, with batch index 0; a single launch reads the kernel parameter. Staged parameters cost
+// f16 rows 18% at 8 x 32K (313 against 261 us; docs/results/gpu/run10_decode/c6) and, compiled
+// into one kernel with the other body, spill registers, so each is its own instance.
+template <int D, int G, int PK, int KB, bool BF, bool BATCH>
+__global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : 3))
+    decode_mma_kernel(const __grid_constant__ DecodeParams P) {
+  constexpr int kStages = mma_stages<PK, KB>();
+  // packed tiles arrive by bulk copies (sm_90), one mbarrier per stage
+  __shared__ __align__(8) uint64_t bars[kStages];
+  if (PK > 0 && decode_impl::kBulkCopy && threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) decode_impl::mbar_init(&bars[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  if constexpr (BATCH) {
+    __shared__ __align__(16) DecodeParams sp;
+    decode_impl::stage_params(P, blockIdx.z, sp);  // its barrier publishes the barriers' init
+    decode_mma_block<D, G, PK, KB, BF>(sp, 0, bars);
+  } else {
+    __syncthreads();  // the barriers' init
+    decode_mma_block<D, G, PK, KB, BF>(P, static_cast<int>(blockIdx.z), bars);
+  }
+}
+
+// The instance of P's launch kind (P.seqs: batched).
+template <int D, int G, int PK, int KB, bool BF>
+auto mma_kernel_for(const DecodeParams& p) {
+  return p.seqs ? decode_mma_kernel<D, G, PK, KB, BF, true>
+                : decode_mma_kernel<D, G, PK, KB, BF, false>;
+}
+
 template <int D, int G, int PK, int KB, bool BF>
 int mma_smem_bytes(const DecodeParams& p) {
   return mma_stages<PK, KB>() * 2 * p.stage_half_bytes + mma_extra_smem<D, G>();
@@ -953,7 +977,7 @@ int mma_smem_bytes(const DecodeParams& p) {
 template <int D, int G, int PK, int KB, bool BF>
 void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
   const int smem = mma_smem_bytes<D, G, PK, KB, BF>(p);
-  auto kern = decode_mma_kernel<D, G, PK, KB, BF>;
+  auto kern = mma_kernel_for<D, G, PK, KB, BF>(p);
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
@@ -965,7 +989,7 @@ void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
 template <int D, int G, int PK, int KB, bool BF>
 int blocks_per_sm_dg(const DecodeParams& p) {
   const int smem = mma_smem_bytes<D, G, PK, KB, BF>(p);
-  auto kern = decode_mma_kernel<D, G, PK, KB, BF>;
+  auto kern = mma_kernel_for<D, G, PK, KB, BF>(p);
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   int n = 0;

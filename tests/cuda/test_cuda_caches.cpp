@@ -709,11 +709,18 @@ TEST(CudaCaches, SkvqWorkedExampleAndResidentBytes) {
               static_cast<long long>(s2.bytes_accounted), static_cast<long long>(s2.bytes_resident),
               static_cast<long long>(s2.fp16_bytes));
   // Packed capacity grows by at most 1.5x (plus a 64-row step) and the tail buffer holds at most
-  // twice its rows (plus 16): resident <= 1.5 x accounted + 64 packed rows + 2 x the residual.
-  const int64_t slack =
-      64 * 8 * 2 * 32 * 2 + 2 * static_cast<int64_t>(s2.figure("residual_fp16_bytes")) + 4096;
+  // twice its rows (plus 16): resident <= 1.5 x accounted + 64 packed rows + 2 x the residual;
+  // above 1 MiB cudaMalloc hands out whole 2 MiB pages (veloxquant/device_memory.h), so the two
+  // packed stores (keys, values: 1.5 MiB each here) may each take up to one page more.
+  const int64_t page = int64_t{2} << 20;
+  const int64_t slack = 64 * 8 * 2 * 32 * 2 +
+                        2 * static_cast<int64_t>(s2.figure("residual_fp16_bytes")) + 4096 +
+                        2 * page;
   EXPECT_LE(s2.bytes_resident, s2.bytes_accounted * 3 / 2 + slack);
-  EXPECT_LT(s2.bytes_resident, s2.fp16_bytes / 4);
+  // Had the fp16 rows not been freed, resident would be at least fp16_bytes. 2-bit codes with f16
+  // metadata per 32 channels are 3 bits of 16 (0.19), grown by up to 1.5x (0.28) and rounded to
+  // whole pages: below half of fp16_bytes (8 of its 16 MiB here) with room to spare.
+  EXPECT_LT(s2.bytes_resident, s2.fp16_bytes / 2);
 }
 
 // Channel-axis keys (skvq_key_axis=channel, with whole-chunk runs and runs of skvq_key_rows rows):
