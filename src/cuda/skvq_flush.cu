@@ -45,6 +45,27 @@ __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t 
   return static_cast<const float*>(base)[i];
 }
 
+// Byte `byte` (< the packed code bytes) of a record whose D codes are cr[0..D): five ternary codes
+// in base 3, or the bits of the b-bit codes straddling it (packed.h's code layout).
+__device__ __forceinline__ uint32_t packed_code_byte(const uint8_t* cr, int byte, int D, int bits,
+                                                     bool ternary) {
+  uint32_t v = 0;
+  if (ternary) {
+    for (int m = 4; m >= 0; --m) {
+      const int j = 5 * byte + m;
+      v = v * 3u + (j < D ? cr[j] : 0u);
+    }
+    return v;
+  }
+  const int j0 = (8 * byte) / bits, j1 = (8 * byte + 7) / bits;
+  for (int j = j0; j <= j1 && j < D; ++j) {
+    const int shift = j * bits - 8 * byte;
+    v |= shift >= 0 ? (static_cast<uint32_t>(cr[j]) << shift)
+                    : (static_cast<uint32_t>(cr[j]) >> (-shift));
+  }
+  return v;
+}
+
 // quant_code without the division in the common case: t' = (x - lo) * rcp_rn(scale) differs from
 // the IEEE quotient t = (x - lo) / scale by at most 3 * 2^-24 * |t| (two roundings of the
 // reciprocal-product path, one of the quotient). Clamping to [0, levels] and rounding to an integer
@@ -220,20 +241,7 @@ __global__ void __launch_bounds__(kThreads)
       const uint8_t* cr = codes + r * D;
       uint32_t v = 0;
       if (byte < p.packed_bytes) {
-        if (p.ternary) {
-          for (int m = 4; m >= 0; --m) {
-            const int j = 5 * byte + m;
-            v = v * 3u + (j < D ? cr[j] : 0u);
-          }
-        } else {
-          const int b = p.bits;
-          const int j0 = (8 * byte) / b, j1 = (8 * byte + 7) / b;
-          for (int j = j0; j <= j1 && j < D; ++j) {
-            const int shift = j * b - 8 * byte;
-            v |= shift >= 0 ? (static_cast<uint32_t>(cr[j]) << shift)
-                            : (static_cast<uint32_t>(cr[j]) >> (-shift));
-          }
-        }
+        v = packed_code_byte(cr, byte, D, p.bits, p.ternary != 0);
       } else if (byte >= p.code_bytes) {
         const int m = byte - p.code_bytes;
         const int e = m / ms, eb = m % ms;
@@ -344,20 +352,7 @@ __global__ void skvq_channel_pack_kernel(const __grid_constant__ SkvqQuantParams
   const uint8_t* cr = codes + r * D;
   uint32_t v = 0;
   if (byte < p.packed_bytes) {
-    if (p.ternary) {
-      for (int m = 4; m >= 0; --m) {
-        const int j = 5 * byte + m;
-        v = v * 3u + (j < D ? cr[j] : 0u);
-      }
-    } else {
-      const int b = p.bits;
-      const int j0 = (8 * byte) / b, j1 = (8 * byte + 7) / b;
-      for (int j = j0; j <= j1 && j < D; ++j) {
-        const int shift = j * b - 8 * byte;
-        v |= shift >= 0 ? (static_cast<uint32_t>(cr[j]) << shift)
-                        : (static_cast<uint32_t>(cr[j]) >> (-shift));
-      }
-    }
+    v = packed_code_byte(cr, byte, D, p.bits, p.ternary != 0);
   } else if (byte >= p.code_bytes) {
     const int ms = meta_size(mt);
     const int m = byte - p.code_bytes;
