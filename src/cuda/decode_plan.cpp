@@ -43,6 +43,16 @@ bool same_fmt(const PackedRowFormat& a, const PackedRowFormat& b) {
          a.n_groups == b.n_groups && a.axis == b.axis;
 }
 
+// Every packed segment of a view shares the first one's formats and transforms (one kernel
+// instance and one set of query transforms per launch).
+void check_shares_format(const DeviceSegment& sg, const DeviceSegment& first) {
+  VQ_CHECK(same_fmt(sg.k_fmt, first.k_fmt) && same_fmt(sg.v_fmt, first.v_fmt) &&
+               sg.k_perm == first.k_perm && sg.v_perm == first.v_perm &&
+               sg.k_signs == first.k_signs && sg.v_signs == first.v_signs,
+           "[decode_attention] expected every packed segment of a view to share one format and "
+           "one set of transforms");
+}
+
 bool channel_keys(const DeviceSegment& sg) {
   return sg.packed && sg.k_fmt.axis == QuantAxis::kChannel;
 }
@@ -232,11 +242,7 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
         if (d.k_signs) check_rot_block(d.k_rot_block, D, "decode_attention");
         if (d.v_signs) check_rot_block(d.v_rot_block, D, "decode_attention");
       } else {
-        VQ_CHECK(same_fmt(sg.k_fmt, pk_first->k_fmt) && same_fmt(sg.v_fmt, pk_first->v_fmt) &&
-                     sg.k_perm == pk_first->k_perm && sg.v_perm == pk_first->v_perm &&
-                     sg.k_signs == pk_first->k_signs && sg.v_signs == pk_first->v_signs,
-                 "[decode_attention] expected every packed segment of a view to share one "
-                 "format and one set of transforms");
+        check_shares_format(sg, *pk_first);
       }
       d.channel = true;
       d.k_row_bytes = sg.k_fmt.row_stride;
@@ -276,11 +282,7 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
         if (d.k_signs) check_rot_block(d.k_rot_block, D, "decode_attention");
         if (d.v_signs) check_rot_block(d.v_rot_block, D, "decode_attention");
       } else {
-        VQ_CHECK(same_fmt(sg.k_fmt, pk_first->k_fmt) && same_fmt(sg.v_fmt, pk_first->v_fmt) &&
-                     sg.k_perm == pk_first->k_perm && sg.v_perm == pk_first->v_perm &&
-                     sg.k_signs == pk_first->k_signs && sg.v_signs == pk_first->v_signs,
-                 "[decode_attention] expected every packed segment of a view to share one "
-                 "format and one set of transforms");
+        check_shares_format(sg, *pk_first);
       }
       d.k_row_bytes = sg.k_fmt.row_stride;
       d.v_row_bytes = sg.v_fmt.row_stride;
