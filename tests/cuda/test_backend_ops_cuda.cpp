@@ -153,6 +153,34 @@ TEST(BackendOpsCuda, PrefillAttention) {
 
 // ---- SKVQ flush -------------------------------------------------------------------------------
 
+// The quantizer settings of a harness case and the transforms its rows go through: a shuffled
+// permutation per head (drawn from rng) and Hadamard signs, as the case asks.
+struct QuantSetup {
+  GroupQuantParams gp;
+  std::vector<int32_t> perm;
+  std::vector<float> signs;
+  int32_t block = 0;
+};
+QuantSetup quant_setup(const harness::QuantCase& c, int64_t H, int64_t D, uint64_t seed,
+                       std::mt19937_64& rng) {
+  QuantSetup q;
+  q.gp.bits = c.bits;
+  q.gp.group_size = c.group;
+  q.gp.meta = c.meta;
+  q.gp.clip_search = c.clip;
+  q.gp.clip_alpha = c.clip ? 1.0f : 0.9f;
+  if (c.perm) {
+    q.perm.resize(static_cast<size_t>(H * D));
+    for (int64_t h = 0; h < H; ++h) {
+      std::iota(q.perm.begin() + h * D, q.perm.begin() + (h + 1) * D, 0);
+      std::shuffle(q.perm.begin() + h * D, q.perm.begin() + (h + 1) * D, rng);
+    }
+  }
+  q.block = c.rot ? static_cast<int32_t>(hadamard_block(D)) : 0;
+  if (c.rot) q.signs = hadamard_signs(seed, H * D);
+  return q;
+}
+
 TEST(BackendOpsCuda, SkvqQuantizeRows) {
   SKIP_WITHOUT_DEVICE();
   uint64_t seed = 100;
@@ -168,23 +196,11 @@ TEST(BackendOpsCuda, SkvqQuantizeRows) {
     from_f32(xf.data(), rows.data(), c.in_dtype, xf.size());
     to_f32(rows.data(), c.in_dtype, xf.data(), xf.size());  // the values the device sees
     const PackedRowFormat f = make_row_format(D, c.bits, c.group, c.meta);
-    GroupQuantParams gp;
-    gp.bits = c.bits;
-    gp.group_size = c.group;
-    gp.meta = c.meta;
-    gp.clip_search = c.clip;
-    gp.clip_alpha = c.clip ? 1.0f : 0.9f;
-    std::vector<int32_t> perm;
-    std::vector<float> signs;
-    if (c.perm) {
-      perm.resize(static_cast<size_t>(H * D));
-      for (int64_t h = 0; h < H; ++h) {
-        std::iota(perm.begin() + h * D, perm.begin() + (h + 1) * D, 0);
-        std::shuffle(perm.begin() + h * D, perm.begin() + (h + 1) * D, rng);
-      }
-    }
-    const int32_t block = c.rot ? static_cast<int32_t>(hadamard_block(D)) : 0;
-    if (c.rot) signs = hadamard_signs(seed, H * D);
+    const QuantSetup qs = quant_setup(c, H, D, seed, rng);
+    const GroupQuantParams& gp = qs.gp;
+    const std::vector<int32_t>& perm = qs.perm;
+    const std::vector<float>& signs = qs.signs;
+    const int32_t block = qs.block;
     // CPU flush path: rotate, permute (transform_row), quantize_to_records.
     PackedTensor t;
     t.fmt = f;
@@ -240,23 +256,11 @@ TEST(BackendOpsCuda, SkvqQuantizeChannelChunks) {
     from_f32(xf.data(), rows.data(), c.in_dtype, xf.size());
     to_f32(rows.data(), c.in_dtype, xf.data(), xf.size());  // the values the device sees
     const PackedRowFormat f = make_channel_row_format(D, c.bits, n, c.meta);
-    GroupQuantParams gp;
-    gp.bits = c.bits;
-    gp.group_size = c.group;  // unused by channel-axis records
-    gp.meta = c.meta;
-    gp.clip_search = c.clip;
-    gp.clip_alpha = c.clip ? 1.0f : 0.9f;
-    std::vector<int32_t> perm;
-    std::vector<float> signs;
-    if (c.perm) {
-      perm.resize(static_cast<size_t>(H * D));
-      for (int64_t h = 0; h < H; ++h) {
-        std::iota(perm.begin() + h * D, perm.begin() + (h + 1) * D, 0);
-        std::shuffle(perm.begin() + h * D, perm.begin() + (h + 1) * D, rng);
-      }
-    }
-    const int32_t block = c.rot ? static_cast<int32_t>(hadamard_block(D)) : 0;
-    if (c.rot) signs = hadamard_signs(seed, H * D);
+    const QuantSetup qs = quant_setup(c, H, D, seed, rng);  // gp.group_size unused here
+    const GroupQuantParams& gp = qs.gp;
+    const std::vector<int32_t>& perm = qs.perm;
+    const std::vector<float>& signs = qs.signs;
+    const int32_t block = qs.block;
     PackedTensor t;
     t.fmt = f;
     t.perm = c.perm ? perm.data() : nullptr;
