@@ -297,7 +297,7 @@ struct DecodeBatchItem {
 
 // decode_attention_run of every item, the items of batch-1 views whose plans share the kernel
 // instance (kernel, head_dim, query and KV heads, bits, stage bytes) in ONE split launch and one
-// combine (a device array of per-sequence parameters indexed by the grid's z: ragged rows, own
+// combine per 32 of them (per-sequence parameters indexed by the grid's z: ragged rows, own
 // positions, segments and transforms); each item's plan, splits and arithmetic are its own, so
 // every output equals its decode_attention_run bit for bit. Items that cannot join (batch > 1,
 // no rows, dequantized segments, a kernel instance of one item) run alone. Checks all first.

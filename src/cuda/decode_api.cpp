@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -295,6 +296,14 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
       g->push_back(i);
     }
   }
+  // at most kDecodeBatchInline sequences per launch (the tensor-core kernel takes their
+  // parameters by value): larger groups run in pieces
+  for (size_t k = 0; k < groups.size(); ++k)
+    if (groups[k].size() > static_cast<size_t>(kDecodeBatchInline)) {
+      std::vector<size_t> rest(groups[k].begin() + kDecodeBatchInline, groups[k].end());
+      groups[k].resize(kDecodeBatchInline);
+      groups.push_back(std::move(rest));
+    }
   // a group of one needs no parameter array: it runs alone too
   std::erase_if(groups, [&](const std::vector<size_t>& g) {
     if (g.size() == 1) alone.push_back(g[0]);
@@ -320,6 +329,7 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
   }
   uint8_t* w = static_cast<uint8_t*>(ws.reserve(bytes));
   std::vector<DecodeParams> seqs;
+  auto inline_seqs = std::make_unique<DecodeBatchArg>();  // 28 KB: not on the stack
   for (size_t k = 0; k < groups.size(); ++k) {
     seqs.clear();
     DecodeParams all;
@@ -340,7 +350,8 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
                                   cudaMemcpyHostToDevice, st));
     all.batch = static_cast<int32_t>(seqs.size());
     all.seqs = d_seqs;
-    decode_attention_launch(all, st);
+    std::copy(seqs.begin(), seqs.end(), inline_seqs->seq);
+    decode_attention_launch(all, st, inline_seqs.get());
   }
 }
 

@@ -144,69 +144,69 @@ void launch_split<2, 4>(const DecodeParams&, cudaStream_t);
 
 namespace decode_mma {
 template <int PK, int KB, bool BF>
-int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
+int mma_dispatch(const DecodeParams& p, const DecodeBatchArg* batch, cudaStream_t s, bool query);
 template <>
-int mma_dispatch<0, 2, false>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<0, 2, false>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<1, 2, false>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<1, 2, false>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<2, 2, false>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<2, 2, false>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<1, 4, false>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<1, 4, false>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<2, 4, false>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<2, 4, false>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<3, 2, false>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<3, 2, false>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<3, 4, false>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<3, 4, false>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<0, 2, true>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<0, 2, true>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<1, 2, true>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<1, 2, true>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<2, 2, true>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<2, 2, true>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<1, 4, true>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<1, 4, true>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<2, 4, true>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<2, 4, true>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<3, 2, true>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<3, 2, true>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 template <>
-int mma_dispatch<3, 4, true>(const DecodeParams&, cudaStream_t, bool);
+int mma_dispatch<3, 4, true>(const DecodeParams&, const DecodeBatchArg*, cudaStream_t, bool);
 }  // namespace decode_mma
 
 namespace {
 // The tensor-core instance of p.kernel: launch, or with query the resident blocks per SM.
-int mma_run(const DecodeParams& p, cudaStream_t s, bool query) {
+int mma_run(const DecodeParams& p, const DecodeBatchArg* batch, cudaStream_t s, bool query) {
   switch (p.kernel) {
     case DecodeKernel::kMmaF16:
-      return decode_mma::mma_dispatch<0, 2, false>(p, s, query);
+      return decode_mma::mma_dispatch<0, 2, false>(p, batch, s, query);
     case DecodeKernel::kMmaPacked2:
-      return decode_mma::mma_dispatch<1, 2, false>(p, s, query);
+      return decode_mma::mma_dispatch<1, 2, false>(p, batch, s, query);
     case DecodeKernel::kMmaPacked2F16Meta:
-      return decode_mma::mma_dispatch<2, 2, false>(p, s, query);
+      return decode_mma::mma_dispatch<2, 2, false>(p, batch, s, query);
     case DecodeKernel::kMmaPacked4:
-      return decode_mma::mma_dispatch<1, 4, false>(p, s, query);
+      return decode_mma::mma_dispatch<1, 4, false>(p, batch, s, query);
     case DecodeKernel::kMmaPacked4F16Meta:
-      return decode_mma::mma_dispatch<2, 4, false>(p, s, query);
+      return decode_mma::mma_dispatch<2, 4, false>(p, batch, s, query);
     case DecodeKernel::kMmaPacked2G32:
-      return decode_mma::mma_dispatch<3, 2, false>(p, s, query);
+      return decode_mma::mma_dispatch<3, 2, false>(p, batch, s, query);
     case DecodeKernel::kMmaPacked4G32:
-      return decode_mma::mma_dispatch<3, 4, false>(p, s, query);
+      return decode_mma::mma_dispatch<3, 4, false>(p, batch, s, query);
     case DecodeKernel::kMmaBF16:
-      return decode_mma::mma_dispatch<0, 2, true>(p, s, query);
+      return decode_mma::mma_dispatch<0, 2, true>(p, batch, s, query);
     case DecodeKernel::kMmaPacked2BF16:
-      return decode_mma::mma_dispatch<1, 2, true>(p, s, query);
+      return decode_mma::mma_dispatch<1, 2, true>(p, batch, s, query);
     case DecodeKernel::kMmaPacked2F16MetaBF16:
-      return decode_mma::mma_dispatch<2, 2, true>(p, s, query);
+      return decode_mma::mma_dispatch<2, 2, true>(p, batch, s, query);
     case DecodeKernel::kMmaPacked4BF16:
-      return decode_mma::mma_dispatch<1, 4, true>(p, s, query);
+      return decode_mma::mma_dispatch<1, 4, true>(p, batch, s, query);
     case DecodeKernel::kMmaPacked4F16MetaBF16:
-      return decode_mma::mma_dispatch<2, 4, true>(p, s, query);
+      return decode_mma::mma_dispatch<2, 4, true>(p, batch, s, query);
     case DecodeKernel::kMmaPacked2G32BF16:
-      return decode_mma::mma_dispatch<3, 2, true>(p, s, query);
+      return decode_mma::mma_dispatch<3, 2, true>(p, batch, s, query);
     case DecodeKernel::kMmaPacked4G32BF16:
-      return decode_mma::mma_dispatch<3, 4, true>(p, s, query);
+      return decode_mma::mma_dispatch<3, 4, true>(p, batch, s, query);
     case DecodeKernel::kCudaCore:
       break;
   }
@@ -241,17 +241,17 @@ void launch_combine(const DecodeParams& p, cudaStream_t s) {
 }  // namespace
 
 int decode_mma_blocks_per_sm(const DecodeParams& p) {
-  return mma_run(p, nullptr, true);
+  return mma_run(p, nullptr, nullptr, true);
 }
 
-void decode_attention_launch(const DecodeParams& p, cudaStream_t s) {
+void decode_attention_launch(const DecodeParams& p, cudaStream_t s, const DecodeBatchArg* batch) {
   using namespace decode_impl;
   const int kb = p.k_bits, vb = p.v_bits;
   for (int i = 0; i < p.n_segments; ++i)
     VQ_CHECK(p.seg[i].packed != 2,
              "[decode_attention] internal: channel-axis keys take decode_attention_launch_channel");
   if (p.kernel != DecodeKernel::kCudaCore) {
-    mma_run(p, s, false);
+    mma_run(p, batch, s, false);
   } else if (kb == 0 && vb == 0) {
     launch_split<0, 0>(p, s);
   } else if (kb == 2 && vb == 2) {

@@ -81,10 +81,25 @@ struct DecodeParams {
   const DecodeParams* seqs = nullptr;
 };
 
+// A batched launch's sequences as the tensor-core split kernel reads them: by value, in its kernel
+// parameter (the constant bank), so each block's reads stay as cheap as a single launch's and
+// can be reloaded past the pipeline's barriers instead of held in registers. Staged in shared
+// memory instead, they cost the engine's batched f16 launch 24% (325 against 262 us per layer at
+// 8 x 32K; docs/results/gpu/run11_s12/c3). At most kDecodeBatchInline sequences per launch (the
+// 32,764-byte kernel parameter limit of sm_70+ with CUDA 12.1+); decode_attention_run_batch
+// launches larger groups in pieces.
+constexpr int kDecodeBatchInline = 32;
+struct DecodeBatchArg {
+  DecodeParams seq[kDecodeBatchInline];
+};
+static_assert(sizeof(DecodeBatchArg) <= 32764, "a kernel parameter holds at most 32,764 bytes");
+
 // Queues the split kernel and the combine kernel on stream s; throws vq::Error for an unsupported
 // (head_dim, group, bits) combination, a segment with channel-axis keys (packed 2:
-// decode_attention_launch_channel) or a failed launch.
-void decode_attention_launch(const DecodeParams& p, cudaStream_t s);
+// decode_attention_launch_channel) or a failed launch. A batched p (p.seqs) with a tensor-core
+// kernel also needs `batch`: the same p.batch sequences' parameters on the host.
+void decode_attention_launch(const DecodeParams& p, cudaStream_t s,
+                             const DecodeBatchArg* batch = nullptr);
 
 // What the channel kernel (decode_attention_channel.cuh) reads beyond DecodeParams for the
 // segments with channel-axis keys (DecodeSegmentParams::packed == 2; their DecodePackedParams

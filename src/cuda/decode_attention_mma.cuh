@@ -937,13 +937,16 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   }
 }
 
-// BATCH: a batched launch (P.seqs) reads sequence blockIdx.z's own parameters, staged in shared
-// memory, with batch index 0; a single launch reads the kernel parameter. Staged parameters cost
-// f16 rows 18% at 8 x 32K (313 against 261 us; docs/results/gpu/run10_decode/c6) and, compiled
-// into one kernel with the other body, spill registers, so each is its own instance.
+// BATCH: a batched launch reads sequence blockIdx.z's own parameters from its kernel parameter
+// (DecodeBatchArg, decode_attention.cuh), with batch index 0; a single launch reads its one
+// DecodeParams. Either way every parameter is a constant-bank read: staged in shared memory they
+// cost f16 rows 18% at 8 x 32K (313 against 261 us; docs/results/gpu/run10_decode/c6).
+template <bool BATCH>
+using MmaArg = std::conditional_t<BATCH, DecodeBatchArg, DecodeParams>;
+
 template <int D, int G, int PK, int KB, bool BF, bool BATCH>
 __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : 3))
-    decode_mma_kernel(const __grid_constant__ DecodeParams P) {
+    decode_mma_kernel(const __grid_constant__ MmaArg<BATCH> P) {
   constexpr int kStages = mma_stages<PK, KB>();
   // packed tiles arrive by bulk copies (sm_90), one mbarrier per stage
   __shared__ __align__(8) uint64_t bars[kStages];
@@ -952,21 +955,12 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     for (int s = 0; s < kStages; ++s) decode_impl::mbar_init(&bars[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  __syncthreads();  // the barriers' init
   if constexpr (BATCH) {
-    __shared__ __align__(16) DecodeParams sp;
-    decode_impl::stage_params(P, blockIdx.z, sp);  // its barrier publishes the barriers' init
-    decode_mma_block<D, G, PK, KB, BF>(sp, 0, bars);
+    decode_mma_block<D, G, PK, KB, BF>(P.seq[blockIdx.z], 0, bars);
   } else {
-    __syncthreads();  // the barriers' init
     decode_mma_block<D, G, PK, KB, BF>(P, static_cast<int>(blockIdx.z), bars);
   }
-}
-
-// The instance of P's launch kind (P.seqs: batched).
-template <int D, int G, int PK, int KB, bool BF>
-auto mma_kernel_for(const DecodeParams& p) {
-  return p.seqs ? decode_mma_kernel<D, G, PK, KB, BF, true>
-                : decode_mma_kernel<D, G, PK, KB, BF, false>;
 }
 
 template <int D, int G, int PK, int KB, bool BF>
@@ -974,54 +968,76 @@ int mma_smem_bytes(const DecodeParams& p) {
   return mma_stages<PK, KB>() * 2 * p.stage_half_bytes + mma_extra_smem<D, G>();
 }
 
-template <int D, int G, int PK, int KB, bool BF>
-void launch_mma_dg(const DecodeParams& p, cudaStream_t s) {
+// The kernel instance of p's launch kind (p.seqs: batched) with its shared-memory attributes set,
+// passed to f with its bytes of dynamic shared memory and std::bool_constant<batched>.
+template <int D, int G, int PK, int KB, bool BF, class F>
+void with_mma_kernel(const DecodeParams& p, F&& f) {
   const int smem = mma_smem_bytes<D, G, PK, KB, BF>(p);
-  auto kern = mma_kernel_for<D, G, PK, KB, BF>(p);
-  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  auto prepare = [&](auto kern, auto batched) {
+    VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    f(kern, smem, batched);
+  };
+  if (p.seqs) {
+    prepare(decode_mma_kernel<D, G, PK, KB, BF, true>, std::true_type{});
+  } else {
+    prepare(decode_mma_kernel<D, G, PK, KB, BF, false>, std::false_type{});
+  }
+}
+
+template <int D, int G, int PK, int KB, bool BF>
+void launch_mma_dg(const DecodeParams& p, const DecodeBatchArg* batch, cudaStream_t s) {
+  VQ_CHECK(!p.seqs || (batch && p.batch <= kDecodeBatchInline),
+           "[decode_attention] internal: a batched tensor-core launch takes at most " +
+               std::to_string(kDecodeBatchInline) + " sequences' parameters by value but got " +
+               std::to_string(p.batch) + (batch ? "" : " and none"));
   const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
                   static_cast<unsigned>(p.batch));
-  kern<<<grid, kThreads, smem, s>>>(p);
+  with_mma_kernel<D, G, PK, KB, BF>(p, [&](auto kern, int smem, auto batched) {
+    if constexpr (decltype(batched)::value) {
+      kern<<<grid, kThreads, smem, s>>>(*batch);
+    } else {
+      kern<<<grid, kThreads, smem, s>>>(p);
+    }
+  });
   VQ_CUDA_LAUNCH_CHECK(decode_mma_kernel);
 }
 
 template <int D, int G, int PK, int KB, bool BF>
 int blocks_per_sm_dg(const DecodeParams& p) {
-  const int smem = mma_smem_bytes<D, G, PK, KB, BF>(p);
-  auto kern = mma_kernel_for<D, G, PK, KB, BF>(p);
-  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   int n = 0;
-  VQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, smem));
+  with_mma_kernel<D, G, PK, KB, BF>(p, [&](auto kern, int smem, auto) {
+    VQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, smem));
+  });
   return n;
 }
 
 // Launch (or, with query, the resident blocks per SM) of one (PK, KB, BF) for the view's D and G.
 template <int PK, int KB, bool BF>
-int mma_dispatch(const DecodeParams& p, cudaStream_t s, bool query);
+int mma_dispatch(const DecodeParams& p, const DecodeBatchArg* batch, cudaStream_t s, bool query);
 
-#define VQ_DECODE_MMA_INSTANTIATE(PK, KB, BF)                                               \
-  template <>                                                                               \
-  int mma_dispatch<PK, KB, BF>(const DecodeParams& p, cudaStream_t s, bool query) {         \
-    auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, s), 0); };  \
-    const int D = p.head_dim, G = p.group;                                                  \
-    if (D == 64) {                                                                          \
-      if (G == 1)                                                                           \
-        return pick(launch_mma_dg<64, 1, PK, KB, BF>, blocks_per_sm_dg<64, 1, PK, KB, BF>); \
-      if (G == 2)                                                                           \
-        return pick(launch_mma_dg<64, 2, PK, KB, BF>, blocks_per_sm_dg<64, 2, PK, KB, BF>); \
-      if (G == 4)                                                                           \
-        return pick(launch_mma_dg<64, 4, PK, KB, BF>, blocks_per_sm_dg<64, 4, PK, KB, BF>); \
-      return pick(launch_mma_dg<64, 8, PK, KB, BF>, blocks_per_sm_dg<64, 8, PK, KB, BF>);   \
-    }                                                                                       \
-    if (G == 1)                                                                             \
-      return pick(launch_mma_dg<128, 1, PK, KB, BF>, blocks_per_sm_dg<128, 1, PK, KB, BF>); \
-    if (G == 2)                                                                             \
-      return pick(launch_mma_dg<128, 2, PK, KB, BF>, blocks_per_sm_dg<128, 2, PK, KB, BF>); \
-    if (G == 4)                                                                             \
-      return pick(launch_mma_dg<128, 4, PK, KB, BF>, blocks_per_sm_dg<128, 4, PK, KB, BF>); \
-    return pick(launch_mma_dg<128, 8, PK, KB, BF>, blocks_per_sm_dg<128, 8, PK, KB, BF>);   \
+#define VQ_DECODE_MMA_INSTANTIATE(PK, KB, BF)                                                      \
+  template <>                                                                                      \
+  int mma_dispatch<PK, KB, BF>(const DecodeParams& p, const DecodeBatchArg* batch, cudaStream_t s, \
+                               bool query) {                                                       \
+    auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, batch, s), 0); };  \
+    const int D = p.head_dim, G = p.group;                                                         \
+    if (D == 64) {                                                                                 \
+      if (G == 1)                                                                                  \
+        return pick(launch_mma_dg<64, 1, PK, KB, BF>, blocks_per_sm_dg<64, 1, PK, KB, BF>);        \
+      if (G == 2)                                                                                  \
+        return pick(launch_mma_dg<64, 2, PK, KB, BF>, blocks_per_sm_dg<64, 2, PK, KB, BF>);        \
+      if (G == 4)                                                                                  \
+        return pick(launch_mma_dg<64, 4, PK, KB, BF>, blocks_per_sm_dg<64, 4, PK, KB, BF>);        \
+      return pick(launch_mma_dg<64, 8, PK, KB, BF>, blocks_per_sm_dg<64, 8, PK, KB, BF>);          \
+    }                                                                                              \
+    if (G == 1)                                                                                    \
+      return pick(launch_mma_dg<128, 1, PK, KB, BF>, blocks_per_sm_dg<128, 1, PK, KB, BF>);        \
+    if (G == 2)                                                                                    \
+      return pick(launch_mma_dg<128, 2, PK, KB, BF>, blocks_per_sm_dg<128, 2, PK, KB, BF>);        \
+    if (G == 4)                                                                                    \
+      return pick(launch_mma_dg<128, 4, PK, KB, BF>, blocks_per_sm_dg<128, 4, PK, KB, BF>);        \
+    return pick(launch_mma_dg<128, 8, PK, KB, BF>, blocks_per_sm_dg<128, 8, PK, KB, BF>);          \
   }
 
 }  // namespace vq::cuda::decode_mma

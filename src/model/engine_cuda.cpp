@@ -15,7 +15,7 @@
 // prefill_attention for chunks of several tokens, the planned decode kernels for single tokens
 // (planned at the first layer of a step, re-planned only when a later layer's view has another
 // shape; when n sequences decode, each one's plan takes its share of whole waves of blocks over all
-// n, and all n run in ONE split launch and one combine per layer and rank,
+// n, and all n run in ONE split launch and one combine per layer and rank (per 32 sequences),
 // cuda::decode_attention_run_batch, EngineOptions::batch_decode; a query-head group the decode
 // kernels do not take runs per sequence as sub-groups of the largest power of two dividing it);
 // o_proj, residual, RMSNorm, gate|up (one product), SwiGLU,
