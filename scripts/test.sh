@@ -55,7 +55,12 @@ echo "== [3/5] sanitizers (ASan + UBSan) =="
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVQ_SANITIZE=ON -DVQ_BUILD_BENCH=OFF \
       -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" >/dev/null
 cmake --build build-asan -j"$jobs"
-(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest -j"$jobs" --timeout 900)
+# Three sweeps run in step 4 only: under the sanitizers they took 495 of the suite's 1,263 test
+# seconds (177 s, 159 s and 158 s against 3.9 s, 24.8 s and 3.1 s at -O3; session 12's CI), and
+# the code they sweep (tensor-parallel eval, packed and GQA fused attention) is exercised here by
+# the smaller tests of the same paths (TensorParallel.*, FusedAttention.*, BackendOps.Attention*).
+asan_skip='^(EvalTensorParallel.TwoRanksGiveTheSamePasskeyAnswers|BackendOps.AttentionPackedDecodePaths|FusedAttention.ManyQueriesPerHead)$'
+(cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest -j"$jobs" --timeout 900 -E "$asan_skip")
 
 echo "== [4/5] test suite (Release) =="
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
