@@ -4,7 +4,7 @@
 // budget + every - 1; the kept rows are those snap_select_head picks with the recorded decode
 // queries (an independent route through the per-head pipeline); save/load mid-generation
 // continues bit-identically and older (version-1) files still load; bad settings and inputs are
-// refused naming what was wrong, and a non-CPU backend refuses the option.
+// refused naming what was wrong; a backend of another device runs the option as the CPU does.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -313,17 +313,50 @@ class OtherDeviceBackend final : public test::CpuDelegateBackend {
   std::string name() const override { return "test-device"; }
 };
 
-TEST(SnapKVDecodeEvict, NonCpuBackendRefusesTheOption) {
+TEST(SnapKVDecodeEvict, NonCpuBackendRunsTheOption) {
+  // The decode query window is the backend's (RowBackend::make_query_window): a cache over a
+  // backend that reports another device takes the option and stores what the CPU cache stores,
+  // with the same state bytes, through several decode evictions.
   const OtherDeviceBackend other;
-  try {
-    SnapKVCache c(dec_cfg(64, 8), other);
-    ADD_FAILURE() << "accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("snap_decode_budget: expected 0 on the test-device"),
-              std::string::npos)
-        << e.what();
+  SnapKVCache cpu(dec_cfg(18, 5)), dev(dec_cfg(18, 5), other);
+  const Gen run(30, 40, 31);
+  int64_t evictions = 0;
+  for (size_t i = 0; i < run.sizes.size(); ++i) {
+    const int64_t before = cpu.stored_rows();
+    const CacheView a = run.call(cpu, i), b = run.call(dev, i);
+    if (i == 1) {
+      cpu.end_prompt();
+      dev.end_prompt();
+    }
+    if (i >= 2 && cpu.stored_rows() < before + 1) ++evictions;
+    for (int64_t bb = 0; bb < kB; ++bb)
+      for (int64_t h = 0; h < kH; ++h) {
+        ASSERT_EQ(view_head(a, bb, h), view_head(b, bb, h)) << "call " << i;
+        ASSERT_EQ(cpu.stored_positions(bb, h), dev.stored_positions(bb, h)) << "call " << i;
+      }
+    ASSERT_EQ(saved(cpu), saved(dev)) << "call " << i;
+    ASSERT_EQ(cpu.stats().bytes_resident, dev.stats().bytes_resident) << "call " << i;
   }
-  EXPECT_NO_THROW(SnapKVCache(dec_cfg(0, 8), other));  // the option off: built as before
+  EXPECT_GE(evictions, 5);
+}
+
+TEST(SnapKVDecodeEvict, EmptiedWindowSavesAndLoads) {
+  // A multi-token call or a decode call without queries empties the decode window: the state
+  // then holds no window (H_q 0, rows 0) and loads (an emptied window once kept its H_q and the
+  // file was refused by its own cache's load).
+  const Gen run(30, 6, 41);
+  for (const bool multi : {true, false}) {
+    SnapKVCache c(dec_cfg(18, 5));
+    for (size_t i = 0; i < run.sizes.size(); ++i) run.call(c, i);
+    const Tensor k = test::random_tensor(DType::kF16, kB, kH, multi ? 4 : 1, kD, 3);
+    c.update_and_fetch(k.view(), k.view());  // no queries
+    const std::string bytes = saved(c);
+    SnapKVCache loaded(dec_cfg(18, 5));
+    std::istringstream in(bytes);
+    ASSERT_NO_THROW(loaded.load(in))
+        << (multi ? "after a multi-token call" : "after a decode call");
+    EXPECT_EQ(saved(loaded), bytes);
+  }
 }
 
 TEST(SnapKVDecodeEvict, MemoryPlanPeakEqualsTheCachePeak) {

@@ -58,7 +58,7 @@ struct CacheConfig {
   PoolKind snap_pool = PoolKind::kMax;
   bool snap_keep_window = false;  // score the prefix only and always keep the window
   SnapEvictAt snap_evict_at = SnapEvictAt::kPrefillCall;
-  // Decode-time eviction (long generations; snapkv on the CPU only): 0 = off; else after a
+  // Decode-time eviction (long generations; method snapkv, CPU or CUDA): 0 = off; else after a
   // single-token call that leaves more than snap_decode_budget + snap_decode_every - 1 rows per
   // (b, h), the SnapKV selection re-scores every stored row with the queries of the last
   // min(obs_window, decode steps) decode calls and keeps snap_decode_budget rows (sinks, pooling

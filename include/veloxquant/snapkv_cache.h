@@ -4,12 +4,12 @@
 // positions stored_pos ++ [offset, offset + S). After the step, when S > 1, the selection of
 // veloxquant/snapkv.h runs per (b, h) over exactly that concatenation and only the selected rows
 // stay (K, V and positions gathered with the same indices; every (b, h) keeps the same count).
-// S == 1 appends and never evicts, unless decode-time eviction is on (snap_decode_budget > 0, CPU
-// only): then a single-token call that leaves more than snap_decode_budget + snap_decode_every - 1
-// rows per (b, h) runs the selection after the step with budget snap_decode_budget, scored by the
+// S == 1 appends and never evicts, unless decode-time eviction is on (snap_decode_budget > 0):
+// then a single-token call that leaves more than snap_decode_budget + snap_decode_every - 1 rows
+// per (b, h) runs the selection after the step with budget snap_decode_budget, scored by the
 // queries of the latest decode calls (the last min(obs_window, steps) of them, kept since the last
-// multi-token call; the key proxy when the forward pass handed none). offset() is the true
-// position.
+// multi-token call on the backend's device; the key proxy when the forward pass handed none).
+// offset() is the true position.
 //
 // With snap_evict_at = prompt_end (the paper's schedule) multi-token calls only append and keep
 // the last min(obs_window, S) queries of the latest one; the selection runs once, over the
@@ -40,6 +40,7 @@ namespace kv {
 class RowBackend;
 class RowStore;
 class QueryRows;
+class QueryWindow;
 }  // namespace kv
 
 // Validates the snap_* fields and builds the cache.
@@ -108,8 +109,6 @@ class SnapKVCache final : public KVCache {
   void select_and_keep(const SnapSelectParams& p, const TensorView* qwin, int64_t q_first);
   // Decode-time eviction after a single-token append (snap_decode_budget > 0).
   void after_decode_step(const UpdateOptions& opts);
-  // The decode query window as a view [B, dec_hq_, dec_rows_, D] of dec_q_.
-  TensorView decode_window() const;
 
   const kv::RowBackend* backend_;
   CacheConfig cfg_;
@@ -130,12 +129,11 @@ class SnapKVCache final : public KVCache {
   std::unique_ptr<kv::QueryRows> win_;
   // snap_scoring = external: [B, H, n_sel_ + n_tail_] host scores for the pending selection.
   std::vector<float> ext_;
-  // snap_decode_budget > 0: the queries of the latest dec_rows_ (<= obs_window) decode calls,
-  // fp32, step-major [dec_rows_][B][dec_hq_][D] (oldest first), at positions offset_ - dec_rows_ ..
-  // offset_ - 1; cleared by a multi-token call or a decode call without queries.
+  // snap_decode_budget > 0: the queries of the latest dec_->rows (<= obs_window) decode calls on
+  // the backend's device, fp32, step-major [rows][B][H_q][D] (oldest first), at positions
+  // offset_ - rows .. offset_ - 1; none after a multi-token call or a decode call without queries.
   SnapSelectParams dec_params_;
-  int64_t dec_hq_ = 0, dec_rows_ = 0;
-  std::vector<float> dec_q_;
+  std::unique_ptr<kv::QueryWindow> dec_;
 };
 
 class StateWriter;

@@ -6,7 +6,7 @@
 // Packed stores: records in cudaMalloc memory, quantized by skvq_quantize_rows (bit-identical to
 // the CPU quantizer; channel-axis keys one chunk per call, as the CPU store), dequantized for
 // scoring by dequant_rows_launch, gathered by gather_rows; the channel permutations come from
-// skvq_channel_perms.
+// skvq_channel_perms. Query windows (decode-time SnapKV): one cudaMalloc buffer of fp32 steps.
 #include "cuda/row_store_cuda.h"
 
 #include <algorithm>
@@ -339,6 +339,82 @@ class CudaQueryRows final : public kv::QueryRows {
   }
 };
 
+// The window lives in a buffer of cap steps as the run [start, start + rows): a push writes the
+// step after the run; when the run reaches the buffer's end it moves to the front in one copy if
+// the two ranges are disjoint (start >= rows), else the buffer grows (at most 2 x max_rows
+// steps), so a push is amortised O(1) device work and the view stays one strided run.
+class CudaQueryWindow final : public kv::QueryWindow {
+ public:
+  explicit CudaQueryWindow(Stream s) : stream_(s) {}
+  ~CudaQueryWindow() override {
+    try {
+      synchronize(stream_);  // a queued push or selection may still use the buffer
+    } catch (...) {          // a sticky device error: nothing left to protect
+    }
+  }
+
+  // A buffer of cap steps (the old run moved to its front).
+  void reallocate(int64_t cap) {
+    DeviceBuffer grown(static_cast<size_t>(cap * step() * 4));
+    if (rows > 0)
+      detail::copy_frames(grown.data(), cap, 0, buf_.data(), cap_, start_, 1, rows, step() * 4,
+                          stream_);
+    synchronize(stream_);  // the old buffer is freed next
+    buf_ = std::move(grown);
+    cap_ = cap;
+    start_ = 0;
+  }
+
+  void push(const TensorView& q) override {
+    if (rows == max_rows) {  // drop the oldest step
+      ++start_;
+      --rows;
+    }
+    if (start_ + rows == cap_) {
+      if (rows == 0 && cap_ > 0) {
+        start_ = 0;
+      } else if (rows > 0 && start_ >= rows) {  // disjoint: one copy to the front
+        detail::copy_frames(buf_.data(), cap_, 0, buf_.data(), cap_, start_, 1, rows, step() * 4,
+                            stream_);
+        start_ = 0;
+      } else {  // rows + 1 <= max_rows, and cap_ = start_ + rows < 2 * rows < the new size
+        reallocate(2 * std::min(max_rows, std::max<int64_t>(rows + 1, 4)));
+      }
+    }
+    detail::convert_block(q, 0, 1, at(start_ + rows), DType::kF32, 1, 0, stream_);
+    ++rows;
+  }
+
+  TensorView view() const override { return view_at(at(start_)); }
+
+  std::vector<float> download() const override {
+    std::vector<float> out(static_cast<size_t>(rows * step()));
+    if (rows > 0)
+      detail::download_frames(out.data(), rows, buf_.data(), cap_, start_, 1, rows, step() * 4,
+                              stream_);
+    return out;
+  }
+
+  // Rows from host values, step-major (a state file's).
+  void upload(const std::vector<float>& q) {
+    rows = step() > 0 ? static_cast<int64_t>(q.size()) / step() : 0;
+    if (rows == 0) return;
+    buf_ = DeviceBuffer(static_cast<size_t>(rows * step() * 4));
+    cap_ = rows;
+    start_ = 0;
+    detail::upload_frames(buf_.data(), cap_, 0, q.data(), rows, 1, rows, step() * 4, stream_);
+  }
+
+  int64_t resident_bytes() const override { return detail::held_bytes(buf_); }
+
+ private:
+  float* at(int64_t s) const { return buf_.as<float>() + s * step(); }
+
+  Stream stream_;
+  DeviceBuffer buf_;  // [cap_][B][hq][D] fp32
+  int64_t cap_ = 0, start_ = 0;
+};
+
 class CudaBackend final : public kv::RowBackend {
  public:
   explicit CudaBackend(Stream s) : stream_(s) {}
@@ -377,6 +453,18 @@ class CudaBackend final : public kv::RowBackend {
     out->head_dim = head_dim;
     out->stream = stream_;
     out->q = DeviceBuffer::from_vector(q, stream_);
+    return out;
+  }
+
+  std::unique_ptr<kv::QueryWindow> make_query_window(int64_t batch, int64_t hq, int64_t head_dim,
+                                                     int64_t max_rows,
+                                                     const std::vector<float>& q) const override {
+    auto out = std::make_unique<CudaQueryWindow>(stream_);
+    out->batch = batch;
+    out->hq = hq;
+    out->head_dim = head_dim;
+    out->max_rows = max_rows;
+    out->upload(q);
     return out;
   }
 

@@ -132,6 +132,36 @@ class QueryRows {
   virtual std::vector<float> download() const = 0;
 };
 
+// The queries of a run of single-token calls kept on a backend's device (SnapKV's decode-time
+// eviction): the fp32 queries of the latest `rows` calls (at most max_rows), step-major
+// [rows][B][hq][D], oldest first. Made by RowBackend::make_query_window.
+class QueryWindow {
+ public:
+  virtual ~QueryWindow() = default;
+  int64_t batch = 0, hq = 0, head_dim = 0, max_rows = 0, rows = 0;
+  // Appends one call's queries [B, hq, 1, D] (this backend's memory, any float dtype and
+  // strides) as fp32, first dropping the oldest call when rows == max_rows.
+  virtual void push(const TensorView& q) = 0;
+  // The kept queries as [B, hq, rows, D] with strides (hq*D, D, B*hq*D, 1), on the backend's
+  // device; valid until the next push.
+  virtual TensorView view() const = 0;
+  // Host copy, step-major [rows][B][hq][D] (synchronises).
+  virtual std::vector<float> download() const = 0;
+  virtual int64_t resident_bytes() const = 0;
+
+ protected:
+  int64_t step() const { return batch * hq * head_dim; }
+  // The view of `rows` steps from base.
+  TensorView view_at(const float* base) const {
+    TensorView t;
+    t.data = const_cast<float*>(base);
+    t.dtype = DType::kF32;
+    t.shape = {batch, hq, rows, head_dim};
+    t.stride = {hq * head_dim, head_dim, step(), 1};
+    return t;
+  }
+};
+
 // The record formats of a packed store: B, H, D and the key / value row formats.
 struct PackedShape {
   int64_t batch = 0, heads = 0, head_dim = 0;
@@ -226,6 +256,13 @@ class RowBackend {
   virtual std::unique_ptr<QueryRows> upload_queries(int64_t batch, int64_t hq, int64_t rows,
                                                     int64_t head_dim,
                                                     const std::vector<float>& q) const = 0;
+
+  // A query window for calls of queries [B, hq, 1, D] keeping at most max_rows (>= 1) calls;
+  // with host values step-major [rows][B][hq][D] (rows <= max_rows whole steps: a state
+  // file's) it starts with those rows, else empty.
+  virtual std::unique_ptr<QueryWindow> make_query_window(int64_t batch, int64_t hq,
+                                                         int64_t head_dim, int64_t max_rows,
+                                                         const std::vector<float>& q) const = 0;
 
   // SnapKV selection of every frame of rows [0, n) of `rows` (snap_select_head per (b, h): key
   // proxy when q == nullptr, else query scoring with q [B, H*n_rep, w, D] fp32 at positions

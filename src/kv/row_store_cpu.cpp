@@ -2,6 +2,7 @@
 // advised for transparent huge pages from 2 MiB up, so growing a large store faults in few pages;
 // never zero-filled: only written rows are read), block conversion through convert_view_row,
 // frame-parallel gathers, and the SnapKV selection of snap_select_head per (b, h) in parallel.
+// Query windows (decode-time SnapKV): a step-major host vector.
 // Packed stores: host records, quantized per frame in parallel with the scalar-exact quantizer of
 // group_quant.h (quantize_to_records) after the frozen rotation / permutation.
 #include <algorithm>
@@ -398,6 +399,29 @@ class CpuQueryRows final : public QueryRows {
   std::vector<float> download() const override { return q; }
 };
 
+// A plain vector, step-major: a push past max_rows erases the oldest step (a move of the
+// window, obs_window steps at most). Resident bytes count the kept steps.
+class CpuQueryWindow final : public QueryWindow {
+ public:
+  std::vector<float> q;
+  void push(const TensorView& src) override {
+    const int64_t n = step();
+    if (rows == max_rows) {
+      q.erase(q.begin(), q.begin() + n);  // drop the oldest step
+      --rows;
+    }
+    q.resize(static_cast<size_t>((rows + 1) * n));
+    float* dst = q.data() + rows * n;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < hq; ++h)
+        convert_view_row(src, b, h, 0, dst + (b * hq + h) * head_dim, DType::kF32);
+    ++rows;
+  }
+  TensorView view() const override { return view_at(q.data()); }
+  std::vector<float> download() const override { return q; }
+  int64_t resident_bytes() const override { return static_cast<int64_t>(q.size() * sizeof(float)); }
+};
+
 class CpuBackend final : public RowBackend {
  public:
   Device device() const override { return Device::kCpu; }
@@ -433,6 +457,20 @@ class CpuBackend final : public RowBackend {
     out->hq = hq;
     out->rows = rows;
     out->head_dim = head_dim;
+    out->q = q;
+    return out;
+  }
+
+  std::unique_ptr<QueryWindow> make_query_window(int64_t batch, int64_t hq, int64_t head_dim,
+                                                 int64_t max_rows,
+                                                 const std::vector<float>& q) const override {
+    auto out = std::make_unique<CpuQueryWindow>();
+    out->batch = batch;
+    out->hq = hq;
+    out->head_dim = head_dim;
+    out->max_rows = max_rows;
+    const int64_t n = batch * hq * head_dim;
+    out->rows = n > 0 ? static_cast<int64_t>(q.size()) / n : 0;
     out->q = q;
     return out;
   }

@@ -69,11 +69,6 @@ SnapKVCache::SnapKVCache(const CacheConfig& cfg, const kv::RowBackend& backend)
       dec_params_(params_) {
   check_params(cfg);
   dec_params_.budget = cfg.snap_decode_budget;
-  // The decode query window is kept in host memory and scored on the host.
-  VQ_CHECK(cfg.snap_decode_budget == 0 || backend.device() == kv::Device::kCpu,
-           "[snapkv] snap_decode_budget: expected 0 on the " + backend.name() +
-               " backend (decode-time eviction runs in the CPU cache only) but got " +
-               std::to_string(cfg.snap_decode_budget));
 }
 
 SnapKVCache::~SnapKVCache() = default;
@@ -169,8 +164,7 @@ CacheView SnapKVCache::update_and_fetch(const TensorView& keys, const TensorView
   CacheView view = stored_view();
   if (s == 1 && cfg_.snap_decode_budget > 0) after_decode_step(opts);
   if (s > 1) {
-    dec_rows_ = 0;  // decode windows are runs of single-token calls
-    dec_q_.clear();
+    dec_.reset();  // decode windows are runs of single-token calls
     const bool use_queries = cfg_.snap_scoring == SnapScoring::kQuery && opts.queries != nullptr;
     if (at_prompt_end) {
       pending_ = true;
@@ -297,41 +291,23 @@ void SnapKVCache::evict_after_step(int64_t n_new, const TensorView* queries) {
   select_and_keep(params_, queries ? &qwin : nullptr, offset_ - (queries ? qwin.shape[2] : 0));
 }
 
-TensorView SnapKVCache::decode_window() const {
-  TensorView q;
-  q.data = const_cast<float*>(dec_q_.data());
-  q.dtype = DType::kF32;
-  q.shape = {batch_, dec_hq_, dec_rows_, head_dim_};
-  q.stride = {dec_hq_ * head_dim_, head_dim_, batch_ * dec_hq_ * head_dim_, 1};
-  return q;
-}
-
 void SnapKVCache::after_decode_step(const UpdateOptions& opts) {
-  // Keep this call's queries (the last obs_window calls' form the window).
+  // Keep this call's queries (the last obs_window calls' form the window), on the backend's
+  // device.
   const TensorView* q = opts.queries;
-  if (q == nullptr || (dec_rows_ > 0 && q->shape[1] != dec_hq_)) {
-    dec_rows_ = 0;
-    dec_q_.clear();
-  }
+  if (q == nullptr || (dec_ && q->shape[1] != dec_->hq)) dec_.reset();
   if (q != nullptr) {
-    dec_hq_ = q->shape[1];
-    const int64_t step = batch_ * dec_hq_ * head_dim_;
-    if (dec_rows_ == std::clamp<int64_t>(params_.obs_window, 1, kMaxCacheRows)) {
-      dec_q_.erase(dec_q_.begin(), dec_q_.begin() + step);  // drop the oldest step
-      --dec_rows_;
-    }
-    dec_q_.resize(static_cast<size_t>((dec_rows_ + 1) * step));
-    float* dst = dec_q_.data() + dec_rows_ * step;
-    for (int64_t b = 0; b < batch_; ++b)
-      for (int64_t h = 0; h < dec_hq_; ++h)
-        convert_view_row(*q, b, h, 0, dst + (b * dec_hq_ + h) * head_dim_, DType::kF32);
-    ++dec_rows_;
+    if (!dec_)
+      dec_ = backend_->make_query_window(batch_, q->shape[1], head_dim_,
+                                         std::clamp<int64_t>(params_.obs_window, 1, kMaxCacheRows),
+                                         {});
+    dec_->push(*q);
   }
   const int64_t n = n_sel_ + n_tail_;
   if (n <= cfg_.snap_decode_budget + cfg_.snap_decode_every - 1) return;
-  if (dec_rows_ > 0) {
-    const TensorView w = decode_window();
-    select_and_keep(dec_params_, &w, offset_ - dec_rows_);
+  if (dec_) {
+    const TensorView w = dec_->view();
+    select_and_keep(dec_params_, &w, offset_ - dec_->rows);
   } else {
     select_and_keep(dec_params_, nullptr, offset_);
   }
@@ -393,8 +369,8 @@ CacheStats SnapKVCache::stats() const {
   CacheStats st = eviction_stats(method(), batch_, heads_, head_dim_, stored_rows(), offset_, true);
   st.bytes_resident = (rows_ ? rows_->resident_bytes() : 0) +
                       (retired_ ? retired_->resident_bytes() : 0) +
-                      (win_ ? win_->resident_bytes() : 0) +
-                      static_cast<int64_t>((ext_.size() + dec_q_.size()) * sizeof(float));
+                      (win_ ? win_->resident_bytes() : 0) + (dec_ ? dec_->resident_bytes() : 0) +
+                      static_cast<int64_t>(ext_.size() * sizeof(float));
   return st;
 }
 
@@ -492,10 +468,10 @@ void SnapKVCache::save(std::ostream& out) const {
   w.vec_f32(win_ ? win_->download() : std::vector<float>{});
   // External scores only in the states of snap_scoring = external (older files stay readable).
   if (takes_external_scores()) w.vec_f32(ext_);
-  if (cfg_.snap_decode_budget > 0) {  // the decode query window
-    w.i64(dec_hq_);
-    w.i64(dec_rows_);
-    w.vec_f32(dec_q_);
+  if (cfg_.snap_decode_budget > 0) {  // the decode query window, step-major
+    w.i64(dec_ ? dec_->hq : 0);
+    w.i64(dec_ ? dec_->rows : 0);
+    w.vec_f32(dec_ ? dec_->download() : std::vector<float>{});
   }
   w.write(out, method());
 }
@@ -587,6 +563,10 @@ void SnapKVCache::load(std::istream& in) {
   }
   std::unique_ptr<kv::QueryRows> win;
   if (win_rows > 0) win = backend_->upload_queries(batch, win_hq, win_rows, head_dim, win_q);
+  std::unique_ptr<kv::QueryWindow> dec;
+  if (dec_rows > 0)
+    dec = backend_->make_query_window(
+        batch, dec_hq, head_dim, std::clamp<int64_t>(params_.obs_window, 1, kMaxCacheRows), dec_q);
   has_data_ = has_data;
   dtype_ = dtype;
   batch_ = batch;
@@ -601,9 +581,7 @@ void SnapKVCache::load(std::istream& in) {
   pending_ = pending;
   win_ = std::move(win);
   ext_ = std::move(ext);
-  dec_hq_ = dec_hq;
-  dec_rows_ = dec_rows;
-  dec_q_ = std::move(dec_q);
+  dec_ = std::move(dec);
 }
 
 }  // namespace vq

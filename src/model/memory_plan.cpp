@@ -257,7 +257,7 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
         snap_rows += 1;
         if (cc.snap_decode_budget > 0 &&
             snap_rows > cc.snap_decode_budget + cc.snap_decode_every - 1)
-          snap_rows = cc.snap_decode_budget;  // decode-time eviction (snapkv only)
+          snap_rows = cc.snap_decode_budget;  // decode-time eviction (snapkv, either device)
       } else if (pending) {                   // end_prompt
         snap_rows = snap_keep_count(snap_rows, sp);
         pending = false;
@@ -348,6 +348,16 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
       const int64_t blocks = (max_packed + shortest - 1) / std::max<int64_t>(shortest, 1);
       p.cache_bytes_resident += 2 * device_alloc((blocks + 1) * 4);
     }
+  }
+  // snapkv's decode query window (RowBackend::make_query_window), on either device: fp32 queries
+  // of the rank's query heads in one allocation of at most 2 x min(obs_window, max(decode calls,
+  // 4)) steps (the CUDA buffer's growth rule, src/cuda/row_store_cuda.cpp; the CPU's vector holds
+  // at most min(obs_window, decode calls) steps).
+  if (meth == "snapkv" && cc.snap_decode_budget > 0 && r.max_new_tokens > 1) {
+    const int64_t hq = m.n_heads / tp.n_ranks;
+    const int64_t steps = 2 * std::min(std::max<int64_t>(cc.snap_obs_window, 1),
+                                       std::max<int64_t>(r.max_new_tokens - 1, 4));
+    p.cache_bytes_resident += device_alloc(steps * hq * d * 4);
   }
   // skvq_protect: the prompt's fp32 copies (keys and values) held until its selection.
   if (meth == "skvq" && cc.skvq_protect > 0.0)

@@ -8,12 +8,13 @@
 // attention_reference over the CPU view (dequantized), and prefill_attention over the views of
 // prefill calls likewise. Methods full, snapkv, skvq, snapkv+skvq, streaming; snapkv and
 // snapkv+skvq also with snap_evict_at = prompt_end (end_prompt() on both caches, or the first
-// single-token call), and chunked prompt-end prefill against one-shot on the device; snapkv+skvq
-// also with a Hadamard rotation. After every step: make_mask of both caches (1 and 4 queries,
-// with and without a window) agree entry for entry, and the state files too: the device cache
-// saves the CPU cache's bytes exactly, a CPU cache loads them and a device cache loads the CPU's
-// (positions, figures, and saving again gives the same bytes); from the middle of each case on,
-// both sides continue from the loaded caches. Error cases: bad configs, shapes, max_ctx, trim,
+// single-token call), and chunked prompt-end prefill against one-shot on the device; snapkv also
+// with decode-time eviction (snap_decode_budget, the decode query window on the device);
+// snapkv+skvq also with a Hadamard rotation. After every step: make_mask of both caches (1 and 4
+// queries, with and without a window) agree entry for entry, and the state files too: the device
+// cache saves the CPU cache's bytes exactly, a CPU cache loads them and a device cache loads the
+// CPU's (positions, figures, and saving again gives the same bytes); from the middle of each case
+// on, both sides continue from the loaded caches. Error cases: bad configs, shapes, max_ctx, trim,
 // merge; state files refused (corrupted, truncated, another method, other settings, another
 // batch) with the CPU's message and nothing changed.
 // snapkv+skvq scores packed rows by their dequantized keys: the device dequantizes with the same
@@ -1022,6 +1023,85 @@ TEST(CudaCaches, PromptEndMatchesCpu) {
       c.with({3, 60, 4, 1, 1, 25, 1},
              "snapkv+skvq prompt_end explicit query scoring K4V4 g32 recent 4 B4 H2 D128"));
   run_cases("prompt_end", cases, 6000);
+}
+
+// The decode-time evictions a case's steps make (single-token calls that leave fewer rows than
+// they found plus one), counted on a CPU cache alone: the counts depend on the row counts only.
+int decode_evictions(const Case& cs) {
+  CacheConfig cfg = cs.cfg;
+  cfg.head_dim = cs.D;
+  std::unique_ptr<KVCache> cpu = make_cache(cfg);
+  int n = 0;
+  uint64_t seed = 1;
+  for (size_t i = 0; i < cs.steps.size(); ++i) {
+    const int64_t s = cs.steps[i];
+    const Tensor k = test::random_tensor(cs.dtype, cs.B, cs.H, s, cs.D, seed++);
+    const Tensor q = test::random_tensor(DType::kF32, cs.B, cs.Hq, s, cs.D, seed++);
+    UpdateOptions o;
+    const TensorView qv = q.view();
+    if (cs.queries) o.queries = &qv;
+    const int64_t before = cpu->stored_rows();
+    cpu->update_and_fetch(k.view(), k.view(), o);
+    if (s == 1 && cpu->stored_rows() < before + 1) ++n;
+    if (std::find(cs.end_prompt_after.begin(), cs.end_prompt_after.end(), i + 1) !=
+        cs.end_prompt_after.end())
+      cpu->end_prompt();
+  }
+  return n;
+}
+
+// Decode-time eviction (snap_decode_budget): the decode query window lives on the device
+// (RowBackend::make_query_window, src/cuda/row_store_cuda.cpp), the selections run on the device.
+// Every step must store the CPU cache's rows bit for bit at the same positions (the selections
+// meet the ulp-of-expf argument of the file's header, as SnapKVMatchesCpu), and the states must be
+// byte-identical: run_case exchanges them at every step, so windows of 1 .. obs_window decode
+// queries cross from the device to the CPU and back. The first case swaps to the loaded caches
+// at its middle step, the first decode call after a multi-token call (a window of one query),
+// and its later evictions score with the loaded window as it grows past obs_window and slides
+// (the device buffer grows, then moves its run to the front). GQA (H_q = 2 x or 4 x H_kv),
+// obs_window > 1, decode_every > 1; the key proxy when no queries are handed in; prompt_end with
+// the pending selection run by the first decode call. Each case must evict at decode time at
+// least three times.
+TEST(CudaCaches, SnapKVDecodeBudgetMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("snapkv");
+  c.cfg.snap_budget = 24;
+  c.cfg.snap_obs_window = 5;
+  c.cfg.snap_n_sink = 2;
+  c.cfg.snap_scoring = SnapScoring::kQuery;
+  c.cfg.snap_pool_kernel = 3;
+  c.cfg.snap_decode_budget = 20;
+  c.cfg.snap_decode_every = 3;
+  c.queries = true;
+  c.blocks(2, 2, 64, 4, DType::kF16);
+  // 29 steps: the middle (15th) is the first decode call after the 6-token call.
+  cases.push_back(c.with(steps({40}, 12, steps({6}, 15, {})),
+                         "snapkv decode_budget 20 every 3 window 5 query GQA 2 f16 B2 H2 D64"));
+  c.cfg.snap_budget = 64;
+  c.cfg.snap_obs_window = 8;
+  c.cfg.snap_n_sink = 4;
+  c.cfg.snap_pool = PoolKind::kAvg;
+  c.cfg.snap_keep_window = true;
+  c.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  c.cfg.snap_decode_budget = 30;
+  c.cfg.snap_decode_every = 4;
+  c.blocks(1, 4, 128, 16, DType::kBF16, true);
+  cases.push_back(c.with(steps({50, 21}, 40, {}),
+                         "snapkv decode_budget 30 every 4 window 8 keep-window avg prompt_end "
+                         "GQA 4 bf16 token-major B1 H4 D128"));
+  c.cfg = config("snapkv");
+  c.cfg.snap_budget = 32;
+  c.cfg.snap_obs_window = 4;
+  c.cfg.snap_decode_budget = 16;
+  c.cfg.snap_decode_every = 2;
+  c.queries = false;
+  c.blocks(2, 2, 64, 4, DType::kF32);
+  cases.push_back(
+      c.with(steps({30}, 20, {}), "snapkv decode_budget 16 every 2 key proxy f32 B2 H2 D64"));
+  for (const Case& cs : cases) EXPECT_GE(decode_evictions(cs), 3) << cs.name;
+  run_cases("snapkv decode budget", cases, 7000);
 }
 
 // Metamorphic, on the device alone: with snap_evict_at = prompt_end a prompt fed in chunks stores

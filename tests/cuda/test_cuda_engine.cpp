@@ -526,6 +526,8 @@ TEST(CudaEngine, EveryMethodMatchesCpuBf16) {
       "full",
       "snapkv:budget=64:obs_window=16",
       "snapkv:budget=64:obs_window=16:scoring=query:evict_at=prompt_end",
+      // decode-time eviction: a selection at the first decode step, then every third
+      "snapkv:budget=64:obs_window=8:decode_budget=56:decode_every=3",
       "skvq:bits_key=4:bits_value=4:window=32",
       "skvq:bits_key=2:bits_value=2:window=32",
       "skvq:bits_key=4:bits_value=4:window=32:rotation=hadamard",

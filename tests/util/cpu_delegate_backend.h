@@ -25,6 +25,11 @@ class CpuDelegateBackend : public kv::RowBackend {
                                                 const std::vector<float>& q) const override {
     return cpu().upload_queries(b, hq, rows, d, q);
   }
+  std::unique_ptr<kv::QueryWindow> make_query_window(int64_t b, int64_t hq, int64_t d,
+                                                     int64_t max_rows,
+                                                     const std::vector<float>& q) const override {
+    return cpu().make_query_window(b, hq, d, max_rows, q);
+  }
   std::unique_ptr<kv::RowIndex> snap_select(const kv::RowStore& rows, int64_t n,
                                             const TensorView* q, int64_t q_first,
                                             const SnapSelectParams& p) const override {
