@@ -698,7 +698,10 @@ TEST(CudaEngine, ReservationChangesNoLogit) {
       std::vector<int32_t>(P[2].begin(), P[2].begin() + 1024), P[0], P[1],
       std::vector<int32_t>(P[2].begin(), P[2].begin() + 300)};
   const int n_gen = 6;
-  for (const char* spec : {"full", "skvq:bits_key=2:bits_value=2:window=32"}) {
+  // the per-layer list: each layer's packed run reserved at its own format, within the plan's
+  // bound at the widest
+  for (const char* spec : {"full", "skvq:bits_key=2:bits_value=2:window=32",
+                           "skvq:bits_value=2:window=32:layer_bits_key=4/2/2/3/2/4"}) {
     SCOPED_TRACE(spec);
     EngineOptions before = engine_opts(spec, DType::kF16);
     before.reserve_capacity = false;
