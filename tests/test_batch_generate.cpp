@@ -394,6 +394,35 @@ TEST_F(BatchTest, BatchRefusalsAddNoSequence) {
   EXPECT_EQ(eng->add_sequence(), 0) << "no sequence was added by a refused request";
 }
 
+// Per-layer lists of another length than the model's layers are refused by the planner, naming
+// the list (as build_caches and the CUDA engine do), rather than planned from their first entries.
+TEST_F(BatchTest, PlannerRefusesPerLayerListsOfAnotherLength) {
+  const int64_t L = model_->config().n_layers;
+  MemoryPlanRequest req;
+  req.model = model_->config();
+  req.cache = small_config("skvq");
+  req.prompt_tokens = 64;
+  req.max_new_tokens = 8;
+  req.prefill_step = 32;
+  for (const int64_t n : {L - 1, L + 1}) {
+    std::string list = "4";
+    for (int64_t l = 1; l < n; ++l) list += "/2";
+    req.cache.skvq_layer_bits_key = list;
+    try {
+      (void)plan_memory(req);
+      ADD_FAILURE() << "a list of " << n << " entries was planned";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), "[memory_plan] skvq_layer_bits_key: expected " +
+                                           std::to_string(L) + " entries (one per layer) but got " +
+                                           std::to_string(n) + " ('" + list + "')");
+    }
+  }
+  std::string list = "4";
+  for (int64_t l = 1; l < L; ++l) list += "/2";
+  req.cache.skvq_layer_bits_key = list;
+  EXPECT_FALSE(plan_memory(req).cache_bytes_exact);
+}
+
 // The planner caps admission: room for exactly two sequences of the longest request keeps at
 // most two live (and the batch still completes); require_full_batch refuses three.
 TEST_F(BatchTest, PlannerCapsAdmission) {

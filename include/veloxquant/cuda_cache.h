@@ -93,10 +93,15 @@ class DeviceKVCache {
 // Validates cfg exactly as the CPU builder does (vq::Error naming the field; cfg.head_dim is
 // replaced by head_dim) and builds the device cache of cfg.method: "full", "snapkv", "skvq",
 // "snapkv+skvq" or "streaming", both snap_evict_at rules, skvq_rotation none or hadamard; any
-// other method is refused (vq::Error naming the method and the supported ones).
+// other method is refused (vq::Error naming the method and the supported ones). `layer` is the
+// model layer the cache serves, as for the CPU's make_skvq_cache / make_snapkv_skvq_cache: the
+// SKVQ methods take that entry of skvq_layer_bits_key / skvq_layer_key_rows (a list without it
+// is refused, naming the list) and of skvq_perm_file; the device cache of layer i is the CPU
+// cache of layer i over the CUDA row backend. The list's length against the model's layers is
+// the caller's check (build_caches, the CUDA engine).
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg, int64_t batch,
                                                  int64_t heads, int64_t head_dim,
-                                                 Stream s = nullptr);
+                                                 Stream s = nullptr, int64_t layer = 0);
 
 // Host copy of segment i of a device view, for tests and tools: per (b, h) its n_rows rows
 // ([B, H, n_rows, row_bytes] bytes, row_bytes = D * dtype size, or the record stride when

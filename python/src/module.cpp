@@ -160,6 +160,14 @@ vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim,
     cfg.kv_head_first = kv_head_first;
     cfg.kv_heads_total = kv_heads_total;
     vq::check_cache_config(cfg);
+    // A layer here does not know its index in the model (transformers makes layers on demand), so
+    // it cannot take its entry of a per-layer list: refused rather than every layer silently
+    // taking entry 0 (the C++ builders, build_caches and the CUDA engine, take each layer's).
+    VQ_CHECK(cfg.skvq_layer_bits_key.empty() && cfg.skvq_layer_key_rows.empty(),
+             "[veloxquant.Cache] skvq_layer_bits_key, skvq_layer_key_rows: expected none (a "
+             "Python cache layer does not know its layer index; per-layer key precision is "
+             "available through the C++ engines and the CLI) but got '" +
+                 cfg.skvq_layer_bits_key + "', '" + cfg.skvq_layer_key_rows + "'");
     return cfg;
   });
 }

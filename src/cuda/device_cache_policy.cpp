@@ -75,8 +75,14 @@ DeviceCacheView device_view(const CacheView& v, int64_t batch, int64_t heads, in
 template <class Policy>
 class PolicyDeviceCache final : public DeviceKVCache {
  public:
-  PolicyDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s)
-      : DeviceKVCache(b, h, d, s), cfg_(cfg), backend_(make_row_backend(s)), p_(make()) {}
+  // layer: the model layer (the SKVQ policies' layer_index; the other policies have none).
+  PolicyDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s,
+                    int64_t layer = 0)
+      : DeviceKVCache(b, h, d, s),
+        cfg_(cfg),
+        layer_(layer),
+        backend_(make_row_backend(s)),
+        p_(make()) {}
 
   std::string method() const override { return p_->method(); }
 
@@ -134,6 +140,9 @@ class PolicyDeviceCache final : public DeviceKVCache {
   std::unique_ptr<Policy> make() const {
     if constexpr (std::is_same_v<Policy, FullCache>) {
       return std::make_unique<FullCache>(*backend_);
+    } else if constexpr (std::is_same_v<Policy, SkvqCache> ||
+                         std::is_same_v<Policy, SnapkvSkvqCache>) {
+      return std::make_unique<Policy>(cfg_, *backend_, layer_);
     } else {
       return std::make_unique<Policy>(cfg_, *backend_);
     }
@@ -142,6 +151,7 @@ class PolicyDeviceCache final : public DeviceKVCache {
   std::string op() const { return "cuda " + std::string(p_ ? p_->method() : "cache"); }
 
   CacheConfig cfg_;
+  int64_t layer_ = 0;
   std::unique_ptr<kv::RowBackend> backend_;  // outlives the policy's stores
   std::unique_ptr<Policy> p_;
 };
@@ -154,13 +164,14 @@ std::unique_ptr<DeviceKVCache> make_device_full_cache(const CacheConfig& cfg, in
 }
 
 std::unique_ptr<DeviceKVCache> make_device_skvq_cache(const CacheConfig& cfg, int64_t b, int64_t h,
-                                                      int64_t d, Stream s) {
-  return std::make_unique<PolicyDeviceCache<SkvqCache>>(cfg, b, h, d, s);
+                                                      int64_t d, Stream s, int64_t layer) {
+  return std::make_unique<PolicyDeviceCache<SkvqCache>>(cfg, b, h, d, s, layer);
 }
 
 std::unique_ptr<DeviceKVCache> make_device_snapkv_skvq_cache(const CacheConfig& cfg, int64_t b,
-                                                             int64_t h, int64_t d, Stream s) {
-  return std::make_unique<PolicyDeviceCache<SnapkvSkvqCache>>(cfg, b, h, d, s);
+                                                             int64_t h, int64_t d, Stream s,
+                                                             int64_t layer) {
+  return std::make_unique<PolicyDeviceCache<SnapkvSkvqCache>>(cfg, b, h, d, s, layer);
 }
 
 std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, int64_t b,

@@ -84,7 +84,7 @@ void check_state_shape(const char* op, bool has_data, int64_t b, int64_t h, int6
 
 namespace vq::cuda {
 // One builder per method; cfg is validated by make_device_cache. Each is the CPU policy over the
-// CUDA row backend (device_cache_policy.cpp).
+// CUDA row backend (device_cache_policy.cpp); the SKVQ methods' for model layer `layer`.
 std::unique_ptr<DeviceKVCache> make_device_full_cache(const CacheConfig& cfg, int64_t b, int64_t h,
                                                       int64_t d, Stream s);
 std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, int64_t b,
@@ -92,7 +92,8 @@ std::unique_ptr<DeviceKVCache> make_device_snapkv_cache(const CacheConfig& cfg, 
 std::unique_ptr<DeviceKVCache> make_device_streaming_cache(const CacheConfig& cfg, int64_t b,
                                                            int64_t h, int64_t d, Stream s);
 std::unique_ptr<DeviceKVCache> make_device_skvq_cache(const CacheConfig& cfg, int64_t b, int64_t h,
-                                                      int64_t d, Stream s);
+                                                      int64_t d, Stream s, int64_t layer);
 std::unique_ptr<DeviceKVCache> make_device_snapkv_skvq_cache(const CacheConfig& cfg, int64_t b,
-                                                             int64_t h, int64_t d, Stream s);
+                                                             int64_t h, int64_t d, Stream s,
+                                                             int64_t layer);
 }  // namespace vq::cuda

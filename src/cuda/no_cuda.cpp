@@ -174,7 +174,7 @@ Mask DeviceKVCache::make_mask(int64_t, int64_t) const {
   not_built("cuda::DeviceKVCache::make_mask");
 }
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig&, int64_t, int64_t, int64_t,
-                                                 Stream) {
+                                                 Stream, int64_t) {
   not_built("cuda::make_device_cache");
 }
 HostSegment download_segment(const DeviceCacheView&, size_t, Stream) {

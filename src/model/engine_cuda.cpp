@@ -215,6 +215,7 @@ class CudaEngine final : public Engine {
     VQ_CHECK(c.head_dim == 64 || c.head_dim == 128,
              "[engine] expected head_dim 64 or 128 (the CUDA attention kernels) but got " +
                  std::to_string(c.head_dim));
+    check_layer_lists(opts.cache);  // before any allocation
     const int64_t N = plan_.n_ranks;
     const int first_device = cuda::current_device();
     try {
@@ -236,9 +237,12 @@ class CudaEngine final : public Engine {
         }
         R->stream = streams_.back();
         // The cache config is refused here (make_device_cache validates it as the CPU builder
-        // does; rank_cache_config refuses what crosses heads), not at the first add_sequence().
-        (void)cuda::make_device_cache(rank_cache_config(plan_, r, opts.cache), 1, R->hkv,
-                                      c.head_dim, R->stream);
+        // does, each layer's entries of the per-layer lists and of skvq_perm_file included;
+        // rank_cache_config refuses what crosses heads), not at the first add_sequence(). A
+        // cache allocates nothing on the device until its first rows.
+        const CacheConfig rc = rank_cache_config(plan_, r, opts.cache);
+        for (int64_t l = 0; l < c.n_layers; ++l)
+          (void)cuda::make_device_cache(rc, 1, R->hkv, c.head_dim, R->stream, l);
         R->blas = std::make_unique<cuda::Blas>(R->stream);
         upload_weights(*R, N > 1 ? sharded_->rank_layers(r) : model_.layers(), r == 0);
         ensure_rope(*R, c.max_position_embeddings > 0
@@ -275,6 +279,7 @@ class CudaEngine final : public Engine {
 
   using Engine::add_sequence;
   int64_t add_sequence(const CacheConfig& cache) override {
+    check_layer_lists(cache);
     std::vector<CacheConfig> rc;  // every rank's config first: refusals before any allocation
     for (int64_t r = 0; r < plan_.n_ranks; ++r) rc.push_back(rank_cache_config(plan_, r, cache));
     Sequence s;
@@ -285,10 +290,11 @@ class CudaEngine final : public Engine {
       cuda::DeviceGuard at(R.device);
       s.ranks[r].caches.reserve(static_cast<size_t>(cfg_.n_layers));
       // the first make_device_cache validates the config (as the CPU builder does) before any
-      // allocation of this sequence
+      // allocation of this sequence; layer l's cache takes entry l of the per-layer lists (a
+      // cache allocates nothing until its first rows, so a later layer's refusal frees nothing)
       for (int64_t l = 0; l < cfg_.n_layers; ++l)
         s.ranks[r].caches.push_back(
-            cuda::make_device_cache(rc[r], 1, R.hkv, cfg_.head_dim, R.stream));
+            cuda::make_device_cache(rc[r], 1, R.hkv, cfg_.head_dim, R.stream, l));
     }
     const int64_t id = next_id_++;
     seqs_.emplace(id, std::move(s));
@@ -477,6 +483,25 @@ class CudaEngine final : public Engine {
   }
 
  private:
+  // Per-layer SKVQ lists hold one entry per layer of the model (the CPU's build_caches rule and
+  // message; a longer list is a spec for another model). Each layer's packed formats are then
+  // those of the single fields at that layer's values, which the device kernels read like any
+  // single-field config: token-axis keys fused for the (key, value) bit pairs of
+  // src/cuda/decode_plan.cpp fused_format and dequantized into fp32 scratch otherwise,
+  // channel-axis keys at any bits by the channel kernel, and every format by prefill
+  // (src/cuda/prefill_api.cpp); so no layer's combination is refused beyond validate(). Layers of
+  // different formats get their own decode plans (plan_key holds the formats).
+  void check_layer_lists(const CacheConfig& cache) const {
+    for (const auto& [name, list] : {std::pair<const char*, const std::string*>{
+                                         "skvq_layer_bits_key", &cache.skvq_layer_bits_key},
+                                     {"skvq_layer_key_rows", &cache.skvq_layer_key_rows}}) {
+      const int64_t n = skvq_layer_list_size(*list);
+      VQ_CHECK(n == 0 || n == cfg_.n_layers,
+               std::string("[engine] ") + name + ": expected " + std::to_string(cfg_.n_layers) +
+                   " entries (one per layer) but got " + std::to_string(n) + " ('" + *list + "')");
+    }
+  }
+
   using SeqMap = std::map<int64_t, Sequence>;
 
   SeqMap::iterator find(int64_t seq, const char* op) {

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <utility>
 
 #include "veloxquant/device_memory.h"
 #include "veloxquant/error.h"
@@ -176,6 +178,16 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   cc.head_dim = m.head_dim;
   validate(cc);
   const CacheConfig as_given = cc;  // before the per-layer lists are folded below
+  // Per-layer lists hold one entry per layer of the model (build_caches and the CUDA engine
+  // refuse another count; a longer list would otherwise be planned from its first entries).
+  for (const auto& [name, list] :
+       {std::pair<const char*, const std::string*>{"skvq_layer_bits_key", &cc.skvq_layer_bits_key},
+        {"skvq_layer_key_rows", &cc.skvq_layer_key_rows}}) {
+    const int64_t n = skvq_layer_list_size(*list);
+    VQ_CHECK(n == 0 || n == m.n_layers,
+             std::string("[memory_plan] ") + name + ": expected " + std::to_string(m.n_layers) +
+                 " entries (one per layer) but got " + std::to_string(n) + " ('" + *list + "')");
+  }
   // Per-layer key bits: every layer planned at the list's largest (an upper bound).
   const int64_t n_layer_bits = skvq_layer_list_size(cc.skvq_layer_bits_key);
   if (n_layer_bits > 0) {

@@ -45,6 +45,8 @@
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
 #include "veloxquant/packed.h"
+#include "veloxquant/skvq_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
 
 namespace vq {
 namespace {
@@ -268,31 +270,39 @@ void expect_same_state(const KVCache& cpu, const cuda::DeviceKVCache& gpu, int64
   expect_same_stats(cpu.stats(), gpu.stats(), vars);
 }
 
+// The CPU cache of model layer `layer` (build_caches' choice: the SKVQ methods take the layer's
+// entries of the per-layer lists; the others have no layer).
+std::unique_ptr<KVCache> make_layer_cache(const CacheConfig& cfg, int64_t layer) {
+  if (cfg.method == "skvq") return make_skvq_cache(cfg, layer);
+  if (cfg.method == "snapkv+skvq") return make_snapkv_skvq_cache(cfg, layer);
+  return make_cache(cfg);
+}
+
 // State exchange after a step: the device cache writes the CPU cache's bytes exactly; a CPU cache
 // loads them and writes them back unchanged; a device cache loads the CPU's bytes, matches the
 // CPU cache (positions, figures) and writes them back unchanged (the device round trip).
 // Returns the two loaded caches.
 std::pair<std::unique_ptr<KVCache>, std::unique_ptr<cuda::DeviceKVCache>> exchange_state(
     const CacheConfig& cfg, const KVCache& cpu, const cuda::DeviceKVCache& gpu, int64_t B,
-    int64_t H, int64_t D, const std::string& vars) {
+    int64_t H, int64_t D, const std::string& vars, int64_t layer = 0) {
   const std::string bc = save_bytes(cpu), bg = save_bytes(gpu);
   expect_same_bytes(bc, bg, vars + " device save vs CPU save");
   // A state the CPU cache's own load refuses (a CPU-side bound, see the report): the device
   // load, which validates with the CPU's, must refuse it with the same message; nothing more can
   // be exchanged at this step.
-  const std::string cpu_refusal = error_of([&] { load_bytes(*make_cache(cfg), bc); });
+  const std::string cpu_refusal = error_of([&] { load_bytes(*make_layer_cache(cfg, layer), bc); });
   if (!cpu_refusal.empty()) {
-    auto g = cuda::make_device_cache(cfg, B, H, D);
+    auto g = cuda::make_device_cache(cfg, B, H, D, nullptr, layer);
     EXPECT_EQ(cpu_refusal, error_of([&] { load_bytes(*g, bc); })) << vars;
     EXPECT_EQ(g->offset(), 0) << vars;
     std::printf("[state] %s: the CPU cache refuses its own state (%s); the device alike\n",
                 vars.c_str(), cpu_refusal.c_str());
     return {nullptr, nullptr};
   }
-  auto cpu2 = make_cache(cfg);
+  auto cpu2 = make_layer_cache(cfg, layer);
   load_bytes(*cpu2, bg);
   expect_same_bytes(bc, save_bytes(*cpu2), vars + " device save -> CPU load -> CPU save");
-  auto gpu2 = cuda::make_device_cache(cfg, B, H, D);
+  auto gpu2 = cuda::make_device_cache(cfg, B, H, D, nullptr, layer);
   load_bytes(*gpu2, bc);
   expect_same_state(cpu, *gpu2, B, H, vars + " CPU save -> device load");
   expect_same_bytes(bc, save_bytes(*gpu2), vars + " CPU save -> device load -> device save");
@@ -352,6 +362,7 @@ struct Case {
   // Also upload the CPU view (DeviceCacheView::upload: per-block channel-axis segments merged
   // into one with its run starts) and check its rows and decode attention.
   bool upload_twin = false;
+  int64_t layer = 0;  // the model layer both caches serve (entries of the per-layer lists)
   std::vector<int64_t> steps;
   std::vector<size_t> end_prompt_after;  // 1-based steps after which end_prompt() runs on both
   std::string name;
@@ -406,8 +417,9 @@ struct Worst {
 void run_case(const Case& cs, uint64_t seed, Worst& worst) {
   CacheConfig cfg = cs.cfg;
   cfg.head_dim = cs.D;
-  std::unique_ptr<KVCache> cpu = make_cache(cfg);
-  std::unique_ptr<cuda::DeviceKVCache> gpu = cuda::make_device_cache(cfg, cs.B, cs.H, cs.D);
+  std::unique_ptr<KVCache> cpu = make_layer_cache(cfg, cs.layer);
+  std::unique_ptr<cuda::DeviceKVCache> gpu =
+      cuda::make_device_cache(cfg, cs.B, cs.H, cs.D, nullptr, cs.layer);
   const int64_t B = cs.B, H = cs.H, D = cs.D, Hq = cs.Hq;
   int step = 0;
   for (int64_t s : cs.steps) {
@@ -491,7 +503,7 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
       if (::testing::Test::HasFatalFailure()) return;
     }
     expect_same_masks(*cpu, *gpu, B, H, vars);
-    auto [cpu2, gpu2] = exchange_state(cfg, *cpu, *gpu, B, H, D, vars);
+    auto [cpu2, gpu2] = exchange_state(cfg, *cpu, *gpu, B, H, D, vars, cs.layer);
     if (step == static_cast<int>(cs.steps.size() + 1) / 2 && cpu2) {
       // From the middle on, both sides continue from loaded state (the CPU cache from the device's
       // bytes, the device cache from the CPU's): every later step must still match bit for bit.
@@ -818,6 +830,112 @@ TEST(CudaCaches, ChannelAxisKeysMatchCpu) {
   cases.push_back(
       sc.with(steps({45}, 25, {}), "snapkv+skvq channel f32 meta f32 rows, no end_prompt"));
   run_cases("channel-axis keys", cases, 3500);
+}
+
+// Per-layer key precision (skvq_layer_bits_key / skvq_layer_key_rows): the device cache of layer
+// i is the CPU cache of layer i (the same driver: stored records byte for byte, permutations,
+// states, masks, attention within kDecode's / kPrefill's bound). Layers 0 and 1 differ in key
+// bits and key_rows, so a device cache that ignored its layer would store other records (and
+// fail the check of the packed key format below).
+TEST(CudaCaches, PerLayerKeyPrecisionMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("skvq");
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_window = 32;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 16;
+  c.cfg.skvq_bits_value = 2;
+  c.cfg.skvq_layer_bits_key = "4/2/3";
+  c.cfg.skvq_layer_key_rows = "7/5/0";
+  for (int64_t l = 0; l < 3; ++l) {
+    c.layer = l;
+    c.upload_twin = l == 1;
+    cases.push_back(c.with(steps({70}, 12, {33, 1}), "skvq channel layer " + std::to_string(l) +
+                                                         " of bits 4/2/3 rows 7/5/0"));
+  }
+  // token-axis keys: layer 0 K4V2 (fused), layer 1 K2V2 (tensor-core), layer 2 K3V2 (dequantized)
+  c.cfg = config("skvq");
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 32;
+  c.cfg.skvq_layer_bits_key = "4/2/3";
+  c.upload_twin = false;
+  c.blocks(1, 2, 128, 8, DType::kF16);
+  for (int64_t l = 0; l < 3; ++l) {
+    c.layer = l;
+    cases.push_back(c.with(steps({35}, 9, {40, 1}),
+                           "skvq token layer " + std::to_string(l) + " of bits 4/2/3 f16 D128"));
+  }
+  // snapkv+skvq, channel-axis keys packed after the prompt-end selection
+  Case sc;
+  sc.cfg = config("snapkv+skvq");
+  sc.cfg.skvq_key_axis = QuantAxis::kChannel;
+  sc.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  sc.cfg.snap_budget = 40;
+  sc.cfg.snap_obs_window = 8;
+  sc.cfg.skvq_window = 16;
+  sc.cfg.skvq_n_sink = 4;
+  sc.cfg.skvq_group_size = 16;
+  sc.cfg.skvq_layer_bits_key = "2/4";
+  sc.cfg.skvq_layer_key_rows = "0/5";
+  sc.end_prompt_after = {2};
+  for (int64_t l = 0; l < 2; ++l) {
+    sc.layer = l;
+    cases.push_back(sc.with(steps({50, 37}, 20, {}),
+                            "snapkv+skvq channel layer " + std::to_string(l) + " of bits 2/4"));
+  }
+  run_cases("per-layer key precision", cases, 3700);
+
+  // Each layer's device cache packs its own key bits: the same rows into layers 0 and 1.
+  CacheConfig cfg = config("skvq");
+  cfg.skvq_window = 16;
+  cfg.skvq_n_sink = 4;
+  cfg.skvq_layer_bits_key = "4/2";
+  cfg.head_dim = 64;
+  const KV kv = make_kv(DType::kF16, 1, 2, 40, 64, 3790);
+  for (int64_t l = 0; l < 2; ++l) {
+    auto gpu = cuda::make_device_cache(cfg, 1, 2, 64, nullptr, l);
+    const cuda::DeviceCacheView v = gpu->update_and_fetch(kv.k->dev, kv.v->dev, {});
+    int packed = 0;
+    for (const cuda::DeviceSegment& sg : v.segments()) {
+      if (!sg.packed || sg.n_rows == 0) continue;
+      ++packed;
+      EXPECT_EQ(sg.k_fmt.spec.bits(), l == 0 ? 4 : 2) << "layer " << l;
+      EXPECT_EQ(sg.v_fmt.spec.bits(), 2) << "layer " << l;
+    }
+    EXPECT_GT(packed, 0) << "layer " << l;
+  }
+}
+
+// A layer a per-layer list has no entry for is refused on the device with the CPU's message
+// (the list's length against a model's layers is the builders' check: build_caches, the CUDA
+// engine), and a negative layer with the device's.
+TEST(CudaCaches, PerLayerListWithoutTheLayerRefused) {
+  SKIP_WITHOUT_DEVICE();
+  for (const char* method : {"skvq", "snapkv+skvq"}) {
+    CacheConfig cfg = config(method);
+    cfg.skvq_key_axis = QuantAxis::kChannel;
+    cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+    cfg.skvq_layer_bits_key = "4/2";
+    cfg.skvq_layer_key_rows = "8/16/8";
+    cfg.head_dim = 64;
+    const std::string cpu_msg = error_of([&] { make_layer_cache(cfg, 2); });
+    ASSERT_NE(cpu_msg.find("skvq_layer_bits_key"), std::string::npos) << cpu_msg;
+    EXPECT_EQ(cpu_msg, error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64, nullptr, 2); }))
+        << method;
+    cfg.skvq_layer_bits_key = "4/2/2";
+    cfg.skvq_layer_key_rows = "8/16";
+    const std::string rows_msg = error_of([&] { make_layer_cache(cfg, 2); });
+    ASSERT_NE(rows_msg.find("skvq_layer_key_rows"), std::string::npos) << rows_msg;
+    EXPECT_EQ(rows_msg, error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64, nullptr, 2); }))
+        << method;
+    EXPECT_NE(error_of([&] {
+                cuda::make_device_cache(cfg, 1, 2, 64, nullptr, -1);
+              }).find("[make_device_cache] layer: expected >= 0 but got -1"),
+              std::string::npos);
+  }
 }
 
 TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {

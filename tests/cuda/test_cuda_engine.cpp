@@ -516,12 +516,52 @@ TEST(CudaEngine, GoldenLogitsAndGreedyMatchCpu) {
       w.rel, static_cast<double>(4 * L + 1) * kU, w.abs, w.kl);
 }
 
-TEST(CudaEngine, EveryMethodMatchesCpuBf16) {
-  SKIP_WITHOUT_MODEL();
+// One cache spec end to end on the prompt of 299 tokens and 16 generated: the engine against the
+// CPU forward in kBF16 with the CPU's tokens forced (see the file comment's bound).
+void expect_method_matches_cpu(const char* spec) {
+  SCOPED_TRACE(spec);
   const Model& m = *fixture().model;
   const int64_t L = m.config().n_layers;
   const auto& ids = fixture().prompts[1];  // 299 tokens
   const int n_gen = 16;
+  const CacheConfig cc = parse_cache_arg(spec);
+  // The CPU's greedy tokens drive every run (teacher forcing), so one flip does not diverge.
+  const Trace cpu = run_cpu(m, ids, cc, DType::kF16, MatmulPrecision::kBF16, 128, n_gen, nullptr);
+  const Trace cpu_full =
+      run_cpu(m, ids, CacheConfig{}, DType::kF16, MatmulPrecision::kBF16, 128, n_gen, &cpu.tokens);
+  auto e = make_cuda_engine(m, engine_opts(spec, DType::kF16));
+  const Trace gpu = run_gpu(*e, ids, 128, n_gen, &cpu.tokens);
+  Worst w;
+  double e_rel = 0;
+  int agree = 0;
+  for (int i = 0; i <= n_gen; ++i) {
+    const size_t si = static_cast<size_t>(i);
+    const Diff own = diff(cpu_full.logits[si], cpu.logits[si]);  // e_cpu = own.max_abs
+    e_rel = std::max(e_rel, own.max_abs / own.max_ref);
+    w.add(
+        check_row(cpu.logits[si], gpu.logits[si], L, "step " + std::to_string(i), 2 * own.max_abs));
+    agree += cpu.tokens[si] == gpu.tokens[si];
+  }
+  EXPECT_EQ(gpu.mem.method, cpu.mem.method);
+  EXPECT_EQ(gpu.mem.n_layers, cpu.mem.n_layers);
+  EXPECT_EQ(gpu.mem.tokens_seen, cpu.mem.tokens_seen);
+  EXPECT_EQ(gpu.mem.rows_kept, cpu.mem.rows_kept);
+  EXPECT_EQ(gpu.mem.rows_kept_per_head, cpu.mem.rows_kept_per_head);
+  if (cc.method != "snapkv+skvq") {
+    EXPECT_EQ(gpu.mem.bytes_accounted, cpu.mem.bytes_accounted);
+  }
+  EXPECT_EQ(gpu.mem.fp16_bytes, cpu.mem.fp16_bytes);
+  std::printf(
+      "%-62s vs CPU kBF16: max |dz|/max|z| %.4g (arithmetic term %.4g, CPU's own "
+      "compression error e_cpu/max|z| up to %.4g), max KL %.3g, argmax agrees %d/%d, "
+      "rows kept %lld, bytes %lld (CPU %lld)\n",
+      spec, w.rel, static_cast<double>(4 * L + 1) * kU, e_rel, w.kl, agree, n_gen + 1,
+      static_cast<long long>(gpu.mem.rows_kept), static_cast<long long>(gpu.mem.bytes_accounted),
+      static_cast<long long>(cpu.mem.bytes_accounted));
+}
+
+TEST(CudaEngine, EveryMethodMatchesCpuBf16) {
+  SKIP_WITHOUT_MODEL();
   const char* specs[] = {
       "full",
       "snapkv:budget=64:obs_window=16",
@@ -538,43 +578,24 @@ TEST(CudaEngine, EveryMethodMatchesCpuBf16) {
       "snapkv+skvq:budget=96:obs_window=16:window=32:key_axis=channel:evict_at=prompt_end:"
       "rotation=hadamard:meta=fp8_e4m3",
   };
-  for (const char* spec : specs) {
-    SCOPED_TRACE(spec);
-    const CacheConfig cc = parse_cache_arg(spec);
-    // The CPU's greedy tokens drive every run (teacher forcing), so one flip does not diverge.
-    const Trace cpu = run_cpu(m, ids, cc, DType::kF16, MatmulPrecision::kBF16, 128, n_gen, nullptr);
-    const Trace cpu_full = run_cpu(m, ids, CacheConfig{}, DType::kF16, MatmulPrecision::kBF16, 128,
-                                   n_gen, &cpu.tokens);
-    auto e = make_cuda_engine(m, engine_opts(spec, DType::kF16));
-    const Trace gpu = run_gpu(*e, ids, 128, n_gen, &cpu.tokens);
-    Worst w;
-    double e_rel = 0;
-    int agree = 0;
-    for (int i = 0; i <= n_gen; ++i) {
-      const size_t si = static_cast<size_t>(i);
-      const Diff own = diff(cpu_full.logits[si], cpu.logits[si]);  // e_cpu = own.max_abs
-      e_rel = std::max(e_rel, own.max_abs / own.max_ref);
-      w.add(check_row(cpu.logits[si], gpu.logits[si], L, "step " + std::to_string(i),
-                      2 * own.max_abs));
-      agree += cpu.tokens[si] == gpu.tokens[si];
-    }
-    EXPECT_EQ(gpu.mem.method, cpu.mem.method);
-    EXPECT_EQ(gpu.mem.n_layers, cpu.mem.n_layers);
-    EXPECT_EQ(gpu.mem.tokens_seen, cpu.mem.tokens_seen);
-    EXPECT_EQ(gpu.mem.rows_kept, cpu.mem.rows_kept);
-    EXPECT_EQ(gpu.mem.rows_kept_per_head, cpu.mem.rows_kept_per_head);
-    if (cc.method != "snapkv+skvq") {
-      EXPECT_EQ(gpu.mem.bytes_accounted, cpu.mem.bytes_accounted);
-    }
-    EXPECT_EQ(gpu.mem.fp16_bytes, cpu.mem.fp16_bytes);
-    std::printf(
-        "%-62s vs CPU kBF16: max |dz|/max|z| %.4g (arithmetic term %.4g, CPU's own "
-        "compression error e_cpu/max|z| up to %.4g), max KL %.3g, argmax agrees %d/%d, "
-        "rows kept %lld, bytes %lld (CPU %lld)\n",
-        spec, w.rel, static_cast<double>(4 * L + 1) * kU, e_rel, w.kl, agree, n_gen + 1,
-        static_cast<long long>(gpu.mem.rows_kept), static_cast<long long>(gpu.mem.bytes_accounted),
-        static_cast<long long>(cpu.mem.bytes_accounted));
-  }
+  for (const char* spec : specs) expect_method_matches_cpu(spec);
+}
+
+// Per-layer key precision (skvq_layer_bits_key / skvq_layer_key_rows, one entry per layer of the
+// shipped model's 6): each layer's caches take their own entries on the device as on the CPU
+// (build_caches). Layers 0 and 1 differ in key bits (and key_rows), so an engine whose caches
+// ignored their layer would account other bytes (compared exactly for skvq) and other logits.
+// Token-axis keys mix fused (K4V2, K2V2 on tensor cores) and dequantized (K3V2) layers.
+TEST(CudaEngine, PerLayerKeyPrecisionMatchesCpu) {
+  SKIP_WITHOUT_MODEL();
+  const char* specs[] = {
+      "skvq:bits_value=2:window=32:layer_bits_key=4/2/4/3/2/4",
+      "skvq:bits_value=2:window=32:key_axis=channel:layer_bits_key=2/4/3/2/4/2:"
+      "layer_key_rows=8/16/0/4/8/0",
+      "snapkv+skvq:budget=96:obs_window=16:window=32:key_axis=channel:evict_at=prompt_end:"
+      "layer_bits_key=4/2/2/3/2/4:layer_key_rows=0/8/8/16/0/4",
+  };
+  for (const char* spec : specs) expect_method_matches_cpu(spec);
 }
 
 // Three sequences of different lengths in one engine: prefill chunks of several sequences and
@@ -679,7 +700,10 @@ TEST(CudaEngine, ReservationChangesNoLogit) {
       std::vector<int32_t>(P[2].begin(), P[2].begin() + 1024), P[0], P[1],
       std::vector<int32_t>(P[2].begin(), P[2].begin() + 300)};
   const int n_gen = 6;
-  for (const char* spec : {"full", "skvq:bits_key=2:bits_value=2:window=32"}) {
+  // the per-layer list: each layer's packed run reserved at its own format, within the plan's
+  // bound at the widest
+  for (const char* spec : {"full", "skvq:bits_key=2:bits_value=2:window=32",
+                           "skvq:bits_value=2:window=32:layer_bits_key=4/2/2/3/2/4"}) {
     SCOPED_TRACE(spec);
     EngineOptions before = engine_opts(spec, DType::kF16);
     before.reserve_capacity = false;
@@ -969,6 +993,58 @@ TEST(CudaEngine, RefusesBadInputBeforeAnyChange) {
   std::vector<float> lg;
   e->step(std::vector<SeqChunk>{{a, ok}}, &lg);
   EXPECT_EQ(e->offset(a), 3);
+  EXPECT_EQ(lg.size(), static_cast<size_t>(m.config().vocab_size));
+}
+
+// Per-layer lists of another model's length are refused when the engine is made and at
+// add_sequence (the CPU's build_caches rule, the engine's message), before any device memory is
+// taken: free device memory is unchanged by each refusal, and the engine still runs after.
+TEST(CudaEngine, RefusesPerLayerListsOfAnotherLengthBeforeAllocating) {
+  SKIP_WITHOUT_MODEL();
+  const Model& m = *fixture().model;
+  ASSERT_EQ(m.config().n_layers, 6);
+  const auto error_of = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const auto free_now = [] {
+    cuda::synchronize();
+    size_t free_b = 0, total = 0;
+    cuda::device_memory(&free_b, &total);
+    return free_b;
+  };
+  const size_t free0 = free_now();
+  const std::string short_bits = error_of([&] {
+    make_cuda_engine(m, engine_opts("skvq:window=32:layer_bits_key=4/2/4/2/4", DType::kF16));
+  });
+  EXPECT_EQ(short_bits,
+            "[engine] skvq_layer_bits_key: expected 6 entries (one per layer) but got 5 "
+            "('4/2/4/2/4')");
+  const std::string long_rows = error_of([&] {
+    make_cuda_engine(m, engine_opts("skvq:window=32:key_axis=channel:layer_key_rows=8/8/8/8/8/8/8",
+                                    DType::kF16));
+  });
+  EXPECT_EQ(long_rows,
+            "[engine] skvq_layer_key_rows: expected 6 entries (one per layer) but got 7 "
+            "('8/8/8/8/8/8/8')");
+  EXPECT_EQ(free_now(), free0) << "device memory taken by a refused engine";
+
+  auto e = make_cuda_engine(m, engine_opts("skvq:bits_key=4:bits_value=4:window=32", DType::kF16));
+  const size_t free1 = free_now();
+  CacheConfig bad = parse_cache_arg("snapkv+skvq:window=32:layer_bits_key=4/2");
+  EXPECT_EQ(error_of([&] { e->add_sequence(bad); }),
+            "[engine] skvq_layer_bits_key: expected 6 entries (one per layer) but got 2 ('4/2')");
+  EXPECT_EQ(free_now(), free1) << "device memory taken by a refused add_sequence";
+  // A list of the right length is taken per sequence, and the engine runs it.
+  const int64_t id = e->add_sequence(parse_cache_arg("skvq:window=32:layer_bits_key=2/4/2/4/2/4"));
+  const std::vector<int32_t> ids(fixture().prompts[1].begin(), fixture().prompts[1].begin() + 80);
+  std::vector<float> lg;
+  e->step(std::vector<SeqChunk>{{id, ids}}, &lg);
+  EXPECT_EQ(e->offset(id), 80);
   EXPECT_EQ(lg.size(), static_cast<size_t>(m.config().vocab_size));
 }
 

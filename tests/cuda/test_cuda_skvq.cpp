@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -314,6 +315,76 @@ TEST(CudaSkvq, ResidentBytesStayWithinThePlan) {
       std::printf("[plan] %s: resident peak %lld <= plan %lld (accounted %lld)\n", what.c_str(),
                   static_cast<long long>(peak), static_cast<long long>(plan.cache_bytes_resident),
                   static_cast<long long>(plan.cache_bytes_peak));
+    }
+}
+
+// Per-layer key precision: the planner plans every layer at the lists' widest format (an upper
+// bound, cache_bytes_exact false, src/model/memory_plan.cpp). Two layers' device caches (layer 0
+// and 1 of the lists, so of other key bits and key_rows) fed the same life: their summed resident
+// bytes never pass the plan's figure for the two layers, nor their summed accounted bytes its
+// peak.
+TEST(CudaSkvq, PerLayerListsStayWithinThePlan) {
+  SKIP_WITHOUT_DEVICE();
+  ModelConfig mc;
+  mc.n_layers = 2;
+  mc.n_heads = 32;
+  mc.n_kv_heads = 8;
+  mc.head_dim = 128;
+  mc.hidden_size = 4096;
+  mc.intermediate_size = 14336;
+  mc.vocab_size = 128256;
+  const int64_t H = mc.n_kv_heads, D = mc.head_dim, prompt = 1024, step = 512, gen = 140;
+  for (const char* spec : {"skvq:bits_value=2:layer_bits_key=4/2",
+                           "skvq:bits_value=2:key_axis=channel:layer_bits_key=2/4:"
+                           "layer_key_rows=32/64",
+                           "snapkv+skvq:budget=512:bits_value=2:key_axis=channel:"
+                           "evict_at=prompt_end:layer_bits_key=3/2:layer_key_rows=0/16"})
+    for (bool reserve : {true, false}) {
+      const std::string what = std::string(spec) + (reserve ? " reserved" : " growing");
+      const CacheConfig cfg = parse_cache_arg(spec);
+      MemoryPlanRequest req;
+      req.model = mc;
+      req.cache = cfg;
+      req.prompt_tokens = prompt;
+      req.max_new_tokens = gen;
+      req.prefill_step = step;
+      req.reserve_capacity = reserve;
+      const MemoryPlan plan = plan_memory(req);
+      EXPECT_FALSE(plan.cache_bytes_exact) << what;
+      std::vector<std::unique_ptr<cuda::DeviceKVCache>> caches;
+      for (int64_t l = 0; l < mc.n_layers; ++l) {
+        caches.push_back(cuda::make_device_cache(cfg, 1, H, D, nullptr, l));
+        if (reserve) caches.back()->reserve(plan.context_tokens);
+      }
+      int64_t done = 0, peak = 0, peak_acc = 0;
+      auto feed = [&](int64_t n) {
+        const Tensor k = test::random_tensor(DType::kF16, 1, H, n, D, static_cast<uint64_t>(done));
+        const Tensor v = test::random_tensor(DType::kF16, 1, H, n, D, ~static_cast<uint64_t>(done));
+        cuda::DeviceBuffer dk = cuda::DeviceBuffer::from_host(k.data(), k.nbytes());
+        cuda::DeviceBuffer dv = cuda::DeviceBuffer::from_host(v.data(), v.nbytes());
+        int64_t res = 0, acc = 0;
+        for (auto& c : caches) {
+          c->update_and_fetch(TensorView::contiguous(dk.data(), DType::kF16, 1, H, n, D),
+                              TensorView::contiguous(dv.data(), DType::kF16, 1, H, n, D), {});
+          cuda::synchronize();
+          res += c->stats().bytes_resident;
+          acc += c->stats().bytes_accounted;
+        }
+        done += n;
+        peak = std::max(peak, res);
+        peak_acc = std::max(peak_acc, acc);
+        ASSERT_LE(res, plan.cache_bytes_resident) << what << " after " << done << " tokens";
+        ASSERT_LE(acc, plan.cache_bytes_peak) << what << " after " << done << " tokens";
+      };
+      for (int64_t n : prefill_chunks(prompt, step)) feed(n);
+      for (auto& c : caches) c->end_prompt();
+      for (int64_t i = 1; i < gen; ++i) feed(1);
+      // the layers' formats differ: a cache that ignored its layer would match layer 0's
+      EXPECT_NE(caches[0]->stats().bytes_accounted, caches[1]->stats().bytes_accounted) << what;
+      std::printf("[plan] %s: resident peak %lld <= plan %lld, accounted peak %lld <= %lld\n",
+                  what.c_str(), static_cast<long long>(peak),
+                  static_cast<long long>(plan.cache_bytes_resident),
+                  static_cast<long long>(peak_acc), static_cast<long long>(plan.cache_bytes_peak));
     }
 }
 
