@@ -384,5 +384,72 @@ TEST(SkvqPolicies, ReserveSurvivesLoadAndRefusesBadRows) {
   EXPECT_EQ(b.reserved(), 1000);  // unchanged by the refusals
 }
 
+// Protected rows (skvq_protect) on the one-run layout (the CUDA backend's): the one packed run's
+// segment carries positions for its whole capacity (INT32_MAX for a protected row), rebuilt when
+// the run grows; rows, positions and state bytes equal the per-block layout's after
+// every call, also after a reload. Query scoring with GQA queries and key-proxy scoring, values
+// protected or their codes' values, token- and channel-axis keys.
+TEST(SkvqPolicies, OneRunLayoutOfProtectedRows) {
+  const OneRunBackend one_run;
+  constexpr int64_t kT = 200, kHq = 2 * kH;
+  const std::vector<int64_t> cuts = {0, 37, 70, 71, 72, 73, 120, 121, 150, 151, 152, 170, kT};
+  for (const SnapScoring scoring : {SnapScoring::kQuery, SnapScoring::kKeyProxy})
+    for (const bool values : {true, false})
+      for (const bool channel : {false, true}) {
+        CacheConfig cfg;
+        cfg.method = "skvq";
+        cfg.head_dim = kD;
+        cfg.skvq_window = 16;
+        cfg.skvq_n_sink = 4;
+        cfg.skvq_group_size = 16;
+        cfg.skvq_recent = 3;
+        cfg.skvq_protect = 0.1;
+        cfg.skvq_protect_scoring = scoring;
+        cfg.skvq_protect_obs_window = 8;
+        cfg.skvq_protect_pool_kernel = 3;
+        cfg.skvq_protect_values = values;
+        if (channel) {
+          cfg.skvq_key_axis = QuantAxis::kChannel;
+          cfg.skvq_key_rows = 8;
+        }
+        const std::string name = std::string(scoring == SnapScoring::kQuery ? "query" : "proxy") +
+                                 (values ? " values" : " codes' values") +
+                                 (channel ? " channel keys" : "");
+        auto a = std::make_unique<SkvqCache>(cfg), b = std::make_unique<SkvqCache>(cfg, one_run);
+        const Tensor k = test::random_tensor(DType::kF16, kB, kH, kT, kD, 51);
+        const Tensor v = test::random_tensor(DType::kF16, kB, kH, kT, kD, 52);
+        const Tensor q = test::random_tensor(DType::kF32, kB, kHq, kT, kD, 53);
+        for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+          const std::string what = name + " after row " + std::to_string(cuts[c + 1]);
+          const TensorView kb = k.view().slice_tokens(cuts[c], cuts[c + 1]);
+          const TensorView vb = v.view().slice_tokens(cuts[c], cuts[c + 1]);
+          const TensorView qb = q.view().slice_tokens(cuts[c], cuts[c + 1]);
+          UpdateOptions o;
+          o.queries = &qb;
+          const CacheView va = a->update_and_fetch(kb, vb, o), vr = b->update_and_fetch(kb, vb, o);
+          expect_same_rows(va, vr, what);
+          ASSERT_EQ(a->protection_pending(), b->protection_pending()) << what;
+          if (!a->protection_pending()) {
+            ASSERT_EQ(saved(*a), saved(*b)) << what;
+          }
+          EXPECT_EQ(a->protected_rows(), b->protected_rows()) << what;
+          for (int64_t h = 0; h < kH; ++h)
+            EXPECT_EQ(a->protected_positions(1, h), b->protected_positions(1, h)) << what;
+          EXPECT_EQ(a->stats().bytes_accounted, b->stats().bytes_accounted) << what;
+          if (cuts[c + 1] == 120) {  // both reload the other's state
+            std::istringstream ia(saved(*b)), ib(saved(*a));
+            a = std::make_unique<SkvqCache>(cfg);
+            b = std::make_unique<SkvqCache>(cfg, one_run);
+            a->load(ia);
+            b->load(ib);
+            ASSERT_EQ(saved(*a), saved(*b)) << what << " reloaded";
+          }
+        }
+        // 0.1 of the 70-row prompt: 7 protected rows per (b, h), and the run grew after them.
+        EXPECT_EQ(b->protected_rows(), 7) << name;
+        EXPECT_GT(b->packed_capacity(), 64) << name;
+      }
+}
+
 }  // namespace
 }  // namespace vq

@@ -30,9 +30,11 @@
 // valid until the next mutating call.
 // Not trimmable; merging into a batch is refused.
 //
-// Protected rows (skvq_protect > 0, CPU only): the rows of the cache's first prompt (every call
+// Protected rows (skvq_protect > 0; on the CUDA backend too, except skvq_protect_scoring =
+// external, whose scores only a CPU cache takes): the rows of the cache's first prompt (every call
 // before its end_prompt(), or before the first single-token call after a multi-token one) are
-// packed as above, and a host fp32 copy of them is kept until the prompt ends. Then, per (b, h),
+// packed as above, and an fp32 copy of them is kept on the backend's device until the prompt
+// ends (with the window queries, RowBackend::keep_queries). Then, per (b, h),
 // the k = min(max(1, round(skvq_protect * prompt rows)), packed rows) packed rows of the highest
 // scores (the SnapKV pipeline of snapkv.h over the prompt's rows: skvq_protect_scoring with window
 // skvq_protect_obs_window, max-pooled over skvq_protect_pool_kernel; candidates are the packed
@@ -40,11 +42,14 @@
 // and values when skvq_protect_values (otherwise the values of their codes, dequantized). The
 // copies are one view segment with their own positions; the packed segments get explicit
 // positions in which a protected row's entry is INT32_MAX, a position no query reaches, so the
-// causal test hides its codes. Codes, flushes and the prompt's own attention are those of the
-// plain cache (skvq_protect = 0), bit for bit. Bytes accounted: the plain cache's, plus per
-// protected row and (b, h) its full-precision key (and value) and a 4-byte position.
-// Protection selects once: later prompts add no protected rows. A state cannot be saved while
-// the selection is owed (call end_prompt() first).
+// causal test hides its codes (on a backend with one packed run, that run's segment: positions
+// for its capacity, protected or not). The scores and the selection are the backend's
+// (RowBackend::snap_select_rows): on the device the scores agree with the CPU's to a bound, so
+// the protected rows are the CPU's wherever no two candidates score within it. Codes, flushes and
+// the prompt's own attention are those of the plain cache (skvq_protect = 0), bit for bit. Bytes
+// accounted: the plain cache's, plus per protected row and (b, h) its full-precision key (and
+// value) and a 4-byte position. Protection selects once: later prompts add no protected rows. A
+// state cannot be saved while the selection is owed (call end_prompt() first).
 //
 // Calibrated permutation file (JSON, written by save_skvq_perm_file):
 //   {"format": "veloxquant.skvq_perms", "version": 1, "n_kv_heads": H, "head_dim": D,
@@ -146,6 +151,11 @@ class SkvqCache final : public KVCache {
 // rule's frontier less the sinks chunk 0 keeps; 0 before the first flush). For reserve() and the
 // memory planner.
 int64_t skvq_packed_rows(const CacheConfig& cfg, int64_t tokens);
+
+// skvq_protect: the capacity, in rows per (b, h), of the store of the first prompt's fp32 copies
+// once `need` rows must fit in a store of `cap` rows (cap itself when they fit; otherwise
+// max(need, 2 x cap) rounded up to 16 rows, at least 16). For the cache and the memory planner.
+int64_t skvq_protect_copy_capacity(int64_t cap, int64_t need);
 
 // Packed bytes per (b, h) of one flushed chunk of n rows in layer `layer` at cfg's settings, keys
 // and values: its runs of skvq_key_rows rows each counted, channel-axis keys by the channel-axis

@@ -508,6 +508,55 @@ class CudaBackend final : public kv::RowBackend {
     return out;
   }
 
+  // Scores (snap_scores), pooling over every row (snap_pool) and the top k of [lo, hi) (snap_select
+  // over a contiguous copy of those rows' pooled scores), the indices shifted by lo on the host.
+  std::vector<int32_t> snap_select_rows(const kv::RowStore& rows, int64_t n, const TensorView* q,
+                                        int64_t q_first, int64_t obs_window, int64_t pool_kernel,
+                                        int64_t lo, int64_t hi, int64_t k) const override {
+    kv::check_select_rows(rows, n, q, lo, hi, k);
+    const kv::RowShape& sh = rows.shape();
+    const int64_t F = sh.frames(), D = sh.head_dim, rb = sh.row_bytes(), m = hi - lo;
+    detail::flush_row_writes(stream_);
+    // The frame, contiguous [B, H, n, D], and its positions [B, H, n].
+    DeviceBuffer frame(static_cast<size_t>(F * n * rb));
+    detail::copy_frames(frame.data(), n, 0, CudaRowStore::src_k(rows), rows.capacity(), 0, F, n, rb,
+                        stream_);
+    const TensorView frame_keys =
+        TensorView::contiguous(frame.data(), sh.dtype, sh.batch, sh.heads, n, D);
+    DeviceBuffer frame_pos, qbuf, qpos;
+    TensorView qv;
+    if (q) {
+      const int64_t hq = q->shape[1], w = q->shape[2];
+      frame_pos = DeviceBuffer(static_cast<size_t>(F * n * 4));
+      detail::copy_frames(frame_pos.data(), n, 0, rows.positions(), rows.capacity(), 0, F, n, 4,
+                          stream_);
+      qbuf = DeviceBuffer(static_cast<size_t>(sh.batch * hq * w * D * 4));
+      detail::convert_block(*q, 0, w, qbuf.data(), DType::kF32, w, 0, stream_);
+      qpos = DeviceBuffer(static_cast<size_t>(w * 4));
+      detail::fill_positions(qpos.as<int32_t>(), 1, w, 0, w, q_first, stream_);
+      qv = TensorView::contiguous(qbuf.data(), DType::kF32, sh.batch, hq, w, D);
+    }
+    DeviceBuffer scores(static_cast<size_t>(F * n * 4)), pooled,
+        top(static_cast<size_t>(F * m * 4));
+    DeviceBuffer idx(static_cast<size_t>(F * k * 4));
+    snap_scores(frame_keys, q ? &qv : nullptr, q ? frame_pos.as<int32_t>() : nullptr,
+                q ? qpos.as<int32_t>() : nullptr, obs_window, scores.as<float>(), stream_);
+    const float* sel = scores.as<const float>();
+    if (pool_kernel > 1) {
+      pooled = DeviceBuffer(static_cast<size_t>(F * n * 4));
+      snap_pool(sel, F, n, 0, n, pool_kernel, PoolKind::kMax, pooled.as<float>(), stream_);
+      sel = pooled.as<const float>();
+    }
+    detail::copy_frames(top.data(), m, 0, sel, n, lo, F, m, 4, stream_);
+    const int64_t got =
+        vq::cuda::snap_select(top.as<const float>(), F, m, k, 0, -1, idx.as<int32_t>(), stream_);
+    VQ_CHECK(got == k, "[cuda snap_select_rows] internal: selected " + std::to_string(got) +
+                           " rows per head, expected " + std::to_string(k));
+    std::vector<int32_t> out = idx.to_vector<int32_t>(static_cast<size_t>(F * k), stream_);
+    for (int32_t& i : out) i += static_cast<int32_t>(lo);
+    return out;  // to_vector synchronised: the buffers are idle
+  }
+
   std::unique_ptr<kv::RowIndex> upload_index(int64_t count,
                                              const std::vector<int32_t>& idx) const override {
     auto out = std::make_unique<CudaRowIndex>();

@@ -272,6 +272,20 @@ class RowBackend {
                                                 const TensorView* q, int64_t q_first,
                                                 const SnapSelectParams& p) const = 0;
 
+  // The protected-row selection of the skvq cache (veloxquant/skvq_cache.h) on every frame of
+  // rows [0, n) of `rows` (fp32; with positions when q is given): SnapKV scores over all n rows
+  // (snap_key_proxy_scores with obs_window when q == nullptr, else snap_query_scores with q
+  // [B, H*n_rep, w, D] fp32 at positions q_first .. q_first + w - 1 against the rows' positions),
+  // max-pooled over all n rows (snap_pool_scores, pool_kernel), then the k rows of [lo, hi) of
+  // the highest pooled scores (snap_select: NaN ranked as -inf, ties to the lower row). Host
+  // [F, k] ascending row indices; 0 <= lo, 1 <= k <= hi - lo, hi <= n. Exact on the CPU; the
+  // device's scores agree with the CPU's to a bound (snap_scores, veloxquant/cuda.h) and its
+  // ranking rules are the CPU's.
+  virtual std::vector<int32_t> snap_select_rows(const RowStore& rows, int64_t n,
+                                                const TensorView* q, int64_t q_first,
+                                                int64_t obs_window, int64_t pool_kernel, int64_t lo,
+                                                int64_t hi, int64_t k) const = 0;
+
   // Indices from host values [F, count] (each below the rows of the store they will index).
   virtual std::unique_ptr<RowIndex> upload_index(int64_t count,
                                                  const std::vector<int32_t>& idx) const = 0;
@@ -297,6 +311,11 @@ class RowBackend {
   // Waits for the backend's queued work (the CUDA stream); nothing on the CPU.
   virtual void synchronize() const {}
 };
+
+// Refuses (vq::Error "[snap_select_rows] ...") arguments RowBackend::snap_select_rows does not
+// take; every backend checks them first.
+void check_select_rows(const RowStore& rows, int64_t n, const TensorView* q, int64_t lo, int64_t hi,
+                       int64_t k);
 
 // The head of the snapkv and streaming state streams: has_data, the fp16/bf16 storage dtype, B,
 // H, D (each 1 .. 2^24 with data, 0 without) and offset (0 .. 2^31-1).

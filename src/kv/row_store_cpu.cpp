@@ -522,6 +522,42 @@ class CpuBackend final : public RowBackend {
     return out;
   }
 
+  std::vector<int32_t> snap_select_rows(const RowStore& rows_base, int64_t n, const TensorView* q,
+                                        int64_t q_first, int64_t obs_window, int64_t pool_kernel,
+                                        int64_t lo, int64_t hi, int64_t k) const override {
+    check_select_rows(rows_base, n, q, lo, hi, k);
+    const auto& rows = static_cast<const CpuRowStore&>(rows_base);
+    const RowShape& sh = rows.shape();
+    const int64_t F = sh.frames(), H = sh.heads, d = sh.head_dim;
+    const int64_t n_rep = q ? q->shape[1] / H : 0, w = q ? q->shape[2] : 0;
+    std::vector<int32_t> out(static_cast<size_t>(F * k));
+    std::vector<float> sc(static_cast<size_t>(n)), pooled(static_cast<size_t>(n)), qwin;
+    std::vector<int32_t> qpos(static_cast<size_t>(w));
+    for (int64_t i = 0; i < w; ++i) qpos[i] = static_cast<int32_t>(q_first + i);
+    std::vector<int64_t> idx(static_cast<size_t>(k));
+    for (int64_t f = 0; f < F; ++f) {
+      const float* kf = reinterpret_cast<const float*>(rows.krow(f, 0));
+      if (q) {
+        const int64_t b = f / H, h = f % H;
+        qwin.resize(static_cast<size_t>(n_rep * w * d));
+        for (int64_t r = 0; r < n_rep; ++r)
+          for (int64_t i = 0; i < w; ++i)
+            convert_view_row(*q, b, h * n_rep + r, i, qwin.data() + (r * w + i) * d, DType::kF32);
+        snap_query_scores(kf, rows.positions() + f * rows.capacity(), n, d, qwin.data(),
+                          qpos.data(), n_rep, w, sc.data());
+      } else {
+        snap_key_proxy_scores(kf, n, d, obs_window, sc.data());
+      }
+      snap_pool_scores(sc.data(), n, pool_kernel, PoolKind::kMax, pooled.data());
+      const int64_t got = vq::snap_select(pooled.data() + lo, hi - lo, k, 0, idx.data());
+      VQ_CHECK(got == k, "[snap_select_rows] internal: selected " + std::to_string(got) +
+                             " rows, expected " + std::to_string(k));
+      for (int64_t i = 0; i < k; ++i)
+        out[static_cast<size_t>(f * k + i)] = static_cast<int32_t>(lo + idx[i]);
+    }
+    return out;
+  }
+
   std::unique_ptr<RowIndex> snap_select(const RowStore& rows_base, int64_t n, const TensorView* q,
                                         int64_t q_first, const SnapSelectParams& p) const override {
     const auto& rows = static_cast<const CpuRowStore&>(rows_base);
@@ -586,6 +622,23 @@ class CpuBackend final : public RowBackend {
 };
 
 }  // namespace
+
+void check_select_rows(const RowStore& rows, int64_t n, const TensorView* q, int64_t lo, int64_t hi,
+                       int64_t k) {
+  const RowShape& sh = rows.shape();
+  VQ_CHECK(sh.dtype == DType::kF32 && n >= 1 && n <= rows.capacity() && lo >= 0 && k >= 1 &&
+               lo + k <= hi && hi <= n && (!q || rows.has_positions()),
+           "[snap_select_rows] expected fp32 rows (with positions for query scoring), 1 <= n <= "
+           "capacity " +
+               std::to_string(rows.capacity()) +
+               ", 0 <= lo, 1 <= k <= hi - lo, hi <= n but got n " + std::to_string(n) + ", lo " +
+               std::to_string(lo) + ", hi " + std::to_string(hi) + ", k " + std::to_string(k));
+  VQ_CHECK(!q || (q->dtype == DType::kF32 && q->shape[0] == sh.batch && q->shape[1] >= sh.heads &&
+                  q->shape[1] % sh.heads == 0 && q->shape[2] >= 1 && q->shape[3] == sh.head_dim),
+           "[snap_select_rows] expected fp32 queries [" + std::to_string(sh.batch) +
+               ", a multiple of " + std::to_string(sh.heads) + ", w >= 1, " +
+               std::to_string(sh.head_dim) + "]");
+}
 
 PackedSegment PackedStore::segment(int64_t row0, int64_t n, DType out,
                                    const PackedTransforms& t) const {

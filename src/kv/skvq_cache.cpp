@@ -33,20 +33,27 @@ namespace skvq {
 struct Protect {
   bool pending = false;  // the first prompt is being copied; its selection is owed
   bool done = false;     // the selection has run (or cannot run any more)
-  // While pending: fp32 copies of the prompt's rows, per frame [rows, D].
-  std::vector<std::vector<float>> k, v;
+  // While pending: fp32 copies of the prompt's rows [F, capacity, D] on the backend's device,
+  // positions 0 .. rows - 1.
+  std::unique_ptr<kv::RowStore> copies;
   int64_t rows = 0;
   // Window queries of the latest multi-token call [B, hq, w, D] fp32 at positions q_first..
-  std::vector<float> q;
-  int64_t hq = 0, w = 0, q_first = 0;
-  std::vector<float> ext;  // external scores [F, ext_rows]
+  std::unique_ptr<kv::QueryRows> q;
+  int64_t q_first = 0;
+  std::vector<float> ext;  // external scores [F, ext_rows] (host: the CPU backend only)
   int64_t ext_rows = 0;
   // After the selection: prompt rows it ran over, the packed frontier then (its candidates were
-  // positions n_sink .. covered - 1), rows per frame, their copies and the packed rows' positions
-  // [F, covered] (INT32_MAX for a protected row).
+  // positions n_sink .. covered - 1), rows per frame, their copies, their positions [F, count]
+  // (host), and the packed rows' positions from position table_first, [F, table->count] on the
+  // backend's device (INT32_MAX for a protected row): positions 0 .. covered - 1 when packed rows
+  // live in one store per block, every record of the one packed run (from n_sink, its capacity
+  // long: a device view's positions are strided by the run's capacity) on a one_packed_run
+  // backend.
   int64_t prompt_rows = 0, covered = 0, count = 0;
   std::unique_ptr<kv::RowStore> fp;
-  std::vector<int32_t> table;
+  std::vector<int32_t> pos;
+  std::unique_ptr<kv::RowIndex> table;
+  int64_t table_first = 0;
 };
 
 struct State {
@@ -84,6 +91,34 @@ int64_t protect_count(double protect, int64_t n, int64_t packed) {
   const int64_t k = std::max<int64_t>(1, std::llround(protect * static_cast<double>(n)));
   return std::min(k, packed);
 }
+
+// The columns and first position the protected rows' position table needs now (Protect::table).
+std::pair<int64_t, int64_t> table_span(const kv::RowBackend& be, const skvq::Store& rows,
+                                       const skvq::Protect& pr, int64_t n_sink) {
+  if (!be.one_packed_run()) return {pr.covered, 0};
+  return {std::max(rows.packed_capacity(), pr.covered - n_sink), n_sink};
+}
+
+// (Re)builds the position table when the packed stores no longer match it (a selection, a load,
+// a grown packed run). A replaced table may still be read by queued work: the backend drains
+// first.
+void fit_table(const kv::RowBackend& be, const skvq::Store& rows, skvq::Protect& pr,
+               int64_t n_sink) {
+  if (pr.count == 0) return;
+  const auto [cols, first] = table_span(be, rows, pr, n_sink);
+  if (pr.table && pr.table->count == cols && pr.table_first == first) return;
+  const int64_t F = rows.batch * rows.heads, k = pr.count;
+  std::vector<int32_t> t(static_cast<size_t>(F * cols));
+  for (int64_t f = 0; f < F; ++f) {
+    for (int64_t c = 0; c < cols; ++c)
+      t[static_cast<size_t>(f * cols + c)] = static_cast<int32_t>(first + c);
+    for (int64_t i = 0; i < k; ++i)
+      t[static_cast<size_t>(f * cols + pr.pos[static_cast<size_t>(f * k + i)] - first)] = INT32_MAX;
+  }
+  if (pr.table) be.synchronize();
+  pr.table = be.upload_index(cols, t);
+  pr.table_first = first;
+}
 }  // namespace
 
 std::unique_ptr<KVCache> make_skvq_cache(const CacheConfig& cfg, int64_t layer_index) {
@@ -97,11 +132,12 @@ SkvqCache::SkvqCache(const CacheConfig& cfg, const kv::RowBackend& backend, int6
     : backend_(&backend),
       set_(std::make_unique<Settings>(Settings::from_config(cfg, layer_index, kOp))),
       st_(std::make_unique<State>(backend, *set_)) {
-  // Protected rows hide packed rows by position inside one block per flushed chunk.
-  VQ_CHECK(set_->protect == 0.0 || backend.device() == kv::Device::kCpu,
-           "[skvq] skvq_protect: expected 0 on the CUDA backend (protected rows are CPU only) but "
-           "got " +
-               std::to_string(set_->protect) + "; use the CPU cache");
+  // External scores reach a cache through KVCache::set_external_scores, which device caches do
+  // not take.
+  VQ_CHECK(set_->protect == 0.0 || set_->protect_scoring != SnapScoring::kExternal ||
+               backend.device() == kv::Device::kCpu,
+           "[skvq] skvq_protect_scoring: expected key_proxy or query on the CUDA backend (external "
+           "scores are given to CPU caches only) but got external; use the CPU cache");
 }
 
 SkvqCache::~SkvqCache() = default;
@@ -109,6 +145,11 @@ SkvqCache::~SkvqCache() = default;
 int64_t skvq_packed_rows(const CacheConfig& cfg, int64_t tokens) {
   const int64_t q_end = flush_frontier(tokens, cfg.skvq_window, cfg.skvq_window + cfg.skvq_recent);
   return q_end > 0 ? q_end - cfg.skvq_n_sink : 0;
+}
+
+int64_t skvq_protect_copy_capacity(int64_t cap, int64_t need) {
+  if (need <= cap) return cap;
+  return round_up(std::max({need, 2 * cap, int64_t{16}}), 16);
 }
 
 void SkvqCache::reserve(int64_t rows) {
@@ -210,33 +251,23 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
   if (s.protect > 0.0 && !pr.done) {
     const int64_t B = keys.shape[0], H = keys.shape[1], D = s.head_dim;
     pr.pending = true;
-    pr.k.resize(static_cast<size_t>(B * H));
-    pr.v.resize(static_cast<size_t>(B * H));
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h) {
-        std::vector<float>& kf = pr.k[static_cast<size_t>(b * H + h)];
-        std::vector<float>& vf = pr.v[static_cast<size_t>(b * H + h)];
-        kf.resize(static_cast<size_t>((pr.rows + n_new) * D));
-        vf.resize(static_cast<size_t>((pr.rows + n_new) * D));
-        for (int64_t i = 0; i < n_new; ++i) {
-          convert_view_row(keys, b, h, i, kf.data() + (pr.rows + i) * D, DType::kF32);
-          convert_view_row(values, b, h, i, vf.data() + (pr.rows + i) * D, DType::kF32);
-        }
-      }
-    pr.rows += n_new;
+    const int64_t need = pr.rows + n_new;
+    if (!pr.copies || pr.copies->capacity() < need) {  // x2 growth in steps of 16 rows
+      const int64_t cap = pr.copies ? pr.copies->capacity() : 0;
+      auto grown =
+          backend_->make({DType::kF32, B, H, D}, skvq_protect_copy_capacity(cap, need), true);
+      if (pr.copies) grown->copy_rows(*pr.copies, pr.rows);
+      pr.copies = std::move(grown);
+    }
+    pr.copies->write_block(keys, values, 0, n_new, pr.rows);
+    pr.copies->fill_positions(pr.rows, n_new, pr.rows);
+    pr.rows = need;
     pr.ext.clear();  // scores cover the rows stored when they were given
     pr.ext_rows = 0;
     if (s.protect_scoring == SnapScoring::kQuery && queries) {
-      const TensorView& q = *queries;
-      pr.hq = q.shape[1];
-      pr.w = std::min(s.protect_obs_window, n_new);
-      pr.q_first = st.offset + n_new - pr.w;
-      pr.q.resize(static_cast<size_t>(B * pr.hq * pr.w * D));
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t g = 0; g < pr.hq; ++g)
-          for (int64_t i = 0; i < pr.w; ++i)
-            convert_view_row(q, b, g, n_new - pr.w + i,
-                             pr.q.data() + ((b * pr.hq + g) * pr.w + i) * D, DType::kF32);
+      const int64_t w_q = std::min(s.protect_obs_window, n_new);
+      pr.q_first = st.offset + n_new - w_q;
+      pr.q = backend_->keep_queries(*queries, w_q);
     }
   }
 
@@ -263,6 +294,7 @@ CacheView SkvqCache::update_and_fetch(const TensorView& keys, const TensorView& 
     rows.pack_tail(blocks);
     rows.fit();  // the flushed rows' full-precision copies are freed
     rows.release_retired();
+    fit_table(*backend_, rows, pr, s.n_sink);  // a grown packed run
   }
   st.q_end = q_new;
   st.offset = n_total;
@@ -280,10 +312,11 @@ CacheView SkvqCache::with_protected(CacheView v) const {
   if (pr.count == 0) return v;
   for (ViewSegment& seg : v.segments) {
     if (!seg.packed || seg.positions || seg.first_pos >= pr.covered) continue;
-    VQ_CHECK(seg.first_pos + seg.n_rows <= pr.covered,
-             "[skvq] internal: a packed segment straddles the protected rows' frontier");
-    seg.positions = pr.table.data() + seg.first_pos;
-    seg.pos_stride = pr.covered;
+    VQ_CHECK(seg.first_pos >= pr.table_first &&
+                 seg.first_pos + seg.n_rows <= pr.table_first + pr.table->count,
+             "[skvq] internal: a packed segment straddles the protected rows' position table");
+    seg.positions = pr.table->data() + (seg.first_pos - pr.table_first);
+    seg.pos_stride = pr.table->count;
   }
   ViewSegment ps;
   ps.n_rows = pr.count;
@@ -362,81 +395,79 @@ void SkvqCache::select_protected() {
   VQ_CHECK(n == st.offset, "[skvq] internal: the protected copies do not cover the prompt");
   const int64_t lo = st.q_end > 0 ? s.n_sink : 0, hi = st.q_end;
   const int64_t k = protect_count(s.protect, n, hi - lo);
-  std::vector<int32_t> pos(static_cast<size_t>(F * k));
-  if (k > 0) {
-    std::vector<int32_t> kpos(static_cast<size_t>(n)), qpos(static_cast<size_t>(pr.w));
-    for (int64_t i = 0; i < n; ++i) kpos[i] = static_cast<int32_t>(i);
-    for (int64_t i = 0; i < pr.w; ++i) qpos[i] = static_cast<int32_t>(pr.q_first + i);
+  std::vector<int32_t> pos;  // [F, k] ascending positions (= rows of the copies)
+  if (k > 0 && s.protect_scoring == SnapScoring::kExternal) {  // host scores (CPU caches only)
+    pos.resize(static_cast<size_t>(F * k));
     std::vector<float> sc(static_cast<size_t>(n)), pooled(static_cast<size_t>(n));
     std::vector<int64_t> idx(static_cast<size_t>(k));
     for (int64_t f = 0; f < F; ++f) {
-      const float* kf = pr.k[static_cast<size_t>(f)].data();
-      if (s.protect_scoring == SnapScoring::kExternal) {
-        std::copy(pr.ext.begin() + f * n, pr.ext.begin() + (f + 1) * n, sc.begin());
-      } else if (s.protect_scoring == SnapScoring::kQuery && pr.w > 0) {
-        const int64_t n_rep = pr.hq / H, b = f / H, h = f % H;
-        snap_query_scores(kf, kpos.data(), n, D, pr.q.data() + (b * pr.hq + h * n_rep) * pr.w * D,
-                          qpos.data(), n_rep, pr.w, sc.data());
-      } else {  // key proxy (also query scoring without queries, as SnapKV)
-        snap_key_proxy_scores(kf, n, D, s.protect_obs_window, sc.data());
-      }
+      std::copy(pr.ext.begin() + f * n, pr.ext.begin() + (f + 1) * n, sc.begin());
       snap_pool_scores(sc.data(), n, s.protect_pool_kernel, PoolKind::kMax, pooled.data());
       const int64_t got = snap_select(pooled.data() + lo, hi - lo, k, 0, idx.data());
       VQ_CHECK(got == k, "[skvq] internal: protected selection size");
       for (int64_t i = 0; i < k; ++i) pos[f * k + i] = static_cast<int32_t>(lo + idx[i]);
     }
+  } else if (k > 0) {  // query scores (the kept window), else the key proxy (also without queries)
+    TensorView qv;
+    const bool by_query = s.protect_scoring == SnapScoring::kQuery && pr.q && pr.q->rows > 0;
+    if (by_query) qv = pr.q->view();
+    pos = backend_->snap_select_rows(*pr.copies, n, by_query ? &qv : nullptr, pr.q_first,
+                                     s.protect_obs_window, s.protect_pool_kernel, lo, hi, k);
   }
   pr.prompt_rows = n;
   pr.covered = hi;
   pr.count = k;
   if (k > 0) {
-    // Values of unprotected-value rows: the codes' own values, dequantized as attention would.
-    std::vector<float> vdq;
-    if (!s.protect_values) {
-      vdq.resize(static_cast<size_t>(F * k * D));
-      const DenseView dv = dequantize_view(rows.view(1), DType::kF32);
-      for (int64_t f = 0; f < F; ++f) {
-        const int64_t b = f / H, h = f % H;
-        for (const ViewSegment& seg : dv.view.segments)
-          for (int64_t i = 0; i < seg.n_rows; ++i) {
-            const int32_t p = seg.position(b, h, i, H);
-            const auto it = std::lower_bound(pos.begin() + f * k, pos.begin() + (f + 1) * k, p);
-            if (it != pos.begin() + (f + 1) * k && *it == p && p >= lo && p < hi)
-              convert_view_row(seg.values, b, h, i,
-                               vdq.data() + (f * k + (it - (pos.begin() + f * k))) * D,
-                               DType::kF32);
-          }
-      }
-    }
-    Tensor tk(DType::kF32, B, H, k, D), tv(DType::kF32, B, H, k, D);
-    float* ok = static_cast<float*>(tk.data());
-    float* ov = static_cast<float*>(tv.data());
-    for (int64_t f = 0; f < F; ++f)
-      for (int64_t i = 0; i < k; ++i) {
-        const int64_t p = pos[f * k + i];
-        std::copy_n(pr.k[static_cast<size_t>(f)].data() + p * D, D, ok + (f * k + i) * D);
-        if (s.protect_values)
-          std::copy_n(pr.v[static_cast<size_t>(f)].data() + p * D, D, ov + (f * k + i) * D);
-        else
-          std::copy_n(vdq.data() + (f * k + i) * D, D, ov + (f * k + i) * D);
-      }
+    // The chosen copies (positions too), on the backend's device.
     auto tmp = backend_->make({DType::kF32, B, H, D}, k, true);
-    tmp->upload(tk.view(), tv.view(), 0, k, &pos);
+    tmp->gather(*pr.copies, *backend_->upload_index(k, pos), 0);
+    if (!s.protect_values) {
+      // Values of unprotected-value rows: the codes' own values, dequantized as attention would
+      // (dequantize_row, packed.h; value records are per token), from the packed blocks' host
+      // bytes.
+      const PackedRowFormat& fv = s.fv;
+      const int64_t rs = fv.row_stride;
+      std::vector<uint8_t> rec(static_cast<size_t>(F * k * rs));
+      int64_t first = lo;
+      for (size_t bi = 0; bi < rows.blocks().size(); ++bi) {
+        const int64_t nb = rows.blocks()[bi];
+        const std::vector<uint8_t> bytes = rows.block_records(bi, true);  // [F, nb, rs]
+        for (int64_t f = 0; f < F; ++f)
+          for (int64_t i = 0; i < k; ++i) {
+            const int64_t p = pos[static_cast<size_t>(f * k + i)];
+            if (p >= first && p < first + nb)
+              std::copy_n(bytes.data() + (f * nb + p - first) * rs, rs,
+                          rec.data() + (f * k + i) * rs);
+          }
+        first += nb;
+      }
+      PackedTensor pt;
+      pt.data = rec.data();
+      pt.stride_h = k * rs;
+      pt.stride_b = H * k * rs;
+      pt.fmt = fv;
+      pt.perm = rows.tr.perm_v.empty() ? nullptr : rows.tr.perm_v.data();
+      pt.signs = rows.tr.signs.empty() || !rows.tr.rotate_values ? nullptr : rows.tr.signs.data();
+      pt.rot_block = pt.signs ? rows.tr.rot_block : 0;
+      const Tensor tk = tmp->download(false, k);
+      Tensor tv(DType::kF32, B, H, k, D);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t i = 0; i < k; ++i)
+            dequantize_row(pt, b, h, i, static_cast<float*>(tv.data()) + ((b * H + h) * k + i) * D);
+      tmp->upload(tk.view(), tv.view(), 0, k, &pos);
+    }
     pr.fp = backend_->make({rows.dtype, B, H, D}, k, true);
     pr.fp->copy_range(*tmp, 0, 0, k);  // converted to the storage dtype, positions copied
-    pr.table.resize(static_cast<size_t>(F * hi));
-    for (int64_t f = 0; f < F; ++f) {
-      for (int64_t p = 0; p < hi; ++p) pr.table[f * hi + p] = static_cast<int32_t>(p);
-      for (int64_t i = 0; i < k; ++i) pr.table[f * hi + pos[f * k + i]] = INT32_MAX;
-    }
+    pr.pos = std::move(pos);
+    fit_table(*backend_, rows, pr, s.n_sink);
   }
   pr.pending = false;
   pr.done = true;
-  std::vector<std::vector<float>>().swap(pr.k);
-  std::vector<std::vector<float>>().swap(pr.v);
-  std::vector<float>().swap(pr.q);
+  pr.copies.reset();
+  pr.q.reset();
   std::vector<float>().swap(pr.ext);
-  pr.rows = pr.w = pr.hq = pr.ext_rows = 0;
+  pr.rows = pr.ext_rows = 0;
 }
 
 CacheStats SkvqCache::stats() const {
@@ -459,11 +490,11 @@ CacheStats SkvqCache::stats() const {
   const int64_t protected_bytes = pr.count * (d * 2 * (s.protect_values ? 2 : 1) + 4) * bh;
   cs.bytes_accounted = st.comp_k + st.comp_v + residual + perm_bytes + protected_bytes;
   cs.fp16_bytes = 2 * fp16_k;
-  int64_t copies = static_cast<int64_t>(pr.q.size() + pr.ext.size()) * 4;
-  for (const auto& c : pr.k) copies += static_cast<int64_t>(c.size()) * 4;
-  for (const auto& c : pr.v) copies += static_cast<int64_t>(c.size()) * 4;
+  const int64_t copies = (pr.copies ? pr.copies->resident_bytes() : 0) +
+                         (pr.q ? pr.q->resident_bytes() : 0) +
+                         static_cast<int64_t>(pr.ext.size()) * 4;
   cs.bytes_resident = st.rows.resident_bytes() + (pr.fp ? pr.fp->resident_bytes() : 0) +
-                      static_cast<int64_t>(pr.table.size()) * 4 + copies;
+                      (pr.table ? bh * pr.table->count * 4 : 0) + copies;
   cs.figures = {
       {"compressed_key_bytes", static_cast<double>(st.comp_k)},
       {"compressed_value_bytes", static_cast<double>(st.comp_v)},
@@ -662,14 +693,8 @@ void SkvqCache::load(std::istream& in) {
           TensorView::contiguous(pv.data(), static_cast<DType>(dt), batch, heads, pr.count, d);
       pr.fp = backend_->make({static_cast<DType>(dt), batch, heads, d}, pr.count, true);
       pr.fp->upload(kv, vv, 0, pr.count, &ppos);
-      pr.table.resize(static_cast<size_t>(bh * pr.covered));
-      for (int64_t f = 0; f < bh; ++f) {
-        for (int64_t p = 0; p < pr.covered; ++p)
-          pr.table[static_cast<size_t>(f * pr.covered + p)] = static_cast<int32_t>(p);
-        for (int64_t i = 0; i < pr.count; ++i)
-          pr.table[static_cast<size_t>(f * pr.covered +
-                                       ppos[static_cast<size_t>(f * pr.count + i)])] = INT32_MAX;
-      }
+      pr.pos = std::move(ppos);
+      fit_table(*backend_, rows, pr, s.n_sink);
     }
   } else {
     r.expect_end();

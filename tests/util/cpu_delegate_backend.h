@@ -35,6 +35,11 @@ class CpuDelegateBackend : public kv::RowBackend {
                                             const SnapSelectParams& p) const override {
     return cpu().snap_select(rows, n, q, q_first, p);
   }
+  std::vector<int32_t> snap_select_rows(const kv::RowStore& rows, int64_t n, const TensorView* q,
+                                        int64_t q_first, int64_t obs_window, int64_t pool_kernel,
+                                        int64_t lo, int64_t hi, int64_t k) const override {
+    return cpu().snap_select_rows(rows, n, q, q_first, obs_window, pool_kernel, lo, hi, k);
+  }
   std::unique_ptr<kv::RowIndex> upload_index(int64_t count,
                                              const std::vector<int32_t>& idx) const override {
     return cpu().upload_index(count, idx);
