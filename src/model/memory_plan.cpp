@@ -371,9 +371,42 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
                                        std::max<int64_t>(r.max_new_tokens - 1, 4));
     p.cache_bytes_resident += device_alloc(steps * hq * d * 4);
   }
-  // skvq_protect: the prompt's fp32 copies (keys and values) held until its selection.
-  if (meth == "skvq" && cc.skvq_protect > 0.0)
-    p.cache_bytes_resident += r.prompt_tokens * H * d * 8;
+  // skvq_protect (src/kv/skvq_cache.cpp), on either device: until the selection, the prompt's
+  // fp32 copies (keys, values and int32 positions, one allocation each; grown over the prefill
+  // chunks by skvq_protect_copy_capacity, the old store alive during its copy) and the window
+  // queries (at most obs_window rows of the rank's query heads); after it, the protected rows
+  // (keys and values of the storage dtype, positions) and the packed rows' position table (the
+  // one packed run's capacity on the device, reserved or grown; the covered rows on the CPU).
+  // The copies are freed after the selection; the bound counts them throughout.
+  if (meth == "skvq" && cc.skvq_protect > 0.0) {
+    const auto copies = [&](int64_t rows) {
+      return rows > 0 ? 2 * device_alloc(rows * H * d * 4) + device_alloc(rows * H * 4) : 0;
+    };
+    int64_t cap = 0, rows = 0, before = 0;
+    for (const int64_t c : prefill_chunks(r.prompt_tokens, r.prefill_step)) {
+      const int64_t next = skvq_protect_copy_capacity(cap, rows + c);
+      before = std::max(before, copies(next) + (next != cap ? copies(cap) : 0));
+      cap = next;
+      rows += c;
+    }
+    const int64_t hq = m.n_heads / tp.n_ranks;
+    before += device_alloc(hq * std::min(cc.skvq_protect_obs_window, r.prompt_tokens) * d * 4);
+    const int64_t cand = skvq_packed_rows(cc, r.prompt_tokens);
+    const int64_t k =
+        cand > 0
+            ? std::min(cand,
+                       std::max<int64_t>(
+                           1, std::llround(cc.skvq_protect * static_cast<double>(r.prompt_tokens))))
+            : 0;
+    const int64_t run =
+        std::max(grown_packed_capacity(max_packed),
+                 round_up(std::max(skvq_packed_rows(cc, p.context_tokens), int64_t{64}), 64));
+    const int64_t after = k > 0 ? 2 * device_alloc(k * H * d * std::max<int64_t>(es, 2)) +
+                                      device_alloc(k * H * 4) + device_alloc(run * H * 4)
+                                : 0;
+    // The selection holds both, and the chosen rows' fp32 staging store (copies(k)).
+    p.cache_bytes_resident += before + after + copies(k);
+  }
   if (meth == "full" && r.reserve_capacity) {
     // one store of the reserved rows (FullCache::reserve): K and V one device allocation each
     const int64_t half = (p.context_tokens + kGrowStep - 1) / kGrowStep * kGrowStep * row_es / 2;

@@ -503,6 +503,9 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
       if (::testing::Test::HasFatalFailure()) return;
     }
     expect_same_masks(*cpu, *gpu, B, H, vars);
+    // skvq_protect: no state is written while the selection of protected rows is owed.
+    const auto* sk = dynamic_cast<const SkvqCache*>(cpu.get());
+    if (sk && sk->protection_pending()) continue;
     auto [cpu2, gpu2] = exchange_state(cfg, *cpu, *gpu, B, H, D, vars, cs.layer);
     if (step == static_cast<int>(cs.steps.size() + 1) / 2 && cpu2) {
       // From the middle on, both sides continue from loaded state (the CPU cache from the device's
@@ -1220,6 +1223,95 @@ TEST(CudaCaches, SnapKVDecodeBudgetMatchesCpu) {
       c.with(steps({30}, 20, {}), "snapkv decode_budget 16 every 2 key proxy f32 B2 H2 D64"));
   for (const Case& cs : cases) EXPECT_GE(decode_evictions(cs), 3) << cs.name;
   run_cases("snapkv decode budget", cases, 7000);
+}
+
+// Protected rows of a case's CPU cache after its steps (0 unless skvq with skvq_protect).
+int64_t protected_rows(const Case& cs) {
+  CacheConfig cfg = cs.cfg;
+  cfg.head_dim = cs.D;
+  SkvqCache cpu(cfg, cs.layer);
+  uint64_t seed = 1;
+  for (size_t i = 0; i < cs.steps.size(); ++i) {
+    const int64_t s = cs.steps[i];
+    const Tensor k = test::random_tensor(cs.dtype, cs.B, cs.H, s, cs.D, seed++);
+    const Tensor q = test::random_tensor(DType::kF32, cs.B, cs.Hq, s, cs.D, seed++);
+    UpdateOptions o;
+    const TensorView qv = q.view();
+    if (cs.queries) o.queries = &qv;
+    cpu.update_and_fetch(k.view(), k.view(), o);
+    if (std::find(cs.end_prompt_after.begin(), cs.end_prompt_after.end(), i + 1) !=
+        cs.end_prompt_after.end())
+      cpu.end_prompt();
+  }
+  return cpu.protected_rows();
+}
+
+// skvq_protect on the device (the policy of skvq_cache.cpp over the CUDA row backend): the
+// prompt's fp32 copies and window queries live on the device, the selection runs there
+// (RowBackend::snap_select_rows: the device's scores, pooling and top-k), and the view has the
+// protected rows' segment (explicit positions) before the sinks and the one packed run, whose
+// explicit positions hide the protected rows (INT32_MAX). After every call the rows, their bytes
+// and positions (INT32_MAX included), the masks, the figures (protected_rows, protected_bytes) and
+// the state bytes equal the CPU cache's (selections under the ulp-of-expf argument of the file's
+// header), and decode / prefill attention over the device view is within the bound of the CPU
+// view's reference. Query scoring with GQA (pool 3), key-proxy scoring, values protected or their
+// codes' values (also rotated values), an implicit prompt end (the first single-token call) and an
+// explicit one, a later multi-token call (no new protected rows), decode steps that grow the
+// packed run past the protected rows (the positions are rebuilt for its new capacity), and the
+// state exchange from the middle step on. Each case protects rows.
+TEST(CudaCaches, SkvqProtectMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("skvq");
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 16;
+  c.cfg.skvq_recent = 3;
+  c.cfg.skvq_protect = 0.1;
+  c.cfg.skvq_protect_scoring = SnapScoring::kQuery;
+  c.cfg.skvq_protect_obs_window = 8;
+  c.cfg.skvq_protect_pool_kernel = 3;
+  c.queries = true;
+  c.blocks(2, 2, 64, 4, DType::kF16);
+  cases.push_back(c.with(steps({40, 30}, 40, {33, 1, 1}),
+                         "skvq protect 0.1 query GQA 2 pool 3 K2V2 g16 f16 B2 H2 D64"));
+  c.cfg.skvq_protect = 0.05;
+  c.cfg.skvq_protect_scoring = SnapScoring::kKeyProxy;
+  c.cfg.skvq_protect_pool_kernel = 1;
+  c.cfg.skvq_protect_values = false;
+  c.queries = false;
+  c.blocks(1, 4, 128, 16, DType::kBF16, true);
+  c.end_prompt_after = {1};
+  cases.push_back(c.with(steps({90}, 50, {}),
+                         "skvq protect 0.05 key proxy codes' values explicit end bf16 token-major "
+                         "B1 H4 D128"));
+  set_k4v4_meta_f32_recent8(c.cfg);
+  c.cfg.skvq_rotation = Rotation::kHadamard;
+  c.cfg.skvq_rotate_values = true;
+  c.cfg.skvq_protect = 0.15;
+  c.cfg.skvq_protect_scoring = SnapScoring::kQuery;
+  c.cfg.skvq_protect_obs_window = 6;
+  c.queries = true;
+  c.blocks(1, 2, 128, 8, DType::kF16);
+  c.end_prompt_after = {};
+  cases.push_back(c.with(steps({37, 45}, 70, {}),
+                         "skvq protect 0.15 query GQA 4 codes' values hadamard keys+values K4V4 "
+                         "meta f32 B1 H2 D128"));
+  c.cfg = config("skvq");
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 2;
+  c.cfg.skvq_group_size = 16;
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_key_rows = 8;
+  c.cfg.skvq_protect = 0.1;
+  c.cfg.skvq_protect_scoring = SnapScoring::kQuery;
+  c.queries = true;
+  c.blocks(1, 2, 64, 4, DType::kF16);
+  cases.push_back(
+      c.with(steps({64}, 40, {}), "skvq protect 0.1 query channel-axis keys rows 8 f16 B1 H2 D64"));
+  for (const Case& cs : cases) EXPECT_GT(protected_rows(cs), 0) << cs.name;
+  run_cases("skvq protect", cases, 8000);
 }
 
 // Metamorphic, on the device alone: with snap_evict_at = prompt_end a prompt fed in chunks stores

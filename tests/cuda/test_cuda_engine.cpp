@@ -577,6 +577,8 @@ TEST(CudaEngine, EveryMethodMatchesCpuBf16) {
       "skvq:bits_key=2:bits_value=2:window=32:key_axis=channel:key_rows=8",
       "snapkv+skvq:budget=96:obs_window=16:window=32:key_axis=channel:evict_at=prompt_end:"
       "rotation=hadamard:meta=fp8_e4m3",
+      // protected rows: the prompt's query-scored rows kept precise, selected on the device
+      "skvq:bits_key=2:bits_value=2:window=32:protect=0.05",
   };
   for (const char* spec : specs) expect_method_matches_cpu(spec);
 }
