@@ -81,6 +81,19 @@ struct PhaseTime {
   double gpu_seconds = 0, host_seconds = 0;
 };
 
+// `eval attn-error` on an engine (Engine::set_attention_tap, src/eval/text_eval.cpp): the
+// attention-output error of a sequence's caches against a full-precision shadow of the same rows.
+// Per layer l and query head h, over the steps taken while `active` (every query of the step's
+// chunk): err2[l][h] += sum ||o_c - o_f||^2 and ref2[l][h] += sum ||o_f||^2, o_c the attention of
+// the layer's rotated queries over the sequence's cache view, o_f over the shadow's (scale
+// 1/sqrt(D), the model's sliding window, the chunk's positions). The shadow is fed every step,
+// active or not. The engine sizes err2 and ref2 to [n_layers][n_heads] (zeros) when the tap is
+// set and only adds to them.
+struct AttentionTap {
+  bool active = false;
+  std::vector<std::vector<double>> err2, ref2;
+};
+
 struct SeqChunk {
   int64_t seq = 0;                  // id from add_sequence()
   std::span<const int32_t> tokens;  // appended at the sequence's offset; at least one
@@ -144,6 +157,25 @@ class Engine {
   // vq::argmax on the host. n_vocab outside [1, vocab_size]: vq::Error before anything runs.
   virtual void step_greedy(std::span<const SeqChunk> chunks, int64_t n_vocab,
                            std::vector<int32_t>* tokens);
+
+  // Context-reconstruction scores for the sequence's prompt (scoring=external, reconstruct.h:
+  // snapkv with snap_scoring = external, skvq with skvq_protect_scoring = external): scores
+  // [layer][1, n_kv_heads, n] fp32, n the prompt's length, as prefill_reconstruct returns them.
+  // Kept until the step whose chunk of this sequence has end_prompt = true and ends at offset n,
+  // then handed to each layer's caches (KVCache::set_external_scores; ranks: their heads' rows)
+  // just before end_prompt(). A step with such a chunk ending at another offset is refused
+  // before any change. Refused (vq::Error, nothing kept) for a sequence whose caches take no
+  // external scores, past its prompt (end_prompt done) or with a shape other than
+  // [n_layers][n_kv_heads * n], n >= 1. The default refuses: engines without the hook.
+  virtual void set_external_scores(int64_t seq, std::vector<std::vector<float>> scores);
+
+  // `eval attn-error` (AttentionTap above): from the sequence's next step on, its every layer
+  // also feeds a full-precision shadow cache and, while tap->active, adds the attention-output
+  // error to *tap (which must outlive the sequence or a later set_attention_tap(seq, nullptr)).
+  // Only on an empty sequence (offset 0: the shadow must hold every row); nullptr removes the
+  // tap and its shadow. The default refuses: engines without the hook (the CPU's attn-error taps
+  // Model::forward's caches instead, src/eval/text_eval.cpp).
+  virtual void set_attention_tap(int64_t seq, AttentionTap* tap);
 
   // `bench --synthetic-prefill` only: appends n_tokens positions of pseudo-random K/V (uniform on
   // [-sqrt 3, sqrt 3): unit variance; queries alike for SnapKV query scoring) to every layer of

@@ -11,6 +11,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/device_cache_scores.h"
 #include "cuda/device_cache_util.h"
 #include "cuda/row_store_cuda.h"
 #include "veloxquant/error.h"
@@ -72,19 +73,31 @@ DeviceCacheView device_view(const CacheView& v, int64_t batch, int64_t heads, in
   return out;
 }
 
+// What every policy cache gives device_cache_scores.h: its policy through the CPU interface.
+class PolicyCacheBase : public DeviceKVCache {
+ public:
+  virtual KVCache& policy() = 0;
+  virtual const KVCache& policy() const = 0;
+
+ protected:
+  using DeviceKVCache::DeviceKVCache;
+};
+
 template <class Policy>
-class PolicyDeviceCache final : public DeviceKVCache {
+class PolicyDeviceCache final : public PolicyCacheBase {
  public:
   // layer: the model layer (the SKVQ policies' layer_index; the other policies have none).
   PolicyDeviceCache(const CacheConfig& cfg, int64_t b, int64_t h, int64_t d, Stream s,
                     int64_t layer = 0)
-      : DeviceKVCache(b, h, d, s),
+      : PolicyCacheBase(b, h, d, s),
         cfg_(cfg),
         layer_(layer),
         backend_(make_row_backend(s)),
         p_(make()) {}
 
   std::string method() const override { return p_->method(); }
+  KVCache& policy() override { return *p_; }
+  const KVCache& policy() const override { return *p_; }
 
   DeviceCacheView update_and_fetch(const TensorView& keys, const TensorView& values,
                                    const DeviceUpdateOptions& opts) override {
@@ -157,6 +170,20 @@ class PolicyDeviceCache final : public DeviceKVCache {
 };
 
 }  // namespace
+
+bool takes_external_scores(const DeviceKVCache& cache) {
+  const auto* p = dynamic_cast<const PolicyCacheBase*>(&cache);
+  return p != nullptr && p->policy().takes_external_scores();
+}
+
+void set_external_scores(DeviceKVCache& cache, const float* scores, int64_t batch, int64_t heads,
+                         int64_t rows) {
+  auto* p = dynamic_cast<PolicyCacheBase*>(&cache);
+  VQ_CHECK(p != nullptr, "[cuda " + cache.method() +
+                             "] set_external_scores: expected a cache over a CPU policy "
+                             "(src/cuda/device_cache_policy.cpp) but got another device cache");
+  p->policy().set_external_scores(scores, batch, heads, rows);
+}
 
 std::unique_ptr<DeviceKVCache> make_device_full_cache(const CacheConfig& cfg, int64_t b, int64_t h,
                                                       int64_t d, Stream s) {

@@ -67,16 +67,26 @@ std::string engine_reason(const Engine& engine) {
   return std::string("device ") + device_name(engine.device());
 }
 
-// snapkv:scoring=external on an engine: its reconstruction prefill (veloxquant/reconstruct.h)
-// drives Model::forward over one set of per-layer caches.
+// scoring=external on an engine: the scores come from the CPU's reconstruction prefill
+// (veloxquant/reconstruct.h, Model::forward over one set of per-layer caches of the method) and go
+// to the engine's caches through Engine::set_external_scores, which the CUDA engine has. Refused:
+// the CPU engine (tensor_parallel N > 1: no hook; N = 1 runs without an engine), and
+// skvq_protect_scoring=external on the device until protected rows run there and a test compares
+// them with the CPU (tests/cuda/test_cuda_eval.cpp covers snapkv).
 void check_engine_method(const CacheConfig& cfg, const std::string& label, const Engine& engine) {
   if (!external_scores(cfg)) return;
   const bool cpu = engine.device() == Device::kCpu;
-  throw Error("[eval] " + engine_reason(engine) + ": expected a method without scoring=external" +
-              (label.empty() ? std::string() : " but got " + label) +
-              " (its reconstruction prefill drives Model::forward over one set of per-layer "
-              "caches); use " +
-              (cpu ? "--tensor-parallel 1" : "--device cpu") + " for it");
+  const std::string got = label.empty() ? std::string() : " but got " + label;
+  if (cpu)
+    throw Error("[eval] " + engine_reason(engine) + ": expected a method without scoring=external" +
+                got +
+                " (the CPU engine's ranks take no external scores: Engine::set_external_scores); "
+                "use --tensor-parallel 1 for it");
+  if (cfg.method == "skvq")
+    throw Error("[eval] " + engine_reason(engine) +
+                ": expected skvq without skvq_protect_scoring=external" + got +
+                " (external protection scores are not yet run or tested on the device); use "
+                "--device cpu for it");
 }
 
 }  // namespace
@@ -102,7 +112,7 @@ std::unique_ptr<Engine> make_eval_engine(const Model& model, const EvalSettings&
 
 EvalSeq::EvalSeq(const Model& model, Engine* engine, const CacheConfig& cfg, const EvalSettings& st,
                  ForwardScratch& scratch)
-    : model_(model), engine_(engine), st_(st), scratch_(scratch) {
+    : model_(model), engine_(engine), st_(st), scratch_(scratch), cfg_(cfg) {
   if (!engine_) {
     caches_ = model.make_caches(cfg);
     return;
@@ -123,6 +133,20 @@ void EvalSeq::prefill(const int32_t* ids, int64_t n, std::vector<float>* logits)
   VQ_CHECK(n >= 1, "[eval] " + engine_reason(*engine_) +
                        ": expected a prompt of at least one token (P >= 2: an engine step takes "
                        "at least one token) but got none");
+  if (external_scores(cfg_)) {
+    // The CPU path's scores (prefill() above: prefill_reconstruct over caches of the same config,
+    // the same options), handed to the engine's caches at the prompt's end; the engine's own
+    // prefill below then gives the K/V and the logits.
+    const Caches cpu = model_.make_caches(cfg_);
+    ReconstructOptions ro;
+    ro.repeat_ids = st_.recon_repeat_ids;
+    ro.chunk = st_.recon_chunk;
+    ro.prefill_step = st_.prefill_step;
+    ro.kv_dtype = st_.kv_dtype;
+    ro.matmul = st_.matmul;
+    engine_->set_external_scores(seq_,
+                                 prefill_reconstruct(model_, ids, n, cpu, ro, nullptr, &scratch_));
+  }
   const std::vector<int64_t> chunks = prefill_chunks(n, st_.prefill_step);
   int64_t at = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
@@ -147,6 +171,13 @@ void EvalSeq::decode(int32_t id, std::vector<float>* logits) {
   ch.tokens = std::span<const int32_t>(&id, 1);
   ch.logits = logits != nullptr;
   engine_->step(std::span<const SeqChunk>(&ch, 1), logits);
+}
+
+void EvalSeq::set_attention_tap(AttentionTap* tap) {
+  VQ_CHECK(engine_ != nullptr,
+           "[attn-error] internal: the attention tap of an engine sequence "
+           "was asked for the CPU's caches (wrap them in TapCache)");
+  engine_->set_attention_tap(seq_, tap);
 }
 
 MemoryFigures EvalSeq::memory() const {

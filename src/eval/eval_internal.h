@@ -37,8 +37,8 @@ void decode_step(const Model& model, int32_t id, const Caches& caches, const Eva
 // tensor_parallel 1 (the caches are driven through prefill/decode_step above), else an engine of
 // the model on st.device with st's tensor_parallel, tp_simulate, kv_dtype and matmul (vq::Error
 // from make_engine without a CUDA build or device, or for N not dividing the KV heads).
-// tp_simulate on the CPU and, on an engine, any of `methods` with snapkv:scoring=external are
-// refused with vq::Error before anything runs.
+// tp_simulate on the CPU and, on the CPU engine, any of `methods` with scoring=external (on the
+// CUDA engine: skvq_protect_scoring=external) are refused with vq::Error before anything runs.
 std::unique_ptr<Engine> make_eval_engine(const Model& model, const EvalSettings& st,
                                          const std::vector<EvalMethod>& methods);
 
@@ -54,8 +54,13 @@ class EvalSeq {
   EvalSeq(const EvalSeq&) = delete;
   EvalSeq& operator=(const EvalSeq&) = delete;
 
-  // prefill(ids, n, ...) as above (n == 0 only ends the prompt; on an engine it is refused).
+  // prefill(ids, n, ...) as above (n == 0 only ends the prompt; on an engine it is refused). On an
+  // engine, a config with scoring=external first runs the CPU's reconstruction prefill for the
+  // scores (as prefill() above does) and hands them over (Engine::set_external_scores).
   void prefill(const int32_t* ids, int64_t n, std::vector<float>* logits);
+  // Engine sequences only, before the first prefill: Engine::set_attention_tap(seq, tap).
+  void set_attention_tap(AttentionTap* tap);
+  bool on_engine() const { return engine_ != nullptr; }
   void decode(int32_t id, std::vector<float>* logits);
   MemoryFigures memory() const;
   int64_t n_layers() const;
@@ -68,6 +73,7 @@ class EvalSeq {
   Engine* engine_;
   const EvalSettings& st_;
   ForwardScratch& scratch_;
+  CacheConfig cfg_;
   Caches caches_;     // CPU
   int64_t seq_ = -1;  // engine
 };

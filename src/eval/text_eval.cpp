@@ -236,17 +236,16 @@ AttnErrorResult eval_attn_error(const Model& model, const std::vector<std::vecto
   check_text_inputs(model, docs, opts, n_docs);
   const int64_t P = opts.prefill, T = opts.decode;
   const int64_t L = model.config().n_layers, Hq = model.config().n_heads;
-  VQ_CHECK(settings.device == Device::kCpu,
-           std::string("[attn-error] device: expected cpu but got ") +
-               device_name(settings.device) +
-               " (the attention-error tap wraps the CPU caches of Model::forward); use --device "
-               "cpu");
   VQ_CHECK(settings.tensor_parallel == 1 && !settings.tp_simulate,
            "[attn-error] tensor_parallel: expected 1 (without tp_simulate) but got " +
                std::to_string(settings.tensor_parallel) +
                (settings.tp_simulate ? " with tp_simulate" : "") +
                " (the attention-error tap wraps the per-layer caches of one Model::forward, "
                "which holds every head; sharded ranks each hold a slice); use --tensor-parallel 1");
+  // On the CUDA engine the engine taps its own caches (Engine::set_attention_tap: a device full
+  // cache per layer as the shadow, both views attended on the device with the layer's queries,
+  // the sums added on the host); on the CPU the TapCache of eval_internal.h wraps Model::forward's.
+  const std::unique_ptr<Engine> engine = eval_detail::make_eval_engine(model, settings, methods);
 
   AttnErrorResult res;
   res.options = opts;
@@ -266,6 +265,43 @@ AttnErrorResult eval_attn_error(const Model& model, const std::vector<std::vecto
     double rows = 0, acc = 0, resid = 0, fp = 0;
     for (int64_t d = 0; d < n_docs; ++d) {
       const std::vector<int32_t>& ids = docs[static_cast<size_t>(d)];
+      if (engine) {
+        AttentionTap tap;
+        {
+          eval_detail::EvalSeq seq(model, engine.get(), config_for_context(method, P), settings,
+                                   scratch);
+          seq.set_attention_tap(&tap);
+          seq.prefill(ids.data(), P - 1, nullptr);
+          tap.active = true;
+          for (int64_t t = 0; t < T; ++t) {
+            seq.decode(ids[static_cast<size_t>(P - 1 + t)], &logits);
+            if (t == memory_step(opts)) {
+              const MemoryFigures m = seq.memory();
+              row.mem.context = m.context;
+              rows += m.rows_kept;
+              acc += static_cast<double>(m.bytes_accounted);
+              resid += static_cast<double>(m.bytes_resident);
+              fp += static_cast<double>(m.fp16_bytes);
+            }
+          }
+        }  // the sequence (and the engine's pointer to tap) is gone here
+        for (int64_t l = 0; l < L; ++l) {
+          eval_detail::AttnErrorSums& s = sums[static_cast<size_t>(l)];
+          const auto& e = tap.err2[static_cast<size_t>(l)];
+          const auto& r = tap.ref2[static_cast<size_t>(l)];
+          if (s.err2.empty()) {
+            s.err2.assign(e.size(), 0.0);
+            s.ref2.assign(r.size(), 0.0);
+          }
+          for (size_t h = 0; h < e.size(); ++h) {
+            s.err2[h] += e[h];
+            s.ref2[h] += r[h];
+          }
+        }
+        prog.line(method.label + " doc " + std::to_string(d + 1) + "/" + std::to_string(n_docs),
+                  true);
+        continue;
+      }
       Caches inner = model.make_caches(config_for_context(method, P));
       Caches caches;
       std::vector<eval_detail::TapCache*> taps;

@@ -86,6 +86,24 @@ void Engine::step_greedy(std::span<const SeqChunk> chunks, int64_t n_vocab,
   }
 }
 
+void Engine::set_external_scores(int64_t seq, std::vector<std::vector<float>> scores) {
+  (void)seq;
+  (void)scores;
+  throw Error(std::string("[engine] set_external_scores: expected an engine that hands external "
+                          "scores to its caches (the CUDA engine) but got the ") +
+              device_name(device()) + " engine with tensor_parallel " +
+              std::to_string(options().tensor_parallel));
+}
+
+void Engine::set_attention_tap(int64_t seq, AttentionTap* tap) {
+  (void)seq;
+  (void)tap;
+  throw Error(std::string("[engine] set_attention_tap: expected an engine with the attention "
+                          "tap (the CUDA engine) but got the ") +
+              device_name(device()) + " engine with tensor_parallel " +
+              std::to_string(options().tensor_parallel));
+}
+
 double Engine::host_copy_bandwidth(int64_t bytes) {
   VQ_CHECK(bytes >= 1,
            "[engine] host_copy_bandwidth: expected bytes >= 1 but got " + std::to_string(bytes));

@@ -76,6 +76,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda/device_cache_scores.h"
 #include "cuda/model_ops.cuh"
 #include "veloxquant/cuda.h"
 #include "veloxquant/cuda_cache.h"
@@ -116,12 +117,22 @@ struct RankSeq {
   std::vector<std::unique_ptr<cuda::DeviceKVCache>> caches;
   cuda::DecodePlan plan;
   std::vector<int64_t> plan_key;
+  // Engine::set_attention_tap: a full cache per layer (the rank's KV heads, kv_dtype rows) fed
+  // the same blocks, and the two attention outputs of a tapped chunk [H_q, n, D] fp32.
+  std::vector<std::unique_ptr<cuda::DeviceKVCache>> shadow;
+  DeviceBuffer tap_c, tap_f;
 };
 
 struct Sequence {
   CacheConfig cache;           // its caches' config (before rank_cache_config)
   std::vector<RankSeq> ranks;  // one per rank
   int64_t offset = 0;
+  bool prompt_ended = false;  // a chunk with end_prompt ran
+  // Engine::set_external_scores: [layer][1, n_kv_heads, ext_rows], handed over at end_prompt.
+  std::vector<std::vector<float>> ext_scores;
+  int64_t ext_rows = 0;
+  AttentionTap* tap = nullptr;  // Engine::set_attention_tap
+  std::vector<float> tap_host;  // a tapped chunk's two outputs on the host
 };
 
 // One rank's device state: its device and stream (shared by simulated ranks), its shard of the
@@ -391,6 +402,59 @@ class CudaEngine final : public Engine {
     sample_memory();
   }
 
+  void set_external_scores(int64_t seq, std::vector<std::vector<float>> scores) override {
+    Sequence& s = find(seq, "set_external_scores")->second;
+    const cuda::DeviceKVCache& c0 = *s.ranks[0].caches[0];
+    VQ_CHECK(cuda::takes_external_scores(c0),
+             "[engine] set_external_scores: expected a sequence whose caches take external scores "
+             "(snapkv with snap_scoring=external, skvq with skvq_protect_scoring=external) but "
+             "sequence " +
+                 std::to_string(seq) + " has method " + s.cache.method);
+    VQ_CHECK(!s.prompt_ended,
+             "[engine] set_external_scores: expected a sequence before its "
+             "prompt's end but sequence " +
+                 std::to_string(seq) + " ended its prompt");
+    const int64_t Hkv = cfg_.n_kv_heads;
+    const int64_t per = scores.empty() ? 0 : static_cast<int64_t>(scores[0].size());
+    bool ok = static_cast<int64_t>(scores.size()) == cfg_.n_layers && per >= Hkv && per % Hkv == 0;
+    for (const auto& l : scores) ok = ok && static_cast<int64_t>(l.size()) == per;
+    VQ_CHECK(ok, "[engine] set_external_scores: expected scores [" + std::to_string(cfg_.n_layers) +
+                     " layers][" + std::to_string(Hkv) + " KV heads x n rows], n >= 1, but got " +
+                     std::to_string(scores.size()) + " layers of " + std::to_string(per) +
+                     " values");
+    s.ext_rows = per / Hkv;
+    s.ext_scores = std::move(scores);
+  }
+
+  // The shadow caches are made here (config "full", the rank's heads); their rows are allocated
+  // at the first step like any cache's.
+  void set_attention_tap(int64_t seq, AttentionTap* tap) override {
+    Sequence& s = find(seq, "set_attention_tap")->second;
+    if (tap == nullptr) {
+      s.tap = nullptr;
+      free_shadow(s);
+      return;
+    }
+    VQ_CHECK(s.offset == 0,
+             "[engine] set_attention_tap: expected an empty sequence (the shadow "
+             "must see every row) but sequence " +
+                 std::to_string(seq) + " holds " + std::to_string(s.offset) + " tokens");
+    CacheConfig full;
+    full.method = "full";
+    free_shadow(s);
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const Rank& R = *ranks_[r];
+      cuda::DeviceGuard at(R.device);
+      for (int64_t l = 0; l < cfg_.n_layers; ++l)
+        s.ranks[r].shadow.push_back(
+            cuda::make_device_cache(full, 1, R.hkv, cfg_.head_dim, R.stream, l));
+    }
+    tap->err2.assign(static_cast<size_t>(cfg_.n_layers),
+                     std::vector<double>(static_cast<size_t>(cfg_.n_heads), 0.0));
+    tap->ref2 = tap->err2;
+    s.tap = tap;
+  }
+
   std::vector<int32_t> stored_positions(int64_t seq, int64_t layer, int64_t head) const override {
     const Sequence& s = find(seq, "stored_positions")->second;
     check_layer_head(cfg_, layer, head);
@@ -558,10 +622,24 @@ class CudaEngine final : public Engine {
 
   // Frees a sequence's caches, each rank's with its device current.
   void free_caches(Sequence& s) noexcept {
+    free_shadow(s);
     for (size_t r = 0; r < s.ranks.size() && r < ranks_.size(); ++r) {
       try {
         cuda::DeviceGuard at(ranks_[r]->device);
         s.ranks[r].caches.clear();
+      } catch (...) {
+      }
+    }
+  }
+  // Frees a sequence's attention-tap shadow caches and outputs.
+  void free_shadow(Sequence& s) noexcept {
+    for (size_t r = 0; r < s.ranks.size() && r < ranks_.size(); ++r) {
+      try {
+        cuda::DeviceGuard at(ranks_[r]->device);
+        cuda::synchronize(ranks_[r]->stream);
+        s.ranks[r].shadow.clear();
+        s.ranks[r].tap_c = DeviceBuffer();
+        s.ranks[r].tap_f = DeviceBuffer();
       } catch (...) {
       }
     }
@@ -769,6 +847,14 @@ class CudaEngine final : public Engine {
                       const std::vector<int64_t>& chunk_start, const cuda::StepTokens& st,
                       AttentionParams ap);
   void mlp_half(size_t r, int64_t li, int64_t T);
+  // Engine::set_attention_tap for one chunk of s in layer li on rank r: the shadow takes the
+  // chunk's blocks; while the tap is active, both views are attended with the chunk's queries
+  // (cuda::prefill_attention, one kernel for both: identical views give identical outputs) and
+  // the sums added on the host (synchronises the rank's stream). Pending row writes are launched
+  // first (writes).
+  void tap_attention(size_t r, int64_t li, Sequence& s, const cuda::DeviceCacheView& view,
+                     const TensorView& k, const TensorView& v, const float* q, int64_t n,
+                     const AttentionParams& ap, cuda::RowWriteBatch* writes);
   // The rank's residual x += h (when add) and RMSNorm(x) * weight into R.op as out_t, T rows.
   void add_norm(Rank& R, int64_t T, bool add, const DeviceBuffer& weight, DType out_t);
   // The sum all-reduce of every rank's R.h [T, hidden] (nothing for N = 1).
@@ -918,6 +1004,7 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
     cuda::DeviceCacheView view =
         rs.caches[static_cast<size_t>(li)]->update_and_fetch(kv_k, kv_v, uo);
     ap.q_pos0 = s.offset;
+    if (s.tap) tap_attention(r, li, s, view, kv_k, kv_v, qb, n, ap, writes ? &*writes : nullptr);
     mark(r, kPhAttn);
     if (n == 1 && whole_group) {
       dec_views.push_back(std::move(view));  // kept until the batched run below
@@ -945,6 +1032,38 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   cuda::heads_to_tokens(R.attn.as<float>(), st, Hq, D, R.op.data(), L.o.t, R.stream);
   o_product(R, L, T);
   cuda::add_bias(R.h.as<float>(), L.o.bias_ptr(), T, Hd, R.stream);
+}
+
+void CudaEngine::tap_attention(size_t r, int64_t li, Sequence& s, const cuda::DeviceCacheView& view,
+                               const TensorView& k, const TensorView& v, const float* q, int64_t n,
+                               const AttentionParams& ap, cuda::RowWriteBatch* writes) {
+  Rank& R = *ranks_[r];
+  RankSeq& rs = s.ranks[r];
+  const cuda::DeviceCacheView full = rs.shadow[static_cast<size_t>(li)]->update_and_fetch(k, v);
+  if (!s.tap->active) return;
+  if (writes) writes->flush();
+  const int64_t Hq = R.hq, D = cfg_.head_dim;
+  const size_t count = static_cast<size_t>(Hq * n * D);
+  if (rs.tap_c.size() < count * 4) {
+    rs.tap_c = DeviceBuffer(count * 4);
+    rs.tap_f = DeviceBuffer(count * 4);
+  }
+  cuda::prefill_attention(q, Hq, n, view, ap, rs.tap_c.as<float>(), R.stream);
+  cuda::prefill_attention(q, Hq, n, full, ap, rs.tap_f.as<float>(), R.stream);
+  s.tap_host.resize(2 * count);
+  cuda::copy_to_host(s.tap_host.data(), rs.tap_c.data(), count * 4, R.stream);
+  cuda::copy_to_host(s.tap_host.data() + count, rs.tap_f.data(), count * 4, R.stream);
+  // the rank's query heads are the model's [kv_first G, (kv_first + hkv) G)
+  const int64_t h0 = R.kv_first * (cfg_.n_heads / cfg_.n_kv_heads);
+  std::vector<double>& err2 = s.tap->err2[static_cast<size_t>(li)];
+  std::vector<double>& ref2 = s.tap->ref2[static_cast<size_t>(li)];
+  for (int64_t h = 0; h < Hq; ++h)
+    for (int64_t i = 0; i < n * D; ++i) {
+      const size_t at = static_cast<size_t>(h * n * D + i);
+      const double c = s.tap_host[at], f = s.tap_host[count + at];
+      err2[static_cast<size_t>(h0 + h)] += (c - f) * (c - f);
+      ref2[static_cast<size_t>(h0 + h)] += f * f;
+    }
 }
 
 void CudaEngine::add_norm(Rank& R, int64_t T, bool add, const DeviceBuffer& weight, DType out_t) {
@@ -1015,6 +1134,12 @@ void CudaEngine::run_step(std::span<const SeqChunk> chunks, std::vector<float>* 
                "[engine] step: skvq_max_ctx: expected at most " + std::to_string(cc.skvq_max_ctx) +
                    " tokens but sequence " + std::to_string(ch.seq) + " would hold " +
                    std::to_string(s.offset + n));
+    if (ch.end_prompt && !s.ext_scores.empty())
+      VQ_CHECK(s.offset + n == s.ext_rows,
+               "[engine] step: expected the prompt of sequence " + std::to_string(ch.seq) +
+                   " to end at its external scores' " + std::to_string(s.ext_rows) +
+                   " rows (set_external_scores) but this chunk ends it at " +
+                   std::to_string(s.offset + n));
     T += n;
     if (ch.logits) ++n_out;
   }
@@ -1084,11 +1209,21 @@ void CudaEngine::run_step(std::span<const SeqChunk> chunks, std::vector<float>* 
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence& s = seqs_.at(chunks[i].seq);
     s.offset += static_cast<int64_t>(chunks[i].tokens.size());
-    if (chunks[i].end_prompt)
+    if (chunks[i].end_prompt) {
       for (size_t r = 0; r < s.ranks.size(); ++r) {
         cuda::set_device(ranks_[r]->device);
-        for (auto& cache : s.ranks[r].caches) cache->end_prompt();
+        const Rank& R = *ranks_[r];
+        for (size_t l = 0; l < s.ranks[r].caches.size(); ++l) {
+          cuda::DeviceKVCache& cache = *s.ranks[r].caches[l];
+          if (!s.ext_scores.empty())  // the rank's KV heads' rows of [1, n_kv_heads, ext_rows]
+            cuda::set_external_scores(cache, s.ext_scores[l].data() + R.kv_first * s.ext_rows, 1,
+                                      R.hkv, s.ext_rows);
+          cache.end_prompt();
+        }
       }
+      s.prompt_ended = true;
+      s.ext_scores.clear();
+    }
   }
   Rank& R0 = *ranks_[0];
   cuda::set_device(R0.device);

@@ -19,6 +19,24 @@
 // product figure reported from `eval --device cuda` (docs/results/gpu/engine/), not asserted:
 // the bound above is the one the arithmetic guarantees. Passkey: the full cache's answers
 // (correct counts per mode, length and depth) must be equal; the methods' are printed.
+//
+// attn-error (per-layer relative L2 error of the attention outputs, rel = ||o_c - o_f|| /
+// ||o_f|| over the decode steps). On the device both outputs come from one kernel
+// (cuda::prefill_attention, src/model/engine_cuda.cpp tap_attention), so the full cache gives
+// rel = 0 exactly on every layer, as on the CPU. For a method, the GPU's o_c and o_f differ from
+// the CPU's by the forward pass's perturbation of the layer's queries and K/V, at most eta
+// relative with eta = (4L + 1) u (the declared bound above, which covers every rounding site up
+// to any layer) plus the tap's attention kernel: its fp16/bf16 weights p (kGpuBf16ValueRel =
+// 2^-8 + 2^-24 of tests/ops_harness/attention_bounds.h, the larger of the two operand types; its
+// logit term is first order in the same roundings and is taken inside eta). With E = o_c - o_f,
+// ||dE|| <= eta (||o_c|| + ||o_f||) <= eta (2 + rel) ||o_f|| and ||d o_f|| <= eta ||o_f||, so
+// |rel_gpu - rel_cpu| <= (||dE|| + rel ||d o_f||) / ||o_f_gpu|| <= 2 eta (1 + rel) / (1 - eta)
+// at first order. Asserted for streaming (its kept positions are fixed: no selection to flip);
+// snapkv's query-scored selection can flip near ties (two valid caches), so it is printed, and
+// for every method a layer the CPU measures above 0 must be above 0 on the device too (a layer
+// the tap skipped reads 0). scoring=external: the scores are the CPU's own (the CPU
+// reconstruction prefill, src/eval/common.cpp EvalSeq::prefill), so the device's SnapKV keeps
+// exactly the CPU's positions in every layer and head.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,9 +49,11 @@
 #include "cuda/cuda_test_util.h"
 #include "util/test_util.h"
 #include "veloxquant/cache_config.h"
+#include "veloxquant/engine.h"
 #include "veloxquant/error.h"
 #include "veloxquant/eval.h"
 #include "veloxquant/model.h"
+#include "veloxquant/reconstruct.h"
 #include "veloxquant/tokenizer.h"
 
 namespace vq {
@@ -178,18 +198,172 @@ TEST(CudaEval, PasskeyAnswersMatchCpu) {
   }
 }
 
+TEST(CudaEval, AttnErrorMatchesCpuPerLayer) {
+  SKIP_WITHOUT_MODEL();
+  const Model& m = *fixture().model;
+  const auto docs = heldout(m);
+  const TextEvalOptions o = one_doc(512, 32);
+  const auto methods = parse_eval_methods(
+      "full,streaming:budget=128,snapkv:budget=128:obs_window=16,skvq:bits_key=4:bits_value=4");
+  const AttnErrorResult cpu = eval_attn_error(m, docs, methods, o, settings(Device::kCpu));
+  const AttnErrorResult gpu = eval_attn_error(m, docs, methods, o, settings(Device::kCuda));
+  const int64_t L = m.config().n_layers;
+  const double u = 0x1p-9;
+  const double eta = (4.0 * static_cast<double>(L) + 1.0) * u + 0x1p-8 + 0x1p-24;
+  ASSERT_EQ(gpu.rows.size(), cpu.rows.size());
+  EXPECT_EQ(gpu.n_layers, L);
+  EXPECT_EQ(gpu.n_heads, cpu.n_heads);
+  for (size_t i = 0; i < cpu.rows.size(); ++i) {
+    const AttnErrorRow &c = cpu.rows[i], &g = gpu.rows[i];
+    ASSERT_EQ(g.layer_rel_l2.size(), static_cast<size_t>(L)) << c.label;
+    ASSERT_EQ(g.head_rel_l2.size(), static_cast<size_t>(L)) << c.label;
+    EXPECT_EQ(g.mem.context, c.mem.context) << c.label;
+    EXPECT_EQ(g.mem.rows_kept, c.mem.rows_kept) << c.label;
+    for (int64_t l = 0; l < L; ++l) {
+      const double rc = c.layer_rel_l2[static_cast<size_t>(l)];
+      const double rg = g.layer_rel_l2[static_cast<size_t>(l)];
+      const double tol = 2.0 * eta * (1.0 + rc) / (1.0 - eta);
+      std::printf("%s layer %lld: rel cpu %.6f gpu %.6f (|d| %.2e, declared %.2e)\n",
+                  c.label.c_str(), static_cast<long long>(l), rc, rg, std::fabs(rg - rc), tol);
+      EXPECT_EQ(g.head_rel_l2[static_cast<size_t>(l)].size(),
+                static_cast<size_t>(m.config().n_heads))
+          << c.label;
+      if (c.family == "full") {
+        EXPECT_EQ(rg, 0.0) << c.label << " layer " << l;
+        EXPECT_EQ(rc, 0.0) << c.label << " layer " << l;
+      }
+      if (rc > 0) {
+        EXPECT_GT(rg, 0.0) << c.label << " layer " << l << " (skipped?)";
+      }
+      if (c.family == "streaming") {
+        EXPECT_LE(std::fabs(rg - rc), tol) << c.label << " layer " << l;
+      }
+    }
+  }
+}
+
+// The engine's hook on its own: the CPU's reconstruction scores handed to the device's SnapKV
+// caches select exactly the CPU caches' positions in every layer and KV head.
+TEST(CudaEval, ExternalScoresSelectTheCpuPositions) {
+  SKIP_WITHOUT_MODEL();
+  const Model& m = *fixture().model;
+  const auto docs = heldout(m);
+  const int64_t n = 300, step = 128;
+  const CacheConfig cfg = config_from_spec("snapkv:budget=64:scoring=external:evict_at=prompt_end");
+  const std::vector<int32_t> ids(docs[0].begin(), docs[0].begin() + n);
+  ReconstructOptions ro;
+  ro.prefill_step = step;
+  ro.matmul = MatmulPrecision::kBF16;
+  const auto cpu = m.make_caches(cfg);
+  const auto scores = prefill_reconstruct(m, ids.data(), n, cpu, ro, nullptr);
+
+  EngineOptions eo;
+  const auto engine = make_cuda_engine(m, eo);
+  const int64_t seq = engine->add_sequence(cfg);
+  // refusals before anything is kept: another shape; a sequence whose caches take none
+  auto bad = scores;
+  bad.pop_back();
+  EXPECT_NE(test::error_of([&] {
+              engine->set_external_scores(seq, bad);
+            }).find("[engine] set_external_scores: expected scores ["),
+            std::string::npos);
+  const int64_t plain = engine->add_sequence(config_from_spec("snapkv:budget=64"));
+  EXPECT_NE(test::error_of([&] {
+              engine->set_external_scores(plain, scores);
+            }).find("expected a sequence whose caches take external scores"),
+            std::string::npos);
+  engine->set_external_scores(seq, scores);
+  // a prompt ending at another offset than the scores' rows is refused before any change
+  {
+    SeqChunk ch;
+    ch.seq = seq;
+    ch.tokens = std::span<const int32_t>(ids.data(), 10);
+    ch.end_prompt = true;
+    EXPECT_NE(test::error_of([&] {
+                std::vector<float> z;
+                engine->step(std::span<const SeqChunk>(&ch, 1), &z);
+              }).find("to end at its external scores' 300 rows"),
+              std::string::npos);
+    EXPECT_EQ(engine->offset(seq), 0);
+  }
+  for (int64_t at = 0; at < n; at += step) {
+    SeqChunk ch;
+    ch.seq = seq;
+    ch.tokens =
+        std::span<const int32_t>(ids.data() + at, static_cast<size_t>(std::min(step, n - at)));
+    ch.logits = false;
+    ch.end_prompt = at + step >= n;
+    engine->step(std::span<const SeqChunk>(&ch, 1), nullptr);
+  }
+  for (int64_t l = 0; l < m.config().n_layers; ++l)
+    for (int64_t h = 0; h < m.config().n_kv_heads; ++h) {
+      const auto want = cpu[static_cast<size_t>(l)]->stored_positions(0, h);
+      EXPECT_EQ(want.size(), 64u);
+      EXPECT_EQ(engine->stored_positions(seq, l, h), want) << "layer " << l << " head " << h;
+    }
+  EXPECT_NE(test::error_of([&] {
+              engine->set_external_scores(seq, scores);
+            }).find("expected a sequence before its prompt's end"),
+            std::string::npos);
+}
+
+// eval with scoring=external on the device: the CPU's memory figures exactly and ppl within the
+// bound of TextFiguresMatchCpu (SnapKV keeps fp16 rows; the selection is the CPU's own).
+TEST(CudaEval, ExternalScoringTextFiguresMatchCpu) {
+  SKIP_WITHOUT_MODEL();
+  const Model& m = *fixture().model;
+  const auto docs = heldout(m);
+  const TextEvalOptions o = one_doc(512, 64);
+  const auto methods = parse_eval_methods(
+      "snapkv:budget=128:scoring=external:evict_at=prompt_end,"
+      "snapkv:keep=0.25:scoring=external:pool_kernel=15:keep_window=true:evict_at=prompt_end");
+  const TextEvalResult cpu = eval_text(m, docs, methods, o, settings(Device::kCpu));
+  const TextEvalResult gpu = eval_text(m, docs, methods, o, settings(Device::kCuda));
+  double max_z = 0;
+  {
+    auto caches = m.make_caches(config_from_spec("full"));
+    ForwardOptions fo;
+    fo.matmul = MatmulPrecision::kBF16;
+    fo.logits = ForwardOptions::Logits::kAll;
+    std::vector<float> z;
+    m.forward(docs[0].data(), 1, o.prefill + o.decode, caches, fo, &z);
+    for (float v : z) max_z = std::max(max_z, static_cast<double>(std::fabs(v)));
+  }
+  const double L = static_cast<double>(m.config().n_layers);
+  const double arith = 2.0 * (4.0 * L + 1.0) / 512.0 * max_z;
+  ASSERT_EQ(gpu.rows.size(), cpu.rows.size());
+  for (size_t i = 0; i < cpu.rows.size(); ++i) {
+    const TextEvalRow &c = cpu.rows[i], &g = gpu.rows[i];
+    std::printf("%s: ppl cpu %.6f gpu %.6f (rel %.2e) rows %.2f %.2f bytes %lld %lld\n",
+                c.label.c_str(), c.ppl, g.ppl, g.ppl / c.ppl - 1.0, c.mem.rows_kept,
+                g.mem.rows_kept, static_cast<long long>(c.mem.bytes_accounted),
+                static_cast<long long>(g.mem.bytes_accounted));
+    EXPECT_EQ(g.mem.context, c.mem.context) << c.label;
+    EXPECT_EQ(g.mem.rows_kept, c.mem.rows_kept) << c.label;
+    EXPECT_EQ(g.mem.bytes_accounted, c.mem.bytes_accounted) << c.label;
+    EXPECT_EQ(g.rows_end, c.rows_end) << c.label;
+    const double own = std::fabs(std::log(c.ppl) - std::log(cpu.ppl_full));
+    EXPECT_LE(std::fabs(std::log(g.ppl) - std::log(c.ppl)), arith + 2.0 * own) << c.label;
+  }
+}
+
 TEST(CudaEval, RefusesWhatOnlyTheCpuRuns) {
   SKIP_WITHOUT_MODEL();
   const Model& m = *fixture().model;
   const auto docs = heldout(m);
   TextEvalOptions o = one_doc(64, 4);
-  EXPECT_THROW(eval_attn_error(m, docs, parse_eval_methods("full"), o, settings(Device::kCuda)),
-               Error);
-  EXPECT_THROW(
-      eval_text(m, docs,
-                parse_eval_methods("snapkv:budget=32:scoring=external:evict_at=prompt_end"), o,
-                settings(Device::kCuda)),
-      Error);
+  EvalSettings sim = settings(Device::kCuda);
+  sim.tensor_parallel = 2;
+  sim.tp_simulate = true;
+  EXPECT_NE(test::error_of([&] {
+              eval_attn_error(m, docs, parse_eval_methods("full"), o, sim);
+            }).find("[attn-error] tensor_parallel: expected 1"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] {
+              eval_text(m, docs, parse_eval_methods("skvq:protect=0.05:protect_scoring=external"),
+                        o, settings(Device::kCuda));
+            }).find("protect"),
+            std::string::npos);
   o.prefill = 1;  // P - 1 = 0 prompt tokens: an engine step needs at least one
   EXPECT_THROW(eval_text(m, docs, parse_eval_methods("full"), o, settings(Device::kCuda)), Error);
 }

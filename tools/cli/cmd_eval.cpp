@@ -60,16 +60,12 @@ struct Common {
   bool tp_simulate = false;  // --tp-simulate
 };
 
-// --device: cpu, or cuda for ppl, kld, passkey and sweep (one CUDA engine per evaluation,
-// EvalSettings::device; checked_device refuses cuda without a build or device before anything
-// loads); attn-error is CPU only with one rank (its tap wraps the CPU caches of Model::forward).
-Device eval_device(const Common& a, bool cuda_ok) {
-  const Device d = checked_device(a.device, cuda_ok ? "eval" : "eval attn-error");
-  VQ_CHECK(cuda_ok || d == Device::kCpu,
-           "[eval attn-error] --device: expected cpu but got " + a.device +
-               " (the attention-error tap wraps the CPU caches of Model::forward); use --device "
-               "cpu");
-  VQ_CHECK(cuda_ok || (a.tensor_parallel == 1 && !a.tp_simulate),
+// --device: cpu or cuda (one CUDA engine per evaluation, EvalSettings::device; checked_device
+// refuses cuda without a build or device before anything loads); attn-error takes one rank only
+// (its tap sums every query head of one forward pass).
+Device eval_device(const Common& a, bool multi_rank_ok) {
+  const Device d = checked_device(a.device, multi_rank_ok ? "eval" : "eval attn-error");
+  VQ_CHECK(multi_rank_ok || (a.tensor_parallel == 1 && !a.tp_simulate),
            "[eval attn-error] --tensor-parallel: expected 1 (without --tp-simulate) but got " +
                std::to_string(a.tensor_parallel) + (a.tp_simulate ? " --tp-simulate" : "") +
                " (the attention-error tap wraps the per-layer caches of one Model::forward); "
@@ -118,7 +114,7 @@ void add_common(CLI::App* c, Common& a, bool with_methods = true) {
   c->add_option("--kv-dtype", a.kv_dtype, "dtype of K/V blocks handed to the caches")
       ->capture_default_str();
   c->add_flag("--quiet", a.quiet, "no progress lines on stderr");
-  c->add_option("--device", a.device, "cpu or cuda (attn-error: cpu only)")->capture_default_str();
+  c->add_option("--device", a.device, "cpu or cuda")->capture_default_str();
   c->add_option("--threads", a.threads, "OpenMP threads (0 = all cores; at most the cores)")
       ->capture_default_str();
   add_tensor_parallel_option(c, &a.tensor_parallel, "eval", &a.tp_simulate);
@@ -329,13 +325,13 @@ void add_eval_command(CLI::App& app, int* status) {
   add_common(ae, common);
   add_text(ae, text);
   ae->callback([status] {
-    eval_device(common, false);
+    const Device dev = eval_device(common, false);
     apply_threads(common);
     const auto model = Model::load(common.model_dir);
     const auto docs = load_docs(*model, text);
     const auto methods = parse_eval_methods(common.methods);
     const AttnErrorResult r =
-        eval_attn_error(*model, docs, methods, text_opts(text, false), settings_of(common));
+        eval_attn_error(*model, docs, methods, text_opts(text, false), settings_of(common, dev));
     emit(common, render(r, format_of(common)));
     *status = 0;
   });
