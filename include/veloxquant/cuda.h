@@ -295,10 +295,17 @@ struct DecodeBatchItem {
   float* out = nullptr;
 };
 
+// Sequences one batched decode launch takes (decode_attention_run_batch); a larger group runs as
+// launches of balanced pieces, decode_batch_pieces(n) of them.
+constexpr int64_t kDecodeBatchMaxSequences = 32;
+inline int64_t decode_batch_pieces(int64_t n) {
+  return (n + kDecodeBatchMaxSequences - 1) / kDecodeBatchMaxSequences;
+}
+
 // decode_attention_run of every item, the items of batch-1 views whose plans share the kernel
 // instance (kernel, head_dim, query and KV heads, bits, stage bytes) in ONE split launch and one
-// combine per 32 of them (per-sequence parameters indexed by the grid's z: ragged rows, own
-// positions, segments and transforms); each item's plan, splits and arithmetic are its own, so
+// combine per piece of at most 32 (per-sequence parameters indexed by the grid's z: ragged rows,
+// own positions, segments and transforms); each item's plan, splits and arithmetic are its own, so
 // every output equals its decode_attention_run bit for bit. Items that cannot join (batch > 1,
 // no rows, dequantized segments, a kernel instance of one item) run alone. Checks all first.
 void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, DecodeWorkspace& ws,

@@ -297,13 +297,24 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
     }
   }
   // at most kDecodeBatchInline sequences per launch (the tensor-core kernel takes their
-  // parameters by value): larger groups run in pieces
-  for (size_t k = 0; k < groups.size(); ++k)
-    if (groups[k].size() > static_cast<size_t>(kDecodeBatchInline)) {
-      std::vector<size_t> rest(groups[k].begin() + kDecodeBatchInline, groups[k].end());
-      groups[k].resize(kDecodeBatchInline);
-      groups.push_back(std::move(rest));
+  // parameters by value): a larger group runs as decode_batch_pieces(n) pieces of balanced
+  // sizes (the engine sizes each sequence's splits for a piece of that size)
+  const size_t n_groups = groups.size();
+  for (size_t k = 0; k < n_groups; ++k) {
+    const int64_t n = static_cast<int64_t>(groups[k].size());
+    const int64_t pieces = decode_batch_pieces(n);
+    if (pieces == 1) continue;
+    std::vector<size_t> all = std::move(groups[k]);
+    groups[k].clear();
+    for (int64_t i = 0; i < pieces; ++i) {
+      std::vector<size_t> piece(all.begin() + i * n / pieces, all.begin() + (i + 1) * n / pieces);
+      if (i == 0) {
+        groups[k] = std::move(piece);
+      } else {
+        groups.push_back(std::move(piece));
+      }
     }
+  }
   // a group of one needs no parameter array: it runs alone too
   std::erase_if(groups, [&](const std::vector<size_t>& g) {
     if (g.size() == 1) alone.push_back(g[0]);

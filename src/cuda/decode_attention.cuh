@@ -87,8 +87,8 @@ struct DecodeParams {
 // memory instead, they cost the engine's batched f16 launch 24% (325 against 262 us per layer at
 // 8 x 32K; docs/results/gpu/run11_s12/c3). At most kDecodeBatchInline sequences per launch (the
 // 32,764-byte kernel parameter limit of sm_70+ with CUDA 12.1+); decode_attention_run_batch
-// launches larger groups in pieces.
-constexpr int kDecodeBatchInline = 32;
+// launches larger groups in balanced pieces (veloxquant/cuda.h decode_batch_pieces).
+constexpr int kDecodeBatchInline = static_cast<int>(kDecodeBatchMaxSequences);
 struct DecodeBatchArg {
   DecodeParams seq[kDecodeBatchInline];
 };

@@ -15,7 +15,8 @@
 // prefill_attention for chunks of several tokens, the planned decode kernels for single tokens
 // (planned at the first layer of a step, re-planned only when a later layer's view has another
 // shape; when n sequences decode, each one's plan takes its share of whole waves of blocks over all
-// n, and all n run in ONE split launch and one combine per layer and rank (per 32 sequences),
+// n, and all n run in ONE split launch and one combine per layer and rank (per balanced piece of
+// at most 32 sequences),
 // cuda::decode_attention_run_batch, EngineOptions::batch_decode; a query-head group the decode
 // kernels do not take runs per sequence as sub-groups of the largest power of two dividing it);
 // o_proj, residual, RMSNorm, gate|up (one product), SwiGLU,
@@ -897,10 +898,13 @@ const cuda::DecodePlan& CudaEngine::decode_plan(Rank& R, RankSeq& s,
   if (key != s.plan_key) {
     s.plan = cuda::decode_attention_plan(R.ws.context(), nq, view, ap);
     if (n_dec > 1) {
-      // One launch of n_dec sequences: k splits per (sequence, kv head), the smallest k whose
-      // n_dec * H_kv * k blocks fill at least 85 % of the whole waves they take (a wave: one
-      // sequence's default target), so neither a short last wave nor needless partials.
-      const int64_t wave = std::max<int64_t>(1, s.plan.target_blocks), units = n_dec * R.hkv;
+      // One launch per piece of the n_dec sequences (decode_batch_pieces: at most 32 each,
+      // balanced): k splits per (sequence, kv head), the smallest k whose per_launch * H_kv * k
+      // blocks fill at least 85 % of the whole waves they take (a wave: one sequence's default
+      // target), so neither a short last wave nor needless partials.
+      const int64_t per_launch =
+          (n_dec + cuda::decode_batch_pieces(n_dec) - 1) / cuda::decode_batch_pieces(n_dec);
+      const int64_t wave = std::max<int64_t>(1, s.plan.target_blocks), units = per_launch * R.hkv;
       int64_t k = 1;
       for (int64_t c = 1; c <= 64; ++c) {
         const int64_t t = units * c, waves = (t + wave - 1) / wave;

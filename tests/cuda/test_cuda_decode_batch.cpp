@@ -4,7 +4,8 @@
 // kernel arithmetic, only the way a block finds its sequence differs), bit for bit: no tolerance.
 // The sequences mix methods and row types (full f16 / bf16 / f32, SKVQ 2- and 4-bit with a
 // Hadamard rotation), so one call holds several kernel instances (one launch each) and ragged
-// lengths (37 to 4,100 rows, several split counts). Skipped cleanly without a device.
+// lengths (20 to 4,100 rows, several split counts); the full f16 group is larger than one launch
+// takes (cuda::kDecodeBatchMaxSequences), so it runs as pieces. Skipped cleanly without a device.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -92,6 +93,10 @@ TEST(CudaDecodeBatch, BatchedEqualsOneAtATime) {
   }
   seqs.push_back(make_seq(k2, DType::kF16, 3000, 0, seed += 7, ws));
   seqs.push_back(make_seq(k4, DType::kF16, 260, 0, seed += 7, ws));
+  // 30 more full f16 sequences: that group (36) passes the 32 a launch takes and runs as pieces
+  for (int64_t i = 0; i < 30; ++i)
+    seqs.push_back(make_seq(full, DType::kF16, 20 + 97 * i, i % 3 ? 0 : 24, seed += 7, ws));
+  ASSERT_GT(6 + 30, cuda::kDecodeBatchMaxSequences);
 
   std::vector<std::vector<float>> alone;
   for (auto& s : seqs) {
