@@ -939,8 +939,11 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
 
 // BATCH: a batched launch reads sequence blockIdx.z's own parameters from its kernel parameter
 // (DecodeBatchArg, decode_attention.cuh), with batch index 0; a single launch reads its one
-// DecodeParams. Either way every parameter is a constant-bank read: staged in shared memory they
-// cost f16 rows 18% at 8 x 32K (313 against 261 us; docs/results/gpu/run10_decode/c6).
+// DecodeParams. f16 rows (PK == 0) read them in place, constant-bank reads: staged in shared
+// memory they cost f16 rows 18% at 8 x 32K (313 against 261 us; docs/results/gpu/run10_decode/c6)
+// and the engine's batched full-cache decode 15% (docs/results/gpu/run12_s13/d1). Packed rows
+// stage them in shared memory first: read in place, at a dynamic index, they cost the engine's
+// K2V2 decode 5-7% at 8 x 32K (same calls, d1 and d2).
 template <bool BATCH>
 using MmaArg = std::conditional_t<BATCH, DecodeBatchArg, DecodeParams>;
 
@@ -955,10 +958,15 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     for (int s = 0; s < kStages; ++s) decode_impl::mbar_init(&bars[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();  // the barriers' init
-  if constexpr (BATCH) {
+  if constexpr (BATCH && PK > 0) {
+    __shared__ __align__(16) DecodeParams sp;
+    decode_impl::stage_params(P.seq[blockIdx.z], 0, sp);  // its barrier publishes the init
+    decode_mma_block<D, G, PK, KB, BF>(sp, 0, bars);
+  } else if constexpr (BATCH) {
+    __syncthreads();  // the barriers' init
     decode_mma_block<D, G, PK, KB, BF>(P.seq[blockIdx.z], 0, bars);
   } else {
+    __syncthreads();  // the barriers' init
     decode_mma_block<D, G, PK, KB, BF>(P, static_cast<int>(blockIdx.z), bars);
   }
 }
