@@ -415,6 +415,32 @@ class CudaQueryWindow final : public kv::QueryWindow {
   int64_t cap_ = 0, start_ = 0;
 };
 
+// What SnapKV scoring reads, on the stream: the first n rows' keys of every frame copied
+// contiguous [B, H, n, D], and with a query window q [B, H_q, w, D] its fp32 copy, the rows'
+// positions [B, H, n] and the window's positions q_first + i.
+struct ScoringFrame {
+  DeviceBuffer frame, frame_pos, qbuf, qpos;
+  TensorView keys, qv;
+  ScoringFrame(const kv::RowStore& rows, int64_t n, const TensorView* q, int64_t q_first,
+               Stream st) {
+    const kv::RowShape& sh = rows.shape();
+    const int64_t F = sh.frames(), D = sh.head_dim, rb = sh.row_bytes();
+    frame = DeviceBuffer(static_cast<size_t>(F * n * rb));
+    detail::copy_frames(frame.data(), n, 0, CudaRowStore::src_k(rows), rows.capacity(), 0, F, n, rb,
+                        st);
+    keys = TensorView::contiguous(frame.data(), sh.dtype, sh.batch, sh.heads, n, D);
+    if (!q) return;
+    const int64_t hq = q->shape[1], w = q->shape[2];
+    frame_pos = DeviceBuffer(static_cast<size_t>(F * n * 4));
+    detail::copy_frames(frame_pos.data(), n, 0, rows.positions(), rows.capacity(), 0, F, n, 4, st);
+    qbuf = DeviceBuffer(static_cast<size_t>(sh.batch * hq * w * D * 4));
+    detail::convert_block(*q, 0, w, qbuf.data(), DType::kF32, w, 0, st);
+    qpos = DeviceBuffer(static_cast<size_t>(w * 4));
+    detail::fill_positions(qpos.as<int32_t>(), 1, w, 0, w, q_first, st);
+    qv = TensorView::contiguous(qbuf.data(), DType::kF32, sh.batch, hq, w, D);
+  }
+};
+
 class CudaBackend final : public kv::RowBackend {
  public:
   explicit CudaBackend(Stream s) : stream_(s) {}
@@ -472,27 +498,9 @@ class CudaBackend final : public kv::RowBackend {
                                             const TensorView* q, int64_t q_first,
                                             const SnapSelectParams& p) const override {
     const kv::RowShape& sh = rows.shape();
-    const int64_t F = sh.frames(), D = sh.head_dim, rb = sh.row_bytes();
+    const int64_t F = sh.frames();
     const int64_t count = snap_keep_count(n, p);
-    // The frame, contiguous [B, H, n, D], and its positions [B, H, n].
-    DeviceBuffer frame(static_cast<size_t>(F * n * rb));
-    detail::copy_frames(frame.data(), n, 0, CudaRowStore::src_k(rows), rows.capacity(), 0, F, n, rb,
-                        stream_);
-    const TensorView frame_keys =
-        TensorView::contiguous(frame.data(), sh.dtype, sh.batch, sh.heads, n, D);
-    DeviceBuffer frame_pos, qbuf, qpos;
-    TensorView qv;
-    if (q) {
-      const int64_t hq = q->shape[1], w = q->shape[2];
-      frame_pos = DeviceBuffer(static_cast<size_t>(F * n * 4));
-      detail::copy_frames(frame_pos.data(), n, 0, rows.positions(), rows.capacity(), 0, F, n, 4,
-                          stream_);
-      qbuf = DeviceBuffer(static_cast<size_t>(sh.batch * hq * w * D * 4));
-      detail::convert_block(*q, 0, w, qbuf.data(), DType::kF32, w, 0, stream_);
-      qpos = DeviceBuffer(static_cast<size_t>(w * 4));
-      detail::fill_positions(qpos.as<int32_t>(), 1, w, 0, w, q_first, stream_);
-      qv = TensorView::contiguous(qbuf.data(), DType::kF32, sh.batch, hq, w, D);
-    }
+    const ScoringFrame sf(rows, n, q, q_first, stream_);
     auto out = std::make_unique<CudaRowIndex>();
     out->count = count;
     out->frames = F;
@@ -500,8 +508,8 @@ class CudaBackend final : public kv::RowBackend {
     out->idx = DeviceBuffer(static_cast<size_t>(std::max<int64_t>(F * count, 1) * 4));
     DecodeWorkspace ws;
     const int64_t got = snap_select_frames(
-        frame_keys, q ? &qv : nullptr, q ? frame_pos.as<int32_t>() : nullptr,
-        q ? qpos.as<int32_t>() : nullptr, p, out->idx.as<int32_t>(), ws, stream_);
+        sf.keys, q ? &sf.qv : nullptr, q ? sf.frame_pos.as<int32_t>() : nullptr,
+        q ? sf.qpos.as<int32_t>() : nullptr, p, out->idx.as<int32_t>(), ws, stream_);
     VQ_CHECK(got == count, "[cuda snapkv] internal: selected " + std::to_string(got) +
                                " rows per head, expected " + std::to_string(count));
     vq::cuda::synchronize(stream_);  // the frame copies are freed on return
@@ -515,32 +523,14 @@ class CudaBackend final : public kv::RowBackend {
                                         int64_t lo, int64_t hi, int64_t k) const override {
     kv::check_select_rows(rows, n, q, lo, hi, k);
     const kv::RowShape& sh = rows.shape();
-    const int64_t F = sh.frames(), D = sh.head_dim, rb = sh.row_bytes(), m = hi - lo;
+    const int64_t F = sh.frames(), m = hi - lo;
     detail::flush_row_writes(stream_);
-    // The frame, contiguous [B, H, n, D], and its positions [B, H, n].
-    DeviceBuffer frame(static_cast<size_t>(F * n * rb));
-    detail::copy_frames(frame.data(), n, 0, CudaRowStore::src_k(rows), rows.capacity(), 0, F, n, rb,
-                        stream_);
-    const TensorView frame_keys =
-        TensorView::contiguous(frame.data(), sh.dtype, sh.batch, sh.heads, n, D);
-    DeviceBuffer frame_pos, qbuf, qpos;
-    TensorView qv;
-    if (q) {
-      const int64_t hq = q->shape[1], w = q->shape[2];
-      frame_pos = DeviceBuffer(static_cast<size_t>(F * n * 4));
-      detail::copy_frames(frame_pos.data(), n, 0, rows.positions(), rows.capacity(), 0, F, n, 4,
-                          stream_);
-      qbuf = DeviceBuffer(static_cast<size_t>(sh.batch * hq * w * D * 4));
-      detail::convert_block(*q, 0, w, qbuf.data(), DType::kF32, w, 0, stream_);
-      qpos = DeviceBuffer(static_cast<size_t>(w * 4));
-      detail::fill_positions(qpos.as<int32_t>(), 1, w, 0, w, q_first, stream_);
-      qv = TensorView::contiguous(qbuf.data(), DType::kF32, sh.batch, hq, w, D);
-    }
+    const ScoringFrame sf(rows, n, q, q_first, stream_);
     DeviceBuffer scores(static_cast<size_t>(F * n * 4)), pooled,
         top(static_cast<size_t>(F * m * 4));
     DeviceBuffer idx(static_cast<size_t>(F * k * 4));
-    snap_scores(frame_keys, q ? &qv : nullptr, q ? frame_pos.as<int32_t>() : nullptr,
-                q ? qpos.as<int32_t>() : nullptr, obs_window, scores.as<float>(), stream_);
+    snap_scores(sf.keys, q ? &sf.qv : nullptr, q ? sf.frame_pos.as<int32_t>() : nullptr,
+                q ? sf.qpos.as<int32_t>() : nullptr, obs_window, scores.as<float>(), stream_);
     const float* sel = scores.as<const float>();
     if (pool_kernel > 1) {
       pooled = DeviceBuffer(static_cast<size_t>(F * n * 4));
