@@ -6,8 +6,13 @@
 // Packed rows are random codes and metadata (speed does not depend on the values).
 //
 //   bench_decode_attention [--contexts 2048,8192,32768] [--shape 8,128,4] [--repeats 30]
-//                          [--threads 1,2] [--paths]   (--paths: also each packed decode
-//                          instruction set, src/ops/packed_decode.h, where this build has them)
+//                          [--threads 1,2] [--paths] [--segment-rows N]   (--paths: also each
+//                          packed decode instruction set, src/ops/packed_decode.h, where this
+//                          build has them)
+//
+// --segment-rows N (default 0: one segment): the packed rows as segments of N rows, each its own
+// allocation, as the CPU SKVQ store holds them (one segment per flushed chunk, skvq_window = 128
+// rows by default), so the cost of walking many small segments shows beside one long run.
 //
 // Also prints the load average and CPU seconds per call (CLOCK_PROCESS_CPUTIME_ID) so a run on
 // a shared machine can be judged.
@@ -65,21 +70,22 @@ double read_bandwidth(int threads) {
 struct Bench {
   vq::CacheView view;
   std::unique_ptr<vq::Tensor> k, v;
-  std::vector<uint8_t> kb, vb;
-  std::unique_ptr<vq::PackedSegment> ps;
+  std::vector<std::vector<uint8_t>> kb, vb;            // per segment
+  std::vector<std::unique_ptr<vq::PackedSegment>> ps;  // per segment
   double bytes = 0;
 };
 
-// A view of n rows per (b, h): fp16 rows (bits 0) or packed records of kbits/vbits.
-std::unique_ptr<Bench> make_bench(int64_t hkv, int64_t d, int64_t n, int bits) {
+// A view of n rows per (b, h): fp16 rows (bits 0, one segment) or packed records of kbits/vbits
+// in segments of seg_rows rows (0: one segment), each segment its own allocation.
+std::unique_ptr<Bench> make_bench(int64_t hkv, int64_t d, int64_t n, int bits, int64_t seg_rows) {
   auto b = std::make_unique<Bench>();
   b->view.batch = 1;
   b->view.n_kv_heads = hkv;
   b->view.head_dim = d;
-  vq::ViewSegment seg;
-  seg.n_rows = n;
   std::mt19937_64 rng(7);
   if (bits == 0) {
+    vq::ViewSegment seg;
+    seg.n_rows = n;
     b->k = std::make_unique<vq::Tensor>(vq::DType::kF16, 1, hkv, n, d);
     b->v = std::make_unique<vq::Tensor>(vq::DType::kF16, 1, hkv, n, d);
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -90,35 +96,43 @@ std::unique_ptr<Bench> make_bench(int64_t hkv, int64_t d, int64_t n, int bits) {
     seg.keys = b->k->view();
     seg.values = b->v->view();
     b->bytes = 2.0 * static_cast<double>(hkv * n * d) * 2;
-  } else {
-    const vq::PackedRowFormat f = vq::make_row_format(d, bits, 32, vq::MetaType::kF16);
-    b->ps = std::make_unique<vq::PackedSegment>();
-    b->ps->batch = 1;
-    b->ps->n_heads = hkv;
-    b->ps->n_rows = n;
-    b->ps->head_dim = d;
-    for (auto* pr : {&b->kb, &b->vb}) {
-      pr->resize(static_cast<size_t>(hkv * n * f.row_stride));
-      for (int64_t r = 0; r < hkv * n; ++r) {
-        uint8_t* rec = pr->data() + r * f.row_stride;
+    b->view.segments.push_back(seg);
+    return b;
+  }
+  const vq::PackedRowFormat f = vq::make_row_format(d, bits, 32, vq::MetaType::kF16);
+  const int64_t step = seg_rows > 0 ? seg_rows : n;
+  for (int64_t r0 = 0; r0 < n; r0 += step) {
+    const int64_t m = std::min(step, n - r0);
+    auto ps = std::make_unique<vq::PackedSegment>();
+    ps->batch = 1;
+    ps->n_heads = hkv;
+    ps->n_rows = m;
+    ps->head_dim = d;
+    for (int kv = 0; kv < 2; ++kv) {
+      std::vector<uint8_t>& bytes = (kv == 0 ? b->kb : b->vb).emplace_back();
+      bytes.resize(static_cast<size_t>(hkv * m * f.row_stride));
+      for (int64_t r = 0; r < hkv * m; ++r) {
+        uint8_t* rec = bytes.data() + r * f.row_stride;
         for (int32_t c = 0; c < f.code_bytes; ++c) rec[c] = static_cast<uint8_t>(rng());
         for (int32_t g = 0; g < f.n_groups; ++g) {
           vq::meta_store(rec + f.code_bytes, 2 * g, vq::meta_round(-1.0f, f.meta), f.meta);
           vq::meta_store(rec + f.code_bytes, 2 * g + 1, vq::meta_round(0.1f, f.meta), f.meta);
         }
       }
-    }
-    for (int kv = 0; kv < 2; ++kv) {
-      vq::PackedTensor& t = kv == 0 ? b->ps->keys : b->ps->values;
-      t.data = kv == 0 ? b->kb.data() : b->vb.data();
+      vq::PackedTensor& t = kv == 0 ? ps->keys : ps->values;
+      t.data = bytes.data();
       t.fmt = f;
-      t.stride_h = n * f.row_stride;
+      t.stride_h = m * f.row_stride;
       t.stride_b = hkv * t.stride_h;
     }
-    seg.packed = b->ps.get();
-    b->bytes = 2.0 * static_cast<double>(hkv * n * f.row_stride);
+    vq::ViewSegment seg;
+    seg.n_rows = m;
+    seg.first_pos = r0;
+    seg.packed = ps.get();
+    b->view.segments.push_back(seg);
+    b->ps.push_back(std::move(ps));
   }
-  b->view.segments.push_back(seg);
+  b->bytes = 2.0 * static_cast<double>(hkv * n * f.row_stride);
   return b;
 }
 
@@ -135,6 +149,7 @@ std::vector<int64_t> parse_list(const char* s) {
 int main(int argc, char** argv) {
   std::vector<int64_t> contexts{2048, 8192, 32768}, shape{8, 128, 4}, threads{1, 2};
   int repeats = 30;
+  int64_t seg_rows = 0;
   bool paths = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -146,6 +161,8 @@ int main(int argc, char** argv) {
       threads = parse_list(argv[++i]);
     else if (a == "--repeats" && i + 1 < argc)
       repeats = std::atoi(argv[++i]);
+    else if (a == "--segment-rows" && i + 1 < argc)
+      seg_rows = std::atoll(argv[++i]);
     else if (a == "--paths")
       paths = true;
     else {
@@ -161,10 +178,10 @@ int main(int argc, char** argv) {
   }
   const char* wp = std::getenv("OMP_WAIT_POLICY");
   std::printf(
-      "# decode attention: H_kv=%lld D=%lld rep=%lld, load %.2f %.2f %.2f, "
-      "OMP_WAIT_POLICY=%s\n",
-      static_cast<long long>(hkv), static_cast<long long>(d), static_cast<long long>(rep), load[0],
-      load[1], load[2], wp ? wp : "(unset)");
+      "# decode attention: H_kv=%lld D=%lld rep=%lld, packed segments of %lld rows (0: one), "
+      "load %.2f %.2f %.2f, OMP_WAIT_POLICY=%s\n",
+      static_cast<long long>(hkv), static_cast<long long>(d), static_cast<long long>(rep),
+      static_cast<long long>(seg_rows), load[0], load[1], load[2], wp ? wp : "(unset)");
   std::printf(
       "| threads | context | rows | path | bytes MiB | best us | median us | cpu us/call "
       "| GB/s | read BW GB/s | %% of BW | speed vs fp16 "
@@ -188,7 +205,7 @@ int main(int argc, char** argv) {
     for (int64_t n : contexts) {
       double fp16_median = 0;
       for (const Variant& var : variants) {
-        auto b = make_bench(hkv, d, n, var.bits);
+        auto b = make_bench(hkv, d, n, var.bits, seg_rows);
         vq::Tensor q(vq::DType::kF32, 1, hkv * rep, 1, d);
         std::mt19937_64 rng(3);
         std::normal_distribution<float> nd(0.0f, 1.0f);
