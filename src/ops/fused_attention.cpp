@@ -1612,6 +1612,28 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   return attend_packed_decode;
 }
 
+// The next segment's set-up taken from the previous one's: when both are packed rows on the
+// packed decode path with the same key and value formats and transforms (perm / signs), only the
+// records are re-bound; the key and value classes, kernels and prepared queries stay (the same
+// bits as begin_segment). SKVQ's CPU store lists one segment per flushed chunk (128 rows by
+// default, all alike), so a decode step walks many such segments per head. Returns false, s
+// untouched, when seg needs its own begin_segment.
+bool rebind_packed_decode(const ViewSegment& seg, int64_t kh, int64_t d, AttendFn prev,
+                          SegmentCtx& s) {
+  if (prev != attend_packed_decode || seg.packed == nullptr) return false;
+  const PackedTensor pk = head_tensor(seg.packed->keys, kh, d);
+  const PackedTensor pv = head_tensor(seg.packed->values, kh, d);
+  const auto same = [](const PackedTensor& a, const PackedTensor& b) {
+    return a.perm == b.perm && a.signs == b.signs && a.rot_block == b.rot_block &&
+           std::memcmp(&a.fmt, &b.fmt, sizeof(a.fmt)) == 0;
+  };
+  if (!same(pk, s.pk) || !same(pv, s.pv)) return false;
+  s.seg = &seg;
+  s.pk = pk;
+  s.pv = pv;
+  return true;
+}
+
 // Rows j0 .. j0 + nt of seg (nt <= kTile, j0 + nt <= end): their positions into w.pos, the ones
 // some query with a position in [qpos_min, qpos_max] can see (causal, window) into w.vis; rows
 // none can see are skipped.
@@ -1797,12 +1819,16 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
   if (many) build_many(w);
 #endif
   int64_t base = 0;  // the segment's first row in the view
+  SegmentCtx s;
+  AttendFn attend = nullptr;
   for (const ViewSegment& seg : view.segments) {
     const int64_t lo = std::max<int64_t>(r0 - base, 0), hi = std::min(r1 - base, seg.n_rows);
     base += seg.n_rows;
     if (lo >= hi) continue;
-    SegmentCtx s;
-    const AttendFn attend = begin_segment(w, seg, b, kh, p.window, many, isa, s);
+    if (!rebind_packed_decode(seg, kh, d, attend, s)) {
+      s = SegmentCtx{};
+      attend = begin_segment(w, seg, b, kh, p.window, many, isa, s);
+    }
     for (int64_t j0 = lo; j0 < hi; j0 += kTile) {
       const TileRows t = visible_rows(w, seg, b, kh, n_hkv, j0, hi, p.window, qpos_min, qpos_max);
       if (t.n_vis > 0) attend(w, s, t);

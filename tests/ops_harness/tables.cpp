@@ -304,6 +304,50 @@ std::vector<AttnCase> packed_decode_cases(bool small) {
       out.push_back(c);
       ++k;
     }
+  // The CPU SKVQ store's layout: one packed segment per flushed chunk, so a head walks many
+  // consecutive packed segments; vq::attention re-binds alike neighbours (same formats and
+  // transform pointers) without a new set-up. Runs of alike chunks broken by a change of bits,
+  // group or metadata, and chunks that each bring their own permutation / rotation buffers (a
+  // stale set-up would read them with the wrong kernel or channel order); the long case (40
+  // chunks of 129 rows) is split into row parts that start inside a chunk.
+  for (int v = 0; v < 4; ++v) {
+    AttnCase c;
+    c.head_dim = 64;
+    c.n_rep = 3;
+    c.n_q = v == 1 ? 2 : 1;
+    c.window = v == 2 ? 100 : 0;
+    SegSpec sink, tail;
+    sink.n = 5;
+    tail.n = 7;
+    c.segs = {sink};
+    const auto chunk = [&](double kb, double vb, int64_t group, MetaType meta, int64_t n) {
+      SegSpec pk;
+      pk.packed = true;
+      pk.pk.kbits = kb;
+      pk.pk.vbits = vb;
+      pk.pk.group = group;
+      pk.pk.meta = meta;
+      pk.pk.perm = v == 1;
+      pk.pk.rot = v == 2;
+      pk.n = n;
+      pk.explicit_pos = v == 3;
+      c.segs.push_back(pk);
+    };
+    if (v < 3) {
+      chunk(4, 4, 32, MetaType::kF16, 40);
+      chunk(4, 4, 32, MetaType::kF16, 32);
+      chunk(4, 4, 32, MetaType::kF16, 45);
+      chunk(2, 2, 32, MetaType::kF16, 32);
+      chunk(2, 4, 32, MetaType::kF16, 33);
+      chunk(2, 4, 16, MetaType::kF16, 31);
+      chunk(2, 4, 16, MetaType::kFP8E4M3, 17);
+      chunk(2, 4, 16, MetaType::kFP8E4M3, 20);
+    } else {
+      for (int i = 0; i < 40; ++i) chunk(small ? 2 : 4, 2, 32, MetaType::kF16, 129);
+    }
+    c.segs.push_back(tail);
+    out.push_back(c);
+  }
   return out;
 }
 

@@ -41,8 +41,9 @@ std::vector<AttnCase> attention_cases(bool small);
 // Decode over packed rows (the packed decode kernels, src/ops/packed_decode.h): every pair of key
 // and value bits of {1, 1.5, 2, 4, 8}, head_dim 64/80/96/128, groups 16/32/64/24 (ragged last
 // groups at 80, 96 and with 24), fp16/fp8/fp32 metadata, permutation and rotation, GQA 1/4/8,
-// one or two queries per head, sinks + packed + tail views with explicit positions, and long
-// contexts (4096 rows; 16384 in the full sweep).
+// one or two queries per head, sinks + packed + tail views with explicit positions, long
+// contexts (4096 rows; 16384 in the full sweep), and views of many consecutive packed segments
+// (the CPU SKVQ store's one segment per chunk), alike or changing format or transforms.
 std::vector<AttnCase> packed_decode_cases(bool small);
 
 // The packed formats of the sweep.
