@@ -79,6 +79,10 @@ struct PhaseTime {
   bool decode = false;  // steps whose chunks are all single tokens, else prefill/mixed steps
   int64_t steps = 0;
   double gpu_seconds = 0, host_seconds = 0;
+  // Calls in the phase that wait (summed over the steps): stream synchronisations (also those of
+  // synchronous host <-> device copies), device allocations and frees (cudaFree waits for the
+  // device). The CUDA engine's counts (src/cuda/counters.h); 0 elsewhere.
+  int64_t syncs = 0, mallocs = 0, frees = 0;
 };
 
 // `eval attn-error` on an engine (Engine::set_attention_tap, src/eval/text_eval.cpp): the

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/check.h"
+#include "cuda/counters.h"
 #include "cuda/device_cache_kernels.cuh"
 #include "cuda/device_cache_util.h"
 #include "veloxquant/device_memory.h"
@@ -125,6 +126,7 @@ void download_frames(void* dst, int64_t dst_cap, const void* src, int64_t src_ca
                                   static_cast<size_t>(src_cap * row_bytes),
                                   static_cast<size_t>(n * row_bytes), static_cast<size_t>(frames),
                                   cudaMemcpyDeviceToHost, to_stream(s)));
+  count_sync();
   VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
 }
 
@@ -136,6 +138,7 @@ void upload_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src
       static_cast<char*>(dst) + dst_row0 * row_bytes, static_cast<size_t>(dst_cap * row_bytes), src,
       static_cast<size_t>(src_cap * row_bytes), static_cast<size_t>(n * row_bytes),
       static_cast<size_t>(frames), cudaMemcpyHostToDevice, to_stream(s)));
+  count_sync();
   VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
 }
 
@@ -207,6 +210,7 @@ HostSegment download_segment(const DeviceCacheView& view, size_t i, Stream s) {
     VQ_CUDA_CHECK(cudaMemcpyAsync(h.v_perm.data(), seg.v_perm, static_cast<size_t>(HD * 4),
                                   cudaMemcpyDeviceToHost, st));
   }
+  detail::count_sync();
   VQ_CUDA_CHECK(cudaStreamSynchronize(st));
   return h;
 }

@@ -375,14 +375,17 @@ void PhaseEvents::mark(int phase, Stream s) {
   if (phases_.size() <= used_) {
     phases_.resize(used_ + 1);
     host_s_.resize(used_ + 1);
+    counts_.resize(used_ + 1);
   }
   phases_[used_] = phase;
   host_s_[used_] =
       std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  counts_[used_] = detail::runtime_counts();
   ++used_;
 }
 
-void PhaseEvents::collect(std::vector<double>* gpu_ms, std::vector<double>* host_ms) {
+void PhaseEvents::collect(std::vector<double>* gpu_ms, std::vector<double>* host_ms,
+                          std::vector<PhaseCounts>* counts) {
   if (used_ == 0) return;
   VQ_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[used_ - 1])));
   for (size_t i = 0; i + 1 < used_; ++i) {
@@ -394,6 +397,13 @@ void PhaseEvents::collect(std::vector<double>* gpu_ms, std::vector<double>* host
     if (host_ms->size() <= p) host_ms->resize(p + 1, 0.0);
     (*gpu_ms)[p] += ms;
     (*host_ms)[p] += 1e3 * (host_s_[i + 1] - host_s_[i]);
+    if (counts) {
+      if (counts->size() <= p) counts->resize(p + 1);
+      const detail::RuntimeCounts &a = counts_[i], &b = counts_[i + 1];
+      (*counts)[p].syncs += b.syncs - a.syncs;
+      (*counts)[p].mallocs += b.mallocs - a.mallocs;
+      (*counts)[p].frees += b.frees - a.frees;
+    }
   }
   used_ = 0;
 }
@@ -416,6 +426,7 @@ void copy_to_device(void* dst, const void* src, size_t bytes, Stream s) {
 void copy_to_host(void* dst, const void* src, size_t bytes, Stream s) {
   if (bytes == 0) return;
   VQ_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, detail::to_stream(s)));
+  detail::count_sync();
   VQ_CUDA_CHECK(cudaStreamSynchronize(detail::to_stream(s)));
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda/counters.h"
 #include "veloxquant/cuda.h"
 #include "veloxquant/dtype.h"
 
@@ -123,10 +124,16 @@ void argmax_rows(const float* logits, int64_t n_rows, int64_t vocab, int64_t n_v
 // [-sqrt 3, sqrt 3) (unit variance), rounded to t (Engine::fill_synthetic's values).
 void fill_uniform(void* out, DType t, int64_t n, uint64_t seed, Stream s);
 
+// Stream synchronisations, cudaMalloc and cudaFree calls of the backend (src/cuda/counters.h).
+struct PhaseCounts {
+  int64_t syncs = 0, mallocs = 0, frees = 0;
+};
+
 // Phase timing (the engine's EngineOptions::time_phases): mark(phase, s) records a CUDA event on
-// s (and the host clock) where `phase` begins; collect() waits for the last mark and adds, for
-// each mark but the last, the device and host milliseconds up to the next mark into
-// gpu_ms[phase] / host_ms[phase], then forgets the marks. Events are pooled and reused.
+// s (and the host clock, and the runtime call counts) where `phase` begins; collect() waits for
+// the last mark and adds, for each mark but the last, the device and host milliseconds up to the
+// next mark into gpu_ms[phase] / host_ms[phase] (and the calls made meanwhile into
+// counts[phase], when given), then forgets the marks. Events are pooled and reused.
 class PhaseEvents {
  public:
   PhaseEvents() = default;
@@ -134,12 +141,14 @@ class PhaseEvents {
   PhaseEvents(const PhaseEvents&) = delete;
   PhaseEvents& operator=(const PhaseEvents&) = delete;
   void mark(int phase, Stream s);
-  void collect(std::vector<double>* gpu_ms, std::vector<double>* host_ms);
+  void collect(std::vector<double>* gpu_ms, std::vector<double>* host_ms,
+               std::vector<PhaseCounts>* counts = nullptr);
 
  private:
   std::vector<void*> events_;  // cudaEvent_t, pooled
   std::vector<int> phases_;
   std::vector<double> host_s_;  // steady clock seconds at each mark
+  std::vector<detail::RuntimeCounts> counts_;
   size_t used_ = 0;
 };
 

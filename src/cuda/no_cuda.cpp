@@ -233,7 +233,7 @@ PhaseEvents::~PhaseEvents() = default;
 void PhaseEvents::mark(int, Stream) {
   not_built("cuda::PhaseEvents::mark");
 }
-void PhaseEvents::collect(std::vector<double>*, std::vector<double>*) {
+void PhaseEvents::collect(std::vector<double>*, std::vector<double>*, std::vector<PhaseCounts>*) {
   not_built("cuda::PhaseEvents::collect");
 }
 Stream create_stream() {

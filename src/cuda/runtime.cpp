@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "cuda/check.h"
+#include "cuda/counters.h"
 #include "veloxquant/cuda.h"
 #include "veloxquant/multi_gpu.h"
 
@@ -94,17 +95,22 @@ DeviceInfo device_info() {
 }
 
 void synchronize(Stream s) {
+  detail::count_sync();
   VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
 }
 
 DeviceBuffer::DeviceBuffer(size_t bytes) {
   n_ = bytes;
   const size_t alloc = (bytes + 15) / 16 * 16 + 16;  // whole 16-byte words, plus one spare
+  detail::count_malloc();
   VQ_CUDA_CHECK(cudaMalloc(&p_, alloc));
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (p_) (void)cudaFree(p_);  // never throws from a destructor
+  if (p_) {
+    detail::count_free();
+    (void)cudaFree(p_);  // never throws from a destructor
+  }
 }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
@@ -112,7 +118,10 @@ DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
-    if (p_) (void)cudaFree(p_);
+    if (p_) {
+      detail::count_free();
+      (void)cudaFree(p_);
+    }
     p_ = std::exchange(o.p_, nullptr);
     n_ = std::exchange(o.n_, 0);
   }
@@ -125,6 +134,7 @@ void DeviceBuffer::upload(const void* src, size_t bytes, size_t offset, Stream s
   if (bytes == 0) return;
   VQ_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(p_) + offset, src, bytes, cudaMemcpyHostToDevice,
                                 to_stream(s)));
+  detail::count_sync();
   VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
 }
 
@@ -134,6 +144,7 @@ void DeviceBuffer::download(void* dst, size_t bytes, size_t offset, Stream s) co
   if (bytes == 0) return;
   VQ_CUDA_CHECK(cudaMemcpyAsync(dst, static_cast<const char*>(p_) + offset, bytes,
                                 cudaMemcpyDeviceToHost, to_stream(s)));
+  detail::count_sync();
   VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
 }
 

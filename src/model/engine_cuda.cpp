@@ -542,6 +542,10 @@ class CudaEngine final : public Engine {
         t.steps = steps_[kind];
         t.gpu_seconds = g[static_cast<size_t>(p)] * 1e-3;
         t.host_seconds = phase_host_ms_[kind][static_cast<size_t>(p)] * 1e-3;
+        const cuda::PhaseCounts& c = phase_counts_[kind][static_cast<size_t>(p)];
+        t.syncs = c.syncs;
+        t.mallocs = c.mallocs;
+        t.frees = c.frees;
         out.push_back(t);
       }
     return out;
@@ -877,6 +881,7 @@ class CudaEngine final : public Engine {
   // chunk one token).
   cuda::PhaseEvents phases_;
   std::vector<double> phase_gpu_ms_[2], phase_host_ms_[2];
+  std::vector<cuda::PhaseCounts> phase_counts_[2];
   int64_t steps_[2] = {0, 0};
   void mark(size_t r, int phase) {
     if (opts_.time_phases && r == 0) phases_.mark(phase, ranks_[0]->stream);
@@ -1279,9 +1284,10 @@ void CudaEngine::finish_timing(std::span<const SeqChunk> chunks, int64_t n_token
   if (!opts_.time_phases) return;
   const int kind = n_tokens == static_cast<int64_t>(chunks.size()) ? 1 : 0;
   phases_.mark(kPhCount, ranks_[0]->stream);  // the end of the last phase
-  phases_.collect(&phase_gpu_ms_[kind], &phase_host_ms_[kind]);
+  phases_.collect(&phase_gpu_ms_[kind], &phase_host_ms_[kind], &phase_counts_[kind]);
   phase_gpu_ms_[kind].resize(kPhCount, 0.0);
   phase_host_ms_[kind].resize(kPhCount, 0.0);
+  phase_counts_[kind].resize(kPhCount);
   ++steps_[kind];
 }
 

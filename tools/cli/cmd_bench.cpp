@@ -160,8 +160,9 @@ void print_phases(const std::string& spec, const std::vector<PhaseTime>& phases)
   if (phases.empty()) return;
   std::printf(
       "\nphases of %s (ms per step; device time between CUDA events, host time between "
-      "the same points):\n\n| steps | phase | device ms | host ms | share |\n"
-      "|---|---|---:|---:|---:|\n",
+      "the same points; syncs, mallocs, frees: calls per step that wait):\n\n"
+      "| steps | phase | device ms | host ms | share | syncs | mallocs | frees |\n"
+      "|---|---|---:|---:|---:|---:|---:|---:|\n",
       spec.c_str());
   for (int decode = 1; decode >= 0; --decode) {
     double total = 0;
@@ -170,9 +171,11 @@ void print_phases(const std::string& spec, const std::vector<PhaseTime>& phases)
     for (const PhaseTime& p : phases) {
       if (p.decode != (decode == 1) || p.steps == 0) continue;
       const double n = static_cast<double>(p.steps);
-      std::printf("| %s (%lld) | %s | %.3f | %.3f | %.1f%% |\n", decode ? "decode" : "prefill",
-                  static_cast<long long>(p.steps), p.phase.c_str(), 1e3 * p.gpu_seconds / n,
-                  1e3 * p.host_seconds / n, total > 0 ? 100.0 * p.gpu_seconds / total : 0.0);
+      std::printf("| %s (%lld) | %s | %.3f | %.3f | %.1f%% | %.1f | %.1f | %.1f |\n",
+                  decode ? "decode" : "prefill", static_cast<long long>(p.steps), p.phase.c_str(),
+                  1e3 * p.gpu_seconds / n, 1e3 * p.host_seconds / n,
+                  total > 0 ? 100.0 * p.gpu_seconds / total : 0.0, static_cast<double>(p.syncs) / n,
+                  static_cast<double>(p.mallocs) / n, static_cast<double>(p.frees) / n);
     }
   }
 }
@@ -343,7 +346,10 @@ int run_bench(const BenchArgs& a) {
                         {"decode", p.decode},
                         {"steps", p.steps},
                         {"gpu_seconds", p.gpu_seconds},
-                        {"host_seconds", p.host_seconds}});
+                        {"host_seconds", p.host_seconds},
+                        {"syncs", p.syncs},
+                        {"mallocs", p.mallocs},
+                        {"frees", p.frees}});
         j["phases"] = ph;
       }
       out.push_back(j);
