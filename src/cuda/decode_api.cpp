@@ -17,6 +17,7 @@
 #include "cuda/decode_attention.cuh"
 #include "cuda/decode_plan.h"
 #include "cuda/device_cache_dequant.cuh"
+#include "cuda/stream_scratch.h"
 #include "veloxquant/cuda.h"
 
 namespace vq::cuda {
@@ -71,15 +72,6 @@ void dequantize_segment(const DeviceSegment& sg, int64_t frames, int64_t heads, 
     dequant_rows_launch(d, st);
   }
 }
-
-// Stream-ordered scratch freed (on the stream, after the queued kernels) when it goes out of scope.
-struct StreamScratch {
-  void* p = nullptr;
-  cudaStream_t st = nullptr;
-  ~StreamScratch() {
-    if (p) (void)cudaFreeAsync(p, st);
-  }
-};
 
 }  // namespace
 
@@ -255,10 +247,9 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
     VQ_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(B * plan.n_q_heads * D) * 4, st));
     return;
   }
-  StreamScratch deq{nullptr, st};
-  if (plan.scratch_bytes > 0) VQ_CUDA_CHECK(cudaMallocAsync(&deq.p, plan.scratch_bytes, st));
+  const detail::StreamScratch deq(static_cast<size_t>(plan.scratch_bytes), st);
   DecodeChannelParams ch;
-  DecodeParams dp = fill_params(plan, segs, q, out, B, H, D, static_cast<uint8_t*>(deq.p), st, &ch);
+  DecodeParams dp = fill_params(plan, segs, q, out, B, H, D, deq.as<uint8_t>(), st, &ch);
   set_partials(dp, plan, static_cast<uint8_t*>(ws.reserve(plan.workspace_bytes)));
   if (has_channel(plan)) {
     decode_attention_launch_channel(dp, ch, st);

@@ -16,6 +16,7 @@
 #include "cuda/check.h"
 #include "cuda/device_cache_dequant.cuh"
 #include "cuda/device_cache_util.h"
+#include "cuda/stream_scratch.h"
 #include "veloxquant/error.h"
 
 namespace vq::cuda {
@@ -209,13 +210,17 @@ class CudaPackedStore final : public kv::PackedStore {
     const kv::RowShape& rs = rows.shape();
     const int64_t F = shape_.frames(), rb = rs.row_bytes();
     // skvq_quantize_rows reads contiguous rows [B, H, n, D] and writes records [F, n, stride].
-    DeviceBuffer x(static_cast<size_t>(F * n * rb));
+    // Both temporaries are stream-ordered: the copies and the kernel that use them are queued on
+    // stream_ before x is rewritten or either is freed, so no step of a flush waits (a cudaMalloc
+    // / cudaFree pair and a synchronisation per call each cost the decode step a device stall:
+    // bench --phases, docs/results/gpu/run13_s14/e2).
+    const cudaStream_t st = detail::to_stream(stream_);
+    const detail::StreamScratch x(static_cast<size_t>(F * n * rb), st);
     const bool direct = dst_row0 == 0 && capacity_ == n;
     for (int kv = 0; kv < 2; ++kv) {
       const TensorView src = kv ? rows.values(0, 0) : rows.keys(0, 0);
       detail::copy_frames(x.data(), n, 0, src.data, rows.capacity(), src_row0, F, n, rb, stream_);
-      DeviceBuffer rec;
-      if (!direct) rec = DeviceBuffer(static_cast<size_t>(F * n * stride(kv)));
+      const detail::StreamScratch rec(direct ? 0 : static_cast<size_t>(F * n * stride(kv)), st);
       const float* signs = t.signs_for(kv);
       skvq_quantize_rows(
           TensorView::contiguous(x.data(), rs.dtype, rs.batch, rs.heads, n, rs.head_dim),
@@ -224,7 +229,6 @@ class CudaPackedStore final : public kv::PackedStore {
       if (!direct)
         detail::copy_frames(recs(kv), capacity_, dst_row0, rec.data(), n, 0, F, n, stride(kv),
                             stream_);
-      synchronize(stream_);  // x is rewritten and rec freed next
     }
     if (pos_ && rows.positions())
       detail::copy_frames(pos_, capacity_, dst_row0, rows.positions(), rows.capacity(), src_row0, F,
