@@ -94,6 +94,15 @@ VQ_CLI="$PWD/build/veloxquant" $py -m pytest -q python/tests
 python3 -m venv build-python/venv-kvpress
 $py -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
   "$(build-python/venv-kvpress/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_veloxquant_venv.pth"
-build-python/venv-kvpress/bin/python -m pip install -q kvpress
-build-python/venv-kvpress/bin/python -m pytest -q python/tests/test_kvpress.py
+kvpy=build-python/venv-kvpress/bin/python
+$kvpy -m pip install -q kvpress
+# The first venv's transformers brings its own `kernels` (0.19 with transformers 5.25), which
+# the older transformers kvpress pins cannot construct its kernel table with ("Either a revision
+# or a version must be specified", at import): this venv gets the `kernels` its transformers
+# asks for (its "kernels" extra), shadowing the other.
+kernels_spec=$($kvpy -c 'import importlib.metadata as m
+print(next((r.split(";")[0].replace(" ", "") for r in m.requires("transformers") or []
+            if r.startswith("kernels") and "extra == \"kernels\"" in r), ""))')
+if [ -n "$kernels_spec" ]; then $kvpy -m pip install -q "$kernels_spec"; fi
+$kvpy -m pytest -q python/tests/test_kvpress.py
 echo "Python step: $((SECONDS - py_start)) s"
