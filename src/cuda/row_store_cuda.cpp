@@ -599,6 +599,7 @@ class CudaBackend final : public kv::RowBackend {
   }
 
   bool one_packed_run() const override { return true; }
+  bool keeps_tail_room() const override { return true; }
 
   void synchronize() const override {
     detail::flush_row_writes(stream_);

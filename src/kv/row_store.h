@@ -307,6 +307,11 @@ class RowBackend {
   // True when packed records should grow as one run per cache (a device whose attention wants
   // few segments); false: a policy may keep one packed store per flushed chunk (no copies).
   virtual bool one_packed_run() const { return false; }
+  // True when an SKVQ store's full-precision tail keeps room for the rows it holds before its
+  // next flush (sinks + window + recent) instead of shrinking to its rows after each flush and
+  // doubling back: a device, where each regrowth's allocation and free stall the device
+  // (skvq::Store::refit). The CPU shrinks (a host realloc costs little).
+  virtual bool keeps_tail_room() const { return false; }
 
   // Waits for the backend's queued work (the CUDA stream); nothing on the CPU.
   virtual void synchronize() const {}

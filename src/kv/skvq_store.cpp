@@ -348,15 +348,21 @@ int64_t Store::packed_capacity() const {
   return n;
 }
 
+int64_t Store::fp_floor() const {
+  return be_->keeps_tail_room() ? n_sink + s_->flush_span : 16;
+}
+
 void Store::refit(int64_t extra, bool retire) {
   // The growth rule of a row buffer: max(need, 2 cap) rounded up to 16 rows; a buffer more than
-  // twice its rows shrinks; otherwise the tail moves down to the sinks when the end is reached.
+  // twice max(its rows, fp_floor()) shrinks to that; otherwise the tail moves down to the sinks
+  // when the end is reached.
   const int64_t need = n_sink + n_tail + extra, cap = fp_cap();
+  const int64_t keep = std::max({need, fp_floor(), int64_t{16}});
   int64_t new_cap = cap;
   if (need > cap)
     new_cap = round_up(std::max({need, 2 * cap, int64_t{16}}), 16);
-  else if (cap > 2 * std::max<int64_t>(need, 16))
-    new_cap = round_up(std::max<int64_t>(need, 16), 16);
+  else if (cap > 2 * keep)
+    new_cap = round_up(keep, 16);
   if (new_cap != cap) {
     auto fresh = be_->make(fp_shape(), new_cap, explicit_pos_);
     if (fp_) {
@@ -446,7 +452,7 @@ void Store::pack_tail(const std::vector<int64_t>& block_rows) {
 
 void Store::fit() {
   const int64_t need = n_sink + n_tail;
-  if (fp_ && fp_cap() > 2 * std::max<int64_t>(need, 16)) refit(0, true);
+  if (fp_ && fp_cap() > 2 * std::max({need, fp_floor(), int64_t{16}})) refit(0, true);
 }
 
 void Store::release_retired() {

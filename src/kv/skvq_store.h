@@ -148,7 +148,8 @@ class Store {
   // Quantizes the tail's oldest rows as packed blocks of the given sizes (in order) and drops
   // them from the tail (no data moves: a view of them stays valid; a replaced store is retired).
   void pack_tail(const std::vector<int64_t>& block_rows);
-  // Shrinks the full-precision store when it is more than twice its rows (the old one retired).
+  // Shrinks the full-precision store when it is more than twice max(its rows, the floor below)
+  // (the old one retired).
   void fit();
   // Frees what the last view alone still referenced.
   void release_retired();
@@ -197,6 +198,9 @@ class Store {
   kv::RowShape fp_shape() const { return {dtype, batch, heads, s_->head_dim}; }
   kv::PackedShape packed_shape() const { return {batch, heads, s_->head_dim, s_->fk, s_->fv}; }
   int64_t fp_cap() const { return fp_ ? fp_->capacity() : 0; }
+  // The rows the full-precision store keeps room for when it shrinks: sinks + flush span on a
+  // backend that keeps_tail_room() (kv::RowBackend), else 16.
+  int64_t fp_floor() const;
   // Reallocates (new_cap != cap) or compacts the full-precision store so that `extra` more tail
   // rows fit; the old store is retired when `retire`.
   void refit(int64_t extra, bool retire);

@@ -79,12 +79,14 @@ int64_t grown_packed_capacity(int64_t rows) {
   return rows > 0 ? round_up(std::max(rows + rows / 2, int64_t{64}), 64) : 0;
 }
 
-// The skvq full-precision store's capacity (skvq::Store::refit and fit, src/kv/skvq_store.cpp):
-// grown to max(needed, 2 x capacity) rounded up to 16 rows, shrunk to the rows (rounded up to 16,
-// at least 16) when more than twice them. A reallocation copies into a new store while the old
-// one is alive: `extra` is the most the smaller of the two held.
+// The skvq full-precision store's capacity on a device (skvq::Store::refit and fit,
+// src/kv/skvq_store.cpp, with kv::RowBackend::keeps_tail_room): grown to max(needed, 2 x
+// capacity) rounded up to 16 rows, shrunk to max(rows, floor = sinks + flush span, 16) rounded up
+// to 16 when more than twice that. (The CPU store shrinks to its rows: it never holds more than
+// this.) A reallocation copies into a new store while the old one is alive: `extra` is the most
+// the smaller of the two held.
 struct FpStore {
-  int64_t cap = 0, max_cap = 0, extra = 0;
+  int64_t cap = 0, max_cap = 0, extra = 0, floor = 16;
   void set(int64_t c) {
     if (c == cap) return;
     extra = std::max(extra, std::min(c, cap));
@@ -99,7 +101,8 @@ struct FpStore {
       fit(need);
   }
   void fit(int64_t rows) {
-    if (cap > 2 * std::max<int64_t>(rows, 16)) set(round_up(std::max<int64_t>(rows, 16), 16));
+    const int64_t keep = std::max({rows, floor, int64_t{16}});
+    if (cap > 2 * keep) set(round_up(keep, 16));
   }
 };
 
@@ -301,7 +304,10 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
       b.packed = q_end > 0 ? q_end - cc.skvq_n_sink : 0;
       b.comp = comp;
       if (pt.s > 0) {  // the call's append, then the fit after a flush (skvq_cache.cpp)
+        // The store's sinks count from the first flush (promote_sinks) on.
+        fps.floor = (prev_q > 0 ? cc.skvq_n_sink : 0) + span;
         fps.append(prev_fp, pt.s);
+        fps.floor = cc.skvq_n_sink + span;
         if (q_end > prev_q) fps.fit(fp);
       }
       prev_fp = fp;
