@@ -7,7 +7,6 @@
 #include <string>
 
 #include "cuda/check.h"
-#include "cuda/counters.h"
 #include "cuda/device_cache_kernels.cuh"
 #include "cuda/device_cache_util.h"
 #include "veloxquant/device_memory.h"
@@ -126,8 +125,7 @@ void download_frames(void* dst, int64_t dst_cap, const void* src, int64_t src_ca
                                   static_cast<size_t>(src_cap * row_bytes),
                                   static_cast<size_t>(n * row_bytes), static_cast<size_t>(frames),
                                   cudaMemcpyDeviceToHost, to_stream(s)));
-  count_sync();
-  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+  synchronize(s);
 }
 
 void upload_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src, int64_t src_cap,
@@ -138,8 +136,7 @@ void upload_frames(void* dst, int64_t dst_cap, int64_t dst_row0, const void* src
       static_cast<char*>(dst) + dst_row0 * row_bytes, static_cast<size_t>(dst_cap * row_bytes), src,
       static_cast<size_t>(src_cap * row_bytes), static_cast<size_t>(n * row_bytes),
       static_cast<size_t>(frames), cudaMemcpyHostToDevice, to_stream(s)));
-  count_sync();
-  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+  synchronize(s);
 }
 
 Tensor download_rows(const void* src, DType t, int64_t batch, int64_t heads, int64_t n,
@@ -210,8 +207,7 @@ HostSegment download_segment(const DeviceCacheView& view, size_t i, Stream s) {
     VQ_CUDA_CHECK(cudaMemcpyAsync(h.v_perm.data(), seg.v_perm, static_cast<size_t>(HD * 4),
                                   cudaMemcpyDeviceToHost, st));
   }
-  detail::count_sync();
-  VQ_CUDA_CHECK(cudaStreamSynchronize(st));
+  synchronize(s);
   return h;
 }
 

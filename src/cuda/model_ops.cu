@@ -426,8 +426,7 @@ void copy_to_device(void* dst, const void* src, size_t bytes, Stream s) {
 void copy_to_host(void* dst, const void* src, size_t bytes, Stream s) {
   if (bytes == 0) return;
   VQ_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, detail::to_stream(s)));
-  detail::count_sync();
-  VQ_CUDA_CHECK(cudaStreamSynchronize(detail::to_stream(s)));
+  synchronize(s);
 }
 
 void device_memory(size_t* free_bytes, size_t* total_bytes) {

@@ -99,6 +99,16 @@ void synchronize(Stream s) {
   VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
 }
 
+namespace {
+
+void release(void* p) {  // a DeviceBuffer's memory (cudaFree waits for the device: counted)
+  if (!p) return;
+  detail::count_free();
+  (void)cudaFree(p);
+}
+
+}  // namespace
+
 DeviceBuffer::DeviceBuffer(size_t bytes) {
   n_ = bytes;
   const size_t alloc = (bytes + 15) / 16 * 16 + 16;  // whole 16-byte words, plus one spare
@@ -107,10 +117,7 @@ DeviceBuffer::DeviceBuffer(size_t bytes) {
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (p_) {
-    detail::count_free();
-    (void)cudaFree(p_);  // never throws from a destructor
-  }
+  release(p_);  // never throws from a destructor
 }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
@@ -118,10 +125,7 @@ DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
-    if (p_) {
-      detail::count_free();
-      (void)cudaFree(p_);
-    }
+    release(p_);
     p_ = std::exchange(o.p_, nullptr);
     n_ = std::exchange(o.n_, 0);
   }
@@ -134,8 +138,7 @@ void DeviceBuffer::upload(const void* src, size_t bytes, size_t offset, Stream s
   if (bytes == 0) return;
   VQ_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(p_) + offset, src, bytes, cudaMemcpyHostToDevice,
                                 to_stream(s)));
-  detail::count_sync();
-  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+  synchronize(s);
 }
 
 void DeviceBuffer::download(void* dst, size_t bytes, size_t offset, Stream s) const {
@@ -144,8 +147,7 @@ void DeviceBuffer::download(void* dst, size_t bytes, size_t offset, Stream s) co
   if (bytes == 0) return;
   VQ_CUDA_CHECK(cudaMemcpyAsync(dst, static_cast<const char*>(p_) + offset, bytes,
                                 cudaMemcpyDeviceToHost, to_stream(s)));
-  detail::count_sync();
-  VQ_CUDA_CHECK(cudaStreamSynchronize(to_stream(s)));
+  synchronize(s);
 }
 
 void DeviceBuffer::fill_zero(Stream s) {
