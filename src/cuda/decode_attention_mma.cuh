@@ -26,13 +26,16 @@
 //      exact hi + lo split; sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head)
 //      logits in column 2 h of each lane. Channel map of chunk c (32 channels), k-step s, K
 //      index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
-//      8 contiguous channels of rows g and g + 8. 2-bit codes become exact fp16 integers
-//      ((c | 0x6400) - 1024); packed 2-bit keys take the KB = 4 map below, the lane's 2 code
-//      bytes spread to bytes 0 and 2 so that K pair i reads codes (i, i + 4) as 4^i c in place
-//      (q there carries 4^-i); per 32-channel block the logit gains scale * C / sigma + lo * sum q.
+//      8 contiguous channels of rows g and g + 8. Packed key codes are masked in place and read
+//      as fp16 subnormals (exponent bits zero: the code times its in-place factor times 2^-24,
+//      exact; one lop3 per pair, the 2^-24 undone in sigma's inverse); packed 2-bit keys take the
+//      KB = 4 map below, the lane's 2 code bytes spread to bytes 0 and 2 so that K pair i reads
+//      codes (i, i + 4) as 4^i c 2^-24 in place (q there carries 4^-i); per 32-channel block the
+//      logit gains scale * C / sigma + lo * sum q.
 //      KB = 4 (and the f16 rows of a KB = 4 view): K index k of k-step s holds channel
 //      32 c + 8 t + 2 s + (k >= 8) + 4 (k % 2), i.e. the nibble pairs (j, j + 4) of the lane's
-//      32-bit word of 8 codes, taken by masks without shifts (f16 rows: one byte permute).
+//      32-bit word of 8 codes, taken by masks (a high nibble in place: 16 c 2^-24, q of those
+//      pairs carries 1/16; nibbles 2, 3 after one shift by 8; f16 rows: one byte permute).
 //  (2) online softmax per head (exp2 of log2e-scaled logits; running max per warp and head).
 //  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (part-1
 //      columns zero again). f16 metadata (PK >= 2): A holds the dequantized values c * scale + lo,
@@ -355,14 +358,18 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   }
   __syncthreads();
   // every query value becomes the tensor-core operand it will be (fp16 rounding of q * sigma, times
-  // 4^-i for 2-bit packed keys, exactly undone), so the chunk sums below are sums of the operands
-  // and the folded zero-points add no error of their own (docs/design.md section 4)
+  // 4^-i for 2-bit packed keys and 16^-(i % 2) for 4-bit ones, exactly undone), so the chunk sums
+  // below are sums of the operands and the folded zero-points add no error of their own
+  // (docs/design.md section 4)
   {
     const bool k2r = PK > 0 && KB == 2 && packed;
+    const bool k4r = Q4 && packed;
     const bool bfq = BF && !packed;  // a block of bf16 rows: bf16 query operands
     for (int i = tid; i < G * D; i += kThreads) {
       const int d = i % D;
-      const float fac = ssig[i / D] * (k2r ? __int_as_float((127 - 2 * (d & 3)) << 23) : 1.0f);
+      const float fac = ssig[i / D] * (k2r   ? __int_as_float((127 - 2 * (d & 3)) << 23)
+                                       : k4r ? ((d & 1) ? 0.0625f : 1.0f)
+                                             : 1.0f);
       const float x = qs[i] * fac;
       qs[i] = (bfq ? __bfloat162float(__float2bfloat16_rn(x)) : __half2float(__float2half_rn(x))) *
               (1.0f / fac);
@@ -378,8 +385,11 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   __syncthreads();
   uint32_t qb[NT][NCH][4];
   // 2-bit packed keys take the 4-bit channel map (K pair i of the lane = channels (i, i + 4) of its
-  // 8), their codes read 4^i times their value in place; q carries the exact inverse 4^-i
+  // 8), their codes read 4^i times their value in place; q carries the exact inverse 4^-i. 4-bit
+  // packed keys read the high nibble of a byte in place too (16 times its value): q of the odd K
+  // pairs carries 1/16. Packed key codes are read as fp16 subnormals (below)
   const bool k2p = PK > 0 && KB == 2 && packed;
+  const bool k4p = Q4 && packed;
   const bool qmap4 = Q4 || k2p;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -391,11 +401,9 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
         uint32_t w = 0u;
         if (h < G) {
           const int ch = 32 * c + 8 * t + (qmap4 ? i : 2 * i), ch1 = ch + (qmap4 ? 4 : 1);
-          const float f = k2p ? (i == 0   ? 1.0f
-                                 : i == 1 ? 0.25f
-                                 : i == 2 ? 0.0625f
-                                          : 0.015625f)
-                              : 1.0f;
+          const float f = k2p                ? __int_as_float((127 - 2 * i) << 23)  // 4^-i
+                          : (k4p && (i & 1)) ? 0.0625f
+                                             : 1.0f;
           const float sgm = ssig[h] * f;
           w = BF && !packed ? pack_part<true>(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1)
                             : pack_part(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
@@ -403,16 +411,23 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
         qb[nt][c][i] = w;
       }
   }
+  // Packed key codes enter the mma as fp16 subnormals (code bits masked in place, exponent zero:
+  // the value is the code times 2^-24 times its in-place factor, exact), so C is 2^-24 times the
+  // product of the magic-number form, with no subtraction per code pair. A packed block's sinv
+  // carries the 2^24 back, and MF's chunk sums carry 2^-24 so that both terms of the running logit
+  // share the scale; every factor is a power of two in range (sigma in [2^-100, 2^100], scaled
+  // chunk sums >= 2^-24 times their value), so the logits are those of the magic-number form.
+  constexpr float kSub = 16777216.0f;  // 2^24
   float sinv[NT], qsum[NT][NCH];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int h = t + 4 * nt;
-    sinv[nt] = h < G ? 1.0f / ssig[h] : 0.0f;
+    sinv[nt] = h < G ? (packed ? kSub : 1.0f) / ssig[h] : 0.0f;
     // MF: the logits of packed keys are accumulated times sigma (bounded metadata, so no overflow:
     // |scale|, |lo| <= 65504, sigma-scaled chunk sums <= 2^17, C <= 2^19) and scaled back once
 #pragma unroll
     for (int c = 0; c < NCH; ++c)
-      qsum[nt][c] = h < G ? sqsum[h * NCH + c] * (MF ? ssig[h] : 1.0f) : 0.0f;
+      qsum[nt][c] = h < G ? sqsum[h * NCH + c] * (MF ? ssig[h] * (1.0f / kSub) : 1.0f) : 0.0f;
   }
 
   float m_run[NT], l_run[NT];
@@ -532,24 +547,25 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
               // at bits 2m of the two halves, read in place as 4^m times their value
               const uint32_t y0 = __byte_perm(lds16(rg + 8 * c + 2 * t), 0u, 0x4140);
               const uint32_t y1 = __byte_perm(lds16(rg8 + 8 * c + 2 * t), 0u, 0x4140);
-              a[0] = code_pair<0x00030003u>(y0);
-              a8[0] = code_pair<0x00030003u>(y1);
-              a[1] = code_pair<0x000C000Cu>(y0);
-              a8[1] = code_pair<0x000C000Cu>(y1);
-              a[2] = code_pair<0x00300030u>(y0);
-              a8[2] = code_pair<0x00300030u>(y1);
-              a[3] = code_pair<0x00C000C0u>(y0);
-              a8[3] = code_pair<0x00C000C0u>(y1);
+              a[0] = y0 & 0x00030003u;  // fp16 subnormals 4^m c 2^-24
+              a8[0] = y1 & 0x00030003u;
+              a[1] = y0 & 0x000C000Cu;
+              a8[1] = y1 & 0x000C000Cu;
+              a[2] = y0 & 0x00300030u;
+              a8[2] = y1 & 0x00300030u;
+              a[3] = y0 & 0x00C000C0u;
+              a8[3] = y1 & 0x00C000C0u;
             } else {  // nibbles (j, j + 4) of the lane's 8 codes: j = 0, 1 in place, 2, 3 >> 8
+              // (fp16 subnormals c 2^-24 for a low nibble, 16 c 2^-24 for a high one)
               const uint32_t w0 = lds32(rg + 16 * c + 4 * t), w1 = lds32(rg8 + 16 * c + 4 * t);
-              a[0] = code_pair<0x000f000fu>(w0);
-              a[1] = code_pair_hi4(w0);
-              a[2] = code_pair<0x000f000fu>(w0 >> 8);
-              a[3] = code_pair_hi4(w0 >> 8);
-              a8[0] = code_pair<0x000f000fu>(w1);
-              a8[1] = code_pair_hi4(w1);
-              a8[2] = code_pair<0x000f000fu>(w1 >> 8);
-              a8[3] = code_pair_hi4(w1 >> 8);
+              a[0] = w0 & 0x000f000fu;
+              a[1] = w0 & 0x00f000f0u;
+              a[2] = (w0 >> 8) & 0x000f000fu;
+              a[3] = (w0 >> 8) & 0x00f000f0u;
+              a8[0] = w1 & 0x000f000fu;
+              a8[1] = w1 & 0x00f000f0u;
+              a8[2] = (w1 >> 8) & 0x000f000fu;
+              a8[3] = (w1 >> 8) & 0x00f000f0u;
             }
             float lo0, sc0, lo1, sc1;
             meta_a<MF>(rg, kcb, p.pk.k_meta, grpc[c], lo0, sc0);
