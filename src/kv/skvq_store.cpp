@@ -371,6 +371,7 @@ void Store::refit(int64_t extra, bool retire) {
       if (retire) retired_fp_.push_back(std::move(fp_));
     }
     fp_ = std::move(fresh);
+    fp_unseen_ = false;
     t0_ = n_sink;
   } else if (t0_ + n_tail + extra > cap) {
     // In pieces no longer than the move (t0 > n_sink here, else need > cap), front first, so that
@@ -461,6 +462,14 @@ void Store::fit() {
   if (fp_ && fp_cap() > 2 * std::max({need, fp_floor(), int64_t{16}})) refit(0, true);
 }
 
+void Store::fit_kept() {
+  if (!fp_unseen_ || !be_->keeps_tail_room()) return;
+  fp_unseen_ = false;
+  const int64_t need = n_sink + n_tail;
+  // No view reads the old store: it is freed now, so the resident bytes only fall.
+  if (fp_cap() > 2 * std::max({need, fp_floor(), int64_t{16}})) refit(0, false);
+}
+
 void Store::release_retired() {
   retired_fp_.clear();
   retired_packed_.clear();
@@ -472,6 +481,7 @@ CacheView Store::view(int slot) const {
   v.n_kv_heads = heads;
   v.head_dim = s_->head_dim;
   if (!has_data) return v;
+  fp_unseen_ = false;
   const int64_t d = s_->head_dim;
   if (n_sink > 0) {
     ViewSegment seg;
@@ -621,6 +631,7 @@ void Store::keep(const std::vector<int32_t>& idx, int64_t count) {
   runs_.clear();
   blocks_.clear();
   fp_ = std::move(kept_fp);
+  fp_unseen_ = true;
   n_sink = n_s2;
   t0_ = n_s2;
   n_tail = f2;
@@ -738,6 +749,7 @@ void Store::install(const HostRows& sinks, const std::vector<HostBlock>& blocks,
   n_sink = sinks.n;
   n_tail = tail.n;
   fp_ = be_->make(fp_shape(), round_up(std::max<int64_t>(n_sink + n_tail, 16), 16), explicit_pos_);
+  fp_unseen_ = false;
   t0_ = n_sink;
   if (n_sink > 0) {
     fp_->upload(TensorView::contiguous(const_cast<uint8_t*>(sinks.k.data()), dtype, batch, heads,

@@ -178,6 +178,7 @@ void SnapkvSkvqCache::end_prompt() {
     evict(nullptr, 0);
   }
   flush();
+  st.rows.fit_kept();  // on a device, now rather than on the next (decode) call
   st.pending = false;
   st.win.reset();
   // No view references the old rows any more (end_prompt invalidates the last view).
@@ -256,6 +257,9 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
     if (st.pending) return view;
   } else if (n_new > 1) {
     evict(queries, n_new);
+    flush();
+    rows.fit_kept();  // on a device, now rather than on the next (decode) call
+    return view;
   }
   flush();
   return view;
