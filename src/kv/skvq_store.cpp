@@ -371,9 +371,16 @@ void Store::refit(int64_t extra, bool retire) {
       if (retire) retired_fp_.push_back(std::move(fp_));
     }
     fp_ = std::move(fresh);
+    fp_unseen_ = false;
     t0_ = n_sink;
   } else if (t0_ + n_tail + extra > cap) {
-    fp_->copy_range(*fp_, t0_, n_sink, n_tail);
+    // In pieces no longer than the move (t0 > n_sink here, else need > cap), front first, so that
+    // no copy's ranges overlap: a device copies an overlapping range through a scratch store
+    // (src/cuda/row_store_cuda.cpp, copy_range), a tail longer than the window (skvq_recent)
+    // would make one every window steps. The rows end where one overlapping copy puts them.
+    const int64_t shift = t0_ - n_sink;
+    for (int64_t i = 0; i < n_tail; i += shift)
+      fp_->copy_range(*fp_, t0_ + i, n_sink + i, std::min(shift, n_tail - i));
     t0_ = n_sink;
   }
 }
@@ -455,6 +462,14 @@ void Store::fit() {
   if (fp_ && fp_cap() > 2 * std::max({need, fp_floor(), int64_t{16}})) refit(0, true);
 }
 
+void Store::fit_kept() {
+  if (!fp_unseen_ || !be_->keeps_tail_room()) return;
+  fp_unseen_ = false;
+  const int64_t need = n_sink + n_tail;
+  // No view reads the old store: it is freed now, so the resident bytes only fall.
+  if (fp_cap() > 2 * std::max({need, fp_floor(), int64_t{16}})) refit(0, false);
+}
+
 void Store::release_retired() {
   retired_fp_.clear();
   retired_packed_.clear();
@@ -466,6 +481,7 @@ CacheView Store::view(int slot) const {
   v.n_kv_heads = heads;
   v.head_dim = s_->head_dim;
   if (!has_data) return v;
+  fp_unseen_ = false;
   const int64_t d = s_->head_dim;
   if (n_sink > 0) {
     ViewSegment seg;
@@ -615,6 +631,7 @@ void Store::keep(const std::vector<int32_t>& idx, int64_t count) {
   runs_.clear();
   blocks_.clear();
   fp_ = std::move(kept_fp);
+  fp_unseen_ = true;
   n_sink = n_s2;
   t0_ = n_s2;
   n_tail = f2;
@@ -732,6 +749,7 @@ void Store::install(const HostRows& sinks, const std::vector<HostBlock>& blocks,
   n_sink = sinks.n;
   n_tail = tail.n;
   fp_ = be_->make(fp_shape(), round_up(std::max<int64_t>(n_sink + n_tail, 16), 16), explicit_pos_);
+  fp_unseen_ = false;
   t0_ = n_sink;
   if (n_sink > 0) {
     fp_->upload(TensorView::contiguous(const_cast<uint8_t*>(sinks.k.data()), dtype, batch, heads,

@@ -151,6 +151,13 @@ class Store {
   // Shrinks the full-precision store when it is more than twice max(its rows, the floor below)
   // (the old one retired).
   void fit();
+  // After keep() and the flush that follows it: on a backend that keeps_tail_room, shrinks the
+  // full-precision store keep() made (room for every kept row, most of which the flush packed)
+  // as fit() does, now rather than at the next append, which would otherwise reallocate it on a
+  // decode step; the old store is freed at once. Nothing when no keep() made the store or a view
+  // has read it since, or on another backend: the next append's refit shrinks it (the CPU's
+  // rule).
+  void fit_kept();
   // Frees what the last view alone still referenced.
   void release_retired();
 
@@ -214,6 +221,8 @@ class Store {
   const char* op_;
   std::unique_ptr<kv::PackedTransforms> dtr_;
   std::unique_ptr<kv::RowStore> fp_;
+  // fp_ was made by keep() and no view has read it since (view() clears it): fit_kept may free it.
+  mutable bool fp_unseen_ = false;
   int64_t t0_ = 0;
   std::vector<Run> runs_;
   std::vector<int64_t> blocks_;

@@ -139,10 +139,16 @@ void SnapkvSkvqCache::evict(const TensorView* queries, int64_t n_new) {
 }
 
 // Packs the tail's oldest `window` rows (one block each, or their skvq_key_rows runs) while it
-// holds >= window + recent.
+// holds >= window + recent: every chunk due in one pack_tail, so that a one-run backend grows its
+// run once for all of them (an eviction's flush packs several), not once per chunk.
 void SnapkvSkvqCache::flush() {
   skvq::Store& rows = st_->rows;
-  while (rows.n_tail >= set_->flush_span) rows.pack_tail(set_->chunk_blocks(set_->window));
+  if (rows.n_tail < set_->flush_span) return;
+  const std::vector<int64_t> chunk = set_->chunk_blocks(set_->window);
+  std::vector<int64_t> blocks;
+  for (int64_t n = rows.n_tail; n >= set_->flush_span; n -= set_->window)
+    blocks.insert(blocks.end(), chunk.begin(), chunk.end());
+  rows.pack_tail(blocks);
 }
 
 bool SnapkvSkvqCache::eviction_pending() const {
@@ -172,6 +178,7 @@ void SnapkvSkvqCache::end_prompt() {
     evict(nullptr, 0);
   }
   flush();
+  st.rows.fit_kept();  // on a device, now rather than on the next (decode) call
   st.pending = false;
   st.win.reset();
   // No view references the old rows any more (end_prompt invalidates the last view).
@@ -250,6 +257,9 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
     if (st.pending) return view;
   } else if (n_new > 1) {
     evict(queries, n_new);
+    flush();
+    rows.fit_kept();  // on a device, now rather than on the next (decode) call
+    return view;
   }
   flush();
   return view;
