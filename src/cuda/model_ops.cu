@@ -56,20 +56,37 @@ __global__ void embed_rows_kernel(const int32_t* tokens, int64_t n_tokens, const
   }
 }
 
-// One block of 256 threads per output row.
-__global__ void add_rmsnorm_kernel(AddNormParams p, int out_dt) {
-  const int64_t r = blockIdx.x;
+// One block of 256 threads per output row. Each thread takes the row's elements j = tid, tid +
+// 256, ... in that order (the sum order, and so the result, is fixed by the block size), kU of
+// them per round: all of a round's loads are issued before its stores (restrict pointers: x, add,
+// weight and out are distinct buffers), so a thread waits for memory once per round instead of
+// once per element.
+__global__ void __launch_bounds__(256) add_rmsnorm_kernel(AddNormParams p, int out_dt) {
+  constexpr int kU = 8;
+  const int64_t r = blockIdx.x, n = p.hidden, step = blockDim.x;
   const int64_t i = p.rows ? p.rows[r] : r;
-  float* x = p.x + i * p.hidden;
-  const float* add = p.add ? p.add + i * p.hidden : nullptr;
+  float* __restrict__ x = p.x + i * n;
+  const float* __restrict__ add = p.add ? p.add + i * n : nullptr;
+  const float* __restrict__ weight = p.weight;
   double ss = 0.0;
-  for (int64_t j = threadIdx.x; j < p.hidden; j += blockDim.x) {
-    float v = x[j];
-    if (add) {
-      v = __fadd_rn(v, add[j]);
-      x[j] = v;
+  for (int64_t j0 = threadIdx.x; j0 < n; j0 += kU * step) {
+    float v[kU], a[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t j = j0 + u * step;
+      v[u] = j < n ? x[j] : 0.0f;
+      a[u] = add && j < n ? add[j] : 0.0f;
     }
-    ss += static_cast<double>(v) * v;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t j = j0 + u * step;
+      if (j >= n) break;
+      if (add) {
+        v[u] = __fadd_rn(v[u], a[u]);
+        x[j] = v[u];
+      }
+      ss += static_cast<double>(v[u]) * v[u];
+    }
   }
   // Block sum: warp shuffles, then one partial per warp in shared memory.
   __shared__ double part[32];
@@ -80,12 +97,25 @@ __global__ void add_rmsnorm_kernel(AddNormParams p, int out_dt) {
   if (threadIdx.x == 0) {
     double tot = 0.0;
     for (unsigned w = 0; w < (blockDim.x + 31) / 32; ++w) tot += part[w];
-    inv_s = static_cast<float>(1.0 / sqrt(tot / static_cast<double>(p.hidden) + p.eps));
+    inv_s = static_cast<float>(1.0 / sqrt(tot / static_cast<double>(n) + p.eps));
   }
   __syncthreads();
   const float inv = inv_s;
-  for (int64_t j = threadIdx.x; j < p.hidden; j += blockDim.x)
-    store_f32(p.out, r * p.hidden + j, __fmul_rn(p.weight[j], __fmul_rn(x[j], inv)), out_dt);
+  for (int64_t j0 = threadIdx.x; j0 < n; j0 += kU * step) {
+    float v[kU], wv[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t j = j0 + u * step;
+      v[u] = j < n ? x[j] : 0.0f;
+      wv[u] = j < n ? weight[j] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t j = j0 + u * step;
+      if (j >= n) break;
+      store_f32(p.out, r * n + j, __fmul_rn(wv[u], __fmul_rn(v[u], inv)), out_dt);
+    }
+  }
 }
 
 // One thread per (token, head, rotation pair); heads [0, H_q) are q, then H_kv of k, then H_kv
