@@ -27,6 +27,7 @@
 #include "veloxquant/prefill_schedule.h"
 #include "veloxquant/skvq_cache.h"
 #include "veloxquant/snapkv_skvq_cache.h"
+#include "veloxquant/streaming_cache.h"
 
 namespace vq {
 namespace {
@@ -506,6 +507,22 @@ TEST(SteadyDecodeStores, SkvqMakesNoStorePerStep) {
     const Tally t = run_life(cache, ref, be, lf, kH, kD);
     expect_steady(t, lf.steps);
   }
+}
+
+// The streaming cache moves its recent run back next to the sinks whenever it reaches the end of
+// its store (every capacity - sinks - window steps): in non-overlapping pieces, so no scratch
+// store on a device (an overlapping copy_range would count as churn here).
+TEST(SteadyDecodeStores, StreamingMakesNoStorePerStep) {
+  CountingBackend be;
+  CacheConfig cfg;
+  cfg.method = "streaming";
+  cfg.head_dim = kD;
+  cfg.streaming_n_sink = 4;
+  cfg.streaming_window = 512;
+  StreamingCache cache(cfg, be), ref(cfg);
+  const Life lf;
+  const Tally t = run_life(cache, ref, be, lf, kH, kD);
+  expect_steady(t, lf.steps);
 }
 
 }  // namespace

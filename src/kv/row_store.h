@@ -334,6 +334,12 @@ struct RowStateHead {
   static RowStateHead read(StateReader& r, const char* method);
 };
 
+// Moves rows [from, from + n) of `rows` down to [to, to + n) (to < from) as one overlapping
+// copy_range would, but in pieces no longer than from - to, front first, so that no copy's
+// ranges overlap: a device store copies an overlapping range through a scratch store of n rows
+// (src/cuda/row_store_cuda.cpp, copy_range), an allocation and a wait in a decode step.
+void move_rows_down(RowStore& rows, int64_t from, int64_t to, int64_t n);
+
 // The CPU backend (a process-wide instance; stores are plain aligned host memory, large ones
 // advised for transparent huge pages).
 const RowBackend& cpu_backend();

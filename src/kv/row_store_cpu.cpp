@@ -623,6 +623,15 @@ class CpuBackend final : public RowBackend {
 
 }  // namespace
 
+void move_rows_down(RowStore& rows, int64_t from, int64_t to, int64_t n) {
+  VQ_CHECK(0 <= to && to < from && n >= 0,
+           "[move_rows_down] expected 0 <= to < from and n >= 0 but got from " +
+               std::to_string(from) + ", to " + std::to_string(to) + ", n " + std::to_string(n));
+  const int64_t shift = from - to;
+  for (int64_t i = 0; i < n; i += shift)
+    rows.copy_range(rows, from + i, to + i, std::min(shift, n - i));
+}
+
 void check_select_rows(const RowStore& rows, int64_t n, const TensorView* q, int64_t lo, int64_t hi,
                        int64_t k) {
   const RowShape& sh = rows.shape();

@@ -374,13 +374,9 @@ void Store::refit(int64_t extra, bool retire) {
     fp_unseen_ = false;
     t0_ = n_sink;
   } else if (t0_ + n_tail + extra > cap) {
-    // In pieces no longer than the move (t0 > n_sink here, else need > cap), front first, so that
-    // no copy's ranges overlap: a device copies an overlapping range through a scratch store
-    // (src/cuda/row_store_cuda.cpp, copy_range), a tail longer than the window (skvq_recent)
-    // would make one every window steps. The rows end where one overlapping copy puts them.
-    const int64_t shift = t0_ - n_sink;
-    for (int64_t i = 0; i < n_tail; i += shift)
-      fp_->copy_range(*fp_, t0_ + i, n_sink + i, std::min(shift, n_tail - i));
+    // t0 > n_sink here (else need > cap). Without overlapping copies: on a device a tail longer
+    // than the window (skvq_recent) would otherwise make a scratch store every window steps.
+    kv::move_rows_down(*fp_, t0_, n_sink, n_tail);
     t0_ = n_sink;
   }
 }

@@ -131,8 +131,9 @@ void StreamingCache::make_room(int64_t extra) {
   if (head_ + n_recent_ + extra <= capacity_) return;
   const int64_t needed = n_sink_rows_ + n_recent_ + extra;
   if (needed <= capacity_ && capacity_ >= steady_cap_) {
-    // Move the run back next to the sinks (the ranges may overlap).
-    rows_->copy_range(*rows_, head_, n_sink_rows_, n_recent_);
+    // Move the run back next to the sinks (head > sinks here, else needed > capacity), without
+    // overlapping copies: on a device each would make a scratch store in a decode step.
+    kv::move_rows_down(*rows_, head_, n_sink_rows_, n_recent_);
     head_ = n_sink_rows_;
     return;
   }
