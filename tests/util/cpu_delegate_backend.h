@@ -59,6 +59,8 @@ class CpuDelegateBackend : public kv::RowBackend {
     return cpu().channel_perms(rows, row0, n, values);
   }
   bool one_packed_run() const override { return cpu().one_packed_run(); }
+  bool keeps_tail_room() const override { return cpu().keeps_tail_room(); }
+  void synchronize() const override { cpu().synchronize(); }
 
  protected:
   static const kv::RowBackend& cpu() { return kv::cpu_backend(); }
