@@ -19,6 +19,7 @@
 
 #include "kv/row_store.h"
 #include "util/cpu_delegate_backend.h"
+#include "util/llama_shapes.h"
 #include "util/test_util.h"
 #include "veloxquant/cache_config.h"
 #include "veloxquant/memory_plan.h"
@@ -441,14 +442,7 @@ TEST(SteadyDecodeStores, SnapkvSkvqLongRecentSpanMakesNoStorePerStep) {
 // (tests/cuda/test_cuda_skvq.cpp): here with the CPU's allocations, which hold no more than the
 // device's.
 TEST(SteadyDecodeStores, SnapkvSkvqResidentStaysWithinThePlan) {
-  ModelConfig mc;
-  mc.n_layers = 1;
-  mc.n_heads = 32;
-  mc.n_kv_heads = 8;
-  mc.head_dim = 128;
-  mc.hidden_size = 4096;
-  mc.intermediate_size = 14336;
-  mc.vocab_size = 128256;
+  const ModelConfig mc = test::llama3_8b_layer();
   struct Case {
     const char* spec;
     int64_t prompt, step, gen;

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "util/llama_shapes.h"
 #include "util/test_util.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cuda.h"
@@ -262,14 +263,7 @@ TEST(CudaSkvq, RealCacheFlushReproduced) {
 // store) and without (grown x1.5, the planner's growth bound).
 TEST(CudaSkvq, ResidentBytesStayWithinThePlan) {
   SKIP_WITHOUT_DEVICE();
-  ModelConfig mc;
-  mc.n_layers = 1;
-  mc.n_heads = 32;
-  mc.n_kv_heads = 8;
-  mc.head_dim = 128;
-  mc.hidden_size = 4096;
-  mc.intermediate_size = 14336;
-  mc.vocab_size = 128256;
+  const ModelConfig mc = test::llama3_8b_layer();
   const int64_t H = mc.n_kv_heads, D = mc.head_dim, prompt = 2048, step = 512, gen = 200;
   for (const char* bits : {"K2V2", "K4V4"})
     for (bool reserve : {true, false}) {
@@ -325,14 +319,8 @@ TEST(CudaSkvq, ResidentBytesStayWithinThePlan) {
 // peak.
 TEST(CudaSkvq, PerLayerListsStayWithinThePlan) {
   SKIP_WITHOUT_DEVICE();
-  ModelConfig mc;
+  ModelConfig mc = test::llama3_8b_layer();
   mc.n_layers = 2;
-  mc.n_heads = 32;
-  mc.n_kv_heads = 8;
-  mc.head_dim = 128;
-  mc.hidden_size = 4096;
-  mc.intermediate_size = 14336;
-  mc.vocab_size = 128256;
   const int64_t H = mc.n_kv_heads, D = mc.head_dim, prompt = 1024, step = 512, gen = 140;
   for (const char* spec : {"skvq:bits_value=2:layer_bits_key=4/2",
                            "skvq:bits_value=2:key_axis=channel:layer_bits_key=2/4:"
