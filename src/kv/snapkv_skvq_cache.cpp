@@ -257,11 +257,11 @@ CacheView SnapkvSkvqCache::update_and_fetch(const TensorView& keys, const Tensor
     if (st.pending) return view;
   } else if (n_new > 1) {
     evict(queries, n_new);
-    flush();
-    rows.fit_kept();  // on a device, now rather than on the next (decode) call
-    return view;
   }
   flush();
+  // After an eviction, on a device: the kept tail's fit now rather than on the next (decode)
+  // call (Store::fit_kept does nothing when no eviction made the store).
+  rows.fit_kept();
   return view;
 }
 
