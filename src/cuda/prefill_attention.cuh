@@ -62,4 +62,10 @@ void prefill_attention_launch(const PrefillParams& p, cudaStream_t s);
 // 16-byte and q, out 8-byte aligned (checked by the caller). Every segment's rows_cap must be set.
 void prefill_fa_launch(const PrefillParams& p, bool bf16, cudaStream_t s);
 
+// The warpgroup (wgmma) kernel (prefill_wg.cu) for the same views at D 128: usable when this
+// build has sm_90a code and the current device is sm_90 (VQ_PREFILL_MMA_SYNC set in the
+// environment keeps the mma.sync kernel, for A/B timing); prefill_fa_launch takes it then.
+bool prefill_wg_usable(int head_dim);
+void prefill_wg_launch(const PrefillParams& p, bool bf16, cudaStream_t s);
+
 }  // namespace vq::cuda

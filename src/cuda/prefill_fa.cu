@@ -15,7 +15,8 @@
 // registers and rounded once to E as the A operand of P V, fp32 accumulation. FlashAttention
 // numerics (docs/design.md section 4), held to the bounds of tests/ops_harness/attention_bounds.h
 // (kPrefillTc of the operand type). Heaviest (latest) query blocks run first. Measured in
-// docs/results/gpu/run9_prefill.
+// docs/results/gpu/run9_prefill. At D 128 on an sm_90 device with sm_90a code in the build,
+// prefill_fa_launch hands the view to the wgmma kernel (prefill_wg.cu) instead.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -55,15 +56,6 @@ __device__ __forceinline__ void fa_mma(float (&d)[4], const uint32_t (&a)[4], ui
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// 2^x in fp32 by ex2.approx.ftz (within 2 ulp, as exp2f, whose non-ftz form only adds the
-// scaling of subnormal results): a weight below 2^-126 becomes 0, an error under 2^-126 |v| per
-// term, far inside the accumulation term of the bounds (tests/ops_harness/attention_bounds.cpp).
-__device__ __forceinline__ float fa_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 template <int D, int MT, int NW, int BK, int MINB, class E>
@@ -240,14 +232,14 @@ __global__ void __launch_bounds__(32 * NW, MINB)
         const float c = cm[mt][hf];
         const float nm = fmaxf(mx[mt][hf], xm[hf] * c);
         const float z = nm == -INFINITY ? 0.0f : nm;
-        corr[mt][hf] = fa_exp2(mx[mt][hf] - z);
+        corr[mt][hf] = tc_exp2(mx[mt][hf] - z);
         moved = moved || corr[mt][hf] != 1.0f;
         mx[mt][hf] = nm;
         float sum = 0.0f;
 #pragma unroll
         for (int n = 0; n < NB; ++n) {
-          s[mt][n][2 * hf] = fa_exp2(fmaf(s[mt][n][2 * hf], c, -z));
-          s[mt][n][2 * hf + 1] = fa_exp2(fmaf(s[mt][n][2 * hf + 1], c, -z));
+          s[mt][n][2 * hf] = tc_exp2(fmaf(s[mt][n][2 * hf], c, -z));
+          s[mt][n][2 * hf + 1] = tc_exp2(fmaf(s[mt][n][2 * hf + 1], c, -z));
           sum += s[mt][n][2 * hf] + s[mt][n][2 * hf + 1];
         }
         l[mt][hf] = l[mt][hf] * corr[mt][hf] + sum;
@@ -346,6 +338,10 @@ void fa_launch(const PrefillParams& p, cudaStream_t s) {
 }  // namespace
 
 void prefill_fa_launch(const PrefillParams& p, bool bf16, cudaStream_t s) {
+  if (prefill_wg_usable(p.head_dim)) {
+    prefill_wg_launch(p, bf16, s);
+    return;
+  }
   if (bf16)
     fa_launch<__nv_bfloat16>(p, s);
   else

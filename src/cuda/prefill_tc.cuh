@@ -1,7 +1,7 @@
-// Tile schedule and tile staging of the tensor-core prefill kernel (prefill_fa.cu), device code
-// only. A tile is BK consecutive rows (keys) of one
+// Tile schedule and tile staging of the tensor-core prefill kernels (prefill_fa.cu,
+// prefill_wg.cu), device code only. A tile is BK consecutive rows (keys) of one
 // segment of frame f = b * H_kv + h; staged as swizzled 16-bit planes of D channels
-// (tc_common.cuh's tc_off) followed by the tile's key positions (int64).
+// (tc_common.cuh's tc_off, or the layout a kernel names) and the tile's key positions (int64).
 #pragma once
 
 #include <climits>
@@ -16,8 +16,9 @@ namespace vq::cuda {
 // (positions qmin .. qmax) sees, by position and window win; false when none is left. full: every
 // key of the tile is visible to every query of the block (no masking needed). Called by every
 // thread of the block (NT threads, NT >= BK) alike: explicit positions are joined with
-// __syncthreads_or/and.
-template <int BK>
+// __syncthreads_or/and; WARP: called by the 32 lanes of one warp alone (tid = lane), each lane
+// reading keys lane, lane + 32, ..., joined with __any_sync/__all_sync.
+template <int BK, bool WARP = false>
 __device__ __forceinline__ bool prefill_seek(const PrefillParams& p, int64_t frame, int64_t qmin,
                                              int64_t qmax, int tid, int& sg, int64_t& j0,
                                              bool& full) {
@@ -47,17 +48,22 @@ __device__ __forceinline__ bool prefill_seek(const PrefillParams& p, int64_t fra
       return true;
     }
     int any = 0, all = 1;
-    if (tid < BK) {
-      if (tid < nt) {
-        const int64_t kp = seg.positions[frame * seg.capacity + j0 + tid];
-        any = kp <= qmax && (win <= 0 || qmin < kp + win);
-        all = kp <= qmin && (win <= 0 || qmax < kp + win);
+    for (int k = tid; k < BK; k += WARP ? 32 : BK) {
+      if (k < nt) {
+        const int64_t kp = seg.positions[frame * seg.capacity + j0 + k];
+        any |= kp <= qmax && (win <= 0 || qmin < kp + win);
+        all &= kp <= qmin && (win <= 0 || qmax < kp + win);
       } else {
         all = 0;
       }
     }
-    any = __syncthreads_or(any);
-    all = __syncthreads_and(all);
+    if constexpr (WARP) {
+      any = __any_sync(0xffffffffu, any);
+      all = __all_sync(0xffffffffu, all);
+    } else {
+      any = __syncthreads_or(any);
+      all = __syncthreads_and(all);
+    }
     if (any) {
       full = all != 0;
       return true;
@@ -67,25 +73,31 @@ __device__ __forceinline__ bool prefill_seek(const PrefillParams& p, int64_t fra
   return false;
 }
 
+// tc_off's layout of a staged plane (the mma.sync kernel's).
+template <int D>
+struct TcPlane {
+  __device__ __forceinline__ int operator()(int r, int c) const { return tc_off<D>(r, c); }
+};
+
 // Stages tile (sg, j0) at base: NP planes [BK][D] of 16-bit rows by cp.async, plane i from
-// src[i] (rows of frame f at f * rows_cap; rows past the segment's end zeroed), and the key
-// positions (past the end: INT64_MAX, never visible) at spos. NT threads.
-template <int D, int BK, int NT, int NP>
+// src[i] (rows of frame f at f * rows_cap; rows past the segment's end zeroed), laid out as Off
+// places channel c of row r, and the key positions (past the end: INT64_MAX, never visible) at
+// spos. NT threads.
+template <int D, int BK, int NT, int NP, class Off = TcPlane<D>>
 __device__ __forceinline__ void prefill_stage(const PrefillSeg& seg, int64_t frame, int64_t j0,
                                               int tid, const void* const (&src)[NP], uint8_t* base,
                                               int64_t* spos) {
   constexpr int RB = 2 * D, PB = BK * RB, CPR = D / 8;
   const int nt = static_cast<int>(seg.n_rows - j0 < BK ? seg.n_rows - j0 : BK);
-  if (tid < BK)
-    spos[tid] =
-        tid < nt
-            ? (seg.positions ? static_cast<int64_t>(seg.positions[frame * seg.capacity + j0 + tid])
-                             : seg.first_pos + j0 + tid)
-            : LLONG_MAX;
+  for (int k = tid; k < BK; k += NT)
+    spos[k] =
+        k < nt ? (seg.positions ? static_cast<int64_t>(seg.positions[frame * seg.capacity + j0 + k])
+                                : seg.first_pos + j0 + k)
+               : LLONG_MAX;
   const int64_t off = (frame * seg.rows_cap + j0) * RB;
   for (int i = tid; i < BK * CPR; i += NT) {
     const int r = i / CPR, c = i % CPR;
-    const int o = tc_off<D>(r, 8 * c);
+    const int o = Off{}(r, 8 * c);
 #pragma unroll
     for (int pl = 0; pl < NP; ++pl) {
       if (r < nt)

@@ -1,10 +1,10 @@
-// Tensor-core helpers shared by the prefill kernel (prefill_attention.cu) and the SnapKV scores of
-// f16 keys (snapkv.cu), device code only (sm_80+ PTX). Staged tiles are fp16 rows of D channels
-// (2 * D bytes) whose 16-byte chunk c of row r lies at chunk c ^ (r & 7) (tc_off), so the 8 rows
-// of an ldmatrix hit 8 distinct bank groups. Fragments follow mma.m16n8k16's layout: lane = 4 g +
-// t4 holds rows g (A) and g + 8 (B), channels 16 ks + 2 t4 (+1, +8, +9) of k-step ks. Queries go
-// in as fp16 hi + lo parts of q * 2^sigma (tc_query_frags, QLO): every product with an fp16 key is
-// exact and fp32 accumulation carries q to 2^-22 relative (the SnapKV scores, whose selections
+// Tensor-core helpers shared by the prefill kernels (prefill_fa.cu, prefill_wg.cu) and the SnapKV
+// scores of f16 keys (snapkv.cu), device code only (sm_80+ PTX). Staged tiles are fp16 rows of D
+// channels (2 * D bytes) whose 16-byte chunk c of row r lies at chunk c ^ (r & 7) (tc_off), so the
+// 8 rows of an ldmatrix hit 8 distinct bank groups. Fragments follow mma.m16n8k16's layout: lane =
+// 4 g + t4 holds rows g (A) and g + 8 (B), channels 16 ks + 2 t4 (+1, +8, +9) of k-step ks. Queries
+// go in as fp16 hi + lo parts of q * 2^sigma (tc_query_frags, QLO): every product with an fp16 key
+// is exact and fp32 accumulation carries q to 2^-22 relative (the SnapKV scores, whose selections
 // must match the CPU's); without QLO (prefill attention: FlashAttention numerics, docs/design.md
 // section 4) as the fp16 rounding hi alone, 2^-11 relative. Every operand helper is templated on
 // the 16-bit element type T: __half (fp16, the default) or __nv_bfloat16 (bf16: planes of bf16
@@ -107,6 +107,15 @@ __device__ __forceinline__ void tc_split(float x0, float x1, uint32_t& hi, uint3
   hi = tc_pack2<T>(x0, x1);
   const float2 f = tc_unpack2<T>(hi);
   lo = tc_pack2<T>(x0 - f.x, x1 - f.y);
+}
+
+// 2^x in fp32 by ex2.approx.ftz (within 2 ulp, as exp2f, whose non-ftz form only adds the
+// scaling of subnormal results): a weight below 2^-126 becomes 0, an error under 2^-126 |v| per
+// term, far inside the accumulation term of the bounds (tests/ops_harness/attention_bounds.cpp).
+__device__ __forceinline__ float tc_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // sigma of a row whose max |q| is m: 12 - e with m in [2^(e-1), 2^e), so the scaled row's largest

@@ -11,10 +11,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
@@ -97,8 +99,8 @@ TEST(BackendOpsCuda, DecodeAttention) {
   }
 }
 
-TEST(BackendOpsCuda, PrefillAttention) {
-  SKIP_WITHOUT_DEVICE();
+// Every harness case of prefill attention through the kernel the view takes; tag names the pass.
+void prefill_cases(const std::string& tag) {
   uint64_t seed = 1;
   for (const harness::AttnCase& c : harness::attention_cases(harness::small_sweep())) {
     ++seed;
@@ -122,8 +124,9 @@ TEST(BackendOpsCuda, PrefillAttention) {
       for (const harness::SegSpec& s : c.segs)
         if (s.packed && (s.pk.rot || s.pk.kbits == 1.5 || s.pk.vbits == 1.5)) supported = false;
     }
-    Check k("prefill_attention", "cuda",
-            c.vars() + (tc ? std::string(",path=tc,operands=") + dtype_name(ops) : ",path=cc"));
+    Check k(
+        "prefill_attention", "cuda",
+        c.vars() + (tc ? std::string(",path=tc,operands=") + dtype_name(ops) : ",path=cc") + tag);
     if (!supported) {  // documented refusal: rotation / 1.5-bit codes need the tensor-core path
       bool threw = false;
       try {
@@ -149,6 +152,17 @@ TEST(BackendOpsCuda, PrefillAttention) {
             tc ? harness::GpuAttnKernel::kPrefillTc : harness::GpuAttnKernel::kPrefill, ops, ref),
         "out");
   }
+}
+
+// On an sm_90 device (and an sm_90a build) f16 and bf16 views at D 128 take the wgmma kernel
+// (src/cuda/prefill_wg.cu); the second pass holds the mma.sync kernel (src/cuda/prefill_fa.cu),
+// which every other device takes, to the same bounds.
+TEST(BackendOpsCuda, PrefillAttention) {
+  SKIP_WITHOUT_DEVICE();
+  prefill_cases("");
+  ::setenv("VQ_PREFILL_MMA_SYNC", "1", 1);
+  prefill_cases(",kernel=mma.sync");
+  ::unsetenv("VQ_PREFILL_MMA_SYNC");
 }
 
 // ---- SKVQ flush -------------------------------------------------------------------------------
