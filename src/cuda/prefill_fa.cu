@@ -73,13 +73,9 @@ __global__ void __launch_bounds__(32 * NW, MINB)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3, lr = lane & 7, lm = lane >> 3;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t n_rep = p.n_rep, N = p.n_queries, T = n_rep * N;
-  const int64_t t0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * BM;
-  const int64_t hq = static_cast<int64_t>(p.kv_heads) * n_rep;
-  const int64_t frame = static_cast<int64_t>(b) * p.kv_heads + h;
-  const int64_t t_last = (t0 + BM < T ? t0 + BM : T) - 1;
-  const int64_t qmin = p.q_pos0 + t0 / n_rep, qmax = p.q_pos0 + t_last / n_rep;
+  const PrefillRows rows(p, BM);
+  const int64_t n_rep = rows.n_rep, T = rows.T, t0 = rows.t0, frame = rows.frame;
+  const int64_t qmin = rows.qmin, qmax = rows.qmax;
   const int64_t win = p.window;
 
   // ---- queries: warp w stages its rows RW w .. RW w + RW - 1 (one row per step, D / 32
@@ -95,9 +91,7 @@ __global__ void __launch_bounds__(32 * NW, MINB)
 #pragma unroll
       for (int i = 0; i < CPL; ++i) x[i] = 0.0f;
       if (t < T) {
-        const float* q =
-            p.q + ((static_cast<int64_t>(b) * hq + h * n_rep + t % n_rep) * N + t / n_rep) * D +
-            CPL * lane;
+        const float* q = p.q + rows.offset(t, D) + CPL * lane;
 #pragma unroll
         for (int i = 0; i < CPL; i += 2) {
           const float2 v = *reinterpret_cast<const float2*>(q + i);
@@ -298,8 +292,7 @@ __global__ void __launch_bounds__(32 * NW, MINB)
       for (int of = 1; of <= 2; of <<= 1) lt += __shfl_xor_sync(0xffffffffu, lt, of);
       const int64_t t = t0 + RW * warp + 16 * mt + 8 * hf + g;
       if (t >= T) continue;
-      float* out =
-          p.out + ((static_cast<int64_t>(b) * hq + h * n_rep + t % n_rep) * N + t / n_rep) * D;
+      float* out = p.out + rows.offset(t, D);
       const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
 #pragma unroll
       for (int n = 0; n < 2 * KS; ++n)

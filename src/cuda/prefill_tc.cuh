@@ -12,6 +12,27 @@
 
 namespace vq::cuda {
 
+// The query rows of this block: BM rows t0 .. t0 + BM - 1 of the T = n_rep * N rows of KV head
+// blockIdx.y of batch blockIdx.z (row t: query head h * n_rep + t % n_rep, query t / n_rep at
+// position q_pos0 + t / n_rep), blocks taken from the last (the heaviest under a causal mask) to
+// the first; frame = b * H_kv + h, qmin and qmax the positions of its first and last row.
+struct PrefillRows {
+  int64_t n_rep, N, T, t0, frame, qmin, qmax, head0;
+  __device__ __forceinline__ PrefillRows(const PrefillParams& p, int BM)
+      : n_rep(p.n_rep), N(p.n_queries), T(n_rep * N) {
+    t0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * BM;
+    frame = static_cast<int64_t>(blockIdx.z) * p.kv_heads + blockIdx.y;
+    head0 = frame * n_rep;
+    const int64_t t_last = (t0 + BM < T ? t0 + BM : T) - 1;
+    qmin = p.q_pos0 + t0 / n_rep;
+    qmax = p.q_pos0 + t_last / n_rep;
+  }
+  // Offset of row t's D channels in q and out ([B, H_q, N, D]).
+  __device__ __forceinline__ int64_t offset(int64_t t, int D) const {
+    return ((head0 + t % n_rep) * N + t / n_rep) * D;
+  }
+};
+
 // The next tile (segment sg, first row j0) at or after (sg, j0) that some query of the block
 // (positions qmin .. qmax) sees, by position and window win; false when none is left. full: every
 // key of the tile is visible to every query of the block (no masking needed). Called by every

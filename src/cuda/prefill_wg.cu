@@ -78,13 +78,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   uint64_t *full_k = bars, *full_v = bars + 2, *empty_k = bars + 4, *empty_v = bars + 6;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t n_rep = p.n_rep, N = p.n_queries, T = n_rep * N;
-  const int64_t t0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * BM;
-  const int64_t hq = static_cast<int64_t>(p.kv_heads) * n_rep;
-  const int64_t frame = static_cast<int64_t>(b) * p.kv_heads + h;
-  const int64_t t_last = (t0 + BM < T ? t0 + BM : T) - 1;
-  const int64_t qmin = p.q_pos0 + t0 / n_rep, qmax = p.q_pos0 + t_last / n_rep;
+  const PrefillRows rows(p, BM);
+  const int64_t n_rep = rows.n_rep, T = rows.T, t0 = rows.t0, frame = rows.frame;
+  const int64_t qmin = rows.qmin, qmax = rows.qmax;
   const int64_t win = p.window;
 
   if (tid == 0) {
@@ -146,9 +142,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const int64_t t = t0 + r;
       float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       if (t < T) {
-        const float* q =
-            p.q + ((static_cast<int64_t>(b) * hq + h * n_rep + t % n_rep) * N + t / n_rep) * D +
-            4 * lane;
+        const float* q = p.q + rows.offset(t, D) + 4 * lane;
         const float2 v0 = *reinterpret_cast<const float2*>(q);
         const float2 v1 = *reinterpret_cast<const float2*>(q + 2);
         x = make_float4(v0.x, v0.y, v1.x, v1.y);
@@ -339,8 +333,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     for (int of = 1; of <= 2; of <<= 1) lt += __shfl_xor_sync(0xffffffffu, lt, of);
     const int64_t t = t0 + 16 * warp + 8 * hf + g;
     if (t >= T) continue;
-    float* out =
-        p.out + ((static_cast<int64_t>(b) * hq + h * n_rep + t % n_rep) * N + t / n_rep) * D;
+    float* out = p.out + rows.offset(t, D);
     const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
