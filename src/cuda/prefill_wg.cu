@@ -63,6 +63,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int D = kWgD, BM = kWgBM;
   constexpr int KS = D / 16, NB = BK / 8, PB = wg_plane_bytes(BK);
+  static_assert(BK == 128, "prefill_wg: the products are m64n128k16 (128-key tiles)");
   constexpr bool BF16 = std::is_same_v<E, __nv_bfloat16>;
   constexpr int kTileFull = 1, kTileEnd = 2, PT = 128;  // tile words; producer threads
   extern __shared__ uint8_t wsm_raw[];
@@ -191,8 +192,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const auto logits = [&](int i) {
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      wg_mma_ss<BK, BF16>(s, dq + (((ks >> 2) * (BM * 128) + (ks & 3) * 32) >> 4),
-                          dk + ((i * PB + (ks >> 2) * (BK * 128) + (ks & 3) * 32) >> 4), ks);
+      wg_mma_ss<BF16>(s, dq + (((ks >> 2) * (BM * 128) + (ks & 3) * 32) >> 4),
+                      dk + ((i * PB + (ks >> 2) * (BK * 128) + (ks & 3) * 32) >> 4), ks);
     wg_commit();
   };
   // Mask (by key plane i's positions unless its tile is full: a key is visible to a row at
@@ -293,7 +294,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const auto pv = [&] {  // O += P(j) V(j), issued and committed
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk)
-        wg_mma_rs<D, BF16>(o, pa[kk], dv + ((kc * PB + kk * 2048) >> 4), 1);
+        wg_mma_rs<BF16>(o, pa[kk], dv + ((kc * PB + kk * 2048) >> 4), 1);
       wg_commit();
     };
     bool moved = false;

@@ -1,6 +1,6 @@
 // Hopper warpgroup matrix products (wgmma.mma_async, sm_90a only) and mbarriers, device code
 // only: the shared memory descriptor of a 128-byte-swizzled tile, fences, commit and wait, and the
-// m64nNk16 products with fp32 accumulators for fp16 and bf16 operands that prefill_wg.cu uses. A
+// m64n128k16 products with fp32 accumulators for fp16 and bf16 operands that prefill_wg.cu uses. A
 // tile of 16-bit rows is kept as column blocks of 64 channels, each [rows][128 bytes], 16-byte
 // chunk c of row r at chunk c ^ (r & 7) (wg_off): the canonical 128-byte swizzle both for K-major
 // operands (rows are M or N, channels are K: groups of 8 rows 1024 bytes apart) and for MN-major
@@ -114,28 +114,19 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
                : DL                                                                          \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc))
 
-template <int N, bool BF16>
-__device__ __forceinline__ void wg_mma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
-  static_assert(N == 64 || N == 128, "wg_mma_ss: N 64 or 128");
-  if constexpr (N == 64 && BF16)
-    VQ_WG_SS(64, "bf16", VQ_WG_R32, VQ_WG_D32(d), 32, 33, 34);
-  else if constexpr (N == 64)
-    VQ_WG_SS(64, "f16", VQ_WG_R32, VQ_WG_D32(d), 32, 33, 34);
-  else if constexpr (BF16)
+// m64n128k16 (the N of both products of prefill_wg.cu).
+template <bool BF16>
+__device__ __forceinline__ void wg_mma_ss(float (&d)[64], uint64_t a, uint64_t b, int acc) {
+  if constexpr (BF16)
     VQ_WG_SS(128, "bf16", VQ_WG_R64, VQ_WG_D64(d), 64, 65, 66);
   else
     VQ_WG_SS(128, "f16", VQ_WG_R64, VQ_WG_D64(d), 64, 65, 66);
 }
 
-template <int N, bool BF16>
-__device__ __forceinline__ void wg_mma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
+template <bool BF16>
+__device__ __forceinline__ void wg_mma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
                                           int acc) {
-  static_assert(N == 64 || N == 128, "wg_mma_rs: N 64 or 128");
-  if constexpr (N == 64 && BF16)
-    VQ_WG_RS(64, "bf16", VQ_WG_R32, VQ_WG_D32(d), "%32, %33, %34, %35", 36, 37);
-  else if constexpr (N == 64)
-    VQ_WG_RS(64, "f16", VQ_WG_R32, VQ_WG_D32(d), "%32, %33, %34, %35", 36, 37);
-  else if constexpr (BF16)
+  if constexpr (BF16)
     VQ_WG_RS(128, "bf16", VQ_WG_R64, VQ_WG_D64(d), "%64, %65, %66, %67", 68, 69);
   else
     VQ_WG_RS(128, "f16", VQ_WG_R64, VQ_WG_D64(d), "%64, %65, %66, %67", 68, 69);
