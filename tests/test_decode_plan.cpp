@@ -330,9 +330,38 @@ TEST(DecodePlan, OptionsOverrideThePlanAndTheEnvironmentDoesNot) {
   expect_error([&] { plan(segs, 8, 8, 32, 128, bad); }, "expected options >= 0");
 }
 
+// Query-head groups the kernels do not take in one block (past 8, or not a power of two) run as
+// kv_rep blocks per KV head of the largest of 8, 4, 2, 1 dividing the group; the splits and the
+// block target count those blocks, as H_kv * kv_rep heads of G / kv_rep query heads would.
+TEST(DecodePlan, LargeOrOddGroupsTakeSeveralBlocksPerKvHead) {
+  const std::vector<DeviceSegment> f16 = {fp_seg(32768, DType::kF16)};
+  const std::vector<DeviceSegment> k2 = {packed_seg(32768, 2, 2, 32, MetaType::kF16)};
+  struct Want {
+    int64_t H, Hq, rep;
+  };
+  for (const Want w : {Want{8, 128, 2}, Want{8, 256, 4}, Want{2, 6, 3}, Want{4, 12, 3},
+                       Want{1, 5, 5}, Want{8, 64, 1}, Want{8, 32, 1}}) {
+    for (const auto& segs : {f16, k2}) {
+      const std::string vars = "H " + std::to_string(w.H) + " Hq " + std::to_string(w.Hq);
+      const DecodePlan p = plan(segs, 8, w.H, w.Hq, 128);
+      EXPECT_EQ(p.kv_rep, w.rep) << vars;
+      EXPECT_EQ(p.n_kv_heads, w.H) << vars;  // the view's heads: runs check views against them
+      // the same plan as H_kv * kv_rep heads of a group of G / kv_rep (a kernel group)
+      const DecodePlan same = plan(segs, 8, w.H * w.rep, w.Hq, 128);
+      EXPECT_EQ(same.kv_rep, 1) << vars;
+      EXPECT_EQ(p.kernel, same.kernel) << vars;
+      EXPECT_EQ(p.n_splits, same.n_splits) << vars;
+      EXPECT_EQ(p.stage_half_bytes, same.stage_half_bytes) << vars;
+      EXPECT_EQ(p.workspace_bytes, same.workspace_bytes) << vars;
+      expect_consistent(p);
+    }
+  }
+  // the grid's y dimension holds H_kv * kv_rep
+  expect_error([&] { plan(f16, 1, 40000, 640000, 128); }, "blocks per KV head) <= 65535");
+}
+
 TEST(DecodePlan, RefusesShapesTheKernelsDoNotTake) {
   const std::vector<DeviceSegment> f16 = {fp_seg(17, DType::kF16)};
-  expect_error([&] { plan(f16, 1, 2, 6, 128); }, "H_q / H_kv in {1, 2, 4, 8}");
   expect_error([&] { plan(f16, 1, 2, 3, 128); }, "multiple of H_kv");
   expect_error([&] { plan(f16, 1, 2, 2, 96); }, "head_dim in {64, 128}");
   std::vector<DeviceSegment> many(kDecodeMaxSegments + 1, fp_seg(3, DType::kF16));

@@ -238,6 +238,9 @@ struct DecodeSegmentPlan {
 // layer's view of those shapes (decode_attention_run checks that the view matches).
 struct DecodePlan {
   int64_t batch = 0, n_kv_heads = 0, head_dim = 0, n_q_heads = 0;
+  // Blocks per (b, KV head): 1 when H_q / H_kv is 1, 2, 4 or 8 (the kernels' query-head groups),
+  // else H_q / H_kv over the largest of those dividing it (16 heads: 2 blocks of 8; 3: 3 of 1).
+  int32_t kv_rep = 1;
   AttentionParams params;
   int device = -1;  // the context's device (-1: planned on a fake context)
   DecodeKernel kernel = DecodeKernel::kCudaCore;
@@ -245,7 +248,7 @@ struct DecodePlan {
   int32_t stage_half_bytes = 0;    // tensor-core kernel: bytes of K (and of V) per stage
   int64_t target_blocks = 0;       // the block target the splits were sized for
   int64_t total_rows = 0;          // rows per (b, h) over every segment (0: the output is zeros)
-  int32_t n_splits = 0;            // split blocks per (b, kv head)
+  int32_t n_splits = 0;            // split blocks per (b, kv head, one of its kv_rep blocks)
   std::vector<DecodeSegmentPlan> segments;
   size_t workspace_bytes = 0;  // DecodeWorkspace bytes a run reserves (split partials)
   size_t scratch_bytes = 0;    // stream-ordered fp32 scratch of dequantized segments per run
@@ -315,16 +318,17 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
 // view that is visible from position p.q_pos0 (pos_j <= q_pos0, and with p.window > 0
 // q_pos0 < pos_j + window), query head qh reading KV head qh / (H_q / H_kv).
 // q device [B, H_q, D] fp32 contiguous; out device [B, H_q, D] fp32 contiguous.
-// Supported: D in {64, 128}; H_q / H_kv in {1, 2, 4, 8}; full-precision segments f16 / bf16 / f32;
-// packed segments of every SKVQ format. Fused (read in place): key/value bits (2,2), (4,4), (8,8),
-// (4,2) or (2,4), group_size a multiple of 8, any metadata type, permutation and/or Hadamard
-// rotation (the query is transformed, never the keys; values are accumulated in stored order and
-// un-transformed once); every packed segment of one view must then share one format and one set
-// of transforms. Other formats (1.5-bit codes, other bit pairs, other groups) are first
-// dequantized into stream-ordered fp32 scratch (the CPU's dequantize_row values) and attended to
-// as f32 rows: exact but not fused. Channel-axis keys (skvq_key_axis=channel, any code bits and
-// metadata type, values of any token-axis format, the same transforms) are read in place by a
-// CUDA-core kernel of their own: per run of rows sharing (lo_c, scale_c), q'_c * scale_c is
+// Supported: D in {64, 128}; any H_q / H_kv (1, 2, 4 or 8 query heads per block, DecodePlan::kv_rep
+// blocks per KV head: 16 heads take 2 blocks of 8, each reading the rows); full-precision segments
+// f16 / bf16 / f32; packed segments of every SKVQ format. Fused (read in place): key/value bits
+// (2,2), (4,4), (8,8), (4,2) or (2,4), group_size a multiple of 8, any metadata type, permutation
+// and/or Hadamard rotation (the query is transformed, never the keys; values are accumulated in
+// stored order and un-transformed once); every packed segment of one view must then share one
+// format and one set of transforms. Other formats (1.5-bit codes, other bit pairs, other groups)
+// are first dequantized into stream-ordered fp32 scratch (the CPU's dequantize_row values) and
+// attended to as f32 rows: exact but not fused. Channel-axis keys (skvq_key_axis=channel, any code
+// bits and metadata type, values of any token-axis format, the same transforms) are read in place
+// by a CUDA-core kernel of their own: per run of rows sharing (lo_c, scale_c), q'_c * scale_c is
 // folded once and sum_c q'_c * lo_c added to every logit of the run; the view's other segments
 // take the CUDA-core split kernel, and such plans run alone in decode_attention_run_batch.
 // Anything else: vq::Error.

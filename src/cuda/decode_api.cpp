@@ -117,8 +117,9 @@ DecodeParams fill_params(const DecodePlan& plan, const PlannedSegments& segs, co
   dp.q = q;
   dp.out = out;
   dp.batch = static_cast<int32_t>(B);
-  dp.n_kv_heads = static_cast<int32_t>(H);
-  dp.group = static_cast<int32_t>(plan.n_q_heads / H);
+  dp.n_kv_heads = static_cast<int32_t>(H * plan.kv_rep);  // the blocks' heads (kv_rep each)
+  dp.group = static_cast<int32_t>(plan.n_q_heads / (H * plan.kv_rep));
+  dp.kv_rep = plan.kv_rep;
   dp.head_dim = static_cast<int32_t>(D);
   const AttentionParams& p = plan.params;
   const double scale =

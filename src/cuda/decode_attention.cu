@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(512)
   const int qh = blockIdx.x, b = P.seqs ? 0 : blockIdx.y, tid = threadIdx.x;
   const int d = tid % D, slice = tid / D;
   const int n_q_heads = p.n_kv_heads * p.group;
-  const int kvh = qh / p.group;
+  const int kvh = qh / (p.group * p.kv_rep);  // the stored KV head (its value transforms)
   const int64_t row0 = (static_cast<int64_t>(b) * n_q_heads + qh) * p.n_splits;
   const float* ml = p.part_ml + 2 * row0;
   const float* pa = p.part_acc + row0 * D + d;

@@ -2,8 +2,9 @@
 // that decode_api.cpp fills from a DecodePlan (decode_plan.h) and a layer's view for the kernels,
 // and the host launcher.
 //
-// Grid: (total splits, H_kv, B); each block reads rows [begin, end) of ONE segment for one
-// (b, kv head) and all G = H_q / H_kv query heads that share it (every KV row is read once), and
+// Grid: (total splits, H_kv * kv_rep, B); each block reads rows [begin, end) of ONE segment for
+// one (b, kv head) and the G = H_q / (H_kv * kv_rep) query heads of its share of the group (with
+// kv_rep 1, all of them: every KV row is read once), and
 // writes a partial (running max m, sum l, unnormalised accumulator acc[D]) per query head. The
 // combine kernel merges the splits of each (b, query head) exactly (log-sum-exp) and un-transforms
 // the accumulator of packed-value splits (stored channel order -> original) once.
@@ -60,6 +61,10 @@ struct DecodeParams {
   float* part_ml = nullptr;   // [B, H_q, n_splits, 2]
   int32_t batch = 0, n_kv_heads = 0, group = 0, head_dim = 0;
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
+  // Blocks per stored KV head (DecodePlan::kv_rep): n_kv_heads and group above are the kernels'
+  // (H_kv * kv_rep blocks of H_q / (H_kv * kv_rep) query heads); block head kvh reads the rows,
+  // positions and transforms of stored head kvh / kv_rep (kv_bh below)
+  int32_t kv_rep = 1;
   int64_t q_pos = 0;
   int64_t window = 0;
   int32_t n_segments = 0;

@@ -55,10 +55,11 @@ __global__ void __launch_bounds__(kChThreads)
   const int64_t r_begin = static_cast<int64_t>(blockIdx.x) * sg.rows_per_split;
   const int64_t r_end = decode_impl::min64(sg.n_rows, r_begin + sg.rows_per_split);
   const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
+  const int64_t kbh = decode_impl::kv_bh(p, b, kvh);  // the stored head's rows
   const int krb = sg.k_row_bytes, vrb = sg.v_row_bytes;
-  const uint8_t* kbase = sg.k + bh * sg.capacity * krb;
-  const uint8_t* vbase = sg.v + bh * sg.capacity * vrb;
-  const int32_t* pos = sg.positions ? sg.positions + bh * sg.capacity : nullptr;
+  const uint8_t* kbase = sg.k + kbh * sg.capacity * krb;
+  const uint8_t* vbase = sg.v + kbh * sg.capacity * vrb;
+  const int32_t* pos = sg.positions ? sg.positions + kbh * sg.capacity : nullptr;
   CodeSpec kspec, vspec;
   kspec.bits_x2 = static_cast<uint8_t>(ch.k_bits_x2);
   vspec.bits_x2 = static_cast<uint8_t>(ch.v_bits_x2);
@@ -75,7 +76,8 @@ __global__ void __launch_bounds__(kChThreads)
     l_s[tid] = 0.0f;
   }
   __syncthreads();
-  if (pk.k_signs || pk.k_perm) decode_impl::transform_queries<D, G>(q0, tmp, pk, kvh, tid);
+  if (pk.k_signs || pk.k_perm)
+    decode_impl::transform_queries<D, G>(q0, tmp, pk, kvh / p.kv_rep, tid);
 
   const int d = tid % D, ph = tid / D;  // value channel and row phase of this thread
   float acc[G];
@@ -234,7 +236,7 @@ void launch_d(const DecodeParams& p, const DecodeChannelParams& ch, int si, cuda
     case 8:
       return launch_dg<D, 8>(p, ch, si, s);
     default:
-      throw Error("[decode_attention] expected H_q / H_kv in {1, 2, 4, 8} but got " +
+      throw Error("[decode_attention] internal: expected 1, 2, 4 or 8 query heads per block, got " +
                   std::to_string(p.group));
   }
 }

@@ -85,6 +85,12 @@ __device__ __forceinline__ void stage_params(const DecodeParams& P, unsigned z, 
 
 // Programmatic dependent launch (sm_90): the split kernels let the combine grid launch at their
 // entry; the combine waits for their completion (and memory) before reading the partials.
+// Index [b, stored KV head] of block head kvh (DecodeParams::kv_rep blocks share a stored head):
+// where its rows and positions sit in a segment's [B, H_kv, capacity] arrays.
+__device__ __forceinline__ int64_t kv_bh(const DecodeParams& p, int b, int kvh) {
+  return static_cast<int64_t>(b) * (p.n_kv_heads / p.kv_rep) + kvh / p.kv_rep;
+}
+
 __device__ __forceinline__ void grid_dependency_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -520,18 +526,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
   const bool packed = KB > 0 && sg.packed != 0;
   const int64_t r_begin = static_cast<int64_t>(split - sg.split_begin) * sg.rows_per_split;
   const int64_t r_end = min64(sg.n_rows, r_begin + sg.rows_per_split);
-  const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
+  const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh, kbh = kv_bh(p, b, kvh);
   const int krb = sg.k_row_bytes, vrb = sg.v_row_bytes, TR = sg.tile_rows;
-  const uint8_t* kbase = sg.k + bh * sg.capacity * krb;
-  const uint8_t* vbase = sg.v + bh * sg.capacity * vrb;
-  const int32_t* pos = sg.positions ? sg.positions + bh * sg.capacity : nullptr;
+  const uint8_t* kbase = sg.k + kbh * sg.capacity * krb;
+  const uint8_t* vbase = sg.v + kbh * sg.capacity * vrb;
+  const int32_t* pos = sg.positions ? sg.positions + kbh * sg.capacity : nullptr;
 
   // ---- queries of the G heads of this kv head, transformed for packed keys, into registers
   const float* qg = p.q + (bh * G) * D;
   for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
   __syncthreads();
   if (packed && (p.pk.k_signs || p.pk.k_perm))
-    transform_queries<D, G>(qs, reinterpret_cast<float*>(stages), p.pk, kvh, tid);
+    transform_queries<D, G>(qs, reinterpret_cast<float*>(stages), p.pk, kvh / p.kv_rep, tid);
   // tensor-core logits for fp16 rows and 2-bit codes in groups of a multiple of 32 channels
   uint32_t* qf = reinterpret_cast<uint32_t*>(sbuf + kWarps * kWarpTile * G);
   float* qcm = reinterpret_cast<float*>(qf + D * 8);
@@ -879,7 +885,7 @@ void launch_split_d(const DecodeParams& p, cudaStream_t s) {
     case 8:
       return launch_split_dg<D, 8, KB, VB>(p, s);
     default:
-      throw Error("[decode_attention] expected H_q / H_kv in {1, 2, 4, 8} but got " +
+      throw Error("[decode_attention] internal: expected 1, 2, 4 or 8 query heads per block, got " +
                   std::to_string(p.group));
   }
 }

@@ -261,13 +261,14 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   const int64_t r_begin = static_cast<int64_t>(split - sg.split_begin) * sg.rows_per_split;
   const int64_t r_end = min64(sg.n_rows, r_begin + sg.rows_per_split);
   const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
+  const int64_t kbh = decode_impl::kv_bh(p, b, kvh);  // the stored head's rows
   const int krb = FIX ? (packed ? KREC : RB) : sg.k_row_bytes;
   const int vrb = FIX ? (packed ? KREC : RB) : sg.v_row_bytes;
   const int TR = sg.tile_rows;
   const int kcb = FIX ? D * KB / 8 : p.pk.k_code_bytes, vcb = FIX ? D * KB / 8 : p.pk.v_code_bytes;
-  const uint8_t* kbase = sg.k + bh * sg.capacity * krb;
-  const uint8_t* vbase = sg.v + bh * sg.capacity * vrb;
-  const int32_t* pos = sg.positions ? sg.positions + bh * sg.capacity : nullptr;
+  const uint8_t* kbase = sg.k + kbh * sg.capacity * krb;
+  const uint8_t* vbase = sg.v + kbh * sg.capacity * vrb;
+  const int32_t* pos = sg.positions ? sg.positions + kbh * sg.capacity : nullptr;
 
   // ---- the first stages are in flight while the queries are prepared
   const int64_t n_split_rows = r_end - r_begin;
@@ -340,7 +341,7 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
   __syncthreads();
   if (packed && (p.pk.k_signs || p.pk.k_perm))
-    decode_impl::transform_queries<D, G>(qs, qtmp, p.pk, kvh, tid);
+    decode_impl::transform_queries<D, G>(qs, qtmp, p.pk, kvh / p.kv_rep, tid);
   for (int h = warp; h < G; h += kWarps) {
     float mx = 0.0f;
     for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[h * D + d]));

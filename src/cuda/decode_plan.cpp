@@ -174,13 +174,17 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   VQ_CHECK(n_q_heads >= H && n_q_heads % H == 0,
            "[decode_attention] expected H_q a multiple of H_kv = " + std::to_string(H) +
                " but got " + std::to_string(n_q_heads));
+  // The kernels take 1, 2, 4 or 8 query heads per block: a larger or odd group runs as kv_rep
+  // blocks per KV head of G / kv_rep heads each (the largest of those sizes dividing G), every
+  // block reading the KV head's rows (the blocks of one KV head are neighbours in the grid).
   const int64_t G = n_q_heads / H;
-  VQ_CHECK(G == 1 || G == 2 || G == 4 || G == 8,
-           "[decode_attention] expected H_q / H_kv in {1, 2, 4, 8} but got " + std::to_string(G));
+  const int64_t Gk = G % 8 == 0 ? 8 : G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
+  const int64_t R = G / Gk, Hv = H * R;
   VQ_CHECK(p.window >= 0,
            "[decode_attention] expected window >= 0 but got " + std::to_string(p.window));
-  VQ_CHECK(B <= 65535 && H <= 65535, "[decode_attention] expected B and H_kv <= 65535 but got " +
-                                         std::to_string(B) + ", " + std::to_string(H));
+  VQ_CHECK(B <= 65535 && Hv <= 65535,
+           "[decode_attention] expected B and H_kv * (blocks per KV head) <= 65535 but got " +
+               std::to_string(B) + ", " + std::to_string(H) + " * " + std::to_string(R));
   VQ_CHECK(opt.rows_per_split >= 0 && opt.target_blocks >= 0 && opt.packed_stage_bytes >= 0,
            "[decode_attention] expected options >= 0 (0 = automatic) but got rows_per_split " +
                std::to_string(opt.rows_per_split) + ", target_blocks " +
@@ -197,6 +201,7 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   plan.n_kv_heads = H;
   plan.head_dim = D;
   plan.n_q_heads = n_q_heads;
+  plan.kv_rep = static_cast<int32_t>(R);
   plan.params = p;
   plan.device = ctx.device();
 
@@ -382,28 +387,28 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
                         static_cast<int64_t>(d.tile_rows) * std::max(d.k_row_bytes, d.v_row_bytes));
     }
     // + 32 bytes of alignment slack for packed byte ranges; the block merge reuses the stages
-    const int64_t merge = (2 * 4 * G + 4 * G * D) * 4;
+    const int64_t merge = (2 * 4 * Gk + 4 * Gk * D) * 4;
     const int64_t stage_halves = 2 * decode_mma_stages(plan.kernel);
     half = std::max(half + 32, (merge + stage_halves - 1) / stage_halves);
     plan.stage_half_bytes = static_cast<int32_t>((half + 15) / 16 * 16);
     const int bps =
         std::max(1, ctx.mma_blocks_per_sm(plan.kernel, static_cast<int32_t>(D),
-                                          static_cast<int32_t>(G), plan.stage_half_bytes));
+                                          static_cast<int32_t>(Gk), plan.stage_half_bytes));
     target_blocks = static_cast<int64_t>(bps) * sm_count;  // one wave
   }
 
   // ---- plan the splits
   if (opt.target_blocks > 0) target_blocks = opt.target_blocks;
   plan.target_blocks = target_blocks;
-  int64_t per_bh = mma ? std::max<int64_t>(1, target_blocks / (B * H))
-                       : std::max<int64_t>(1, (target_blocks + B * H - 1) / (B * H));
+  int64_t per_bh = mma ? std::max<int64_t>(1, target_blocks / (B * Hv))
+                       : std::max<int64_t>(1, (target_blocks + B * Hv - 1) / (B * Hv));
   if (mma && !any_packed && opt.target_blocks == 0) {
     // short f16 contexts (batch-1 latency): fewer, fatter splits of at least 4 pipeline tiles when
     // that still leaves about a block per SM. H200, B 1, 8 KV heads: 4K rows take 16 splits of 256
     // rows instead of 32 of 128 (17.3 -> 15.9 us); 2K rows keep 32 of 64 (16 of 128: 14.2 ->
     // 14.8 us)
     const int64_t by_tiles = plan.total_rows / (4 * static_cast<int64_t>(sp[0].tile_rows));
-    const int64_t floor_bh = std::max<int64_t>(1, sm_count / (B * H));
+    const int64_t floor_bh = std::max<int64_t>(1, sm_count / (B * Hv));
     if (by_tiles >= floor_bh) per_bh = std::min(per_bh, by_tiles);
   }
   const int64_t rows_per_split =

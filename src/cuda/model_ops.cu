@@ -238,18 +238,6 @@ __global__ void fill_uniform_kernel(void* out, int dt, int64_t n, uint64_t seed)
 }
 
 // to_sub: dst[kv * sub + j] = src[kv * group + r * sub + j]; else the reverse.
-__global__ void regroup_heads_kernel(const float* src, int64_t Hkv, int64_t group, int64_t sub,
-                                     int64_t r, int64_t D, float* dst, bool to_sub) {
-  VQ_GRID_STRIDE(e, Hkv * sub * D) {
-    const int64_t d = e % D, j = (e / D) % sub, kv = e / (D * sub);
-    const int64_t full = (kv * group + r * sub + j) * D + d;
-    if (to_sub)
-      dst[e] = src[full];
-    else
-      dst[full] = src[e];
-  }
-}
-
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
     case DType::kF32:
@@ -318,24 +306,6 @@ void add_bias(float* y, const float* bias, int64_t n_tokens, int64_t n, Stream s
   if (n_tokens * n <= 0 || !bias) return;
   add_bias_kernel<<<grid_for(n_tokens * n), 256, 0, detail::to_stream(s)>>>(y, bias, n_tokens, n);
   VQ_CUDA_LAUNCH_CHECK("add_bias");
-}
-
-void gather_heads(const float* src, int64_t n_kv_heads, int64_t group, int64_t sub, int64_t r,
-                  int64_t head_dim, float* dst, Stream s) {
-  const int64_t total = n_kv_heads * sub * head_dim;
-  if (total <= 0) return;
-  regroup_heads_kernel<<<grid_for(total), 256, 0, detail::to_stream(s)>>>(
-      src, n_kv_heads, group, sub, r, head_dim, dst, true);
-  VQ_CUDA_LAUNCH_CHECK("gather_heads");
-}
-
-void scatter_heads(const float* src, int64_t n_kv_heads, int64_t group, int64_t sub, int64_t r,
-                   int64_t head_dim, float* dst, Stream s) {
-  const int64_t total = n_kv_heads * sub * head_dim;
-  if (total <= 0) return;
-  regroup_heads_kernel<<<grid_for(total), 256, 0, detail::to_stream(s)>>>(
-      src, n_kv_heads, group, sub, r, head_dim, dst, false);
-  VQ_CUDA_LAUNCH_CHECK("scatter_heads");
 }
 
 Blas::Blas(Stream s) {

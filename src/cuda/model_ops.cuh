@@ -89,14 +89,6 @@ void swiglu(const float* gate, const float* up, const float* gate_bias, const fl
 // y[t, i] += bias[i]: y device [n_tokens, n] fp32.
 void add_bias(float* y, const float* bias, int64_t n_tokens, int64_t n, Stream s);
 
-// Decode of a query-head group G the decode kernels do not take, as G / g runs of sub-groups of
-// g heads: gather copies query heads kv * G + r * g + j (kv < H_kv, j < g) of src [H_kv * G, D]
-// to dst [H_kv * g, D]; scatter copies them back (dst and src swap roles). fp32.
-void gather_heads(const float* src, int64_t n_kv_heads, int64_t group, int64_t sub, int64_t r,
-                  int64_t head_dim, float* dst, Stream s);
-void scatter_heads(const float* src, int64_t n_kv_heads, int64_t group, int64_t sub, int64_t r,
-                   int64_t head_dim, float* dst, Stream s);
-
 // cuBLAS on one stream. gemm: y[n_tokens, out] fp32 = x[n_tokens, in] . w[out, in]^T, x and w of
 // dtype t (both f16, both bf16 or both f32), fp32 accumulation (CUBLAS_COMPUTE_32F: no TF32, no
 // reduced-precision reduction).

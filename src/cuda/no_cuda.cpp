@@ -210,12 +210,6 @@ void swiglu(const float*, const float*, const float*, const float*, int64_t, int
 void add_bias(float*, const float*, int64_t, int64_t, Stream) {
   not_built("cuda::add_bias");
 }
-void gather_heads(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, Stream) {
-  not_built("cuda::gather_heads");
-}
-void scatter_heads(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, Stream) {
-  not_built("cuda::scatter_heads");
-}
 Blas::Blas(Stream) {
   not_built("cuda::Blas");
 }

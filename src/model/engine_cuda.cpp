@@ -17,8 +17,8 @@
 // shape; when n sequences decode, each one's plan takes its share of whole waves of blocks over all
 // n, and all n run in ONE split launch and one combine per layer and rank (per balanced piece of
 // at most 32 sequences),
-// cuda::decode_attention_run_batch, EngineOptions::batch_decode; a query-head group the decode
-// kernels do not take runs per sequence as sub-groups of the largest power of two dividing it);
+// cuda::decode_attention_run_batch, EngineOptions::batch_decode; a query-head group past 8 or
+// not a power of two runs as DecodePlan::kv_rep blocks per KV head inside the same launch);
 // o_proj, residual, RMSNorm, gate|up (one product), SwiGLU,
 // down_proj, residual (docs/design.md §C1 for the cache contract). Logits: the final RMSNorm and
 // lm_head on the requested rows only, then one copy to the host (the step's only host sync);
@@ -157,8 +157,8 @@ struct Rank {
   // product's output; qh [T hq D] and kh, vh [T hkv D] head-major per chunk; attn like qh; op
   // the product operand (largest of the operands); gu [T, 2 inter] the fused gate|up output;
   // ints the step's int32 tokens, positions, chunk starts, chunk lengths, logit rows; logits
-  // [n_out, vocab]; qsub / osub one decode sub-group's queries and outputs.
-  DeviceBuffer x, h, qkv, qh, kh, vh, attn, op, gu, ints, logits, qsub, osub;
+  // [n_out, vocab].
+  DeviceBuffer x, h, qkv, qh, kh, vh, attn, op, gu, ints, logits;
   DeviceBuffer greedy;  // step_greedy's ids [n_out] int32
   int64_t tok_cap = 0, out_cap = 0;
 };
@@ -788,10 +788,6 @@ class CudaEngine final : public Engine {
       grow(R.logits, static_cast<size_t>(n_out) * static_cast<size_t>(c.vocab_size) * 4);
       R.out_cap = n_out;
     }
-    if (!R.qsub.data()) {
-      R.qsub = DeviceBuffer(qd * 4);
-      R.osub = DeviceBuffer(qd * 4);
-    }
   }
 
   // The step's matrix products over T rows (lm_head: the n_out logit rows), each from R.op
@@ -835,8 +831,6 @@ class CudaEngine final : public Engine {
     return out;
   }
 
-  void decode(Rank& R, RankSeq& s, const cuda::DeviceCacheView& view, const AttentionParams& ap,
-              const float* q, float* out, int64_t n_dec);
   // The plan of s over view for a step of n_dec single-token chunks (re-made only when its key
   // changes): with n_dec > 1 its splits are sized for one batched launch of the step's sequences
   // (whole waves of blocks over all of them, not one wave per sequence).
@@ -909,7 +903,9 @@ const cuda::DecodePlan& CudaEngine::decode_plan(Rank& R, RankSeq& s,
       // target), so neither a short last wave nor needless partials.
       const int64_t per_launch =
           (n_dec + cuda::decode_batch_pieces(n_dec) - 1) / cuda::decode_batch_pieces(n_dec);
-      const int64_t wave = std::max<int64_t>(1, s.plan.target_blocks), units = per_launch * R.hkv;
+      // the kernels' heads: kv_rep blocks per KV head (query-head groups past 8 or odd)
+      const int64_t hv = R.hkv * s.plan.kv_rep;
+      const int64_t wave = std::max<int64_t>(1, s.plan.target_blocks), units = per_launch * hv;
       int64_t k = 1;
       for (int64_t c = 1; c <= 64; ++c) {
         const int64_t t = units * c, waves = (t + wave - 1) / wave;
@@ -917,32 +913,12 @@ const cuda::DecodePlan& CudaEngine::decode_plan(Rank& R, RankSeq& s,
         if (100 * t >= 85 * waves * wave) break;
       }
       cuda::DecodePlanOptions opt;
-      opt.target_blocks = R.hkv * k;
+      opt.target_blocks = hv * k;
       s.plan = cuda::decode_attention_plan(R.ws.context(), nq, view, ap, opt);
     }
     s.plan_key = std::move(key);
   }
   return s.plan;
-}
-
-void CudaEngine::decode(Rank& R, RankSeq& s, const cuda::DeviceCacheView& view,
-                        const AttentionParams& ap, const float* q, float* out, int64_t n_dec) {
-  const int64_t Hkv = R.hkv, D = cfg_.head_dim;
-  const int64_t G = R.hq / Hkv;
-  int64_t sub = 8;
-  while (G % sub != 0) sub /= 2;
-  const int64_t nq = Hkv * sub;
-  decode_plan(R, s, view, ap, nq, n_dec);
-  if (sub == G) {
-    cuda::decode_attention_run(s.plan, q, view, out, R.ws, R.stream);
-    return;
-  }
-  for (int64_t g = 0; g < G / sub; ++g) {
-    cuda::gather_heads(q, Hkv, G, sub, g, D, R.qsub.as<float>(), R.stream);
-    cuda::decode_attention_run(s.plan, R.qsub.as<float>(), view, R.osub.as<float>(), R.ws,
-                               R.stream);
-    cuda::scatter_heads(R.osub.as<float>(), Hkv, G, sub, g, D, out, R.stream);
-  }
 }
 
 void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> chunks,
@@ -981,10 +957,8 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
   rp.kv_t = opts_.kv_dtype;
   cuda::qkv_rope(rp, R.stream);
 
-  // Attention per sequence over its own cache; the single-token chunks (when the kernels take
-  // the whole query-head group) in one batched decode launch after the loop.
-  const int64_t G = Hq / Hkv;
-  const bool whole_group = G == 1 || G == 2 || G == 4 || G == 8;
+  // Attention per sequence over its own cache; the single-token chunks in one batched decode
+  // launch after the loop.
   int64_t n_single = 0;
   for (const SeqChunk& ch : chunks) n_single += ch.tokens.size() == 1 ? 1 : 0;
   // sequences one batched launch takes (1: each its own launch)
@@ -1015,7 +989,7 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
     ap.q_pos0 = s.offset;
     if (s.tap) tap_attention(r, li, s, view, kv_k, kv_v, qb, n, ap, writes ? &*writes : nullptr);
     mark(r, kPhAttn);
-    if (n == 1 && whole_group) {
+    if (n == 1) {
       dec_views.push_back(std::move(view));  // kept until the batched run below
       const cuda::DecodePlan& plan = decode_plan(R, rs, dec_views.back(), ap, Hq, n_dec);
       if (opts_.batch_decode) {
@@ -1023,9 +997,6 @@ void CudaEngine::attention_half(size_t r, int64_t li, std::span<const SeqChunk> 
       } else {
         cuda::decode_attention_run(plan, qb, dec_views.back(), ob, R.ws, R.stream);
       }
-    } else if (n == 1) {
-      if (writes) writes->flush();
-      decode(R, rs, view, ap, qb, ob, n_dec);
     } else {
       if (writes) writes->flush();
       cuda::prefill_attention(qb, Hq, n, view, ap, ob, R.stream);

@@ -384,22 +384,6 @@ TEST(CudaEngineOps, RopeLayoutAndElementwiseOpsMatchCpu) {
     const auto gb = download<float>(dg, g.size());
     for (size_t i = 0; i < g.size(); ++i) ASSERT_EQ(gb[i], g[i] + b[i % static_cast<size_t>(n)]);
   }
-  // Head gather / scatter of a group of 6 as 3 sub-groups of 2: a permutation, then its inverse.
-  {
-    const int64_t hkv = 2, G = 6, sub = 2;
-    const auto src = rnd(static_cast<size_t>(hkv * G * D), 14);
-    DeviceBuffer ds = up(src), dsub(static_cast<size_t>(hkv * sub * D) * 4), dback(src.size() * 4);
-    for (int64_t r = 0; r < G / sub; ++r) {
-      cuda::gather_heads(ds.as<float>(), hkv, G, sub, r, D, dsub.as<float>(), nullptr);
-      const auto part = download<float>(dsub, static_cast<size_t>(hkv * sub * D));
-      for (int64_t kv = 0; kv < hkv; ++kv)
-        for (int64_t j = 0; j < sub; ++j)
-          ASSERT_EQ(0, std::memcmp(&part[static_cast<size_t>((kv * sub + j) * D)],
-                                   &src[static_cast<size_t>((kv * G + r * sub + j) * D)], D * 4));
-      cuda::scatter_heads(dsub.as<float>(), hkv, G, sub, r, D, dback.as<float>(), nullptr);
-    }
-    EXPECT_EQ(download<float>(dback, src.size()), src);
-  }
 }
 
 TEST(CudaEngineOps, GemmWithinFp32AccumulationBound) {

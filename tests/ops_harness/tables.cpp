@@ -225,6 +225,32 @@ std::vector<AttnCase> attention_cases(bool small) {
     c.batch = k == 3 ? 2 : 1;
     out.push_back(c);
   }
+  // (6) Query-head groups past 8 or not a power of two (16, 12, 6, 32): the CUDA decode kernels
+  // take them as several blocks per KV head (DecodePlan::kv_rep) that must each read their own
+  // stored head's rows, positions and transforms: two KV heads, batch 2, f16 rows, 2-bit codes
+  // of the fixed-record instance, 4-bit codes rotated with fp8 metadata, bf16 sinks and tail,
+  // explicit positions.
+  for (int k = 0; k < 4; ++k) {
+    AttnCase c;
+    c.head_dim = 128;
+    c.n_rep = k == 0 ? 16 : k == 1 ? 12 : k == 2 ? 6 : 32;
+    c.batch = 2;
+    c.window = k == 2 ? 200 : 0;
+    SegSpec sink, mid, tail;
+    sink.n = 9;
+    sink.dtype = k == 3 ? DType::kBF16 : DType::kF16;
+    tail.n = 40;
+    tail.dtype = sink.dtype;
+    mid.n = 300;
+    mid.packed = k != 0;
+    mid.pk.kbits = mid.pk.vbits = k == 2 ? 4 : 2;
+    mid.pk.meta = k == 2 ? MetaType::kFP8E4M3 : MetaType::kF16;
+    mid.pk.rot = k == 2;
+    mid.pk.perm = k == 3;
+    mid.explicit_pos = k % 2 == 1;
+    c.segs = {sink, mid, tail};
+    out.push_back(c);
+  }
   return out;
 }
 

@@ -1,11 +1,11 @@
 // The op harness's case tables, shared by the CPU harness (tests/test_backend_ops.cpp) and its
 // CUDA part (tests/cuda/test_backend_ops_cuda.cpp) so both backends see the same shapes:
 // sequence lengths 1, 2, 3, 17, 31, 127, 129, 1000; lengths not a multiple of the group;
-// GQA 1/4/8; head_dim 64/128; f32/f16/bf16 rows, channel-strided rows at a misaligned offset;
-// packed formats (key/value bits 2/2, 4/4, 8/8, 4/2, 1.5/1.5, groups 32/128 (ragged at D = 64)
-// and 24, fp16/fp8/fp32 metadata, with and without permutation and Hadamard rotation), mixed
-// views with explicit gapped positions, empty segments, windows, and fully masked queries.
-// small = the reduced table (sanitizer builds, see harness.h small_sweep()).
+// GQA 1/3/4/8 and 6/12/16/32; head_dim 64/128; f32/f16/bf16 rows, channel-strided rows at a
+// misaligned offset; packed formats (key/value bits 2/2, 4/4, 8/8, 4/2, 1.5/1.5, groups 32/128
+// (ragged at D = 64) and 24, fp16/fp8/fp32 metadata, with and without permutation and Hadamard
+// rotation), mixed views with explicit gapped positions, empty segments, windows, and fully masked
+// queries. small = the reduced table (sanitizer builds, see harness.h small_sweep()).
 #pragma once
 
 #include <cstdint>
