@@ -1291,6 +1291,49 @@ TEST(SkvqCacheLayerKeys, ListsOfAnotherLengthAreRefused) {
   EXPECT_EQ(skvq::Settings::from_config(snap, 1, "snapkv+skvq").key_rows, 4);
 }
 
+// make_layer_cache(cfg, l) is build_caches' cache of layer l (the Python cache layers make theirs
+// with it): the same state bytes for both SKVQ methods; a layer past the lists is refused, naming
+// the list; a negative layer is refused.
+TEST(SkvqCacheLayerKeys, MakeLayerCacheIsTheBuildersLayer) {
+  CacheConfig cfg = key_rows_cfg(8);
+  cfg.skvq_layer_bits_key = "3/2";
+  cfg.skvq_layer_key_rows = "8/4";
+  CacheConfig snap = cfg;
+  snap.method = "snapkv+skvq";
+  snap.snap_evict_at = SnapEvictAt::kPromptEnd;
+  snap.snap_budget = 40;
+  snap.snap_obs_window = 8;
+  snap.snap_n_sink = 0;
+  snap.snap_scoring = SnapScoring::kKeyProxy;  // no queries in feed()
+  snap.skvq_n_sink = 0;
+  snap.skvq_reorder = false;
+  const Tensor k = hetero(1, 2, 45, 64, 43), v = hetero(1, 2, 45, 64, 44);
+  for (const CacheConfig& c : {cfg, snap}) {
+    auto layers = build_caches(ModelCacheShape{{2, 2}, {64, 64}}, c);
+    for (int64_t l = 0; l < 2; ++l) {
+      auto one = make_layer_cache(c, l);
+      feed(*layers[static_cast<size_t>(l)], k, v, {17, 28});
+      feed(*one, k, v, {17, 28});
+      EXPECT_TRUE(state_of(*layers[static_cast<size_t>(l)]) == state_of(*one))
+          << c.method << " layer " << l;
+    }
+    try {
+      (void)make_layer_cache(c, 2);
+      ADD_FAILURE() << "layer 2 of two-entry lists accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "[cache_config] skvq_layer_bits_key: expected an entry for layer 2 but got 2 "
+                "entries ('3/2')");
+    }
+  }
+  EXPECT_THROW((void)make_layer_cache(cfg, -1), Error);
+  // Methods without per-layer settings are make_cache's.
+  CacheConfig full;
+  full.method = "full";
+  full.head_dim = 64;
+  EXPECT_EQ(make_layer_cache(full, 5)->method(), "full");
+}
+
 // ---- snapkv+skvq with channel-axis keys: the kept rows are packed per channel after the one
 // selection at the end of the prompt (snap_evict_at = prompt_end) ------------------------------
 

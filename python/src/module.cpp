@@ -14,11 +14,13 @@
 // loading a state or any other operation RuntimeError. Both carry the library's message.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -148,9 +150,15 @@ auto as_value_error(F&& fn) {
 
 // The config of a layer: the JSON the Python side built (method + fields), with head_dim and the
 // layer's KV heads this cache holds (CacheConfig::kv_head_first / kv_heads_total: a tensor-parallel
-// rank's share; 0, 0 = not sharded).
+// rank's share; 0, 0 = not sharded). layer: the model layer the cache serves (veloxquant.Cache
+// gives each of its layers its index). Its entries of the per-layer lists (skvq_layer_bits_key /
+// skvq_layer_key_rows) and of skvq_perm_file are taken when the cache is made, by the C++
+// builders' functions (make_layer_cache, cuda::make_device_cache's layer); with no layer given
+// the per-layer lists are refused (every layer would silently take entry 0) and the cache is
+// layer 0's otherwise.
 vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim,
-                             int64_t kv_head_first, int64_t kv_heads_total) {
+                             int64_t kv_head_first, int64_t kv_heads_total,
+                             std::optional<int64_t> layer) {
   return as_value_error([&] {
     vq::CacheConfig cfg = vq::config_from_json(config_json);
     VQ_CHECK(head_dim >= 1 && head_dim <= vq::kMaxCacheHeadDim,
@@ -160,14 +168,15 @@ vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim,
     cfg.kv_head_first = kv_head_first;
     cfg.kv_heads_total = kv_heads_total;
     vq::check_cache_config(cfg);
-    // A layer here does not know its index in the model (transformers makes layers on demand), so
-    // it cannot take its entry of a per-layer list: refused rather than every layer silently
-    // taking entry 0 (the C++ builders, build_caches and the CUDA engine, take each layer's).
-    VQ_CHECK(cfg.skvq_layer_bits_key.empty() && cfg.skvq_layer_key_rows.empty(),
-             "[veloxquant.Cache] skvq_layer_bits_key, skvq_layer_key_rows: expected none (a "
-             "Python cache layer does not know its layer index; per-layer key precision is "
-             "available through the C++ engines and the CLI) but got '" +
-                 cfg.skvq_layer_bits_key + "', '" + cfg.skvq_layer_key_rows + "'");
+    VQ_CHECK(
+        !layer || *layer >= 0,
+        "[veloxquant.Cache] layer: expected >= 0 (the model layer this cache serves) but got " +
+            std::to_string(layer.value_or(0)));
+    VQ_CHECK(layer || (cfg.skvq_layer_bits_key.empty() && cfg.skvq_layer_key_rows.empty()),
+             "[veloxquant.Cache] layer: expected the model layer this cache serves (layer=i: "
+             "entry i of skvq_layer_bits_key '" +
+                 cfg.skvq_layer_bits_key + "' and skvq_layer_key_rows '" + cfg.skvq_layer_key_rows +
+                 "') but got none; veloxquant.Cache gives each of its layers its index");
     return cfg;
   });
 }
@@ -197,6 +206,8 @@ class LayerBase {
   bool is_trimmable() const { return cache_->is_trimmable(); }
   int64_t trim(int64_t n) { return cache_->trim(n); }
   nb::dict stats() const { return stats_dict(cache_->stats()); }
+  // The model layer this cache serves (None: not given, the cache is layer 0's).
+  std::optional<int64_t> layer() const { return layer_; }
 
   nb::bytes save() const {
     std::ostringstream os(std::ios::binary);
@@ -224,20 +235,26 @@ class LayerBase {
         .def("is_trimmable", &Layer::is_trimmable)
         .def("trim", &Layer::trim)
         .def("stats", &Layer::stats)
+        .def_prop_ro("layer", &Layer::layer)
         .def("save", &Layer::save)
         .def("load", &Layer::load);
   }
 
  protected:
   std::unique_ptr<C> cache_;
+  std::optional<int64_t> layer_;
 };
 
 // One layer's cache (one KVCache of the configured method).
 class LayerCache : public LayerBase<vq::KVCache> {
  public:
   LayerCache(const std::string& config_json, int64_t head_dim, int64_t kv_head_first,
-             int64_t kv_heads_total) {
-    cache_ = vq::make_cache(layer_config(config_json, head_dim, kv_head_first, kv_heads_total));
+             int64_t kv_heads_total, std::optional<int64_t> layer) {
+    layer_ = layer;
+    const vq::CacheConfig cfg =
+        layer_config(config_json, head_dim, kv_head_first, kv_heads_total, layer);
+    // build_caches' cache of this layer: a list without an entry for it is refused, naming it.
+    cache_ = as_value_error([&] { return vq::make_layer_cache(cfg, layer.value_or(0)); });
   }
 
   // One attention step: appends keys/values [B, H_kv, S, D] and writes attention of the queries
@@ -274,15 +291,18 @@ class DeviceLayerCache : public LayerBase<vq::cuda::DeviceKVCache> {
  public:
   DeviceLayerCache(const std::string& config_json, int64_t head_dim, int64_t batch,
                    int64_t n_kv_heads, uintptr_t stream, int32_t device, int64_t kv_head_first,
-                   int64_t kv_heads_total)
+                   int64_t kv_heads_total, std::optional<int64_t> layer)
       : stream_(stream), device_(device) {
+    layer_ = layer;
     if (!kBuiltWithCuda)
       throw std::runtime_error(
           "[veloxquant.Cache] this veloxquant was built without CUDA: reinstall with VQ_CUDA=ON "
           "pip install .");
-    const vq::CacheConfig cfg = layer_config(config_json, head_dim, kv_head_first, kv_heads_total);
+    const vq::CacheConfig cfg =
+        layer_config(config_json, head_dim, kv_head_first, kv_heads_total, layer);
     cache_ = as_value_error([&] {
-      return vq::cuda::make_device_cache(cfg, batch, n_kv_heads, head_dim, as_stream(stream));
+      return vq::cuda::make_device_cache(cfg, batch, n_kv_heads, head_dim, as_stream(stream),
+                                         layer.value_or(0));
     });
   }
 
@@ -366,6 +386,17 @@ NB_MODULE(_veloxquant, m) {
   m.def("method_fields", [](const std::string& method) {
     return as_value_error([&] { return vq::cache_method_fields(method); });
   });
+  m.def(
+      "check_layer_lists",
+      [](const std::string& json, int64_t n_layers) {
+        as_value_error([&] {
+          vq::check_layer_lists(vq::config_from_json(json), n_layers, "veloxquant.Cache");
+          return 0;
+        });
+      },
+      nb::arg("json"), nb::arg("n_layers"),
+      "Refuses (ValueError) per-layer lists of neither 0 nor n_layers entries (build_caches' "
+      "rule).");
   m.def("cuda_available", [] { return vq::cuda::is_available(); });
   m.def(
       "_set_cpu_attention_isa",
@@ -387,8 +418,9 @@ NB_MODULE(_veloxquant, m) {
 
   nb::class_<LayerCache> layer(m, "LayerCache");
   layer
-      .def(nb::init<const std::string&, int64_t, int64_t, int64_t>(), nb::arg("config_json"),
-           nb::arg("head_dim"), nb::arg("kv_head_first") = 0, nb::arg("kv_heads_total") = 0)
+      .def(nb::init<const std::string&, int64_t, int64_t, int64_t, std::optional<int64_t>>(),
+           nb::arg("config_json"), nb::arg("head_dim"), nb::arg("kv_head_first") = 0,
+           nb::arg("kv_heads_total") = 0, nb::arg("layer") = nb::none())
       .def("attend", &LayerCache::attend, nb::arg("keys"), nb::arg("values"), nb::arg("queries"),
            nb::arg("out"), nb::arg("scale"), nb::arg("window"), nb::arg("pass_queries"));
   LayerCache::bind(layer);
@@ -396,10 +428,10 @@ NB_MODULE(_veloxquant, m) {
   nb::class_<DeviceLayerCache> device_layer(m, "DeviceLayerCache");
   device_layer
       .def(nb::init<const std::string&, int64_t, int64_t, int64_t, uintptr_t, int32_t, int64_t,
-                    int64_t>(),
+                    int64_t, std::optional<int64_t>>(),
            nb::arg("config_json"), nb::arg("head_dim"), nb::arg("batch"), nb::arg("n_kv_heads"),
            nb::arg("stream"), nb::arg("device"), nb::arg("kv_head_first") = 0,
-           nb::arg("kv_heads_total") = 0)
+           nb::arg("kv_heads_total") = 0, nb::arg("layer") = nb::none())
       .def("attend", &DeviceLayerCache::attend, nb::arg("keys"), nb::arg("values"),
            nb::arg("queries"), nb::arg("out"), nb::arg("scale"), nb::arg("window"),
            nb::arg("pass_queries"), nb::arg("stream"))

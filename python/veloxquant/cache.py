@@ -66,23 +66,26 @@ def tp_kv_heads(model_config: Any) -> tuple:
 
 
 def _new_storage(config: CacheConfig, head_dim: int, device: torch.device, batch: int,
-                 n_kv_heads: int, kv_heads: tuple = (0, 0)):
+                 n_kv_heads: int, kv_heads: tuple = (0, 0), layer: int | None = None):
     """The C++ layer for `device`: LayerCache (CPU; B and H_kv taken at its first step) or
     DeviceLayerCache (CUDA: B, H_kv and D fixed now, on torch's current stream of `device`).
-    kv_heads: (kv_head_first, kv_heads_total), the layer's heads this cache holds."""
+    kv_heads: (kv_head_first, kv_heads_total), the layer's heads this cache holds. layer: the
+    model layer it serves (its entries of skvq_layer_bits_key / skvq_layer_key_rows and of
+    skvq_perm_file, as the C++ builders give them); None refuses the per-layer lists."""
     if device.type == "cpu":
-        return _vq.LayerCache(config.to_json(), head_dim, *kv_heads)
+        return _vq.LayerCache(config.to_json(), head_dim, *kv_heads, layer=layer)
     check_device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
         stream = torch.cuda.current_stream().cuda_stream
         return _vq.DeviceLayerCache(config.to_json(), head_dim, batch, n_kv_heads, stream, index,
-                                    *kv_heads)
-
+                                    *kv_heads, layer=layer)
 
 
 class CacheLayer(CacheLayerMixin):
-    """One model layer's veloxquant cache (transformers' per-layer cache object)."""
+    """One model layer's veloxquant cache (transformers' per-layer cache object). layer_idx: the
+    model layer it serves (Cache gives each of its layers its index), which picks its entries of
+    the per-layer lists; None (a layer made by hand) refuses those lists at the first update."""
 
     # Decode steps compile (compiled.py: the C++ step as custom ops that run between the
     # compiled pieces); prefill runs eagerly, as transformers' generate does.
@@ -90,10 +93,12 @@ class CacheLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, config: CacheConfig, kv_heads: tuple = (0, 0)):
+    def __init__(self, config: CacheConfig, kv_heads: tuple = (0, 0),
+                 layer_idx: int | None = None):
         super().__init__()
         self.config = config
         self.kv_heads = (int(kv_heads[0]), int(kv_heads[1]))  # (kv_head_first, kv_heads_total)
+        self.layer_idx = None if layer_idx is None else int(layer_idx)
         self._cache: Any = None  # _veloxquant.LayerCache, created at the first update
         self._pending = False
         self.head_dim = 0
@@ -106,7 +111,7 @@ class CacheLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         self.head_dim = int(d)
         self._cache = _new_storage(self.config, self.head_dim, device, int(b), int(h),
-                                   self.kv_heads)
+                                   self.kv_heads, self.layer_idx)
         self.device = device
         self.dtype = key_states.dtype
         self.is_initialized = True
@@ -270,6 +275,10 @@ class Cache(_HFCache):
     tensor parallelism; "auto" (the default) takes them from torch.distributed and the model
     config (tp_kv_heads: (0, 0) in a single process), so each rank's Hadamard signs and
     calibrated permutations are those of its global heads.
+    Layer i takes entry i of the per-layer lists (skvq_layer_bits_key / skvq_layer_key_rows) and
+    of skvq_perm_file, as the C++ builders do. With the number of layers known the lists must
+    hold one entry per layer (ValueError now); layers made lazily refuse, at their first update,
+    a list without their entry.
     """
 
     def __init__(self, config: "str | Mapping[str, Any] | CacheConfig" = "full",
@@ -285,13 +294,19 @@ class Cache(_HFCache):
         if num_layers is None and model_config is not None:
             num_layers = int(model_config.num_hidden_layers)
         if num_layers is not None:
-            super().__init__(layers=[CacheLayer(self.cache_config, self.kv_heads)
-                                     for _ in range(num_layers)])
+            _vq.check_layer_lists(self.cache_config.to_json(), int(num_layers))
+            super().__init__(layers=[CacheLayer(self.cache_config, self.kv_heads, i)
+                                     for i in range(num_layers)])
         else:
             super().__init__(layer_class_to_replicate=self._new_layer)
 
     def _new_layer(self) -> CacheLayer:
-        return CacheLayer(self.cache_config, self.kv_heads)
+        # A lazily made layer's index: transformers' Cache.update(k, v, layer_idx) appends
+        # layer_class_to_replicate() to self.layers until layer_idx exists, one call per new
+        # layer, each appended right after it is made (transformers/cache_utils.py, Cache.update:
+        # `while len(self.layers) <= layer_idx: self.layers.append(...)`), so the layer made now
+        # lands at position len(self.layers). Tested in python/tests/test_layer_lists.py.
+        return CacheLayer(self.cache_config, self.kv_heads, len(self.layers))
 
     @property
     def method(self) -> str:
@@ -415,13 +430,14 @@ class Cache(_HFCache):
         for i in range(n_layers):
             (n,) = struct.unpack("<Q", take(8, f"layer {i} size"))
             blob = bytes(take(n, f"layer {i}"))
-            layer = CacheLayer(self.cache_config, self.kv_heads)
-            layer._cache = _vq.LayerCache(self.cache_config.to_json(), head_dims[i], *self.kv_heads)
+            layer = CacheLayer(self.cache_config, self.kv_heads, i)
+            layer._cache = _vq.LayerCache(self.cache_config.to_json(), head_dims[i],
+                                          *self.kv_heads, layer=i)
             layer._cache.load(blob)  # RuntimeError with the library's message on a bad state
             if device.type != "cpu":  # the checked state, now on the device (same format)
                 cpu = layer._cache
                 layer._cache = _new_storage(self.cache_config, head_dims[i], device, cpu.batch,
-                                            cpu.n_kv_heads, self.kv_heads)
+                                            cpu.n_kv_heads, self.kv_heads, i)
                 layer._cache.load(blob)
             layer.is_initialized = True
             layer.head_dim = head_dims[i]

@@ -5,6 +5,7 @@
 // config knows but this build does not construct yet are refused with a clear error.
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "veloxquant/builder.h"
@@ -28,6 +29,26 @@ std::unique_ptr<KVCache> make_cache(const CacheConfig& cfg) {
   throw Error("[make_cache] method '" + m + "' is not available in this build");
 }
 
+std::unique_ptr<KVCache> make_layer_cache(const CacheConfig& cfg, int64_t layer) {
+  VQ_CHECK(layer >= 0, "[make_layer_cache] layer: expected >= 0 but got " + std::to_string(layer));
+  // SKVQ caches learn their layer: which entry of the per-layer lists and of a calibrated
+  // permutation file applies.
+  if (cfg.method == "skvq") return make_skvq_cache(cfg, layer);
+  if (cfg.method == "snapkv+skvq") return make_snapkv_skvq_cache(cfg, layer);
+  return make_cache(cfg);
+}
+
+void check_layer_lists(const CacheConfig& cfg, int64_t n_layers, const char* op) {
+  for (const auto& [name, list] :
+       {std::pair<const char*, const std::string*>{"skvq_layer_bits_key", &cfg.skvq_layer_bits_key},
+        {"skvq_layer_key_rows", &cfg.skvq_layer_key_rows}}) {
+    const int64_t n = skvq_layer_list_size(*list);
+    VQ_CHECK(n == 0 || n == n_layers,
+             std::string("[") + op + "] " + name + ": expected " + std::to_string(n_layers) +
+                 " entries (one per layer) but got " + std::to_string(n) + " ('" + *list + "')");
+  }
+}
+
 std::vector<std::unique_ptr<KVCache>> build_caches(const ModelCacheShape& shape,
                                                    const CacheConfig& cfg) {
   VQ_CHECK(shape.n_kv_heads.size() == shape.head_dim.size(),
@@ -35,16 +56,7 @@ std::vector<std::unique_ptr<KVCache>> build_caches(const ModelCacheShape& shape,
                std::to_string(shape.n_kv_heads.size()) + " and " +
                std::to_string(shape.head_dim.size()));
   VQ_CHECK(!shape.head_dim.empty(), "[build_caches] expected at least one layer but got 0");
-  // Per-layer SKVQ lists hold one entry per layer (a longer list is a spec for another model).
-  for (const auto& [name, list] :
-       {std::pair<const char*, const std::string*>{"skvq_layer_bits_key", &cfg.skvq_layer_bits_key},
-        {"skvq_layer_key_rows", &cfg.skvq_layer_key_rows}}) {
-    const int64_t n = skvq_layer_list_size(*list);
-    VQ_CHECK(n == 0 || n == static_cast<int64_t>(shape.head_dim.size()),
-             std::string("[build_caches] ") + name + ": expected " +
-                 std::to_string(shape.head_dim.size()) + " entries (one per layer) but got " +
-                 std::to_string(n) + " ('" + *list + "')");
-  }
+  check_layer_lists(cfg, static_cast<int64_t>(shape.head_dim.size()), "build_caches");
   // Check every layer before building any cache, so a bad layer late in the list costs nothing.
   for (size_t i = 0; i < shape.head_dim.size(); ++i) {
     VQ_CHECK(shape.n_kv_heads[i] >= 1, "[build_caches] layer " + std::to_string(i) +
@@ -62,13 +74,7 @@ std::vector<std::unique_ptr<KVCache>> build_caches(const ModelCacheShape& shape,
   for (size_t i = 0; i < shape.head_dim.size(); ++i) {
     CacheConfig layer = cfg;
     layer.head_dim = shape.head_dim[i];
-    // SKVQ caches learn their layer (which entry of a calibrated permutation file applies).
-    if (layer.method == "skvq")
-      caches.push_back(make_skvq_cache(layer, static_cast<int64_t>(i)));
-    else if (layer.method == "snapkv+skvq")
-      caches.push_back(make_snapkv_skvq_cache(layer, static_cast<int64_t>(i)));
-    else
-      caches.push_back(make_cache(layer));
+    caches.push_back(make_layer_cache(layer, static_cast<int64_t>(i)));
   }
   return caches;
 }
