@@ -79,6 +79,7 @@
 
 #include "cuda/device_cache_scores.h"
 #include "cuda/model_ops.cuh"
+#include "veloxquant/builder.h"
 #include "veloxquant/cuda.h"
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/cuda_row_writes.h"
@@ -561,14 +562,7 @@ class CudaEngine final : public Engine {
   // (src/cuda/prefill_api.cpp); so no layer's combination is refused beyond validate(). Layers of
   // different formats get their own decode plans (plan_key holds the formats).
   void check_layer_lists(const CacheConfig& cache) const {
-    for (const auto& [name, list] : {std::pair<const char*, const std::string*>{
-                                         "skvq_layer_bits_key", &cache.skvq_layer_bits_key},
-                                     {"skvq_layer_key_rows", &cache.skvq_layer_key_rows}}) {
-      const int64_t n = skvq_layer_list_size(*list);
-      VQ_CHECK(n == 0 || n == cfg_.n_layers,
-               std::string("[engine] ") + name + ": expected " + std::to_string(cfg_.n_layers) +
-                   " entries (one per layer) but got " + std::to_string(n) + " ('" + *list + "')");
-    }
+    vq::check_layer_lists(cache, cfg_.n_layers, "engine");
   }
 
   using SeqMap = std::map<int64_t, Sequence>;
