@@ -21,11 +21,12 @@
 // loads and the transposed value loads (ldmatrix.trans) are free of bank conflicts; packed records
 // are staged as byte ranges. Each warp takes warp-tiles of 16 rows, two at a time (wt and wt + 4:
 // the pair shares one softmax step), all on mma.m16n8k16 (fp16 inputs, fp32 accumulation):
-//  (1) logits: A = 16 key rows x 16 channels, B = the queries as N = 8 columns n = 2 h + part
-//      (head h, part 0 the fp16 rounding of q * sigma_h, part 1 zero, the columns of the former
-//      exact hi + lo split; sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head)
-//      logits in column 2 h of each lane. Channel map of chunk c (32 channels), k-step s, K
-//      index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
+//  (1) logits: A = 16 key rows x 16 channels, B = the queries as N = 8 columns: for G <= 4
+//      n = 2 h + part (head h, part 0 the fp16 rounding of q * sigma_h, part 1 zero), for G = 8
+//      n = h (sigma_h = 2^e puts max |q_h| in [2^11, 2^12)), so C holds (row, head) logits:
+//      lane t's columns 2 t, 2 t + 1 are head t (G <= 4) or heads 2 t, 2 t + 1 (G = 8; one
+//      n-tile and one softmax pass for the 8 heads). Channel map of chunk c (32 channels), k-step
+//      s, K index k: 32 c + 8 t + 4 s + 2 (k >= 8) + k % 2 with t = (k % 8) / 2: lane (g, t) reads
 //      8 contiguous channels of rows g and g + 8. Packed key codes are masked in place and read
 //      as fp16 subnormals (exponent bits zero: the code times its in-place factor times 2^-24,
 //      exact; one lop3 per pair, the 2^-24 undone in sigma's inverse); packed 2-bit keys take the
@@ -37,20 +38,20 @@
 //      32-bit word of 8 codes, taken by masks (a high nibble in place: 16 c 2^-24, q of those
 //      pairs carries 1/16; nibbles 2, 3 after one shift by 8; f16 rows: one byte permute).
 //  (2) online softmax per head (exp2 of log2e-scaled logits; running max per warp and head).
-//  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (part-1
-//      columns zero again). f16 metadata (PK >= 2): A holds the dequantized values c * scale + lo,
-//      one fp16 fma per pair of codes (a lane's pair is one channel of rows 2t, 2t + 1 or 2t + 8,
-//      2t + 9, so the pair's scales and zero-points are one half2 each), B = p. Other metadata
-//      types (PK 1): A the exact codes, B = p * scale of the row's group, the zero-point sums
-//      p * lo on the side in fp32.
-//      f16 values arrive through ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b +
-//      mu of the 32-channel block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the
-//      next channel, so a lane's codes are one byte per row and block, each code read where it lies
-//      (PK 1: value 4^i c for the i-th code of the byte, undone by an exact power-of-two scale
-//      later; PK >= 2: c exactly, each position with its own magic number, see code_pair).
-//      KB = 4: the same channel map, a lane's codes are the 16 bits at byte 16 b + 2 g of a row
-//      (4 nibbles: channels +0..+3), made exact fp16 integers by mask + (x - 1024) for the low
-//      nibble of a byte and mask + (x / 16 - 64) for the high one (both exact).
+//  (3) values: A = V^T (16 channels x 16 rows), B = the probabilities as N = 8 columns (the
+//      same columns as the queries'; part-1 columns zero again). f16 metadata (PK >= 2): A holds
+//      the dequantized values c * scale + lo, one fp16 fma per pair of codes (a lane's pair is one
+//      channel of rows 2t, 2t + 1 or 2t + 8, 2t + 9, so the pair's scales and zero-points are one
+//      half2 each), B = p. Other metadata types (PK 1): A the exact codes, B = p * scale of the
+//      row's group, the zero-point sums p * lo on the side in fp32. f16 values arrive through
+//      ldmatrix.x4.trans; 2-bit values are decoded in place: m-tile 2 b + mu of the 32-channel
+//      block b maps row g to channel 32 b + 4 g + 2 mu and row g + 8 to the next channel, so a
+//      lane's codes are one byte per row and block, each code read where it lies (PK 1: value 4^i c
+//      for the i-th code of the byte, undone by an exact power-of-two scale later; PK >= 2: c
+//      exactly, each position with its own magic number, see code_pair). KB = 4: the same channel
+//      map, a lane's codes are the 16 bits at byte 16 b + 2 g of a row (4 nibbles: channels
+//      +0..+3), made exact fp16 integers by mask + (x - 1024) for the low nibble of a byte and mask
+//      + (x / 16 - 64) for the high one (both exact).
 // Numerics (FlashAttention's, docs/design.md section 4): q and p are rounded once to fp16 (2^-11
 // relative; the zero-point chunk sums are sums of the rounded q), fp32 accumulation, softmax max
 // and sum in fp32 from the unrounded p; packed values with f16 metadata are rounded once to fp16
@@ -98,9 +99,13 @@ constexpr int kPackedMinBlocks = VQ_MMA_PACKED_MIN_BLOCKS;
 
 template <int D, int G>
 struct MGeo {
-  static constexpr int NT = G <= 4 ? 1 : 2;  // n-tiles of 8 (head, part) columns
-  static constexpr int NCH = D / 32;         // 32-channel chunks (blocks)
-  static constexpr int MT = D / 16;          // m-tiles of the value accumulator
+  // One n-tile of 8 columns holds the group: columns per head CPH = 2 for G <= 4 (column 2 h:
+  // head h, column 2 h + 1 zero: a C-fragment lane t holds head t), 1 for G = 8 (column h: lane t
+  // holds heads 2 t and 2 t + 1); HL heads per C-fragment lane.
+  static constexpr int CPH = G <= 4 ? 2 : 1;
+  static constexpr int HL = 2 / CPH;
+  static constexpr int NCH = D / 32;  // 32-channel chunks (blocks)
+  static constexpr int MT = D / 16;   // m-tiles of the value accumulator
 };
 
 // Shared memory besides the stages: queries [G][D] and the transform's scratch [G][D], sigma [8],
@@ -237,7 +242,7 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   constexpr bool FIX = PK == 3;  // compile-time record layout (group 32, f16 metadata)
   constexpr int KREC = D * KB / 8 + D / 8;
   constexpr bool Q4 = PK > 0 && KB == 4;  // the K-index -> channel map of 4-bit codes
-  constexpr int NT = Gm::NT, NCH = Gm::NCH, MT = Gm::MT;
+  constexpr int CPH = Gm::CPH, HL = Gm::HL, NCH = Gm::NCH, MT = Gm::MT;
   constexpr int RB = 2 * D;  // f16 (or bf16) row bytes
   extern __shared__ __align__(16) uint8_t smem[];
   const int SH = p.stage_half_bytes;
@@ -384,7 +389,7 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
     sqsum[i] = s;
   }
   __syncthreads();
-  uint32_t qb[NT][NCH][4];
+  uint32_t qb[NCH][4];
   // 2-bit packed keys take the 4-bit channel map (K pair i of the lane = channels (i, i + 4) of its
   // 8), their codes read 4^i times their value in place; q carries the exact inverse 4^-i. 4-bit
   // packed keys read the high nibble of a byte in place too (16 times its value): q of the odd K
@@ -392,9 +397,8 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   const bool k2p = PK > 0 && KB == 2 && packed;
   const bool k4p = Q4 && packed;
   const bool qmap4 = Q4 || k2p;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int h = (g >> 1) + 4 * nt;
+  {
+    const int h = g / CPH, part = g % CPH;  // the B column of this lane: head h, part
 #pragma unroll
     for (int c = 0; c < NCH; ++c)
 #pragma unroll
@@ -406,10 +410,10 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
                           : (k4p && (i & 1)) ? 0.0625f
                                              : 1.0f;
           const float sgm = ssig[h] * f;
-          w = BF && !packed ? pack_part<true>(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1)
-                            : pack_part(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, g & 1);
+          w = BF && !packed ? pack_part<true>(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, part)
+                            : pack_part(qs[h * D + ch] * sgm, qs[h * D + ch1] * sgm, part);
         }
-        qb[nt][c][i] = w;
+        qb[c][i] = w;
       }
   }
   // Packed key codes enter the mma as fp16 subnormals (code bits masked in place, exponent zero:
@@ -419,34 +423,34 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   // share the scale; every factor is a power of two in range (sigma in [2^-100, 2^100], scaled
   // chunk sums >= 2^-24 times their value), so the logits are those of the magic-number form.
   constexpr float kSub = 16777216.0f;  // 2^24
-  float sinv[NT], qsum[NT][NCH];
+  float sinv[HL], qsum[HL][NCH];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int h = t + 4 * nt;
-    sinv[nt] = h < G ? (packed ? kSub : 1.0f) / ssig[h] : 0.0f;
+  for (int hl = 0; hl < HL; ++hl) {
+    const int h = (2 * t + hl) / CPH;  // this lane's C-fragment head hl
+    sinv[hl] = h < G ? (packed ? kSub : 1.0f) / ssig[h] : 0.0f;
     // MF: the logits of packed keys are accumulated times sigma (bounded metadata, so no overflow:
     // |scale|, |lo| <= 65504, sigma-scaled chunk sums <= 2^17, C <= 2^19) and scaled back once
 #pragma unroll
     for (int c = 0; c < NCH; ++c)
-      qsum[nt][c] = h < G ? sqsum[h * NCH + c] * (MF ? ssig[h] * (1.0f / kSub) : 1.0f) : 0.0f;
+      qsum[hl][c] = h < G ? sqsum[h * NCH + c] * (MF ? ssig[h] * (1.0f / kSub) : 1.0f) : 0.0f;
   }
 
-  float m_run[NT], l_run[NT];
-  float vacc[NT][MT][4];
-  float vb[NT][NCH];  // PK 1: sum of p * lo per block for head (g >> 1) + 4 nt (part-0 lanes)
+  float m_run[HL], l_run[HL];
+  float vacc[MT][4];  // columns 2 t, 2 t + 1: heads (2 t) / CPH, (2 t + 1) / CPH (G <= 4: zero)
+  float vb[NCH];      // PK 1: sum of p * lo per block for head hb (part-0 lanes)
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    m_run[nt] = -INFINITY;
-    l_run[nt] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) vacc[nt][j][i] = 0.0f;
-#pragma unroll
-    for (int c = 0; c < NCH; ++c) vb[nt][c] = 0.0f;
+  for (int hl = 0; hl < HL; ++hl) {
+    m_run[hl] = -INFINITY;
+    l_run[hl] = 0.0f;
   }
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) vacc[j][i] = 0.0f;
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) vb[c] = 0.0f;
 
-  const int hb = g >> 1, partb = g & 1;  // the B-operand column of this lane: head hb, part
+  const int hb = g / CPH, partb = g % CPH;  // the B-operand column of this lane: head hb, part
   const uint32_t psel = static_cast<uint32_t>((g & 3) | ((4 + (g & 3)) << 8));
   int grpc[NCH];  // metadata group of each 32-channel block
 #pragma unroll
@@ -498,18 +502,16 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
       int rb0[W];
 #pragma unroll
       for (int w = 0; w < W; ++w) rb0[w] = (wt + w * kWarps) * 16;
-      // ---- (1) logits of rows rb0 + g and rb0 + g + 8 for heads t + 4 nt
-      float lg[W][NT][2];
+      // ---- (1) logits of rows rb0 + g and rb0 + g + 8 for the lane's heads (2 t + hl) / CPH
+      float lg[W][HL][2];
 #pragma unroll
       for (int w = 0; w < W; ++w)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) lg[w][nt][0] = lg[w][nt][1] = 0.0f;
+        for (int hl = 0; hl < HL; ++hl) lg[w][hl][0] = lg[w][hl][1] = 0.0f;
       if (!packed) {
 #pragma unroll
         for (int w = 0; w < W; ++w) {
-          float acc[NT][4];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           const uint8_t* rg = sk + (rb0[w] + g) * RB;
           const uint8_t* rg8 = rg + 8 * RB;
           const int sw = swz(g);
@@ -523,16 +525,14 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
               kb = make_uint4(__byte_perm(kb.x, kb.z, 0x5410), __byte_perm(kb.x, kb.z, 0x7632),
                               __byte_perm(kb.y, kb.w, 0x5410), __byte_perm(kb.y, kb.w, 0x7632));
             }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              mma_rows<BF>(acc[nt], ka.x, kb.x, ka.y, kb.y, qb[nt][c][0], qb[nt][c][1]);
-              mma_rows<BF>(acc[nt], ka.z, kb.z, ka.w, kb.w, qb[nt][c][2], qb[nt][c][3]);
-            }
+            mma_rows<BF>(acc, ka.x, kb.x, ka.y, kb.y, qb[c][0], qb[c][1]);
+            mma_rows<BF>(acc, ka.z, kb.z, ka.w, kb.w, qb[c][2], qb[c][3]);
           }
+          // C element 2 j + e: row g + 8 j, column 2 t + e (CPH 2: e = 1 the zero part column)
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            lg[w][nt][0] = (acc[nt][0] + acc[nt][1]) * sinv[nt];
-            lg[w][nt][1] = (acc[nt][2] + acc[nt][3]) * sinv[nt];
+          for (int hl = 0; hl < HL; ++hl) {
+            lg[w][hl][0] = (CPH == 2 ? acc[0] + acc[1] : acc[hl]) * sinv[hl];
+            lg[w][hl][1] = (CPH == 2 ? acc[2] + acc[3] : acc[2 + hl]) * sinv[hl];
           }
         }
       } else if constexpr (PK > 0) {
@@ -571,23 +571,24 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
             float lo0, sc0, lo1, sc1;
             meta_a<MF>(rg, kcb, p.pk.k_meta, grpc[c], lo0, sc0);
             meta_a<MF>(rg8, kcb, p.pk.k_meta, grpc[c], lo1, sc1);
+            float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_16816(cc, a[0], a8[0], a[1], a8[1], qb[c][0], qb[c][1]);
+            mma_16816(cc, a[2], a8[2], a[3], a8[3], qb[c][2], qb[c][3]);
+            // CPH 2: cc[1], cc[3] are the part-1 columns, whose queries are zero (finite codes:
+            // 0 exactly); CPH 1: head 2 t + 1's
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-              mma_16816(cc, a[0], a8[0], a[1], a8[1], qb[nt][c][0], qb[nt][c][1]);
-              mma_16816(cc, a[2], a8[2], a[3], a8[3], qb[nt][c][2], qb[nt][c][3]);
-              // cc[1], cc[3]: the part-1 columns, whose queries are zero (finite codes: 0 exactly)
-              const float s0 = MF ? cc[0] : cc[0] * sinv[nt];
-              const float s1 = MF ? cc[2] : cc[2] * sinv[nt];
-              lg[w][nt][0] = fmaf(sc0, s0, fmaf(lo0, qsum[nt][c], lg[w][nt][0]));
-              lg[w][nt][1] = fmaf(sc1, s1, fmaf(lo1, qsum[nt][c], lg[w][nt][1]));
+            for (int hl = 0; hl < HL; ++hl) {
+              const float s0 = MF ? cc[hl] : cc[hl] * sinv[hl];
+              const float s1 = MF ? cc[2 + hl] : cc[2 + hl] * sinv[hl];
+              lg[w][hl][0] = fmaf(sc0, s0, fmaf(lo0, qsum[hl][c], lg[w][hl][0]));
+              lg[w][hl][1] = fmaf(sc1, s1, fmaf(lo1, qsum[hl][c], lg[w][hl][1]));
             }
           }
           if constexpr (MF) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              lg[w][nt][0] *= sinv[nt];  // exact (a power of two)
-              lg[w][nt][1] *= sinv[nt];
+            for (int hl = 0; hl < HL; ++hl) {
+              lg[w][hl][0] *= sinv[hl];  // exact (a power of two)
+              lg[w][hl][1] *= sinv[hl];
             }
           }
         }
@@ -611,81 +612,88 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
             }
             if (!vis) {
 #pragma unroll
-              for (int nt = 0; nt < NT; ++nt) lg[w][nt][j] = -INFINITY;
+              for (int hl = 0; hl < HL; ++hl) lg[w][hl][j] = -INFINITY;
             }
           }
       }
 
-      // ---- (2) online softmax per head t + 4 nt (uniform over the 8 lanes g of a column t)
-      float pr[W][NT][2], al[NT];
+      // ---- (2) online softmax per head (2 t + hl) / CPH (uniform over the 8 lanes g of a t)
+      float pr[W][HL][2], al[HL];
       bool grow = false;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        float tmax = fmaxf(lg[0][nt][0], lg[0][nt][1]);
+      for (int hl = 0; hl < HL; ++hl) {
+        float tmax = fmaxf(lg[0][hl][0], lg[0][hl][1]);
 #pragma unroll
-        for (int w = 1; w < W; ++w) tmax = fmaxf(tmax, fmaxf(lg[w][nt][0], lg[w][nt][1]));
+        for (int w = 1; w < W; ++w) tmax = fmaxf(tmax, fmaxf(lg[w][hl][0], lg[w][hl][1]));
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(kFull, tmax, o));
-        const float m_new = fmaxf(m_run[nt], tmax);
+        const float m_new = fmaxf(m_run[hl], tmax);
         float psum = 0.0f;
         if (m_new == -INFINITY) {
-          al[nt] = 1.0f;
+          al[hl] = 1.0f;
 #pragma unroll
-          for (int w = 0; w < W; ++w) pr[w][nt][0] = pr[w][nt][1] = 0.0f;
+          for (int w = 0; w < W; ++w) pr[w][hl][0] = pr[w][hl][1] = 0.0f;
         } else {
-          al[nt] = ex2_ftz(m_run[nt] - m_new);
+          al[hl] = ex2_ftz(m_run[hl] - m_new);
 #pragma unroll
           for (int w = 0; w < W; ++w) {
-            pr[w][nt][0] = ex2_ftz(lg[w][nt][0] - m_new);
-            pr[w][nt][1] = ex2_ftz(lg[w][nt][1] - m_new);
-            psum += pr[w][nt][0] + pr[w][nt][1];
+            pr[w][hl][0] = ex2_ftz(lg[w][hl][0] - m_new);
+            pr[w][hl][1] = ex2_ftz(lg[w][hl][1] - m_new);
+            psum += pr[w][hl][0] + pr[w][hl][1];
           }
         }
-        l_run[nt] = fmaf(l_run[nt], al[nt], psum);
-        m_run[nt] = m_new;
-        grow |= al[nt] != 1.0f;
+        l_run[hl] = fmaf(l_run[hl], al[hl], psum);
+        m_run[hl] = m_new;
+        grow |= al[hl] != 1.0f;
       }
       if (__any_sync(kFull, grow)) {
+        // accumulator element i holds column 2 t + (i & 1): head (2 t + (i & 1)) / CPH
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int j = 0; j < MT; ++j)
 #pragma unroll
-          for (int j = 0; j < MT; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= al[nt];
-          if constexpr (PK == 1) {
-            const float ab = __shfl_sync(kFull, al[nt], hb);
-#pragma unroll
-            for (int c = 0; c < NCH; ++c) vb[nt][c] *= ab;
+          for (int i = 0; i < 4; ++i) vacc[j][i] *= al[HL == 2 ? (i & 1) : 0];
+        if constexpr (PK == 1) {  // vb is head hb's: its factor from the C-fragment lane of hb
+          float ab = __shfl_sync(kFull, al[0], hb * CPH / 2);
+          if constexpr (HL == 2) {
+            const float ab1 = __shfl_sync(kFull, al[1], hb / 2);
+            ab = (hb & 1) ? ab1 : ab;
           }
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) vb[c] *= ab;
         }
       }
 
-      // ---- (3) values: the probabilities of rows 2t, 2t+1, 2t+8, 2t+9 for head hb + 4 nt
-      float pv[W][NT][4];
+      // ---- (3) values: the probabilities of rows 2t, 2t+1, 2t+8, 2t+9 for head hb, from the
+      // C-fragment lanes g' = row % 8, t' = hb CPH / 2 (element hl' = hb CPH % 2)
+      float pv[W][4];
+      {
+        const int src = 8 * t + hb * CPH / 2;
+        // zero for the part-1 columns (and heads past G): their B operands need no select
+        const bool on = hb < G && partb == 0;
 #pragma unroll
-      for (int w = 0; w < W; ++w)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const float a0 = __shfl_sync(kFull, pr[w][nt][0], 8 * t + hb);
-          const float a1 = __shfl_sync(kFull, pr[w][nt][0], 8 * t + 4 + hb);
-          const float a2 = __shfl_sync(kFull, pr[w][nt][1], 8 * t + hb);
-          const float a3 = __shfl_sync(kFull, pr[w][nt][1], 8 * t + 4 + hb);
-          // zero for the part-1 columns (and heads past G): their B operands need no select
-          const bool on = hb + 4 * nt < G && partb == 0;
-          pv[w][nt][0] = on ? a0 : 0.0f;
-          pv[w][nt][1] = on ? a1 : 0.0f;
-          pv[w][nt][2] = on ? a2 : 0.0f;
-          pv[w][nt][3] = on ? a3 : 0.0f;
+        for (int w = 0; w < W; ++w) {
+          float a0 = __shfl_sync(kFull, pr[w][0][0], src);
+          float a1 = __shfl_sync(kFull, pr[w][0][0], src + 4);
+          float a2 = __shfl_sync(kFull, pr[w][0][1], src);
+          float a3 = __shfl_sync(kFull, pr[w][0][1], src + 4);
+          if constexpr (HL == 2) {
+            const float b0 = __shfl_sync(kFull, pr[w][1][0], src);
+            const float b1 = __shfl_sync(kFull, pr[w][1][0], src + 4);
+            const float b2 = __shfl_sync(kFull, pr[w][1][1], src);
+            const float b3 = __shfl_sync(kFull, pr[w][1][1], src + 4);
+            if (hb & 1) a0 = b0, a1 = b1, a2 = b2, a3 = b3;
+          }
+          pv[w][0] = on ? a0 : 0.0f;
+          pv[w][1] = on ? a1 : 0.0f;
+          pv[w][2] = on ? a2 : 0.0f;
+          pv[w][3] = on ? a3 : 0.0f;
         }
+      }
       if (!packed) {
 #pragma unroll
         for (int w = 0; w < W; ++w) {
-          uint32_t b0[NT], b1[NT];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            b0[nt] = pack_part<BF>(pv[w][nt][0], pv[w][nt][1], 0);
-            b1[nt] = pack_part<BF>(pv[w][nt][2], pv[w][nt][3], 0);
-          }
+          const uint32_t b0 = pack_part<BF>(pv[w][0], pv[w][1], 0);
+          const uint32_t b1 = pack_part<BF>(pv[w][2], pv[w][3], 0);
           const int lr = rb0[w] + (lane & 7) + 8 * (lane >> 4);
           const uint8_t* rowp = sv + lr * RB;
           const int lsw = swz(lane & 7), half = (lane >> 3) & 1;
@@ -693,9 +701,7 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
           for (int j = 0; j < MT; ++j) {
             uint32_t a0, a1, a2, a3;
             ldsm_x4_trans(rowp + 16 * ((2 * j + half) ^ lsw), a0, a1, a2, a3);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-              mma_rows<BF>(vacc[nt][j], a0, a1, a2, a3, b0[nt], b1[nt]);
+            mma_rows<BF>(vacc[j], a0, a1, a2, a3, b0, b1);
           }
         }
       } else if constexpr (PK > 0) {
@@ -717,14 +723,12 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
           // becomes its dequantized fp16 values c * scale + lo in one fp16 fma (the row pair's
           // scales and zero-points gathered into half2 by one permute each), B = fp16(p) for
           // every block: FlashAttention over the dequantized cache, one rounding per operand
-          uint32_t pb[W][NT][2];
+          uint32_t pb[W][2];
 #pragma unroll
-          for (int w = 0; w < W; ++w)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              pb[w][nt][0] = pack_part(pv[w][nt][0], pv[w][nt][1], 0);
-              pb[w][nt][1] = pack_part(pv[w][nt][2], pv[w][nt][3], 0);
-            }
+          for (int w = 0; w < W; ++w) {
+            pb[w][0] = pack_part(pv[w][0], pv[w][1], 0);
+            pb[w][1] = pack_part(pv[w][2], pv[w][3], 0);
+          }
 #pragma unroll
           for (int c = 0; c < NCH; ++c) {
 #pragma unroll
@@ -767,23 +771,18 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
                 e[i] = dequant_pair(e[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
                 f[i] = dequant_pair(f[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
               }
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                mma_16816(vacc[nt][2 * c], e[0], e[1], e[2], e[3], pb[w][nt][0], pb[w][nt][1]);
-                mma_16816(vacc[nt][2 * c + 1], f[0], f[1], f[2], f[3], pb[w][nt][0], pb[w][nt][1]);
-              }
+              mma_16816(vacc[2 * c], e[0], e[1], e[2], e[3], pb[w][0], pb[w][1]);
+              mma_16816(vacc[2 * c + 1], f[0], f[1], f[2], f[3], pb[w][0], pb[w][1]);
             }
           }
         } else {
-          float pu[W][NT][4];  // p * 2^S (exact)
+          float pu[W][4];  // p * 2^S (exact)
           {
             const float up = __int_as_float((268 - exv) << 23);  // 2^S, S = 141 - exv
 #pragma unroll
             for (int w = 0; w < W; ++w)
 #pragma unroll
-              for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) pu[w][nt][r] = pv[w][nt][r] * up;
+              for (int r = 0; r < 4; ++r) pu[w][r] = pv[w][r] * up;
           }
 #pragma unroll
           for (int c = 0; c < NCH; ++c) {
@@ -828,45 +827,38 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
               if (ex > exv) {
                 const float fs = ldexpf(1.0f, exv - ex);  // exact, or below 2^-126 of the new
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
+                for (int j = 0; j < MT; ++j)
 #pragma unroll
-                  for (int j = 0; j < MT; ++j)
+                  for (int i = 0; i < 4; ++i) vacc[j][i] *= fs;
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) vacc[nt][j][i] *= fs;
+                for (int w = 0; w < W; ++w)
 #pragma unroll
-                  for (int w = 0; w < W; ++w)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) pu[w][nt][r] *= fs;
-                }
+                  for (int r = 0; r < 4; ++r) pu[w][r] *= fs;
                 exv = ex;
               }
             }
 #pragma unroll
-            for (int w = 0; w < W; ++w)
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                const uint32_t bb0 = pack_part(pu[w][nt][0] * sc[w][0], pu[w][nt][1] * sc[w][1], 0);
-                const uint32_t bb1 = pack_part(pu[w][nt][2] * sc[w][2], pu[w][nt][3] * sc[w][3], 0);
-                mma_16816(vacc[nt][2 * c], e[w][0], e[w][1], e[w][2], e[w][3], bb0, bb1);
-                mma_16816(vacc[nt][2 * c + 1], f[w][0], f[w][1], f[w][2], f[w][3], bb0, bb1);
-                if constexpr (!MF) {
-                  float s = vb[nt][c];
-                  s = fmaf(pv[w][nt][0], lo[w][0], s);
-                  s = fmaf(pv[w][nt][1], lo[w][1], s);
-                  s = fmaf(pv[w][nt][2], lo[w][2], s);
-                  s = fmaf(pv[w][nt][3], lo[w][3], s);
-                  vb[nt][c] = s;
-                }
+            for (int w = 0; w < W; ++w) {
+              const uint32_t bb0 = pack_part(pu[w][0] * sc[w][0], pu[w][1] * sc[w][1], 0);
+              const uint32_t bb1 = pack_part(pu[w][2] * sc[w][2], pu[w][3] * sc[w][3], 0);
+              mma_16816(vacc[2 * c], e[w][0], e[w][1], e[w][2], e[w][3], bb0, bb1);
+              mma_16816(vacc[2 * c + 1], f[w][0], f[w][1], f[w][2], f[w][3], bb0, bb1);
+              if constexpr (!MF) {
+                float s = vb[c];
+                s = fmaf(pv[w][0], lo[w][0], s);
+                s = fmaf(pv[w][1], lo[w][1], s);
+                s = fmaf(pv[w][2], lo[w][2], s);
+                s = fmaf(pv[w][3], lo[w][3], s);
+                vb[c] = s;
               }
+            }
           }
         }
       }
     };
-    // pairs only with one n-tile (G <= 4): with two the pair's registers spill (G 8: 376 bytes)
-    constexpr int WP = NT == 1 ? 2 : 1;
-    for (int wt = warp; wt < n_wt; wt += WP * kWarps) {
-      if (WP == 2 && wt + kWarps < n_wt)
-        step(wt, std::integral_constant<int, WP>{});
+    for (int wt = warp; wt < n_wt; wt += 2 * kWarps) {
+      if (wt + kWarps < n_wt)
+        step(wt, std::integral_constant<int, 2>{});
       else
         step(wt, std::integral_constant<int, 1>{});
     }
@@ -879,32 +871,32 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   float* wm = reinterpret_cast<float*>(stages);
   float* wl = wm + kWarps * G;
   float* wacc = wl + kWarps * G;
+  if constexpr (PK == 1) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    float l = l_run[nt];
+    for (int c = 0; c < NCH; ++c) {
+      float s = vb[c];
+      s += __shfl_xor_sync(kFull, s, 1);
+      s += __shfl_xor_sync(kFull, s, 2);
+      if (t == 0 && partb == 0 && hb < G) sbias[(warp * G + hb) * NCH + c] = packed ? s : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int hl = 0; hl < HL; ++hl) {
+    float l = l_run[hl];
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(kFull, l, o);
-    const int h = t + 4 * nt;
+    const int h = (2 * t + hl) / CPH;
     if (g == 0 && h < G) {
-      wm[warp * G + h] = m_run[nt];
+      wm[warp * G + h] = m_run[hl];
       wl[warp * G + h] = l;
-    }
-    if constexpr (PK == 1) {
-#pragma unroll
-      for (int c = 0; c < NCH; ++c) {
-        float s = vb[nt][c];
-        s += __shfl_xor_sync(kFull, s, 1);
-        s += __shfl_xor_sync(kFull, s, 2);
-        if (t == 0 && partb == 0 && hb + 4 * nt < G)
-          sbias[(warp * G + hb + 4 * nt) * NCH + c] = packed ? s : 0.0f;
-      }
     }
     if (h < G) {
       float* dst = wacc + (warp * G + h) * D;
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
-        float v0 = vacc[nt][j][0] + vacc[nt][j][1];
-        float v1 = vacc[nt][j][2] + vacc[nt][j][3];
+        // rows g, g + 8 of m-tile j, column 2 t + hl (CPH 2: + the zero part column 2 t + 1)
+        float v0 = CPH == 2 ? vacc[j][0] + vacc[j][1] : vacc[j][hl];
+        float v1 = CPH == 2 ? vacc[j][2] + vacc[j][3] : vacc[j][2 + hl];
         if (!MF && packed) {                                  // undo 2^S of the block (exact)
           const float dn = __int_as_float((exv - 14) << 23);  // 2^-S
           v0 *= dn;

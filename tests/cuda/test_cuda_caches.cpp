@@ -270,14 +270,6 @@ void expect_same_state(const KVCache& cpu, const cuda::DeviceKVCache& gpu, int64
   expect_same_stats(cpu.stats(), gpu.stats(), vars);
 }
 
-// The CPU cache of model layer `layer` (build_caches' choice: the SKVQ methods take the layer's
-// entries of the per-layer lists; the others have no layer).
-std::unique_ptr<KVCache> make_layer_cache(const CacheConfig& cfg, int64_t layer) {
-  if (cfg.method == "skvq") return make_skvq_cache(cfg, layer);
-  if (cfg.method == "snapkv+skvq") return make_snapkv_skvq_cache(cfg, layer);
-  return make_cache(cfg);
-}
-
 // State exchange after a step: the device cache writes the CPU cache's bytes exactly; a CPU cache
 // loads them and writes them back unchanged; a device cache loads the CPU's bytes, matches the
 // CPU cache (positions, figures) and writes them back unchanged (the device round trip).
