@@ -49,10 +49,11 @@ __global__ void __launch_bounds__(kChThreads)
 
   const DecodeSegmentParams& sg = p.seg[si];
   const DecodePackedParams& pk = p.pk;
-  const int split = sg.split_begin + static_cast<int>(blockIdx.x);
-  const int kvh = blockIdx.y, b = blockIdx.z;
+  int kvh = 0;
+  const int seg_split = decode_impl::block_split(p, kvh);  // the split within the segment
+  const int split = sg.split_begin + seg_split, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t r_begin = static_cast<int64_t>(blockIdx.x) * sg.rows_per_split;
+  const int64_t r_begin = static_cast<int64_t>(seg_split) * sg.rows_per_split;
   const int64_t r_end = decode_impl::min64(sg.n_rows, r_begin + sg.rows_per_split);
   const int64_t bh = static_cast<int64_t>(b) * p.n_kv_heads + kvh;
   const int64_t kbh = decode_impl::kv_bh(p, b, kvh);  // the stored head's rows
@@ -218,8 +219,7 @@ __global__ void __launch_bounds__(kChThreads)
 template <int D, int G>
 void launch_dg(const DecodeParams& p, const DecodeChannelParams& ch, int si, cudaStream_t s) {
   const DecodeSegmentParams& sg = p.seg[si];
-  const dim3 grid(static_cast<unsigned>(sg.n_splits), static_cast<unsigned>(p.n_kv_heads),
-                  static_cast<unsigned>(p.batch));
+  const dim3 grid = decode_impl::split_grid(p, sg.n_splits, p.batch);
   decode_channel_kernel<D, G><<<grid, kChThreads, 0, s>>>(p, ch, si);
   VQ_CUDA_LAUNCH_CHECK(decode_channel_kernel);
 }

@@ -91,6 +91,21 @@ __device__ __forceinline__ int64_t kv_bh(const DecodeParams& p, int b, int kvh) 
   return static_cast<int64_t>(b) * (p.n_kv_heads / p.kv_rep) + kvh / p.kv_rep;
 }
 
+// The grid's x index counts (split, block of the stored head) pairs, the kv_rep blocks of one
+// split next to each other: the later ones read the rows the first brought into L2. y is the
+// stored head. Returns the split; kvh gets the block head (kv_rep * y + its block).
+__device__ __forceinline__ int block_split(const DecodeParams& p, int& kvh) {
+  const int x = static_cast<int>(blockIdx.x);
+  kvh = static_cast<int>(blockIdx.y) * p.kv_rep + x % p.kv_rep;
+  return x / p.kv_rep;
+}
+
+// The split kernels' grid: (n_splits * kv_rep, H_kv stored heads, z) for n_splits splits.
+inline dim3 split_grid(const DecodeParams& p, int n_splits, int z) {
+  return dim3(static_cast<unsigned>(n_splits * p.kv_rep),
+              static_cast<unsigned>(p.n_kv_heads / p.kv_rep), static_cast<unsigned>(z));
+}
+
 __device__ __forceinline__ void grid_dependency_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -515,7 +530,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
   float* sbuf = qs + G * D;                                               // [warps][8][G]
 
   grid_dependency_trigger();
-  const int split = blockIdx.x, kvh = blockIdx.y, b = P.seqs ? 0 : blockIdx.z;
+  int kvh = 0;
+  const int split = block_split(p, kvh), b = P.seqs ? 0 : blockIdx.z;
   if (split >= p.n_splits) return;  // batched: past this sequence's splits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % LPR, rs = lane / LPR;
@@ -867,8 +883,7 @@ void launch_split_dg(const DecodeParams& p, cudaStream_t s) {
   constexpr int smem = split_smem_bytes<D, G>();
   auto kern = decode_split_kernel<D, G, KB, VB>;
   VQ_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
-                  static_cast<unsigned>(p.batch));
+  const dim3 grid = split_grid(p, p.n_splits, p.batch);
   kern<<<grid, kThreads, smem, s>>>(p);
   VQ_CUDA_LAUNCH_CHECK(decode_split_kernel);
 }

@@ -254,7 +254,8 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   float* qtmp = sbias + kWarps * G * NCH;                         // [G][D]
 
   decode_impl::grid_dependency_trigger();
-  const int split = blockIdx.x, kvh = blockIdx.y;
+  int kvh = 0;
+  const int split = decode_impl::block_split(p, kvh);
   if (split >= p.n_splits) return;  // batched: past this sequence's splits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -1008,8 +1009,7 @@ void launch_mma_dg(const DecodeParams& p, const DecodeBatchArg* batch, cudaStrea
            "[decode_attention] internal: a batched tensor-core launch takes at most " +
                std::to_string(kDecodeBatchInline) + " sequences' parameters by value but got " +
                std::to_string(p.batch) + (batch ? "" : " and none"));
-  const dim3 grid(static_cast<unsigned>(p.n_splits), static_cast<unsigned>(p.n_kv_heads),
-                  static_cast<unsigned>(p.batch));
+  const dim3 grid = decode_impl::split_grid(p, p.n_splits, p.batch);
   with_mma_kernel<D, G, PK, KB, BF>(p, [&](auto kern, int smem, auto batched) {
     if constexpr (decltype(batched)::value) {
       kern<<<grid, kThreads, smem, s>>>(*batch);
