@@ -1,5 +1,6 @@
 // The split kernel of fused decode attention for packed segments with channel-axis keys
-// (decode_attention_channel.cuh), templated on D (64, 128) and the GQA group G (1, 2, 4, 8).
+// (decode_attention_channel.cuh), templated on D (64, 128) and the query heads per block G (1, 2,
+// 4, 8; DecodePlan::kv_rep blocks per KV head take larger or odd groups).
 //
 // A block of 128 threads reads rows [begin, end) of one split of one (b, kv head) for its G query
 // heads. Inside a run of key rows sharing (lo_c, scale_c) per stored channel c (run r = rows
