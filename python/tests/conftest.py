@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import inspect
+import os
+import pathlib
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -13,6 +16,29 @@ from transformers.models.llama.modeling_llama import LlamaModel
 import veloxquant  # noqa: F401  (registers attn_implementation="veloxquant")
 
 VOCAB = 128
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODEL = ROOT / "models" / "vq-mini-llama"  # the shipped model: 6 layers, 2 KV heads, head_dim 64
+DATA = ROOT / "data" / "eval" / "heldout_ids.u16"  # held-out token rows of 2048 ids
+
+
+def cli_path() -> pathlib.Path:
+    """The veloxquant CLI the tests compare against (VQ_CLI, else build/veloxquant)."""
+    return pathlib.Path(os.environ.get("VQ_CLI", ROOT / "build" / "veloxquant"))
+
+
+def heldout_ids(n: int) -> torch.Tensor:
+    """The first n ids of the first held-out row, [1, n] int64."""
+    rows = np.fromfile(DATA, dtype="<u2").reshape(-1, 2048)
+    return torch.from_numpy(rows[:1, :n].astype(np.int64))
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped model in fp32 through veloxquant's attention."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32,
+                                                attn_implementation="veloxquant").eval()
 
 # The cache argument's name: `cache` from transformers 5.3 on (`past_key_values` deprecated),
 # `past_key_values` before.

@@ -13,21 +13,15 @@ import io
 import json
 import math
 import os
-import pathlib
 import subprocess
 
-import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import veloxquant
 from veloxquant import _veloxquant as _vq
-from conftest import kv
+from conftest import DATA, MODEL, cli_path, heldout_ids, kv
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODEL = ROOT / "models" / "vq-mini-llama"  # 6 layers, 2 KV heads, head_dim 64
-DATA = ROOT / "data" / "eval" / "heldout_ids.u16"
 BITS = [4, 2, 3, 2, 8, 1.5]  # one entry per layer of the shipped model, no two neighbours equal
 LIST = "/".join(f"{b:g}" for b in BITS)
 SPEC = f"skvq:bits_value=2:window=16:n_sink=2:layer_bits_key={LIST}"
@@ -53,15 +47,8 @@ def io_bytes(cache) -> io.BytesIO:
 
 
 @pytest.fixture(scope="module")
-def shipped():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32,
-                                                attn_implementation="veloxquant").eval()
-
-
-@pytest.fixture(scope="module")
 def doc():
-    rows = np.fromfile(DATA, dtype="<u2").reshape(-1, 2048)
-    return torch.from_numpy(rows[:1, :96].astype(np.int64))
+    return heldout_ids(96)
 
 
 def check_layers_take_their_entries(cache, batch: int = 1):
@@ -120,10 +107,6 @@ def test_layer_is_the_single_field_cache_of_its_entry(shipped, doc):
         assert back.memory()[key] == cache.memory()[key], key
 
 
-def cli_path() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("VQ_CLI", ROOT / "build" / "veloxquant"))
-
-
 def test_bytes_match_the_cli_builder(shipped):
     """The CLI's caches (build_caches) of the same spec on the same protocol account the same
     bytes at context P as the Python layers (the figures depend on row counts, not values)."""
@@ -139,8 +122,7 @@ def test_bytes_match_the_cli_builder(shipped):
          "--methods", SPEC, "--json", "--quiet"],
         check=True, capture_output=True, text=True).stdout
     row = {r["label"]: r for r in json.loads(out)["rows"]}[SPEC]
-    rows = np.fromfile(DATA, dtype="<u2").reshape(-1, 2048)
-    ids = torch.from_numpy(rows[:1, :p + t].astype(np.int64))
+    ids = heldout_ids(p + t)
     cache = veloxquant.Cache(SPEC)
     with torch.no_grad():
         shipped(ids[:, :p - 1], **kv(cache), use_cache=True)

@@ -22,39 +22,23 @@ prefilled in one call, then T = 32 decode steps, each scored by KL(full || metho
 
 import json
 import os
-import pathlib
 import subprocess
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import veloxquant
-from conftest import forced_logits, kv
+from conftest import DATA, MODEL, cli_path, forced_logits, heldout_ids, kv
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODEL = ROOT / "models" / "vq-mini-llama"
-DATA = ROOT / "data" / "eval" / "heldout_ids.u16"
 P, T = 512, 32
 METHODS = ["skvq:bits_key=4:bits_value=4", "skvq:bits_key=2:bits_value=2", "snapkv:budget=128",
            "snapkv+skvq:budget=128:bits_key=4:bits_value=4"]
 
 
-def cli_path() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("VQ_CLI", ROOT / "build" / "veloxquant"))
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32,
-                                                attn_implementation="veloxquant").eval()
-
-
 @pytest.fixture(scope="module")
 def doc():
-    rows = np.fromfile(DATA, dtype="<u2").reshape(-1, 2048)
-    return torch.from_numpy(rows[:1, :P + T].astype(np.int64))
+    return heldout_ids(P + T)
 
 
 @pytest.fixture(scope="module")
