@@ -356,8 +356,10 @@ TEST(DecodePlan, LargeOrOddGroupsTakeSeveralBlocksPerKvHead) {
       expect_consistent(p);
     }
   }
-  // the grid's y dimension holds H_kv * kv_rep
-  expect_error([&] { plan(f16, 1, 40000, 640000, 128); }, "blocks per KV head) <= 65535");
+  // the grid's y dimension holds the stored heads (x the splits' kv_rep blocks): 40000 KV heads
+  // of 16 query heads plan, 70000 KV heads do not
+  EXPECT_EQ(plan(f16, 1, 40000, 640000, 128).kv_rep, 2);
+  expect_error([&] { plan(f16, 1, 70000, 70000, 128); }, "expected B and H_kv <= 65535");
 }
 
 TEST(DecodePlan, RefusesShapesTheKernelsDoNotTake) {

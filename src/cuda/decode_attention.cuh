@@ -2,7 +2,8 @@
 // that decode_api.cpp fills from a DecodePlan (decode_plan.h) and a layer's view for the kernels,
 // and the host launcher.
 //
-// Grid: (total splits, H_kv * kv_rep, B); each block reads rows [begin, end) of ONE segment for
+// Grid: (total splits * kv_rep, H_kv, B) (decode_impl::split_grid: the kv_rep blocks of a split
+// are x neighbours); each block reads rows [begin, end) of ONE segment for
 // one (b, kv head) and the G = H_q / (H_kv * kv_rep) query heads of its share of the group (with
 // kv_rep 1, all of them: every KV row is read once), and
 // writes a partial (running max m, sum l, unnormalised accumulator acc[D]) per query head. The

@@ -83,8 +83,6 @@ __device__ __forceinline__ void stage_params(const DecodeParams& P, unsigned z, 
   __syncthreads();
 }
 
-// Programmatic dependent launch (sm_90): the split kernels let the combine grid launch at their
-// entry; the combine waits for their completion (and memory) before reading the partials.
 // Index [b, stored KV head] of block head kvh (DecodeParams::kv_rep blocks share a stored head):
 // where its rows and positions sit in a segment's [B, H_kv, capacity] arrays.
 __device__ __forceinline__ int64_t kv_bh(const DecodeParams& p, int b, int kvh) {
@@ -105,6 +103,9 @@ inline dim3 split_grid(const DecodeParams& p, int n_splits, int z) {
   return dim3(static_cast<unsigned>(n_splits * p.kv_rep),
               static_cast<unsigned>(p.n_kv_heads / p.kv_rep), static_cast<unsigned>(z));
 }
+
+// Programmatic dependent launch (sm_90): the split kernels let the combine grid launch at their
+// entry; the combine waits for their completion (and memory) before reading the partials.
 
 __device__ __forceinline__ void grid_dependency_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

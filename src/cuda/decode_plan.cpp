@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "veloxquant/error.h"
@@ -182,9 +183,8 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   const int64_t R = G / Gk, Hv = H * R;
   VQ_CHECK(p.window >= 0,
            "[decode_attention] expected window >= 0 but got " + std::to_string(p.window));
-  VQ_CHECK(B <= 65535 && Hv <= 65535,
-           "[decode_attention] expected B and H_kv * (blocks per KV head) <= 65535 but got " +
-               std::to_string(B) + ", " + std::to_string(H) + " * " + std::to_string(R));
+  VQ_CHECK(B <= 65535 && H <= 65535, "[decode_attention] expected B and H_kv <= 65535 but got " +
+                                         std::to_string(B) + ", " + std::to_string(H));
   VQ_CHECK(opt.rows_per_split >= 0 && opt.target_blocks >= 0 && opt.packed_stage_bytes >= 0,
            "[decode_attention] expected options >= 0 (0 = automatic) but got rows_per_split " +
                std::to_string(opt.rows_per_split) + ", target_blocks " +
@@ -425,6 +425,10 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   }
   VQ_CHECK(n_splits <= (1 << 20),
            "[decode_attention] expected at most 2^20 splits but got " + std::to_string(n_splits));
+  // the grid's x dimension holds splits * kv_rep (decode_impl::split_grid)
+  VQ_CHECK(n_splits * R <= INT32_MAX,
+           "[decode_attention] expected splits * blocks per KV head <= 2^31 - 1 but got " +
+               std::to_string(n_splits) + " * " + std::to_string(R));
   plan.n_splits = static_cast<int32_t>(n_splits);
   const size_t n_part = static_cast<size_t>(B * n_q_heads * n_splits);
   const size_t acc_bytes = (n_part * static_cast<size_t>(D) * 4 + 255) / 256 * 256;
