@@ -330,24 +330,30 @@ TEST(DecodePlan, OptionsOverrideThePlanAndTheEnvironmentDoesNot) {
   expect_error([&] { plan(segs, 8, 8, 32, 128, bad); }, "expected options >= 0");
 }
 
-// Query-head groups the kernels do not take in one block (past 8, or not a power of two) run as
-// kv_rep blocks per KV head of the largest of 8, 4, 2, 1 dividing the group; the splits and the
-// block target count those blocks, as H_kv * kv_rep heads of G / kv_rep query heads would.
+// Query-head groups the kernels do not take in one block (past 8, or not a power of two; past 16
+// for views of f16 or bf16 rows alone, whose tensor-core kernel takes 16 heads in the mma's M
+// dimension) run as kv_rep blocks per KV head of the largest of 16 (those views), 8, 4, 2, 1
+// dividing the group; the splits and the block target count those blocks, as H_kv * kv_rep heads
+// of G / kv_rep query heads would.
 TEST(DecodePlan, LargeOrOddGroupsTakeSeveralBlocksPerKvHead) {
   const std::vector<DeviceSegment> f16 = {fp_seg(32768, DType::kF16)};
+  const std::vector<DeviceSegment> bf16 = {fp_seg(32768, DType::kBF16)};
   const std::vector<DeviceSegment> k2 = {packed_seg(32768, 2, 2, 32, MetaType::kF16)};
   struct Want {
-    int64_t H, Hq, rep;
+    int64_t H, Hq, rep_rows, rep_packed;
   };
-  for (const Want w : {Want{8, 128, 2}, Want{8, 256, 4}, Want{2, 6, 3}, Want{4, 12, 3},
-                       Want{1, 5, 5}, Want{8, 64, 1}, Want{8, 32, 1}}) {
-    for (const auto& segs : {f16, k2}) {
-      const std::string vars = "H " + std::to_string(w.H) + " Hq " + std::to_string(w.Hq);
+  for (const Want w : {Want{8, 128, 1, 2}, Want{8, 256, 2, 4}, Want{2, 6, 3, 3}, Want{4, 12, 3, 3},
+                       Want{1, 5, 5, 5}, Want{8, 64, 1, 1}, Want{8, 32, 1, 1}, Want{2, 96, 3, 6},
+                       Want{1, 48, 3, 6}}) {
+    for (const auto& segs : {f16, bf16, k2}) {
+      const int64_t rep = segs[0].packed ? w.rep_packed : w.rep_rows;
+      const std::string vars = "H " + std::to_string(w.H) + " Hq " + std::to_string(w.Hq) +
+                               (segs[0].packed ? " packed" : " rows");
       const DecodePlan p = plan(segs, 8, w.H, w.Hq, 128);
-      EXPECT_EQ(p.kv_rep, w.rep) << vars;
+      EXPECT_EQ(p.kv_rep, rep) << vars;
       EXPECT_EQ(p.n_kv_heads, w.H) << vars;  // the view's heads: runs check views against them
       // the same plan as H_kv * kv_rep heads of a group of G / kv_rep (a kernel group)
-      const DecodePlan same = plan(segs, 8, w.H * w.rep, w.Hq, 128);
+      const DecodePlan same = plan(segs, 8, w.H * rep, w.Hq, 128);
       EXPECT_EQ(same.kv_rep, 1) << vars;
       EXPECT_EQ(p.kernel, same.kernel) << vars;
       EXPECT_EQ(p.n_splits, same.n_splits) << vars;
@@ -357,8 +363,9 @@ TEST(DecodePlan, LargeOrOddGroupsTakeSeveralBlocksPerKvHead) {
     }
   }
   // the grid's y dimension holds the stored heads (x the splits' kv_rep blocks): 40000 KV heads
-  // of 16 query heads plan, 70000 KV heads do not
-  EXPECT_EQ(plan(f16, 1, 40000, 640000, 128).kv_rep, 2);
+  // of 32 query heads plan, 70000 KV heads do not
+  EXPECT_EQ(plan(f16, 1, 40000, 1280000, 128).kv_rep, 2);
+  EXPECT_EQ(plan(k2, 1, 40000, 640000, 128).kv_rep, 2);
   expect_error([&] { plan(f16, 1, 70000, 70000, 128); }, "expected B and H_kv <= 65535");
 }
 

@@ -9,7 +9,8 @@
 // the GQA group G, PK (0: f16 segments only; 1: f16 and packed segments, any metadata type; 2: the
 // same with f16 metadata, read without a type switch; 3: f16 metadata in groups of 32 and records
 // of D KB / 8 code bytes + D / 8 metadata bytes, every record offset a compile-time constant) and
-// KB, BF. Included by
+// KB, BF (G = 16, over f16 or bf16 rows only, runs decode_attention_mma16.cuh's block: the heads
+// in the mma's M dimension). Included by
 // decode_attention_mma_*.cu; the generic kernel in decode_attention_kernel.cuh takes every other
 // view. Same parameters, partials and combine.
 //
@@ -226,6 +227,38 @@ __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int m
     const uint32_t w = lds16(rec + code_bytes + 2 * g);
     lo = decode_impl::fp8e4m3_to_f32(w & 0xffu);
     sc = decode_impl::fp8e4m3_to_f32((w >> 8) & 0xffu);
+  }
+}
+
+// The block's partials of split `split` from its warps' [warps][G] maxima wm and sums wl and
+// [warps][G][D] accumulators wacc (+ bias [warps][G][D / 32] by 32-channel block, if given): one
+// log-sum-exp merge per head and channel, written to p.part_acc / p.part_ml.
+template <int D, int G>
+__device__ __forceinline__ void write_partials(const DecodeParams& p, int64_t bh, int split,
+                                               const float* wm, const float* wl, const float* wacc,
+                                               const float* bias, int tid) {
+  for (int i = tid; i < G * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w * G + h]);
+    float a = 0.0f, l = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(wm[w * G + h] - mx);
+        float x = wacc[(w * G + h) * D + d];
+        if (bias) x += bias[(w * G + h) * (D / 32) + d / 32];
+        a += x * f;
+        l += wl[w * G + h] * f;
+      }
+    }
+    const int64_t row = (bh * G + h) * p.n_splits + split;
+    p.part_acc[row * D + d] = a;
+    if (d == 0) {
+      p.part_ml[2 * row] = mx;
+      p.part_ml[2 * row + 1] = l;
+    }
   }
 }
 
@@ -921,29 +954,24 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
     }
   }
   __syncthreads();
-  for (int i = tid; i < G * D; i += kThreads) {
-    const int h = i / D, d = i % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w * G + h]);
-    float a = 0.0f, l = 0.0f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = exp2f(wm[w * G + h] - mx);
-        float x = wacc[(w * G + h) * D + d];
-        if (PK == 1 && packed)  // the zero-point sums of PK 1, by 32-channel block
-          x += sbias[(w * G + h) * NCH + d / 32];
-        a += x * f;
-        l += wl[w * G + h] * f;
-      }
-    }
-    const int64_t row = (bh * G + h) * p.n_splits + split;
-    p.part_acc[row * D + d] = a;
-    if (d == 0) {
-      p.part_ml[2 * row] = mx;
-      p.part_ml[2 * row + 1] = l;
-    }
+  write_partials<D, G>(p, bh, split, wm, wl, wacc, PK == 1 && packed ? sbias : nullptr, tid);
+}
+
+}  // namespace vq::cuda::decode_mma
+
+#include "cuda/decode_attention_mma16.cuh"
+
+namespace vq::cuda::decode_mma {
+
+// One block of the kernel: G = 16 (f16 or bf16 rows only) takes the heads-in-M block of
+// decode_attention_mma16.cuh, every other group decode_mma_block.
+template <int D, int G, int PK, int KB, bool BF>
+__device__ __forceinline__ void run_mma_block(const DecodeParams& p, const int b, uint64_t* bars) {
+  if constexpr (G == 16) {
+    static_assert(PK == 0, "the 16-head block reads f16 or bf16 rows only");
+    decode_mma16_block<D, BF>(p, b);
+  } else {
+    decode_mma_block<D, G, PK, KB, BF>(p, b, bars);
   }
 }
 
@@ -974,10 +1002,10 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
     decode_mma_block<D, G, PK, KB, BF>(sp, 0, bars);
   } else if constexpr (BATCH) {
     __syncthreads();  // the barriers' init
-    decode_mma_block<D, G, PK, KB, BF>(P.seq[blockIdx.z], 0, bars);
+    run_mma_block<D, G, PK, KB, BF>(P.seq[blockIdx.z], 0, bars);
   } else {
     __syncthreads();  // the barriers' init
-    decode_mma_block<D, G, PK, KB, BF>(P, static_cast<int>(blockIdx.z), bars);
+    run_mma_block<D, G, PK, KB, BF>(P, static_cast<int>(blockIdx.z), bars);
   }
 }
 
@@ -1039,6 +1067,12 @@ int mma_dispatch(const DecodeParams& p, const DecodeBatchArg* batch, cudaStream_
                                bool query) {                                                       \
     auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, batch, s), 0); };  \
     const int D = p.head_dim, G = p.group;                                                         \
+    if constexpr (PK == 0) {                                                                       \
+      if (G == 16 && D == 64)                                                                      \
+        return pick(launch_mma_dg<64, 16, PK, KB, BF>, blocks_per_sm_dg<64, 16, PK, KB, BF>);      \
+      if (G == 16)                                                                                 \
+        return pick(launch_mma_dg<128, 16, PK, KB, BF>, blocks_per_sm_dg<128, 16, PK, KB, BF>);    \
+    }                                                                                              \
     if (D == 64) {                                                                                 \
       if (G == 1)                                                                                  \
         return pick(launch_mma_dg<64, 1, PK, KB, BF>, blocks_per_sm_dg<64, 1, PK, KB, BF>);        \

@@ -175,12 +175,13 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   VQ_CHECK(n_q_heads >= H && n_q_heads % H == 0,
            "[decode_attention] expected H_q a multiple of H_kv = " + std::to_string(H) +
                " but got " + std::to_string(n_q_heads));
-  // The kernels take 1, 2, 4 or 8 query heads per block: a larger or odd group runs as kv_rep
-  // blocks per KV head of G / kv_rep heads each (the largest of those sizes dividing G), every
-  // block reading the KV head's rows (the blocks of one KV head are neighbours in the grid).
+  // The kernels take 1, 2, 4 or 8 query heads per block (the tensor-core kernel over f16 or bf16
+  // rows alone also 16, below): a larger or odd group runs as kv_rep blocks per KV head of
+  // G / kv_rep heads each (the largest of those sizes dividing G), every block reading the KV
+  // head's rows (the blocks of one KV head are neighbours in the grid).
   const int64_t G = n_q_heads / H;
-  const int64_t Gk = G % 8 == 0 ? 8 : G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
-  const int64_t R = G / Gk, Hv = H * R;
+  int64_t Gk = G % 8 == 0 ? 8 : G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
+  int64_t R = G / Gk, Hv = H * R;
   VQ_CHECK(p.window >= 0,
            "[decode_attention] expected window >= 0 but got " + std::to_string(p.window));
   VQ_CHECK(B <= 65535 && H <= 65535, "[decode_attention] expected B and H_kv <= 65535 but got " +
@@ -341,6 +342,14 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
                           pk_first->v_fmt.meta == MetaType::kF16;
     if (!any_packed) {
       plan.kernel = DecodeKernel::kMmaF16;
+      if (G % 16 == 0) {
+        // 16 heads in the mma's M dimension read each KV head's rows once (H200, 8 x 32K, 128
+        // query / 8 KV heads: see docs/results/gpu/run17_s18)
+        Gk = 16;
+        R = G / Gk;
+        Hv = H * R;
+        plan.kv_rep = static_cast<int32_t>(R);
+      }
     } else if (plan.k_bits == 2) {
       plan.kernel = f16_meta ? DecodeKernel::kMmaPacked2F16Meta : DecodeKernel::kMmaPacked2;
     } else {
