@@ -71,6 +71,7 @@ struct V512 : Avx512Vec {
   }
 };
 
+#include "ops/packed_decode_rows16.h"
 #include "ops/packed_decode_simd.h"
 
 // ---- values of 2-, 4- and 8-bit codes, fp16 metadata ------------------------------------------
@@ -81,7 +82,8 @@ struct V512 : Avx512Vec {
 // 16 P blk + P k + j. The accumulators of a tile are held in that order (vector j of block blk),
 // deinterleaved from acc when the tile starts and interleaved back when it ends, all D channels
 // of up to QB queries in registers while the tile's rows pass in order. Weights w = p s_g are
-// formed for 16 rows at once (the rows' metadata gathered, p loaded per query) into
+// formed for 16 rows at once (the rows' metadata transposed to lanes over rows by rows16_any,
+// packed_decode_rows16.h; p loaded per query) into
 // ws[m][g][32]; a lane's weight is its group's (one broadcast per group the block touches).
 // acc += w c per channel, rows in order (one FMA each); acc_lo[m][g] += p lo_g: 16 row lanes,
 // summed at the tile's end. Scratch: ws [n_q][ng][32], alo [n_q][ng][16].
@@ -208,22 +210,23 @@ void values_rows(const PackedRowFormat& f, const PackedTile& tile, const float* 
   float* ws = scratch;              // [n_q][ng][32]
   float* alo = ws + n_q * ng * 32;  // [n_q][ng][16]
   for (int64_t i = 0; i < n_q * ng * 16; ++i) alo[i] = 0.0f;
-  const __m512i stride = _mm512_set1_epi32(static_cast<int>(tile.stride));
-  const uint8_t* meta = tile.rec0 + f.code_bytes;
+  __m512i mwv[64];  // the rows' metadata words, lanes over rows (rows16_any)
   for (int64_t r0 = 0; r0 < tile.n_rows; r0 += 16) {
     const int64_t n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
     const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
     const __m512i idx = _mm512_maskz_loadu_epi32(km, tile.rows + r0);
-    const __m512i off = _mm512_mullo_epi32(idx, stride);
     {  // the records 32 rows ahead into L1 (as packed_decode_vnni.cpp's prefetch_ahead)
       const char* ahead =
           reinterpret_cast<const char*>(tile.rec0 + (tile.rows[r0] + 32) * tile.stride);
       for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
     }
     const bool contiguous = tile.rows[r0 + n - 1] - tile.rows[r0] == n - 1;
+    const uint8_t* rec[16];
+    for (int64_t r = 0; r < 16; ++r)
+      rec[r] = tile.rec0 + tile.rows[r0 + (r < n ? r : 0)] * tile.stride + f.code_bytes;
+    rows16_any(rec, n, 4 * ng, mwv);
     for (int64_t g = 0; g < ng; ++g) {
-      const __m512i mw =
-          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 4 * g, 1);
+      const __m512i mw = mwv[g];
       const __m512 lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw));
       const __m512 sg = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16)));
       for (int64_t m = 0; m < n_q; ++m) {
