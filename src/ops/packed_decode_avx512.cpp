@@ -173,16 +173,18 @@ void rows_block(const PackedRowFormat& f, const PackedTile& tile, const float* w
     for (int blk = 0; blk < NB; ++blk) {
       const __m512i x =
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + blk * 16)));
-      __m512 c[P];
+      // (code j widened and used at once: an array of the P codes was kept on the stack by
+      // GCC 12, a store and reload of 64 bytes per code and row)
 #pragma GCC unroll 4
-      for (int j = 0; j < P; ++j) c[j] = code_lanes<B>(x, j);
+      for (int j = 0; j < P; ++j) {
+        const __m512 c = code_lanes<B>(x, j);
 #pragma GCC unroll 4
-      for (int q = 0; q < QB; ++q) {
-        __m512 wv = _mm512_set1_ps(wb[q][blk][r]);
-        if constexpr (G == 2)
-          wv = _mm512_mask_mov_ps(wv, 0xFF00, _mm512_set1_ps(wb[q][blk][32 + r]));
-#pragma GCC unroll 4
-        for (int j = 0; j < P; ++j) a[q][blk][j] = _mm512_fmadd_ps(wv, c[j], a[q][blk][j]);
+        for (int q = 0; q < QB; ++q) {
+          __m512 wv = _mm512_set1_ps(wb[q][blk][r]);
+          if constexpr (G == 2)
+            wv = _mm512_mask_mov_ps(wv, 0xFF00, _mm512_set1_ps(wb[q][blk][32 + r]));
+          a[q][blk][j] = _mm512_fmadd_ps(wv, c, a[q][blk][j]);
+        }
       }
     }
   }
