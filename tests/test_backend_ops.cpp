@@ -17,6 +17,9 @@
 #include <random>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "ops/kernels.h"
 #include "ops/packed_decode.h"
 #include "ops_harness/attention_bounds.h"
@@ -313,6 +316,144 @@ TEST(BackendOps, PackedKeysFp8MetadataEqualsFp16) {
       }
     }
   EXPECT_GE(checked, 8);
+}
+
+// The AVX-512 packed decode kernels read up to 16 records at a time with plain loads and a
+// transpose (src/ops/packed_decode_rows16.h): every tile size 1 .. 32 (partial blocks of 16),
+// rows listed out of order or as a run, the last record of the buffer ending at a page that
+// may not be read (a load past a record's bytes faults), fp16 and fp8 metadata. The key kernel
+// (int8 queries, packed_decode_vnni.cpp) gives bit for bit the logits its declared arithmetic
+// gives in scalar code: per group the exact integer sum of q8_i c_i, then
+// tot = fma(float(acc), s_g sq_g, tot), tot = fma(lo_g, qsum_g, tot); the value kernel gives bit
+// for bit acc_i = fma(p s_g, c_i, acc_i) over the rows in order, and acc_lo within
+// n_rows u sum_t |p_t lo_t| of the exact sum (its lanes add the rows in another order).
+// mutants: the 8-word registers loading record r in place of r + 1 fails the key check;
+// loading all 64 bytes of every record (no byte mask) faults on the page after the last record.
+TEST(BackendOps, PackedDecodeRowTilesExact) {
+  const detail::CpuIsa best = detail::detected_isa();
+  if (best < detail::CpuIsa::kAvx512) GTEST_SKIP() << "no AVX-512 kernels on this CPU";
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  int checked_keys = 0, checked_values = 0;
+  for (MetaType meta : {MetaType::kF16, MetaType::kFP8E4M3})
+    for (int bits : {1, 2, 4, 8})
+      for (int64_t d : {64, 128, 256}) {
+        const int64_t gs = 32;
+        const PackedRowFormat f = make_row_format(d, bits, gs, meta);
+        const int64_t n = 40, ng = f.n_groups, n_q = 3;
+        // The records end where a PROT_NONE page begins.
+        const int64_t bytes = n * f.row_stride, pages = (bytes + page - 1) / page + 1;
+        void* mem = mmap(nullptr, static_cast<size_t>(pages * page), PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        ASSERT_NE(mem, MAP_FAILED);
+        uint8_t* guard = static_cast<uint8_t*>(mem) + (pages - 1) * page;
+        ASSERT_EQ(mprotect(guard, static_cast<size_t>(page), PROT_NONE), 0);
+        uint8_t* rec = guard - bytes;
+        std::mt19937_64 rng(static_cast<uint64_t>(bits * 1000 + d + 7 * static_cast<int>(meta)));
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (int64_t r = 0; r < n; ++r) {
+          uint8_t* a = rec + r * f.row_stride;
+          for (int32_t c = 0; c < f.code_bytes; ++c) a[c] = static_cast<uint8_t>(rng());
+          for (int64_t j = 0; j < 2 * ng; ++j) {
+            const float v = j % 2 ? 0.05f + std::abs(nd(rng)) : nd(rng);
+            meta_store(a + f.code_bytes, j, meta_round(v, meta), meta);
+          }
+        }
+        const auto q = gaussian(n_q * d, static_cast<uint64_t>(bits + d), 1.0f);
+        std::vector<float> qsum(static_cast<size_t>(n_q * ng), 0.0f);
+        for (int64_t m = 0; m < n_q; ++m)
+          for (int64_t i = 0; i < d; ++i)
+            qsum[static_cast<size_t>(m * ng + i / gs)] += q[static_cast<size_t>(m * d + i)];
+        const detail::PackedKernel k = detail::packed_kernel(f, best);
+        std::vector<uint64_t> prep;
+        if (k.prepare) {
+          prep.resize(static_cast<size_t>((k.prep_bytes(f, n_q) + 7) / 8));
+          k.prepare(f, q.data(), qsum.data(), n_q, prep.data());
+        }
+        const auto code = [&](int64_t t, int64_t i) {
+          return static_cast<float>(code_at(rec + t * f.row_stride, i, f.spec));
+        };
+        const auto meta_of = [&](int64_t t, int64_t j) {
+          return meta_load(rec + t * f.row_stride + f.code_bytes, j, f.meta);
+        };
+        const auto p = gaussian(n_q * n, 99, 1.0f);  // weights [m][row]
+        for (int64_t nt = 1; nt <= 32; ++nt)
+          for (int order = 0; order < 2; ++order) {
+            // the last nt records as a run, or listed backwards with a gap
+            std::vector<int32_t> rows(static_cast<size_t>(nt));
+            for (int64_t i = 0; i < nt; ++i)
+              rows[static_cast<size_t>(i)] =
+                  static_cast<int32_t>(order == 0 ? n - nt + i : n - 1 - 2 * i * (n - 1) / 64);
+            const detail::PackedTile tile{rec, f.row_stride, rows.data(), nt};
+            const std::string v = "bits=" + std::to_string(bits) + ",d=" + std::to_string(d) +
+                                  (meta == MetaType::kF16 ? ",meta=f16" : ",meta=fp8") +
+                                  ",rows=" + std::to_string(nt) + ",order=" + std::to_string(order);
+            if (k.int8_query && k.isa >= detail::CpuIsa::kAvx512Vnni) {
+              std::vector<float> got(static_cast<size_t>(n_q * n), -1.0f);
+              k.keys(f, tile, q.data(), qsum.data(), n_q, got.data(), n, prep.data());
+              for (int64_t m = 0; m < n_q; ++m) {
+                const float* qm = q.data() + m * d;
+                for (int64_t i = 0; i < nt; ++i) {
+                  const int64_t t = rows[static_cast<size_t>(i)];
+                  float tot = 0.0f;
+                  for (int64_t g = 0; g < ng; ++g) {
+                    float mx = 0.0f;
+                    for (int64_t c = g * gs; c < (g + 1) * gs; ++c)
+                      mx = std::max(mx, std::abs(qm[c]));
+                    const float sq = mx / 127.0f;
+                    int64_t acc = 0;
+                    for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
+                      const float r = sq > 0.0f ? std::nearbyint(qm[c] / sq) : 0.0f;
+                      acc += static_cast<int64_t>(std::clamp(r, -127.0f, 127.0f)) *
+                             static_cast<int64_t>(code(t, c));
+                    }
+                    tot = std::fma(static_cast<float>(acc), meta_of(t, 2 * g + 1) * sq, tot);
+                    tot = std::fma(meta_of(t, 2 * g), qsum[static_cast<size_t>(m * ng + g)], tot);
+                  }
+                  const float gv = got[static_cast<size_t>(m * n + t)];
+                  if (std::memcmp(&gv, &tot, 4) != 0) {
+                    ADD_FAILURE() << "keys " << v << " m " << m << " row " << t << ": " << gv
+                                  << " vs " << tot;
+                    return;
+                  }
+                }
+              }
+              ++checked_keys;
+            }
+            if (meta != MetaType::kF16 || k.isa < detail::CpuIsa::kAvx512) continue;
+            std::vector<float> acc(static_cast<size_t>(n_q * d), 0.5f), ref = acc;
+            std::vector<float> acc_lo(static_cast<size_t>(n_q * ng), 0.0f);
+            std::vector<float> scratch(static_cast<size_t>(detail::packed_values_scratch(ng, n_q)));
+            k.values(f, tile, p.data(), n, n_q, acc.data(), acc_lo.data(), scratch.data());
+            for (int64_t m = 0; m < n_q; ++m)
+              for (int64_t g = 0; g < ng; ++g) {
+                double lo_sum = 0.0, lo_abs = 0.0;
+                for (int64_t i = 0; i < nt; ++i) {
+                  const int64_t t = rows[static_cast<size_t>(i)];
+                  const float pm = p[static_cast<size_t>(m * n + t)];
+                  const float w = pm * meta_of(t, 2 * g + 1);
+                  for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
+                    float& a = ref[static_cast<size_t>(m * d + c)];
+                    a = std::fma(w, code(t, c), a);
+                  }
+                  lo_sum += static_cast<double>(pm) * meta_of(t, 2 * g);
+                  lo_abs += std::abs(static_cast<double>(pm) * meta_of(t, 2 * g));
+                }
+                const double err = std::abs(acc_lo[static_cast<size_t>(m * ng + g)] - lo_sum);
+                EXPECT_LE(err, static_cast<double>(nt + 1) * kU * lo_abs)
+                    << "values acc_lo " << v << " m " << m << " g " << g;
+              }
+            if (std::memcmp(acc.data(), ref.data(), acc.size() * 4) != 0) {
+              ADD_FAILURE() << "values " << v;
+              return;
+            }
+            ++checked_values;
+          }
+        munmap(mem, static_cast<size_t>(pages * page));
+      }
+  if (best >= detail::CpuIsa::kAvx512Vnni) {
+    EXPECT_GE(checked_keys, 2 * 4 * 3 * 64);
+  }
+  EXPECT_GE(checked_values, 1 * 3 * 3 * 64);
 }
 
 // ---- group quantization -----------------------------------------------------------------------

@@ -81,10 +81,12 @@ struct V512 : Avx512Vec {
 // 16 P blk + P k + j. The accumulators of a tile are held in that order (vector j of block blk),
 // deinterleaved from acc when the tile starts and interleaved back when it ends, all D channels
 // of up to QB queries in registers while the tile's rows pass in order. Weights w = p s_g are
-// formed for 16 rows at once (the rows' metadata gathered, p loaded per query) into
+// formed for 16 rows at once (the rows' metadata gathered, p loaded once per query and block of
+// 16 rows) into
 // ws[m][g][32]; a lane's weight is its group's (one broadcast per group the block touches).
-// acc += w c per channel, rows in order (one FMA each); acc_lo[m][g] += p lo_g: 16 row lanes,
-// summed at the tile's end. Scratch: ws [n_q][ng][32], alo [n_q][ng][16].
+// acc += w c per channel, rows in order (one FMA each); acc_lo[m][g] += p lo_g: 16 row lanes
+// (lane r: p_r lo_r, then + p_{r+16} lo_{r+16} by one FMA), summed by _mm512_reduce_add_ps at
+// the tile's end. Scratch: ws [n_q][ng][32].
 
 // v[j] lane k = src[P k + j] for the 16 P floats at src.
 template <int P>
@@ -171,16 +173,18 @@ void rows_block(const PackedRowFormat& f, const PackedTile& tile, const float* w
     for (int blk = 0; blk < NB; ++blk) {
       const __m512i x =
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + blk * 16)));
-      __m512 c[P];
+      // (code j widened and used at once: an array of the P codes was kept on the stack by
+      // GCC 12, a store and reload of 64 bytes per code and row)
 #pragma GCC unroll 4
-      for (int j = 0; j < P; ++j) c[j] = code_lanes<B>(x, j);
+      for (int j = 0; j < P; ++j) {
+        const __m512 c = code_lanes<B>(x, j);
 #pragma GCC unroll 4
-      for (int q = 0; q < QB; ++q) {
-        __m512 wv = _mm512_set1_ps(wb[q][blk][r]);
-        if constexpr (G == 2)
-          wv = _mm512_mask_mov_ps(wv, 0xFF00, _mm512_set1_ps(wb[q][blk][32 + r]));
-#pragma GCC unroll 4
-        for (int j = 0; j < P; ++j) a[q][blk][j] = _mm512_fmadd_ps(wv, c[j], a[q][blk][j]);
+        for (int q = 0; q < QB; ++q) {
+          __m512 wv = _mm512_set1_ps(wb[q][blk][r]);
+          if constexpr (G == 2)
+            wv = _mm512_mask_mov_ps(wv, 0xFF00, _mm512_set1_ps(wb[q][blk][32 + r]));
+          a[q][blk][j] = _mm512_fmadd_ps(wv, c, a[q][blk][j]);
+        }
       }
     }
   }
@@ -205,41 +209,61 @@ template <int B, int NB, int G>
 void values_rows(const PackedRowFormat& f, const PackedTile& tile, const float* p, int64_t ld,
                  int64_t n_q, float* acc, float* acc_lo, float* scratch) {
   const int64_t ng = f.n_groups;
-  float* ws = scratch;              // [n_q][ng][32]
-  float* alo = ws + n_q * ng * 32;  // [n_q][ng][16]
-  for (int64_t i = 0; i < n_q * ng * 16; ++i) alo[i] = 0.0f;
-  const __m512i stride = _mm512_set1_epi32(static_cast<int>(tile.stride));
-  const uint8_t* meta = tile.rec0 + f.code_bytes;
-  for (int64_t r0 = 0; r0 < tile.n_rows; r0 += 16) {
-    const int64_t n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
-    const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
-    const __m512i idx = _mm512_maskz_loadu_epi32(km, tile.rows + r0);
-    const __m512i off = _mm512_mullo_epi32(idx, stride);
+  float* ws = scratch;  // [n_q][ng][32]
+  // The rows' (lo, s) per block of 16 rows (a tile has at most 32: packed_decode.h) and group,
+  // lanes over rows; then per query its weights p of each block loaded once.
+  __m512 lov[2][64], sgv[2][64];
+  __mmask16 kb[2] = {0, 0};
+  bool contiguous[2] = {true, true};
+  const int64_t n_blk = (tile.n_rows + 15) / 16;
+  for (int64_t b = 0; b < n_blk; ++b) {
+    const int64_t r0 = 16 * b, n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
+    const int32_t* rows = tile.rows + r0;
+    kb[b] = static_cast<__mmask16>((1u << n) - 1u);
     {  // the records 32 rows ahead into L1 (as packed_decode_vnni.cpp's prefetch_ahead)
-      const char* ahead =
-          reinterpret_cast<const char*>(tile.rec0 + (tile.rows[r0] + 32) * tile.stride);
+      const char* ahead = reinterpret_cast<const char*>(tile.rec0 + (rows[0] + 32) * tile.stride);
       for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
     }
-    const bool contiguous = tile.rows[r0 + n - 1] - tile.rows[r0] == n - 1;
+    contiguous[b] = rows[n - 1] - rows[0] == n - 1;
+    // (lo, s) of the 16 rows by one gather per group: measured faster here than rows16_any's
+    // loads and transpose (packed_decode_rows16.h, which the key kernel uses): K2V2 at
+    // bench_decode_attention --shape 1,64,3 --contexts 8192, 1 thread, best 73-76 us against
+    // 78-80.
+    const __m512i off = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(kb[b], rows),
+                                           _mm512_set1_epi32(static_cast<int>(tile.stride)));
     for (int64_t g = 0; g < ng; ++g) {
-      const __m512i mw =
-          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 4 * g, 1);
-      const __m512 lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw));
-      const __m512 sg = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16)));
-      for (int64_t m = 0; m < n_q; ++m) {
-        const float* pr = p + m * ld;
-        const __m512 pm = contiguous
-                              ? _mm512_maskz_loadu_ps(km, pr + tile.rows[r0])
-                              : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), km, idx, pr, 4);
-        _mm512_storeu_ps(ws + (m * ng + g) * 32 + r0, _mm512_mul_ps(pm, sg));
-        float* al = alo + (m * ng + g) * 16;
-        _mm512_storeu_ps(al, _mm512_fmadd_ps(pm, lo, _mm512_loadu_ps(al)));
-      }
+      const __m512i mw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), kb[b], off,
+                                                     tile.rec0 + f.code_bytes + 4 * g, 1);
+      lov[b][g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw));
+      sgv[b][g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16)));
     }
   }
-  for (int64_t m = 0; m < n_q; ++m)
-    for (int64_t g = 0; g < ng; ++g)
-      acc_lo[m * ng + g] += _mm512_reduce_add_ps(_mm512_loadu_ps(alo + (m * ng + g) * 16));
+  // ws[m][g][r] = p s_g; acc_lo[m][g] += the 16 lanes' sum of p_r lo_r + p_{r+16} lo_{r+16}.
+  for (int64_t m = 0; m < n_q; ++m) {
+    const float* pr = p + m * ld;
+    __m512 pm[2];
+    for (int64_t b = 0; b < n_blk; ++b) {
+      const int32_t* rows = tile.rows + 16 * b;
+      pm[b] = contiguous[b]
+                  ? _mm512_maskz_loadu_ps(kb[b], pr + rows[0])
+                  : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), kb[b],
+                                             _mm512_maskz_loadu_epi32(kb[b], rows), pr, 4);
+    }
+    float* wm = ws + m * ng * 32;
+    float* am = acc_lo + m * ng;
+    if (n_blk == 2)
+      for (int64_t g = 0; g < ng; ++g) {
+        _mm512_storeu_ps(wm + g * 32, _mm512_mul_ps(pm[0], sgv[0][g]));
+        _mm512_storeu_ps(wm + g * 32 + 16, _mm512_mul_ps(pm[1], sgv[1][g]));
+        am[g] += _mm512_reduce_add_ps(
+            _mm512_fmadd_ps(pm[1], lov[1][g], _mm512_mul_ps(pm[0], lov[0][g])));
+      }
+    else if (n_blk == 1)
+      for (int64_t g = 0; g < ng; ++g) {
+        _mm512_storeu_ps(wm + g * 32, _mm512_mul_ps(pm[0], sgv[0][g]));
+        am[g] += _mm512_reduce_add_ps(_mm512_mul_ps(pm[0], lov[0][g]));
+      }
+  }
   int64_t m0 = 0;
   for (; m0 + 4 <= n_q; m0 += 4) rows_passes<B, NB, G, 4>(f, tile, ws, m0, acc);
   switch (n_q - m0) {

@@ -4,15 +4,16 @@
 // kernel.
 //
 // Vector lanes run over 16 rows of the tile (not over channels), so a logit never needs a
-// horizontal sum: a gather reads one 32-bit word (4 bytes = 4P channels, P = 8 / B codes per
-// byte) of each of the 16 rows, and for each j < P the j-th code of every byte,
+// horizontal sum: one 32-bit word (4 bytes = 4P channels, P = 8 / B codes per byte) of each of
+// the 16 rows in one register (rows16_any, packed_decode_rows16.h: plain loads of the rows and a
+// transpose), and for each j < P the j-th code of every byte,
 // (word >> jB) & (2^B - 1) per byte, meets the query's 4 int8 values of those channels
 // (broadcast) in one vpdpbusd: lane r accumulates the exact integer sum of q8_i c_i of row r
 // over the words of one group (a word never crosses a group: the group size is a multiple of
 // 4P). At the group's end, per query, in fp32:
 //   tot_r += float(acc_r) * (s_{r,g} * sq_g);   tot_r += lo_{r,g} * qsum_g
-// with (lo, s) of every row from one gather of the group's fp16 pair (fp8 pair: the 32-bit word
-// that ends with it, decoded exactly in the lanes). The 16 totals are the
+// with (lo, s) of every row from the group's fp16 pair (fp8 pair: two bytes of a 32-bit word of
+// the transposed metadata, decoded exactly in the lanes). The 16 totals are the
 // logits of the 16 rows. float(acc) is exact: |acc| <= 127 (2^B - 1) g < 2^24 (checked).
 // Query rounding (packed_decode.h, PackedKernel::int8_query): sq_g = max_{i in g} |q'_i| / 127,
 // q8_i = rne(q'_i / sq_g); a group with a NaN or infinite q' gets sq_g = NaN (the logit is NaN,
@@ -42,6 +43,8 @@ namespace {
 
 constexpr int64_t kMaxWords = 64;   // code words per row (D B <= 2048)
 constexpr int64_t kMaxGroups = 64;  // groups per row
+
+#include "ops/packed_decode_rows16.h"
 
 // Prepared query m: int32 qw[nw][P] (4 int8 query values per word and code index j), then
 // float sq[ng], float qs[ng].
@@ -163,7 +166,7 @@ inline void block_queries(const PackedRowFormat& f, const int32_t* xw, const flo
 }
 
 // The records 32 rows past row r (the block after next, or the next tile's: a segment's rows
-// are consecutive records) into L1: the gathers would otherwise wait on each first touch (a
+// are consecutive records) into L1: the loads would otherwise wait on each first touch (a
 // decode step streams the weights through the caches between two layers' attention). A
 // prefetch never faults, so addresses past the segment are harmless.
 inline void prefetch_ahead(const PackedTile& tile, int64_t r) {
@@ -197,31 +200,28 @@ void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*
   const uint8_t* pb = static_cast<const uint8_t*>(prep);
   alignas(64) int32_t xw[kMaxWords * 16];
   alignas(64) float lo[kMaxGroups * 16], s[kMaxGroups * 16];
-  const __m512i stride = _mm512_set1_epi32(static_cast<int>(tile.stride));
+  __m512i mw[kMaxGroups];  // the metadata words, lanes over rows (rows16_any)
+  const int64_t meta_bytes = f.meta == MetaType::kF16 ? 4 * ng : 2 * ng;
   for (int64_t r0 = 0; r0 < tile.n_rows; r0 += 16) {
     const int64_t n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
-    const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
     const int32_t* rows = tile.rows + r0;
-    const __m512i off = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(km, rows), stride);
     prefetch_ahead(tile, rows[0]);
-    for (int64_t k = 0; k < nw; ++k)
-      _mm512_store_si512(xw + 16 * k, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off,
-                                                                  tile.rec0 + 4 * k, 1));
-    const uint8_t* meta = tile.rec0 + f.code_bytes;
+    const uint8_t* rec[16];
+    for (int64_t r = 0; r < 16; ++r) rec[r] = tile.rec0 + rows[r < n ? r : 0] * tile.stride;
+    rows16_any(rec, n, 4 * nw, reinterpret_cast<__m512i*>(xw));
+    for (int64_t r = 0; r < 16; ++r) rec[r] += f.code_bytes;
+    rows16_any(rec, n, meta_bytes, mw);
     if (f.meta == MetaType::kF16)
       for (int64_t g = 0; g < ng; ++g) {
-        const __m512i mw =
-            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 4 * g, 1);
-        _mm512_store_ps(lo + 16 * g, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw)));
+        _mm512_store_ps(lo + 16 * g, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw[g])));
         _mm512_store_ps(s + 16 * g,
-                        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16))));
+                        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw[g], 16))));
       }
-    else  // fp8: the word ending with the group's (lo, s) bytes (starts inside the record)
+    else  // fp8: word g / 2 holds (lo, s) of group g in bytes 2 (g mod 2) and 2 (g mod 2) + 1
       for (int64_t g = 0; g < ng; ++g) {
-        const __m512i mw =
-            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta + 2 * g - 2, 1);
-        _mm512_store_ps(lo + 16 * g, fp8_e4m3_16(_mm512_srli_epi32(mw, 16)));
-        _mm512_store_ps(s + 16 * g, fp8_e4m3_16(_mm512_srli_epi32(mw, 24)));
+        const __m512i w = _mm512_srli_epi32(mw[g / 2], 16 * static_cast<int>(g % 2));
+        _mm512_store_ps(lo + 16 * g, fp8_e4m3_16(w));
+        _mm512_store_ps(s + 16 * g, fp8_e4m3_16(_mm512_srli_epi32(w, 8)));
       }
     const bool contiguous = rows[n - 1] - rows[0] == n - 1;
     int64_t m0 = 0;
