@@ -69,24 +69,16 @@ std::string engine_reason(const Engine& engine) {
 
 // scoring=external on an engine: the scores come from the CPU's reconstruction prefill
 // (veloxquant/reconstruct.h, Model::forward over one set of per-layer caches of the method) and go
-// to the engine's caches through Engine::set_external_scores, which the CUDA engine has. Refused:
-// the CPU engine (tensor_parallel N > 1: no hook; N = 1 runs without an engine), and
-// skvq_protect_scoring=external on the device until protected rows run there and a test compares
-// them with the CPU (tests/cuda/test_cuda_eval.cpp covers snapkv).
+// to the engine's caches through Engine::set_external_scores, which the CUDA engine has (snapkv's
+// selection and skvq's protected rows: tests/cuda/test_cuda_eval.cpp, test_cuda_caches.cpp).
+// Refused: the CPU engine (tensor_parallel N > 1: no hook; N = 1 runs without an engine).
 void check_engine_method(const CacheConfig& cfg, const std::string& label, const Engine& engine) {
-  if (!external_scores(cfg)) return;
-  const bool cpu = engine.device() == Device::kCpu;
+  if (!external_scores(cfg) || engine.device() != Device::kCpu) return;
   const std::string got = label.empty() ? std::string() : " but got " + label;
-  if (cpu)
-    throw Error("[eval] " + engine_reason(engine) + ": expected a method without scoring=external" +
-                got +
-                " (the CPU engine's ranks take no external scores: Engine::set_external_scores); "
-                "use --tensor-parallel 1 for it");
-  if (cfg.method == "skvq")
-    throw Error("[eval] " + engine_reason(engine) +
-                ": expected skvq without skvq_protect_scoring=external" + got +
-                " (external protection scores are not yet run or tested on the device); use "
-                "--device cpu for it");
+  throw Error("[eval] " + engine_reason(engine) + ": expected a method without scoring=external" +
+              got +
+              " (the CPU engine's ranks take no external scores: Engine::set_external_scores); "
+              "use --tensor-parallel 1 for it");
 }
 
 }  // namespace

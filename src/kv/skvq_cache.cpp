@@ -131,14 +131,7 @@ SkvqCache::SkvqCache(const CacheConfig& cfg, int64_t layer_index)
 SkvqCache::SkvqCache(const CacheConfig& cfg, const kv::RowBackend& backend, int64_t layer_index)
     : backend_(&backend),
       set_(std::make_unique<Settings>(Settings::from_config(cfg, layer_index, kOp))),
-      st_(std::make_unique<State>(backend, *set_)) {
-  // External scores reach a cache through KVCache::set_external_scores, which device caches do
-  // not take.
-  VQ_CHECK(set_->protect == 0.0 || set_->protect_scoring != SnapScoring::kExternal ||
-               backend.device() == kv::Device::kCpu,
-           "[skvq] skvq_protect_scoring: expected key_proxy or query on the CUDA backend (external "
-           "scores are given to CPU caches only) but got external; use the CPU cache");
-}
+      st_(std::make_unique<State>(backend, *set_)) {}
 
 SkvqCache::~SkvqCache() = default;
 
@@ -396,7 +389,9 @@ void SkvqCache::select_protected() {
   const int64_t lo = st.q_end > 0 ? s.n_sink : 0, hi = st.q_end;
   const int64_t k = protect_count(s.protect, n, hi - lo);
   std::vector<int32_t> pos;  // [F, k] ascending positions (= rows of the copies)
-  if (k > 0 && s.protect_scoring == SnapScoring::kExternal) {  // host scores (CPU caches only)
+  if (k > 0 && s.protect_scoring == SnapScoring::kExternal) {
+    // host scores (KVCache::set_external_scores; a device cache's policy takes them the same way,
+    // src/cuda/device_cache_policy.cpp): the selection runs here, the gather on the backend
     pos.resize(static_cast<size_t>(F * k));
     std::vector<float> sc(static_cast<size_t>(n)), pooled(static_cast<size_t>(n));
     std::vector<int64_t> idx(static_cast<size_t>(k));

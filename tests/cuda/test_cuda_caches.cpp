@@ -39,6 +39,7 @@
 
 #include "cuda/attention_check.h"
 #include "cuda/cuda_test_util.h"
+#include "cuda/device_cache_scores.h"
 #include "util/test_util.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/cuda.h"
@@ -355,6 +356,9 @@ struct Case {
   // into one with its run starts) and check its rows and decode attention.
   bool upload_twin = false;
   int64_t layer = 0;  // the model layer both caches serve (entries of the per-layer lists)
+  // Before each end_prompt(): the same external scores [B, H, rows so far] to both caches
+  // (scoring=external), small integers so that the selection's tie rule decides.
+  bool external_scores = false;
   std::vector<int64_t> steps;
   std::vector<size_t> end_prompt_after;  // 1-based steps after which end_prompt() runs on both
   std::string name;
@@ -489,6 +493,14 @@ void run_case(const Case& cs, uint64_t seed, Worst& worst) {
     EXPECT_GE(gs.bytes_resident, gs.bytes_accounted) << vars;
     if (std::find(cs.end_prompt_after.begin(), cs.end_prompt_after.end(),
                   static_cast<size_t>(step)) != cs.end_prompt_after.end()) {
+      if (cs.external_scores) {
+        const int64_t n = cpu->offset();
+        std::mt19937 rng(static_cast<uint32_t>(seed + 977 * step));
+        std::vector<float> sc(static_cast<size_t>(B * H * n));
+        for (float& x : sc) x = static_cast<float>(rng() % 7);
+        cpu->set_external_scores(sc.data(), B, H, n);
+        cuda::set_external_scores(*gpu, sc.data(), B, H, n);
+      }
       cpu->end_prompt();
       gpu->end_prompt();
       expect_same_state(*cpu, *gpu, B, H, vars + " after end_prompt");
@@ -1232,8 +1244,14 @@ int64_t protected_rows(const Case& cs) {
     if (cs.queries) o.queries = &qv;
     cpu.update_and_fetch(k.view(), k.view(), o);
     if (std::find(cs.end_prompt_after.begin(), cs.end_prompt_after.end(), i + 1) !=
-        cs.end_prompt_after.end())
+        cs.end_prompt_after.end()) {
+      if (cs.external_scores) {
+        std::vector<float> sc(static_cast<size_t>(cs.B * cs.H * cpu.offset()));
+        for (size_t j = 0; j < sc.size(); ++j) sc[j] = static_cast<float>(j % 7);
+        cpu.set_external_scores(sc.data(), cs.B, cs.H, cpu.offset());
+      }
       cpu.end_prompt();
+    }
   }
   return cpu.protected_rows();
 }
@@ -1304,6 +1322,37 @@ TEST(CudaCaches, SkvqProtectMatchesCpu) {
       c.with(steps({64}, 40, {}), "skvq protect 0.1 query channel-axis keys rows 8 f16 B1 H2 D64"));
   for (const Case& cs : cases) EXPECT_GT(protected_rows(cs), 0) << cs.name;
   run_cases("skvq protect", cases, 8000);
+}
+
+// skvq_protect_scoring = external on the device: both caches take the same host scores before
+// the prompt's end (cuda::set_external_scores, the CUDA engine's path for the reconstruction
+// scores of veloxquant/reconstruct.h), and the protected rows, their positions, bytes, masks and
+// state equal the CPU cache's after every call, as in SkvqProtectMatchesCpu. Token-axis K2V2 and
+// channel-axis keys; pooled and not; a later decode that grows the packed run.
+TEST(CudaCaches, SkvqProtectExternalScoresMatchCpu) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("skvq");
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 16;
+  c.cfg.skvq_protect = 0.1;
+  c.cfg.skvq_protect_scoring = SnapScoring::kExternal;
+  c.external_scores = true;
+  c.end_prompt_after = {2};
+  c.blocks(2, 2, 64, 4, DType::kF16);
+  cases.push_back(
+      c.with(steps({40, 30}, 40, {}), "skvq protect 0.1 external K2V2 g16 f16 B2 H2 D64"));
+  c.cfg.skvq_protect_pool_kernel = 3;
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_key_rows = 8;
+  c.end_prompt_after = {1};
+  c.blocks(1, 2, 128, 8, DType::kBF16);
+  cases.push_back(c.with(steps({90}, 30, {}),
+                         "skvq protect 0.1 external pool 3 channel-axis keys bf16 B1 H2 D128"));
+  for (const Case& cs : cases) EXPECT_GT(protected_rows(cs), 0) << cs.name;
+  run_cases("skvq protect external", cases, 8100);
 }
 
 // Metamorphic, on the device alone: with snap_evict_at = prompt_end a prompt fed in chunks stores

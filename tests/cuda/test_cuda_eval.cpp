@@ -307,8 +307,9 @@ TEST(CudaEval, ExternalScoresSelectTheCpuPositions) {
             std::string::npos);
 }
 
-// eval with scoring=external on the device: the CPU's memory figures exactly and ppl within the
-// bound of TextFiguresMatchCpu (SnapKV keeps fp16 rows; the selection is the CPU's own).
+// eval with scoring=external on the device: the CPU's memory figures exactly, and for snapkv (fp16
+// rows) ppl within the bound of TextFiguresMatchCpu; the selection is the CPU's own. skvq's
+// external protection scores (the rows kept precise): the same memory figures, ppl printed.
 TEST(CudaEval, ExternalScoringTextFiguresMatchCpu) {
   SKIP_WITHOUT_MODEL();
   const Model& m = *fixture().model;
@@ -316,7 +317,8 @@ TEST(CudaEval, ExternalScoringTextFiguresMatchCpu) {
   const TextEvalOptions o = one_doc(512, 64);
   const auto methods = parse_eval_methods(
       "snapkv:budget=128:scoring=external:evict_at=prompt_end,"
-      "snapkv:keep=0.25:scoring=external:pool_kernel=15:keep_window=true:evict_at=prompt_end");
+      "snapkv:keep=0.25:scoring=external:pool_kernel=15:keep_window=true:evict_at=prompt_end,"
+      "skvq:protect=0.05:protect_scoring=external");
   const TextEvalResult cpu = eval_text(m, docs, methods, o, settings(Device::kCpu));
   const TextEvalResult gpu = eval_text(m, docs, methods, o, settings(Device::kCuda));
   double max_z = 0;
@@ -342,8 +344,10 @@ TEST(CudaEval, ExternalScoringTextFiguresMatchCpu) {
     EXPECT_EQ(g.mem.rows_kept, c.mem.rows_kept) << c.label;
     EXPECT_EQ(g.mem.bytes_accounted, c.mem.bytes_accounted) << c.label;
     EXPECT_EQ(g.rows_end, c.rows_end) << c.label;
-    const double own = std::fabs(std::log(c.ppl) - std::log(cpu.ppl_full));
-    EXPECT_LE(std::fabs(std::log(g.ppl) - std::log(c.ppl)), arith + 2.0 * own) << c.label;
+    if (keeps_fp16_rows(c.family)) {  // skvq: near-tie codes can flip (TextFiguresMatchCpu)
+      const double own = std::fabs(std::log(c.ppl) - std::log(cpu.ppl_full));
+      EXPECT_LE(std::fabs(std::log(g.ppl) - std::log(c.ppl)), arith + 2.0 * own) << c.label;
+    }
   }
 }
 
@@ -358,11 +362,6 @@ TEST(CudaEval, RefusesWhatOnlyTheCpuRuns) {
   EXPECT_NE(test::error_of([&] {
               eval_attn_error(m, docs, parse_eval_methods("full"), o, sim);
             }).find("[attn-error] tensor_parallel: expected 1"),
-            std::string::npos);
-  EXPECT_NE(test::error_of([&] {
-              eval_text(m, docs, parse_eval_methods("skvq:protect=0.05:protect_scoring=external"),
-                        o, settings(Device::kCuda));
-            }).find("protect"),
             std::string::npos);
   o.prefill = 1;  // P - 1 = 0 prompt tokens: an engine step needs at least one
   EXPECT_THROW(eval_text(m, docs, parse_eval_methods("full"), o, settings(Device::kCuda)), Error);
