@@ -331,24 +331,29 @@ TEST(DecodePlan, OptionsOverrideThePlanAndTheEnvironmentDoesNot) {
 }
 
 // Query-head groups the kernels do not take in one block (past 8, or not a power of two; past 16
-// for views of f16 or bf16 rows alone, whose tensor-core kernel takes 16 heads in the mma's M
-// dimension) run as kv_rep blocks per KV head of the largest of 16 (those views), 8, 4, 2, 1
-// dividing the group; the splits and the block target count those blocks, as H_kv * kv_rep heads
-// of G / kv_rep query heads would.
+// for views of rows alone or of fixed group-32 records with f16 metadata whose grids are large
+// enough, whose tensor-core kernel takes 16 heads in the mma's M dimension) run as kv_rep blocks
+// per KV head of the largest of 16 (those views), 8, 4, 2, 1 dividing the group; the splits and the
+// block target count those blocks, as H_kv * kv_rep heads of G / kv_rep query heads would.
 TEST(DecodePlan, LargeOrOddGroupsTakeSeveralBlocksPerKvHead) {
   const std::vector<DeviceSegment> f16 = {fp_seg(32768, DType::kF16)};
   const std::vector<DeviceSegment> bf16 = {fp_seg(32768, DType::kBF16)};
-  const std::vector<DeviceSegment> k2 = {packed_seg(32768, 2, 2, 32, MetaType::kF16)};
+  const std::vector<DeviceSegment> k2 = {fp_seg(4, DType::kBF16),
+                                         packed_seg(32768, 2, 2, 32, MetaType::kF16)};
+  const std::vector<DeviceSegment> k4 = {packed_seg(32768, 4, 4, 32, MetaType::kF16)};
+  const std::vector<DeviceSegment> k2fp8 = {packed_seg(32768, 2, 2, 32, MetaType::kFP8E4M3)};
   struct Want {
-    int64_t H, Hq, rep_rows, rep_packed;
+    int64_t H, Hq, rep16, rep8;  // kv_rep of views the 16-head block takes, of the others
   };
   for (const Want w : {Want{8, 128, 1, 2}, Want{8, 256, 2, 4}, Want{2, 6, 3, 3}, Want{4, 12, 3, 3},
                        Want{1, 5, 5, 5}, Want{8, 64, 1, 1}, Want{8, 32, 1, 1}, Want{2, 96, 3, 6},
                        Want{1, 48, 3, 6}}) {
-    for (const auto& segs : {f16, bf16, k2}) {
-      const int64_t rep = segs[0].packed ? w.rep_packed : w.rep_rows;
+    const std::vector<const std::vector<DeviceSegment>*> views = {&f16, &bf16, &k2, &k4, &k2fp8};
+    for (size_t vi = 0; vi < views.size(); ++vi) {
+      const std::vector<DeviceSegment>& segs = *views[vi];
+      const int64_t rep = vi < 4 ? w.rep16 : w.rep8;
       const std::string vars = "H " + std::to_string(w.H) + " Hq " + std::to_string(w.Hq) +
-                               (segs[0].packed ? " packed" : " rows");
+                               " view " + std::to_string(vi);
       const DecodePlan p = plan(segs, 8, w.H, w.Hq, 128);
       EXPECT_EQ(p.kv_rep, rep) << vars;
       EXPECT_EQ(p.n_kv_heads, w.H) << vars;  // the view's heads: runs check views against them
@@ -362,10 +367,26 @@ TEST(DecodePlan, LargeOrOddGroupsTakeSeveralBlocksPerKvHead) {
       expect_consistent(p);
     }
   }
+  // packed views take the 16-head block from B * H_kv * rows >= 2^18 (rows alone always);
+  // heads_per_block forces either way
+  const std::vector<DeviceSegment> k2s = {packed_seg(4096, 2, 2, 32, MetaType::kF16)};
+  const std::vector<DeviceSegment> f16s = {fp_seg(4096, DType::kF16)};
+  EXPECT_EQ(plan(k2s, 1, 8, 128, 128).kv_rep, 2);
+  EXPECT_EQ(plan(k2s, 8, 8, 128, 128).kv_rep, 1);
+  EXPECT_EQ(plan(f16s, 1, 8, 128, 128).kv_rep, 1);
+  DecodePlanOptions force;
+  force.heads_per_block = 16;
+  EXPECT_EQ(plan(k2s, 1, 8, 128, 128, force).kv_rep, 1);
+  EXPECT_EQ(plan(k2fp8, 8, 8, 128, 128, force).kv_rep, 2);  // fp8 metadata: no 16-head block
+  force.heads_per_block = 8;
+  EXPECT_EQ(plan(f16s, 1, 8, 128, 128, force).kv_rep, 2);
+  EXPECT_EQ(plan(k2, 8, 8, 128, 128, force).kv_rep, 2);
+  force.heads_per_block = 4;
+  expect_error([&] { plan(f16s, 1, 8, 128, 128, force); }, "expected heads_per_block 0");
   // the grid's y dimension holds the stored heads (x the splits' kv_rep blocks): 40000 KV heads
   // of 32 query heads plan, 70000 KV heads do not
   EXPECT_EQ(plan(f16, 1, 40000, 1280000, 128).kv_rep, 2);
-  EXPECT_EQ(plan(k2, 1, 40000, 640000, 128).kv_rep, 2);
+  EXPECT_EQ(plan(k2fp8, 1, 40000, 640000, 128).kv_rep, 2);
   expect_error([&] { plan(f16, 1, 70000, 70000, 128); }, "expected B and H_kv <= 65535");
 }
 

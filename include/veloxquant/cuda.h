@@ -212,6 +212,9 @@ struct DecodePlanOptions {
   int64_t rows_per_split = 0;      // rows of one segment one block reads (exactly, not rounded)
   int64_t target_blocks = 0;       // total split blocks the plan aims for
   int64_t packed_stage_bytes = 0;  // K + V bytes per pipeline stage of packed rows (tensor-core)
+  // Query heads per block where the view and group allow 16 (the tensor-core kernel's 16-head
+  // block): 16 always, 8 never (blocks of at most 8); 0 automatic (decode_plan.cpp).
+  int64_t heads_per_block = 0;
 };
 
 // One non-empty segment of the view a plan was made for, and how it is read.

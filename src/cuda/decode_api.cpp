@@ -232,9 +232,11 @@ size_t round256(size_t n) {
 
 // Whether two plans share a kernel instance and its launch shape (one batched launch).
 bool same_instance(const DecodePlan& a, const DecodePlan& b) {
+  // kv_rep: the kernel's group (heads per block) and the grid's y dimension; plans of one shape
+  // differ in it since the 16-head block depends on the rows (decode_plan.cpp)
   return a.kernel == b.kernel && a.head_dim == b.head_dim && a.n_q_heads == b.n_q_heads &&
-         a.n_kv_heads == b.n_kv_heads && a.k_bits == b.k_bits && a.v_bits == b.v_bits &&
-         a.stage_half_bytes == b.stage_half_bytes && a.device == b.device;
+         a.n_kv_heads == b.n_kv_heads && a.kv_rep == b.kv_rep && a.k_bits == b.k_bits &&
+         a.v_bits == b.v_bits && a.stage_half_bytes == b.stage_half_bytes && a.device == b.device;
 }
 
 }  // namespace

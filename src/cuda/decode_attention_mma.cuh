@@ -9,8 +9,8 @@
 // the GQA group G, PK (0: f16 segments only; 1: f16 and packed segments, any metadata type; 2: the
 // same with f16 metadata, read without a type switch; 3: f16 metadata in groups of 32 and records
 // of D KB / 8 code bytes + D / 8 metadata bytes, every record offset a compile-time constant) and
-// KB, BF (G = 16, over f16 or bf16 rows only, runs decode_attention_mma16.cuh's block: the heads
-// in the mma's M dimension). Included by
+// KB, BF (G = 16, PK 0 or 3, runs decode_attention_mma16.cuh's block: the heads in the mma's M
+// dimension). Included by
 // decode_attention_mma_*.cu; the generic kernel in decode_attention_kernel.cuh takes every other
 // view. Same parameters, partials and combine.
 //
@@ -963,13 +963,12 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
 
 namespace vq::cuda::decode_mma {
 
-// One block of the kernel: G = 16 (f16 or bf16 rows only) takes the heads-in-M block of
-// decode_attention_mma16.cuh, every other group decode_mma_block.
+// One block of the kernel: G = 16 (rows alone, PK 0, or fixed group-32 records, PK 3) takes the
+// heads-in-M block of decode_attention_mma16.cuh, every other group decode_mma_block.
 template <int D, int G, int PK, int KB, bool BF>
 __device__ __forceinline__ void run_mma_block(const DecodeParams& p, const int b, uint64_t* bars) {
   if constexpr (G == 16) {
-    static_assert(PK == 0, "the 16-head block reads f16 or bf16 rows only");
-    decode_mma16_block<D, BF>(p, b);
+    decode_mma16_block<D, PK, KB, BF>(p, b, bars);
   } else {
     decode_mma_block<D, G, PK, KB, BF>(p, b, bars);
   }
@@ -999,7 +998,7 @@ __global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBl
   if constexpr (BATCH && PK > 0) {
     __shared__ __align__(16) DecodeParams sp;
     decode_impl::stage_params(P.seq[blockIdx.z], 0, sp);  // its barrier publishes the init
-    decode_mma_block<D, G, PK, KB, BF>(sp, 0, bars);
+    run_mma_block<D, G, PK, KB, BF>(sp, 0, bars);
   } else if constexpr (BATCH) {
     __syncthreads();  // the barriers' init
     run_mma_block<D, G, PK, KB, BF>(P.seq[blockIdx.z], 0, bars);
@@ -1067,7 +1066,7 @@ int mma_dispatch(const DecodeParams& p, const DecodeBatchArg* batch, cudaStream_
                                bool query) {                                                       \
     auto pick = [&](auto launch, auto occ) { return query ? occ(p) : (launch(p, batch, s), 0); };  \
     const int D = p.head_dim, G = p.group;                                                         \
-    if constexpr (PK == 0) {                                                                       \
+    if constexpr (PK == 0 || PK == 3) {                                                            \
       if (G == 16 && D == 64)                                                                      \
         return pick(launch_mma_dg<64, 16, PK, KB, BF>, blocks_per_sm_dg<64, 16, PK, KB, BF>);      \
       if (G == 16)                                                                                 \

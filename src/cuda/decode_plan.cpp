@@ -165,6 +165,9 @@ int DecodeContext::mma_blocks_per_sm(DecodeKernel k, int32_t head_dim, int32_t g
   return n;
 }
 
+// Packed views take the 16-head block from B * H_kv * rows >= this (see plan_decode).
+constexpr int64_t kM16Rows = int64_t{1} << 18;
+
 DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, int64_t H, int64_t D,
                        const std::vector<DeviceSegment>& segments, const AttentionParams& p,
                        const DecodePlanOptions& opt) {
@@ -175,9 +178,9 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   VQ_CHECK(n_q_heads >= H && n_q_heads % H == 0,
            "[decode_attention] expected H_q a multiple of H_kv = " + std::to_string(H) +
                " but got " + std::to_string(n_q_heads));
-  // The kernels take 1, 2, 4 or 8 query heads per block (the tensor-core kernel over f16 or bf16
-  // rows alone also 16, below): a larger or odd group runs as kv_rep blocks per KV head of
-  // G / kv_rep heads each (the largest of those sizes dividing G), every block reading the KV
+  // The kernels take 1, 2, 4 or 8 query heads per block (the tensor-core kernel over rows alone or
+  // fixed group-32 records also 16, below): a larger or odd group runs as kv_rep blocks per KV head
+  // of G / kv_rep heads each (the largest of those sizes dividing G), every block reading the KV
   // head's rows (the blocks of one KV head are neighbours in the grid).
   const int64_t G = n_q_heads / H;
   int64_t Gk = G % 8 == 0 ? 8 : G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
@@ -186,6 +189,9 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
            "[decode_attention] expected window >= 0 but got " + std::to_string(p.window));
   VQ_CHECK(B <= 65535 && H <= 65535, "[decode_attention] expected B and H_kv <= 65535 but got " +
                                          std::to_string(B) + ", " + std::to_string(H));
+  VQ_CHECK(opt.heads_per_block == 0 || opt.heads_per_block == 8 || opt.heads_per_block == 16,
+           "[decode_attention] expected heads_per_block 0 (automatic), 8 or 16 but got " +
+               std::to_string(opt.heads_per_block));
   VQ_CHECK(opt.rows_per_split >= 0 && opt.target_blocks >= 0 && opt.packed_stage_bytes >= 0,
            "[decode_attention] expected options >= 0 (0 = automatic) but got rows_per_split " +
                std::to_string(opt.rows_per_split) + ", target_blocks " +
@@ -342,14 +348,6 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
                           pk_first->v_fmt.meta == MetaType::kF16;
     if (!any_packed) {
       plan.kernel = DecodeKernel::kMmaF16;
-      if (G % 16 == 0) {
-        // 16 heads in the mma's M dimension read each KV head's rows once (H200, 8 x 32K, 128
-        // query / 8 KV heads: see docs/results/gpu/run17_s18)
-        Gk = 16;
-        R = G / Gk;
-        Hv = H * R;
-        plan.kv_rep = static_cast<int32_t>(R);
-      }
     } else if (plan.k_bits == 2) {
       plan.kernel = f16_meta ? DecodeKernel::kMmaPacked2F16Meta : DecodeKernel::kMmaPacked2;
     } else {
@@ -366,6 +364,23 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
       if (fixed)
         plan.kernel =
             plan.k_bits == 2 ? DecodeKernel::kMmaPacked2G32 : DecodeKernel::kMmaPacked4G32;
+    }
+    // 16 heads in the mma's M dimension read (and decode) each KV head's rows once. Rows alone
+    // take it at every shape; packed views once the grid's rows amortise its heavier query
+    // set-up and merge (H200, 128 query / 8 KV heads, docs/results/gpu/run17_s18 i1 / i4: K2V2
+    // g32 8 x 32K 231.4 -> 181.9 us, 8 x 4K 70.6 -> 65.7, 1 x 32K 50.7 -> 49.8, but 1 x 4K
+    // 22.4 -> 30.3 with twice the splits of half the rows)
+    const bool takes16 = plan.kernel == DecodeKernel::kMmaF16 ||
+                         plan.kernel == DecodeKernel::kMmaPacked2G32 ||
+                         plan.kernel == DecodeKernel::kMmaPacked4G32;
+    const bool want16 = opt.heads_per_block == 16 ||
+                        (opt.heads_per_block == 0 && (plan.kernel == DecodeKernel::kMmaF16 ||
+                                                      B * H * plan.total_rows >= kM16Rows));
+    if (G % 16 == 0 && takes16 && want16) {
+      Gk = 16;
+      R = G / Gk;
+      Hv = H * R;
+      plan.kv_rep = static_cast<int32_t>(R);
     }
     if (any_rows && rows_dtype == DType::kBF16) plan.kernel = bf16_rows_instance(plan.kernel);
     int64_t half = 0;

@@ -251,6 +251,31 @@ std::vector<AttnCase> attention_cases(bool small) {
     c.segs = {sink, mid, tail};
     out.push_back(c);
   }
+  // (7) Groups of 16 (and 32) whose views the 16-head block takes (heads in the mma's M
+  // dimension, decode_attention_mma16.cuh): fixed group-32 records with f16 metadata, 2- and
+  // 4-bit, beside f16 or bf16 sinks and tail; a window, explicit positions, rotated keys and
+  // values with a permutation, head_dim 64, a partial last tile.
+  for (int k = 0; k < (small ? 2 : 4); ++k) {
+    AttnCase c;
+    c.head_dim = k == 3 ? 64 : 128;
+    c.n_rep = k == 2 ? 32 : 16;
+    c.batch = k == 1 ? 1 : 2;
+    c.window = k == 0 ? 150 : 0;
+    SegSpec sink, mid, tail;
+    sink.n = 4;
+    sink.dtype = k == 1 ? DType::kBF16 : DType::kF16;
+    tail.n = 37;
+    tail.dtype = sink.dtype;
+    mid.n = k == 3 ? 1000 : 333;
+    mid.packed = true;
+    mid.pk.kbits = mid.pk.vbits = k % 2 ? 4 : 2;
+    mid.pk.meta = MetaType::kF16;
+    mid.pk.rot = k == 2;
+    mid.pk.perm = k == 2;
+    mid.explicit_pos = k == 1;
+    c.segs = {sink, mid, tail};
+    out.push_back(c);
+  }
   return out;
 }
 
