@@ -516,6 +516,38 @@ constexpr int min_blocks() {
   return Geo<D, G>::CPL * G <= 32 ? 4 : 1;
 }
 
+// The block's partials of split `split` from its warps' [warps][G] maxima wm and sums wl and
+// [warps][G][D] accumulators wacc (+ bias [warps][G][D / 32] by 32-channel block, if given): one
+// log-sum-exp merge per head and channel, written to p.part_acc / p.part_ml.
+template <int D, int G>
+__device__ __forceinline__ void write_partials(const DecodeParams& p, int64_t bh, int split,
+                                               const float* wm, const float* wl, const float* wacc,
+                                               const float* bias, int tid) {
+  for (int i = tid; i < G * D; i += kThreads) {
+    const int h = i / D, d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w * G + h]);
+    float a = 0.0f, l = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(wm[w * G + h] - mx);
+        float x = wacc[(w * G + h) * D + d];
+        if (bias) x += bias[(w * G + h) * (D / 32) + d / 32];
+        a += x * f;
+        l += wl[w * G + h] * f;
+      }
+    }
+    const int64_t row = (bh * G + h) * p.n_splits + split;
+    p.part_acc[row * D + d] = a;
+    if (d == 0) {
+      p.part_ml[2 * row] = mx;
+      p.part_ml[2 * row + 1] = l;
+    }
+  }
+}
+
 template <int D, int G, int KB, int VB>
 __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
     decode_split_kernel(const __grid_constant__ DecodeParams P) {
@@ -852,27 +884,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
           wacc[(warp * G + h) * D + 8 * (sub + k * LPR) + j] = acc[h][k][j];
   }
   __syncthreads();
-  for (int i = tid; i < G * D; i += kThreads) {
-    const int h = i / D, d = i % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w * G + h]);
-    float a = 0.0f, l = 0.0f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = exp2f(wm[w * G + h] - mx);
-        a += wacc[(w * G + h) * D + d] * f;
-        l += wl[w * G + h] * f;
-      }
-    }
-    const int64_t row = (bh * G + h) * p.n_splits + split;
-    p.part_acc[row * D + d] = a;
-    if (d == 0) {
-      p.part_ml[2 * row] = mx;
-      p.part_ml[2 * row + 1] = l;
-    }
-  }
+  write_partials<D, G>(p, bh, split, wm, wl, wacc, nullptr, tid);
 }
 
 // Launches the split kernel of one (KB, VB) for the view's D and G (decode_attention_k*.cu).

@@ -81,6 +81,7 @@ using decode_impl::cp_async_wait;
 using decode_impl::kFull;
 using decode_impl::min64;
 using decode_impl::mma_16816;
+using decode_impl::write_partials;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
@@ -230,35 +231,158 @@ __device__ __forceinline__ void meta_a(const uint8_t* rec, int code_bytes, int m
   }
 }
 
-// The block's partials of split `split` from its warps' [warps][G] maxima wm and sums wl and
-// [warps][G][D] accumulators wacc (+ bias [warps][G][D / 32] by 32-channel block, if given): one
-// log-sum-exp merge per head and channel, written to p.part_acc / p.part_ml.
+// ---- pieces shared by decode_mma_block and decode_mma16_block (decode_attention_mma16.cuh) ----
+
+// The split's visible rows [vis_lo, vis_hi) under implicit positions (first_pos + i: i <= q_pos -
+// first_pos, and i > q_pos - first_pos - window with a window), in the split's row index.
+__device__ __forceinline__ void visible_rows(const DecodeParams& p, const DecodeSegmentParams& sg,
+                                             int64_t r_begin, int n_split, int& vis_lo,
+                                             int& vis_hi) {
+  const int64_t q_rel = p.q_pos - sg.first_pos - r_begin;
+  const int64_t lo = p.window > 0 ? q_rel - p.window + 1 : 0;
+  vis_lo = static_cast<int>(lo < 0 ? 0 : (lo > n_split ? n_split : lo));
+  const int64_t hi = q_rel + 1;
+  vis_hi = static_cast<int>(hi < 0 ? 0 : (hi > n_split ? n_split : hi));
+}
+
+// Whether row rl of the tile at row_rel (nr rows) is visible: implicit positions by the interval,
+// explicit ones (pos0: the split's first) by the query position and window.
+__device__ __forceinline__ bool row_visible(const DecodeParams& p, const int32_t* pos0, int row_rel,
+                                            int rl, int nr, int vis_lo, int vis_hi) {
+  if (!pos0) {
+    const int rel = row_rel + rl;
+    return rel >= vis_lo && rel < vis_hi;
+  }
+  if (rl >= nr) return false;
+  const int64_t pj = pos0[row_rel + rl];
+  return pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
+}
+
+// Stage nr rows of K (gk) and V (gv) into sk / sv. Rows (f16 or bf16, D channels): cp.async of
+// the 16-byte chunks, chunk c of row r at c ^ swz(r & 7), the rest of the last 16-row warp-tile
+// zeroed. Packed records (krec / vrec bytes each): the two byte ranges, as bulk copies by one
+// thread completing on *bar (sm_90), else cp.async of the whole 16-byte words.
+template <int D>
+__device__ __forceinline__ void stage_tile(bool packed, uint8_t* sk, uint8_t* sv, const uint8_t* gk,
+                                           const uint8_t* gv, int nr, int krec, int vrec,
+                                           uint64_t* bar, int tid) {
+  if (!packed) {
+    constexpr int RB = 2 * D, CPR = D / 8;  // row bytes, 16-byte chunks per row
+    for (int i = tid; i < nr * CPR; i += kThreads) {
+      const int r = i / CPR, c = i % CPR;
+      const int o = r * RB + 16 * (c ^ swz(r & 7));
+      cp_async16(sk + o, gk + 16 * i);
+      cp_async16(sv + o, gv + 16 * i);
+    }
+    const int nr16 = (nr + 15) & ~15;
+    for (int i = nr * CPR + tid; i < nr16 * CPR; i += kThreads) {
+      *reinterpret_cast<uint4*>(sk + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(sv + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  } else if constexpr (decode_impl::kBulkCopy) {
+    // a few instructions per tile instead of a cp.async and its address per 16 bytes
+    if (tid == 0) {
+      const uint32_t nk = decode_impl::bulk_range_bytes(gk, nr * krec);
+      const uint32_t nv = decode_impl::bulk_range_bytes(gv, nr * vrec);
+      decode_impl::mbar_expect_tx(bar, nk + nv);
+      decode_impl::bulk_range(sk, gk, nk, bar);
+      decode_impl::bulk_range(sv, gv, nv, bar);
+    }
+  } else {
+    decode_impl::copy_range(sk, gk, static_cast<int64_t>(nr) * krec, tid);
+    decode_impl::copy_range(sv, gv, static_cast<int64_t>(nr) * vrec, tid);
+  }
+}
+
+// A partial last tile of packed records (nr of 16 n_wt rows): zero the bytes of its missing rows
+// (their metadata would otherwise be stale or uninitialised shared memory, and 0 * NaN is NaN).
+__device__ __forceinline__ void zero_missing_records(uint8_t* sk, int SH, int kmis, int vmis,
+                                                     int nr, int n_wt, int krb, int vrb, int tid) {
+  for (int i = kmis + nr * krb + tid; i < kmis + 16 * n_wt * krb; i += kThreads) sk[i] = 0;
+  for (int i = vmis + nr * vrb + tid; i < vmis + 16 * n_wt * vrb; i += kThreads) sk[SH + i] = 0;
+  __syncthreads();
+}
+
+// The G queries of block head bh (p.q), times scale * log2 e, into qs [G][D] (qtmp [G][D]
+// scratch), transformed for packed keys; sigma_h = 2^e putting max |q_h| in [2^11, 2^12) into
+// ssig [G]. Ends with a block barrier.
 template <int D, int G>
-__device__ __forceinline__ void write_partials(const DecodeParams& p, int64_t bh, int split,
-                                               const float* wm, const float* wl, const float* wacc,
-                                               const float* bias, int tid) {
-  for (int i = tid; i < G * D; i += kThreads) {
-    const int h = i / D, d = i % D;
-    float mx = -INFINITY;
+__device__ __forceinline__ void load_queries(const DecodeParams& p, int64_t bh, int kvh,
+                                             bool packed, float* qs, float* qtmp, float* ssig,
+                                             int tid) {
+  const int lane = tid & 31, warp = tid >> 5;
+  const float* qg = p.q + (bh * G) * D;
+  for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
+  __syncthreads();
+  if (packed && (p.pk.k_signs || p.pk.k_perm))
+    decode_impl::transform_queries<D, G>(qs, qtmp, p.pk, kvh / p.kv_rep, tid);
+  for (int h = warp; h < G; h += kWarps) {
+    float mx = 0.0f;
+    for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[h * D + d]));
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, wm[w * G + h]);
-    float a = 0.0f, l = 0.0f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = exp2f(wm[w * G + h] - mx);
-        float x = wacc[(w * G + h) * D + d];
-        if (bias) x += bias[(w * G + h) * (D / 32) + d / 32];
-        a += x * f;
-        l += wl[w * G + h] * f;
+    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+    if (lane == 0) {
+      float sgm = 1.0f;
+      if (mx > 0.0f && mx < INFINITY) {
+        int e = 0;
+        frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1)
+        sgm = ldexpf(1.0f, max(-100, min(100, 12 - e)));
       }
+      ssig[h] = sgm;
     }
-    const int64_t row = (bh * G + h) * p.n_splits + split;
-    p.part_acc[row * D + d] = a;
-    if (d == 0) {
-      p.part_ml[2 * row] = mx;
-      p.part_ml[2 * row + 1] = l;
-    }
+  }
+  __syncthreads();
+}
+
+// The packed key codes of one row's 32-channel chunk c for lane t (rg: the row's record) as the
+// four K pairs' fp16 subnormals (in-place factors 4^i for 2-bit codes, 16 for 4-bit high nibbles).
+template <int KB>
+__device__ __forceinline__ void key_code_pairs(const uint8_t* rg, int c, int t, uint32_t (&a)[4]) {
+  if constexpr (KB == 2) {
+    // the lane's 8 codes (2 bytes) spread to bytes 0 and 2: codes (m, m + 4) then sit at bits
+    // 2m of the two halves, read in place as 4^m times their value
+    const uint32_t y = __byte_perm(lds16(rg + 8 * c + 2 * t), 0u, 0x4140);
+    a[0] = y & 0x00030003u;
+    a[1] = y & 0x000C000Cu;
+    a[2] = y & 0x00300030u;
+    a[3] = y & 0x00C000C0u;
+  } else {  // nibbles (j, j + 4) of the lane's 8 codes: j = 0, 1 in place, 2, 3 after >> 8
+    const uint32_t w = lds32(rg + 16 * c + 4 * t);
+    a[0] = w & 0x000f000fu;
+    a[1] = w & 0x00f000f0u;
+    a[2] = (w >> 8) & 0x000f000fu;
+    a[3] = (w >> 8) & 0x00f000f0u;
+  }
+}
+
+// The value code pairs of ya (rows 2 t, 2 t + 1) and yc (+ 8) as exact fp16 integers: e the
+// channels + 0, + 1 of the lane's byte (2-bit) or halfword (4-bit), f + 2, + 3; registers 0, 1:
+// ya's, 2, 3: yc's. MAGIC: the in-place 2-bit codes as 4^i c (false) or c (true).
+template <int KB, bool EXACT2>
+__device__ __forceinline__ void value_code_pairs(uint32_t ya, uint32_t yc, uint32_t (&e)[4],
+                                                 uint32_t (&f)[4]) {
+  if constexpr (KB == 2) {
+    // m-tile / n-tile of channel + 0 (x1), + 1 (x4), + 2 (x16), + 3 (x64), or exactly c
+    constexpr uint32_t M1 = EXACT2 ? 0x5C00u : 0x6400u, M2 = EXACT2 ? 0x5400u : 0x6400u,
+                       M3 = EXACT2 ? 0x4C00u : 0x6400u;
+    e[0] = code_pair<0x00030003u, 0x6400u>(ya);
+    e[1] = code_pair<0x000C000Cu, M1>(ya);
+    e[2] = code_pair<0x00030003u, 0x6400u>(yc);
+    e[3] = code_pair<0x000C000Cu, M1>(yc);
+    f[0] = code_pair<0x00300030u, M2>(ya);
+    f[1] = code_pair<0x00C000C0u, M3>(ya);
+    f[2] = code_pair<0x00300030u, M2>(yc);
+    f[3] = code_pair<0x00C000C0u, M3>(yc);
+  } else {  // nibbles 0, 1 in place, 2, 3 after >> 8; exact
+    const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
+    e[0] = code_pair<0x000f000fu>(ya);
+    e[1] = code_pair_hi4(ya);
+    e[2] = code_pair<0x000f000fu>(yc);
+    e[3] = code_pair_hi4(yc);
+    f[0] = code_pair<0x000f000fu>(ya8);
+    f[1] = code_pair_hi4(ya8);
+    f[2] = code_pair<0x000f000fu>(yc8);
+    f[3] = code_pair_hi4(yc8);
   }
 }
 
@@ -315,13 +439,7 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   // implicit positions first_pos + i: the visible rows are one interval [vis_lo, vis_hi) of the
   // split's row index (i <= q_pos - first_pos, and i > q_pos - first_pos - window with a window)
   int vis_lo = 0, vis_hi = 0;
-  {
-    const int64_t q_rel = p.q_pos - sg.first_pos - r_begin;
-    const int64_t lo = p.window > 0 ? q_rel - p.window + 1 : 0;
-    vis_lo = static_cast<int>(lo < 0 ? 0 : (lo > n_split_rows ? n_split_rows : lo));
-    const int64_t hi = q_rel + 1;
-    vis_hi = static_cast<int>(hi < 0 ? 0 : (hi > n_split_rows ? n_split_rows : hi));
-  }
+  visible_rows(p, sg, r_begin, static_cast<int>(n_split_rows), vis_lo, vis_hi);
   // kept in registers: otherwise the 64-bit bound arithmetic is redone for every row
   asm volatile("" : "+r"(vis_lo), "+r"(vis_hi));
   // the split's first row of K, V and positions: the tiles' offsets from them are 32-bit
@@ -333,41 +451,9 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   // tile tt into stage st (tile tt + kStages - 1 is issued while tile tt is read)
   auto issue = [&](int tt, int st) {
     const int r0 = tt * TR;
-    const int nr = min(TR, n_split - r0);
     uint8_t* sk = stages + st * 2 * SH;
-    uint8_t* sv = sk + SH;
-    if (!packed) {
-      constexpr int CPR = D / 8;  // 16-byte chunks per row
-      const uint8_t* gk = kb0 + r0 * RB;
-      const uint8_t* gv = vb0 + r0 * RB;
-      for (int i = tid; i < nr * CPR; i += kThreads) {
-        const int r = i / CPR, c = i % CPR;
-        const int o = r * RB + 16 * (c ^ swz(r & 7));
-        cp_async16(sk + o, gk + 16 * i);
-        cp_async16(sv + o, gv + 16 * i);
-      }
-      const int nr16 = (nr + 15) & ~15;  // zero the rest of the last warp-tile
-      for (int i = nr * CPR + tid; i < nr16 * CPR; i += kThreads) {
-        *reinterpret_cast<uint4*>(sk + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(sv + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    } else if constexpr (decode_impl::kBulkCopy) {
-      // one thread moves the tile's K and V byte ranges (whole 16-byte words) with two bulk
-      // copies: a few instructions per tile instead of a cp.async and its address per 16 bytes
-      if (tid == 0) {
-        const uint8_t* gk = kb0 + r0 * krb;
-        const uint8_t* gv = vb0 + r0 * vrb;
-        const uint32_t nk = decode_impl::bulk_range_bytes(gk, nr * krb);
-        const uint32_t nv = decode_impl::bulk_range_bytes(gv, nr * vrb);
-        uint64_t* bar = &bars[st];
-        decode_impl::mbar_expect_tx(bar, nk + nv);
-        decode_impl::bulk_range(sk, gk, nk, bar);
-        decode_impl::bulk_range(sv, gv, nv, bar);
-      }
-    } else {
-      decode_impl::copy_range(sk, kb0 + r0 * krb, static_cast<int64_t>(nr) * krb, tid);
-      decode_impl::copy_range(sv, vb0 + r0 * vrb, static_cast<int64_t>(nr) * vrb, tid);
-    }
+    stage_tile<D>(packed, sk, sk + SH, kb0 + r0 * krb, vb0 + r0 * vrb, min(TR, n_split - r0), krb,
+                  vrb, &bars[st], tid);
   };
 #pragma unroll
   for (int tt = 0; tt < kStages - 1; ++tt) {
@@ -376,27 +462,7 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   }
 
   // ---- queries: scaled by scale * log2 e, transformed for packed keys, rounded to fp16 per lane
-  const float* qg = p.q + (bh * G) * D;
-  for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
-  __syncthreads();
-  if (packed && (p.pk.k_signs || p.pk.k_perm))
-    decode_impl::transform_queries<D, G>(qs, qtmp, p.pk, kvh / p.kv_rep, tid);
-  for (int h = warp; h < G; h += kWarps) {
-    float mx = 0.0f;
-    for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[h * D + d]));
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
-    if (lane == 0) {
-      float sgm = 1.0f;
-      if (mx > 0.0f && mx < INFINITY) {
-        int e = 0;
-        frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1)
-        sgm = ldexpf(1.0f, max(-100, min(100, 12 - e)));
-      }
-      ssig[h] = sgm;
-    }
-  }
-  __syncthreads();
+  load_queries<D, G>(p, bh, kvh, packed, qs, qtmp, ssig, tid);
   // every query value becomes the tensor-core operand it will be (fp16 rounding of q * sigma, times
   // 4^-i for 2-bit packed keys and 16^-(i % 2) for 4-bit ones, exactly undone), so the chunk sums
   // below are sums of the operands and the folded zero-points add no error of their own
@@ -518,14 +584,8 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
     // per-row visibility test
     const bool all_vis = !pos && row_rel >= vis_lo && row_rel + 16 * n_wt <= vis_hi;
     if (++stage == kStages) stage = 0, phase ^= 1u;
-    if (packed && nr < 16 * n_wt) {
-      // a partial last tile: zero the packed bytes of its missing rows (their metadata would
-      // otherwise be stale or uninitialised shared memory, and 0 * NaN is NaN)
-      uint8_t* zk = const_cast<uint8_t*>(sk);
-      for (int i = kmis + nr * krb + tid; i < kmis + 16 * n_wt * krb; i += kThreads) zk[i] = 0;
-      for (int i = vmis + nr * vrb + tid; i < vmis + 16 * n_wt * vrb; i += kThreads) zk[SH + i] = 0;
-      __syncthreads();
-    }
+    if (packed && nr < 16 * n_wt)  // a partial last tile
+      zero_missing_records(const_cast<uint8_t*>(sk), SH, kmis, vmis, nr, n_wt, krb, vrb, tid);
 
     // Warp-tiles in pairs (wt and wt + kWarps; 128-row tiles give every warp exactly two): the
     // two tiles' code decoding, metadata loads and mma chains are independent, so they overlap,
@@ -632,19 +692,7 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
         for (int w = 0; w < W; ++w)
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const int rl = rb0[w] + g + 8 * j;
-            bool vis;
-            if (!pos) {
-              const int rel = row_rel + rl;
-              vis = rel >= vis_lo && rel < vis_hi;
-            } else {
-              vis = false;
-              if (rl < nr) {
-                const int64_t pj = pos0[row_rel + rl];
-                vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
-              }
-            }
-            if (!vis) {
+            if (!row_visible(p, pos0, row_rel, rb0[w] + g + 8 * j, nr, vis_lo, vis_hi)) {
 #pragma unroll
               for (int hl = 0; hl < HL; ++hl) lg[w][hl][j] = -INFINITY;
             }
@@ -778,28 +826,8 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
               const uint32_t m2 = lds32(rec[w][2] + mo), m3 = lds32(rec[w][3] + mo);
               const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
               const uint32_t lo89 = __byte_perm(m2, m3, 0x5410), sc89 = __byte_perm(m2, m3, 0x7632);
-              uint32_t e[4], f[4];
-              if constexpr (KB == 2) {
-                // m-tile 2c: channels +0, +1; m-tile 2c + 1: +2, +3 (codes at bits 0, 2, 4, 6)
-                e[0] = code_pair<0x00030003u, 0x6400u>(ya);
-                e[1] = code_pair<0x000C000Cu, 0x5C00u>(ya);
-                e[2] = code_pair<0x00030003u, 0x6400u>(yc);
-                e[3] = code_pair<0x000C000Cu, 0x5C00u>(yc);
-                f[0] = code_pair<0x00300030u, 0x5400u>(ya);
-                f[1] = code_pair<0x00C000C0u, 0x4C00u>(ya);
-                f[2] = code_pair<0x00300030u, 0x5400u>(yc);
-                f[3] = code_pair<0x00C000C0u, 0x4C00u>(yc);
-              } else {
-                const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
-                e[0] = code_pair<0x000f000fu>(ya);
-                e[1] = code_pair_hi4(ya);
-                e[2] = code_pair<0x000f000fu>(yc);
-                e[3] = code_pair_hi4(yc);
-                f[0] = code_pair<0x000f000fu>(ya8);
-                f[1] = code_pair_hi4(ya8);
-                f[2] = code_pair<0x000f000fu>(yc8);
-                f[3] = code_pair_hi4(yc8);
-              }
+              uint32_t e[4], f[4];  // m-tile 2c: channels +0, +1; m-tile 2c + 1: +2, +3
+              value_code_pairs<KB, true>(ya, yc, e, f);
 #pragma unroll
               for (int i = 0; i < 4; ++i) {  // registers 0, 1: rows 2t, 2t + 1; 2, 3: + 8
                 e[i] = dequant_pair(e[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
@@ -831,20 +859,8 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
               const uint32_t yc =
                   __byte_perm(lds32(rec[w][2] + bstride * c + wo),
                               lds32(rec[w][3] + bstride * c + wo), KB == 2 ? psel : qsel);
-              if constexpr (KB == 2) {
-                // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
-                e[w][0] = code_pair<0x00030003u>(ya), e[w][1] = code_pair<0x000C000Cu>(ya);
-                e[w][2] = code_pair<0x00030003u>(yc), e[w][3] = code_pair<0x000C000Cu>(yc);
-                f[w][0] = code_pair<0x00300030u>(ya), f[w][1] = code_pair<0x00C000C0u>(ya);
-                f[w][2] = code_pair<0x00300030u>(yc), f[w][3] = code_pair<0x00C000C0u>(yc);
-              } else {
-                // m-tile 2c: channels +0, +1 (nibbles 0, 1); m-tile 2c + 1: +2, +3 (>> 8); exact
-                const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
-                e[w][0] = code_pair<0x000f000fu>(ya), e[w][1] = code_pair_hi4(ya);
-                e[w][2] = code_pair<0x000f000fu>(yc), e[w][3] = code_pair_hi4(yc);
-                f[w][0] = code_pair<0x000f000fu>(ya8), f[w][1] = code_pair_hi4(ya8);
-                f[w][2] = code_pair<0x000f000fu>(yc8), f[w][3] = code_pair_hi4(yc8);
-              }
+              // m-tile 2c: channels +0 (x1) and +1 (x4); m-tile 2c + 1: +2 (x16) and +3 (x64)
+              value_code_pairs<KB, false>(ya, yc, e[w], f[w]);
 #pragma unroll
               for (int r = 0; r < 4; ++r) {
                 meta_a<MF>(rec[w][r], vcb, p.pk.v_meta, grpc[c], lo[w][r], sc[w][r]);

@@ -46,7 +46,7 @@ template <int D, int PK, int KB, bool BF>
 __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const int b,
                                                    uint64_t* bars) {
   static_assert(PK == 0 || PK == 3, "rows alone, or fixed group-32 records with f16 metadata");
-  constexpr int G = 16, kStages = mma_stages<PK, KB>(), RB = 2 * D, CPR = D / 8;
+  constexpr int G = 16, kStages = mma_stages<PK, KB>(), RB = 2 * D;
   constexpr int KS = D / 16;                         // k-steps of the logits (16 channels each)
   constexpr int NT = D / 8;                          // n-tiles of the values (8 channels each)
   constexpr int NCH = D / 32;                        // 32-channel chunks
@@ -80,50 +80,16 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
   const int n_split = static_cast<int>(r_end - r_begin);
   const int n_tiles = (n_split + TR - 1) / TR;
   int vis_lo = 0, vis_hi = 0;  // implicit positions: the visible rows of the split, [lo, hi)
-  {
-    const int64_t q_rel = p.q_pos - sg.first_pos - r_begin;
-    const int64_t lo = p.window > 0 ? q_rel - p.window + 1 : 0;
-    vis_lo = static_cast<int>(lo < 0 ? 0 : (lo > n_split ? n_split : lo));
-    const int64_t hi = q_rel + 1;
-    vis_hi = static_cast<int>(hi < 0 ? 0 : (hi > n_split ? n_split : hi));
-  }
+  visible_rows(p, sg, r_begin, n_split, vis_lo, vis_hi);
   asm volatile("" : "+r"(vis_lo), "+r"(vis_hi));
   const uint8_t* kb0 = sg.k + (kbh * sg.capacity + r_begin) * rbytes;
   const uint8_t* vb0 = sg.v + (kbh * sg.capacity + r_begin) * rbytes;
   const int32_t* pos0 = pos ? pos + r_begin : nullptr;
   auto issue = [&](int tt, int st) {
     const int r0 = tt * TR;
-    const int nr = min(TR, n_split - r0);
     uint8_t* sk = stages + st * 2 * SH;
-    uint8_t* sv = sk + SH;
-    if (!packed) {
-      const uint8_t* gk = kb0 + r0 * RB;
-      const uint8_t* gv = vb0 + r0 * RB;
-      for (int i = tid; i < nr * CPR; i += kThreads) {
-        const int r = i / CPR, c = i % CPR;
-        const int o = r * RB + 16 * (c ^ swz(r & 7));
-        cp_async16(sk + o, gk + 16 * i);
-        cp_async16(sv + o, gv + 16 * i);
-      }
-      const int nr16 = (nr + 15) & ~15;  // zero the rest of the last warp-tile
-      for (int i = nr * CPR + tid; i < nr16 * CPR; i += kThreads) {
-        *reinterpret_cast<uint4*>(sk + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(sv + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    } else if constexpr (decode_impl::kBulkCopy) {
-      if (tid == 0) {  // the tile's K and V byte ranges, two bulk copies on the stage's mbarrier
-        const uint8_t* gk = kb0 + r0 * KREC;
-        const uint8_t* gv = vb0 + r0 * KREC;
-        const uint32_t nk = decode_impl::bulk_range_bytes(gk, nr * KREC);
-        const uint32_t nv = decode_impl::bulk_range_bytes(gv, nr * KREC);
-        decode_impl::mbar_expect_tx(&bars[st], nk + nv);
-        decode_impl::bulk_range(sk, gk, nk, &bars[st]);
-        decode_impl::bulk_range(sv, gv, nv, &bars[st]);
-      }
-    } else {
-      decode_impl::copy_range(sk, kb0 + r0 * KREC, static_cast<int64_t>(nr) * KREC, tid);
-      decode_impl::copy_range(sv, vb0 + r0 * KREC, static_cast<int64_t>(nr) * KREC, tid);
-    }
+    stage_tile<D>(packed, sk, sk + SH, kb0 + r0 * rbytes, vb0 + r0 * rbytes, min(TR, n_split - r0),
+                  KREC, KREC, &bars[st], tid);
   };
 #pragma unroll
   for (int tt = 0; tt < kStages - 1; ++tt) {
@@ -134,27 +100,7 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
   // ---- queries: q * scale * log2 e (transformed for packed keys), sigma_h per head, each value
   // rounded to the operand it will be (packed keys: times its in-place code factor, undone), the
   // chunk sums of the rounded values (packed), the A fragments in registers
-  const float* qg = p.q + (bh * G) * D;
-  for (int i = tid; i < G * D; i += kThreads) qs[i] = qg[i] * p.scale_log2;
-  __syncthreads();
-  if (packed && (p.pk.k_signs || p.pk.k_perm))
-    decode_impl::transform_queries<D, G>(qs, qtmp, p.pk, kvh / p.kv_rep, tid);
-  for (int h = warp; h < G; h += kWarps) {
-    float mx = 0.0f;
-    for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[h * D + d]));
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
-    if (lane == 0) {
-      float sgm = 1.0f;
-      if (mx > 0.0f && mx < INFINITY) {
-        int e = 0;
-        frexpf(mx, &e);  // mx = f 2^e, f in [0.5, 1)
-        sgm = ldexpf(1.0f, max(-100, min(100, 12 - e)));
-      }
-      ssig[h] = sgm;
-    }
-  }
-  __syncthreads();
+  load_queries<D, G>(p, bh, kvh, packed, qs, qtmp, ssig, tid);
   // the in-place factor of channel d's code (1 for rows): 2-bit 4^-(d % 4), 4-bit 1/16 (odd d)
   const auto code_fac = [&](int d) {
     if (!packed) return 1.0f;
@@ -241,15 +187,8 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
     const int vmis = (vmis0 + row_rel * KREC) & 15;
     if (++stage == kStages) stage = 0, phase ^= 1u;
     const int n_wt = (nr + 15) / 16;
-    if (packed && nr < 16 * n_wt) {
-      // a partial last tile: zero the packed bytes of its missing rows (stale metadata would
-      // otherwise meet p = 0, and 0 * NaN is NaN)
-      uint8_t* zk = const_cast<uint8_t*>(sk);
-      for (int i = kmis + nr * KREC + tid; i < kmis + 16 * n_wt * KREC; i += kThreads) zk[i] = 0;
-      for (int i = vmis + nr * KREC + tid; i < vmis + 16 * n_wt * KREC; i += kThreads)
-        zk[SH + i] = 0;
-      __syncthreads();
-    }
+    if (packed && nr < 16 * n_wt)  // a partial last tile
+      zero_missing_records(const_cast<uint8_t*>(sk), SH, kmis, vmis, nr, n_wt, KREC, KREC, tid);
     const bool all_vis = !pos && row_rel >= vis_lo && row_rel + 16 * n_wt <= vis_hi;
     for (int wt = warp; wt < n_wt; wt += kWarps) {
       const int rb = 16 * wt;
@@ -285,21 +224,7 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
 #pragma unroll
           for (int c = 0; c < NCH; ++c) {
             uint32_t kb[4];
-            if constexpr (KB == 2) {
-              // the lane's 8 codes spread to bytes 0 and 2: codes (m, m + 4) at bits 2 m of
-              // the halves, fp16 subnormals 4^m c 2^-24
-              const uint32_t y = __byte_perm(lds16(rg + 8 * c + 2 * t), 0u, 0x4140);
-              kb[0] = y & 0x00030003u;
-              kb[1] = y & 0x000C000Cu;
-              kb[2] = y & 0x00300030u;
-              kb[3] = y & 0x00C000C0u;
-            } else {  // nibbles (j, j + 4): j = 0, 1 in place, 2, 3 after a shift by 8
-              const uint32_t w = lds32(rg + 16 * c + 4 * t);
-              kb[0] = w & 0x000f000fu;
-              kb[1] = w & 0x00f000f0u;
-              kb[2] = (w >> 8) & 0x000f000fu;
-              kb[3] = (w >> 8) & 0x00f000f0u;
-            }
+            key_code_pairs<KB>(rg, c, t, kb);
             float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma_16816(cc, qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], kb[0], kb[1]);
             mma_16816(cc, qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3],
@@ -325,19 +250,8 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
         for (int n = 0; n < 2; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int rl = rb + 8 * n + 2 * t + e;
-            bool vis;
-            if (!pos) {
-              const int rel = row_rel + rl;
-              vis = rel >= vis_lo && rel < vis_hi;
-            } else {
-              vis = false;
-              if (rl < nr) {
-                const int64_t pj = pos0[row_rel + rl];
-                vis = pj <= p.q_pos && (p.window <= 0 || p.q_pos < pj + p.window);
-              }
-            }
-            if (!vis) lg[0][n][e] = lg[1][n][e] = -INFINITY;
+            if (!row_visible(p, pos0, row_rel, rb + 8 * n + 2 * t + e, nr, vis_lo, vis_hi))
+              lg[0][n][e] = lg[1][n][e] = -INFINITY;
           }
       }
       // ---- (2) online softmax per head (the lanes t of a g share it)
@@ -420,26 +334,7 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
           const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
           const uint32_t lo89 = __byte_perm(m8, m9, 0x5410), sc89 = __byte_perm(m8, m9, 0x7632);
           uint32_t e[4], f[4];  // channel + 0, + 1 (e) and + 2, + 3 (f): rows 2 t.. | 2 t + 8..
-          if constexpr (KB == 2) {
-            e[0] = code_pair<0x00030003u, 0x6400u>(ya);
-            e[1] = code_pair<0x000C000Cu, 0x5C00u>(ya);
-            e[2] = code_pair<0x00030003u, 0x6400u>(yc);
-            e[3] = code_pair<0x000C000Cu, 0x5C00u>(yc);
-            f[0] = code_pair<0x00300030u, 0x5400u>(ya);
-            f[1] = code_pair<0x00C000C0u, 0x4C00u>(ya);
-            f[2] = code_pair<0x00300030u, 0x5400u>(yc);
-            f[3] = code_pair<0x00C000C0u, 0x4C00u>(yc);
-          } else {
-            const uint32_t ya8 = ya >> 8, yc8 = yc >> 8;
-            e[0] = code_pair<0x000f000fu>(ya);
-            e[1] = code_pair_hi4(ya);
-            e[2] = code_pair<0x000f000fu>(yc);
-            e[3] = code_pair_hi4(yc);
-            f[0] = code_pair<0x000f000fu>(ya8);
-            f[1] = code_pair_hi4(ya8);
-            f[2] = code_pair<0x000f000fu>(yc8);
-            f[3] = code_pair_hi4(yc8);
-          }
+          value_code_pairs<KB, true>(ya, yc, e, f);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {  // 0, 1: rows 2 t, 2 t + 1; 2, 3: + 8
             e[i] = dequant_pair(e[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
