@@ -104,18 +104,26 @@ void expect_batched_equals_alone(std::vector<std::unique_ptr<Seq>>& seqs,
   EXPECT_GT(n_split_counts, 0) << "expected ragged split counts in the batch";
 }
 
+// The batches' cache methods: the full cache, SKVQ K2V2, SKVQ K4V4 with a Hadamard rotation.
+struct Methods {
+  CacheConfig full, k2, k4;
+  Methods() {
+    full.method = "full";
+    k2 = full;
+    k2.method = "skvq";
+    k2.skvq_window = 64;
+    k2.skvq_bits_key = k2.skvq_bits_value = 2;
+    k4 = k2;
+    k4.skvq_bits_key = k4.skvq_bits_value = 4;
+    k4.skvq_rotation = Rotation::kHadamard;
+  }
+};
+
 TEST(CudaDecodeBatch, BatchedEqualsOneAtATime) {
   if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   cuda::DecodeWorkspace ws;
-  CacheConfig full;
-  full.method = "full";
-  CacheConfig k2 = full;
-  k2.method = "skvq";
-  k2.skvq_window = 64;
-  k2.skvq_bits_key = k2.skvq_bits_value = 2;
-  CacheConfig k4 = k2;
-  k4.skvq_bits_key = k4.skvq_bits_value = 4;
-  k4.skvq_rotation = Rotation::kHadamard;
+  const Methods m;
+  const CacheConfig &full = m.full, &k2 = m.k2, &k4 = m.k4;
   std::vector<std::unique_ptr<Seq>> seqs;
   uint64_t seed = 100;
   // ragged full f16 sequences, two block targets (several split counts), interleaved with the
@@ -143,15 +151,8 @@ TEST(CudaDecodeBatch, BatchedEqualsOneAtATime) {
 TEST(CudaDecodeBatch, BatchedEqualsOneAtATimeGroup16) {
   if (!cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   cuda::DecodeWorkspace ws;
-  CacheConfig full;
-  full.method = "full";
-  CacheConfig k2 = full;
-  k2.method = "skvq";
-  k2.skvq_window = 64;
-  k2.skvq_bits_key = k2.skvq_bits_value = 2;
-  CacheConfig k4 = k2;
-  k4.skvq_bits_key = k4.skvq_bits_value = 4;
-  k4.skvq_rotation = Rotation::kHadamard;
+  const Methods m;
+  const CacheConfig &full = m.full, &k2 = m.k2, &k4 = m.k4;
   constexpr int64_t hq = kH * 16;
   std::vector<std::unique_ptr<Seq>> seqs;
   uint64_t seed = 900;
