@@ -9,8 +9,11 @@
 //   bf16 full, skvq K2V2 g32 / K4V4 g32 with bf16 sinks and tail
 //                                   the same rows read as bf16 (a bf16 model's caches: the
 //                                   bf16-row tensor-core instances; timing only, same bytes)
-// Each configuration: warm-up, then repeats timed with CUDA events, the L2 flushed (a 256 MiB
-// memset) before every repeat; median and p10-p90 spread; bytes read (rows, metadata, positions,
+// Each configuration: warm-up, then repeats timed with CUDA events, the L2 flushed before every
+// repeat (--flush read, the default: a kernel reads a 256 MiB buffer, so L2 holds clean lines of
+// it, as after a decode step's projections, which read weights; --flush write: a 256 MiB memset,
+// the protocol before session 19, which leaves L2 full of dirty lines that the timed kernel must
+// write back as it reads); median and p10-p90 spread; bytes read (rows, metadata, positions,
 // q and out); achieved TB/s and % of the device-to-device copy bandwidth measured in this run.
 // Also: the SKVQ flush of a 32K prefill (chunk-0 permutations + quantizing K and V) and a SnapKV
 // selection at 32K (key-proxy scores, top-k, compaction of K and V to 2048 rows).
@@ -21,6 +24,7 @@
 // step plans once and runs every layer; the kernel a plan chose is printed beside each row.
 // Usage: cuda_decode_attention [--csv out.csv] [--repeats N] [--quick] [--only METHOD]
 //                              [--batch B] [--context N] [--no-maintenance] [--hq 32|128]
+//                              [--flush read|write]
 //                              [--target-blocks N] [--packed-stage-bytes N] (planner knobs,
 //                              DecodePlanOptions; 0 = automatic)
 #include <cuda_fp16.h>
@@ -101,6 +105,32 @@ struct Stats {
   double median_us = 0, p10_us = 0, p90_us = 0;
 };
 
+bool g_flush_write = false;  // --flush write: the memset flush (see the header)
+
+// Reads n 16-byte words (a sum per block, kept so the loads stay): evicts L2 with clean lines.
+__global__ void read_flush_kernel(const uint4* p, int64_t n, uint32_t* sink) {
+  uint32_t x = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = p[i];
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x9E3779B9u) sink[blockIdx.x] = x;  // almost never true; the loads cannot be dropped
+}
+
+void flush_l2(void* flush, size_t flush_bytes, int i, cudaStream_t s) {
+  if (g_flush_write) {
+    CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s));
+  } else {
+    // the buffer's last 4 KiB are the sink (never read back)
+    const int64_t n = static_cast<int64_t>((flush_bytes - 4096) / 16);
+    read_flush_kernel<<<1024, 256, 0, s>>>(
+        static_cast<const uint4*>(flush), n,
+        reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(flush) + flush_bytes - 4096));
+    CHECK(cudaGetLastError());
+  }
+}
+
 Stats time_it(const std::function<void()>& fn, cudaStream_t s, void* flush, size_t flush_bytes,
               int warmup, int repeats) {
   cudaEvent_t a, b;
@@ -109,7 +139,7 @@ Stats time_it(const std::function<void()>& fn, cudaStream_t s, void* flush, size
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<double> t;
   for (int i = 0; i < repeats; ++i) {
-    CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s));  // evict L2 (60 MB)
+    flush_l2(flush, flush_bytes, i, s);  // evict L2 (60 MB)
     CHECK(cudaEventRecord(a, s));
     fn();
     CHECK(cudaEventRecord(b, s));
@@ -160,6 +190,14 @@ int main(int argc, char** argv) {
     if (a == "--context" && i + 1 < argc) only_ctx = std::atoll(argv[++i]);
     if (a == "--no-maintenance") no_maint = true;
     if (a == "--hq" && i + 1 < argc) g_hq = std::atoi(argv[++i]);
+    if (a == "--flush" && i + 1 < argc) {
+      const std::string m = argv[++i];
+      if (m != "read" && m != "write") {
+        std::fprintf(stderr, "--flush: expected read or write but got %s\n", m.c_str());
+        return 2;
+      }
+      g_flush_write = m == "write";
+    }
     if (a == "--target-blocks" && i + 1 < argc) plan_opt.target_blocks = std::atoll(argv[++i]);
     if (a == "--packed-stage-bytes" && i + 1 < argc)
       plan_opt.packed_stage_bytes = std::atoll(argv[++i]);
@@ -173,6 +211,8 @@ int main(int argc, char** argv) {
     std::printf("device: %s (cc %d.%d, %d SMs, L2 %.0f MB, %.1f GB)\n", info.name.c_str(),
                 info.cc_major, info.cc_minor, info.sm_count, info.l2_bytes / 1e6,
                 info.global_bytes / 1e9);
+    std::printf("L2 flush before each repeat: %s\n",
+                g_flush_write ? "write (256 MiB memset)" : "read (256 MiB read, clean lines)");
     cudaStream_t s;
     CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     const size_t flush_bytes = size_t{256} << 20;

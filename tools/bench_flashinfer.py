@@ -5,7 +5,8 @@ Runs flashinfer.BatchDecodeWithPagedKVCacheWrapper, both its default decode kern
 one, use_tensor_cores=False) and its tensor-core one (use_tensor_cores=True, rows "... tc"; NHD
 pages of 16 rows), over a bf16 and an fp8-e4m3 paged cache of the shapes of bench/cuda_decode_attention.cu
 (32 query / 8 KV heads, head_dim 128; batch 1 and 8; context 4K, 32K, 128K) with that program's
-protocol (warm-up, CUDA events, L2 flushed by a 256 MiB fill before each repeat, median and
+protocol (warm-up, CUDA events, L2 flushed by a pass over 256 MiB before each repeat, read or
+written as --flush says (tools/gpu_timing.py), median and
 p10-p90), then prints one Markdown table per shape with our rows from that program's CSV beside
 them (% of copy bandwidth on each row's bytes, its bound in us = bytes / copy bandwidth) and the
 issue's peer targets. FlashInfer's JIT kernels are built once, before any timing (the first plan
@@ -13,6 +14,7 @@ and run of each data type), in FLASHINFER_WORKSPACE_BASE.
 
 Usage: python3 tools/bench_flashinfer.py cuda_decode_attention.csv [--repeats 20] [--quick]
                                        [--hq 32|128] [--shapes 1x4096,8x32768]
+                                       [--flush read|write]
 (--hq: query heads, 128 for issue 14's GQA-16 shape, with a CSV of cuda_decode_attention --hq of
 the same value; --shapes: the (batch x context) pairs timed, default all)
 Exits 0 with a note when flashinfer cannot be imported. The wheels are fetched once into .whl/
@@ -59,6 +61,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--shapes", default="")
+    ap.add_argument("--flush", choices=("read", "write"), default="read",
+                    help="L2 flush before each repeat (tools/gpu_timing.py)")
     args = ap.parse_args()
     global HQ
     HQ = args.hq
@@ -102,7 +106,7 @@ def main():
     for b, ctx in shapes:
         for name, dt, tc in kinds:
             w, q, kv, nb = make_case(fi, ws, b, ctx, dt, dev, tc)
-            med, p10, p90 = time_it(lambda: w.run(q, kv), flush, 5, args.repeats)
+            med, p10, p90 = time_it(lambda: w.run(q, kv), flush, 5, args.repeats, args.flush)
             res[(b, ctx, name)] = (med, p10, p90, nb)
             del w, q, kv
             torch.cuda.empty_cache()

@@ -3,13 +3,14 @@
 
 Runs SDPA decode (one query per sequence, GQA 32/8, head_dim 128) over a bf16 cache of the same
 shapes as bench/cuda_decode_attention.cu (batch 1 and 8, context 4K/32K/128K) and a causal 32K
-prefill, with the same protocol (warm-up, CUDA events, L2 flushed by a 256 MiB memset before each
-repeat, median and p10-p90), then reads that program's CSV and prints one Markdown table with
-every method's speed against SDPA, and the issue's targets with the measured ratios.
+prefill, with the same protocol (warm-up, CUDA events, L2 flushed before each repeat by a pass
+over 256 MiB: --flush read, the default, or write, as tools/gpu_timing.py says; median and
+p10-p90), then reads that program's CSV and prints one Markdown table with every method's speed
+against SDPA, and the issue's targets with the measured ratios.
 
 Usage: python3 tools/bench_sdpa.py cuda_decode_attention.csv [--repeats 30] [--quick]
                                   [--before OLD.csv] [--skip-prefill] [--hq 32|128]
-                                  [--shapes 1x4096,8x32768]
+                                  [--shapes 1x4096,8x32768] [--flush read|write]
 --before adds the medians of another build's CSV (same run, same machine state) and their ratio
 to SDPA; --skip-prefill leaves out the 32K causal prefill (the cache-maintenance reference);
 --hq: query heads (128: the GQA-16 shape of issue 14; the CSV must come from
@@ -35,6 +36,8 @@ def main():
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--shapes", default="")
+    ap.add_argument("--flush", choices=("read", "write"), default="read",
+                    help="L2 flush before each repeat (tools/gpu_timing.py)")
     args = ap.parse_args()
     global HQ
     HQ = args.hq
@@ -63,7 +66,7 @@ def main():
             k = torch.randn(b, HKV, ctx, D, device=dev, dtype=torch.bfloat16)
             v = torch.randn(b, HKV, ctx, D, device=dev, dtype=torch.bfloat16)
             fn = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-            med, p10, p90 = time_it(fn, flush, 5, args.repeats)
+            med, p10, p90 = time_it(fn, flush, 5, args.repeats, args.flush)
             nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
             sdpa[(b, ctx)] = (med, p10, p90, nbytes)
             del q, k, v
@@ -78,7 +81,7 @@ def main():
         v = torch.randn(1, HKV, n, D, device=dev, dtype=torch.bfloat16)
         pre = time_it(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-            flush, 3, max(5, args.repeats // 3))
+            flush, 3, max(5, args.repeats // 3), args.flush)
         del q, k, v
 
     print(f"\n## Decode attention on the H200 (H_q {HQ}, H_kv {HKV}, D {D}): veloxquant fused "
