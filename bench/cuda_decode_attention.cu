@@ -1,7 +1,8 @@
 // Decode-attention benchmark on the GPU at Llama-3-8B shapes (32 query heads, 8 KV heads,
 // head_dim 128), batch 1 and 8, context 4K / 32K / 128K, for every cache layout:
 //   fp16 full                       one f16 segment
-//   skvq K2V2 g32 / K2V2 g128 / K4V4 g32
+//   skvq K2V2 g32 / K2V2 g128 / K4V4 g32 / K3V3 g32 / K1.5V2 g32 (the last two: the CUDA-core
+//                                   kernel's any-bits instance)
 //                                   5 f16 sinks + packed rows (real codes from the GPU flush,
 //                                   channel permutations) + a 64-row f16 tail
 //   snapkv budget 2048              2048 f16 rows with explicit per-head positions
@@ -254,8 +255,11 @@ int main(int argc, char** argv) {
       std::shuffle(perm_h.begin() + h * kD, perm_h.begin() + (h + 1) * kD, rng);
     }
     DeviceBuffer perm = DeviceBuffer::from_vector(perm_h, s);
-    const std::vector<PackedFmt> fmts = {
-        {"skvq K2V2 g32", 2, 2, 32}, {"skvq K2V2 g128", 2, 2, 128}, {"skvq K4V4 g32", 4, 4, 32}};
+    const std::vector<PackedFmt> fmts = {{"skvq K2V2 g32", 2, 2, 32},
+                                         {"skvq K2V2 g128", 2, 2, 128},
+                                         {"skvq K4V4 g32", 4, 4, 32},
+                                         {"skvq K3V3 g32", 3, 3, 32},
+                                         {"skvq K1.5V2 g32", 1.5, 2, 32}};
     struct PackedData {
       vq::PackedRowFormat fk, fv;
       DeviceBuffer k, v;

@@ -1,7 +1,7 @@
 // Host tests of the CUDA decode planner (src/cuda/decode_plan.h) on a fake device context: no GPU
 // and no CUDA build needed. Kernel choice per view (f16-only, packed 2/4-bit with f16 or fp8
 // metadata, fixed group-32 records, bf16 rows alone and beside packed rows, f16 beside bf16,
-// formats that are dequantized first), split and tile
+// any code spec read in place, formats that are dequantized first), split and tile
 // sizes against the rules written in decode_plan.cpp, channel-axis keys (the channel kernel), the
 // DecodePlanOptions overrides (and that the environment no longer changes a plan), shape errors,
 // and the check of a layer's view against a plan. Segment pointers are fake aligned addresses:
@@ -221,9 +221,32 @@ TEST(DecodePlan, OtherViewsTakeTheCudaCoreKernel) {
   }
 }
 
+TEST(DecodePlan, AnyCodeSpecIsReadInPlace) {
+  // 1.5-bit (three-level) codes and every bit pair without an instance of its own are read in
+  // place by the CUDA-core kernel's any-bits instance: no scratch, no dequantized copy
+  const double pairs[][2] = {{1.5, 2}, {2, 1.5}, {1.5, 1.5}, {3, 3}, {2, 8}, {8, 4},
+                             {1, 1},   {5, 7},   {6, 3},     {4, 8}, {8, 2}, {7, 1.5}};
+  for (const auto& kv : pairs) {
+    const DecodePlan p =
+        plan({fp_seg(5, DType::kF16), packed_seg(300, kv[0], kv[1], 32, MetaType::kF16, 128, 5)}, 2,
+             4, 16, 128);
+    ASSERT_EQ(p.segments.size(), 2u);
+    EXPECT_FALSE(p.segments[1].dequantize) << kv[0] << "/" << kv[1];
+    EXPECT_EQ(p.segments[1].k_row_bytes,
+              make_row_format(128, kv[0], 32, MetaType::kF16).row_stride);
+    EXPECT_EQ(p.k_bits, static_cast<int>(kv[0] == 1.5 ? 1 : kv[0]));
+    EXPECT_EQ(p.v_bits, static_cast<int>(kv[1] == 1.5 ? 1 : kv[1]));
+    EXPECT_EQ(p.kernel, DecodeKernel::kCudaCore) << decode_kernel_name(p.kernel);
+    EXPECT_EQ(p.scratch_bytes, 0u);
+    expect_consistent(p);
+  }
+}
+
 TEST(DecodePlan, UnfusedFormatsAreDequantizedIntoScratch) {
-  // 1.5-bit keys: no split kernel reads them; the run dequantizes into fp32 scratch [2, B*H, n, D]
+  // key and value groups that differ: a kernel lane reads one group for both, so no split kernel
+  // reads them; the run dequantizes into fp32 scratch [2, B*H, n, D]
   DeviceSegment t = packed_seg(300, 1.5, 2, 32, MetaType::kF16);
+  t.v_fmt = make_row_format(128, 2, 16, MetaType::kF16);
   const DecodePlan p = plan({fp_seg(5, DType::kF16), t}, 2, 4, 16, 128);
   ASSERT_EQ(p.segments.size(), 2u);
   EXPECT_TRUE(p.segments[1].dequantize);

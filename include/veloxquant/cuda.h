@@ -323,12 +323,14 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
 // q device [B, H_q, D] fp32 contiguous; out device [B, H_q, D] fp32 contiguous.
 // Supported: D in {64, 128}; any H_q / H_kv (1, 2, 4 or 8 query heads per block, DecodePlan::kv_rep
 // blocks per KV head: 16 heads take 2 blocks of 8, each reading the rows); full-precision segments
-// f16 / bf16 / f32; packed segments of every SKVQ format. Fused (read in place): key/value bits
-// (2,2), (4,4), (8,8), (4,2) or (2,4), group_size a multiple of 8, any metadata type, permutation
-// and/or Hadamard rotation (the query is transformed, never the keys; values are accumulated in
-// stored order and un-transformed once); every packed segment of one view must then share one
-// format and one set of transforms. Other formats (1.5-bit codes, other bit pairs, other groups)
-// are first dequantized into stream-ordered fp32 scratch (the CPU's dequantize_row values) and
+// f16 / bf16 / f32; packed segments of every SKVQ format. Fused (read in place): keys and values
+// of any code spec (1..8 bits or 1.5-bit three-level codes, each its own: the pairs (2,2), (4,4),
+// (8,8), (4,2), (2,4) by kernels of their own, every other pair by one that reads the spec at run
+// time), one group_size for both, a multiple of 8, any metadata type, permutation and/or Hadamard
+// rotation (the query is transformed, never the keys; values are accumulated in stored order and
+// un-transformed once); every packed segment of one view must then share one format and one set
+// of transforms. Other groups (key and value groups that differ or are not a multiple of 8) are
+// first dequantized into stream-ordered fp32 scratch (the CPU's dequantize_row values) and
 // attended to as f32 rows: exact but not fused. Channel-axis keys (skvq_key_axis=channel, any code
 // bits and metadata type, values of any token-axis format, the same transforms) are read in place
 // by a CUDA-core kernel of their own: per run of rows sharing (lo_c, scale_c), q'_c * scale_c is

@@ -181,6 +181,8 @@ DecodeParams fill_params(const DecodePlan& plan, const PlannedSegments& segs, co
         pk.v_code_bytes = sg.v_fmt.code_bytes;
         pk.k_meta = static_cast<int32_t>(sg.k_fmt.meta);
         pk.v_meta = static_cast<int32_t>(sg.v_fmt.meta);
+        pk.k_bits_x2 = sg.k_fmt.spec.bits_x2;
+        pk.v_bits_x2 = sg.v_fmt.spec.bits_x2;
         pk.k_perm = sg.k_perm;
         pk.v_perm = sg.v_perm;
         pk.k_signs = sg.k_signs;

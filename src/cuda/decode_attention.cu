@@ -246,7 +246,10 @@ int decode_mma_blocks_per_sm(const DecodeParams& p) {
 
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s, const DecodeBatchArg* batch) {
   using namespace decode_impl;
-  const int kb = p.k_bits, vb = p.v_bits;
+  // the instance of the view's code specs: (2,2), (4,4), (8,8), (4,2), (2,4) their own, every
+  // other pair (three-level codes among them, whose bits() is 1) the any-bits instance
+  const bool ternary = p.pk.k_bits_x2 == 3 || p.pk.v_bits_x2 == 3;
+  const int kb = ternary ? -1 : p.k_bits, vb = ternary ? -1 : p.v_bits;
   for (int i = 0; i < p.n_segments; ++i)
     VQ_CHECK(p.seg[i].packed != 2,
              "[decode_attention] internal: channel-axis keys take decode_attention_launch_channel");
@@ -264,11 +267,8 @@ void decode_attention_launch(const DecodeParams& p, cudaStream_t s, const Decode
     launch_split<4, 2>(p, s);
   } else if (kb == 2 && vb == 4) {
     launch_split<2, 4>(p, s);
-  } else {
-    throw Error(
-        "[decode_attention] expected packed key/value bits (2,2), (4,4), (8,8), (4,2) or "
-        "(2,4) but got (" +
-        std::to_string(kb) + "," + std::to_string(vb) + ")");
+  } else {  // every other pair of code specs (1..8 bits, three levels): codes read at run time
+    launch_split<kAnyBits, kAnyBits>(p, s);
   }
   launch_combine(p, s);
 }

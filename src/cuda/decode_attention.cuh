@@ -44,7 +44,10 @@ struct DecodeSegmentParams {
 struct DecodePackedParams {
   int32_t group_size = 32;
   int32_t k_code_bytes = 0, v_code_bytes = 0;
-  int32_t k_meta = 0, v_meta = 0;   // vq::MetaType values: 0 f16, 1 f32, 2 fp8 e4m3
+  int32_t k_meta = 0, v_meta = 0;  // vq::MetaType values: 0 f16, 1 f32, 2 fp8 e4m3
+  // CodeSpec::bits_x2 of the key and value codes (1..8 bits: 2..16, 1.5 bits: 3), read by the
+  // CUDA-core kernel's any-bits instance (decode_attention_kernel.cuh, kAnyBits)
+  int32_t k_bits_x2 = 0, v_bits_x2 = 0;
   const int32_t* k_perm = nullptr;  // [H_kv, D] or nullptr
   const float* k_signs = nullptr;   // [H_kv, D] or nullptr
   int32_t k_rot_block = 0;

@@ -214,6 +214,12 @@ __device__ __forceinline__ uint32_t lds_u32_any(const uint8_t* base, uint32_t of
   return __funnelshift_r(w[0], w[1], (off & 3u) * 8u);
 }
 
+// The KB / VB of the any-bits instance (decode_attention_kany.cu): codes of any CodeSpec (1..8
+// bits, or three levels five to a byte) for keys and values alike, the spec read at run time
+// from DecodePackedParams::k_bits_x2 / v_bits_x2, each code read as a plain integer float
+// (load_codes_any below); views whose bit pair has no instance of its own take it.
+constexpr int kAnyBits = 16;
+
 // Codes decode to floats without shifting them down: code j of a piece is read in place as
 // c_j * 2^code_exp<BITS>(j) (the masked bits OR-ed into the mantissa of 2^23, minus 2^23, all
 // exact below 2^23), and the query is pre-scaled by 2^-code_exp, so every product q_j c_j is
@@ -257,12 +263,56 @@ __device__ __forceinline__ void load_meta(const uint8_t* base, uint32_t rec, int
 }
 
 // The 8 codes of piece `piece` (channels 8*piece .. 8*piece+7) of a record at offset rec, as
-// c_j * 2^code_exp<BITS>(j).
+// exact integer floats, for any code spec (packed.h: b-bit codes at bits [j b, j b + b) of a
+// little-endian stream, so 8 codes are the b bytes at piece * b; three-level codes are the
+// base-3 digits j % 5 of byte j / 5).
+__device__ __forceinline__ void load_codes_any(const uint8_t* base, uint32_t rec, int piece,
+                                               int bits_x2, float (&c)[8]) {
+  if (bits_x2 == 3) {
+    const uint32_t j0 = 8u * static_cast<uint32_t>(piece);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t i = j0 + static_cast<uint32_t>(j);
+      uint32_t v = base[rec + i / 5u];
+      switch (i % 5u) {  // divisions by constants: multiply-high, no divide
+        case 1:
+          v /= 3u;
+          break;
+        case 2:
+          v /= 9u;
+          break;
+        case 3:
+          v /= 27u;
+          break;
+        case 4:
+          v /= 81u;
+          break;
+        default:
+          break;
+      }
+      c[j] = static_cast<float>(v % 3u);
+    }
+    return;
+  }
+  const int b = bits_x2 / 2;
+  const uint32_t off = rec + static_cast<uint32_t>(piece * b);
+  const uint64_t w = static_cast<uint64_t>(lds_u32_any(base, off)) |
+                     (static_cast<uint64_t>(lds_u32_any(base, off + 4)) << 32);
+  const uint32_t mask = (1u << b) - 1u;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) c[j] = static_cast<float>(static_cast<uint32_t>(w >> (j * b)) & mask);
+}
+
+// The 8 codes of piece `piece` (channels 8*piece .. 8*piece+7) of a record at offset rec, as
+// c_j * 2^code_exp<BITS>(j) (kAnyBits: load_codes_any with the run's bits_x2, exponent 0).
 template <int BITS>
 __device__ __forceinline__ void load_codes(const uint8_t* base, uint32_t rec, int piece,
-                                           float (&c)[8]) {
+                                           float (&c)[8], int bits_x2 = 0) {
   const uint32_t off = rec + static_cast<uint32_t>(piece * BITS);  // 8 codes = BITS bytes
-  if constexpr (BITS == 8) {
+  if constexpr (BITS == kAnyBits) {
+    (void)off;
+    load_codes_any(base, rec, piece, bits_x2, c);
+  } else if constexpr (BITS == 8) {
     const uint32_t w0 = lds_u32_any(base, off), w1 = lds_u32_any(base, off + 4);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // bytes [c, 0, 0, 0x4B] = 2^23 + c
@@ -718,7 +768,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
             for (int k = 0; k < NP; ++k) {
               const int piece = sub + k * LPR;
               float c[8], lo, sc;
-              load_codes<KB>(sk, rec, piece, c);
+              load_codes<KB>(sk, rec, piece, c, p.pk.k_bits_x2);
               load_meta(sk, rec, p.pk.k_code_bytes, p.pk.k_meta, grp[k], lo, sc);
 #pragma unroll
               for (int h = 0; h < G; ++h) {
@@ -819,7 +869,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, G>())
             for (int k = 0; k < NP; ++k) {
               const int piece = sub + k * LPR;
               float c[8], lo, sc;
-              load_codes<VB>(sv, rec, piece, c);
+              load_codes<VB>(sv, rec, piece, c, p.pk.v_bits_x2);
               load_meta(sv, rec, p.pk.v_code_bytes, p.pk.v_meta, grp[k], lo, sc);
 #pragma unroll
               for (int h = 0; h < G; ++h) {

@@ -10,9 +10,10 @@
 // blocks (the context's occupancy); others to the CUDA-core kernel, target = 16 blocks per SM
 // (about four waves of its ~4 resident blocks). DecodePlanOptions overrides the block target, the
 // packed stage bytes and the rows per split. Packed segments of a format no split kernel reads in
-// place (fused_format) are planned as f32 rows that each run dequantizes into scratch first
-// (unfused fallback). Packed segments with channel-axis keys are read in place by the channel
-// kernel (64-row steps); a view holding them plans the CUDA-core kernel for its other segments.
+// place (fused_format: key and value groups that differ or are not a multiple of 8 channels)
+// are planned as f32 rows that each run dequantizes into scratch first (unfused fallback). Packed
+// segments with channel-axis keys are read in place by the channel kernel (64-row steps); a view
+// holding them plans the CUDA-core kernel for its other segments.
 #include "cuda/decode_plan.h"
 
 #include <algorithm>
@@ -26,16 +27,13 @@ namespace vq::cuda {
 
 namespace {
 
-// Packed formats the split kernels read in place: key/value bits (2,2), (4,4), (8,8), (4,2) or
-// (2,4) and one group size, a multiple of 8. Every other SKVQ format (1.5-bit codes, other bit
-// pairs, other groups) is dequantized first.
+// Packed formats the split kernels read in place: keys and values of any code spec (1..8 bits or
+// three levels: the pairs (2,2), (4,4), (8,8), (4,2), (2,4) by instances of their own, every other
+// pair by the any-bits instance, decode_attention_kany.cu) in one group size, a multiple of 8
+// (a kernel lane's 8-channel piece lies in one group). Other groups are dequantized first.
 bool fused_format(const DeviceSegment& sg) {
   const PackedRowFormat &k = sg.k_fmt, &v = sg.v_fmt;
-  if (k.spec.ternary() || v.spec.ternary()) return false;
-  const int kb = k.spec.bits(), vb = v.spec.bits();
-  const bool pair =
-      (kb == vb && (kb == 2 || kb == 4 || kb == 8)) || (kb == 4 && vb == 2) || (kb == 2 && vb == 4);
-  return pair && k.group_size == v.group_size && k.group_size % 8 == 0;
+  return k.group_size == v.group_size && k.group_size % 8 == 0;
 }
 
 bool same_fmt(const PackedRowFormat& a, const PackedRowFormat& b) {

@@ -380,8 +380,9 @@ TEST(CudaDecode, RefusesUnsupportedShapes) {
     const auto dv = cuda::DeviceCacheView::upload(hv.view);
     expect_error([&] { cuda::decode_attention_host(random_q(2 * 96, 1), 2, dv, {}); }, "head_dim");
   }
-  // Packed formats no split kernel reads in place (1.5-bit codes, ...) are no longer refused:
-  // test_cuda_decode_formats.cpp checks their dequantized fallback against the reference.
+  // Every packed format decodes, none is refused: codes of any spec are read in place (the
+  // any-bits instance), groups that are not a multiple of 8 are dequantized first; the op
+  // harness's packed formats (tests/ops_harness/tables.cpp) check both against the reference.
 }
 
 }  // namespace

@@ -45,6 +45,11 @@ std::vector<PackedSpec> packed_formats() {
       f(4, 4, 32, f16, false, true),      f(2, 2, 32, f16, true, true),
       f(4, 2, 128, fp8, true, true),      f(1.5, 1.5, 128, fp8, false, true),
       f(8, 8, 128, f32, true, false),     f(2, 4, 24, f16, false, false),
+      // bit pairs without an instance of their own in the CUDA decode kernels (its any-bits
+      // instance), and groups that are not a multiple of 8 (its dequantized fallback)
+      f(3, 3, 32, f16, false, false),     f(1.5, 2, 32, fp8, true, false),
+      f(2, 8, 16, f16, false, true),      f(5, 6, 64, f32, true, false),
+      f(8, 1, 32, f16, false, false),     f(4, 4, 12, f16, false, false),
   };
 }
 
