@@ -98,6 +98,11 @@ constexpr int mma_stages() {
 #define VQ_MMA_PACKED_MIN_BLOCKS 4
 #endif
 constexpr int kPackedMinBlocks = VQ_MMA_PACKED_MIN_BLOCKS;
+// The same for G > 4 (the 8-head block and decode_attention_mma16.cuh's 16-head block).
+#ifndef VQ_MMA_PACKED_MIN_BLOCKS_WIDE
+#define VQ_MMA_PACKED_MIN_BLOCKS_WIDE 3
+#endif
+constexpr int kPackedMinBlocksWide = VQ_MMA_PACKED_MIN_BLOCKS_WIDE;
 
 template <int D, int G>
 struct MGeo {
@@ -1001,7 +1006,7 @@ template <bool BATCH>
 using MmaArg = std::conditional_t<BATCH, DecodeBatchArg, DecodeParams>;
 
 template <int D, int G, int PK, int KB, bool BF, bool BATCH>
-__global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : 3))
+__global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : kPackedMinBlocksWide))
     decode_mma_kernel(const __grid_constant__ MmaArg<BATCH> P) {
   constexpr int kStages = mma_stages<PK, KB>();
   // packed tiles arrive by bulk copies (sm_90), one mbarrier per stage
