@@ -71,6 +71,30 @@ inline __m512i code_table() {
   return reinterpret_cast<const __m512i&>(h);
 }
 
+// out[i] += the sum of v[i]'s 16 lanes for i < k <= 16 (v[k ..] are overwritten): a tree of
+// 128-bit and 32-bit lane shuffles over the 16 vectors at once (15 pairwise steps) in place of
+// one horizontal sum per vector; each lane sum adds its 16 lanes in four rounds.
+inline void add_lane_sums(__m512* v, int64_t k, float* out) {
+  for (int64_t i = k; i < 16; ++i) v[i] = _mm512_setzero_ps();
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // halves: [v[2i] lanes j + j + 8 | v[2i + 1] likewise]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L: 4 partial sums of v[4i + L]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // lane L: 2 partials of v[8i + L], then 2 of v[8i + 4 + L]
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  // float 4L + j: the sum of v[4 j + L]
+  const __m512 z =
+      _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512 sums = _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+  const __mmask16 km = static_cast<__mmask16>((1u << k) - 1u);
+  _mm512_mask_storeu_ps(out, km, _mm512_add_ps(_mm512_maskz_loadu_ps(km, out), sums));
+}
+
 // Rows of the tile, in pairs, into the accumulators of queries m0 .. m0 + QB over NB blocks of
 // each row from block b0 on (a block touching G groups: lanes [16 i / G, 16 (i + 1) / G) are
 // group g0 + i). wsb: [n_q][ng][32] bf16 weights (16 floats' room each).
@@ -143,22 +167,29 @@ void values_bf16(const PackedRowFormat& f, const PackedTile& tile, const float* 
   bool contiguous[2] = {true, true};
   const int64_t n_blk = tile_meta16(f, tile, lov, sgv, kb, contiguous);
   // wsb[m][g] = bf16(fl32(p_r s_{r,g})) for rows r < 32 in order (0 past the tile's rows);
-  // acc_lo[m][g] += the 16 lanes' sum of p_r lo_r + p_{r+16} lo_{r+16} (fp32).
+  // acc_lo[m][g] += the 16 lanes' sum of p_r lo_r + p_{r+16} lo_{r+16} (fp32), the lane sums of
+  // 16 (m, g) at a time by add_lane_sums.
+  __m512 los[16];
+  int64_t n_lo = 0, lo0 = 0;  // los holds acc_lo[lo0 .. lo0 + n_lo) (index m ng + g)
   for (int64_t m = 0; m < n_q; ++m) {
     __m512 pm[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     tile_p16(tile, p + m * ld, n_blk, kb, contiguous, pm);
     float* wm = wsb + m * ng * 16;
-    float* am = acc_lo + m * ng;
     for (int64_t g = 0; g < ng; ++g) {
       const __m512 w0 = _mm512_mul_ps(pm[0], sgv[0][g]);
       const __m512 w1 = n_blk == 2 ? _mm512_mul_ps(pm[1], sgv[1][g]) : _mm512_setzero_ps();
       const __m512bh wh = _mm512_cvtne2ps_pbh(w1, w0);  // words 0-15: w0, 16-31: w1
       _mm512_storeu_ps(wm + g * 16, reinterpret_cast<const __m512&>(wh));
-      am[g] += _mm512_reduce_add_ps(
-          n_blk == 2 ? _mm512_fmadd_ps(pm[1], lov[1][g], _mm512_mul_ps(pm[0], lov[0][g]))
-                     : _mm512_mul_ps(pm[0], lov[0][g]));
+      los[n_lo++] = n_blk == 2 ? _mm512_fmadd_ps(pm[1], lov[1][g], _mm512_mul_ps(pm[0], lov[0][g]))
+                               : _mm512_mul_ps(pm[0], lov[0][g]);
+      if (n_lo == 16) {
+        add_lane_sums(los, n_lo, acc_lo + lo0);
+        lo0 += 16;
+        n_lo = 0;
+      }
     }
   }
+  if (n_lo > 0) add_lane_sums(los, n_lo, acc_lo + lo0);
   int64_t m0 = 0;
   for (; m0 + 4 <= n_q; m0 += 4) pairs_passes<B, NB, G, 4>(f, tile, wsb, m0, acc);
   switch (n_q - m0) {
