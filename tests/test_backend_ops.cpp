@@ -468,7 +468,9 @@ TEST(BackendOps, PackedDecodeRowTilesExact) {
 // and, tighter, against the same sum with each weight rounded as the kernel must round it
 // (fp32 product, then bf16 round to nearest even: dtype.h's f32_to_bf16): within
 // gamma_{n+1} (|acc0| + sum |bf16(w) c|) + n 2^-126 2^B, which a wrong pairing, a lone last row
-// taken twice or a truncated weight would leave. acc_lo (fp32) as the fp32 kernel's. Tiles of
+// taken twice or a weight rounded otherwise would leave. mutants (checked by hand): row r's codes
+// in place of row r + 1's fails both checks; each weight times (1 + 2^-10) before its rounding
+// passes the derived bound and fails the second. acc_lo (fp32) as the fp32 kernel's. Tiles of
 // 1-32 rows (odd counts: the last row pairs with itself at weight 0), rows as a run, listed
 // backwards with gaps, or every other record; 2- and 4-bit codes, D = 64 and 128, groups of
 // whole code blocks and of half of one, n_q 1-8 (passes of 4, 3, 2, 1 queries).
