@@ -6,9 +6,11 @@
 // Packed rows are random codes and metadata (speed does not depend on the values).
 //
 //   bench_decode_attention [--contexts 2048,8192,32768] [--shape 8,128,4] [--repeats 30]
-//                          [--threads 1,2] [--paths] [--segment-rows N]   (--paths: also each
-//                          packed decode instruction set, src/ops/packed_decode.h, where this
-//                          build has them)
+//                          [--threads 1,2] [--paths] [--segment-rows N] [--isa NAME]
+//                          (--paths: also each packed decode instruction set,
+//                          src/ops/packed_decode.h, where this build has them; --isa: the packed
+//                          rows' default path by isa_name, e.g. avx512vnni for the fp32 values
+//                          where avx512bf16 is the default, capped to this CPU's)
 //
 // --segment-rows N (default 0: one segment): the packed rows as segments of N rows, each its own
 // allocation, as the CPU SKVQ store holds them (one segment per flushed chunk, skvq_window = 128
@@ -151,6 +153,7 @@ int main(int argc, char** argv) {
   int repeats = 30;
   int64_t seg_rows = 0;
   bool paths = false;
+  int default_isa = -1;  // -1: attention_isa()
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--contexts" && i + 1 < argc)
@@ -165,6 +168,18 @@ int main(int argc, char** argv) {
       seg_rows = std::atoll(argv[++i]);
     else if (a == "--paths")
       paths = true;
+#ifdef VQ_HAVE_PACKED_DECODE
+    else if (a == "--isa" && i + 1 < argc) {
+      const std::string name = argv[++i];
+      for (int isa = 0; isa <= static_cast<int>(vq::detail::CpuIsa::kAvx512Bf16); ++isa)
+        if (name == vq::detail::isa_name(static_cast<vq::detail::CpuIsa>(isa)))
+          default_isa = std::min(isa, static_cast<int>(vq::detail::detected_isa()));
+      if (default_isa < 0) {
+        std::fprintf(stderr, "unknown --isa %s\n", name.c_str());
+        return 2;
+      }
+    }
+#endif
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
@@ -190,7 +205,7 @@ int main(int argc, char** argv) {
     int bits;
     int isa;  // -1: default
   };
-  std::vector<Variant> variants{{0, -1}, {4, -1}, {2, -1}};
+  std::vector<Variant> variants{{0, -1}, {4, default_isa}, {2, default_isa}};
 #ifdef VQ_HAVE_PACKED_DECODE
   const int best_isa = static_cast<int>(vq::detail::detected_isa());
   if (paths)

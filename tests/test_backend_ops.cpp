@@ -224,8 +224,9 @@ TEST(BackendOps, GpuBf16OperandBoundOnEmulatedArithmetic) {
 TEST(BackendOps, AttentionPackedDecodePaths) {
   const auto cases = harness::packed_decode_cases(harness::small_sweep());
   const detail::CpuIsa best = detail::detected_isa();
-  for (detail::CpuIsa isa : {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2,
-                             detail::CpuIsa::kAvx512, detail::CpuIsa::kAvx512Vnni}) {
+  for (detail::CpuIsa isa :
+       {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512,
+        detail::CpuIsa::kAvx512Vnni, detail::CpuIsa::kAvx512Bf16}) {
     if (isa > best) continue;
     detail::set_attention_isa(isa);
     uint64_t seed = 1000;
@@ -288,8 +289,9 @@ TEST(BackendOps, PackedKeysFp8MetadataEqualsFp16) {
       for (int64_t m = 0; m < n_q; ++m)
         for (int64_t i = 0; i < d; ++i)
           qsum[static_cast<size_t>(m * f8.n_groups + i / 32)] += q[static_cast<size_t>(m * d + i)];
-      for (detail::CpuIsa isa : {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2,
-                                 detail::CpuIsa::kAvx512, detail::CpuIsa::kAvx512Vnni}) {
+      for (detail::CpuIsa isa :
+           {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512,
+            detail::CpuIsa::kAvx512Vnni, detail::CpuIsa::kAvx512Bf16}) {
         if (isa > best) continue;
         const detail::PackedKernel k8 = detail::packed_kernel(f8, isa);
         const detail::PackedKernel k16 = detail::packed_kernel(f16, isa);
@@ -363,7 +365,9 @@ TEST(BackendOps, PackedDecodeRowTilesExact) {
         for (int64_t m = 0; m < n_q; ++m)
           for (int64_t i = 0; i < d; ++i)
             qsum[static_cast<size_t>(m * ng + i / gs)] += q[static_cast<size_t>(m * d + i)];
-        const detail::PackedKernel k = detail::packed_kernel(f, best);
+        // the fp32 value kernels (the bf16 ones: PackedDecodeBf16Values)
+        const detail::PackedKernel k =
+            detail::packed_kernel(f, std::min(best, detail::CpuIsa::kAvx512Vnni));
         std::vector<uint64_t> prep;
         if (k.prepare) {
           prep.resize(static_cast<size_t>((k.prep_bytes(f, n_q) + 7) / 8));
@@ -454,6 +458,130 @@ TEST(BackendOps, PackedDecodeRowTilesExact) {
     EXPECT_GE(checked_keys, 2 * 4 * 3 * 64);
   }
   EXPECT_GE(checked_values, 1 * 3 * 3 * 64);
+}
+
+// The bf16 value kernel (src/ops/packed_decode_bf16.cpp, CPUs with AVX-512 BF16): acc_i +=
+// bf16(fl32(p s_g)) c_i with fp32 sums, two rows per vdpbf16ps, against the scalar reference
+// (double sums of the exact terms t = p s_g c_i) with the bound derived there:
+//   |acc - (acc0 + sum_t t)| <= (u_b + u + u_b u) S + gamma_{n+1} (|acc0| + (1 + u_b + 2 u) S)
+//                               + n 2^-126 2^B,   S = sum_t |t|, u_b = 2^-8, u = 2^-24,
+// and, tighter, against the same sum with each weight rounded as the kernel must round it
+// (fp32 product, then bf16 round to nearest even: dtype.h's f32_to_bf16): within
+// gamma_{n+1} (|acc0| + sum |bf16(w) c|) + n 2^-126 2^B, which a wrong pairing, a lone last row
+// taken twice or a weight rounded otherwise would leave. mutants (checked by hand): row r's codes
+// in place of row r + 1's fails both checks; each weight times (1 + 2^-10) before its rounding
+// passes the derived bound and fails the second. acc_lo (fp32) as the fp32 kernel's. Tiles of
+// 1-32 rows (odd counts: the last row pairs with itself at weight 0), rows as a run, listed
+// backwards with gaps, or every other record; 2- and 4-bit codes, D = 64 and 128, groups of
+// whole code blocks and of half of one, n_q 1-8 (passes of 4, 3, 2, 1 queries).
+TEST(BackendOps, PackedDecodeBf16Values) {
+  const detail::CpuIsa best = detail::detected_isa();
+  if (best < detail::CpuIsa::kAvx512Bf16) GTEST_SKIP() << "no AVX-512 BF16 on this CPU";
+  constexpr double kUb = 0x1p-8;  // bf16 unit roundoff (8 significand bits)
+  int checked = 0;
+  double worst = 0, worst_tight = 0;
+  for (int bits : {2, 4})
+    for (int64_t d : {64, 128})
+      for (int64_t gs : {16, 32, 64}) {
+        const PackedRowFormat f = make_row_format(d, bits, gs, MetaType::kF16);
+        const detail::PackedKernel k = detail::packed_kernel(f, best);
+        if (!k.bf16_values) continue;
+        const int64_t n = 70, ng = f.n_groups;
+        std::vector<uint8_t> rec(static_cast<size_t>(n * f.row_stride));
+        std::mt19937_64 rng(static_cast<uint64_t>(bits * 1000 + d * 10 + gs));
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (int64_t r = 0; r < n; ++r) {
+          uint8_t* a = rec.data() + r * f.row_stride;
+          for (int32_t c = 0; c < f.code_bytes; ++c) a[c] = static_cast<uint8_t>(rng());
+          for (int64_t j = 0; j < 2 * ng; ++j) {
+            const float v = j % 2 ? 0.05f + std::abs(nd(rng)) : nd(rng);
+            meta_store(a + f.code_bytes, j, meta_round(v, MetaType::kF16), MetaType::kF16);
+          }
+        }
+        const auto code = [&](int64_t t, int64_t i) {
+          return static_cast<double>(code_at(rec.data() + t * f.row_stride, i, f.spec));
+        };
+        const auto meta_of = [&](int64_t t, int64_t j) {
+          return meta_load(rec.data() + t * f.row_stride + f.code_bytes, j, f.meta);
+        };
+        for (int64_t n_q = 1; n_q <= 8; ++n_q) {
+          const auto p = gaussian(n_q * n, static_cast<uint64_t>(n_q + 17 * bits + d), 1.0f);
+          const auto acc0 = gaussian(n_q * d, static_cast<uint64_t>(n_q * 31 + gs), 0.5f);
+          for (int64_t nt = 1; nt <= 32; ++nt)
+            for (int order = 0; order < 3; ++order) {
+              // the last nt records as a run, listed backwards with gaps, or every other record
+              std::vector<int32_t> rows(static_cast<size_t>(nt));
+              for (int64_t i = 0; i < nt; ++i)
+                rows[static_cast<size_t>(i)] = static_cast<int32_t>(
+                    order == 0 ? n - nt + i
+                               : (order == 1 ? n - 1 - 2 * i * (n - 1) / 64 : 2 * i + 1));
+              const detail::PackedTile tile{rec.data(), f.row_stride, rows.data(), nt};
+              std::vector<float> acc = acc0;
+              std::vector<float> acc_lo(static_cast<size_t>(n_q * ng), 0.0f);
+              std::vector<float> scratch(
+                  static_cast<size_t>(detail::packed_values_scratch(ng, n_q)));
+              k.values(f, tile, p.data(), n, n_q, acc.data(), acc_lo.data(), scratch.data());
+              const std::string v = "bits=" + std::to_string(bits) + ",d=" + std::to_string(d) +
+                                    ",gs=" + std::to_string(gs) + ",n_q=" + std::to_string(n_q) +
+                                    ",rows=" + std::to_string(nt) +
+                                    ",order=" + std::to_string(order);
+              const double flush = static_cast<double>(nt) * 0x1p-126 * (1 << bits);
+              for (int64_t m = 0; m < n_q; ++m)
+                for (int64_t c = 0; c < d; ++c) {
+                  const int64_t g = c / gs;
+                  const double a0 = acc0[static_cast<size_t>(m * d + c)];
+                  double exact = a0, sabs = 0, tight = a0, tabs = 0;
+                  for (int64_t i = 0; i < nt; ++i) {
+                    const int64_t t = rows[static_cast<size_t>(i)];
+                    const float pm = p[static_cast<size_t>(m * n + t)];
+                    const float sg = meta_of(t, 2 * g + 1);
+                    const double term = static_cast<double>(pm) * sg * code(t, c);
+                    exact += term;
+                    sabs += std::abs(term);
+                    const double wb = bf16_to_f32(f32_to_bf16(pm * sg));
+                    tight += wb * code(t, c);
+                    tabs += std::abs(wb * code(t, c));
+                  }
+                  const double got = acc[static_cast<size_t>(m * d + c)];
+                  const double bound =
+                      (kUb + kU + kUb * kU) * sabs +
+                      harness::gamma_n(nt + 1) * (std::abs(a0) + (1 + kUb + 2 * kU) * sabs) + flush;
+                  const double tbound = harness::gamma_n(nt + 1) * (std::abs(a0) + tabs) + flush;
+                  const double err = std::abs(got - exact), terr = std::abs(got - tight);
+                  worst = std::max(worst, err / bound);
+                  worst_tight = std::max(worst_tight, terr / tbound);
+                  if (!(err <= bound) || !(terr <= tbound)) {
+                    ADD_FAILURE() << "values " << v << " m " << m << " c " << c << ": " << got
+                                  << " vs " << exact << " (bound " << bound << ") / " << tight
+                                  << " (bound " << tbound << ")";
+                    return;
+                  }
+                }
+              for (int64_t m = 0; m < n_q; ++m)
+                for (int64_t g = 0; g < ng; ++g) {
+                  double lo_sum = 0.0, lo_abs = 0.0;
+                  for (int64_t i = 0; i < nt; ++i) {
+                    const int64_t t = rows[static_cast<size_t>(i)];
+                    const double x =
+                        static_cast<double>(p[static_cast<size_t>(m * n + t)]) * meta_of(t, 2 * g);
+                    lo_sum += x;
+                    lo_abs += std::abs(x);
+                  }
+                  EXPECT_LE(std::abs(acc_lo[static_cast<size_t>(m * ng + g)] - lo_sum),
+                            static_cast<double>(nt + 1) * kU * lo_abs)
+                      << "values acc_lo " << v << " m " << m << " g " << g;
+                }
+              ++checked;
+            }
+        }
+      }
+  std::printf(
+      "[bf16 values] %d tiles; worst share of the derived bound %.1f%%, of the bound "
+      "around bf16-rounded weights %.1f%%\n",
+      checked, 100 * worst, 100 * worst_tight);
+  // 2-bit: gs 32 (half blocks), 64; 4-bit: gs 16 (half blocks), 32, 64; D 64 and 128 (4-bit
+  // gs 64 at D 64 is one group of two blocks)
+  EXPECT_GE(checked, 10 * 8 * 32 * 3);
 }
 
 // ---- group quantization -----------------------------------------------------------------------

@@ -15,6 +15,8 @@ const char* isa_name(CpuIsa isa) {
       return "avx512";
     case CpuIsa::kAvx512Vnni:
       return "avx512vnni";
+    case CpuIsa::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "?";
 }
@@ -24,8 +26,12 @@ CpuIsa detected_isa() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      return __builtin_cpu_supports("avx512vnni") ? CpuIsa::kAvx512Vnni : CpuIsa::kAvx512;
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+      if (!__builtin_cpu_supports("avx512vnni")) return CpuIsa::kAvx512;
+      return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi")
+                 ? CpuIsa::kAvx512Bf16
+                 : CpuIsa::kAvx512Vnni;
+    }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
 #endif
     return CpuIsa::kPortable;
@@ -48,6 +54,15 @@ void set_attention_isa(CpuIsa isa) {
 }
 
 PackedKernel packed_kernel(const PackedRowFormat& f, CpuIsa isa) {
+  if (isa >= CpuIsa::kAvx512Bf16) {
+    PackedKernel k = packed_kernel(f, CpuIsa::kAvx512Vnni);
+    if (k.values)
+      if (PackedValuesFn v = packed_values_bf16(f)) {
+        k.values = v;
+        k.bf16_values = true;
+      }
+    return k;
+  }
   if (isa >= CpuIsa::kAvx512Vnni) {
     const PackedKernel k = packed_kernel_vnni(f), v = packed_kernel_avx512(f);
     if (k.keys && v.values) {

@@ -20,7 +20,10 @@ namespace vq::detail {
 
 // Instruction sets a kernel can be built for, in increasing order.
 // kAvx512Vnni: AVX-512 with VNNI, whose key kernels run on int8 queries (see below).
-enum class CpuIsa : uint8_t { kPortable, kAvx2, kAvx512, kAvx512Vnni };
+// kAvx512Bf16: kAvx512Vnni's kernels with the values of 2- and 4-bit codes as bf16 dot products
+// (AVX-512 BF16 and VBMI; PackedKernel::bf16_values). set_attention_isa(kAvx512Vnni) keeps the
+// fp32 values.
+enum class CpuIsa : uint8_t { kPortable, kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16 };
 const char* isa_name(CpuIsa isa);
 // The best instruction set of this CPU that this build has kernels for (checked once).
 CpuIsa detected_isa();
@@ -71,6 +74,10 @@ struct PackedKernel {
   // |q'_i| / 127, q8_i = rne(q'_i / sq_g), so |q'_i - sq_g q8_i| <= sq_g (1/2 + 127 u); the
   // integer dot products are exact (packed_decode_vnni.cpp).
   bool int8_query = false;
+  // The values kernel rounds each weight p s_g (fp32) to bf16 and sums in fp32 (vdpbf16ps):
+  // |acc - exact| <= (u_b + u + u_b u) sum_t |p s_g c| + gamma_{n+1} (|acc0| + (1 + u_b + 2 u)
+  // sum_t |p s_g c|) + n 2^-126 2^B per channel, u_b = 2^-8 (packed_decode_bf16.cpp derives it).
+  bool bf16_values = false;
 };
 
 // The kernels for records of format f on instruction set isa (at most isa: a format the SIMD
@@ -85,5 +92,8 @@ PackedKernel packed_kernel_avx2(const PackedRowFormat& f);
 PackedKernel packed_kernel_avx512(const PackedRowFormat& f);
 // Keys only (values: packed_kernel_avx512's).
 PackedKernel packed_kernel_vnni(const PackedRowFormat& f);
+// Values only, bf16 dot products (packed_decode_bf16.cpp): null where f is not covered (2- and
+// 4-bit codes, fp16 metadata) or the set was not built.
+PackedValuesFn packed_values_bf16(const PackedRowFormat& f);
 
 }  // namespace vq::detail

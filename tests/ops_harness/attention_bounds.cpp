@@ -17,6 +17,10 @@ double scale_of(const AttentionParams& ap, int64_t d) {
   return ap.scale != 0.0f ? ap.scale : 1.0 / std::sqrt(static_cast<double>(d));
 }
 
+// The relative error of a weight p s_g formed in fp32, then rounded to bf16 (round to nearest
+// even, 8 significand bits: u_b = 2^-8).
+constexpr double kBf16Weight = 0x1p-8 + kU + 0x1p-8 * kU;
+
 bool visible(int64_t pos, int64_t q_pos, int64_t window) {
   return pos <= q_pos && (window <= 0 || q_pos < pos + window);
 }
@@ -35,6 +39,8 @@ struct RowInfo {
   // sum_{i in g} c_i s_g per group, and the key transform of this head.
   bool k_int8 = false;
   bool k_channel = false;  // channel-axis keys: the general path's depth D + 8
+  // Packed values whose kernel rounds the weights p s_g to bf16 (PackedKernel::bf16_values).
+  bool v_bf16 = false;
   std::vector<double> k_cs;
   const int32_t* k_perm = nullptr;
   const float* k_signs = nullptr;
@@ -116,6 +122,7 @@ std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, in
           r.k_signs = kt.signs ? kt.signs + h * d : nullptr;
         }
         r.v_block = seg.packed->values.rot_block;
+        r.v_bf16 = detail::packed_kernel(seg.packed->values.fmt, isa).bf16_values;
       }
       out.push_back(std::move(r));
     }
@@ -140,6 +147,12 @@ std::vector<RowInfo> rows_info(const CacheView& view, const CacheView& dense, in
 //    (n + n_tiles + 8) u sum_j w_j V_j, V_j = |v_jd| (fp) or max_i (|c_i s| + |lo|) (packed);
 //    rotated values mix channels in R^T (norm <= sqrt(D) times the largest element); the
 //    un-rotation of the sum and the reference's un-rotated values add T_rot each.
+//  * bf16 value kernels (PackedKernel::bf16_values, src/ops/packed_decode_bf16.cpp): each weight
+//    p s_g is rounded once more, to bf16 (u_b = 2^-8 after the fp32 product's u), its product
+//    with the exact code exact and summed in fp32 as above: (u_b + u + u_b u) sum_j w_j V_j
+//    more (kBf16Weight), with V_j and the rotation's sqrt(D) as in the values term; weights or
+//    sums below 2^-126 flushed to 0 (denormals as zero): at most 2^-126 (2^B + 1) <= 2^-121
+//    per such row (the normalised weights' sum l >= 1 only shrinks it).
 //  Packed rows in decode (packed_decode_bound: the kernels of src/ops/packed_decode.h compute on
 //  the codes): codes are exact in fp32; per group, fp32 FMA partial sums of q'_i c_i over the
 //  group (at most g sequential roundings per lane), one FMA by s_g into the lane totals, a lane
@@ -244,14 +257,19 @@ std::vector<double> bound_for(const std::vector<double>& q, const std::vector<Ro
   double vmax = 0;
   for (const RowInfo* r : vis)
     for (double x : r->v) vmax = std::max(vmax, std::fabs(x));
+  double n_bf16 = 0;  // rows whose values take bf16 weights, and their flush term's factor
+  for (const RowInfo* r : vis)
+    if (r->v_bf16) n_bf16 += r->v_rot ? std::sqrt(double(d)) : 1.0;
   for (int64_t c = 0; c < d; ++c) {
-    double a = 0, bterm = 0, trot = 0;
+    double a = 0, bterm = 0, trot = 0, bf = 0;
     for (size_t j = 0; j < vis.size(); ++j) {
       const RowInfo& r = *vis[j];
       const double wj = w[j] / wsum;
       a += wj * std::fabs(r.v[c]);
       if (r.packed) {
-        bterm += wj * r.v_max * (r.v_rot ? std::sqrt(double(d)) : 1.0);
+        const double vb = wj * r.v_max * (r.v_rot ? std::sqrt(double(d)) : 1.0);
+        bterm += vb;
+        if (r.v_bf16) bf += vb;
         if (r.v_rot)
           trot +=
               wj * (std::log2(double(r.v_block)) + 2) * kU * r.v_l1 / std::sqrt(double(r.v_block));
@@ -259,7 +277,8 @@ std::vector<double> bound_for(const std::vector<double>& q, const std::vector<Ro
         bterm += wj * std::fabs(r.v[c]);
       }
     }
-    out[c] = std::expm1(2 * eps) * a + gamma * bterm + 2 * trot + n * 0x1p-125 * vmax;
+    out[c] = std::expm1(2 * eps) * a + gamma * bterm + 2 * trot + n * 0x1p-125 * vmax +
+             kBf16Weight * bf + n_bf16 * 0x1p-121;
   }
   return out;
 }
