@@ -1006,7 +1006,8 @@ template <bool BATCH>
 using MmaArg = std::conditional_t<BATCH, DecodeBatchArg, DecodeParams>;
 
 template <int D, int G, int PK, int KB, bool BF, bool BATCH>
-__global__ void __launch_bounds__(kThreads, PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : kPackedMinBlocksWide))
+__global__ void __launch_bounds__(kThreads,
+                                  PK == 0 ? 2 : (G <= 4 ? kPackedMinBlocks : kPackedMinBlocksWide))
     decode_mma_kernel(const __grid_constant__ MmaArg<BATCH> P) {
   constexpr int kStages = mma_stages<PK, KB>();
   // packed tiles arrive by bulk copies (sm_90), one mbarrier per stage

@@ -38,18 +38,28 @@ std::vector<PackedSpec> packed_formats() {
   };
   const MetaType f16 = MetaType::kF16, fp8 = MetaType::kFP8E4M3, f32 = MetaType::kF32;
   return {
-      f(2, 2, 32, f16, false, false),     f(4, 4, 32, f16, false, false),
-      f(8, 8, 32, f16, false, false),     f(4, 2, 32, f16, false, false),
-      f(1.5, 1.5, 32, f16, false, false), f(2, 2, 128, f16, false, false),
-      f(4, 4, 128, fp8, false, false),    f(2, 2, 32, fp8, true, false),
-      f(4, 4, 32, f16, false, true),      f(2, 2, 32, f16, true, true),
-      f(4, 2, 128, fp8, true, true),      f(1.5, 1.5, 128, fp8, false, true),
-      f(8, 8, 128, f32, true, false),     f(2, 4, 24, f16, false, false),
+      f(2, 2, 32, f16, false, false),
+      f(4, 4, 32, f16, false, false),
+      f(8, 8, 32, f16, false, false),
+      f(4, 2, 32, f16, false, false),
+      f(1.5, 1.5, 32, f16, false, false),
+      f(2, 2, 128, f16, false, false),
+      f(4, 4, 128, fp8, false, false),
+      f(2, 2, 32, fp8, true, false),
+      f(4, 4, 32, f16, false, true),
+      f(2, 2, 32, f16, true, true),
+      f(4, 2, 128, fp8, true, true),
+      f(1.5, 1.5, 128, fp8, false, true),
+      f(8, 8, 128, f32, true, false),
+      f(2, 4, 24, f16, false, false),
       // bit pairs without an instance of their own in the CUDA decode kernels (its any-bits
       // instance), and groups that are not a multiple of 8 (its dequantized fallback)
-      f(3, 3, 32, f16, false, false),     f(1.5, 2, 32, fp8, true, false),
-      f(2, 8, 16, f16, false, true),      f(5, 6, 64, f32, true, false),
-      f(8, 1, 32, f16, false, false),     f(4, 4, 12, f16, false, false),
+      f(3, 3, 32, f16, false, false),
+      f(1.5, 2, 32, fp8, true, false),
+      f(2, 8, 16, f16, false, true),
+      f(5, 6, 64, f32, true, false),
+      f(8, 1, 32, f16, false, false),
+      f(4, 4, 12, f16, false, false),
   };
 }
 
