@@ -245,7 +245,7 @@ int main(int argc, char** argv) {
         }
         const double cpu = (cpu_seconds() - c0) / repeats;
 #ifdef VQ_HAVE_PACKED_DECODE
-        vq::detail::set_attention_isa(vq::detail::detected_isa());
+        vq::detail::reset_attention_isa();
 #endif
         std::sort(ts.begin(), ts.end());
         const double med = ts[ts.size() / 2], best = ts[0];

@@ -249,7 +249,7 @@ TEST(BackendOps, AttentionPackedDecodePaths) {
                 "out");
     }
   }
-  detail::set_attention_isa(best);
+  detail::reset_attention_isa();
 }
 
 // fp8 (e4m3) metadata in the packed key kernels is decoded exactly: every fp8 value is an fp16

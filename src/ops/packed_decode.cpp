@@ -43,9 +43,24 @@ namespace {
 std::atomic<int> g_isa{-1};  // -1: detected_isa()
 }  // namespace
 
+CpuIsa default_isa() {
+  static const CpuIsa isa = [] {
+    const CpuIsa best = detected_isa();
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (best == CpuIsa::kAvx512Bf16 && !__builtin_cpu_is("amd")) return CpuIsa::kAvx512Vnni;
+#endif
+    return best;
+  }();
+  return isa;
+}
+
 CpuIsa attention_isa() {
   const int v = g_isa.load(std::memory_order_relaxed);
-  return v < 0 ? detected_isa() : static_cast<CpuIsa>(v);
+  return v < 0 ? default_isa() : static_cast<CpuIsa>(v);
+}
+
+void reset_attention_isa() {
+  g_isa.store(-1, std::memory_order_relaxed);
 }
 
 void set_attention_isa(CpuIsa isa) {

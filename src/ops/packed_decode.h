@@ -27,11 +27,17 @@ enum class CpuIsa : uint8_t { kPortable, kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf1
 const char* isa_name(CpuIsa isa);
 // The best instruction set of this CPU that this build has kernels for (checked once).
 CpuIsa detected_isa();
-// The instruction set vq::attention uses for packed decode: detected_isa() unless lowered by
+// The one vq::attention takes by default: detected_isa(), but kAvx512Vnni (fp32 values) in place
+// of kAvx512Bf16 on CPUs other than AMD's. The bf16 values took 0.86-0.93x the fp32 values' time
+// on a Zen 5 (docs/results/cpu/packed_decode_s19_bf16.txt) and were slower in 7 of 8 pairs on an
+// Intel Emerald Rapids (the H200 host, docs/results/gpu/run18_s19/j7, 1.11-1.28x; not profiled).
+CpuIsa default_isa();
+// The instruction set vq::attention uses for packed decode: default_isa() unless set by
 // set_attention_isa (tests and benchmarks compare the paths; a request above detected_isa() is
-// capped to it). Process-wide.
+// capped to it) until reset_attention_isa. Process-wide.
 CpuIsa attention_isa();
 void set_attention_isa(CpuIsa isa);
+void reset_attention_isa();
 
 // The packed rows of one tile: rows[0 .. n_rows) (indices into the tile) of records at
 // rec0 + t * stride.
