@@ -246,26 +246,25 @@ int decode_mma_blocks_per_sm(const DecodeParams& p) {
 
 void decode_attention_launch(const DecodeParams& p, cudaStream_t s, const DecodeBatchArg* batch) {
   using namespace decode_impl;
-  // the instance of the view's code specs: (2,2), (4,4), (8,8), (4,2), (2,4) their own, every
-  // other pair (three-level codes among them, whose bits() is 1) the any-bits instance
-  const bool ternary = p.pk.k_bits_x2 == 3 || p.pk.v_bits_x2 == 3;
-  const int kb = ternary ? -1 : p.k_bits, vb = ternary ? -1 : p.v_bits;
+  // the instance of the view's code specs (CodeSpec::bits_x2, 0 without packed segments read in
+  // place): bits (2,2), (4,4), (8,8), (4,2), (2,4) their own, every other pair the any-bits one
+  const int kx2 = p.pk.k_bits_x2, vx2 = p.pk.v_bits_x2;
   for (int i = 0; i < p.n_segments; ++i)
     VQ_CHECK(p.seg[i].packed != 2,
              "[decode_attention] internal: channel-axis keys take decode_attention_launch_channel");
   if (p.kernel != DecodeKernel::kCudaCore) {
     mma_run(p, batch, s, false);
-  } else if (kb == 0 && vb == 0) {
+  } else if (kx2 == 0 && vx2 == 0) {
     launch_split<0, 0>(p, s);
-  } else if (kb == 2 && vb == 2) {
+  } else if (kx2 == 4 && vx2 == 4) {
     launch_split<2, 2>(p, s);
-  } else if (kb == 4 && vb == 4) {
+  } else if (kx2 == 8 && vx2 == 8) {
     launch_split<4, 4>(p, s);
-  } else if (kb == 8 && vb == 8) {
+  } else if (kx2 == 16 && vx2 == 16) {
     launch_split<8, 8>(p, s);
-  } else if (kb == 4 && vb == 2) {
+  } else if (kx2 == 8 && vx2 == 4) {
     launch_split<4, 2>(p, s);
-  } else if (kb == 2 && vb == 4) {
+  } else if (kx2 == 4 && vx2 == 8) {
     launch_split<2, 4>(p, s);
   } else {  // every other pair of code specs (1..8 bits, three levels): codes read at run time
     launch_split<kAnyBits, kAnyBits>(p, s);

@@ -268,30 +268,11 @@ __device__ __forceinline__ void load_meta(const uint8_t* base, uint32_t rec, int
 // base-3 digits j % 5 of byte j / 5).
 __device__ __forceinline__ void load_codes_any(const uint8_t* base, uint32_t rec, int piece,
                                                int bits_x2, float (&c)[8]) {
-  if (bits_x2 == 3) {
-    const uint32_t j0 = 8u * static_cast<uint32_t>(piece);
+  if (bits_x2 == 3) {  // packed.h's own reader: base-3 digit i % 5 of byte i / 5
+    CodeSpec spec;
+    spec.bits_x2 = 3;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t i = j0 + static_cast<uint32_t>(j);
-      uint32_t v = base[rec + i / 5u];
-      switch (i % 5u) {  // divisions by constants: multiply-high, no divide
-        case 1:
-          v /= 3u;
-          break;
-        case 2:
-          v /= 9u;
-          break;
-        case 3:
-          v /= 27u;
-          break;
-        case 4:
-          v /= 81u;
-          break;
-        default:
-          break;
-      }
-      c[j] = static_cast<float>(v % 3u);
-    }
+    for (int j = 0; j < 8; ++j) c[j] = static_cast<float>(code_at(base + rec, 8 * piece + j, spec));
     return;
   }
   const int b = bits_x2 / 2;
