@@ -329,7 +329,10 @@ TEST(BackendOps, PackedKeysFp8MetadataEqualsFp16) {
 // tot = fma(float(acc), s_g sq_g, tot), tot = fma(lo_g, qsum_g, tot); the value kernel gives bit
 // for bit acc_i = fma(p s_g, c_i, acc_i) over the rows in order, and acc_lo within
 // n_rows u sum_t |p_t lo_t| of the exact sum (its lanes add the rows in another order).
+// The key check covers both key kernels: the fixed-shape one (keys_fixed: fp16 metadata, group
+// 32, D 64 or 128, 2- or 4-bit codes) and the general one (the other formats here).
 // mutants: the 8-word registers loading record r in place of r + 1 fails the key check;
+// keys_fixed gathering group NG - 1 - g's metadata for group g fails it (bits=2,d=64,meta=f16);
 // loading all 64 bytes of every record (no byte mask) faults on the page after the last record.
 TEST(BackendOps, PackedDecodeRowTilesExact) {
   const detail::CpuIsa best = detail::detected_isa();

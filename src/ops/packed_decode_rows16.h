@@ -1,8 +1,9 @@
 // The words of up to 16 packed records with lanes over the records (lane r = record r), from one
 // plain load per record and an in-register transpose instead of one gather per word: the VNNI
-// key kernel's reads of codes and metadata (packed_decode_vnni.cpp; the AVX-512 value kernel
-// measured faster gathering its 2-4 metadata words, packed_decode_avx512.cpp). Meant to be
-// included inside an anonymous namespace after the AVX-512 target pragmas and <immintrin.h>.
+// key kernels' reads of codes, and of metadata in keys_vnni (packed_decode_vnni.cpp; keys_fixed
+// and the AVX-512 value kernel gather their 2-4 fp16 metadata words, packed_decode_avx512.cpp).
+// Meant to be included inside an anonymous namespace after the AVX-512 target pragmas and
+// <immintrin.h>.
 //
 // A gather of 16 lanes issues one load per lane (docs/results/cpu/packed_profile_s10_issue19.txt
 // found the key kernel's hottest instructions after its gathers); a record's words are

@@ -243,6 +243,126 @@ void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*
   }
 }
 
+// ---- fixed shapes: fp16 metadata, group 32, D 64 or 128, 2- or 4-bit codes ----------------
+//
+// keys_vnni with the row's sizes as template constants (NW code words, NW / B groups of B words):
+// the transposed code words stay in registers (no xw array on the stack, no rows16_any chunk
+// loop), the (lo, s) pairs come by one gather per group straight into registers (no lo / s
+// arrays), and all queries of a block of 16 rows meet its words in one pass (QB <= 4 at a time).
+// The arithmetic per row, group and query is keys_vnni's, in its order:
+//   tot = fma(float(acc), s_g * sq_g, tot);   tot = fma(lo_g, qsum_g, tot)
+// so the logits are the same bits (BackendOps.PackedDecodeRowTilesExact checks both paths).
+
+template <int B, int NW, int QB>
+inline void fixed_logits(const __m512i* xw, const __m512* lo, const __m512* s, const uint8_t* prep,
+                         int64_t qbb, int64_t m0, __m512* tot) {
+  constexpr int P = 8 / B, WPG = B, NG = NW / WPG;  // group 32 = B words of 32 / B codes each
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << B) - 1));
+  const int32_t* qw[QB];
+  const float* sq[QB];
+  for (int q = 0; q < QB; ++q) {
+    qw[q] = reinterpret_cast<const int32_t*>(prep + (m0 + q) * qbb);
+    sq[q] = reinterpret_cast<const float*>(prep + (m0 + q) * qbb + NW * P * 4);
+    tot[q] = _mm512_setzero_ps();
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < NG; ++g) {
+    __m512i acc[QB];
+    for (int q = 0; q < QB; ++q) acc[q] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int k = g * WPG; k < (g + 1) * WPG; ++k)
+#pragma GCC unroll 4
+      for (int j = 0; j < P; ++j) {
+        const __m512i sub =
+            _mm512_and_si512(j == 0 ? xw[k] : _mm512_srli_epi32(xw[k], j * B), mask);
+#pragma GCC unroll 4
+        for (int q = 0; q < QB; ++q)
+          acc[q] = _mm512_dpbusd_epi32(acc[q], sub, _mm512_set1_epi32(qw[q][k * P + j]));
+      }
+    for (int q = 0; q < QB; ++q) {
+      const __m512 sc = _mm512_mul_ps(s[g], _mm512_set1_ps(sq[q][g]));
+      tot[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[q]), sc, tot[q]);
+      tot[q] = _mm512_fmadd_ps(lo[g], _mm512_set1_ps(sq[q][NG + g]), tot[q]);
+    }
+  }
+}
+
+template <int B, int NW, int QB>
+inline void fixed_queries(const __m512i* xw, const __m512* lo, const __m512* s, const uint8_t* prep,
+                          int64_t qbb, int64_t m0, float* logits, int64_t ld, const int32_t* rows,
+                          int64_t n, bool contiguous) {
+  __m512 tot[QB];
+  fixed_logits<B, NW, QB>(xw, lo, s, prep, qbb, m0, tot);
+  const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
+  for (int q = 0; q < QB; ++q) {
+    float* lr = logits + (m0 + q) * ld;
+    if (contiguous) {
+      _mm512_mask_storeu_ps(lr + rows[0], km, tot[q]);
+    } else {
+      alignas(64) float t[16];
+      _mm512_store_ps(t, tot[q]);
+      for (int64_t r = 0; r < n; ++r) lr[rows[r]] = t[r];
+    }
+  }
+}
+
+template <int B, int NW>
+void keys_fixed(const PackedRowFormat& f, const PackedTile& tile, const float* /*q*/,
+                const float* /*qsum*/, int64_t n_q, float* logits, int64_t ld, const void* prep) {
+  constexpr int NG = NW / B;
+  const uint8_t* pb = static_cast<const uint8_t*>(prep);
+  const int64_t qbb = qblock_bytes<B>(f);
+  const uint8_t* meta0 = tile.rec0 + f.code_bytes;
+  for (int64_t r0 = 0; r0 < tile.n_rows; r0 += 16) {
+    const int64_t n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
+    const int32_t* rows = tile.rows + r0;
+    const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
+    prefetch_ahead(tile, rows[0]);
+    const uint8_t* rec[16];
+    for (int64_t r = 0; r < 16; ++r) rec[r] = tile.rec0 + rows[r < n ? r : 0] * tile.stride;
+    __m512i xw[NW];
+    rows16_words<NW>(rec, n, 4 * NW, xw);
+    const __m512i off = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(km, rows),
+                                           _mm512_set1_epi32(static_cast<int>(tile.stride)));
+    __m512 lo[NG], s[NG];
+    for (int g = 0; g < NG; ++g) {
+      const __m512i mw =
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta0 + 4 * g, 1);
+      lo[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw));
+      s[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16)));
+    }
+    const bool contiguous = rows[n - 1] - rows[0] == n - 1;
+    int64_t m0 = 0;
+    for (; m0 + 4 <= n_q; m0 += 4)
+      fixed_queries<B, NW, 4>(xw, lo, s, pb, qbb, m0, logits, ld, rows, n, contiguous);
+    switch (n_q - m0) {
+      case 3:
+        fixed_queries<B, NW, 3>(xw, lo, s, pb, qbb, m0, logits, ld, rows, n, contiguous);
+        break;
+      case 2:
+        fixed_queries<B, NW, 2>(xw, lo, s, pb, qbb, m0, logits, ld, rows, n, contiguous);
+        break;
+      case 1:
+        fixed_queries<B, NW, 1>(xw, lo, s, pb, qbb, m0, logits, ld, rows, n, contiguous);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+// keys_fixed for f, or null: fp16 metadata, group 32, 2- or 4-bit codes, D 64 or 128 (NW = D B /
+// 32 code words: 4, 8 or 16, each a rows16_words width).
+PackedKeysFn fixed_keys(const PackedRowFormat& f) {
+  if (f.meta != MetaType::kF16 || f.group_size != 32 || f.n_groups * 32 != f.head_dim ||
+      f.code_bytes != f.head_dim * f.spec.bits() / 8)
+    return nullptr;
+  const int b = f.spec.bits();
+  if (f.head_dim == 64) return b == 4 ? keys_fixed<4, 8> : (b == 2 ? keys_fixed<2, 4> : nullptr);
+  if (f.head_dim == 128) return b == 4 ? keys_fixed<4, 16> : (b == 2 ? keys_fixed<2, 8> : nullptr);
+  return nullptr;
+}
+
 template <int B>
 PackedKernel kernel() {
   PackedKernel k;
@@ -270,16 +390,10 @@ PackedKernel packed_kernel_vnni(const PackedRowFormat& f) {
   if (int64_t{127} * ((1 << b) - 1) * f.group_size >= (int64_t{1} << 24) ||
       f.row_stride > (int64_t{1} << 24))
     return {};
-  switch (b) {
-    case 1:
-      return kernel<1>();
-    case 2:
-      return kernel<2>();
-    case 4:
-      return kernel<4>();
-    default:
-      return kernel<8>();
-  }
+  PackedKernel k =
+      b == 1 ? kernel<1>() : (b == 2 ? kernel<2>() : (b == 4 ? kernel<4>() : kernel<8>()));
+  if (PackedKeysFn fk = fixed_keys(f)) k.keys = fk;
+  return k;
 }
 
 }  // namespace vq::detail
