@@ -547,10 +547,19 @@ constexpr int min_blocks() {
   return Geo<D, G>::CPL * G <= 32 ? 4 : 1;
 }
 
+// Where a tensor-core block keeps channel d of head h in its [warps][G][D] merge buffer: d with
+// bits 0-4 XORed by the head's bits 0-2 and d's bits 5-6 (a bijection of each 32-channel block),
+// so that the lanes of one merge store, which hold channels 32 or 16 apart or heads D apart (the
+// same bank unswizzled: up to 32-way conflicts), write different banks (D >= 32).
+__device__ __forceinline__ int merge_slot(int h, int d) {
+  return d ^ ((((h >> 2) & 1) << 4) | ((h & 3) << 2) | ((d >> 5) & 3));
+}
+
 // The block's partials of split `split` from its warps' [warps][G] maxima wm and sums wl and
 // [warps][G][D] accumulators wacc (+ bias [warps][G][D / 32] by 32-channel block, if given): one
-// log-sum-exp merge per head and channel, written to p.part_acc / p.part_ml.
-template <int D, int G>
+// log-sum-exp merge per head and channel, written to p.part_acc / p.part_ml. SWZ: wacc holds
+// channel d of head h at merge_slot(h, d).
+template <int D, int G, bool SWZ = false>
 __device__ __forceinline__ void write_partials(const DecodeParams& p, int64_t bh, int split,
                                                const float* wm, const float* wl, const float* wacc,
                                                const float* bias, int tid) {
@@ -564,7 +573,7 @@ __device__ __forceinline__ void write_partials(const DecodeParams& p, int64_t bh
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
         const float f = exp2f(wm[w * G + h] - mx);
-        float x = wacc[(w * G + h) * D + d];
+        float x = wacc[(w * G + h) * D + (SWZ ? merge_slot(h, d) : d)];
         if (bias) x += bias[(w * G + h) * (D / 32) + d / 32];
         a += x * f;
         l += wl[w * G + h] * f;

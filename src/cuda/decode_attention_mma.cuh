@@ -52,7 +52,12 @@
 //      exactly, each position with its own magic number, see code_pair). KB = 4: the same channel
 //      map, a lane's codes are the 16 bits at byte 16 b + 2 g of a row (4 nibbles: channels
 //      +0..+3), made exact fp16 integers by mask + (x - 1024) for the low nibble of a byte and mask
-//      + (x / 16 - 64) for the high one (both exact).
+//      + (x / 16 - 64) for the high one (both exact). f16 metadata (PK >= 2) takes the lane-unit
+//      map instead (LaneCodes below): lane g's code units (a byte of 2-bit or a halfword of 4-bit
+//      codes, 4 channels each) are the NCH consecutive units NCH g + b of a row, m-tile 2 b + mu
+//      maps row g to channel 4 (NCH g + b) + 2 mu, so a lane's codes of a row are one or two
+//      32-bit loads and its channels lie in one metadata group: one (lo, scale) load per row and
+//      warp-tile instead of one per block (the same values and products, in another order).
 // Numerics (FlashAttention's, docs/design.md section 4): q and p are rounded once to fp16 (2^-11
 // relative; the zero-point chunk sums are sums of the rounded q), fp32 accumulation, softmax max
 // and sum in fp32 from the unrounded p; packed values with f16 metadata are rounded once to fp16
@@ -79,6 +84,7 @@ using decode_impl::cp_async16;
 using decode_impl::cp_async_commit;
 using decode_impl::cp_async_wait;
 using decode_impl::kFull;
+using decode_impl::merge_slot;
 using decode_impl::min64;
 using decode_impl::mma_16816;
 using decode_impl::write_partials;
@@ -357,6 +363,48 @@ __device__ __forceinline__ void key_code_pairs(const uint8_t* rg, int c, int t, 
     a[1] = w & 0x00f000f0u;
     a[2] = (w >> 8) & 0x000f000fu;
     a[3] = (w >> 8) & 0x00f000f0u;
+  }
+}
+
+// The value codes of f16-metadata views (MF) under the lane-unit map: lane g takes the NCH code
+// units NCH g + b (b < NCH; KB = 2: a byte, KB = 4: a halfword, channels 4 (NCH g + b) + 0..3) of
+// a row, BYTES bytes at byte BYTES g of its codes (4-byte aligned records: BYTES g is a multiple of
+// BYTES, so one 16-bit or one or two 32-bit loads). The lane's channels span 4 NCH <= 16, inside
+// one metadata group of any multiple of 32 channels.
+template <int D, int KB>
+struct LaneCodes {
+  static constexpr int NCH = D / 32;
+  static constexpr int BYTES = NCH * KB / 2;
+  static constexpr int WORDS = BYTES >= 4 ? BYTES / 4 : 1;
+  uint32_t w[WORDS];
+  __device__ __forceinline__ void load(const uint8_t* rec, int g) {
+    const uint8_t* q = rec + BYTES * g;
+    if constexpr (BYTES < 4) {
+      w[0] = lds16(q);
+    } else {
+#pragma unroll
+      for (int i = 0; i < WORDS; ++i) w[i] = lds32(q + 4 * i);
+    }
+  }
+  // the metadata group of lane g's channels (gs: the group size, a multiple of 32)
+  static __device__ __forceinline__ int group(int g, int gs) {
+    return 4 * NCH * g / gs;
+  }
+  // the channel of code o (< 4) of unit b of lane g
+  static __device__ __forceinline__ int channel(int g, int b, int o) {
+    return 4 * (NCH * g + b) + o;
+  }
+};
+
+// Unit b of the rows a and c as value_code_pairs reads it: KB = 2: a's byte at byte 0 and c's at
+// byte 2; KB = 4: a's halfword low and c's high.
+template <int KB, int WORDS>
+__device__ __forceinline__ uint32_t unit_pair(const uint32_t (&a)[WORDS],
+                                              const uint32_t (&c)[WORDS], int b) {
+  if constexpr (KB == 2) {
+    return __byte_perm(a[0], c[0], static_cast<uint32_t>(b | ((4 + b) << 8)));
+  } else {
+    return __byte_perm(a[b >> 1], c[b >> 1], (b & 1) ? 0x7632u : 0x5410u);
   }
 }
 
@@ -801,10 +849,6 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
           rec[w][2] = sv + vmis + (ra + 8) * vrb;
           rec[w][3] = sv + vmis + (ra + 9) * vrb;
         }
-        const int wo = KB == 2 ? 4 * (g >> 2) : 4 * (g >> 1);
-        const int bstride = 4 * KB;  // bytes of a 32-channel block's codes
-        // KB = 4: the halfword (g & 1) of the word of rows ra and ra + 1 in the two halves
-        const uint32_t qsel = (g & 1) ? 0x7632u : 0x5410u;
         if constexpr (MF) {
           // f16 metadata: each pair of codes (rows 2t, 2t + 1 or 2t + 8, 2t + 9 of one channel)
           // becomes its dequantized fp16 values c * scale + lo in one fp16 fma (the row pair's
@@ -816,21 +860,23 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
             pb[w][0] = pack_part(pv[w][0], pv[w][1], 0);
             pb[w][1] = pack_part(pv[w][2], pv[w][3], 0);
           }
+          // the lane-unit map (LaneCodes): each row's codes in one or two loads, its (lo, scale)
+          // once per warp-tile
+          using LC = LaneCodes<D, KB>;
+          const int mo = vcb + 4 * (FIX ? LC::group(g, 32) : LC::group(g, p.pk.group_size));
 #pragma unroll
-          for (int c = 0; c < NCH; ++c) {
+          for (int w = 0; w < W; ++w) {  // one warp-tile's codes live at a time (registers)
+            LC cr[4];
 #pragma unroll
-            for (int w = 0; w < W; ++w) {
-              const uint32_t ya =
-                  __byte_perm(lds32(rec[w][0] + bstride * c + wo),
-                              lds32(rec[w][1] + bstride * c + wo), KB == 2 ? psel : qsel);
-              const uint32_t yc =
-                  __byte_perm(lds32(rec[w][2] + bstride * c + wo),
-                              lds32(rec[w][3] + bstride * c + wo), KB == 2 ? psel : qsel);
-              const int mo = vcb + 4 * grpc[c];
-              const uint32_t m0 = lds32(rec[w][0] + mo), m1 = lds32(rec[w][1] + mo);
-              const uint32_t m2 = lds32(rec[w][2] + mo), m3 = lds32(rec[w][3] + mo);
-              const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
-              const uint32_t lo89 = __byte_perm(m2, m3, 0x5410), sc89 = __byte_perm(m2, m3, 0x7632);
+            for (int r = 0; r < 4; ++r) cr[r].load(rec[w][r], g);
+            const uint32_t m0 = lds32(rec[w][0] + mo), m1 = lds32(rec[w][1] + mo);
+            const uint32_t m2 = lds32(rec[w][2] + mo), m3 = lds32(rec[w][3] + mo);
+            const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
+            const uint32_t lo89 = __byte_perm(m2, m3, 0x5410), sc89 = __byte_perm(m2, m3, 0x7632);
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) {
+              const uint32_t ya = unit_pair<KB>(cr[0].w, cr[1].w, c);
+              const uint32_t yc = unit_pair<KB>(cr[2].w, cr[3].w, c);
               uint32_t e[4], f[4];  // m-tile 2c: channels +0, +1; m-tile 2c + 1: +2, +3
               value_code_pairs<KB, true>(ya, yc, e, f);
 #pragma unroll
@@ -843,6 +889,11 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
             }
           }
         } else {
+          // the block map: lane g's byte (KB = 2) or halfword (KB = 4) of each block's codes
+          const int wo = KB == 2 ? 4 * (g >> 2) : 4 * (g >> 1);
+          const int bstride = 4 * KB;  // bytes of a 32-channel block's codes
+          // KB = 4: the halfword (g & 1) of the word of rows ra and ra + 1 in the two halves
+          const uint32_t qsel = (g & 1) ? 0x7632u : 0x5410u;
           float pu[W][4];  // p * 2^S (exact)
           {
             const float up = __int_as_float((268 - exv) << 23);  // 2^S, S = 141 - exv
@@ -958,24 +1009,24 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
           v1 *= dn;
         }
         if (!packed) {
-          dst[16 * j + g] = v0;
-          dst[16 * j + g + 8] = v1;
+          dst[merge_slot(h, 16 * j + g)] = v0;
+          dst[merge_slot(h, 16 * j + g + 8)] = v1;
         } else {
           const int c = j >> 1, mu = j & 1;
-          const int ch = 32 * c + 4 * g + 2 * mu;
+          const int ch = MF ? LaneCodes<D, KB>::channel(g, c, 2 * mu) : 32 * c + 4 * g + 2 * mu;
           if constexpr (KB == 2 && !MF) {  // undo the in-place code scales 1, 4, 16, 64 (exact)
-            dst[ch] = v0 * (mu ? 0.0625f : 1.0f);
-            dst[ch + 1] = v1 * (mu ? 0.015625f : 0.25f);
+            dst[merge_slot(h, ch)] = v0 * (mu ? 0.0625f : 1.0f);
+            dst[merge_slot(h, ch + 1)] = v1 * (mu ? 0.015625f : 0.25f);
           } else {
-            dst[ch] = v0;
-            dst[ch + 1] = v1;
+            dst[merge_slot(h, ch)] = v0;
+            dst[merge_slot(h, ch + 1)] = v1;
           }
         }
       }
     }
   }
   __syncthreads();
-  write_partials<D, G>(p, bh, split, wm, wl, wacc, PK == 1 && packed ? sbias : nullptr, tid);
+  write_partials<D, G, true>(p, bh, split, wm, wl, wacc, PK == 1 && packed ? sbias : nullptr, tid);
 }
 
 }  // namespace vq::cuda::decode_mma

@@ -23,7 +23,8 @@
 //      channels). Rows: ldmatrix.trans, n-tile j = channels 8 j .. + 7, C: heads g, g + 8 at
 //      channels 8 j + 2 t, + 1. Packed values: the dequantized fp16 pairs of
 //      decode_attention_mma.cuh (c * scale + lo, rows 2 t, 2 t + 1 and + 8 of one channel), four
-//      n-tiles per 32-channel chunk c, n-tile o holding channel 32 c + 4 n + o at column n.
+//      n-tiles per code unit c of its lane-unit map, n-tile 4 c + o holding channel
+//      4 (NCH n + c) + o at column n (LaneCodes).
 // Numerics: FlashAttention's (docs/design.md section 4), as decode_attention_mma.cuh: q and p
 // rounded once to the operand type, packed values rounded once to fp16 as dequantized values,
 // fp32 accumulation, softmax max and sum in fp32 from the unrounded p. Rows past the split end
@@ -162,7 +163,7 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // heads g, g + 8
   // rows: n-tile j = channels 8 j .. + 7 (column n: 8 j + n); packed: n-tile 4 c + o = channels
-  // 32 c + 4 n + o. Elements e, 2 + e: heads g, g + 8 at column 2 t + e.
+  // LaneCodes::channel(n, c, o). Elements e, 2 + e: heads g, g + 8 at column 2 t + e.
   float vacc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -315,24 +316,27 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
         }
       } else if constexpr (PK > 0) {
         // B = the dequantized pairs of rows (2 t, 2 t + 1) and (2 t + 8, 2 t + 9) of channel
-        // 32 c + 4 g + o (decode_attention_mma.cuh's value decoding, lane g's byte of the chunk)
+        // LaneCodes::channel(g, c, o) (decode_attention_mma.cuh's value decoding under the
+        // lane-unit map: lane g's unit c of each row, its (lo, scale) once per warp-tile)
+        using LC = LaneCodes<D, KB>;
         const uint8_t* r0 = sv + vmis + (rb + 2 * t) * KREC;
         const uint8_t* r1 = r0 + KREC;
         const uint8_t* r8 = r0 + 8 * KREC;
         const uint8_t* r9 = r8 + KREC;
-        const int wo = KB == 2 ? 4 * (g >> 2) : 4 * (g >> 1);
-        const uint32_t sel = KB == 2 ? static_cast<uint32_t>((g & 3) | ((4 + (g & 3)) << 8))
-                                     : ((g & 1) ? 0x7632u : 0x5410u);
+        LC c0, c1, c8, c9;
+        c0.load(r0, g);
+        c1.load(r1, g);
+        c8.load(r8, g);
+        c9.load(r9, g);
+        const int mo = CB + 4 * LC::group(g, 32);
+        const uint32_t m0 = lds32(r0 + mo), m1 = lds32(r1 + mo);
+        const uint32_t m8 = lds32(r8 + mo), m9 = lds32(r9 + mo);
+        const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
+        const uint32_t lo89 = __byte_perm(m8, m9, 0x5410), sc89 = __byte_perm(m8, m9, 0x7632);
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
-          const int co = 4 * KB * c + wo;
-          const uint32_t ya = __byte_perm(lds32(r0 + co), lds32(r1 + co), sel);
-          const uint32_t yc = __byte_perm(lds32(r8 + co), lds32(r9 + co), sel);
-          const int mo = CB + 4 * c;
-          const uint32_t m0 = lds32(r0 + mo), m1 = lds32(r1 + mo);
-          const uint32_t m8 = lds32(r8 + mo), m9 = lds32(r9 + mo);
-          const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
-          const uint32_t lo89 = __byte_perm(m8, m9, 0x5410), sc89 = __byte_perm(m8, m9, 0x7632);
+          const uint32_t ya = unit_pair<KB>(c0.w, c1.w, c);
+          const uint32_t yc = unit_pair<KB>(c8.w, c9.w, c);
           uint32_t e[4], f[4];  // channel + 0, + 1 (e) and + 2, + 3 (f): rows 2 t.. | 2 t + 8..
           value_code_pairs<KB, true>(ya, yc, e, f);
 #pragma unroll
@@ -371,14 +375,15 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        // the element's channel: rows 8 j + 2 t + e; packed n-tile j = 4 c + o: 32 c + 4 (2 t +
-        // e) + o
-        const int ch = packed ? 32 * (j >> 2) + 4 * (2 * t + e) + (j & 3) : 8 * j + 2 * t + e;
-        dst[ch] = vacc[j][2 * hh + e];
+        // the element's channel: rows 8 j + 2 t + e; packed n-tile j = 4 c + o: column 2 t + e's
+        // unit c, code o (LaneCodes)
+        const int ch =
+            packed ? LaneCodes<D, KB>::channel(2 * t + e, j >> 2, j & 3) : 8 * j + 2 * t + e;
+        dst[merge_slot(h, ch)] = vacc[j][2 * hh + e];
       }
   }
   __syncthreads();
-  write_partials<D, G>(p, bh, split, wm, wl, wacc, nullptr, tid);
+  write_partials<D, G, true>(p, bh, split, wm, wl, wacc, nullptr, tid);
 }
 
 }  // namespace vq::cuda::decode_mma
