@@ -20,6 +20,8 @@
 // as the reference's).
 #include "ops/packed_decode.h"
 
+#include <type_traits>
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 // GCC takes the target as a pragma; clang as an attribute on every function that follows.
 #if defined(__clang__)
@@ -146,12 +148,11 @@ inline void block_logits(const PackedRowFormat& f, const int32_t* xw, const floa
   }
 }
 
-template <int B, int QB>
-inline void block_queries(const PackedRowFormat& f, const int32_t* xw, const float* lo,
-                          const float* s, const uint8_t* prep, int64_t m0, float* logits,
-                          int64_t ld, const int32_t* rows, int64_t n, bool contiguous) {
-  __m512 tot[QB];
-  block_logits<B, QB>(f, xw, lo, s, prep, m0, tot);
+// The logits tot[q] of queries m0 + q (q < QB) at the n listed rows: one masked store per query
+// when the rows are consecutive, else one store per row.
+template <int QB>
+inline void store_logits(const __m512* tot, int64_t m0, float* logits, int64_t ld,
+                         const int32_t* rows, int64_t n, bool contiguous) {
   const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
   for (int q = 0; q < QB; ++q) {
     float* lr = logits + (m0 + q) * ld;
@@ -162,6 +163,26 @@ inline void block_queries(const PackedRowFormat& f, const int32_t* xw, const flo
       _mm512_store_ps(t, tot[q]);
       for (int64_t r = 0; r < n; ++r) lr[rows[r]] = t[r];
     }
+  }
+}
+
+// fn(std::integral_constant<int, QB>{}, m0) for the n_q queries in blocks of QB <= 4.
+template <class F>
+inline void for_query_blocks(int64_t n_q, F&& fn) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= n_q; m0 += 4) fn(std::integral_constant<int, 4>{}, m0);
+  switch (n_q - m0) {
+    case 3:
+      fn(std::integral_constant<int, 3>{}, m0);
+      break;
+    case 2:
+      fn(std::integral_constant<int, 2>{}, m0);
+      break;
+    case 1:
+      fn(std::integral_constant<int, 1>{}, m0);
+      break;
+    default:
+      break;
   }
 }
 
@@ -224,22 +245,12 @@ void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*
         _mm512_store_ps(s + 16 * g, fp8_e4m3_16(_mm512_srli_epi32(w, 8)));
       }
     const bool contiguous = rows[n - 1] - rows[0] == n - 1;
-    int64_t m0 = 0;
-    for (; m0 + 4 <= n_q; m0 += 4)
-      block_queries<B, 4>(f, xw, lo, s, pb, m0, logits, ld, rows, n, contiguous);
-    switch (n_q - m0) {
-      case 3:
-        block_queries<B, 3>(f, xw, lo, s, pb, m0, logits, ld, rows, n, contiguous);
-        break;
-      case 2:
-        block_queries<B, 2>(f, xw, lo, s, pb, m0, logits, ld, rows, n, contiguous);
-        break;
-      case 1:
-        block_queries<B, 1>(f, xw, lo, s, pb, m0, logits, ld, rows, n, contiguous);
-        break;
-      default:
-        break;
-    }
+    for_query_blocks(n_q, [&](auto qb, int64_t m0) {
+      constexpr int QB = decltype(qb)::value;
+      __m512 tot[QB];
+      block_logits<B, QB>(f, xw, lo, s, pb, m0, tot);
+      store_logits<QB>(tot, m0, logits, ld, rows, n, contiguous);
+    });
   }
 }
 
@@ -287,25 +298,6 @@ inline void fixed_logits(const __m512i* xw, const __m512* lo, const __m512* s, c
   }
 }
 
-template <int B, int NW, int QB>
-inline void fixed_queries(const __m512i* xw, const __m512* lo, const __m512* s, const uint8_t* prep,
-                          int64_t qbb, int64_t m0, float* logits, int64_t ld, const int32_t* rows,
-                          int64_t n, bool contiguous) {
-  __m512 tot[QB];
-  fixed_logits<B, NW, QB>(xw, lo, s, prep, qbb, m0, tot);
-  const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
-  for (int q = 0; q < QB; ++q) {
-    float* lr = logits + (m0 + q) * ld;
-    if (contiguous) {
-      _mm512_mask_storeu_ps(lr + rows[0], km, tot[q]);
-    } else {
-      alignas(64) float t[16];
-      _mm512_store_ps(t, tot[q]);
-      for (int64_t r = 0; r < n; ++r) lr[rows[r]] = t[r];
-    }
-  }
-}
-
 template <int B, int NW>
 void keys_fixed(const PackedRowFormat& f, const PackedTile& tile, const float* /*q*/,
                 const float* /*qsum*/, int64_t n_q, float* logits, int64_t ld, const void* prep) {
@@ -332,22 +324,12 @@ void keys_fixed(const PackedRowFormat& f, const PackedTile& tile, const float* /
       s[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16)));
     }
     const bool contiguous = rows[n - 1] - rows[0] == n - 1;
-    int64_t m0 = 0;
-    for (; m0 + 4 <= n_q; m0 += 4)
-      fixed_queries<B, NW, 4>(xw, lo, s, pb, qbb, m0, logits, ld, rows, n, contiguous);
-    switch (n_q - m0) {
-      case 3:
-        fixed_queries<B, NW, 3>(xw, lo, s, pb, qbb, m0, logits, ld, rows, n, contiguous);
-        break;
-      case 2:
-        fixed_queries<B, NW, 2>(xw, lo, s, pb, qbb, m0, logits, ld, rows, n, contiguous);
-        break;
-      case 1:
-        fixed_queries<B, NW, 1>(xw, lo, s, pb, qbb, m0, logits, ld, rows, n, contiguous);
-        break;
-      default:
-        break;
-    }
+    for_query_blocks(n_q, [&](auto qb, int64_t m0) {
+      constexpr int QB = decltype(qb)::value;
+      __m512 tot[QB];
+      fixed_logits<B, NW, QB>(xw, lo, s, pb, qbb, m0, tot);
+      store_logits<QB>(tot, m0, logits, ld, rows, n, contiguous);
+    });
   }
 }
 
