@@ -547,6 +547,16 @@ constexpr int min_blocks() {
   return Geo<D, G>::CPL * G <= 32 ? 4 : 1;
 }
 
+// The sum of the 32 values of chunk i % (D / 32) of head i / (D / 32) in qs [heads][D], in fp32,
+// starting at value i % 32 and wrapping: the consecutive threads of a block's chunk-sum loop then
+// read 32 different banks (in channel order all would read one: 16- to 32-way conflicts).
+__device__ __forceinline__ float chunk_sum(const float* qs, int D, int i) {
+  const float* x = qs + (i / (D / 32)) * D + 32 * (i % (D / 32));
+  float s = 0.0f;
+  for (int j = 0; j < 32; ++j) s += x[(i + j) & 31];
+  return s;
+}
+
 // Where a tensor-core block keeps channel d of head h in its [warps][G][D] merge buffer: d with
 // bits 0-4 XORed by the head's bits 0-2 and d's bits 5-6 (a bijection of each 32-channel block),
 // so that the lanes of one merge store, which hold channels 32 or 16 apart or heads D apart (the

@@ -535,13 +535,10 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
     }
   }
   __syncthreads();
-  for (int i = tid; i < G * NCH; i += kThreads) {
-    const int h = i / NCH, c = i % NCH;
-    float s = 0.0f;
-    for (int j = 0; j < 32; ++j) s += qs[h * D + 32 * c + j];
-    sqsum[i] = s;
+  if (packed) {  // the chunk sums of the zero-points (rows take none)
+    for (int i = tid; i < G * NCH; i += kThreads) sqsum[i] = decode_impl::chunk_sum(qs, D, i);
+    __syncthreads();
   }
-  __syncthreads();
   uint32_t qb[NCH][4];
   // 2-bit packed keys take the 4-bit channel map (K pair i of the lane = channels (i, i + 4) of its
   // 8), their codes read 4^i times their value in place; q carries the exact inverse 4^-i. 4-bit
@@ -585,7 +582,8 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
     // |scale|, |lo| <= 65504, sigma-scaled chunk sums <= 2^17, C <= 2^19) and scaled back once
 #pragma unroll
     for (int c = 0; c < NCH; ++c)
-      qsum[hl][c] = h < G ? sqsum[h * NCH + c] * (MF ? ssig[h] * (1.0f / kSub) : 1.0f) : 0.0f;
+      qsum[hl][c] =
+          packed && h < G ? sqsum[h * NCH + c] * (MF ? ssig[h] * (1.0f / kSub) : 1.0f) : 0.0f;
   }
 
   float m_run[HL], l_run[HL];

@@ -113,11 +113,7 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
       qs[i] = __half2float(__float2half_rn(qs[i] * fac)) * (1.0f / fac);
     }
     __syncthreads();
-    for (int i = tid; i < G * NCH; i += kThreads) {
-      float s = 0.0f;
-      for (int j = 0; j < 32; ++j) s += qs[(i / NCH) * D + 32 * (i % NCH) + j];
-      sqsum[i] = s;
-    }
+    for (int i = tid; i < G * NCH; i += kThreads) sqsum[i] = decode_impl::chunk_sum(qs, D, i);
     __syncthreads();
   }
   // A of k-step s: (head g | g + 8) x (K index 2 t, 2 t + 1 | 2 t + 8, 2 t + 9). Rows: channel
