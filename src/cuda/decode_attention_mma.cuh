@@ -396,18 +396,6 @@ struct LaneCodes {
   }
 };
 
-// Unit b of the rows a and c as value_code_pairs reads it: KB = 2: a's byte at byte 0 and c's at
-// byte 2; KB = 4: a's halfword low and c's high.
-template <int KB, int WORDS>
-__device__ __forceinline__ uint32_t unit_pair(const uint32_t (&a)[WORDS],
-                                              const uint32_t (&c)[WORDS], int b) {
-  if constexpr (KB == 2) {
-    return __byte_perm(a[0], c[0], static_cast<uint32_t>(b | ((4 + b) << 8)));
-  } else {
-    return __byte_perm(a[b >> 1], c[b >> 1], (b & 1) ? 0x7632u : 0x5410u);
-  }
-}
-
 // The value code pairs of ya (rows 2 t, 2 t + 1) and yc (+ 8) as exact fp16 integers: e the
 // channels + 0, + 1 of the lane's byte (2-bit) or halfword (4-bit), f + 2, + 3; registers 0, 1:
 // ya's, 2, 3: yc's. MAGIC: the in-place 2-bit codes as 4^i c (false) or c (true).
@@ -438,6 +426,45 @@ __device__ __forceinline__ void value_code_pairs(uint32_t ya, uint32_t yc, uint3
     f[3] = code_pair_hi4(yc8);
   }
 }
+
+// A lane's value operands of one warp-tile under the lane-unit map (f16 metadata): the codes of
+// rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (LaneCodes) and those rows' (lo, scale) of the lane's group
+// as half2 pairs, read once; unit(b, e, f) gives unit b's dequantized fp16 pairs: e channels + 0,
+// + 1, f + 2, + 3, registers 0, 1 rows 2 t, 2 t + 1 and 2, 3 rows + 8 (value_code_pairs'
+// order), each c * scale + lo in one fp16 fma. Both tensor-core blocks take their values so.
+template <int D, int KB>
+struct LaneValues {
+  LaneCodes<D, KB> r[4];
+  uint32_t lo01, sc01, lo89, sc89;
+  // rec: the four rows' records; mo: the byte offset of the lane's metadata group in a record
+  __device__ __forceinline__ void load(const uint8_t* const (&rec)[4], int g, int mo) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i].load(rec[i], g);
+    const uint32_t m0 = lds32(rec[0] + mo), m1 = lds32(rec[1] + mo);
+    const uint32_t m2 = lds32(rec[2] + mo), m3 = lds32(rec[3] + mo);
+    lo01 = __byte_perm(m0, m1, 0x5410);
+    sc01 = __byte_perm(m0, m1, 0x7632);
+    lo89 = __byte_perm(m2, m3, 0x5410);
+    sc89 = __byte_perm(m2, m3, 0x7632);
+  }
+  __device__ __forceinline__ void unit(int b, uint32_t (&e)[4], uint32_t (&f)[4]) const {
+    // unit b of a row pair as value_code_pairs reads it: KB = 2 the first row's byte at byte 0
+    // and the second's at byte 2; KB = 4 the first's halfword low, the second's high
+    const auto pair = [&](const LaneCodes<D, KB>& a, const LaneCodes<D, KB>& c) {
+      if constexpr (KB == 2) {
+        return __byte_perm(a.w[0], c.w[0], static_cast<uint32_t>(b | ((4 + b) << 8)));
+      } else {
+        return __byte_perm(a.w[b >> 1], c.w[b >> 1], (b & 1) ? 0x7632u : 0x5410u);
+      }
+    };
+    value_code_pairs<KB, true>(pair(r[0], r[1]), pair(r[2], r[3]), e, f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      e[i] = dequant_pair(e[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
+      f[i] = dequant_pair(f[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
+    }
+  }
+};
 
 // One block's work over the parameters p (the kernel parameter itself, or a batched launch's copy
 // of its sequence's parameters in shared memory) for batch row b; bars: the stages' mbarriers,
@@ -602,8 +629,7 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
   for (int c = 0; c < NCH; ++c) vb[c] = 0.0f;
 
   const int hb = g / CPH, partb = g % CPH;  // the B-operand column of this lane: head hb, part
-  const uint32_t psel = static_cast<uint32_t>((g & 3) | ((4 + (g & 3)) << 8));
-  int grpc[NCH];  // metadata group of each 32-channel block
+  int grpc[NCH];                            // metadata group of each 32-channel block
 #pragma unroll
   for (int c = 0; c < NCH; ++c) grpc[c] = FIX ? c : (32 * c) / p.pk.group_size;
   // PK 1's packed values: one power of two 2^S, warp-uniform, kept while the split streams (S puts
@@ -858,30 +884,18 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
             pb[w][0] = pack_part(pv[w][0], pv[w][1], 0);
             pb[w][1] = pack_part(pv[w][2], pv[w][3], 0);
           }
-          // the lane-unit map (LaneCodes): each row's codes in one or two loads, its (lo, scale)
+          // the lane-unit map (LaneValues): each row's codes in one or two loads, its (lo, scale)
           // once per warp-tile
           using LC = LaneCodes<D, KB>;
           const int mo = vcb + 4 * (FIX ? LC::group(g, 32) : LC::group(g, p.pk.group_size));
 #pragma unroll
           for (int w = 0; w < W; ++w) {  // one warp-tile's codes live at a time (registers)
-            LC cr[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) cr[r].load(rec[w][r], g);
-            const uint32_t m0 = lds32(rec[w][0] + mo), m1 = lds32(rec[w][1] + mo);
-            const uint32_t m2 = lds32(rec[w][2] + mo), m3 = lds32(rec[w][3] + mo);
-            const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
-            const uint32_t lo89 = __byte_perm(m2, m3, 0x5410), sc89 = __byte_perm(m2, m3, 0x7632);
+            LaneValues<D, KB> lv;
+            lv.load(rec[w], g, mo);
 #pragma unroll
             for (int c = 0; c < NCH; ++c) {
-              const uint32_t ya = unit_pair<KB>(cr[0].w, cr[1].w, c);
-              const uint32_t yc = unit_pair<KB>(cr[2].w, cr[3].w, c);
               uint32_t e[4], f[4];  // m-tile 2c: channels +0, +1; m-tile 2c + 1: +2, +3
-              value_code_pairs<KB, true>(ya, yc, e, f);
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {  // registers 0, 1: rows 2t, 2t + 1; 2, 3: + 8
-                e[i] = dequant_pair(e[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
-                f[i] = dequant_pair(f[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
-              }
+              lv.unit(c, e, f);
               mma_16816(vacc[2 * c], e[0], e[1], e[2], e[3], pb[w][0], pb[w][1]);
               mma_16816(vacc[2 * c + 1], f[0], f[1], f[2], f[3], pb[w][0], pb[w][1]);
             }
@@ -890,7 +904,9 @@ __device__ __forceinline__ void decode_mma_block(const DecodeParams& p, const in
           // the block map: lane g's byte (KB = 2) or halfword (KB = 4) of each block's codes
           const int wo = KB == 2 ? 4 * (g >> 2) : 4 * (g >> 1);
           const int bstride = 4 * KB;  // bytes of a 32-channel block's codes
-          // KB = 4: the halfword (g & 1) of the word of rows ra and ra + 1 in the two halves
+          // KB = 2: byte g & 3 of rows ra and ra + 1 at bytes 0 and 2; KB = 4: the halfword
+          // (g & 1) of the word of rows ra and ra + 1 in the two halves
+          const uint32_t psel = static_cast<uint32_t>((g & 3) | ((4 + (g & 3)) << 8));
           const uint32_t qsel = (g & 1) ? 0x7632u : 0x5410u;
           float pu[W][4];  // p * 2^S (exact)
           {

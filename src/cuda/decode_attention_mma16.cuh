@@ -314,32 +314,14 @@ __device__ __forceinline__ void decode_mma16_block(const DecodeParams& p, const 
         // B = the dequantized pairs of rows (2 t, 2 t + 1) and (2 t + 8, 2 t + 9) of channel
         // LaneCodes::channel(g, c, o) (decode_attention_mma.cuh's value decoding under the
         // lane-unit map: lane g's unit c of each row, its (lo, scale) once per warp-tile)
-        using LC = LaneCodes<D, KB>;
         const uint8_t* r0 = sv + vmis + (rb + 2 * t) * KREC;
-        const uint8_t* r1 = r0 + KREC;
-        const uint8_t* r8 = r0 + 8 * KREC;
-        const uint8_t* r9 = r8 + KREC;
-        LC c0, c1, c8, c9;
-        c0.load(r0, g);
-        c1.load(r1, g);
-        c8.load(r8, g);
-        c9.load(r9, g);
-        const int mo = CB + 4 * LC::group(g, 32);
-        const uint32_t m0 = lds32(r0 + mo), m1 = lds32(r1 + mo);
-        const uint32_t m8 = lds32(r8 + mo), m9 = lds32(r9 + mo);
-        const uint32_t lo01 = __byte_perm(m0, m1, 0x5410), sc01 = __byte_perm(m0, m1, 0x7632);
-        const uint32_t lo89 = __byte_perm(m8, m9, 0x5410), sc89 = __byte_perm(m8, m9, 0x7632);
+        const uint8_t* const rec[4] = {r0, r0 + KREC, r0 + 8 * KREC, r0 + 9 * KREC};
+        LaneValues<D, KB> lv;
+        lv.load(rec, g, CB + 4 * LaneCodes<D, KB>::group(g, 32));
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
-          const uint32_t ya = unit_pair<KB>(c0.w, c1.w, c);
-          const uint32_t yc = unit_pair<KB>(c8.w, c9.w, c);
           uint32_t e[4], f[4];  // channel + 0, + 1 (e) and + 2, + 3 (f): rows 2 t.. | 2 t + 8..
-          value_code_pairs<KB, true>(ya, yc, e, f);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {  // 0, 1: rows 2 t, 2 t + 1; 2, 3: + 8
-            e[i] = dequant_pair(e[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
-            f[i] = dequant_pair(f[i], i < 2 ? sc01 : sc89, i < 2 ? lo01 : lo89);
-          }
+          lv.unit(c, e, f);
           mma_16816(vacc[4 * c], pa0, pa1, pa2, pa3, e[0], e[2]);
           mma_16816(vacc[4 * c + 1], pa0, pa1, pa2, pa3, e[1], e[3]);
           mma_16816(vacc[4 * c + 2], pa0, pa1, pa2, pa3, f[0], f[2]);
