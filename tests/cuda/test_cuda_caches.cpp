@@ -796,6 +796,35 @@ TEST(CudaCaches, ChannelAxisKeysMatchCpu) {
   c.cfg.skvq_reorder = false;
   c.blocks(1, 4, 64, 16, DType::kF16);
   cases.push_back(c.with({45, 1, 31}, "skvq channel no reorder K2V4 f16 B1 H4 G4 D64"));
+  // the decode kernel's word-load instances (decode_attention_channel.cu): 2-, 3- and 4-bit codes
+  // of 4-byte aligned records at D 128, 1 to 8 query heads per block, runs of 32 rows (steps of
+  // 128 rows span four runs), long enough for several steps per split
+  c.cfg = config("skvq");
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_window = 64;
+  c.cfg.skvq_key_rows = 32;
+  c.cfg.skvq_group_size = 32;
+  c.cfg.skvq_bits_key = 3;
+  c.cfg.skvq_bits_value = 2;
+  c.blocks(1, 2, 128, 16, DType::kF16);
+  cases.push_back(c.with(steps({400}, 12, {}), "skvq channel key_rows 32 K3V2 f16 G8 D128"));
+  c.cfg.skvq_bits_value = 3;
+  c.cfg.skvq_meta = MetaType::kFP8E4M3;
+  c.cfg.skvq_rotation = Rotation::kHadamard;
+  c.blocks(2, 2, 128, 4, DType::kF16);
+  cases.push_back(
+      c.with(steps({300}, 12, {}), "skvq channel key_rows 32 K3V3 fp8 hadamard G2 D128"));
+  c.cfg.skvq_bits_key = 2;
+  c.cfg.skvq_bits_value = 2;
+  c.blocks(1, 2, 128, 8, DType::kF16);
+  cases.push_back(
+      c.with(steps({520}, 12, {}), "skvq channel key_rows 32 K2V2 fp8 hadamard G4 D128"));
+  c.cfg.skvq_bits_key = 4;
+  c.cfg.skvq_bits_value = 2;
+  c.cfg.skvq_meta = MetaType::kF32;
+  c.blocks(1, 2, 128, 2, DType::kF16);
+  cases.push_back(
+      c.with(steps({260}, 12, {}), "skvq channel key_rows 32 K4V2 f32 hadamard G1 D128"));
 
   // snapkv+skvq: packed after the one prompt-end selection (the kept rows in chunks of window)
   Case sc;
