@@ -263,7 +263,7 @@ TEST(DecodePlan, UnfusedFormatsAreDequantizedIntoScratch) {
 
 // Channel-axis keys (skvq_key_axis=channel): read in place by the channel kernel, whatever the
 // code width or metadata type (no scratch), on the CUDA-core kernel for the view's other rows
-// (f16 rows that alone would take the tensor cores), in whole 64-row steps; a token-axis packed
+// (f16 rows that alone would take the tensor cores), in whole 128-row tiles; a token-axis packed
 // segment beside them is refused (one packed format per view), and a layer's view must keep the
 // axis and give runs.
 TEST(DecodePlan, ChannelAxisKeysTakeTheChannelKernel) {
@@ -281,8 +281,16 @@ TEST(DecodePlan, ChannelAxisKeysTakeTheChannelKernel) {
   EXPECT_FALSE(p.segments[0].channel);
   EXPECT_EQ(p.segments[1].k_row_bytes, ch.k_fmt.row_stride);
   EXPECT_EQ(p.segments[1].v_row_bytes, ch.v_fmt.row_stride);
-  EXPECT_EQ(p.segments[1].rows_per_split % 64, 0);
+  // 128-row tiles (a row per thread), about four blocks per SM (decode_plan.cpp)
+  EXPECT_EQ(p.segments[1].tile_rows, 128);
+  EXPECT_EQ(p.segments[1].rows_per_split % 128, 0);
+  EXPECT_EQ(p.target_blocks, 4 * 132);
   EXPECT_EQ(p.scratch_bytes, 0u);
+  // such plans run alone in a batched run (the engine sizes them as single launches); a batch-1
+  // view of rows joins, a view of two sequences does not
+  EXPECT_FALSE(decode_plan_joins_batch(plan(segs, 1, 4, 16, 128)));
+  EXPECT_TRUE(decode_plan_joins_batch(plan({fp_seg(300, DType::kF16)}, 1, 4, 16, 128)));
+  EXPECT_FALSE(decode_plan_joins_batch(plan({fp_seg(300, DType::kF16)}, 2, 4, 16, 128)));
   EXPECT_EQ(p.kernel, DecodeKernel::kCudaCore);
   EXPECT_EQ(p.k_bits, 3);
   EXPECT_GT(p.v_bits, 0);  // the combine un-transforms packed values by it

@@ -317,6 +317,11 @@ inline int64_t decode_batch_pieces(int64_t n) {
 void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, DecodeWorkspace& ws,
                                 Stream s = nullptr);
 
+// Whether decode_attention_run_batch can put an item of this plan in a shared launch (a batch-1
+// view with rows, no dequantized segment, no channel-axis keys); other plans run alone, so a
+// caller sizes their splits as single launches.
+bool decode_plan_joins_batch(const DecodePlan& plan);
+
 // One query per sequence (N = 1): out[b, qh] = softmax(q[b, qh] . K^T * scale) V over every row of
 // view that is visible from position p.q_pos0 (pos_j <= q_pos0, and with p.window > 0
 // q_pos0 < pos_j + window), query head qh reading KV head qh / (H_q / H_kv).

@@ -279,7 +279,7 @@ void decode_attention_run_batch(const std::vector<DecodeBatchItem>& items, Decod
   std::vector<size_t> alone;
   for (size_t i = 0; i < items.size(); ++i) {
     const DecodePlan& pl = *items[i].plan;
-    if (pl.batch != 1 || pl.total_rows == 0 || pl.scratch_bytes > 0 || has_channel(pl)) {
+    if (!decode_plan_joins_batch(pl)) {
       alone.push_back(i);
       continue;
     }

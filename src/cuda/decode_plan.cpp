@@ -12,8 +12,8 @@
 // packed stage bytes and the rows per split. Packed segments of a format no split kernel reads in
 // place (fused_format: key and value groups that differ or are not a multiple of 8 channels)
 // are planned as f32 rows that each run dequantizes into scratch first (unfused fallback). Packed
-// segments with channel-axis keys are read in place by the channel kernel (64-row steps); a view
-// holding them plans the CUDA-core kernel for its other segments.
+// segments with channel-axis keys are read in place by the channel kernel (128-row tiles, about
+// four blocks per SM); a view holding them plans the CUDA-core kernel for its other segments.
 #include "cuda/decode_plan.h"
 
 #include <algorithm>
@@ -163,6 +163,9 @@ int DecodeContext::mma_blocks_per_sm(DecodeKernel k, int32_t head_dim, int32_t g
   return n;
 }
 
+// Rows per pipeline tile of the channel kernel (decode_attention_channel.cu: one row per thread).
+constexpr int32_t kChannelTileRows = 128;
+
 // Packed views take the 16-head block from B * H_kv * rows >= this (see plan_decode).
 constexpr int64_t kM16Rows = int64_t{1} << 18;
 
@@ -257,7 +260,7 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
       d.channel = true;
       d.k_row_bytes = sg.k_fmt.row_stride;
       d.v_row_bytes = sg.v_fmt.row_stride;
-      d.tile_rows = 64;
+      d.tile_rows = kChannelTileRows;
       plan.total_rows += sg.n_rows;
       plan.segments.push_back(d);
       continue;
@@ -338,7 +341,11 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
       (!any_packed || ((plan.k_bits == 2 || plan.k_bits == 4) && plan.v_bits == plan.k_bits &&
                        group_size % 32 == 0 && pk_first->k_fmt.code_bytes % 4 == 0 &&
                        pk_first->v_fmt.code_bytes % 4 == 0 && packed_aligned));
-  int64_t target_blocks = 16 * sm_count;
+  // the channel kernel stages tiles of kChannelTileRows rows and sets up its queries once per
+  // block: about one wave of its resident blocks (4-5 per SM), so each split streams several
+  // tiles through its two stages instead of one (H200, 8 x 32K: 16 blocks per SM of one tile
+  // each left it latency-bound, docs/results/gpu/run20_s21)
+  int64_t target_blocks = (any_channel ? 4 : 16) * sm_count;
   if (mma) {
     // stage rows: a multiple of 64 for the packed rows (or the f16 rows of an f16-only view),
     // a multiple of 16 for the f16 sinks / tail of a packed view, within the same stage bytes
@@ -456,6 +463,12 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   const size_t acc_bytes = (n_part * static_cast<size_t>(D) * 4 + 255) / 256 * 256;
   plan.workspace_bytes = acc_bytes + n_part * 2 * 4;
   return plan;
+}
+
+bool decode_plan_joins_batch(const DecodePlan& plan) {
+  const bool channel = std::any_of(plan.segments.begin(), plan.segments.end(),
+                                   [](const DecodeSegmentPlan& d) { return d.channel; });
+  return plan.batch == 1 && plan.total_rows > 0 && plan.scratch_bytes == 0 && !channel;
 }
 
 PlannedSegments match_plan(const DecodePlan& plan, int64_t B, int64_t H, int64_t D,

@@ -890,7 +890,9 @@ const cuda::DecodePlan& CudaEngine::decode_plan(Rank& R, RankSeq& s,
   key.push_back(n_dec);
   if (key != s.plan_key) {
     s.plan = cuda::decode_attention_plan(R.ws.context(), nq, view, ap);
-    if (n_dec > 1) {
+    // a plan that runs alone (channel-axis keys, dequantized segments) keeps a single launch's
+    // splits: sized for a shared launch it would fill a fraction of the device on its own
+    if (n_dec > 1 && cuda::decode_plan_joins_batch(s.plan)) {
       // One launch per piece of the n_dec sequences (decode_batch_pieces: at most 32 each,
       // balanced): k splits per (sequence, kv head), the smallest k whose per_launch * H_kv * k
       // blocks fill at least 85 % of the whole waves they take (a wave: one sequence's default
