@@ -90,7 +90,12 @@ template <int B>
 __device__ __forceinline__ float unit_mantissa(uint32_t x, int k) {
   const int sh = 23 - B - k * B;  // bit position of code k, moved to bit 23 - B
   const uint32_t y = sh >= 0 ? x << sh : x >> -sh;
-  return __uint_as_float((y & (((1u << B) - 1u) << (23 - B))) | 0x3F800000u);
+  // (y & mask) | 1.0f's bits in one lop3 (the mask in a register: one immediate per instruction)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;"
+      : "=r"(r)
+      : "r"(y), "r"(((1u << B) - 1u) << (23 - B)), "n"(0x3F800000));
+  return __uint_as_float(r);
 }
 
 // Code j (compile-time after unrolling) of KB bits from the words w of a record.
@@ -249,6 +254,14 @@ __global__ void __launch_bounds__(kChThreads)
   const auto run_begin = [&](int32_t r) -> int64_t { return runs ? runs[r] : 0; };
   const auto run_end = [&](int32_t r) -> int64_t { return runs ? runs[r + 1] : sg.n_rows; };
   int32_t folded = -1;  // the run whose fold sits alone in slot 0 (a step of one run), or -1
+  // this thread's key channel c = tid in a run's metadata list: element 2 c (lo) and 2 c + 1
+  // (scale), slot e % slots of record e / slots (offsets from the run's first record), and the
+  // records the list takes
+  static_assert(D <= kChThreads, "one key channel per thread in the fold");
+  const int64_t lo_off = static_cast<int64_t>((2 * tid) / slots) * krb + pk.k_code_bytes;
+  const int64_t sc_off = static_cast<int64_t>((2 * tid + 1) / slots) * krb + pk.k_code_bytes;
+  const int lo_slot = (2 * tid) % slots, sc_slot = (2 * tid + 1) % slots;
+  const int64_t meta_rows = (2 * D + slots - 1) / slots;
   // value codes as 1 + c 2^-VB (the float's mantissa bits), dequantized by one FMA with the
   // tile's table: (1 + c 2^-VB) (2^VB scale) + (lo - 2^VB scale) = c scale + lo, the table's
   // lo - 2^VB scale rounded once in fp32
@@ -289,16 +302,17 @@ __global__ void __launch_bounds__(kChThreads)
       // ---- fold each run's scales into the query, its zero points into one bias per head
       if (!(nrun == 1 && folded == run)) {
         for (int k = 0; k < nrun; ++k) {
-          const uint8_t* chunk0 = kbase + run_begin(run + k) * krb;
+          // the run's metadata list from the staged tile where the tile holds its records
+          const int64_t rb = run_begin(run + k);
+          const uint8_t* chunk0 =
+              rb >= r0 && rb + meta_rows <= r1 ? sk + kmis + (rb - r0) * krb : kbase + rb * krb;
           float bp[G];
 #pragma unroll
           for (int g = 0; g < G; ++g) bp[g] = 0.0f;
-          for (int c = tid; c < D; c += kChThreads) {
-            const int el = 2 * c, es = 2 * c + 1;
-            const float lo =
-                meta_load(chunk0 + (el / slots) * krb + pk.k_code_bytes, el % slots, kmt);
-            const float sc =
-                meta_load(chunk0 + (es / slots) * krb + pk.k_code_bytes, es % slots, kmt);
+          if (tid < D) {  // channel c = tid (D <= kChThreads)
+            const int c = tid;
+            const float lo = meta_load(chunk0 + lo_off, lo_slot, kmt);
+            const float sc = meta_load(chunk0 + sc_off, sc_slot, kmt);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
               qf[(k * D + c) * G + g] = q0[g * D + c] * sc;
@@ -382,6 +396,7 @@ __global__ void __launch_bounds__(kChThreads)
       for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int k = 0; k < CPT; ++k) acc[g][k] *= corr[g];
+#pragma unroll 2
       for (int rr = ph; rr < nt; rr += PH) {
         const uint32_t rec = vmis + (off0 + rr) * vrb;  // the record's byte in sv
         float pp[G];
