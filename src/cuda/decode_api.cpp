@@ -214,12 +214,6 @@ DecodeParams fill_params(const DecodePlan& plan, const PlannedSegments& segs, co
   return dp;
 }
 
-// Whether plan reads channel-axis keys (the channel kernel; such plans run alone).
-bool has_channel(const DecodePlan& plan) {
-  return std::any_of(plan.segments.begin(), plan.segments.end(),
-                     [](const DecodeSegmentPlan& d) { return d.channel; });
-}
-
 // Points dp's partials at w (plan.workspace_bytes: acc, then m/l 256-byte aligned).
 void set_partials(DecodeParams& dp, const DecodePlan& plan, uint8_t* w) {
   const size_t n_part = static_cast<size_t>(plan.batch * plan.n_q_heads * plan.n_splits);
@@ -256,7 +250,7 @@ void decode_attention_run(const DecodePlan& plan, const float* q, const DeviceCa
   DecodeChannelParams ch;
   DecodeParams dp = fill_params(plan, segs, q, out, B, H, D, deq.as<uint8_t>(), st, &ch);
   set_partials(dp, plan, static_cast<uint8_t*>(ws.reserve(plan.workspace_bytes)));
-  if (has_channel(plan)) {
+  if (decode_plan_has_channel(plan)) {
     decode_attention_launch_channel(dp, ch, st);
   } else {
     decode_attention_launch(dp, st);

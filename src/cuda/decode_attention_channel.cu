@@ -35,6 +35,7 @@
 #include "cuda/check.h"
 #include "cuda/decode_attention_channel.cuh"
 #include "cuda/decode_attention_kernel.cuh"
+#include "cuda/decode_plan.h"
 #include "veloxquant/packed.h"
 
 namespace vq::cuda {
@@ -44,7 +45,8 @@ namespace {
 constexpr int kChThreads = decode_impl::kThreads;  // 128: transform_queries' stride
 constexpr int kChWarps = kChThreads / 32;
 constexpr int kChStep = kChThreads;  // rows per online-softmax step: one per thread
-constexpr int kTileGroups = 8;       // value groups per record the tile's metadata table holds
+static_assert(kChStep == kChannelTileRows, "the planner's tiles are the kernel's steps");
+constexpr int kTileGroups = 8;  // value groups per record the tile's metadata table holds
 
 template <int D, int G>
 struct ChGeo {

@@ -163,9 +163,6 @@ int DecodeContext::mma_blocks_per_sm(DecodeKernel k, int32_t head_dim, int32_t g
   return n;
 }
 
-// Rows per pipeline tile of the channel kernel (decode_attention_channel.cu: one row per thread).
-constexpr int32_t kChannelTileRows = 128;
-
 // Packed views take the 16-head block from B * H_kv * rows >= this (see plan_decode).
 constexpr int64_t kM16Rows = int64_t{1} << 18;
 
@@ -465,10 +462,14 @@ DecodePlan plan_decode(const DecodeContext& ctx, int64_t n_q_heads, int64_t B, i
   return plan;
 }
 
+bool decode_plan_has_channel(const DecodePlan& plan) {
+  return std::any_of(plan.segments.begin(), plan.segments.end(),
+                     [](const DecodeSegmentPlan& d) { return d.channel; });
+}
+
 bool decode_plan_joins_batch(const DecodePlan& plan) {
-  const bool channel = std::any_of(plan.segments.begin(), plan.segments.end(),
-                                   [](const DecodeSegmentPlan& d) { return d.channel; });
-  return plan.batch == 1 && plan.total_rows > 0 && plan.scratch_bytes == 0 && !channel;
+  return plan.batch == 1 && plan.total_rows > 0 && plan.scratch_bytes == 0 &&
+         !decode_plan_has_channel(plan);
 }
 
 PlannedSegments match_plan(const DecodePlan& plan, int64_t B, int64_t H, int64_t D,

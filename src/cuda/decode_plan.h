@@ -40,6 +40,14 @@ inline int decode_mma_stages(DecodeKernel k) {
 // min(128, this / row_bytes) rounded down to a multiple of 8.
 constexpr int kDecodeStageBytes = 8192;
 
+// Rows per pipeline tile of the channel kernel (decode_attention_channel.cu: one row per thread
+// of its 128-thread block); the planner's tile_rows of channel-axis segments.
+constexpr int32_t kChannelTileRows = 128;
+
+// Whether plan reads channel-axis keys (the channel kernel; such plans run alone in a batched
+// run, decode_plan_joins_batch).
+bool decode_plan_has_channel(const DecodePlan& plan);
+
 // decode_attention_plan over the pieces of a view: batch B, n_kv_heads H, head_dim D and its
 // segments (empty ones are skipped). Throws vq::Error "[decode_attention] ..." for shapes or
 // formats the kernels do not take.
