@@ -298,6 +298,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   c.skvq_key_rows = 24;
   c.skvq_layer_bits_key = "3/2/1.5";
   c.skvq_layer_key_rows = "8/0/61";
+  c.skvq_query_moments_file = "moments.bin";
   c.skvq_protect_scoring = SnapScoring::kExternal;
   c.skvq_protect_obs_window = 9;
   c.skvq_protect_pool_kernel = 5;
@@ -353,7 +354,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
       }
     }
   }
-  EXPECT_EQ(keys.size(), 39u);
+  EXPECT_EQ(keys.size(), 40u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {
@@ -684,8 +685,8 @@ TEST(CacheConfig, EnumNamesForMessages) {
   EXPECT_EQ(cache_method_fields("full"), std::vector<std::string>{});
   EXPECT_EQ(cache_method_fields("streaming"),
             (std::vector<std::string>{"streaming_n_sink", "streaming_window"}));
-  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 33u);
-  EXPECT_EQ(cache_method_fields("skvq").size(), 24u);
+  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 34u);
+  EXPECT_EQ(cache_method_fields("skvq").size(), 25u);
   EXPECT_EQ(cache_enum_name("skvq_key_axis", 1), "channel");
 }
 

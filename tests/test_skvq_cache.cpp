@@ -15,6 +15,7 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <random>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "veloxquant/full_cache.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/packed.h"
+#include "veloxquant/query_moments.h"
 #include "veloxquant/skvq_cache.h"
 #include "veloxquant/snapkv_skvq_cache.h"
 
@@ -1441,6 +1443,143 @@ TEST(SnapkvSkvqChannel, SaveLoadAndRefusals) {
     }
     EXPECT_EQ(state_of(*a), before);
   }
+}
+
+}  // namespace
+}  // namespace vq
+
+// ---- skvq_query_moments_file (error-feedback key rounding, veloxquant/key_rounding.h) --------
+
+namespace vq {
+namespace {
+
+// A moment file of `layers` layers, `heads` heads of head_dim d: moments with a few dominant
+// directions (a head's queries have them), different per layer and head.
+std::string write_moments(const std::string& name, int64_t layers, int64_t heads, int64_t d) {
+  QueryMomentSet set;
+  set.n_kv_heads = heads;
+  set.head_dim = d;
+  set.n_tokens = 100;
+  std::mt19937_64 rng(17);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  for (int64_t l = 0; l < layers; ++l) {
+    std::vector<double> m(static_cast<size_t>(heads * d * d), 0.0);
+    for (int64_t h = 0; h < heads; ++h) {
+      double* mh = m.data() + h * d * d;
+      for (int r = 0; r < 4; ++r) {
+        std::vector<double> a(static_cast<size_t>(d));
+        for (auto& x : a) x = nd(rng) / (1 + r);
+        for (int64_t i = 0; i < d; ++i)
+          for (int64_t j = 0; j < d; ++j) mh[i * d + j] += a[i] * a[j];
+      }
+      for (int64_t i = 0; i < d; ++i) mh[i * d + i] += 0.05;
+    }
+    set.layers.push_back(m);
+  }
+  const std::string path = ::testing::TempDir() + name;
+  save_query_moment_file(path, set);
+  return path;
+}
+
+CacheConfig moments_cfg(const std::string& path, bool rotate) {
+  CacheConfig c = key_rows_cfg(6);
+  c.skvq_query_moments_file = path;
+  if (rotate) c.skvq_rotation = Rotation::kHadamard;
+  return c;
+}
+
+TEST(SkvqCacheQueryMoments, ChunkedEqualsOneShotAndOnlyPackedKeyCodesChange) {
+  const std::string path = write_moments("qm_cache.bin", 1, 2, 64);
+  for (bool rotate : {false, true}) {
+    const Tensor k = hetero(2, 2, 70, 64, 21), v = hetero(2, 2, 70, 64, 22);
+    auto a = make(moments_cfg(path, rotate)), b = make(moments_cfg(path, rotate));
+    CacheConfig plain_cfg = moments_cfg(path, rotate);
+    plain_cfg.skvq_query_moments_file.clear();
+    auto plain = make(plain_cfg);
+    a->update_and_fetch(k.view(), v.view());
+    feed(*b, k, v, {13, 29, 1, 27});
+    plain->update_and_fetch(k.view(), v.view());
+    EXPECT_EQ(state_of(*a), state_of(*b)) << "rotate " << rotate;
+    EXPECT_NE(state_of(*a), state_of(*plain)) << "the option changed nothing";
+    // Same values, sinks and tail; packed keys differ from the nearest codes in some row but
+    // stay on the same grids (the dequantized rows are as close to the input as a step allows).
+    EXPECT_EQ(a->stats().bytes_accounted, plain->stats().bytes_accounted);
+    const auto ka = rows_of(a->stored_view(), 1, 1), kp = rows_of(plain->stored_view(), 1, 1);
+    const auto va = rows_of(a->stored_view(), 1, 1, true),
+               vp = rows_of(plain->stored_view(), 1, 1, true);
+    EXPECT_EQ(va, vp);
+    int64_t differ = 0;
+    for (int64_t s : {0, 3, 64, 69}) EXPECT_TRUE(row_equals_input(ka[s], k, 1, 1, s)) << s;
+    for (size_t s = 0; s < ka.size(); ++s) differ += ka[s] != kp[s];
+    EXPECT_GT(differ, 0);
+  }
+}
+
+TEST(SkvqCacheQueryMoments, SaveLoadContinuesBitIdentically) {
+  const std::string path = write_moments("qm_save.bin", 1, 2, 64);
+  const CacheConfig cfg = moments_cfg(path, true);
+  const Tensor k = hetero(1, 2, 90, 64, 31), v = hetero(1, 2, 90, 64, 32);
+  auto a = make(cfg);
+  a->update_and_fetch(k.view().slice_tokens(0, 41), v.view().slice_tokens(0, 41));
+  std::istringstream in(state_of(*a));
+  auto b = make(cfg);
+  b->load(in);
+  a->update_and_fetch(k.view().slice_tokens(41, 90), v.view().slice_tokens(41, 90));
+  b->update_and_fetch(k.view().slice_tokens(41, 90), v.view().slice_tokens(41, 90));
+  EXPECT_EQ(state_of(*a), state_of(*b));
+}
+
+TEST(SkvqCacheQueryMoments, RefusedWhereItCannotApplyNamingTheField) {
+  const std::string path = write_moments("qm_refuse.bin", 2, 2, 64);
+  const auto expect_refused = [](const CacheConfig& c, const std::string& needle) {
+    try {
+      auto cache = make(c);
+      const Tensor k = hetero(1, 2, 20, 64, 1), v = hetero(1, 2, 20, 64, 2);
+      cache->update_and_fetch(k.view(), v.view());
+      ADD_FAILURE() << "accepted; expected an error containing '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("skvq_query_moments_file"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  CacheConfig token = small_cfg();
+  token.skvq_query_moments_file = path;
+  expect_refused(token, "skvq_key_axis=token");
+  CacheConfig d32 = moments_cfg(write_moments("qm_d32.bin", 1, 2, 32), false);
+  expect_refused(d32, "head_dim 64");
+  expect_refused(moments_cfg(write_moments("qm_h3.bin", 1, 3, 64), false),
+                 "moments for 2 KV heads");
+  CacheConfig missing = moments_cfg(::testing::TempDir() + "qm_none.bin", false);
+  expect_refused(missing, "could not open");
+  // Layer 2 of a two-layer file.
+  try {
+    SkvqCache c(moments_cfg(path, false), 2);
+    ADD_FAILURE() << "layer 2 of a two-layer file accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("an entry for layer 2"), std::string::npos) << e.what();
+  }
+  // The spec string reaches the field.
+  const CacheConfig parsed = parse_cache_arg("skvq:key_axis=channel:query_moments_file=" + path);
+  EXPECT_EQ(parsed.skvq_query_moments_file, path);
+}
+
+TEST(SkvqCacheQueryMoments, SnapkvSkvqRoundsItsChannelKeysToo) {
+  const std::string path = write_moments("qm_snap.bin", 1, 2, 64);
+  CacheConfig c = moments_cfg(path, true);
+  c.method = "snapkv+skvq";
+  c.snap_evict_at = SnapEvictAt::kPromptEnd;
+  c.snap_budget = 40;
+  CacheConfig plain = c;
+  plain.skvq_query_moments_file.clear();
+  const Tensor k = hetero(1, 2, 80, 64, 41), v = hetero(1, 2, 80, 64, 42);
+  auto a = make_cache(c), p = make_cache(plain);
+  a->update_and_fetch(k.view(), v.view());
+  p->update_and_fetch(k.view(), v.view());
+  a->end_prompt();
+  p->end_prompt();
+  EXPECT_NE(state_of(*a), state_of(*p));
+  EXPECT_EQ(a->stored_rows(), p->stored_rows());
 }
 
 }  // namespace

@@ -88,6 +88,12 @@ struct CacheConfig {
   // token groups); 0 = the whole chunk. A chunk of n rows holds floor(n / key_rows) runs, the
   // last one taking the remainder (docs/design.md §C4).
   int64_t skvq_key_rows = 0;
+  // Channel-axis keys only (method skvq or snapkv+skvq, CPU only): a query-moment file written
+  // by `veloxquant calibrate --query-moments` (veloxquant/query_moments.h); each key row's codes
+  // are then chosen by error feedback across its channels, weighted by the layer's query second
+  // moments (docs/design.md §C4), instead of rounded to nearest. The metadata and the record
+  // format are unchanged. Empty = round to nearest.
+  std::string skvq_query_moments_file;
   // Mixed key precision by layer: per-layer overrides of skvq_bits_key and skvq_key_rows,
   // '/'-separated, entry i for layer i ("2/3/2/2/2/2"); empty = every layer takes the single
   // field. A model's caches need one entry per layer (build_caches); the packed formats are the

@@ -59,9 +59,12 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
 // format f (packed.h): channel c over the n rows is one group of the quantizer above (the same
 // clip search, rounding and metadata rounding), its codes go to each row's record and its
 // (lo, scale) to the chunk's metadata slots. Needs n * f.n_groups >= 2d (the chunk holds its
-// metadata). Bit-identical to group_quantize_reference on the transposed chunk.
+// metadata). Bit-identical to group_quantize_reference on the transposed chunk. With key_u (the
+// factor of veloxquant/key_rounding.h, d x d) the codes are the error-feedback ones of
+// key_feedback_codes on the same metadata.
 void quantize_chunk_to_records(const float* x, int64_t n, const PackedRowFormat& f,
-                               const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride);
+                               const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride,
+                               const double* key_u = nullptr);
 
 // SKVQ byte formula for n rows of d channels (docs/design.md §C4): codes ceil(n*d*bits/8) (ternary:
 // n*ceil(d/5), five codes per byte within a row) + metadata n*ceil(d/g)*2*meta_size.

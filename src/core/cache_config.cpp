@@ -273,6 +273,7 @@ const std::vector<Field>& fields() {
       enum_field("skvq_key_axis", &CacheConfig::skvq_key_axis, axis_names()),
       allow(int_field("skvq_key_rows", &CacheConfig::skvq_key_rows),
             "0 (the whole chunk)..skvq_window - skvq_n_sink"),
+      string_field("skvq_query_moments_file", &CacheConfig::skvq_query_moments_file),
       allow(string_field("skvq_layer_bits_key", &CacheConfig::skvq_layer_bits_key),
             "'' or '/'-separated skvq_bits_key values, one per layer"),
       allow(string_field("skvq_layer_key_rows", &CacheConfig::skvq_layer_key_rows),
@@ -588,6 +589,11 @@ void validate(const CacheConfig& c) {
   check_enum("skvq_rotation", c.skvq_rotation, rotation_names());
   check_enum("skvq_key_axis", c.skvq_key_axis, axis_names());
   check_key_rows("skvq_key_rows", c.skvq_key_rows, c);
+  if (!c.skvq_query_moments_file.empty() && c.skvq_key_axis != QuantAxis::kChannel)
+    fail("skvq_query_moments_file",
+         "'' with skvq_key_axis=token (the error-feedback rounding runs across the channels of a "
+         "channel-axis key row)",
+         "'" + c.skvq_query_moments_file + "'");
   // Per-layer lists: every entry as its single field.
   const std::vector<std::string> lb = split_layer_list(c.skvq_layer_bits_key);
   for (size_t i = 0; i < lb.size(); ++i) {

@@ -181,6 +181,10 @@ class PackedTransforms {
   const float* signs = nullptr;
   int32_t rot_block = 0;
   bool rotate_values = false;
+  // Channel-axis keys rounded by error feedback (veloxquant/key_rounding.h): the factor U of
+  // head h at key_u + h * D * D (host memory, stored channel order), or nullptr (round to
+  // nearest). Set by the owner after make_transforms; only the CPU backend reads it.
+  const double* key_u = nullptr;
   int64_t bytes = 0;  // what the copies hold
   const int32_t* perm(bool values) const { return values ? perm_v : perm_k; }
   const float* signs_for(bool values) const {

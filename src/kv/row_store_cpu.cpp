@@ -283,7 +283,8 @@ class CpuPackedStore final : public PackedStore {
             const PackedRowFormat& fmt = shape_.format(kv);
             if (fmt.axis == QuantAxis::kChannel)  // the n rows are one chunk (packed.h)
               quantize_chunk_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
-                                        fmt.row_stride);
+                                        fmt.row_stride,
+                                        !kv && t.key_u ? t.key_u + h * d * d : nullptr);
             else
               quantize_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
                                   fmt.row_stride, false);

@@ -12,6 +12,8 @@
 #include "veloxquant/device_memory.h"
 #include "veloxquant/error.h"
 #include "veloxquant/hadamard.h"
+#include "veloxquant/key_rounding.h"
+#include "veloxquant/query_moments.h"
 #include "veloxquant/skvq_cache.h"
 
 namespace vq::skvq {
@@ -104,6 +106,37 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
     s.file_perm_v = ps.value[static_cast<size_t>(layer_index)];
     s.file_heads = ps.n_kv_heads;
     s.reorder = true;
+  }
+  if (!cfg.skvq_query_moments_file.empty()) {  // validate(): channel-axis keys
+    const std::string& path = cfg.skvq_query_moments_file;
+    QueryMomentSet qm;
+    try {
+      qm = load_query_moment_file(path);
+    } catch (const Error& e) {
+      fail(op, "skvq_query_moments_file", "a usable query-moment file", e.what());
+    }
+    if (qm.head_dim != s.head_dim)
+      fail(op, "skvq_query_moments_file", "moments for head_dim " + std::to_string(s.head_dim),
+           "head_dim " + std::to_string(qm.head_dim) + " in '" + path + "'");
+    if (layer_index >= static_cast<int64_t>(qm.layers.size()))
+      fail(op, "skvq_query_moments_file", "an entry for layer " + std::to_string(layer_index),
+           std::to_string(qm.layers.size()) + " layers in '" + path + "'");
+    const int64_t total = s.heads_total > 0 ? s.heads_total : qm.n_kv_heads;
+    if (qm.n_kv_heads != total)
+      fail(op, "skvq_query_moments_file", "moments for " + std::to_string(total) + " KV heads",
+           std::to_string(qm.n_kv_heads) + " heads in '" + path + "'");
+    s.query_moments = std::move(qm.layers[static_cast<size_t>(layer_index)]);
+    s.moment_heads = qm.n_kv_heads;
+    for (int64_t h = 0; h < s.moment_heads; ++h) {  // each head's factor exists (throws if not)
+      try {
+        key_rounding_factor(s.query_moments.data() + h * s.head_dim * s.head_dim, s.head_dim);
+      } catch (const Error& e) {
+        fail(op, "skvq_query_moments_file",
+             "usable moments for layer " + std::to_string(layer_index) + " head " +
+                 std::to_string(h) + " in '" + path + "'",
+             e.what());
+      }
+    }
   }
   return s;
 }
@@ -250,6 +283,9 @@ Transforms initial_transforms(const Settings& s, int64_t heads, const char* op) 
     t.rot_block = static_cast<int32_t>(hadamard_block(d));
     t.rotate_values = s.rotate_values;
   }
+  if (!s.query_moments.empty() && s.moment_heads != total)
+    fail(op, "skvq_query_moments_file", "moments for " + std::to_string(total) + " KV heads",
+         std::to_string(s.moment_heads) + " heads in the file");
   if (!s.file_perm_k.empty()) {
     if (s.file_heads != total)
       fail(op, "skvq_perm_file", "permutations for " + std::to_string(total) + " KV heads",
@@ -321,19 +357,45 @@ void check_blocks(const TensorView& keys, const TensorView& values, int64_t d, b
 
 // ---- Store ------------------------------------------------------------------------------------
 
+Store::Store(const kv::RowBackend& backend, const Settings& s, bool explicit_positions,
+             const char* op)
+    : be_(&backend), s_(&s), explicit_pos_(explicit_positions), op_(op) {
+  if (!s.query_moments.empty() && backend.device() != kv::Device::kCpu)
+    fail(op, "skvq_query_moments_file",
+         "'' on this device (the error-feedback key rounding runs in the CPU flush only)",
+         "a query-moment file");
+}
+
+void Store::make_dtr() {
+  dtr_ = be_->make_transforms(tr.perm_k, tr.perm_v, tr.signs, tr.rot_block, tr.rotate_values);
+  const Settings& s = *s_;
+  if (s.query_moments.empty()) return;
+  const int64_t d = s.head_dim;
+  key_u_.assign(static_cast<size_t>(heads * d * d), 0.0);
+  for (int64_t h = 0; h < heads; ++h) {
+    const double* m = s.query_moments.data() + (s.head_first + h) * d * d;
+    const std::vector<double> ms =
+        stored_order_moments(m, d, tr.signs.empty() ? nullptr : tr.signs.data() + h * d,
+                             tr.rot_block, tr.perm_k.empty() ? nullptr : tr.perm_k.data() + h * d);
+    const std::vector<double> u = key_rounding_factor(ms.data(), d);
+    std::copy(u.begin(), u.end(), key_u_.begin() + h * d * d);
+  }
+  dtr_->key_u = key_u_.data();
+}
+
 void Store::start(DType t, int64_t b, int64_t h, Transforms transforms) {
   has_data = true;
   dtype = t;
   batch = b;
   heads = h;
   tr = std::move(transforms);
-  dtr_ = be_->make_transforms(tr.perm_k, tr.perm_v, tr.signs, tr.rot_block, tr.rotate_values);
+  make_dtr();
 }
 
 void Store::set_perms(std::vector<int32_t> pk, std::vector<int32_t> pv) {
   tr.perm_k = std::move(pk);
   tr.perm_v = std::move(pv);
-  dtr_ = be_->make_transforms(tr.perm_k, tr.perm_v, tr.signs, tr.rot_block, tr.rotate_values);
+  make_dtr();
 }
 
 int64_t Store::packed() const {

@@ -59,6 +59,10 @@ struct Settings {
   // Calibrated permutations of this layer ([H * D] each), empty when none.
   std::vector<int32_t> file_perm_k, file_perm_v;
   int64_t file_heads = 0;
+  // Query moments of this layer (skvq_query_moments_file, veloxquant/query_moments.h):
+  // [moment_heads * D * D] in the original channel order, empty when keys round to nearest.
+  std::vector<double> query_moments;
+  int64_t moment_heads = 0;
   // The layer's heads this cache holds (CacheConfig::kv_head_first, kv_heads_total): signs and
   // file permutations are those of global heads head_first .. head_first + H - 1.
   int64_t head_first = 0, heads_total = 0;
@@ -119,8 +123,8 @@ struct HostBlock {
 
 class Store {
  public:
-  Store(const kv::RowBackend& backend, const Settings& s, bool explicit_positions, const char* op)
-      : be_(&backend), s_(&s), explicit_pos_(explicit_positions), op_(op) {}
+  // Refuses (vq::Error) query moments on a backend other than the CPU's.
+  Store(const kv::RowBackend& backend, const Settings& s, bool explicit_positions, const char* op);
 
   // ---- shape and transforms
   bool has_data = false;
@@ -220,6 +224,11 @@ class Store {
   bool explicit_pos_;
   const char* op_;
   std::unique_ptr<kv::PackedTransforms> dtr_;
+  // The key rounding factors of the cache's heads in the stored channel order ([H * D * D],
+  // veloxquant/key_rounding.h), made with dtr_ (make_dtr) when the settings carry query moments;
+  // dtr_->key_u points here.
+  std::vector<double> key_u_;
+  void make_dtr();
   std::unique_ptr<kv::RowStore> fp_;
   // fp_ was made by keep() and no view has read it since (view() clears it): fit_kept may free it.
   mutable bool fp_unseen_ = false;

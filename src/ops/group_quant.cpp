@@ -21,6 +21,7 @@
 
 #include "veloxquant/error.h"
 #include "veloxquant/hadamard.h"
+#include "veloxquant/key_rounding.h"
 
 namespace vq {
 
@@ -431,7 +432,8 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
 }
 
 void quantize_chunk_to_records(const float* x, int64_t n, const PackedRowFormat& f,
-                               const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride) {
+                               const GroupQuantParams& p, uint8_t* dst, int64_t dst_stride,
+                               const double* key_u) {
   const int64_t d = f.head_dim;
   VQ_CHECK(f.axis == QuantAxis::kChannel && code_spec_from_bits(p.bits).bits_x2 == f.spec.bits_x2 &&
                p.meta == f.meta,
@@ -449,6 +451,8 @@ void quantize_chunk_to_records(const float* x, int64_t n, const PackedRowFormat&
   std::vector<uint8_t> ct(static_cast<size_t>(d * n)), row(static_cast<size_t>(d));
   std::vector<float> lo(static_cast<size_t>(d)), sc(static_cast<size_t>(d));
   group_quantize(xt.data(), d, n, pc, ct.data(), lo.data(), sc.data());
+  if (key_u != nullptr)
+    key_feedback_codes(x, n, d, lo.data(), sc.data(), f.spec.levels(), key_u, ct.data());
   for (int64_t t = 0; t < n; ++t) {
     uint8_t* rec = dst + t * dst_stride;
     std::fill(rec, rec + f.row_stride, uint8_t{0});

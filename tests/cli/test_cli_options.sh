@@ -169,6 +169,16 @@ if command -v nvidia-smi > /dev/null 2>&1 && [[ $(nvidia-smi -L 2> /dev/null | w
     -- generate --model "$MODEL" --prompt-ids 1,2 --device cuda --tensor-parallel 2
 fi
 
+# calibrate --query-moments writes the moment file (and no permutation file without --out);
+# generate reads it through the cache option.
+printf 'The quick brown fox jumps over the lazy dog. %.0s' $(seq 1 20) > "$tmp/calib.txt"
+expect 0 "query moments of 6 layers, 2 KV heads, head_dim 64" \
+  -- calibrate --model "$MODEL" --text-file "$tmp/calib.txt" --query-moments "$tmp/qm.bin"
+expect 0 "peak RSS" -- generate --model "$MODEL" --prompt-ids "$(seq -s, 10 200)" --max-tokens 2 \
+  --cache "skvq:key_axis=channel:key_rows=32:query_moments_file=$tmp/qm.bin"
+expect 2 "skvq_query_moments_file: expected '' with skvq_key_axis=token" \
+  -- generate --model "$MODEL" --prompt-ids 1,2 --cache "skvq:query_moments_file=$tmp/qm.bin"
+
 if [[ $fails -ne 0 ]]; then
   echo "$fails case(s) failed"
   exit 1

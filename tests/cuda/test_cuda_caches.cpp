@@ -46,6 +46,7 @@
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
 #include "veloxquant/packed.h"
+#include "veloxquant/query_moments.h"
 #include "veloxquant/skvq_cache.h"
 #include "veloxquant/snapkv_skvq_cache.h"
 
@@ -977,6 +978,32 @@ TEST(CudaCaches, PerLayerListWithoutTheLayerRefused) {
                 cuda::make_device_cache(cfg, 1, 2, 64, nullptr, -1);
               }).find("[make_device_cache] layer: expected >= 0 but got -1"),
               std::string::npos);
+  }
+}
+
+// The error-feedback key rounding runs in the CPU flush only: the device cache refuses the
+// option by name where the CPU cache accepts it.
+TEST(CudaCaches, QueryMomentsRefusedOnTheDevice) {
+  SKIP_WITHOUT_DEVICE();
+  QueryMomentSet set;
+  set.n_kv_heads = 2;
+  set.head_dim = 64;
+  set.n_tokens = 1;
+  std::vector<double> m(2 * 64 * 64, 0.0);
+  for (int64_t i = 0; i < 2 * 64; ++i) m[static_cast<size_t>(i * 64 + i % 64)] = 1.0;
+  set.layers.push_back(m);
+  const std::string path = ::testing::TempDir() + "qm_cuda.bin";
+  save_query_moment_file(path, set);
+  for (const char* method : {"skvq", "snapkv+skvq"}) {
+    CacheConfig cfg = config(method);
+    cfg.skvq_key_axis = QuantAxis::kChannel;
+    cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+    cfg.head_dim = 64;
+    cfg.skvq_query_moments_file = path;
+    EXPECT_NO_THROW(make_layer_cache(cfg, 0)) << method;
+    const std::string msg = error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64, nullptr, 0); });
+    EXPECT_NE(msg.find("skvq_query_moments_file"), std::string::npos) << method << ": " << msg;
+    EXPECT_NE(msg.find("CPU flush only"), std::string::npos) << method << ": " << msg;
   }
 }
 
