@@ -222,6 +222,15 @@ std::vector<uint8_t> inverse_form_codes(const std::vector<float>& x, const Grid&
   return ct;
 }
 
+// The library's 2-bit feedback codes [d, n] of x on g's grids under moments m.
+std::vector<uint8_t> feedback_codes(const std::vector<float>& x, const Grid& g,
+                                    const std::vector<double>& m, int64_t n, int64_t d) {
+  const std::vector<double> u = key_rounding_factor(m.data(), d);
+  std::vector<uint8_t> ct(g.ct);
+  key_feedback_codes(x.data(), n, d, g.lo.data(), g.sc.data(), 3, u.data(), ct.data());
+  return ct;
+}
+
 TEST(KeyRounding, CodesEqualTheInverseHessianForm) {
   const int64_t n = 48, d = 32;
   int64_t changed = 0;
@@ -229,9 +238,7 @@ TEST(KeyRounding, CodesEqualTheInverseHessianForm) {
     const std::vector<float> x = random_rows(n, d, 100 + seed);
     const std::vector<double> m = aniso_moments(d, 200 + seed);
     const Grid g = channel_grid(x, n, d, 2);
-    const std::vector<double> u = key_rounding_factor(m.data(), d);
-    std::vector<uint8_t> ct(g.ct);
-    key_feedback_codes(x.data(), n, d, g.lo.data(), g.sc.data(), 3, u.data(), ct.data());
+    const std::vector<uint8_t> ct = feedback_codes(x, g, m, n, d);
     // The two forms round the same quantities through different fp64 operations; a code could
     // differ only where (w - lo) / s lands within ~1e-12 of a half-integer (none does here).
     EXPECT_EQ(ct, inverse_form_codes(x, g, m, n, d, 3)) << "seed " << seed;
@@ -248,8 +255,7 @@ TEST(KeyRounding, FeedbackLowersTheWeightedErrorAndKeepsTheMetadata) {
     const std::vector<double> m = aniso_moments(d, 400 + seed);
     const Grid g = channel_grid(x, n, d, 2);
     const std::vector<double> u = key_rounding_factor(m.data(), d);
-    std::vector<uint8_t> ct(g.ct);
-    key_feedback_codes(x.data(), n, d, g.lo.data(), g.sc.data(), 3, u.data(), ct.data());
+    const std::vector<uint8_t> ct = feedback_codes(x, g, m, n, d);
     nearest += weighted_error(x, g, g.ct, m, n, d);
     feedback += weighted_error(x, g, ct, m, n, d);
 
