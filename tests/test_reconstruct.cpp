@@ -20,6 +20,7 @@
 #include "veloxquant/reconstruct.h"
 #include "veloxquant/snapkv.h"
 #include "veloxquant/snapkv_cache.h"
+#include "veloxquant/snapkv_skvq_cache.h"
 
 namespace vq {
 namespace {
@@ -154,8 +155,8 @@ TEST(SnapKVExternal, ConfigRules) {
   c.snap_evict_at = SnapEvictAt::kPrefillCall;
   EXPECT_NE(error_of([&] { validate(c); }).find("prompt_end"), std::string::npos);
   c = external_cfg(8);
-  c.method = "snapkv+skvq";
-  EXPECT_NE(error_of([&] { validate(c); }).find("snapkv+skvq"), std::string::npos);
+  c.method = "snapkv+skvq";  // the kept rows then packed (session 22)
+  EXPECT_NO_THROW(validate(c));
   EXPECT_EQ(parse_cache_arg("snapkv:scoring=external:evict_at=prompt_end").snap_scoring,
             SnapScoring::kExternal);
 }
@@ -309,6 +310,83 @@ TEST_F(ReconstructTiny, TheCacheKeepsWhatItsScoresSelect) {
     }
   // A cache that is not fresh is refused before anything changes.
   EXPECT_THROW(prefill_reconstruct(*model_, ids.data(), 70, snap, opts(), nullptr), Error);
+}
+
+// snapkv+skvq with snap_scoring = external: SnapKV's selection from the scores it was handed
+// (as the snapkv cache's, TheCacheKeepsWhatItsScoresSelect), then the kept rows packed as with
+// any scoring (token-axis and channel-axis keys). (Its scores are close to, not bit-equal with,
+// the snapkv cache's: the prompt's later chunks attend over a view of other segments, whose
+// online softmax rounds in another order.)
+TEST_F(ReconstructTiny, SnapkvSkvqKeepsWhatItsScoresSelectAndPacksIt) {
+  const auto ids = prompt(90);
+  for (const char* keys : {"", ":key_axis=channel:rotation=hadamard:meta=fp8_e4m3"}) {
+    const std::string spec = std::string(
+                                 "snapkv+skvq:budget=40:scoring=external:evict_at="
+                                 "prompt_end:pool_kernel=3:keep_window=true:"
+                                 "skvq_window=8:snap_n_sink=2") +
+                             keys;
+    const auto both = caches(spec);
+    const auto scores = prefill_reconstruct(*model_, ids.data(), 90, both, opts(), nullptr);
+    const SnapSelectParams p = SnapSelectParams::from_config(parse_cache_arg(spec));
+    SnapScratch scratch;
+    for (size_t l = 0; l < both.size(); ++l) {
+      const auto* c = dynamic_cast<const SnapkvSkvqCache*>(both[l].get());
+      ASSERT_NE(c, nullptr);
+      EXPECT_FALSE(c->eviction_pending());
+      EXPECT_GT(c->packed_rows(), 0) << keys;
+      EXPECT_EQ(c->stored_rows(), 40);
+      for (int64_t h = 0; h < model_->config().n_kv_heads; ++h) {
+        std::vector<int64_t> out(90);
+        const int64_t got =
+            snap_select_from_scores(scores[l].data() + h * 90, 90, p, out.data(), scratch);
+        const std::vector<int32_t> want(out.begin(), out.begin() + got);
+        EXPECT_EQ(c->stored_positions(0, h), want) << keys << " layer " << l << " head " << h;
+      }
+    }
+  }
+}
+
+TEST(SnapkvSkvqExternal, RefusesMissingOrMisshapenScoresAndKeepsThemAcrossSaveLoad) {
+  CacheConfig c = external_cfg(12);
+  c.method = "snapkv+skvq";
+  c.head_dim = 16;
+  c.skvq_window = 4;
+  c.skvq_n_sink = 2;
+  c.skvq_group_size = 8;
+  SnapkvSkvqCache a(c), b(c);
+  const Tensor k = test::random_tensor(DType::kF16, 1, 2, 40, 16, 21);
+  const Tensor v = test::random_tensor(DType::kF16, 1, 2, 40, 16, 22);
+  a.update_and_fetch(k.view(), v.view());
+  ASSERT_TRUE(a.eviction_pending());
+  EXPECT_NE(error_of([&] { a.end_prompt(); }).find("expected external scores"), std::string::npos);
+  EXPECT_TRUE(a.eviction_pending());
+  EXPECT_EQ(a.stored_rows(), 40);
+  std::vector<float> sc(2 * 40);
+  const std::string msg = error_of([&] { a.set_external_scores(sc.data(), 1, 2, 39); });
+  EXPECT_NE(msg.find("expected scores [1, 2, 40]"), std::string::npos) << msg;
+  // A single-token call owes the selection: refused too, nothing changed.
+  const Tensor k1 = test::random_tensor(DType::kF16, 1, 2, 1, 16, 23);
+  EXPECT_NE(error_of([&] { a.update_and_fetch(k1.view(), k1.view()); }).find("external scores"),
+            std::string::npos);
+  EXPECT_EQ(a.offset(), 40);
+  for (size_t j = 0; j < sc.size(); ++j) sc[j] = static_cast<float>((j * 7919) % 97);
+  a.set_external_scores(sc.data(), 1, 2, 40);
+  std::stringstream file;
+  a.save(file);
+  b.load(file);
+  a.end_prompt();
+  b.end_prompt();
+  EXPECT_GT(a.packed_rows(), 0);
+  EXPECT_EQ(a.stored_rows(), 12);
+  std::stringstream sa, sb;
+  a.save(sa);
+  b.save(sb);
+  EXPECT_EQ(sa.str(), sb.str());
+  SnapKVCache alone(external_cfg(12));
+  alone.update_and_fetch(k.view(), v.view());
+  alone.set_external_scores(sc.data(), 1, 2, 40);
+  alone.end_prompt();
+  for (int64_t h = 0; h < 2; ++h) EXPECT_EQ(a.stored_positions(0, h), alone.stored_positions(0, h));
 }
 
 }  // namespace

@@ -26,6 +26,9 @@
 // selection ran (always true for the first prefill; with packed rows SnapKV scores their
 // dequantized keys, while SnapKV alone scores full-precision ones).
 // Full-precision rows are stored in fp16 or bf16 (snap_dtype rule). Not trimmable.
+// snap_scoring = external (snap_evict_at = prompt_end): the prompt-end selection ranks by scores
+// the caller hands over (context reconstruction, veloxquant/reconstruct.h) instead of the window
+// queries; the kept rows are then packed as with any scoring.
 // Views: the sinks, one packed segment per packed block (one packed run on a backend that keeps
 // one, src/kv/row_store.h), the tail, with explicit positions after the sinks.
 #pragma once
@@ -71,7 +74,15 @@ class SnapkvSkvqCache final : public KVCache {
   // (window 0), and a windowed one is refused (call end_prompt() first).
   Mask make_mask(int64_t n_queries, int64_t window = 0) const override;
   // snap_evict_at = prompt_end: runs the owed selection and flush now; otherwise does nothing.
+  // With snap_scoring = external the selection ranks the rows by the scores handed over by
+  // set_external_scores (SnapKV's rules: snap_select_from_scores, snapkv.h), as the snapkv cache
+  // does; a prompt that owes a selection without them is refused (nothing changed).
   void end_prompt() override;
+  // snap_scoring = external (veloxquant/reconstruct.h): scores [B, H, stored rows] for the owed
+  // selection. Wrong shape, or no selection owed: vq::Error, nothing changed.
+  bool takes_external_scores() const override;
+  void set_external_scores(const float* scores, int64_t batch, int64_t heads,
+                           int64_t rows) override;
   // True while a prompt-end eviction is owed.
   bool eviction_pending() const;
   CacheStats stats() const override;
@@ -90,6 +101,7 @@ class SnapkvSkvqCache final : public KVCache {
   int64_t head_dim() const;
 
  private:
+  void evict_by_external_scores();
   void evict(const TensorView* queries, int64_t n_new);
   void flush();
 

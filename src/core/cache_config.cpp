@@ -568,11 +568,6 @@ void validate(const CacheConfig& c) {
   if (c.snap_decode_budget > 0 && c.method == "snapkv+skvq")
     fail("snap_decode_budget", "0 with method snapkv+skvq (decode-time eviction: method snapkv)",
          std::to_string(c.snap_decode_budget));
-  if (c.snap_scoring == SnapScoring::kExternal && c.method == "snapkv+skvq")
-    fail("snap_scoring",
-         "key_proxy or query with method snapkv+skvq (external scores: method "
-         "snapkv)",
-         "external");
   check_bits("skvq_bits_key", c.skvq_bits_key);
   check_bits("skvq_bits_value", c.skvq_bits_value);
   check_int("skvq_group_size", c.skvq_group_size, 1, kMaxCacheHeadDim, ">= 1", kWhyDim);

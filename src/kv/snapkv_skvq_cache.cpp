@@ -31,6 +31,8 @@ struct SnapSkvqState {
   // kept window queries.
   bool pending = false;
   std::unique_ptr<kv::QueryRows> win;
+  // snap_scoring = external: the scores of the owed selection [B * H, rows] (host), or empty.
+  std::vector<float> ext;
 };
 
 }  // namespace skvq
@@ -167,11 +169,65 @@ Mask SnapkvSkvqCache::make_mask(int64_t n_queries, int64_t window) const {
   return m;
 }
 
+bool SnapkvSkvqCache::takes_external_scores() const {
+  return cfg_->snap_scoring == SnapScoring::kExternal;
+}
+
+void SnapkvSkvqCache::set_external_scores(const float* scores, int64_t batch, int64_t heads,
+                                          int64_t rows) {
+  const SnapSkvqState& st = *st_;
+  VQ_CHECK(takes_external_scores(),
+           "[snapkv+skvq] set_external_scores: expected snap_scoring=external but this cache has " +
+               cache_enum_name("snap_scoring", static_cast<int64_t>(cfg_->snap_scoring)));
+  VQ_CHECK(st.pending,
+           "[snapkv+skvq] set_external_scores: expected a pending prompt (rows appended by a "
+           "multi-token call, end_prompt not yet run) but there is none");
+  const int64_t n = st.rows.rows();
+  VQ_CHECK(batch == st.rows.batch && heads == st.rows.heads && rows == n,
+           "[snapkv+skvq] set_external_scores: expected scores [" + std::to_string(st.rows.batch) +
+               ", " + std::to_string(st.rows.heads) + ", " + std::to_string(n) +
+               "] (batch, KV heads, stored rows) but got [" + std::to_string(batch) + ", " +
+               std::to_string(heads) + ", " + std::to_string(rows) + "]");
+  VQ_CHECK(scores != nullptr || n == 0,
+           "[snapkv+skvq] set_external_scores: expected scores but got nullptr");
+  st_->ext.assign(scores, scores + batch * heads * n);
+}
+
+// The owed selection by the handed-over scores: per frame SnapKV's rules on its row of scores.
+void SnapkvSkvqCache::evict_by_external_scores() {
+  SnapSkvqState& st = *st_;
+  const int64_t n = st.rows.rows(), frames = st.rows.batch * st.rows.heads;
+  const SnapSelectParams sp = SnapSelectParams::from_config(*cfg_);
+  const int64_t count = snap_keep_count(n, sp);
+  if (count >= n) return;
+  std::vector<int32_t> idx(static_cast<size_t>(frames * count));
+  std::vector<int64_t> out(static_cast<size_t>(count));
+  SnapScratch scratch;
+  for (int64_t f = 0; f < frames; ++f) {
+    const int64_t got = snap_select_from_scores(st.ext.data() + f * n, n, sp, out.data(), scratch);
+    VQ_CHECK(got == count, "[snapkv+skvq] internal: selected " + std::to_string(got) +
+                               " rows, expected " + std::to_string(count));
+    for (int64_t j = 0; j < count; ++j) idx[f * count + j] = static_cast<int32_t>(out[j]);
+  }
+  st.rows.keep(idx, count);
+}
+
 void SnapkvSkvqCache::end_prompt() {
   SnapSkvqState& st = *st_;
   if (!st.pending) return;
+  if (takes_external_scores()) {
+    const int64_t n = st.rows.rows();
+    VQ_CHECK(snap_keep_count(n, SnapSelectParams::from_config(*cfg_)) >= n ||
+                 static_cast<int64_t>(st.ext.size()) == st.rows.batch * st.rows.heads * n,
+             "[snapkv+skvq] end_prompt: expected external scores for the " + std::to_string(n) +
+                 " stored rows (set_external_scores, snap_scoring=external) but got none; "
+                 "nothing was changed");
+  }
   st.rows.release_retired();
-  if (st.win) {
+  if (takes_external_scores()) {
+    evict_by_external_scores();
+    st.ext.clear();
+  } else if (st.win) {
     const TensorView q = st.win->view();
     evict(&q, st.win->rows);
   } else {
@@ -360,6 +416,8 @@ void SnapkvSkvqCache::save(std::ostream& out) const {
     w.i64(st.win ? st.win->hq : 0);
     w.i64(st.win ? st.win->rows : 0);
     w.vec_f32(st.win ? st.win->download() : std::vector<float>{});
+    // External scores only in the states of snap_scoring = external (other files unchanged).
+    if (takes_external_scores()) w.vec_f32(st.ext);
   }
   w.write(out, method());
 }
@@ -480,6 +538,14 @@ void SnapkvSkvqCache::load(std::istream& in) {
     for (const auto& blk : blocks)
       for (int64_t i = 0; i < blk.rows; ++i) next(blk.pos[static_cast<size_t>(f * blk.rows + i)]);
     for (int64_t i = 0; i < tail.n; ++i) next(tail.pos[static_cast<size_t>(f * tail.n + i)]);
+  }
+  if (takes_external_scores()) {
+    ns->ext = r.vec_f32();
+    VQ_CHECK(ns->ext.empty() || (ns->pending && static_cast<int64_t>(ns->ext.size()) ==
+                                                    bh * (sinks.n + rows_per_frame)),
+             pre + "expected no external scores or [" + std::to_string(batch) + ", " +
+                 std::to_string(heads) + ", stored rows] of a pending prompt but got " +
+                 std::to_string(ns->ext.size()) + " values");
   }
   r.expect_end();
   rows.install(sinks, blocks, tail);
