@@ -10,8 +10,8 @@
 
 namespace vq::cuda {
 
-// Whether the cache's policy selects by external scores (snapkv with snap_scoring = external,
-// skvq with skvq_protect_scoring = external).
+// Whether the cache's policy selects by external scores (snapkv or snapkv+skvq with
+// snap_scoring = external, skvq with skvq_protect_scoring = external).
 bool takes_external_scores(const DeviceKVCache& cache);
 // scores: host [batch, heads, rows] fp32 contiguous; the policy's own checks and messages.
 void set_external_scores(DeviceKVCache& cache, const float* scores, int64_t batch, int64_t heads,

@@ -409,7 +409,8 @@ class CudaEngine final : public Engine {
     const cuda::DeviceKVCache& c0 = *s.ranks[0].caches[0];
     VQ_CHECK(cuda::takes_external_scores(c0),
              "[engine] set_external_scores: expected a sequence whose caches take external scores "
-             "(snapkv with snap_scoring=external, skvq with skvq_protect_scoring=external) but "
+             "(snapkv or snapkv+skvq with snap_scoring=external, skvq with "
+             "skvq_protect_scoring=external) but "
              "sequence " +
                  std::to_string(seq) + " has method " + s.cache.method);
     VQ_CHECK(!s.prompt_ended,
