@@ -1420,6 +1420,36 @@ TEST(CudaCaches, SkvqProtectExternalScoresMatchCpu) {
 // Metamorphic, on the device alone: with snap_evict_at = prompt_end a prompt fed in chunks stores
 // exactly what the one-shot prompt stores (key-proxy scoring: the frame and its last key rows are
 // the same), for snapkv and snapkv+skvq.
+// snapkv+skvq with snap_scoring = external (session 22): the same policy takes the handed-over
+// scores on the device (token- and channel-axis keys); the driver gives both caches the same
+// scores before end_prompt and compares records, positions, states and attention.
+TEST(CudaCaches, SnapkvSkvqExternalScoresMatchCpu) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("snapkv+skvq");
+  c.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  c.cfg.snap_scoring = SnapScoring::kExternal;
+  c.cfg.snap_budget = 40;
+  c.cfg.snap_n_sink = 4;
+  c.cfg.snap_pool_kernel = 3;
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 16;
+  c.external_scores = true;
+  c.end_prompt_after = {2};
+  c.blocks(1, 2, 64, 4, DType::kF16);
+  cases.push_back(c.with(steps({50, 37}, 20, {}), "snapkv+skvq external K2V2 g16 f16 B1 H2 D64"));
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_key_rows = 8;
+  c.cfg.skvq_rotation = Rotation::kHadamard;
+  c.end_prompt_after = {1};
+  c.blocks(2, 2, 128, 8, DType::kBF16);
+  cases.push_back(
+      c.with(steps({90}, 20, {}), "snapkv+skvq external channel key_rows 8 hadamard bf16 D128"));
+  run_cases("snapkv+skvq external", cases, 8200);
+}
+
 TEST(CudaCaches, PromptEndChunkedEqualsOneShot) {
   SKIP_WITHOUT_DEVICE();
   for (const char* method : {"snapkv", "snapkv+skvq"}) {
