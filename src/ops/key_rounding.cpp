@@ -2,6 +2,7 @@
 // stored channel order and the feedback loop of veloxquant/key_rounding.h.
 #include "veloxquant/key_rounding.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
