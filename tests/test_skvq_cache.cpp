@@ -1504,6 +1504,8 @@ TEST(SkvqCacheQueryMoments, ChunkedEqualsOneShotAndOnlyPackedKeyCodesChange) {
     // Same values, sinks and tail; packed keys differ from the nearest codes in some row but
     // stay on the same grids (the dequantized rows are as close to the input as a step allows).
     EXPECT_EQ(a->stats().bytes_accounted, plain->stats().bytes_accounted);
+    // Resident: the same stores plus the factors U of the 2 heads (64 x 64 fp64 each).
+    EXPECT_EQ(a->stats().bytes_resident - plain->stats().bytes_resident, 2 * 64 * 64 * 8);
     const auto ka = rows_of(a->stored_view(), 1, 1), kp = rows_of(plain->stored_view(), 1, 1);
     const auto va = rows_of(a->stored_view(), 1, 1, true),
                vp = rows_of(plain->stored_view(), 1, 1, true);

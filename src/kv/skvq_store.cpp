@@ -868,6 +868,7 @@ int64_t Store::resident_bytes() const {
       (tr.perm_k.capacity() + tr.perm_v.capacity() + tr.signs.capacity()) * 4 +
       (segs_[0].capacity() + segs_[1].capacity()) * sizeof(PackedSegment) + blocks_.capacity() * 8);
   if (dtr_) n += dtr_->bytes;
+  n += static_cast<int64_t>(key_u_.capacity() * sizeof(double));  // the key rounding factors
   for (const RunIndex& ri : run_index_)  // the device copy of the run starts
     if (ri.dev) n += cuda::device_alloc_bytes(static_cast<int64_t>(ri.host.size()) * 4);
   if (fp_) n += fp_->resident_bytes();

@@ -226,7 +226,7 @@ class Store {
   std::unique_ptr<kv::PackedTransforms> dtr_;
   // The key rounding factors of the cache's heads in the stored channel order ([H * D * D],
   // veloxquant/key_rounding.h), made with dtr_ (make_dtr) when the settings carry query moments;
-  // dtr_->key_u points here.
+  // dtr_->key_u points here. Counted in resident_bytes (per cache: not shared across caches).
   std::vector<double> key_u_;
   void make_dtr();
   std::unique_ptr<kv::RowStore> fp_;
