@@ -146,6 +146,10 @@ struct SnapScratch {
 // keep_window with no prefix quota). Writes snap_keep_count(n, p) ascending indices to out.
 int64_t snap_select_from_scores(const float* scores, int64_t n, const SnapSelectParams& p,
                                 int64_t* out, SnapScratch& scratch);
+// snap_select_from_scores for each of `frames` rows of scores [frames, n]: the kept indices
+// [frames, snap_keep_count(n, p)] as int32 (a cache's gather index).
+std::vector<int32_t> snap_select_frames_from_scores(const float* scores, int64_t frames, int64_t n,
+                                                    const SnapSelectParams& p);
 
 // ---- (7): max attention weight: context-reconstruction scores (KVzip's) ----------------------
 //

@@ -203,18 +203,8 @@ void SnapKVCache::evict_by_external_scores() {
   const int64_t n = n_sel_ + n_tail_;
   const int64_t count = snap_keep_count(n, params_);
   if (count >= n) return;  // nothing to evict
-  const int64_t frames = batch_ * heads_;
-  std::vector<int32_t> idx(static_cast<size_t>(frames * count));
-  std::vector<int64_t> out(static_cast<size_t>(count));
-  SnapScratch scratch;
-  for (int64_t f = 0; f < frames; ++f) {
-    const int64_t got =
-        snap_select_from_scores(ext_.data() + f * n, n, params_, out.data(), scratch);
-    VQ_CHECK(got == count, "[snapkv] internal: selected " + std::to_string(got) +
-                               " rows, expected " + std::to_string(count));
-    for (int64_t j = 0; j < count; ++j) idx[f * count + j] = static_cast<int32_t>(out[j]);
-  }
-  const auto index = backend_->upload_index(count, idx);
+  const auto index = backend_->upload_index(
+      count, snap_select_frames_from_scores(ext_.data(), batch_ * heads_, n, params_));
   const int64_t new_cap = round_up(count, kRowStep);
   auto kept = backend_->make({dtype_, batch_, heads_, head_dim_}, new_cap, true);
   kept->gather(*rows_, *index, 0);

@@ -196,20 +196,12 @@ void SnapkvSkvqCache::set_external_scores(const float* scores, int64_t batch, in
 // The owed selection by the handed-over scores: per frame SnapKV's rules on its row of scores.
 void SnapkvSkvqCache::evict_by_external_scores() {
   SnapSkvqState& st = *st_;
-  const int64_t n = st.rows.rows(), frames = st.rows.batch * st.rows.heads;
+  const int64_t n = st.rows.rows();
   const SnapSelectParams sp = SnapSelectParams::from_config(*cfg_);
   const int64_t count = snap_keep_count(n, sp);
   if (count >= n) return;
-  std::vector<int32_t> idx(static_cast<size_t>(frames * count));
-  std::vector<int64_t> out(static_cast<size_t>(count));
-  SnapScratch scratch;
-  for (int64_t f = 0; f < frames; ++f) {
-    const int64_t got = snap_select_from_scores(st.ext.data() + f * n, n, sp, out.data(), scratch);
-    VQ_CHECK(got == count, "[snapkv+skvq] internal: selected " + std::to_string(got) +
-                               " rows, expected " + std::to_string(count));
-    for (int64_t j = 0; j < count; ++j) idx[f * count + j] = static_cast<int32_t>(out[j]);
-  }
-  st.rows.keep(idx, count);
+  st.rows.keep(snap_select_frames_from_scores(st.ext.data(), st.rows.batch * st.rows.heads, n, sp),
+               count);
 }
 
 void SnapkvSkvqCache::end_prompt() {

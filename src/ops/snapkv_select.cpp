@@ -618,6 +618,22 @@ int64_t snap_select_from_scores(const float* scores, int64_t n, const SnapSelect
   return select_scored(scores, n, p, w, lo, hi, out, scratch);
 }
 
+std::vector<int32_t> snap_select_frames_from_scores(const float* scores, int64_t frames, int64_t n,
+                                                    const SnapSelectParams& p) {
+  const int64_t count = snap_keep_count(n, p);
+  std::vector<int32_t> idx(static_cast<size_t>(frames * count));
+  std::vector<int64_t> out(static_cast<size_t>(count));
+  SnapScratch scratch;
+  for (int64_t f = 0; f < frames; ++f) {
+    const int64_t got = snap_select_from_scores(scores + f * n, n, p, out.data(), scratch);
+    VQ_CHECK(got == count, "[snap_select_frames_from_scores] internal: selected " +
+                               std::to_string(got) + " rows, expected " + std::to_string(count));
+    for (int64_t k = 0; k < count; ++k)
+      idx[static_cast<size_t>(f * count + k)] = static_cast<int32_t>(out[static_cast<size_t>(k)]);
+  }
+  return idx;
+}
+
 namespace {
 
 int64_t select_scored(const float* scores, int64_t n, const SnapSelectParams& p, int64_t w,
