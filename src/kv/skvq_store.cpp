@@ -7,6 +7,10 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <numeric>
 
 #include "veloxquant/device_memory.h"
@@ -32,6 +36,37 @@ namespace {
 [[noreturn]] void fail(const char* op, const std::string& field, const std::string& expected,
                        const std::string& got) {
   throw Error(std::string("[") + op + "] " + field + ": expected " + expected + " but got " + got);
+}
+
+// The query-moment file at path, loaded and checked (every head's key rounding factor exists)
+// once per process while some cache holds it: a model's layer caches, and every sequence's,
+// share one copy instead of each reading the whole file. Keyed by path, size and modification
+// time, so a rewritten file is read again.
+std::shared_ptr<const QueryMomentSet> shared_query_moments(const std::string& path) {
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<const QueryMomentSet>> loaded;
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  const auto when = std::filesystem::last_write_time(path, ec);
+  const std::string key = ec ? std::string()
+                             : path + '\0' + std::to_string(size) + '\0' +
+                                   std::to_string(when.time_since_epoch().count());
+  std::lock_guard<std::mutex> lock(mu);
+  if (!key.empty())
+    if (auto held = loaded[key].lock()) return held;
+  auto set = std::make_shared<const QueryMomentSet>(load_query_moment_file(path));
+  const int64_t d = set->head_dim;
+  for (size_t l = 0; l < set->layers.size(); ++l)
+    for (int64_t h = 0; h < set->n_kv_heads; ++h) {
+      try {
+        key_rounding_factor(set->layers[l].data() + h * d * d, d);
+      } catch (const Error& e) {
+        throw Error("[query_moments_file] '" + path + "': layer " + std::to_string(l) + " head " +
+                    std::to_string(h) + ": " + e.what());
+      }
+    }
+  if (!key.empty()) loaded[key] = set;
+  return set;
 }
 
 }  // namespace
@@ -109,12 +144,12 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
   }
   if (!cfg.skvq_query_moments_file.empty()) {  // validate(): channel-axis keys
     const std::string& path = cfg.skvq_query_moments_file;
-    QueryMomentSet qm;
     try {
-      qm = load_query_moment_file(path);
+      s.moment_set = shared_query_moments(path);
     } catch (const Error& e) {
       fail(op, "skvq_query_moments_file", "a usable query-moment file", e.what());
     }
+    const QueryMomentSet& qm = *s.moment_set;
     if (qm.head_dim != s.head_dim)
       fail(op, "skvq_query_moments_file", "moments for head_dim " + std::to_string(s.head_dim),
            "head_dim " + std::to_string(qm.head_dim) + " in '" + path + "'");
@@ -125,18 +160,8 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
     if (qm.n_kv_heads != total)
       fail(op, "skvq_query_moments_file", "moments for " + std::to_string(total) + " KV heads",
            std::to_string(qm.n_kv_heads) + " heads in '" + path + "'");
-    s.query_moments = std::move(qm.layers[static_cast<size_t>(layer_index)]);
+    s.query_moments = qm.layers[static_cast<size_t>(layer_index)].data();
     s.moment_heads = qm.n_kv_heads;
-    for (int64_t h = 0; h < s.moment_heads; ++h) {  // each head's factor exists (throws if not)
-      try {
-        key_rounding_factor(s.query_moments.data() + h * s.head_dim * s.head_dim, s.head_dim);
-      } catch (const Error& e) {
-        fail(op, "skvq_query_moments_file",
-             "usable moments for layer " + std::to_string(layer_index) + " head " +
-                 std::to_string(h) + " in '" + path + "'",
-             e.what());
-      }
-    }
   }
   return s;
 }
@@ -283,7 +308,7 @@ Transforms initial_transforms(const Settings& s, int64_t heads, const char* op) 
     t.rot_block = static_cast<int32_t>(hadamard_block(d));
     t.rotate_values = s.rotate_values;
   }
-  if (!s.query_moments.empty() && s.moment_heads != total)
+  if (s.query_moments && s.moment_heads != total)
     fail(op, "skvq_query_moments_file", "moments for " + std::to_string(total) + " KV heads",
          std::to_string(s.moment_heads) + " heads in the file");
   if (!s.file_perm_k.empty()) {
@@ -360,7 +385,7 @@ void check_blocks(const TensorView& keys, const TensorView& values, int64_t d, b
 Store::Store(const kv::RowBackend& backend, const Settings& s, bool explicit_positions,
              const char* op)
     : be_(&backend), s_(&s), explicit_pos_(explicit_positions), op_(op) {
-  if (!s.query_moments.empty() && backend.device() != kv::Device::kCpu)
+  if (s.query_moments && backend.device() != kv::Device::kCpu)
     fail(op, "skvq_query_moments_file",
          "'' on this device (the error-feedback key rounding runs in the CPU flush only)",
          "a query-moment file");
@@ -369,11 +394,11 @@ Store::Store(const kv::RowBackend& backend, const Settings& s, bool explicit_pos
 void Store::make_dtr() {
   dtr_ = be_->make_transforms(tr.perm_k, tr.perm_v, tr.signs, tr.rot_block, tr.rotate_values);
   const Settings& s = *s_;
-  if (s.query_moments.empty()) return;
+  if (!s.query_moments) return;
   const int64_t d = s.head_dim;
   key_u_.assign(static_cast<size_t>(heads * d * d), 0.0);
   for (int64_t h = 0; h < heads; ++h) {
-    const double* m = s.query_moments.data() + (s.head_first + h) * d * d;
+    const double* m = s.query_moments + (s.head_first + h) * d * d;
     const std::vector<double> ms =
         stored_order_moments(m, d, tr.signs.empty() ? nullptr : tr.signs.data() + h * d,
                              tr.rot_block, tr.perm_k.empty() ? nullptr : tr.perm_k.data() + h * d);

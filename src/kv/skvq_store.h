@@ -25,6 +25,7 @@
 #include "veloxquant/cache_config.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/packed.h"
+#include "veloxquant/query_moments.h"
 
 namespace vq::skvq {
 
@@ -59,9 +60,11 @@ struct Settings {
   // Calibrated permutations of this layer ([H * D] each), empty when none.
   std::vector<int32_t> file_perm_k, file_perm_v;
   int64_t file_heads = 0;
-  // Query moments of this layer (skvq_query_moments_file, veloxquant/query_moments.h):
-  // [moment_heads * D * D] in the original channel order, empty when keys round to nearest.
-  std::vector<double> query_moments;
+  // Query moments (skvq_query_moments_file, veloxquant/query_moments.h): the file as loaded
+  // once per process and shared by every cache that names it (null: keys round to nearest),
+  // and this layer's [moment_heads * D * D] in the original channel order.
+  std::shared_ptr<const QueryMomentSet> moment_set;
+  const double* query_moments = nullptr;
   int64_t moment_heads = 0;
   // The layer's heads this cache holds (CacheConfig::kv_head_first, kv_heads_total): signs and
   // file permutations are those of global heads head_first .. head_first + H - 1.
