@@ -163,22 +163,22 @@ TEST(BinaryIo, OtherMethodVersionAndDataAreRefused) {
   // Any method accepted when none is expected.
   EXPECT_EQ(StateReader::from_bytes(sample_frame("snapkv"), "").method(), "snapkv");
 
-  // A version past kStateFormatVersionMax (4) with a valid checksum: refused as unsupported, not
-  // as corrupt; versions 2 to 4 (skvq_key_axis=channel states, with skvq_key_rows, with
-  // skvq_protect) are read and reported.
-  for (const char v : {char{2}, char{3}, char{4}, char{5}, char{0}}) {
+  // A version past kStateFormatVersionMax (5) with a valid checksum: refused as unsupported, not
+  // as corrupt; versions 2 to 5 (skvq_key_axis=channel states, with skvq_key_rows, with
+  // skvq_protect, with skvq_value_clip_floor) are read and reported.
+  for (const char v : {char{2}, char{3}, char{4}, char{5}, char{6}, char{0}}) {
     std::string fr = sample_frame();
     fr[8] = v;
     const uint64_t sum = XXH64(fr.data(), fr.size() - 8, 0);
     for (size_t i = 0; i < 8; ++i)
       fr[fr.size() - 8 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
-    if (v >= 2 && v <= 4)
+    if (v >= 2 && v <= 5)
       EXPECT_EQ(StateReader::from_bytes(fr, "full").version(), static_cast<uint32_t>(v));
     else
       expect_error([&] { StateReader::from_bytes(fr, "full"); }, "unsupported version");
   }
   StateWriter w;
-  expect_error([&] { w.set_version(5); }, "[save_state] version: expected 1..4 but got 5");
+  expect_error([&] { w.set_version(6); }, "[save_state] version: expected 1..5 but got 6");
 
   expect_error([] { StateReader::from_bytes("this is not a cache state file at all", "full"); },
                "expected a veloxquant state file");

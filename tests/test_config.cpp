@@ -83,6 +83,14 @@ TEST(CacheConfig, EveryBadValueIsRefusedNamingTheField) {
          c.skvq_clip_search = true;
          c.skvq_clip_alpha = 2;
        }},
+      {"skvq_value_clip_floor", "0.2", [](CacheConfig& c) { c.skvq_value_clip_floor = 0.2; }},
+      {"skvq_value_clip_floor", "0.9", [](CacheConfig& c) { c.skvq_value_clip_floor = 0.9; }},
+      {"skvq_value_clip_floor", "nan", [nan](CacheConfig& c) { c.skvq_value_clip_floor = nan; }},
+      {"skvq_value_clip_floor", "0.1",  // checked even when the search is off
+       [](CacheConfig& c) {
+         c.skvq_clip_search = false;
+         c.skvq_value_clip_floor = 0.1;
+       }},
       {"skvq_max_ctx", "-1", [](CacheConfig& c) { c.skvq_max_ctx = -1; }},
       {"skvq_meta", "3", [](CacheConfig& c) { c.skvq_meta = static_cast<MetaType>(3); }},
       {"skvq_recent", "-4", [](CacheConfig& c) { c.skvq_recent = -4; }},
@@ -287,6 +295,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   c.skvq_reorder = false;
   c.skvq_clip_search = false;
   c.skvq_clip_alpha = 0.9;
+  c.skvq_value_clip_floor = 0.3;
   c.skvq_max_ctx = 4096;
   c.skvq_meta = MetaType::kF32;
   c.skvq_recent = 32;
@@ -310,6 +319,8 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   EXPECT_EQ(config_to_json(back), text);
   EXPECT_EQ(back.skvq_rotation_seed, 0xfedcba9876543210ull);
   EXPECT_EQ(back.skvq_clip_alpha, 0.9);
+  EXPECT_EQ(back.skvq_value_clip_floor, 0.3);
+  EXPECT_EQ(parse_cache_arg("skvq:value_clip_floor=0.5").skvq_value_clip_floor, 0.5);
   CacheConfig st;
   st.method = "streaming";
   st.head_dim = 64;
@@ -354,7 +365,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
       }
     }
   }
-  EXPECT_EQ(keys.size(), 40u);
+  EXPECT_EQ(keys.size(), 41u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {
@@ -685,8 +696,8 @@ TEST(CacheConfig, EnumNamesForMessages) {
   EXPECT_EQ(cache_method_fields("full"), std::vector<std::string>{});
   EXPECT_EQ(cache_method_fields("streaming"),
             (std::vector<std::string>{"streaming_n_sink", "streaming_window"}));
-  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 34u);
-  EXPECT_EQ(cache_method_fields("skvq").size(), 25u);
+  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 35u);
+  EXPECT_EQ(cache_method_fields("skvq").size(), 26u);
   EXPECT_EQ(cache_enum_name("skvq_key_axis", 1), "channel");
 }
 

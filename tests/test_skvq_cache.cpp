@@ -22,6 +22,7 @@
 
 #include "kv/skvq_store.h"
 #include "util/test_util.h"
+#include "veloxquant/binary_io.h"
 #include "veloxquant/builder.h"
 #include "veloxquant/error.h"
 #include "veloxquant/full_cache.h"
@@ -1582,6 +1583,111 @@ TEST(SkvqCacheQueryMoments, SnapkvSkvqRoundsItsChannelKeysToo) {
   p->end_prompt();
   EXPECT_NE(state_of(*a), state_of(*p));
   EXPECT_EQ(a->stored_rows(), p->stored_rows());
+}
+
+}  // namespace
+}  // namespace vq
+
+// ---- skvq_value_clip_floor (the value rows' clip search continued below 0.85) ----------------
+
+namespace vq {
+namespace {
+
+CacheConfig floor_cfg(double floor) {
+  CacheConfig c = small_cfg();
+  c.skvq_meta = MetaType::kF32;
+  c.skvq_value_clip_floor = floor;
+  return c;
+}
+
+// The value rows are the reference quantizer's with the longer grid (bit for bit, as the seed's
+// rows are in Fp32MetadataRowsMatchScalarRoundTripBitForBit); the key rows are the seed's, the
+// same as a cache without the option; chunked equals one-shot.
+TEST(SkvqCacheValueClipFloor, ValueRowsTakeTheLongerGridKeysDoNot) {
+  auto c = make(floor_cfg(0.5)), seed = make(floor_cfg(0.85)), chunked = make(floor_cfg(0.5));
+  const Tensor k = hetero(1, 2, 48, 64, 150, DType::kF32),
+               v = hetero(1, 2, 48, 64, 151, DType::kF32);
+  const CacheView view = c->update_and_fetch(k.view(), v.view());
+  const CacheView sview = seed->update_and_fetch(k.view(), v.view());
+  feed(*chunked, k, v, {5, 17, 1, 25});
+  EXPECT_EQ(state_of(*c), state_of(*chunked));
+  GroupQuantParams p{2, 16, true, 1.0f, MetaType::kF32, 0.5};
+  int64_t differ = 0;
+  for (int64_t h = 0; h < 2; ++h) {
+    EXPECT_EQ(rows_of(view, 0, h), rows_of(sview, 0, h)) << "keys changed, head " << h;
+    const auto& perm = c->value_perms();
+    const auto rows = rows_of(view, 0, h, true), srows = rows_of(sview, 0, h, true);
+    for (int64_t s = 4; s < 48; ++s) {
+      std::vector<float> pr(64), rec(64), out(64);
+      for (int j = 0; j < 64; ++j) pr[j] = v.at(0, h, s, perm[h * 64 + j]);
+      std::vector<uint8_t> codes(64);
+      std::vector<float> lo(4), sc(4);
+      group_quantize_reference(pr.data(), 1, 64, p, codes.data(), lo.data(), sc.data());
+      for (int j = 0; j < 64; ++j) rec[j] = static_cast<float>(codes[j]) * sc[j / 16] + lo[j / 16];
+      for (int j = 0; j < 64; ++j) out[perm[h * 64 + j]] = rec[j];
+      ASSERT_EQ(std::memcmp(out.data(), rows[s].data(), 64 * 4), 0) << h << " " << s;
+      differ += rows[s] != srows[s];
+    }
+  }
+  EXPECT_GT(differ, 0) << "the floor changed no value row";
+  EXPECT_EQ(c->stats().bytes_accounted, seed->stats().bytes_accounted);
+}
+
+// States: version 5 with the floor, continued bit for bit after a load; a state of another floor
+// (or of the seed's grid, versions 1-4) is refused naming the field, nothing changed.
+TEST(SkvqCacheValueClipFloor, SaveLoadInStateVersion5AndOtherFloorsRefused) {
+  const Tensor k = hetero(1, 2, 90, 64, 160), v = hetero(1, 2, 90, 64, 161);
+  for (bool rotate : {false, true}) {
+    CacheConfig cfg = small_cfg();
+    cfg.skvq_value_clip_floor = 0.6;
+    if (rotate) {
+      cfg.skvq_rotation = Rotation::kHadamard;
+      cfg.skvq_rotate_values = true;
+    }
+    auto a = make(cfg);
+    a->update_and_fetch(k.view().slice_tokens(0, 41), v.view().slice_tokens(0, 41));
+    const std::string st = state_of(*a);
+    EXPECT_EQ(StateReader::from_bytes(st, "skvq").version(), 5u);
+    std::istringstream in(st);
+    auto b = make(cfg);
+    b->load(in);
+    a->update_and_fetch(k.view().slice_tokens(41, 90), v.view().slice_tokens(41, 90));
+    b->update_and_fetch(k.view().slice_tokens(41, 90), v.view().slice_tokens(41, 90));
+    EXPECT_EQ(state_of(*a), state_of(*b));
+    CacheConfig other = cfg;
+    other.skvq_value_clip_floor = 0.85;
+    for (const auto& [from, into] : {std::pair{cfg, other}, std::pair{other, cfg}}) {
+      auto src = make(from);
+      src->update_and_fetch(k.view().slice_tokens(0, 41), v.view().slice_tokens(0, 41));
+      auto dst = make(into);
+      dst->update_and_fetch(k.view().slice_tokens(0, 20), v.view().slice_tokens(0, 20));
+      const std::string before = state_of(*dst);
+      std::istringstream sin(state_of(*src));
+      try {
+        dst->load(sin);
+        ADD_FAILURE() << "a state of another value clip floor was accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("skvq_value_clip_floor"), std::string::npos)
+            << e.what();
+      }
+      EXPECT_EQ(state_of(*dst), before);
+    }
+  }
+}
+
+// snapkv+skvq packs its kept values with the same grid; the spec string reaches the field.
+TEST(SkvqCacheValueClipFloor, SnapkvSkvqAndSpecString) {
+  const CacheConfig parsed = parse_cache_arg("snapkv+skvq:value_clip_floor=0.55");
+  EXPECT_EQ(parsed.skvq_value_clip_floor, 0.55);
+  CacheConfig c = snap_channel_cfg(8), w = snap_channel_cfg(8);
+  w.skvq_value_clip_floor = 0.5;
+  SnapkvSkvqCache a(c), b(w);
+  const Tensor k = hetero(1, 2, 60, 64, 170), v = hetero(1, 2, 60, 64, 171);
+  snap_prompt(a, k, v, 172);
+  snap_prompt(b, k, v, 172);
+  const CacheView va = a.stored_view(), vb = b.stored_view();
+  EXPECT_EQ(rows_of(va, 0, 1), rows_of(vb, 0, 1));
+  EXPECT_NE(rows_of(va, 0, 1, true), rows_of(vb, 0, 1, true));
 }
 
 }  // namespace

@@ -22,10 +22,11 @@ inline constexpr char kStateMagic[8] = {'V', 'Q', 'K', 'V', 'S', 'T', 'A', 'T'};
 // 1 .. kStateFormatVersionMax and hand the version to the cache's parser. Version 2 (an SKVQ
 // cache with skvq_key_axis=channel, a SnapKV cache with snap_decode_budget > 0) adds fields only
 // such caches write; version 3 (an SKVQ cache with skvq_key_rows > 0) adds one more; version 4
-// (an SKVQ cache with skvq_protect > 0) adds its protected rows. Each cache's parser reads the
+// (an SKVQ cache with skvq_protect > 0) adds its protected rows; version 5 (an SKVQ cache with
+// skvq_value_clip_floor below the seed's 0.85) adds that floor. Each cache's parser reads the
 // versions it writes and refuses the others.
 inline constexpr uint32_t kStateFormatVersion = 1;
-inline constexpr uint32_t kStateFormatVersionMax = 4;
+inline constexpr uint32_t kStateFormatVersionMax = 5;
 
 // Builds a payload in memory, then writes one frame.
 class StateWriter {

@@ -76,7 +76,12 @@ struct CacheConfig {
   bool skvq_reorder = true;
   bool skvq_clip_search = true;
   double skvq_clip_alpha = 1.0;  // (0, 1]
-  int64_t skvq_max_ctx = 0;      // 0 = unlimited
+  // The smallest clip alpha the value rows' search tries (skvq_clip_search on): the seed's grid
+  // (1.0, 0.97, 0.94, 0.90, 0.85) continued in steps of 0.05 down to this floor, in
+  // [0.25, 0.85]; 0.85 = the seed's grid. Keys keep the seed's grid; ignored (but checked)
+  // with skvq_clip_search off (docs/design.md §C4).
+  double skvq_value_clip_floor = 0.85;
+  int64_t skvq_max_ctx = 0;  // 0 = unlimited
   MetaType skvq_meta = MetaType::kF16;
   int64_t skvq_recent = 0;  // minimum most-recent tokens kept at full precision
   Rotation skvq_rotation = Rotation::kNone;

@@ -21,6 +21,12 @@
 namespace vq {
 
 inline constexpr std::array<float, 5> kClipAlphaGrid{1.0f, 0.97f, 0.94f, 0.90f, 0.85f};
+// The grid's continuation below 0.85 (GroupQuantParams::clip_floor): steps of 0.05 down to 0.25.
+// At 2 bits the seed's grid stops short of the squared-error optimum: for a group of 32 normal
+// values the range is about 4.1 sigma and the best 4-level step about 1.0 sigma, alpha ~0.73.
+inline constexpr std::array<float, 12> kClipAlphaTail{0.80f, 0.75f, 0.70f, 0.65f, 0.60f, 0.55f,
+                                                      0.50f, 0.45f, 0.40f, 0.35f, 0.30f, 0.25f};
+inline constexpr double kClipFloorMin = 0.25, kClipFloorSeed = 0.85;
 inline constexpr float kScaleFloor = 1e-8f;
 
 struct GroupQuantParams {
@@ -29,6 +35,9 @@ struct GroupQuantParams {
   bool clip_search = true;  // search kClipAlphaGrid
   float clip_alpha = 1.0f;  // the single alpha when clip_search is false, (0, 1]
   MetaType meta = MetaType::kF16;
+  // With clip_search: also the alphas of kClipAlphaTail >= clip_floor, tried after the seed's
+  // five in that order (ties keep the earlier alpha). [0.25, 0.85]; 0.85 = the seed's grid.
+  double clip_floor = kClipFloorSeed;
 };
 
 // Throws vq::Error naming the bad parameter.

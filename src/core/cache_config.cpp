@@ -263,6 +263,8 @@ const std::vector<Field>& fields() {
       bool_field("skvq_reorder", &CacheConfig::skvq_reorder),
       bool_field("skvq_clip_search", &CacheConfig::skvq_clip_search),
       allow(double_field("skvq_clip_alpha", &CacheConfig::skvq_clip_alpha), "a number in (0, 1]"),
+      allow(double_field("skvq_value_clip_floor", &CacheConfig::skvq_value_clip_floor),
+            "a number in [0.25, 0.85]"),
       allow(int_field("skvq_max_ctx", &CacheConfig::skvq_max_ctx), "0 (unlimited).." + rows_max()),
       enum_field("skvq_meta", &CacheConfig::skvq_meta, meta_names()),
       allow(int_field("skvq_recent", &CacheConfig::skvq_recent), "0.." + rows_max()),
@@ -578,6 +580,10 @@ void validate(const CacheConfig& c) {
   // Checked even when skvq_clip_search is on (the search ignores it, but a bad value is a bug).
   if (!(c.skvq_clip_alpha > 0.0 && c.skvq_clip_alpha <= 1.0))
     fail("skvq_clip_alpha", "a value in (0, 1]", fmt_double(c.skvq_clip_alpha));
+  // Checked even when skvq_clip_search is off (the floor extends the search only).
+  if (!(c.skvq_value_clip_floor >= 0.25 && c.skvq_value_clip_floor <= 0.85))
+    fail("skvq_value_clip_floor", "a value in [0.25, 0.85] (0.85 = the seed's grid)",
+         fmt_double(c.skvq_value_clip_floor));
   check_int("skvq_max_ctx", c.skvq_max_ctx, 0, kMaxCacheRows, ">= 0 (0 = unlimited)", kWhyRows);
   check_enum("skvq_meta", c.skvq_meta, meta_names());
   check_int("skvq_recent", c.skvq_recent, 0, kMaxCacheRows, ">= 0", kWhyRows);

@@ -112,6 +112,8 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
     p.group_size = cfg.skvq_group_size;
     p.clip_search = cfg.skvq_clip_search;
     p.clip_alpha = static_cast<float>(cfg.skvq_clip_alpha);
+    // Values only (keys keep the seed's grid), and only for the search (docs/design.md §C4).
+    if (kv == 1 && p.clip_search) p.clip_floor = cfg.skvq_value_clip_floor;
     p.meta = cfg.skvq_meta;
     (kv == 0 ? s.fk : s.fv) = make_row_format(s.head_dim, p.bits, p.group_size, p.meta);
   }
@@ -167,6 +169,7 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
 }
 
 int Settings::state_version() const {
+  if (qv.clip_floor != kClipFloorSeed) return 5;
   if (protect > 0.0) return 4;
   if (key_axis != QuantAxis::kToken) return key_rows > 0 ? 3 : 2;
   return 1;
@@ -217,6 +220,7 @@ void Settings::save(StateWriter& w) const {
     w.i64(protect_pool_kernel);
     w.boolean(protect_values);
   }
+  if (v >= 5) w.f64(qv.clip_floor);  // version 5
 }
 
 namespace {
@@ -230,7 +234,7 @@ std::string bool_text(bool b) {
   return b ? "true" : "false";
 }
 
-std::string fmt_protect(double v) {
+std::string f64_text(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.17g", v);
   return buf;
@@ -278,16 +282,19 @@ void Settings::check_saved(StateReader& r, const char* op) const {
   // Versions 1-3 predate skvq_protect: nothing protected.
   if (r.version() >= 4) {
     const double p = r.f64();
-    if (std::memcmp(&p, &protect, 8) != 0)
-      check("skvq_protect", fmt_protect(p), fmt_protect(protect));
+    if (std::memcmp(&p, &protect, 8) != 0) check("skvq_protect", f64_text(p), f64_text(protect));
     check("skvq_protect_scoring", cache_enum_name("skvq_protect_scoring", r.u8()),
           cache_enum_name("skvq_protect_scoring", static_cast<int64_t>(protect_scoring)));
     check("skvq_protect_obs_window", num(r.i64()), num(protect_obs_window));
     check("skvq_protect_pool_kernel", num(r.i64()), num(protect_pool_kernel));
     check("skvq_protect_values", bool_text(r.boolean()), bool_text(protect_values));
   } else if (protect > 0.0) {
-    check("skvq_protect", "0", fmt_protect(protect));
+    check("skvq_protect", "0", f64_text(protect));
   }
+  // Versions 1-4 predate skvq_value_clip_floor: the seed's grid.
+  const double floor = r.version() >= 5 ? r.f64() : kClipFloorSeed;
+  if (std::memcmp(&floor, &qv.clip_floor, 8) != 0)
+    check("skvq_value_clip_floor", f64_text(floor), f64_text(qv.clip_floor));
 }
 
 // ---- Transforms -------------------------------------------------------------------------------
@@ -389,6 +396,10 @@ Store::Store(const kv::RowBackend& backend, const Settings& s, bool explicit_pos
     fail(op, "skvq_query_moments_file",
          "'' on this device (the error-feedback key rounding runs in the CPU flush only)",
          "a query-moment file");
+  if (s.qv.clip_floor != kClipFloorSeed && backend.device() != kv::Device::kCpu)
+    fail(op, "skvq_value_clip_floor",
+         "0.85 on this device (its flush kernel searches the seed's five alphas only)",
+         f64_text(s.qv.clip_floor));
 }
 
 void Store::make_dtr() {

@@ -138,21 +138,27 @@ void check_params(const GroupQuantParams& p, int64_t d) {
            "[group_quant] group_size: expected >= 1 but got " + std::to_string(p.group_size));
   VQ_CHECK(p.clip_alpha > 0.0f && p.clip_alpha <= 1.0f,
            "[group_quant] clip_alpha: expected in (0, 1] but got " + std::to_string(p.clip_alpha));
+  VQ_CHECK(
+      p.clip_floor >= kClipFloorMin && p.clip_floor <= kClipFloorSeed,
+      "[group_quant] clip_floor: expected in [0.25, 0.85] but got " + std::to_string(p.clip_floor));
   VQ_CHECK(d >= 1, "[group_quant] expected d >= 1 but got " + std::to_string(d));
 }
 
 namespace {
 
+constexpr int kMaxAlphas = static_cast<int>(kClipAlphaGrid.size() + kClipAlphaTail.size());
+
 struct AlphaSet {
-  std::array<float, 5> a{};
+  std::array<float, kMaxAlphas> a{};
   int n = 0;
 };
 
 AlphaSet alphas_of(const GroupQuantParams& p) {
   AlphaSet s;
   if (p.clip_search) {
-    s.a = kClipAlphaGrid;
-    s.n = static_cast<int>(kClipAlphaGrid.size());
+    for (float a : kClipAlphaGrid) s.a[s.n++] = a;
+    for (float a : kClipAlphaTail)
+      if (static_cast<double>(a) >= p.clip_floor - 1e-9) s.a[s.n++] = a;
   } else {
     s.a[0] = p.clip_alpha;
     s.n = 1;
@@ -263,12 +269,14 @@ void round_meta_lanes(float* lo, float* scale, MetaType meta) {
 // The alpha search of one group for kLanes rows side by side. All NA candidates are evaluated in
 // the same pass over the elements: NA independent error chains per lane (the sum order of each
 // stays the element order, as in the reference) instead of one latency-bound chain at a time.
+// NA = kMaxAlphas: the first al.n of them (an extended grid, GroupQuantParams::clip_floor).
 template <int NA>
 void search_alphas(const float* tile, int64_t g, const float* mid, const float* rng,
                    const AlphaSet& al, float levels, MetaType meta, float* best_lo,
                    float* best_sc) {
+  const int na = NA == kMaxAlphas ? al.n : NA;
   alignas(64) float l[NA][kLanes], s[NA][kLanes], err[NA][kLanes];
-  for (int k = 0; k < NA; ++k) {
+  for (int k = 0; k < na; ++k) {
     const float a = al.a[k];
     for (int r = 0; r < kLanes; ++r) {
       l[k][r] = mid[r] - a * rng[r] / 2.0f;
@@ -280,7 +288,7 @@ void search_alphas(const float* tile, int64_t g, const float* mid, const float* 
   }
   for (int64_t i = 0; i < g; ++i) {
     const float* trow = tile + i * kLanes;
-    for (int k = 0; k < NA; ++k)
+    for (int k = 0; k < na; ++k)
       for (int r = 0; r < kLanes; ++r) {
         float t = (trow[r] - l[k][r]) / s[k][r];
         t = t > 0.0f ? t : 0.0f;
@@ -296,7 +304,7 @@ void search_alphas(const float* tile, int64_t g, const float* mid, const float* 
     best_lo[r] = l[0][r];
     best_sc[r] = s[0][r];
   }
-  for (int k = 1; k < NA; ++k)
+  for (int k = 1; k < na; ++k)
     for (int r = 0; r < kLanes; ++r) {
       const float e = err[k][r] / static_cast<float>(g);
       if (e < best_err[r]) {  // strict: ties keep the earlier alpha
@@ -337,8 +345,10 @@ void quantize_tile(const float* x, int64_t r0, int64_t m, int64_t d, const Group
     }
     if (al.n == 5)
       search_alphas<5>(tile, g, mid, rng, al, levels, p.meta, best_lo, best_sc);
-    else
+    else if (al.n == 1)
       search_alphas<1>(tile, g, mid, rng, al, levels, p.meta, best_lo, best_sc);
+    else
+      search_alphas<kMaxAlphas>(tile, g, mid, rng, al, levels, p.meta, best_lo, best_sc);
     for (int64_t r = 0; r < m; ++r) {
       lo[(r0 + r) * n_groups + gi] = best_lo[r];
       scale[(r0 + r) * n_groups + gi] = best_sc[r];

@@ -1007,6 +1007,20 @@ TEST(CudaCaches, QueryMomentsRefusedOnTheDevice) {
   }
 }
 
+// skvq_value_clip_floor below 0.85: the device flush kernel searches the seed's five alphas.
+TEST(CudaCaches, ValueClipFloorRefusedOnTheDevice) {
+  SKIP_WITHOUT_DEVICE();
+  for (const char* method : {"skvq", "snapkv+skvq"}) {
+    CacheConfig cfg = config(method);
+    cfg.head_dim = 64;
+    cfg.skvq_value_clip_floor = 0.5;
+    EXPECT_NO_THROW(make_layer_cache(cfg, 0)) << method;
+    const std::string msg = error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64, nullptr, 0); });
+    EXPECT_NE(msg.find("skvq_value_clip_floor"), std::string::npos) << method << ": " << msg;
+    EXPECT_NE(msg.find("seed's five alphas"), std::string::npos) << method << ": " << msg;
+  }
+}
+
 TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {
   SKIP_WITHOUT_DEVICE();
   // Bad configs: the CPU builder's message.

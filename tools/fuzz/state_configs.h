@@ -77,6 +77,11 @@ inline const std::vector<CacheConfig>& state_configs() {
     skvq_protect.skvq_protect = 0.25;
     skvq_protect.skvq_protect_obs_window = 4;
     v.push_back(skvq_protect);
+    // The value rows' longer clip grid (skvq_value_clip_floor): state frame version 5.
+    CacheConfig skvq_floor = skvq_channel;
+    skvq_floor.skvq_bits_value = 2;
+    skvq_floor.skvq_value_clip_floor = 0.5;
+    v.push_back(skvq_floor);
     return v;
   }();
   return configs;
