@@ -523,6 +523,9 @@ struct Work {
   std::vector<int64_t> qpos;  // [M]
   std::vector<float> acc;     // [M, D] full-precision rows' sum
   std::vector<float> mx, l;   // [M] running max and sum
+  // [M, 16] the AVX-512 softmax_tile's lane partials of l, folded into l by fold_lanes when the
+  // item (or part) ends; zeros on the other paths.
+  std::vector<float> lv;
   // [M + 16] 1 when a key visible to the query gave a NaN or +inf logit (a NaN/Inf key or
   // query): the query's output is NaN, as attention_reference's softmax gives, instead of the
   // online softmax silently dropping the row.
@@ -596,6 +599,18 @@ void rescale(Work& w, int64_t m, float f) {
     scal(v.acc_lo.data() + m * v.n_groups, f, v.n_groups);
   }
   w.l[static_cast<size_t>(m)] *= f;
+  for (int i = 0; i < 16; ++i) w.lv[static_cast<size_t>(m * 16 + i)] *= f;
+}
+
+// l[m] += the sum of the lane partials lv[m] (which are then zero).
+void fold_lanes(Work& w) {
+  for (int64_t m = 0; m < w.m; ++m) {
+    float* v = w.lv.data() + m * 16;
+    float s = 0.0f;
+    for (int i = 0; i < 16; ++i) s += v[i];
+    w.l[static_cast<size_t>(m)] += s;
+    std::fill(v, v + 16, 0.0f);
+  }
 }
 
 #if defined(__AVX512F__)
@@ -707,6 +722,7 @@ void build_many(Work& w) {
   w.alpha.resize(static_cast<size_t>(w.mp));
   w.mx.resize(static_cast<size_t>(w.mp), -std::numeric_limits<float>::infinity());
   w.l.resize(static_cast<size_t>(w.mp), 0.0f);
+  w.lv.resize(static_cast<size_t>(w.mp * 16), 0.0f);  // rescale reaches every lane's query
 }
 
 // Marks the queries l0 + i of the lanes i set in bad (see Work::bad).
@@ -1283,9 +1299,12 @@ void mask_logits(Work& w, const TileRows& t, int64_t window) {
 // accumulators rescaled when it grows), the weights into Work::probs, and their sums into l.
 #if defined(__AVX512F__)
 // AVX-512: a query's (at most 32) logits in two vectors; the max as the scalar loop's (NaN
-// lanes only matter to a query flagged bad, whose output is NaN), the weights from
-// exp_nonpos16_exact (exp_nonpos's operations: the same bits), their sum as rows t and t + 16
-// added, then _mm512_reduce_add_ps's tree (depth 5 instead of nt: within the bound's n terms).
+// lanes only matter to a query flagged bad, whose output is NaN), the weights from exp_nonpos16
+// (exp_nonpos's polynomial with FMAs, 1.41 u at most as the scalar's), their sum as rows t and
+// t + 16 added into 16 lane partials that run over the item's tiles (Work::lv, scaled by rescale
+// as l is), summed once when the item ends (fold_lanes). The sum stays a tree over the item's
+// weights (zero lanes add exactly), so a weight still passes at most n - 1 roundings, within the
+// bound's (n + n_tiles + 8) u, as the scalar path's row-order sum.
 static_assert(kTile == 32, "softmax_tile holds a tile in two 16-lane vectors");
 void softmax_tile(Work& w, int64_t nt) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -1301,22 +1320,23 @@ void softmax_tile(Work& w, int64_t nt) {
     if ((_mm512_cmp_ps_mask(v0, pinf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(v1, pinf, _CMP_NLT_UQ)) !=
         0)
       w.bad[static_cast<size_t>(m)] = 1;
-    const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
-    if (tmax == -std::numeric_limits<float>::infinity()) {
-      std::fill(pr, pr + nt, 0.0f);
-      continue;
-    }
+    // The tile's max is reduced across lanes only when a lane exceeds the running max (rare
+    // once the max has settled); the result is the same max. A tile of hidden rows before any
+    // visible one (max -inf) gets weights exp(NaN) = 0, as the zeros it was given before.
+    const __m512 vm = _mm512_max_ps(v0, v1);
     float& mxm = w.mx[static_cast<size_t>(m)];
-    if (tmax > mxm) {
+    if (_mm512_cmp_ps_mask(vm, _mm512_set1_ps(mxm), _CMP_GT_OQ) != 0) {
+      const float tmax = _mm512_reduce_max_ps(vm);
       if (mxm != -std::numeric_limits<float>::infinity()) rescale(w, m, std::exp(mxm - tmax));
       mxm = tmax;
     }
     const __m512 mv = _mm512_set1_ps(mxm);  // -inf - mx stays -inf -> weight 0
-    const __m512 p0 = simd::exp_nonpos16_exact(_mm512_sub_ps(v0, mv));
-    const __m512 p1 = simd::exp_nonpos16_exact(_mm512_sub_ps(v1, mv));
+    const __m512 p0 = exp_nonpos16(_mm512_sub_ps(v0, mv));
+    const __m512 p1 = exp_nonpos16(_mm512_sub_ps(v1, mv));
     _mm512_mask_storeu_ps(pr, k0, p0);
     _mm512_mask_storeu_ps(pr + 16, k1, p1);
-    w.l[static_cast<size_t>(m)] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    float* lv = w.lv.data() + m * 16;
+    _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), _mm512_add_ps(p0, p1)));
   }
 }
 #else
@@ -1691,6 +1711,7 @@ void begin_item(const TensorView& q, const AttentionParams& p, float scale, int6
   w.acc.assign(static_cast<size_t>(M * d), 0.0f);
   w.mx.assign(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
   w.l.assign(static_cast<size_t>(M), 0.0f);
+  w.lv.assign(static_cast<size_t>(M * 16), 0.0f);
   w.bad.assign(static_cast<size_t>(M + 16), 0);
   w.kcls.clear();
   w.vcls.clear();
@@ -1736,6 +1757,7 @@ float* out_row(const TensorView& q, float* out, int64_t b, int64_t kh, int64_t n
 void finish_item(const TensorView& q, int64_t b, int64_t kh, int64_t n_rep, int64_t i0, int64_t i1,
                  float* out, Work& w) {
   const int64_t d = w.d, nq = i1 - i0;
+  fold_lanes(w);
   for (int64_t m = 0; m < w.m; ++m) {
     float* o = out_row(q, out, b, kh, n_rep, i0, nq, m, d);
     const float lm = w.l[static_cast<size_t>(m)];
@@ -1758,6 +1780,7 @@ int64_t part_floats(int64_t d) {
 }
 void finish_part(float* part, Work& w) {
   const int64_t d = w.d;
+  fold_lanes(w);
   for (int64_t m = 0; m < w.m; ++m) {
     float* pm = part + m * part_floats(d);
     pm[0] = w.bad[static_cast<size_t>(m)] ? 1.0f : 0.0f;
@@ -1833,6 +1856,8 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
       const TileRows t = visible_rows(w, seg, b, kh, n_hkv, j0, hi, p.window, qpos_min, qpos_max);
       if (t.n_vis > 0) attend(w, s, t);
     }
+    // The many-query paths rescale l itself (not the lane partials): fold them first.
+    if (many) fold_lanes(w);
   }
   if (part != nullptr)
     finish_part(part, w);
