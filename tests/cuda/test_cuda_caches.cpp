@@ -1431,9 +1431,6 @@ TEST(CudaCaches, SkvqProtectExternalScoresMatchCpu) {
   run_cases("skvq protect external", cases, 8100);
 }
 
-// Metamorphic, on the device alone: with snap_evict_at = prompt_end a prompt fed in chunks stores
-// exactly what the one-shot prompt stores (key-proxy scoring: the frame and its last key rows are
-// the same), for snapkv and snapkv+skvq.
 // snapkv+skvq with snap_scoring = external (session 22): the same policy takes the handed-over
 // scores on the device (token- and channel-axis keys); the driver gives both caches the same
 // scores before end_prompt and compares records, positions, states and attention.
@@ -1464,6 +1461,9 @@ TEST(CudaCaches, SnapkvSkvqExternalScoresMatchCpu) {
   run_cases("snapkv+skvq external", cases, 8200);
 }
 
+// Metamorphic, on the device alone: with snap_evict_at = prompt_end a prompt fed in chunks stores
+// exactly what the one-shot prompt stores (key-proxy scoring: the frame and its last key rows are
+// the same), for snapkv and snapkv+skvq.
 TEST(CudaCaches, PromptEndChunkedEqualsOneShot) {
   SKIP_WITHOUT_DEVICE();
   for (const char* method : {"snapkv", "snapkv+skvq"}) {
