@@ -633,6 +633,7 @@ GroupQuantParams quant_params(const harness::QuantCase& c) {
   p.meta = c.meta;
   p.clip_search = c.clip;
   p.clip_alpha = c.clip ? 1.0f : 0.9f;
+  p.clip_floor = c.clip_floor;
   return p;
 }
 

@@ -63,7 +63,7 @@ struct Fixture {
       pv.insert(pv.end(), p.begin(), p.end());
     }
     signs = hadamard_signs(7, kH * kD);
-    tr = be.make_transforms(pk, pv, signs, static_cast<int32_t>(hadamard_block(kD)), false);
+    tr = be.make_transforms(pk, pv, signs, static_cast<int32_t>(hadamard_block(kD)), false, {});
     k = test::random_tensor(DType::kF16, kB, kH, 40, kD, 11);
     v = test::random_tensor(DType::kF16, kB, kH, 40, kD, 12);
     rows = be.make({DType::kF16, kB, kH, kD}, 40, true);

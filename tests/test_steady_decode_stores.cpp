@@ -182,12 +182,12 @@ class CountingBackend final : public test::CpuDelegateBackend {
     note("make_query_window");
     return cpu().make_query_window(b, hq, d, max_rows, q);
   }
-  std::unique_ptr<kv::PackedTransforms> make_transforms(const std::vector<int32_t>& pk,
-                                                        const std::vector<int32_t>& pv,
-                                                        const std::vector<float>& signs,
-                                                        int32_t block, bool rv) const override {
+  std::unique_ptr<kv::PackedTransforms> make_transforms(
+      const std::vector<int32_t>& pk, const std::vector<int32_t>& pv,
+      const std::vector<float>& signs, int32_t block, bool rv,
+      const std::vector<double>& ku) const override {
     note("make_transforms");
-    return cpu().make_transforms(pk, pv, signs, block, rv);
+    return cpu().make_transforms(pk, pv, signs, block, rv, ku);
   }
   // The CUDA backend's selections copy the frames and make their index and score buffers.
   std::unique_ptr<kv::RowIndex> snap_select(const kv::RowStore& rows, int64_t n,

@@ -93,7 +93,7 @@ struct CacheConfig {
   // token groups); 0 = the whole chunk. A chunk of n rows holds floor(n / key_rows) runs, the
   // last one taking the remainder (docs/design.md §C4).
   int64_t skvq_key_rows = 0;
-  // Channel-axis keys only (method skvq or snapkv+skvq, CPU only): a query-moment file written
+  // Channel-axis keys only (method skvq or snapkv+skvq): a query-moment file written
   // by `veloxquant calibrate --query-moments` (veloxquant/query_moments.h); each key row's codes
   // are then chosen by error feedback across its channels, weighted by the layer's query second
   // moments (docs/design.md §C4), instead of rounded to nearest. The metadata and the record
@@ -105,7 +105,7 @@ struct CacheConfig {
   // single-field ones of each layer's values (docs/design.md §C4).
   std::string skvq_layer_bits_key;
   std::string skvq_layer_key_rows;
-  // Salient rows kept precise (method skvq, CPU only; docs/design.md §C4): at the end of the
+  // Salient rows kept precise (method skvq, CPU and CUDA; docs/design.md §C4): at the end of the
   // cache's first prompt, k = min(max(1, round(skvq_protect * prompt rows)), packed rows) packed
   // rows per (b, h), the k highest-scoring under SnapKV's rules (snapkv.h: scores of
   // skvq_protect_scoring with an observation window of skvq_protect_obs_window rows, max-pooled

@@ -388,10 +388,14 @@ void skvq_channel_perms(const TensorView& rows, int32_t* perm, Stream s = nullpt
 // group-quantized with p (clip search, metadata rounding) exactly as the CPU quantizer: the same
 // IEEE operations in the same order, so codes and metadata are bit-identical. A channel-axis fmt
 // (packed.h) takes each (b, h)'s n rows as one chunk, quantize_chunk_to_records bit for bit (n
-// at least the rows its metadata needs).
+// at least the rows its metadata needs), with key_u (device [H, D, D] fp64, the factors of
+// veloxquant/key_rounding.h in stored channel order; channel-axis records only) its codes by
+// error feedback as that function's key_u argument gives them. The clip search tries
+// clip_alphas(p) (group_quant.h; a value clip floor included).
 void skvq_quantize_rows(const TensorView& rows, const PackedRowFormat& fmt,
                         const GroupQuantParams& p, const int32_t* perm, const float* signs,
-                        int32_t rot_block, uint8_t* records, Stream s = nullptr);
+                        int32_t rot_block, uint8_t* records, Stream s = nullptr,
+                        const double* key_u = nullptr);
 
 // ---- SnapKV ---------------------------------------------------------------------------------
 

@@ -28,6 +28,8 @@ inline constexpr std::array<float, 12> kClipAlphaTail{0.80f, 0.75f, 0.70f, 0.65f
                                                       0.50f, 0.45f, 0.40f, 0.35f, 0.30f, 0.25f};
 inline constexpr double kClipFloorMin = 0.25, kClipFloorSeed = 0.85;
 inline constexpr float kScaleFloor = 1e-8f;
+inline constexpr int kMaxClipAlphas =
+    static_cast<int>(kClipAlphaGrid.size() + kClipAlphaTail.size());
 
 struct GroupQuantParams {
   double bits = 2;  // 1..8, or 1.5 (three levels)
@@ -42,6 +44,14 @@ struct GroupQuantParams {
 
 // Throws vq::Error naming the bad parameter.
 void check_params(const GroupQuantParams& p, int64_t d);
+
+// The alphas a (row, group) tries, in order: with clip_search the seed's grid, then the tail's
+// alphas >= clip_floor; without it clip_alpha alone. Every backend's quantizer takes this list.
+struct ClipAlphas {
+  std::array<float, kMaxClipAlphas> a{};
+  int n = 0;
+};
+ClipAlphas clip_alphas(const GroupQuantParams& p);
 
 // Scalar reference (the oracle). codes: [n, d]; lo, scale: [n, ceil(d/g)]; alpha_index (may be
 // nullptr): [n, ceil(d/g)], the grid entry chosen (0 when search is off).

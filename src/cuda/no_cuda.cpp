@@ -138,7 +138,7 @@ void skvq_channel_perms(const TensorView&, int32_t*, Stream) {
   not_built("cuda::skvq_channel_perms");
 }
 void skvq_quantize_rows(const TensorView&, const PackedRowFormat&, const GroupQuantParams&,
-                        const int32_t*, const float*, int32_t, uint8_t*, Stream) {
+                        const int32_t*, const float*, int32_t, uint8_t*, Stream, const double*) {
   not_built("cuda::skvq_quantize_rows");
 }
 

@@ -163,6 +163,7 @@ class CudaRowStore final : public kv::RowStore {
 class CudaTransforms final : public kv::PackedTransforms {
  public:
   DeviceBuffer pk, pv, sg;  // [H, D] each, or empty
+  DeviceBuffer ku;          // [H, D, D] fp64, or empty
 };
 
 class CudaPackedStore final : public kv::PackedStore {
@@ -225,7 +226,8 @@ class CudaPackedStore final : public kv::PackedStore {
       skvq_quantize_rows(
           TensorView::contiguous(x.data(), rs.dtype, rs.batch, rs.heads, n, rs.head_dim),
           shape_.format(kv), kv ? qv : qk, t.perm(kv), signs, signs ? t.rot_block : 0,
-          direct ? recs(kv) : rec.as<uint8_t>(), stream_);
+          direct ? recs(kv) : rec.as<uint8_t>(), stream_,
+          kv == 0 && shape_.fk.axis == QuantAxis::kChannel ? t.key_u : nullptr);
       if (!direct)
         detail::copy_frames(recs(kv), capacity_, dst_row0, rec.data(), n, 0, F, n, stride(kv),
                             stream_);
@@ -566,21 +568,23 @@ class CudaBackend final : public kv::RowBackend {
     return std::make_unique<CudaPackedStore>(shape, capacity, with_positions, stream_);
   }
 
-  std::unique_ptr<kv::PackedTransforms> make_transforms(const std::vector<int32_t>& perm_k,
-                                                        const std::vector<int32_t>& perm_v,
-                                                        const std::vector<float>& signs,
-                                                        int32_t rot_block,
-                                                        bool rotate_values) const override {
+  std::unique_ptr<kv::PackedTransforms> make_transforms(
+      const std::vector<int32_t>& perm_k, const std::vector<int32_t>& perm_v,
+      const std::vector<float>& signs, int32_t rot_block, bool rotate_values,
+      const std::vector<double>& key_u) const override {
     auto t = std::make_unique<CudaTransforms>();
     if (!perm_k.empty()) t->pk = DeviceBuffer::from_vector(perm_k, stream_);
     if (!perm_v.empty()) t->pv = DeviceBuffer::from_vector(perm_v, stream_);
     if (!signs.empty()) t->sg = DeviceBuffer::from_vector(signs, stream_);
+    if (!key_u.empty()) t->ku = DeviceBuffer::from_vector(key_u, stream_);
+    t->key_u = t->ku.as<const double>();
     t->perm_k = t->pk.as<const int32_t>();
     t->perm_v = t->pv.as<const int32_t>();
     t->signs = t->sg.as<const float>();
     t->rot_block = t->signs ? rot_block : 0;
     t->rotate_values = rotate_values;
-    t->bytes = detail::held_bytes(t->pk) + detail::held_bytes(t->pv) + detail::held_bytes(t->sg);
+    t->bytes = detail::held_bytes(t->pk) + detail::held_bytes(t->pv) + detail::held_bytes(t->sg) +
+               detail::held_bytes(t->ku);
     return t;
   }
 

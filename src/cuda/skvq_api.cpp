@@ -46,7 +46,7 @@ void skvq_channel_perms(const TensorView& rows, int32_t* perm, Stream s) {
 
 void skvq_quantize_rows(const TensorView& rows, const PackedRowFormat& fmt,
                         const GroupQuantParams& gp, const int32_t* perm, const float* signs,
-                        int32_t rot_block, uint8_t* records, Stream s) {
+                        int32_t rot_block, uint8_t* records, Stream s, const double* key_u) {
   check_rows(rows, "skvq_quantize_rows");
   const int64_t D = rows.shape[3];
   check_params(gp, D);
@@ -85,13 +85,12 @@ void skvq_quantize_rows(const TensorView& rows, const PackedRowFormat& fmt,
   p.bits = fmt.spec.bits();
   p.ternary = fmt.spec.ternary() ? 1 : 0;
   p.meta = static_cast<int32_t>(fmt.meta);
-  if (gp.clip_search) {
-    p.n_alpha = static_cast<int32_t>(kClipAlphaGrid.size());
-    for (size_t i = 0; i < kClipAlphaGrid.size(); ++i) p.alpha[i] = kClipAlphaGrid[i];
-  } else {
-    p.n_alpha = 1;
-    p.alpha[0] = gp.clip_alpha;
-  }
+  const ClipAlphas al = clip_alphas(gp);
+  p.n_alpha = al.n;
+  for (int i = 0; i < al.n; ++i) p.alpha[i] = al.a[static_cast<size_t>(i)];
+  VQ_CHECK(key_u == nullptr || channel,
+           "[skvq_quantize_rows] expected error-feedback factors only for channel-axis records");
+  p.key_u = key_u;
   p.code_bytes = fmt.code_bytes;
   p.packed_bytes = static_cast<int32_t>(packed_code_bytes(D, fmt.spec));
   p.row_stride = fmt.row_stride;

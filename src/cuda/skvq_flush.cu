@@ -16,6 +16,7 @@
 // as one group of group_quantize_reference (min/max scan in row order, every alpha's error summed
 // in row order, exact quant_code), writing the n codes and (lo, scale); (3) a thread per record
 // byte packs row t's codes and metadata elements t*n_groups .. of the chunk's list (zero past 2D).
+// With key_u, (2b) a warp per row rechooses its codes by error feedback on those grids.
 // Permutations: a block per head, thread c scans channel c over the B*n pooled rows (min/max as
 // std::min/std::max, range NaN -> +inf), then ranks channels for a stable ascending sort.
 #include <cuda_bf16.h>
@@ -26,6 +27,7 @@
 
 #include "cuda/check.h"
 #include "cuda/skvq_flush.cuh"
+#include "veloxquant/group_quant.h"
 #include "veloxquant/packed.h"
 
 namespace vq::cuda {
@@ -33,8 +35,9 @@ namespace vq::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxAlpha = 5;  // SkvqQuantParams::alpha
-static_assert(sizeof(SkvqQuantParams{}.alpha) == kMaxAlpha * sizeof(float), "alpha grid size");
+constexpr int kAlphaChunk = 5;  // alphas per pass over a group: the seed's grid in one
+static_assert(sizeof(SkvqQuantParams{}.alpha) == kMaxClipAlphas * sizeof(float),
+              "SkvqQuantParams::alpha holds every alpha of clip_alphas");
 
 __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t i) {
   if (dtype == 1) return __half2float(static_cast<const __half*>(base)[i]);
@@ -181,46 +184,50 @@ __global__ void __launch_bounds__(kThreads)
     }
     const float mid = __fdiv_rn(__fadd_rn(gmax, gmin), 2.0f);
     const float rng = __fsub_rn(gmax, gmin);
-    // The alpha grid's (lo, scale) and error sums side by side: one pass over the group feeds
-    // every alpha (independent chains; each error is still summed in element order).
-    float al[kMaxAlpha], as[kMaxAlpha], ar_[kMaxAlpha], ae[kMaxAlpha];
+    // The alphas in chunks of kAlphaChunk (the seed's five are the first): one pass over the
+    // group feeds a chunk's (lo, scale) and error sums side by side (independent chains; each
+    // error still summed in element order); the least error wins across chunks, the earlier
+    // alpha on ties, as group_quantize_reference picks.
+    float best_err = 0.0f, best_lo = 0.0f, best_sc = 1.0f, best_r = 1.0f;
+    for (int k0 = 0; k0 < p.n_alpha; k0 += kAlphaChunk) {
+      float al[kAlphaChunk], as[kAlphaChunk], ar_[kAlphaChunk], ae[kAlphaChunk];
 #pragma unroll
-    for (int k = 0; k < kMaxAlpha; ++k) {
-      al[k] = 0.0f;
-      as[k] = 1.0f;
-      ar_[k] = 1.0f;
-      ae[k] = 0.0f;
-      if (k < p.n_alpha) {
-        const float ar = __fmul_rn(p.alpha[k], rng);
-        al[k] = meta_round(__fsub_rn(mid, __fdiv_rn(ar, 2.0f)), mt);
-        float sc = __fdiv_rn(ar, levels);
-        sc = sc < 1e-8f ? 1e-8f : sc;
-        as[k] = meta_round_scale(sc, mt);
-        ar_[k] = __frcp_rn(as[k]);
-      }
-    }
-    for (int i = 0; i < g; ++i) {
-      const float v = elem(i);
-#pragma unroll
-      for (int k = 0; k < kMaxAlpha; ++k) {
-        if (k < p.n_alpha) {
-          const float c = quant_code_fast(v, al[k], as[k], ar_[k], levels);
-          const float rec = __fadd_rn(__fmul_rn(c, as[k]), al[k]);
-          const float e = __fsub_rn(rec, v);
-          ae[k] = __fadd_rn(ae[k], __fmul_rn(e, e));
+      for (int j = 0; j < kAlphaChunk; ++j) {
+        al[j] = 0.0f;
+        as[j] = 1.0f;
+        ar_[j] = 1.0f;
+        ae[j] = 0.0f;
+        if (k0 + j < p.n_alpha) {
+          const float ar = __fmul_rn(p.alpha[k0 + j], rng);
+          al[j] = meta_round(__fsub_rn(mid, __fdiv_rn(ar, 2.0f)), mt);
+          float sc = __fdiv_rn(ar, levels);
+          sc = sc < 1e-8f ? 1e-8f : sc;
+          as[j] = meta_round_scale(sc, mt);
+          ar_[j] = __frcp_rn(as[j]);
         }
       }
-    }
-    float best_err = 0.0f, best_lo = 0.0f, best_sc = 1.0f, best_r = 1.0f;
+      for (int i = 0; i < g; ++i) {
+        const float v = elem(i);
 #pragma unroll
-    for (int k = 0; k < kMaxAlpha; ++k) {
-      if (k < p.n_alpha) {
-        const float err = __fdiv_rn(ae[k], static_cast<float>(g));
-        if (k == 0 || err < best_err) {
-          best_err = err;
-          best_lo = al[k];
-          best_sc = as[k];
-          best_r = ar_[k];
+        for (int j = 0; j < kAlphaChunk; ++j) {
+          if (k0 + j < p.n_alpha) {
+            const float c = quant_code_fast(v, al[j], as[j], ar_[j], levels);
+            const float rec = __fadd_rn(__fmul_rn(c, as[j]), al[j]);
+            const float e = __fsub_rn(rec, v);
+            ae[j] = __fadd_rn(ae[j], __fmul_rn(e, e));
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kAlphaChunk; ++j) {
+        if (k0 + j < p.n_alpha) {
+          const float err = __fdiv_rn(ae[j], static_cast<float>(g));
+          if (k0 + j == 0 || err < best_err) {
+            best_err = err;
+            best_lo = al[j];
+            best_sc = as[j];
+            best_r = ar_[j];
+          }
         }
       }
     }
@@ -336,6 +343,40 @@ __global__ void skvq_channel_quant_kernel(const __grid_constant__ SkvqQuantParam
     cd[i * D] = static_cast<uint8_t>(quant_code(x[i * D], best_lo, best_sc, levels));
 }
 
+// Error-feedback codes of channel-axis key rows (key_feedback_codes, veloxquant/key_rounding.h,
+// in its fp64 operations and order): one warp per row r = f * n + i of head h = f % H, on frame
+// f's grids lo, sc. The row w (fp64) lives in shared memory; every lane computes channel i's step
+// alike from one broadcast read, lane 0 writes the code, then each lane updates its own w_j,
+// j > i. Codes whose quotient is not finite keep the round-to-nearest code already in codes.
+constexpr int kFeedbackWarps = 4;
+__global__ void __launch_bounds__(32 * kFeedbackWarps)
+    skvq_channel_feedback_kernel(const __grid_constant__ SkvqQuantParams p, const float* t,
+                                 const float* lo, const float* sc, uint8_t* codes) {
+  extern __shared__ double wsm[];  // [kFeedbackWarps][D]
+  const int D = p.head_dim, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kFeedbackWarps + warp;
+  if (r >= p.n_rows_total) return;  // a whole warp; the kernel has no block barrier
+  const int64_t f = r / p.rows_per_head;
+  const double* u = p.key_u + (f % p.n_heads) * D * D;
+  const float* lof = lo + f * D;
+  const float* scf = sc + f * D;
+  double* w = wsm + warp * D;
+  for (int c = lane; c < D; c += 32) w[c] = t[r * D + c];
+  __syncwarp();
+  const double top = p.levels;
+  for (int i = 0; i < D; ++i) {
+    const double wi = w[i], l = lof[i], s = scf[i];
+    const double q = __ddiv_rn(__dsub_rn(wi, l), s);
+    if (!isfinite(q)) continue;  // warp-uniform
+    double c = rint(q);          // std::nearbyint: ties to even
+    c = c < 0.0 ? 0.0 : (c > top ? top : c);
+    if (lane == 0) codes[r * D + i] = static_cast<uint8_t>(c);
+    const double e = __ddiv_rn(__dsub_rn(wi, __dadd_rn(__dmul_rn(c, s), l)), u[i * D + i]);
+    for (int j = i + 1 + lane; j < D; j += 32) w[j] = __dsub_rn(w[j], __dmul_rn(e, u[i * D + j]));
+    __syncwarp();
+  }
+}
+
 // One thread per record byte: record r = f*n + i holds row i's codes (packed as the token
 // kernel packs them), zeros up to code_bytes, then metadata slots e = i*n_groups + slot of frame
 // f's list (element 2c: lo of channel c, 2c + 1: its scale; zero from 2D on).
@@ -391,6 +432,13 @@ void skvq_quantize_channel_launch(const SkvqQuantParams& p, cudaStream_t s) {
   skvq_channel_quant_kernel<<<static_cast<unsigned>((items + 127) / 128), 128, 0, s>>>(p, t, codes,
                                                                                        lo, sc);
   VQ_CUDA_LAUNCH_CHECK(skvq_channel_quant_kernel);
+  if (p.key_u) {
+    const size_t smem = static_cast<size_t>(kFeedbackWarps * D) * sizeof(double);  // <= 32 KB
+    skvq_channel_feedback_kernel<<<static_cast<unsigned>((rows + kFeedbackWarps - 1) /
+                                                         kFeedbackWarps),
+                                   32 * kFeedbackWarps, smem, s>>>(p, t, lo, sc, codes);
+    VQ_CUDA_LAUNCH_CHECK(skvq_channel_feedback_kernel);
+  }
   const int64_t bytes = rows * p.row_stride;
   VQ_CHECK(bytes / 256 < (int64_t{1} << 31), "[skvq_quantize_rows] expected fewer records");
   skvq_channel_pack_kernel<<<static_cast<unsigned>((bytes + 255) / 256), 256, 0, s>>>(p, codes, lo,

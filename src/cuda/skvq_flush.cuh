@@ -4,7 +4,8 @@
 // Rows: [n_rows_total = B*H*n, D] contiguous, dtype f16/bf16/f32; row r belongs to head
 // (r / n) % H. Records: [n_rows_total, row_stride] bytes. perm/signs: [H, D] or nullptr.
 // Channel-axis records (channel = 1, packed.h): the n rows of each (b, h) are one chunk; stored
-// channel c over them is one group of n values (quantize_chunk_to_records of group_quant.h).
+// channel c over them is one group of n values (quantize_chunk_to_records of group_quant.h),
+// its codes chosen by error feedback when key_u is set (key_feedback_codes, key_rounding.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -31,14 +32,19 @@ struct SkvqQuantParams {
   int32_t bits = 2;  // integer bits (unused when ternary)
   int32_t ternary = 0;
   int32_t meta = 0;  // vq::MetaType: 0 f16, 1 f32, 2 fp8 e4m3
+  // the alphas tried in order (veloxquant/group_quant.h clip_alphas: the seed's five, then the
+  // value rows' tail down to their clip floor)
   int32_t n_alpha = 5;
-  float alpha[5] = {1.0f, 0.97f, 0.94f, 0.90f, 0.85f};
+  float alpha[17] = {1.0f, 0.97f, 0.94f, 0.90f, 0.85f};
   int32_t code_bytes = 0;    // packed codes rounded up to the metadata size
   int32_t packed_bytes = 0;  // packed codes, unrounded
   int32_t row_stride = 0;
   uint8_t* records = nullptr;
   // Channel-axis records: group_size is then n, n_groups the metadata slots per record.
   int32_t channel = 0;
+  // Channel-axis keys rounded by error feedback (veloxquant/key_rounding.h): the factor U of head
+  // h at key_u + h * D * D (device, stored channel order, fp64), or nullptr (round to nearest).
+  const double* key_u = nullptr;
 };
 
 void skvq_quantize_launch(const SkvqQuantParams& p, cudaStream_t s);

@@ -182,8 +182,8 @@ class PackedTransforms {
   int32_t rot_block = 0;
   bool rotate_values = false;
   // Channel-axis keys rounded by error feedback (veloxquant/key_rounding.h): the factor U of
-  // head h at key_u + h * D * D (host memory, stored channel order), or nullptr (round to
-  // nearest). Set by the owner after make_transforms; only the CPU backend reads it.
+  // head h at key_u + h * D * D (fp64 on the backend's device, stored channel order), or nullptr
+  // (round to nearest).
   const double* key_u = nullptr;
   int64_t bytes = 0;  // what the copies hold
   const int32_t* perm(bool values) const { return values ? perm_v : perm_k; }
@@ -297,12 +297,12 @@ class RowBackend {
   // ---- packed records (the SKVQ methods)
   virtual std::unique_ptr<PackedStore> make_packed(const PackedShape& shape, int64_t capacity,
                                                    bool with_positions) const = 0;
-  // Device copies of host transforms (perms [H * D] each or empty, signs [H * D] or empty).
-  virtual std::unique_ptr<PackedTransforms> make_transforms(const std::vector<int32_t>& perm_k,
-                                                            const std::vector<int32_t>& perm_v,
-                                                            const std::vector<float>& signs,
-                                                            int32_t rot_block,
-                                                            bool rotate_values) const = 0;
+  // Device copies of host transforms (perms [H * D] each or empty, signs [H * D] or empty, the
+  // key rounding factors key_u [H * D * D] or empty).
+  virtual std::unique_ptr<PackedTransforms> make_transforms(
+      const std::vector<int32_t>& perm_k, const std::vector<int32_t>& perm_v,
+      const std::vector<float>& signs, int32_t rot_block, bool rotate_values,
+      const std::vector<double>& key_u) const = 0;
   // The SKVQ channel permutation of every head from rows [row0, row0 + n) of `rows` (keys, or
   // values when `values`), pooled over the batch: per head the stable ascending order of the
   // channels' ranges (max - min, NaN as +inf). Host [H * D]. Exact on every backend.

@@ -217,6 +217,7 @@ class CpuTransforms final : public PackedTransforms {
  public:
   std::vector<int32_t> pk, pv;
   std::vector<float> sg;
+  std::vector<double> ku;
 };
 
 class CpuPackedStore final : public PackedStore {
@@ -487,21 +488,23 @@ class CpuBackend final : public RowBackend {
                                            bool with_positions) const override {
     return std::make_unique<CpuPackedStore>(shape, capacity, with_positions);
   }
-  std::unique_ptr<PackedTransforms> make_transforms(const std::vector<int32_t>& perm_k,
-                                                    const std::vector<int32_t>& perm_v,
-                                                    const std::vector<float>& signs,
-                                                    int32_t rot_block,
-                                                    bool rotate_values) const override {
+  std::unique_ptr<PackedTransforms> make_transforms(
+      const std::vector<int32_t>& perm_k, const std::vector<int32_t>& perm_v,
+      const std::vector<float>& signs, int32_t rot_block, bool rotate_values,
+      const std::vector<double>& key_u) const override {
     auto t = std::make_unique<CpuTransforms>();
     t->pk = perm_k;
     t->pv = perm_v;
     t->sg = signs;
+    t->ku = key_u;
+    t->key_u = t->ku.empty() ? nullptr : t->ku.data();
     t->perm_k = t->pk.empty() ? nullptr : t->pk.data();
     t->perm_v = t->pv.empty() ? nullptr : t->pv.data();
     t->signs = t->sg.empty() ? nullptr : t->sg.data();
     t->rot_block = t->signs ? rot_block : 0;
     t->rotate_values = rotate_values;
-    t->bytes = static_cast<int64_t>((t->pk.capacity() + t->pv.capacity() + t->sg.capacity()) * 4);
+    t->bytes = static_cast<int64_t>((t->pk.capacity() + t->pv.capacity() + t->sg.capacity()) * 4 +
+                                    t->ku.capacity() * sizeof(double));
     return t;
   }
   std::vector<int32_t> channel_perms(const RowStore& rows_base, int64_t row0, int64_t n,

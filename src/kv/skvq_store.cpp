@@ -391,32 +391,25 @@ void check_blocks(const TensorView& keys, const TensorView& values, int64_t d, b
 
 Store::Store(const kv::RowBackend& backend, const Settings& s, bool explicit_positions,
              const char* op)
-    : be_(&backend), s_(&s), explicit_pos_(explicit_positions), op_(op) {
-  if (s.query_moments && backend.device() != kv::Device::kCpu)
-    fail(op, "skvq_query_moments_file",
-         "'' on this device (the error-feedback key rounding runs in the CPU flush only)",
-         "a query-moment file");
-  if (s.qv.clip_floor != kClipFloorSeed && backend.device() != kv::Device::kCpu)
-    fail(op, "skvq_value_clip_floor",
-         "0.85 on this device (its flush kernel searches the seed's five alphas only)",
-         f64_text(s.qv.clip_floor));
-}
+    : be_(&backend), s_(&s), explicit_pos_(explicit_positions), op_(op) {}
 
 void Store::make_dtr() {
-  dtr_ = be_->make_transforms(tr.perm_k, tr.perm_v, tr.signs, tr.rot_block, tr.rotate_values);
   const Settings& s = *s_;
-  if (!s.query_moments) return;
-  const int64_t d = s.head_dim;
-  key_u_.assign(static_cast<size_t>(heads * d * d), 0.0);
-  for (int64_t h = 0; h < heads; ++h) {
-    const double* m = s.query_moments + (s.head_first + h) * d * d;
-    const std::vector<double> ms =
-        stored_order_moments(m, d, tr.signs.empty() ? nullptr : tr.signs.data() + h * d,
-                             tr.rot_block, tr.perm_k.empty() ? nullptr : tr.perm_k.data() + h * d);
-    const std::vector<double> u = key_rounding_factor(ms.data(), d);
-    std::copy(u.begin(), u.end(), key_u_.begin() + h * d * d);
+  std::vector<double> key_u;
+  if (s.query_moments) {
+    const int64_t d = s.head_dim;
+    key_u.assign(static_cast<size_t>(heads * d * d), 0.0);
+    for (int64_t h = 0; h < heads; ++h) {
+      const double* m = s.query_moments + (s.head_first + h) * d * d;
+      const std::vector<double> ms = stored_order_moments(
+          m, d, tr.signs.empty() ? nullptr : tr.signs.data() + h * d, tr.rot_block,
+          tr.perm_k.empty() ? nullptr : tr.perm_k.data() + h * d);
+      const std::vector<double> u = key_rounding_factor(ms.data(), d);
+      std::copy(u.begin(), u.end(), key_u.begin() + h * d * d);
+    }
   }
-  dtr_->key_u = key_u_.data();
+  dtr_ =
+      be_->make_transforms(tr.perm_k, tr.perm_v, tr.signs, tr.rot_block, tr.rotate_values, key_u);
 }
 
 void Store::start(DType t, int64_t b, int64_t h, Transforms transforms) {
@@ -904,7 +897,6 @@ int64_t Store::resident_bytes() const {
       (tr.perm_k.capacity() + tr.perm_v.capacity() + tr.signs.capacity()) * 4 +
       (segs_[0].capacity() + segs_[1].capacity()) * sizeof(PackedSegment) + blocks_.capacity() * 8);
   if (dtr_) n += dtr_->bytes;
-  n += static_cast<int64_t>(key_u_.capacity() * sizeof(double));  // the key rounding factors
   for (const RunIndex& ri : run_index_)  // the device copy of the run starts
     if (ri.dev) n += cuda::device_alloc_bytes(static_cast<int64_t>(ri.host.size()) * 4);
   if (fp_) n += fp_->resident_bytes();

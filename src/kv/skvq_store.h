@@ -126,7 +126,6 @@ struct HostBlock {
 
 class Store {
  public:
-  // Refuses (vq::Error) query moments on a backend other than the CPU's.
   Store(const kv::RowBackend& backend, const Settings& s, bool explicit_positions, const char* op);
 
   // ---- shape and transforms
@@ -226,11 +225,10 @@ class Store {
   const Settings* s_;
   bool explicit_pos_;
   const char* op_;
+  // The transforms on the backend's device, with the key rounding factors of the cache's heads in
+  // the stored channel order ([H * D * D], veloxquant/key_rounding.h) when the settings carry
+  // query moments (made by make_dtr; counted in resident_bytes, per cache: not shared).
   std::unique_ptr<kv::PackedTransforms> dtr_;
-  // The key rounding factors of the cache's heads in the stored channel order ([H * D * D],
-  // veloxquant/key_rounding.h), made with dtr_ (make_dtr) when the settings carry query moments;
-  // dtr_->key_u points here. Counted in resident_bytes (per cache: not shared across caches).
-  std::vector<double> key_u_;
   void make_dtr();
   std::unique_ptr<kv::RowStore> fp_;
   // fp_ was made by keep() and no view has read it since (view() clears it): fit_kept may free it.

@@ -144,17 +144,8 @@ void check_params(const GroupQuantParams& p, int64_t d) {
   VQ_CHECK(d >= 1, "[group_quant] expected d >= 1 but got " + std::to_string(d));
 }
 
-namespace {
-
-constexpr int kMaxAlphas = static_cast<int>(kClipAlphaGrid.size() + kClipAlphaTail.size());
-
-struct AlphaSet {
-  std::array<float, kMaxAlphas> a{};
-  int n = 0;
-};
-
-AlphaSet alphas_of(const GroupQuantParams& p) {
-  AlphaSet s;
+ClipAlphas clip_alphas(const GroupQuantParams& p) {
+  ClipAlphas s;
   if (p.clip_search) {
     for (float a : kClipAlphaGrid) s.a[s.n++] = a;
     for (float a : kClipAlphaTail)
@@ -165,6 +156,8 @@ AlphaSet alphas_of(const GroupQuantParams& p) {
   }
   return s;
 }
+
+namespace {
 
 // lo and scale of one alpha, as stored.
 inline void alpha_meta(float mid, float rng, float alpha, float levels, MetaType meta, float* lo,
@@ -183,7 +176,7 @@ void group_quantize_reference(const float* x, int64_t n, int64_t d, const GroupQ
   const int64_t g = p.group_size;
   const int64_t n_groups = (d + g - 1) / g;
   const float levels = static_cast<float>(code_spec_from_bits(p.bits).levels());
-  const AlphaSet al = alphas_of(p);
+  const ClipAlphas al = clip_alphas(p);
   std::vector<float> buf(static_cast<size_t>(g));
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t gi = 0; gi < n_groups; ++gi) {
@@ -269,12 +262,12 @@ void round_meta_lanes(float* lo, float* scale, MetaType meta) {
 // The alpha search of one group for kLanes rows side by side. All NA candidates are evaluated in
 // the same pass over the elements: NA independent error chains per lane (the sum order of each
 // stays the element order, as in the reference) instead of one latency-bound chain at a time.
-// NA = kMaxAlphas: the first al.n of them (an extended grid, GroupQuantParams::clip_floor).
+// NA = kMaxClipAlphas: the first al.n of them (an extended grid, GroupQuantParams::clip_floor).
 template <int NA>
 void search_alphas(const float* tile, int64_t g, const float* mid, const float* rng,
-                   const AlphaSet& al, float levels, MetaType meta, float* best_lo,
+                   const ClipAlphas& al, float levels, MetaType meta, float* best_lo,
                    float* best_sc) {
-  const int na = NA == kMaxAlphas ? al.n : NA;
+  const int na = NA == kMaxClipAlphas ? al.n : NA;
   alignas(64) float l[NA][kLanes], s[NA][kLanes], err[NA][kLanes];
   for (int k = 0; k < na; ++k) {
     const float a = al.a[k];
@@ -317,7 +310,7 @@ void search_alphas(const float* tile, int64_t g, const float* mid, const float* 
 
 // Quantizes rows [r0, r0 + m) (m <= kLanes) of x. tile: scratch [g][kLanes].
 void quantize_tile(const float* x, int64_t r0, int64_t m, int64_t d, const GroupQuantParams& p,
-                   const AlphaSet& al, float levels, float* tile, uint8_t* codes, float* lo,
+                   const ClipAlphas& al, float levels, float* tile, uint8_t* codes, float* lo,
                    float* scale) {
   const int64_t g = p.group_size;
   const int64_t n_groups = (d + g - 1) / g;
@@ -348,7 +341,7 @@ void quantize_tile(const float* x, int64_t r0, int64_t m, int64_t d, const Group
     else if (al.n == 1)
       search_alphas<1>(tile, g, mid, rng, al, levels, p.meta, best_lo, best_sc);
     else
-      search_alphas<kMaxAlphas>(tile, g, mid, rng, al, levels, p.meta, best_lo, best_sc);
+      search_alphas<kMaxClipAlphas>(tile, g, mid, rng, al, levels, p.meta, best_lo, best_sc);
     for (int64_t r = 0; r < m; ++r) {
       lo[(r0 + r) * n_groups + gi] = best_lo[r];
       scale[(r0 + r) * n_groups + gi] = best_sc[r];
@@ -390,7 +383,7 @@ void group_quantize(const float* x, int64_t n, int64_t d, const GroupQuantParams
                     float* lo, float* scale) {
   check_params(p, d);
   const float levels = static_cast<float>(code_spec_from_bits(p.bits).levels());
-  const AlphaSet al = alphas_of(p);
+  const ClipAlphas al = clip_alphas(p);
   const int64_t n_tiles = (n + kLanes - 1) / kLanes;
 #pragma omp parallel if (n_tiles >= 4)
   {
@@ -413,7 +406,7 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
                p.meta == f.meta,
            "[quantize_to_records] expected params matching the row format");
   const float levels = static_cast<float>(f.spec.levels());
-  const AlphaSet al = alphas_of(p);
+  const ClipAlphas al = clip_alphas(p);
   const int64_t n_tiles = (n + kLanes - 1) / kLanes;
   const int64_t ng = f.n_groups;
 #pragma omp parallel if (parallel && n_tiles >= 2)

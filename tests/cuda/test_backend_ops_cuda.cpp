@@ -29,6 +29,7 @@
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/hadamard.h"
+#include "veloxquant/key_rounding.h"
 #include "veloxquant/packed.h"
 #include "veloxquant/snapkv.h"
 
@@ -175,6 +176,7 @@ QuantSetup quant_setup(const harness::QuantCase& c, int64_t H, int64_t D, uint64
   q.gp.meta = c.meta;
   q.gp.clip_search = c.clip;
   q.gp.clip_alpha = c.clip ? 1.0f : 0.9f;
+  q.gp.clip_floor = c.clip_floor;
   if (c.perm) {
     q.perm.resize(static_cast<size_t>(H * D));
     for (int64_t h = 0; h < H; ++h) {
@@ -237,15 +239,39 @@ TEST(BackendOpsCuda, SkvqQuantizeRows) {
   }
 }
 
+// Key rounding factors (veloxquant/key_rounding.h) of H heads of anisotropic moments: M = A A^T
+// / D + 0.05 I with A normal, so the feedback moves codes away from round-to-nearest.
+std::vector<double> aniso_factors(int64_t H, int64_t D, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<double> u(static_cast<size_t>(H * D * D)), a(static_cast<size_t>(D * D)), m(a.size());
+  for (int64_t h = 0; h < H; ++h) {
+    for (double& x : a) x = nd(rng);
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j < D; ++j) {
+        double s = i == j ? 0.05 : 0.0;
+        for (int64_t k = 0; k < D; ++k) s += a[i * D + k] * a[j * D + k] / static_cast<double>(D);
+        m[static_cast<size_t>(i * D + j)] = s;
+      }
+    const std::vector<double> uh = key_rounding_factor(m.data(), D);
+    std::copy(uh.begin(), uh.end(), u.begin() + h * D * D);
+  }
+  return u;
+}
+
 // Channel-axis chunks (skvq_key_axis=channel): each (b, h)'s n rows are one chunk, stored
 // channel c over them one group of n values; records with the chunk's metadata list spread over
 // its first records (packed.h). Against the CPU flush path (to fp32, rotate, permute,
 // quantize_chunk_to_records) byte for byte, every table case with n large enough to hold the
 // list (the format's metadata slots follow from min_chunk_rows = n, so every n >= 1 does; the
-// short ones give 2D slots per record). Exact.
+// short ones give 2D slots per record). Every other case rounds its codes by error feedback on
+// anisotropic factors (skvq_query_moments_file), the device's warp per row against
+// key_feedback_codes; most feedback cases must change some codes against round-to-nearest (so
+// that a device ignoring the factors would fail; a chunk of two rows may sit on its grid). Exact.
 TEST(BackendOpsCuda, SkvqQuantizeChannelChunks) {
   SKIP_WITHOUT_DEVICE();
   uint64_t seed = 700;
+  int fb_cases = 0, fb_changed = 0;
   for (const harness::QuantCase& c : harness::quant_cases(harness::small_sweep())) {
     ++seed;
     const int64_t B = 2, H = 2, n = c.n, D = c.d;
@@ -272,15 +298,25 @@ TEST(BackendOpsCuda, SkvqQuantizeChannelChunks) {
     t.perm = c.perm ? perm.data() : nullptr;
     t.signs = c.rot ? signs.data() : nullptr;
     t.rot_block = block;
+    const bool feedback = seed % 2 == 0;
+    const std::vector<double> ku = feedback ? aniso_factors(H, D, seed) : std::vector<double>{};
     const size_t nbytes = static_cast<size_t>(B * H * n * f.row_stride);
-    std::vector<uint8_t> want(nbytes, 0);
+    std::vector<uint8_t> want(nbytes, 0), nearest(nbytes, 0);
     std::vector<float> chunk(static_cast<size_t>(n * D)), tmp(static_cast<size_t>(D));
     for (int64_t fr = 0; fr < B * H; ++fr) {
       std::copy(xf.begin() + fr * n * D, xf.begin() + (fr + 1) * n * D, chunk.begin());
       if (t.transformed())
         for (int64_t i = 0; i < n; ++i) transform_row(t, fr % H, chunk.data() + i * D, tmp.data());
-      quantize_chunk_to_records(chunk.data(), n, f, gp, want.data() + fr * n * f.row_stride,
-                                f.row_stride);
+      uint8_t* at = want.data() + fr * n * f.row_stride;
+      quantize_chunk_to_records(chunk.data(), n, f, gp, at, f.row_stride,
+                                feedback ? ku.data() + (fr % H) * D * D : nullptr);
+      if (feedback)
+        quantize_chunk_to_records(chunk.data(), n, f, gp, nearest.data() + fr * n * f.row_stride,
+                                  f.row_stride);
+    }
+    if (feedback) {
+      ++fb_cases;
+      fb_changed += want != nearest;
     }
     cuda::DeviceBuffer drows = cuda::DeviceBuffer::from_host(rows.data(), rows.size());
     cuda::DeviceBuffer dperm =
@@ -289,12 +325,17 @@ TEST(BackendOpsCuda, SkvqQuantizeChannelChunks) {
         signs.empty() ? cuda::DeviceBuffer() : cuda::DeviceBuffer::from_vector(signs);
     cuda::DeviceBuffer out(std::max<size_t>(nbytes, 1));
     out.fill_zero();
+    cuda::DeviceBuffer dku = feedback ? cuda::DeviceBuffer::from_vector(ku) : cuda::DeviceBuffer();
     cuda::skvq_quantize_rows(TensorView::contiguous(drows.data(), c.in_dtype, B, H, n, D), f, gp,
-                             dperm.as<int32_t>(), dsigns.as<float>(), block, out.as<uint8_t>());
+                             dperm.as<int32_t>(), dsigns.as<float>(), block, out.as<uint8_t>(),
+                             nullptr, dku.as<const double>());
     cuda::synchronize();
-    Check k("skvq_quantize_rows channel-axis", "cuda", c.vars());
+    Check k("skvq_quantize_rows channel-axis", "cuda",
+            c.vars() + (feedback ? ",feedback=1" : ",feedback=0"));
     k.exact(out.to_vector<uint8_t>(nbytes), want, "records");
   }
+  EXPECT_GT(2 * fb_changed, fb_cases)
+      << fb_changed << " of " << fb_cases << " feedback cases changed codes";
 }
 
 // Channel permutations: stable ascending sort of each head's channels by range (max - min in

@@ -981,44 +981,139 @@ TEST(CudaCaches, PerLayerListWithoutTheLayerRefused) {
   }
 }
 
-// The error-feedback key rounding runs in the CPU flush only: the device cache refuses the
-// option by name where the CPU cache accepts it.
-TEST(CudaCaches, QueryMomentsRefusedOnTheDevice) {
-  SKIP_WITHOUT_DEVICE();
+// A query-moment file (veloxquant/query_moments.h) for one layer of H KV heads at head_dim D with
+// anisotropic moments (M = A A^T / D + 0.05 I per head, A normal), so that the error-feedback key
+// rounding moves codes away from round-to-nearest.
+std::string aniso_moment_file(int64_t H, int64_t D, uint64_t seed, const std::string& name) {
   QueryMomentSet set;
-  set.n_kv_heads = 2;
-  set.head_dim = 64;
+  set.n_kv_heads = H;
+  set.head_dim = D;
   set.n_tokens = 1;
-  std::vector<double> m(2 * 64 * 64, 0.0);
-  for (int64_t i = 0; i < 2 * 64; ++i) m[static_cast<size_t>(i * 64 + i % 64)] = 1.0;
-  set.layers.push_back(m);
-  const std::string path = ::testing::TempDir() + "qm_cuda.bin";
-  save_query_moment_file(path, set);
-  for (const char* method : {"skvq", "snapkv+skvq"}) {
-    CacheConfig cfg = config(method);
-    cfg.skvq_key_axis = QuantAxis::kChannel;
-    cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
-    cfg.head_dim = 64;
-    cfg.skvq_query_moments_file = path;
-    EXPECT_NO_THROW(make_layer_cache(cfg, 0)) << method;
-    const std::string msg = error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64, nullptr, 0); });
-    EXPECT_NE(msg.find("skvq_query_moments_file"), std::string::npos) << method << ": " << msg;
-    EXPECT_NE(msg.find("CPU flush only"), std::string::npos) << method << ": " << msg;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<double> m(static_cast<size_t>(H * D * D)), a(static_cast<size_t>(D * D));
+  for (int64_t h = 0; h < H; ++h) {
+    for (double& x : a) x = nd(rng);
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j <= i; ++j) {
+        double v = i == j ? 0.05 : 0.0;
+        for (int64_t k = 0; k < D; ++k) v += a[i * D + k] * a[j * D + k] / static_cast<double>(D);
+        m[static_cast<size_t>((h * D + i) * D + j)] = m[static_cast<size_t>((h * D + j) * D + i)] =
+            v;
+      }
   }
+  set.layers.push_back(m);
+  const std::string path = ::testing::TempDir() + name;
+  save_query_moment_file(path, set);
+  return path;
 }
 
-// skvq_value_clip_floor below 0.85: the device flush kernel searches the seed's five alphas.
-TEST(CudaCaches, ValueClipFloorRefusedOnTheDevice) {
+// skvq_query_moments_file on the device (session 24): the device flush rounds channel-axis key
+// codes by error feedback (a warp per row, key_feedback_codes' fp64 operations), so records,
+// states and attention equal the CPU cache's after every call, for skvq (plain, rotated with
+// runs of rows and fp8 metadata) and snapkv+skvq at the prompt's end. The moments must matter:
+// each case's CPU states with and without the file differ.
+TEST(CudaCaches, QueryMomentsMatchCpu) {
   SKIP_WITHOUT_DEVICE();
-  for (const char* method : {"skvq", "snapkv+skvq"}) {
-    CacheConfig cfg = config(method);
-    cfg.head_dim = 64;
-    cfg.skvq_value_clip_floor = 0.5;
-    EXPECT_NO_THROW(make_layer_cache(cfg, 0)) << method;
-    const std::string msg = error_of([&] { cuda::make_device_cache(cfg, 1, 2, 64, nullptr, 0); });
-    EXPECT_NE(msg.find("skvq_value_clip_floor"), std::string::npos) << method << ": " << msg;
-    EXPECT_NE(msg.find("seed's five alphas"), std::string::npos) << method << ": " << msg;
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("skvq");
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_window = 32;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 16;
+  c.cfg.skvq_query_moments_file = aniso_moment_file(2, 64, 11, "qm_cuda_64.bin");
+  cases.push_back(c.with(steps({70}, 20, {33, 1}), "skvq channel moments K2V2 f16 B1 H2 D64"));
+  c.cfg.skvq_key_rows = 16;
+  c.cfg.skvq_rotation = Rotation::kHadamard;
+  c.cfg.skvq_meta = MetaType::kFP8E4M3;
+  c.cfg.skvq_query_moments_file = aniso_moment_file(2, 128, 12, "qm_cuda_128.bin");
+  c.blocks(2, 2, 128, 8, DType::kBF16, true);
+  cases.push_back(c.with({17, 1, 129, 1, 1, 40},
+                         "skvq channel moments key_rows 16 hadamard fp8 bf16 token-major B2 H2"));
+  c.cfg = config("snapkv+skvq");
+  c.cfg.snap_evict_at = SnapEvictAt::kPromptEnd;
+  c.cfg.snap_budget = 48;
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_key_rows = 8;
+  c.cfg.skvq_query_moments_file = aniso_moment_file(2, 64, 13, "qm_cuda_snap.bin");
+  c.end_prompt_after = {1};
+  c.blocks(1, 2, 64, 4, DType::kF16);
+  cases.push_back(c.with(steps({90}, 20, {}), "snapkv+skvq channel moments key_rows 8 D64"));
+  for (const Case& cs : cases) {
+    CacheConfig plain = cs.cfg;
+    plain.head_dim = cs.D;
+    plain.skvq_query_moments_file.clear();
+    CacheConfig with = plain;
+    with.skvq_query_moments_file = cs.cfg.skvq_query_moments_file;
+    auto a = make_layer_cache(plain, 0), b = make_layer_cache(with, 0);
+    const auto k = make_block(cs.dtype, cs.B, cs.H, 90, cs.D, 5, false);
+    const auto v = make_block(cs.dtype, cs.B, cs.H, 90, cs.D, 6, false);
+    a->update_and_fetch(k->host, v->host);
+    b->update_and_fetch(k->host, v->host);
+    a->end_prompt();
+    b->end_prompt();
+    EXPECT_NE(save_bytes(*a), save_bytes(*b)) << cs.name << ": the moments changed no code";
   }
+  run_cases("skvq query moments", cases, 8300);
+}
+
+// skvq_value_clip_floor on the device (session 24): the flush kernel searches clip_alphas' list
+// (the seed's five, then the tail down to the floor, five alphas per pass over a group), so the
+// value records equal the CPU's, for skvq (token- and channel-axis keys, rotated values) and
+// snapkv+skvq; floors 0.5, 0.25 and 0.8 (one tail alpha).
+TEST(CudaCaches, ValueClipFloorMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("skvq");
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 16;
+  c.cfg.skvq_value_clip_floor = 0.5;
+  cases.push_back(c.with(steps({35}, 13, {40, 1, 3}), "skvq floor 0.5 K2V2 g16 f16 B1 H2 D64"));
+  c.cfg.skvq_key_axis = QuantAxis::kChannel;
+  c.cfg.skvq_window = 48;
+  c.cfg.skvq_key_rows = 32;
+  c.cfg.skvq_rotation = Rotation::kHadamard;
+  c.cfg.skvq_rotate_values = true;
+  c.cfg.skvq_meta = MetaType::kFP8E4M3;
+  c.cfg.skvq_value_clip_floor = 0.25;
+  c.cfg.skvq_group_size = 32;
+  c.blocks(2, 2, 128, 8, DType::kBF16, true);
+  cases.push_back(c.with({17, 1, 129, 1, 1, 40},
+                         "skvq floor 0.25 channel keys rotated values fp8 bf16 B2 H2 D128"));
+  c.cfg = config("snapkv+skvq");
+  c.cfg.snap_budget = 40;
+  c.cfg.snap_obs_window = 8;
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_group_size = 16;
+  c.cfg.skvq_value_clip_floor = 0.8;
+  c.blocks(1, 2, 64, 8, DType::kF16);
+  cases.push_back(c.with(steps({50, 37}, 16, {30, 1, 2}), "snapkv+skvq floor 0.8 K2V2 g16 D64"));
+  for (const Case& cs : cases) {
+    CacheConfig seed_grid = cs.cfg;
+    seed_grid.head_dim = cs.D;
+    seed_grid.skvq_value_clip_floor = 0.85;
+    CacheConfig floor = seed_grid;
+    floor.skvq_value_clip_floor = cs.cfg.skvq_value_clip_floor;
+    auto a = make_layer_cache(seed_grid, 0), b = make_layer_cache(floor, 0);
+    const auto k = make_block(cs.dtype, cs.B, cs.H, 90, cs.D, 7, false);
+    const auto v = make_block(cs.dtype, cs.B, cs.H, 90, cs.D, 8, false);
+    const auto packed_values = [](const CacheView& view) {
+      std::vector<uint8_t> out;
+      for (const std::vector<Row>& frame : cpu_rows(view))
+        for (const Row& r : frame)
+          if (r.packed) out.insert(out.end(), r.v.begin(), r.v.end());
+      return out;
+    };
+    const std::vector<uint8_t> pa = packed_values(a->update_and_fetch(k->host, v->host));
+    const std::vector<uint8_t> pb = packed_values(b->update_and_fetch(k->host, v->host));
+    EXPECT_FALSE(pa.empty()) << cs.name;
+    EXPECT_NE(pa, pb) << cs.name << ": the floor changed no value record";
+  }
+  run_cases("skvq value clip floor", cases, 8400);
 }
 
 TEST(CudaCaches, ErrorsMatchCpuAndChangeNothing) {

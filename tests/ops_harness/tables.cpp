@@ -423,7 +423,8 @@ std::string QuantCase::vars() const {
     << (meta == MetaType::kF16   ? "f16"
         : meta == MetaType::kF32 ? "f32"
                                  : "fp8")
-    << ",clip=" << clip << ",in=" << dtype_name(in_dtype) << ",perm=" << perm << ",rot=" << rot;
+    << ",clip=" << clip << ",floor=" << clip_floor << ",in=" << dtype_name(in_dtype)
+    << ",perm=" << perm << ",rot=" << rot;
   return o.str();
 }
 
@@ -448,6 +449,9 @@ std::vector<QuantCase> quant_cases(bool small) {
         // D = 100: ragged last group for every group size; 64 with g = 128: one ragged group.
         c.d = idx % 3 == 0 ? 100 : idx % 3 == 1 ? 64 : 128;
         c.clip = idx % 4 != 3;
+        // the value rows' longer clip grid (group_quant.h clip_alphas) in three of four cases
+        const double floors[] = {0.85, 0.5, 0.25, 0.7};
+        c.clip_floor = floors[(idx / 2) % 4];
         c.in_dtype = dtypes[idx % 3 == 2 ? (idx / 3) % 3 : idx % 3];
         c.perm = idx % 5 == 1 || idx % 5 == 3;
         c.rot = idx % 5 >= 3 && c.d != 100;  // rotation needs real mixing (block >= 2)

@@ -55,6 +55,7 @@ struct QuantCase {
   int64_t group = 32;
   MetaType meta = MetaType::kF16;
   bool clip = true;
+  double clip_floor = 0.85;        // GroupQuantParams::clip_floor (0.85: the seed's grid)
   DType in_dtype = DType::kF32;    // inputs rounded to this dtype first
   bool perm = false, rot = false;  // the CUDA flush's transforms (CPU: transform_row)
   std::string vars() const;

@@ -48,11 +48,11 @@ class CpuDelegateBackend : public kv::RowBackend {
                                                bool pos) const override {
     return cpu().make_packed(s, cap, pos);
   }
-  std::unique_ptr<kv::PackedTransforms> make_transforms(const std::vector<int32_t>& pk,
-                                                        const std::vector<int32_t>& pv,
-                                                        const std::vector<float>& signs,
-                                                        int32_t block, bool rv) const override {
-    return cpu().make_transforms(pk, pv, signs, block, rv);
+  std::unique_ptr<kv::PackedTransforms> make_transforms(
+      const std::vector<int32_t>& pk, const std::vector<int32_t>& pv,
+      const std::vector<float>& signs, int32_t block, bool rv,
+      const std::vector<double>& ku) const override {
+    return cpu().make_transforms(pk, pv, signs, block, rv, ku);
   }
   std::vector<int32_t> channel_perms(const kv::RowStore& rows, int64_t row0, int64_t n,
                                      bool values) const override {
