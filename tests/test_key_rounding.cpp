@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "util/test_util.h"
 #include "veloxquant/error.h"
 #include "veloxquant/group_quant.h"
 #include "veloxquant/hadamard.h"
@@ -25,21 +26,7 @@
 namespace vq {
 namespace {
 
-// Symmetric positive definite d x d moments with a few dominant directions (as a head's queries
-// have): m = sum_r a_r a_r^T (a_r of decaying length) + 0.01 I.
-std::vector<double> aniso_moments(int64_t d, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> nd(0.0, 1.0);
-  std::vector<double> m(static_cast<size_t>(d * d), 0.0);
-  for (int r = 0; r < 6; ++r) {
-    std::vector<double> a(static_cast<size_t>(d));
-    for (auto& x : a) x = nd(rng) * std::pow(0.5, r);
-    for (int64_t i = 0; i < d; ++i)
-      for (int64_t j = 0; j < d; ++j) m[i * d + j] += a[i] * a[j];
-  }
-  for (int64_t i = 0; i < d; ++i) m[i * d + i] += 0.01;
-  return m;
-}
+using test::aniso_moments;
 
 std::vector<float> random_rows(int64_t n, int64_t d, uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -24,6 +24,7 @@
 #include "ops_harness/harness.h"
 #include "ops_harness/tables.h"
 #include "ops_harness/views.h"
+#include "util/test_util.h"
 #include "veloxquant/cuda.h"
 #include "veloxquant/cuda_cache.h"
 #include "veloxquant/error.h"
@@ -239,20 +240,12 @@ TEST(BackendOpsCuda, SkvqQuantizeRows) {
   }
 }
 
-// Key rounding factors (veloxquant/key_rounding.h) of H heads of anisotropic moments: M = A A^T
-// / D + 0.05 I with A normal, so the feedback moves codes away from round-to-nearest.
+// Key rounding factors (veloxquant/key_rounding.h) of H heads of anisotropic moments
+// (test::aniso_moments), so that the feedback moves codes away from round-to-nearest.
 std::vector<double> aniso_factors(int64_t H, int64_t D, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> nd(0.0, 1.0);
-  std::vector<double> u(static_cast<size_t>(H * D * D)), a(static_cast<size_t>(D * D)), m(a.size());
+  std::vector<double> u(static_cast<size_t>(H * D * D));
   for (int64_t h = 0; h < H; ++h) {
-    for (double& x : a) x = nd(rng);
-    for (int64_t i = 0; i < D; ++i)
-      for (int64_t j = 0; j < D; ++j) {
-        double s = i == j ? 0.05 : 0.0;
-        for (int64_t k = 0; k < D; ++k) s += a[i * D + k] * a[j * D + k] / static_cast<double>(D);
-        m[static_cast<size_t>(i * D + j)] = s;
-      }
+    const std::vector<double> m = test::aniso_moments(D, seed + static_cast<uint64_t>(h));
     const std::vector<double> uh = key_rounding_factor(m.data(), D);
     std::copy(uh.begin(), uh.end(), u.begin() + h * D * D);
   }

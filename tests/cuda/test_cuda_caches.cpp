@@ -982,25 +982,17 @@ TEST(CudaCaches, PerLayerListWithoutTheLayerRefused) {
 }
 
 // A query-moment file (veloxquant/query_moments.h) for one layer of H KV heads at head_dim D with
-// anisotropic moments (M = A A^T / D + 0.05 I per head, A normal), so that the error-feedback key
-// rounding moves codes away from round-to-nearest.
+// anisotropic moments (test::aniso_moments per head), so that the error-feedback key rounding
+// moves codes away from round-to-nearest.
 std::string aniso_moment_file(int64_t H, int64_t D, uint64_t seed, const std::string& name) {
   QueryMomentSet set;
   set.n_kv_heads = H;
   set.head_dim = D;
   set.n_tokens = 1;
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> nd(0.0, 1.0);
-  std::vector<double> m(static_cast<size_t>(H * D * D)), a(static_cast<size_t>(D * D));
+  std::vector<double> m;
   for (int64_t h = 0; h < H; ++h) {
-    for (double& x : a) x = nd(rng);
-    for (int64_t i = 0; i < D; ++i)
-      for (int64_t j = 0; j <= i; ++j) {
-        double v = i == j ? 0.05 : 0.0;
-        for (int64_t k = 0; k < D; ++k) v += a[i * D + k] * a[j * D + k] / static_cast<double>(D);
-        m[static_cast<size_t>((h * D + i) * D + j)] = m[static_cast<size_t>((h * D + j) * D + i)] =
-            v;
-      }
+    const std::vector<double> mh = test::aniso_moments(D, seed + static_cast<uint64_t>(h));
+    m.insert(m.end(), mh.begin(), mh.end());
   }
   set.layers.push_back(m);
   const std::string path = ::testing::TempDir() + name;

@@ -1,6 +1,7 @@
 // Shared test helpers (see test_util.h).
 #include "util/test_util.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -67,6 +68,20 @@ HeadRows view_head(const CacheView& view, int64_t b, int64_t h) {
       }
     }
   return r;
+}
+
+std::vector<double> aniso_moments(int64_t d, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<double> m(static_cast<size_t>(d * d), 0.0);
+  std::vector<double> a(static_cast<size_t>(d));
+  for (int r = 0; r < 6; ++r) {
+    for (auto& x : a) x = nd(rng) * std::pow(0.5, r);
+    for (int64_t i = 0; i < d; ++i)
+      for (int64_t j = 0; j < d; ++j) m[static_cast<size_t>(i * d + j)] += a[i] * a[j];
+  }
+  for (int64_t i = 0; i < d; ++i) m[static_cast<size_t>(i * d + i)] += 0.01;
+  return m;
 }
 
 }  // namespace vq::test

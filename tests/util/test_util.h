@@ -36,4 +36,9 @@ struct HeadRows {
 };
 HeadRows view_head(const CacheView& view, int64_t b, int64_t h);
 
+// Symmetric positive definite d x d query moments with a few dominant directions (as a head's
+// queries have): m = sum_r a_r a_r^T (six a_r of decaying length) + 0.01 I. Error-feedback key
+// rounding (veloxquant/key_rounding.h) on these moves codes away from round-to-nearest.
+std::vector<double> aniso_moments(int64_t d, uint64_t seed);
+
 }  // namespace vq::test
