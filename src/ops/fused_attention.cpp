@@ -1314,8 +1314,11 @@ void softmax_tile(Work& w, int64_t nt) {
   for (int64_t m = 0; m < w.m; ++m) {
     const float* lr = w.logits.data() + m * kTile;
     float* pr = w.probs.data() + m * kTile;
-    const __m512 v0 = _mm512_mask_loadu_ps(ninf, k0, lr);
-    const __m512 v1 = _mm512_mask_loadu_ps(ninf, k1, lr + 16);
+    // full loads and stores where the masks are full (a masked store's data is not forwarded to
+    // a later load: the kernels' loads of these weights would wait for it to reach the cache)
+    const __m512 v0 = k0 == 0xFFFF ? _mm512_loadu_ps(lr) : _mm512_mask_loadu_ps(ninf, k0, lr);
+    const __m512 v1 =
+        k1 == 0xFFFF ? _mm512_loadu_ps(lr + 16) : _mm512_mask_loadu_ps(ninf, k1, lr + 16);
     // a visible row's logit is NaN or +inf (hidden rows hold -inf)
     if ((_mm512_cmp_ps_mask(v0, pinf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(v1, pinf, _CMP_NLT_UQ)) !=
         0)
@@ -1333,8 +1336,14 @@ void softmax_tile(Work& w, int64_t nt) {
     const __m512 mv = _mm512_set1_ps(mxm);  // -inf - mx stays -inf -> weight 0
     const __m512 p0 = exp_nonpos16(_mm512_sub_ps(v0, mv));
     const __m512 p1 = exp_nonpos16(_mm512_sub_ps(v1, mv));
-    _mm512_mask_storeu_ps(pr, k0, p0);
-    _mm512_mask_storeu_ps(pr + 16, k1, p1);
+    if (k0 == 0xFFFF)
+      _mm512_storeu_ps(pr, p0);
+    else
+      _mm512_mask_storeu_ps(pr, k0, p0);
+    if (k1 == 0xFFFF)
+      _mm512_storeu_ps(pr + 16, p1);
+    else
+      _mm512_mask_storeu_ps(pr + 16, k1, p1);
     float* lv = w.lv.data() + m * 16;
     _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), _mm512_add_ps(p0, p1)));
   }

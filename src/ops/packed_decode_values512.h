@@ -3,6 +3,8 @@
 // lane order per block and the rows' metadata and weights as 16 row lanes. Meant to be included
 // inside an anonymous namespace after the AVX-512 target pragmas and <immintrin.h>.
 
+#include "ops/packed_decode_rows16.h"
+
 // v[j] lane k = src[P k + j] for the 16 P floats at src.
 template <int P>
 inline void deinterleave(const float* src, __m512* v) {
@@ -54,26 +56,43 @@ inline void interleave(const __m512* v, float* dst) {
   }
 }
 
+// The 16 records 32 rows past row r into L1 (as packed_decode_vnni.cpp's prefetch_ahead): the
+// next tile's, whose loads would otherwise wait on each first touch. A prefetch never faults.
+inline void prefetch_rows_ahead(const PackedTile& tile, int64_t r) {
+  const char* ahead = reinterpret_cast<const char*>(tile.rec0 + (r + 32) * tile.stride);
+  for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+}
+
 // The rows' (lo, s) per block of 16 rows (a tile has at most 32: packed_decode.h) and group g <
 // f.n_groups <= 64, lanes over rows (0 past the tile's rows); kb[b]: the block's row lanes;
-// contiguous[b]: its rows are one run. Returns the number of blocks (1 or 2). Fp16 metadata.
-inline int64_t tile_meta16(const PackedRowFormat& f, const PackedTile& tile, __m512 (*lov)[64],
-                           __m512 (*sgv)[64], __mmask16* kb, bool* contiguous) {
+// contiguous[b]: its rows are one run. Returns the number of blocks (1 or 2). Fp16 metadata;
+// NGMAX (>= f.n_groups): the arrays' room per block.
+template <int NGMAX>
+inline int64_t tile_meta16(const PackedRowFormat& f, const PackedTile& tile, __m512 (*lov)[NGMAX],
+                           __m512 (*sgv)[NGMAX], __mmask16* kb, bool* contiguous) {
   const int64_t ng = f.n_groups;
   const int64_t n_blk = (tile.n_rows + 15) / 16;
   for (int64_t b = 0; b < n_blk; ++b) {
     const int64_t r0 = 16 * b, n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
     const int32_t* rows = tile.rows + r0;
     kb[b] = static_cast<__mmask16>((1u << n) - 1u);
-    {  // the records 32 rows ahead into L1 (as packed_decode_vnni.cpp's prefetch_ahead)
-      const char* ahead = reinterpret_cast<const char*>(tile.rec0 + (rows[0] + 32) * tile.stride);
-      for (int64_t i = 0; i < 16 * tile.stride; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    }
+    prefetch_rows_ahead(tile, rows[0]);
     contiguous[b] = rows[n - 1] - rows[0] == n - 1;
-    // (lo, s) of the 16 rows by one gather per group: measured faster here than rows16_any's
-    // loads and transpose (packed_decode_rows16.h, which the key kernel uses): K2V2 at
-    // bench_decode_attention --shape 1,64,3 --contexts 8192, 1 thread, best 73-76 us against
-    // 78-80.
+    // (lo, s) of the 16 rows: up to 4 groups by one 16-byte load per record and a transpose
+    // (packed_decode_rows16.h; 0.93x the time of one gather per group at D 128, session 25),
+    // more by one gather per group.
+    if (ng <= 4) {
+      const uint8_t* rec[16];
+      for (int64_t r = 0; r < 16; ++r)
+        rec[r] = tile.rec0 + rows[r < n ? r : 0] * tile.stride + f.code_bytes;
+      __m512i mw[4];
+      rows16_words<4>(rec, n, 4 * ng, mw);
+      for (int64_t g = 0; g < ng; ++g) {
+        lov[b][g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw[g]));
+        sgv[b][g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw[g], 16)));
+      }
+      continue;
+    }
     const __m512i off = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(kb[b], rows),
                                            _mm512_set1_epi32(static_cast<int>(tile.stride)));
     for (int64_t g = 0; g < ng; ++g) {
@@ -92,7 +111,8 @@ inline void tile_p16(const PackedTile& tile, const float* pr, int64_t n_blk, con
                      const bool* contiguous, __m512* pm) {
   for (int64_t b = 0; b < n_blk; ++b) {
     const int32_t* rows = tile.rows + 16 * b;
-    pm[b] = contiguous[b] ? _mm512_maskz_loadu_ps(kb[b], pr + rows[0])
+    pm[b] = contiguous[b] ? (kb[b] == 0xFFFF ? _mm512_loadu_ps(pr + rows[0])
+                                             : _mm512_maskz_loadu_ps(kb[b], pr + rows[0]))
                           : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), kb[b],
                                                      _mm512_maskz_loadu_epi32(kb[b], rows), pr, 4);
   }
