@@ -62,6 +62,7 @@
 namespace vq::detail {
 namespace {
 
+#include "ops/packed_decode_qblocks.h"
 #include "ops/packed_decode_values512.h"
 
 inline __m512bh as_bh(__m512i x) {
@@ -233,26 +234,11 @@ void values_bf16_exact(const PackedRowFormat& f, const PackedTile& tile, const f
   const int64_t n_blk = tile_meta16<4>(f, tile, lo, sg, kb, contiguous);
   const bool all_contiguous =
       tile.n_rows > 0 && tile.rows[tile.n_rows - 1] - tile.rows[0] == tile.n_rows - 1;
-  const auto block = [&](auto qb, int64_t m0) {
+  for_query_blocks(n_q, [&](auto qb, int64_t m0) {
     constexpr int QB = decltype(qb)::value;
     weights_block<NG, QB>(tile, p, ld, m0, n_blk, kb, contiguous, lo, sg, scratch, acc_lo);
     pairs_passes<B, NB, G, QB>(f, tile, scratch, m0, acc, all_contiguous);
-  };
-  int64_t m0 = 0;
-  for (; m0 + 4 <= n_q; m0 += 4) block(std::integral_constant<int, 4>{}, m0);
-  switch (n_q - m0) {
-    case 3:
-      block(std::integral_constant<int, 3>{}, m0);
-      break;
-    case 2:
-      block(std::integral_constant<int, 2>{}, m0);
-      break;
-    case 1:
-      block(std::integral_constant<int, 1>{}, m0);
-      break;
-    default:
-      break;
-  }
+  });
 }
 
 template <int B, int NB, int G>
@@ -290,21 +276,9 @@ void values_bf16(const PackedRowFormat& f, const PackedTile& tile, const float* 
   if (n_lo > 0) add_lane_sums(los, n_lo, acc_lo + lo0);
   const bool all_contiguous =
       tile.n_rows > 0 && tile.rows[tile.n_rows - 1] - tile.rows[0] == tile.n_rows - 1;
-  int64_t m0 = 0;
-  for (; m0 + 4 <= n_q; m0 += 4) pairs_passes<B, NB, G, 4>(f, tile, wsb, m0, acc, all_contiguous);
-  switch (n_q - m0) {
-    case 3:
-      pairs_passes<B, NB, G, 3>(f, tile, wsb, m0, acc, all_contiguous);
-      break;
-    case 2:
-      pairs_passes<B, NB, G, 2>(f, tile, wsb, m0, acc, all_contiguous);
-      break;
-    case 1:
-      pairs_passes<B, NB, G, 1>(f, tile, wsb, m0, acc, all_contiguous);
-      break;
-    default:
-      break;
-  }
+  for_query_blocks(n_q, [&](auto qb, int64_t m0) {
+    pairs_passes<B, NB, G, decltype(qb)::value>(f, tile, wsb, m0, acc, all_contiguous);
+  });
 }
 
 }  // namespace

@@ -46,6 +46,7 @@ namespace {
 constexpr int64_t kMaxWords = 64;   // code words per row (D B <= 2048)
 constexpr int64_t kMaxGroups = 64;  // groups per row
 
+#include "ops/packed_decode_qblocks.h"
 #include "ops/packed_decode_rows16.h"
 
 // Prepared query m: int32 qw[nw][P] (4 int8 query values per word and code index j), then
@@ -165,26 +166,6 @@ inline void store_logits(const __m512* tot, int64_t m0, float* logits, int64_t l
       _mm512_store_ps(t, tot[q]);
       for (int64_t r = 0; r < n; ++r) lr[rows[r]] = t[r];
     }
-  }
-}
-
-// fn(std::integral_constant<int, QB>{}, m0) for the n_q queries in blocks of QB <= 4.
-template <class F>
-inline void for_query_blocks(int64_t n_q, F&& fn) {
-  int64_t m0 = 0;
-  for (; m0 + 4 <= n_q; m0 += 4) fn(std::integral_constant<int, 4>{}, m0);
-  switch (n_q - m0) {
-    case 3:
-      fn(std::integral_constant<int, 3>{}, m0);
-      break;
-    case 2:
-      fn(std::integral_constant<int, 2>{}, m0);
-      break;
-    case 1:
-      fn(std::integral_constant<int, 1>{}, m0);
-      break;
-    default:
-      break;
   }
 }
 
