@@ -40,7 +40,9 @@ void set_attention_isa(CpuIsa isa);
 void reset_attention_isa();
 
 // The packed rows of one tile: rows[0 .. n_rows) (indices into the tile) of records at
-// rec0 + t * stride.
+// rec0 + t * stride, distinct, in any order; but the kernels take rows[n_rows - 1] - rows[0] ==
+// n_rows - 1 to mean the run rows[0], rows[0] + 1, ..., which holds for the increasing lists
+// vq::attention passes (a tile's visible rows).
 struct PackedTile {
   const uint8_t* rec0 = nullptr;
   int64_t stride = 0;
