@@ -1,7 +1,9 @@
 // The words of up to 16 packed records with lanes over the records (lane r = record r), from one
 // plain load per record and an in-register transpose instead of one gather per word: the VNNI
-// key kernels' reads of codes and metadata (packed_decode_vnni.cpp), and the AVX-512 value
-// kernels' reads of up to 4 fp16 metadata words (packed_decode_values512.h).
+// key kernels' reads of codes, and of metadata in keys_vnni (packed_decode_vnni.cpp; keys_fixed
+// gathers its 2-4 fp16 metadata words: loads and a transpose measured slower end to end, session
+// 25), and the AVX-512 value kernels' reads of up to 4 fp16 metadata words
+// (packed_decode_values512.h).
 // Meant to be included inside an anonymous namespace after the AVX-512 target pragmas and
 // <immintrin.h>.
 //

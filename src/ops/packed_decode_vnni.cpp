@@ -157,9 +157,7 @@ inline void store_logits(const __m512* tot, int64_t m0, float* logits, int64_t l
   const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
   for (int q = 0; q < QB; ++q) {
     float* lr = logits + (m0 + q) * ld;
-    if (contiguous && n == 16) {  // a full store: the softmax's load of it can be forwarded
-      _mm512_storeu_ps(lr + rows[0], tot[q]);
-    } else if (contiguous) {
+    if (contiguous) {
       _mm512_mask_storeu_ps(lr + rows[0], km, tot[q]);
     } else {
       alignas(64) float t[16];
@@ -241,11 +239,8 @@ void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*
 //
 // keys_vnni with the row's sizes as template constants (NW code words, NW / B groups of B words):
 // the transposed code words stay in registers (no xw array on the stack, no rows16_any chunk
-// loop), the (lo, s) pairs come by the same loads and transpose straight into registers (no lo / s
-// arrays: at D 128 the 4 metadata words after the codes, at D 64 the whole record of NW + 2
-// words; with one gather per group instead the kernel took 1.10-1.18x the time,
-// bench_packed_kernels in docs/results/cpu/packed_decode_s25_issue19.txt), and all queries of a
-// block of 16 rows meet its words in one pass (QB <= 4 at a time).
+// loop), the (lo, s) pairs come by one gather per group straight into registers (no lo / s
+// arrays), and all queries of a block of 16 rows meet its words in one pass (QB <= 4 at a time).
 // The arithmetic per row, group and query is keys_vnni's, in its order:
 //   tot = fma(float(acc), s_g * sq_g, tot);   tot = fma(lo_g, qsum_g, tot)
 // so the logits are the same bits (BackendOps.PackedDecodeRowTilesExact checks both paths).
@@ -290,29 +285,24 @@ void keys_fixed(const PackedRowFormat& f, const PackedTile& tile, const float* /
   constexpr int NG = NW / B;
   const uint8_t* pb = static_cast<const uint8_t*>(prep);
   const int64_t qbb = qblock_bytes<B>(f);
+  const uint8_t* meta0 = tile.rec0 + f.code_bytes;
   for (int64_t r0 = 0; r0 < tile.n_rows; r0 += 16) {
     const int64_t n = tile.n_rows - r0 < 16 ? tile.n_rows - r0 : 16;
     const int32_t* rows = tile.rows + r0;
+    const __mmask16 km = static_cast<__mmask16>((1u << n) - 1u);
     prefetch_ahead(tile, rows[0]);
     const uint8_t* rec[16];
     for (int64_t r = 0; r < 16; ++r) rec[r] = tile.rec0 + rows[r < n ? r : 0] * tile.stride;
-    __m512i xw[NW], mw[NG];
-    if constexpr (NG >= 4) {
-      rows16_words<NW>(rec, n, 4 * NW, xw);
-      const uint8_t* mrec[16];
-      for (int64_t r = 0; r < 16; ++r) mrec[r] = rec[r] + 4 * NW;
-      rows16_words<NG>(mrec, n, 4 * NG, mw);
-    } else {
-      constexpr int W = NW + NG <= 8 ? 8 : 16;
-      __m512i all[W];
-      rows16_words<W>(rec, n, 4 * (NW + NG), all);
-      for (int k = 0; k < NW; ++k) xw[k] = all[k];
-      for (int g = 0; g < NG; ++g) mw[g] = all[NW + g];
-    }
+    __m512i xw[NW];
+    rows16_words<NW>(rec, n, 4 * NW, xw);
+    const __m512i off = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(km, rows),
+                                           _mm512_set1_epi32(static_cast<int>(tile.stride)));
     __m512 lo[NG], s[NG];
     for (int g = 0; g < NG; ++g) {
-      lo[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw[g]));
-      s[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw[g], 16)));
+      const __m512i mw =
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, off, meta0 + 4 * g, 1);
+      lo[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw));
+      s[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16)));
     }
     const bool contiguous = rows[n - 1] - rows[0] == n - 1;
     for_query_blocks(n_q, [&](auto qb, int64_t m0) {
