@@ -50,6 +50,11 @@ struct PackedTile {
   int64_t n_rows = 0;
 };
 
+// rows[0 .. n) read as one run of consecutive records (the convention above); n >= 1.
+inline bool one_run(const int32_t* rows, int64_t n) {
+  return rows[n - 1] - rows[0] == n - 1;
+}
+
 // logits[m * ld + t] = sum_g s_g (q[m] . c_t)_g + lo_g qsum[m * n_groups + g] for every listed
 // row t and query m < n_q (q: [n_q, D] transformed, qsum: [n_q, n_groups]).
 // prep: what the kernel's prepare function made of q and qsum (kernels without one ignore it).

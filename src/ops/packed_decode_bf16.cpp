@@ -232,8 +232,7 @@ void values_bf16_exact(const PackedRowFormat& f, const PackedTile& tile, const f
   __mmask16 kb[2] = {0, 0};
   bool contiguous[2] = {true, true};
   const int64_t n_blk = tile_meta16<4>(f, tile, lo, sg, kb, contiguous);
-  const bool all_contiguous =
-      tile.n_rows > 0 && tile.rows[tile.n_rows - 1] - tile.rows[0] == tile.n_rows - 1;
+  const bool all_contiguous = tile.n_rows > 0 && one_run(tile.rows, tile.n_rows);
   for_query_blocks(n_q, [&](auto qb, int64_t m0) {
     constexpr int QB = decltype(qb)::value;
     weights_block<NG, QB>(tile, p, ld, m0, n_blk, kb, contiguous, lo, sg, scratch, acc_lo);
@@ -274,8 +273,7 @@ void values_bf16(const PackedRowFormat& f, const PackedTile& tile, const float* 
     }
   }
   if (n_lo > 0) add_lane_sums(los, n_lo, acc_lo + lo0);
-  const bool all_contiguous =
-      tile.n_rows > 0 && tile.rows[tile.n_rows - 1] - tile.rows[0] == tile.n_rows - 1;
+  const bool all_contiguous = tile.n_rows > 0 && one_run(tile.rows, tile.n_rows);
   for_query_blocks(n_q, [&](auto qb, int64_t m0) {
     pairs_passes<B, NB, G, decltype(qb)::value>(f, tile, wsb, m0, acc, all_contiguous);
   });

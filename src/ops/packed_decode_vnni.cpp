@@ -225,7 +225,7 @@ void keys_vnni(const PackedRowFormat& f, const PackedTile& tile, const float* /*
         _mm512_store_ps(lo + 16 * g, fp8_e4m3_16(w));
         _mm512_store_ps(s + 16 * g, fp8_e4m3_16(_mm512_srli_epi32(w, 8)));
       }
-    const bool contiguous = rows[n - 1] - rows[0] == n - 1;
+    const bool contiguous = one_run(rows, n);
     for_query_blocks(n_q, [&](auto qb, int64_t m0) {
       constexpr int QB = decltype(qb)::value;
       __m512 tot[QB];
@@ -304,7 +304,7 @@ void keys_fixed(const PackedRowFormat& f, const PackedTile& tile, const float* /
       lo[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(mw));
       s[g] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(mw, 16)));
     }
-    const bool contiguous = rows[n - 1] - rows[0] == n - 1;
+    const bool contiguous = one_run(rows, n);
     for_query_blocks(n_q, [&](auto qb, int64_t m0) {
       constexpr int QB = decltype(qb)::value;
       __m512 tot[QB];
