@@ -7,6 +7,7 @@
 //
 //   bench_decode_attention [--contexts 2048,8192,32768] [--shape 8,128,4] [--repeats 30]
 //                          [--threads 1,2] [--paths] [--segment-rows N] [--isa NAME]
+//                          [--flush]
 //                          (--paths: also each packed decode instruction set,
 //                          src/ops/packed_decode.h, where this build has them; --isa: the packed
 //                          rows' default path by isa_name, e.g. avx512vnni for the fp32 values
@@ -15,6 +16,12 @@
 // --segment-rows N (default 0: one segment): the packed rows as segments of N rows, each its own
 // allocation, as the CPU SKVQ store holds them (one segment per flushed chunk, skvq_window = 128
 // rows by default), so the cost of walking many small segments shows beside one long run.
+//
+// --flush: before every call (warm-up calls too) the decode worker pool reads a 256 MiB buffer,
+// so the call finds its rows in memory rather than in the caches, as a model's decode step does
+// after the layer's projections have streamed their weights through them; without it a view
+// smaller than the last-level cache stays there between calls and the figures overstate what
+// decode gets (most for fp16 rows, the largest). The GPU benchmark flushes its L2 the same way.
 //
 // Also prints the load average and CPU seconds per call (CLOCK_PROCESS_CPUTIME_ID) so a run on
 // a shared machine can be judged.
@@ -32,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/thread_pool.h"
 #include "veloxquant/attention.h"
 #include "veloxquant/packed.h"
 #include "veloxquant/tensor.h"
@@ -67,6 +75,26 @@ double read_bandwidth(int threads) {
     best = std::max(best, static_cast<double>(n * sizeof(uint64_t)) / s);
   }
   return best;
+}
+
+// Reads every cache line of a 256 MiB buffer on the decode step's worker pool (see --flush): the
+// pool's threads, as a model's projections leave them, stay awake for the call that follows
+// (an OpenMP region would leave its own threads spinning beside them and the pool asleep).
+void flush_caches() {
+  static std::vector<uint64_t> buf;
+  constexpr size_t kChunk = size_t{1} << 17;  // words per unit (1 MiB)
+  const size_t n = (size_t{256} << 20) / sizeof(uint64_t);
+  if (buf.empty()) buf.assign(n, 1);
+  std::vector<uint64_t> part(n / kChunk, 0);
+  vq::ops::parallel_for(static_cast<int64_t>(n / kChunk), [&](int64_t u) {
+    uint64_t t = 0;
+    for (size_t i = static_cast<size_t>(u) * kChunk; i < static_cast<size_t>(u + 1) * kChunk;
+         i += 8)
+      t += buf[i];
+    part[static_cast<size_t>(u)] = t;
+  });
+  static volatile uint64_t sink = 0;
+  for (uint64_t t : part) sink = sink + t;
 }
 
 struct Bench {
@@ -152,7 +180,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> contexts{2048, 8192, 32768}, shape{8, 128, 4}, threads{1, 2};
   int repeats = 30;
   int64_t seg_rows = 0;
-  bool paths = false;
+  bool paths = false, flush = false;
   int default_isa = -1;  // -1: attention_isa()
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -168,6 +196,8 @@ int main(int argc, char** argv) {
       seg_rows = std::atoll(argv[++i]);
     else if (a == "--paths")
       paths = true;
+    else if (a == "--flush")
+      flush = true;
 #ifdef VQ_HAVE_PACKED_DECODE
     else if (a == "--isa" && i + 1 < argc) {
       const std::string name = argv[++i];
@@ -194,9 +224,10 @@ int main(int argc, char** argv) {
   const char* wp = std::getenv("OMP_WAIT_POLICY");
   std::printf(
       "# decode attention: H_kv=%lld D=%lld rep=%lld, packed segments of %lld rows (0: one), "
-      "load %.2f %.2f %.2f, OMP_WAIT_POLICY=%s\n",
+      "load %.2f %.2f %.2f, OMP_WAIT_POLICY=%s, caches %s before each call\n",
       static_cast<long long>(hkv), static_cast<long long>(d), static_cast<long long>(rep),
-      static_cast<long long>(seg_rows), load[0], load[1], load[2], wp ? wp : "(unset)");
+      static_cast<long long>(seg_rows), load[0], load[1], load[2], wp ? wp : "(unset)",
+      flush ? "flushed (256 MiB read)" : "not flushed");
   std::printf(
       "| threads | context | rows | path | bytes MiB | best us | median us | cpu us/call "
       "| GB/s | read BW GB/s | %% of BW | speed vs fp16 "
@@ -235,14 +266,21 @@ int main(int argc, char** argv) {
           path = vq::detail::isa_name(var.isa >= 0 ? static_cast<vq::detail::CpuIsa>(var.isa)
                                                    : vq::detail::attention_isa());
 #endif
-        for (int w = 0; w < 3; ++w) vq::attention(q.view(), b->view, ap, out.data());
+        for (int w = 0; w < 3; ++w) {
+          if (flush) flush_caches();
+          vq::attention(q.view(), b->view, ap, out.data());
+        }
         std::vector<double> ts;
         const double c0 = cpu_seconds();
         for (int r = 0; r < repeats; ++r) {
+          if (flush) flush_caches();
           const auto t0 = Clock::now();
           vq::attention(q.view(), b->view, ap, out.data());
           ts.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
         }
+        // CPU seconds per call over the whole loop (other threads' time is only counted at
+        // scheduler ticks, too coarse to time one call): not shown with --flush, whose reads
+        // (milliseconds) would swamp the calls' microseconds
         const double cpu = (cpu_seconds() - c0) / repeats;
 #ifdef VQ_HAVE_PACKED_DECODE
         vq::detail::reset_attention_isa();
@@ -255,11 +293,13 @@ int main(int argc, char** argv) {
           std::snprintf(name, sizeof name, "fp16");
         else
           std::snprintf(name, sizeof name, "K%dV%d", var.bits, var.bits);
+        char cpu_s[24] = "-";
+        if (!flush) std::snprintf(cpu_s, sizeof cpu_s, "%.0f", cpu * 1e6);
         std::printf(
-            "| %lld | %lld | %s | %s | %.1f | %.0f | %.0f | %.0f | %.1f | %.1f | %.0f | "
+            "| %lld | %lld | %s | %s | %.1f | %.0f | %.0f | %s | %.1f | %.1f | %.0f | "
             "%.2f |\n",
             static_cast<long long>(nt), static_cast<long long>(n), name, path.c_str(),
-            b->bytes / 1048576.0, best * 1e6, med * 1e6, cpu * 1e6, b->bytes / med / 1e9, bw / 1e9,
+            b->bytes / 1048576.0, best * 1e6, med * 1e6, cpu_s, b->bytes / med / 1e9, bw / 1e9,
             100.0 * b->bytes / med / bw, fp16_median / med);
         std::fflush(stdout);
       }
