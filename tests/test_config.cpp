@@ -274,6 +274,38 @@ TEST(CacheConfig, SetFieldRefusesMalformedValuesAndUnknownKeys) {
   EXPECT_EQ(config_to_json(c), before);  // nothing changed by any refusal
 }
 
+// Text settings go into JSON: bytes that are not UTF-8 are refused by name (the fuzzer's
+// crash-592ee7ce: a method name ending in byte 0xE3 made config_to_json throw nlohmann's
+// type_error instead), nothing stored changes, and UTF-8 text of any plane round-trips.
+TEST(CacheConfig, TextSettingsMustBeUtf8) {
+  CacheConfig c;
+  const std::string before = config_to_json(c);
+  for (const std::string& bad :
+       {std::string("12ab\xE3"), std::string("\xFF"),
+        std::string("a\xC0\xAF"
+                    "b"),
+        std::string("\xED\xA0\x80"), std::string("\xF4\x90\x80\x80"), std::string("ok\x80")}) {
+    for (const char* key : {"method", "skvq_query_moments_file", "skvq_perm_file"}) {
+      const std::string e = error_of([&] { set_field(c, key, bad); });
+      EXPECT_NE(e.find(std::string("[cache_config] ") + key + ": expected UTF-8 text"),
+                std::string::npos)
+          << e;
+      EXPECT_NE(e.find("not UTF-8 at byte"), std::string::npos) << e;
+    }
+  }
+  EXPECT_NE(error_of([&] { set_field(c, "method", "12ab\xE3"); }).find("'12ab\\xE3'"),
+            std::string::npos);
+  EXPECT_EQ(config_to_json(c), before);  // nothing changed by any refusal
+  const std::string text =
+      "caf\xC3\xA9/\xE6\x97\xA5\xF0\x9F\x98\x80"
+      ".bin";  // é, 日, an emoji
+  set_field(c, "skvq_query_moments_file", text);
+  EXPECT_EQ(c.skvq_query_moments_file, text);
+  c.method = "skvq";
+  set_field(c, "skvq_key_axis", "channel");  // where the moments file is read
+  EXPECT_EQ(config_from_json(config_to_json(c)).skvq_query_moments_file, text);
+}
+
 TEST(CacheConfig, JsonRoundTripsEveryField) {
   CacheConfig c;
   c.method = "snapkv+skvq";
