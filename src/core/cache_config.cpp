@@ -22,6 +22,7 @@
 #include <sstream>
 #include <utility>
 
+#include "core/utf8.h"
 #include "veloxquant/error.h"
 
 namespace vq {
@@ -195,39 +196,6 @@ Field bool_field(const char* name, bool CacheConfig::*m) {
           [m](const CacheConfig& c) { return json(c.*m); }};
 }
 
-// The offset of the first byte of s that does not begin a well-formed UTF-8 sequence (RFC 3629:
-// no overlong forms, no surrogates, nothing past U+10FFFF), or npos.
-size_t utf8_error_at(const std::string& s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    int len = 1;
-    uint32_t cp = c;
-    if (c >= 0x80) {
-      if (c >= 0xC2 && c <= 0xDF) {
-        len = 2, cp = c & 0x1Fu;
-      } else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3, cp = c & 0x0Fu;
-      } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4, cp = c & 0x07u;
-      } else {
-        return i;
-      }
-      if (i + static_cast<size_t>(len) > s.size()) return i;
-      for (int k = 1; k < len; ++k) {
-        const auto d = static_cast<unsigned char>(s[i + static_cast<size_t>(k)]);
-        if ((d & 0xC0u) != 0x80u) return i;
-        cp = (cp << 6) | (d & 0x3Fu);
-      }
-      if ((len == 3 && (cp < 0x800u || (cp >= 0xD800u && cp <= 0xDFFFu))) ||
-          (len == 4 && (cp < 0x10000u || cp > 0x10FFFFu)))
-        return i;
-    }
-    i += static_cast<size_t>(len);
-  }
-  return std::string::npos;
-}
-
 // s for a message: printable ASCII as is, every other byte as \xHH.
 std::string escaped(const std::string& s) {
   static const char* hex = "0123456789ABCDEF";
@@ -252,8 +220,8 @@ Field string_field(const char* name, std::string CacheConfig::*m) {
   const std::string n = name;
   return {n, "a string",
           [n, m](CacheConfig& c, const std::string& s) {
-            const size_t bad = utf8_error_at(s);
-            if (bad != std::string::npos)
+            const size_t bad = utf8::valid_prefix(s);
+            if (bad != s.size())
               fail(n, "UTF-8 text (settings are written as JSON)",
                    "'" + escaped(s) + "', not UTF-8 at byte " + std::to_string(bad));
             c.*m = s;

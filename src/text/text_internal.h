@@ -20,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/utf8.h"
+
 namespace vq::text {
 
 using json = nlohmann::json;
@@ -27,7 +29,9 @@ using json = nlohmann::json;
 // ---------------------------------------------------------------------------------------------
 // UTF-8
 // Returns the length of the valid UTF-8 prefix of s (s.size() when all of s is valid).
-size_t utf8_valid_prefix(std::string_view s);
+inline size_t utf8_valid_prefix(std::string_view s) {
+  return utf8::valid_prefix(s);
+}
 // Length in bytes of the character starting at s[i] (s valid UTF-8).
 inline size_t utf8_len(unsigned char lead) {
   return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;

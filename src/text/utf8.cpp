@@ -1,66 +1,16 @@
 // UTF-8 helpers, the GPT-2 byte<->unicode map and the PCRE2 regex wrapper for the tokenizer.
-// UTF-8 validation and lossy conversion follow Rust's std (the reference `tokenizers` is Rust):
-// a "maximal subpart" of an invalid sequence becomes one U+FFFD. Regexes are compiled with
-// PCRE2_UTF | PCRE2_UCP so \p{L}, \p{N}, \s and \w use Unicode properties, JIT-compiled when
-// available, and matched with bounded match/heap limits so hostile patterns fail with vq::Error.
+// UTF-8 validation (src/core/utf8.h) and lossy conversion follow Rust's std (the reference
+// `tokenizers` is Rust): a "maximal subpart" of an invalid sequence becomes one U+FFFD. Regexes are
+// compiled with PCRE2_UTF | PCRE2_UCP so \p{L}, \p{N}, \s and \w use Unicode properties,
+// JIT-compiled when available, and matched with bounded match/heap limits so hostile patterns fail
+// with vq::Error.
 #include <string>
 
+#include "core/utf8.h"
 #include "text/text_internal.h"
 #include "veloxquant/error.h"
 
 namespace vq::text {
-
-namespace {
-
-// Second-byte range and width of a UTF-8 sequence by its lead byte; width 0 = invalid lead.
-struct LeadInfo {
-  int width;
-  unsigned char lo, hi;
-};
-
-LeadInfo lead_info(unsigned char b) {
-  if (b >= 0xC2 && b <= 0xDF) return {2, 0x80, 0xBF};
-  if (b == 0xE0) return {3, 0xA0, 0xBF};
-  if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) return {3, 0x80, 0xBF};
-  if (b == 0xED) return {3, 0x80, 0x9F};
-  if (b == 0xF0) return {4, 0x90, 0xBF};
-  if (b >= 0xF1 && b <= 0xF3) return {4, 0x80, 0xBF};
-  if (b == 0xF4) return {4, 0x80, 0x8F};
-  return {0, 0, 0};
-}
-
-// Scans one sequence at s[i] (s[i] >= 0x80). Returns the number of bytes that form a valid
-// character (> 0), or -k for an invalid maximal subpart of k bytes, or 0 when the bytes run out
-// before the sequence is complete (all present bytes valid so far).
-int scan_sequence(std::string_view s, size_t i) {
-  const auto b = static_cast<unsigned char>(s[i]);
-  const LeadInfo info = lead_info(b);
-  if (info.width == 0) return -1;
-  for (int k = 1; k < info.width; ++k) {
-    if (i + k >= s.size()) return 0;
-    const auto c = static_cast<unsigned char>(s[i + k]);
-    const unsigned char lo = k == 1 ? info.lo : 0x80;
-    const unsigned char hi = k == 1 ? info.hi : 0xBF;
-    if (c < lo || c > hi) return -k;
-  }
-  return info.width;
-}
-
-}  // namespace
-
-size_t utf8_valid_prefix(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    if (static_cast<unsigned char>(s[i]) < 0x80) {
-      ++i;
-      continue;
-    }
-    const int n = scan_sequence(s, i);
-    if (n <= 0) return i;
-    i += static_cast<size_t>(n);
-  }
-  return i;
-}
 
 uint32_t utf8_at(std::string_view s, size_t i) {
   const auto b0 = static_cast<unsigned char>(s[i]);
@@ -100,7 +50,7 @@ std::string utf8_lossy(std::string_view s, bool* incomplete_tail) {
       out.push_back(s[i++]);
       continue;
     }
-    const int n = scan_sequence(s, i);
+    const int n = utf8::scan_sequence(s, i);
     if (n > 0) {
       out.append(s.substr(i, static_cast<size_t>(n)));
       i += static_cast<size_t>(n);
