@@ -296,6 +296,15 @@ TEST(CacheConfig, TextSettingsMustBeUtf8) {
   EXPECT_NE(error_of([&] { set_field(c, "method", "12ab\xE3"); }).find("'12ab\\xE3'"),
             std::string::npos);
   EXPECT_EQ(config_to_json(c), before);  // nothing changed by any refusal
+  // a config assigned member by member is refused by validate, with the same message
+  CacheConfig direct;
+  direct.method = "skvq";
+  direct.skvq_perm_file = std::string("perm\xE9.bin");
+  EXPECT_NE(error_of([&] { validate(direct); })
+                .find("[cache_config] skvq_perm_file: expected UTF-8 text (settings are written "
+                      "as JSON) but got 'perm\\xE9.bin', not UTF-8 at byte 4"),
+            std::string::npos)
+      << error_of([&] { validate(direct); });
   const std::string text =
       "caf\xC3\xA9/\xE6\x97\xA5\xF0\x9F\x98\x80"
       ".bin";  // é, 日, an emoji

@@ -214,16 +214,23 @@ std::string escaped(const std::string& s) {
 }
 
 // Text settings are written into JSON (config_to_json, state files), whose strings are Unicode:
-// bytes that are not UTF-8 (a Latin-1 file name, say) are refused here, by name, rather than
-// failing later where the config is written.
+// bytes that are not UTF-8 (a Latin-1 file name, say) are refused, by name, where a setting is
+// set (set_field) and where a config is checked (validate: one assigned member by member never
+// passed set_field), rather than failing later where the config is written.
+void check_utf8(const std::string& field, const std::string& s) {
+  const size_t bad = utf8::valid_prefix(s);
+  if (bad != s.size())
+    fail(field, "UTF-8 text (settings are written as JSON)",
+         "'" + escaped(s) + "', not UTF-8 at byte " + std::to_string(bad));
+}
+
+constexpr const char* kTextType = "a string";  // Field::type of the text settings
+
 Field string_field(const char* name, std::string CacheConfig::*m) {
   const std::string n = name;
-  return {n, "a string",
+  return {n, kTextType,
           [n, m](CacheConfig& c, const std::string& s) {
-            const size_t bad = utf8::valid_prefix(s);
-            if (bad != s.size())
-              fail(n, "UTF-8 text (settings are written as JSON)",
-                   "'" + escaped(s) + "', not UTF-8 at byte " + std::to_string(bad));
+            check_utf8(n, s);
             c.*m = s;
           },
           [n, m](CacheConfig& c, const json& j) {
@@ -563,6 +570,8 @@ std::string cache_enum_name(const std::string& field, int64_t code) {
 }
 
 void validate(const CacheConfig& c) {
+  for (const auto& f : fields())
+    if (f.type == kTextType) check_utf8(f.name, f.get(c).get<std::string>());
   check_method_known(c.method);
   check_int("head_dim", c.head_dim, 1, kMaxCacheHeadDim, ">= 1", kWhyDim);
   check_int("kv_heads_total", c.kv_heads_total, 0, kMaxCacheRows, ">= 0 (0 = not sharded)",
