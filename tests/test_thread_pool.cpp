@@ -1,6 +1,6 @@
-// The worker pool of src/ops/thread_pool.h: every unit runs exactly once (1..4 threads, loop
-// sizes around the ticket's 2^20-unit job limit, thousands of back-to-back jobs), nested calls
-// and calls from several threads at once run to completion.
+// The worker pool of src/ops/thread_pool.h: every unit runs exactly once (1..4 threads, guided
+// and one-at-a-time claims, loop sizes around the ticket's 2^20-unit job limit, thousands of
+// back-to-back jobs), nested calls and calls from several threads at once run to completion.
 #include "ops/thread_pool.h"
 
 #include <gtest/gtest.h>
@@ -20,23 +20,28 @@ struct Threads {  // omp_set_num_threads for one scope
 };
 
 TEST(ThreadPool, EveryUnitRunsOnce) {
-  for (int threads : {1, 2, 4}) {
-    Threads t(threads);
-    for (int64_t n : {0, 1, 2, 3, 17, 1000, (1 << 20) + 5}) {
-      std::vector<std::atomic<uint8_t>> hits(static_cast<size_t>(n));
-      ops::parallel_for(n, [&](int64_t i) { hits[static_cast<size_t>(i)].fetch_add(1); });
-      int64_t bad = 0;
-      for (auto& h : hits) bad += h.load() != 1;
-      EXPECT_EQ(bad, 0) << "threads " << threads << " n " << n;
+  for (int threads : {1, 2, 4})
+    for (ops::Claim claim : {ops::Claim::kGuided, ops::Claim::kOne}) {
+      Threads t(threads);
+      for (int64_t n : {0, 1, 2, 3, 17, 1000, (1 << 20) + 5}) {
+        std::vector<std::atomic<uint8_t>> hits(static_cast<size_t>(n));
+        ops::parallel_for(
+            n, [&](int64_t i) { hits[static_cast<size_t>(i)].fetch_add(1); }, claim);
+        int64_t bad = 0;
+        for (auto& h : hits) bad += h.load() != 1;
+        EXPECT_EQ(bad, 0) << "threads " << threads << " n " << n << " claim "
+                          << static_cast<int>(claim);
+      }
     }
-  }
 }
 
 TEST(ThreadPool, ManyBackToBackJobs) {
   Threads t(2);
   std::atomic<int64_t> sum{0};
   for (int job = 0; job < 20000; ++job)
-    ops::parallel_for(job % 5 + 2, [&](int64_t i) { sum.fetch_add(i + 1); });
+    ops::parallel_for(
+        job % 5 + 2, [&](int64_t i) { sum.fetch_add(i + 1); },
+        job % 2 ? ops::Claim::kOne : ops::Claim::kGuided);
   int64_t want = 0;
   for (int job = 0; job < 20000; ++job) {
     const int64_t n = job % 5 + 2;

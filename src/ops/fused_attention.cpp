@@ -1902,8 +1902,9 @@ void attention(const TensorView& q, const CacheView& view, const AttentionParams
       n_parts > 1 ? static_cast<size_t>(items * n_parts * m_all * part_floats(d)) : 0);
   std::exception_ptr failure;
   std::mutex failure_mu;
-  // Items (times parts) on the worker pool (ops/thread_pool.h), each thread with its own scratch.
-  ops::parallel_for(items * n_parts, [&](int64_t u) {
+  // Items (times parts) on the worker pool (ops/thread_pool.h), each thread with its own scratch,
+  // one at a time (items are large, and handed out largest first).
+  const auto unit = [&](int64_t u) {
     thread_local Work w;
     try {
       const int64_t it = u / n_parts, pt = u % n_parts;
@@ -1916,7 +1917,8 @@ void attention(const TensorView& q, const CacheView& view, const AttentionParams
       std::lock_guard<std::mutex> lk(failure_mu);
       if (!failure) failure = std::current_exception();
     }
-  });
+  };
+  ops::parallel_for(items * n_parts, unit, ops::Claim::kOne);
   if (failure) std::rethrow_exception(failure);
   if (n_parts == 1) return;
   for (int64_t it = 0; it < items; ++it) {

@@ -2,10 +2,15 @@
 //
 // One job at a time (parallel_for is called from one thread; nested calls run serially). The job
 // is a 64-bit ticket: generation (24 bits) | unit count n (20 bits) | next unit (20 bits), and the
-// function and context published before the ticket (release). A thread claims unit i by a
-// compare-and-swap of the ticket from (g, n, i) to (g, n, i + 1): success proves job g was still
-// open, and a job's fields are only rewritten after every unit of it is done, so the function it
-// read belongs to its ticket. Loops of more than 2^20 units are cut into several jobs.
+// function and context published before the ticket (release). A thread claims units [i, i + c)
+// by a compare-and-swap of the ticket from (g, n, i) to (g, n, i + c): success proves job g was
+// still open, and a job's fields are only rewritten after every unit of it is done, so the
+// function it read belongs to its ticket. Loops of more than 2^20 units are cut into several jobs.
+// Claim::kGuided: c = ceil(left / (kClaimDiv * threads)), so a loop of n units costs about
+// kClaimDiv * threads * ln(n) claims instead of n (every claim moves the ticket's cache line
+// between cores; a decode step's matrix products are hundreds of sub-microsecond units), and a
+// descheduled thread holds up at most 1 / (kClaimDiv * threads) of a loop; Claim::kOne: c = 1.
+// Which thread runs a unit never changes what the unit computes.
 #include "ops/thread_pool.h"
 
 #include <omp.h>
@@ -26,6 +31,7 @@ namespace vq::ops {
 namespace {
 
 constexpr int64_t kSpinMicros = 100;  // idle spin before a worker sleeps
+constexpr uint64_t kClaimDiv = 2;     // claims of at most 1 / (kClaimDiv * threads) of what is left
 constexpr uint64_t kIdxBits = 20, kIdxMask = (uint64_t{1} << kIdxBits) - 1;
 
 inline void cpu_relax() {
@@ -49,8 +55,11 @@ class Pool {
     for (auto& t : threads_) t.join();
   }
 
-  void run(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx) {
+  void run(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx, Claim claim) {
     grow(threads - 1);
+    // kOne: a share of a whole job or more, so every claim is one unit
+    share_.store(claim == Claim::kOne ? kIdxMask : kClaimDiv * static_cast<uint64_t>(threads),
+                 std::memory_order_relaxed);
     fn_.store(fn, std::memory_order_relaxed);
     ctx_.store(ctx, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
@@ -83,14 +92,19 @@ class Pool {
     while (open(t)) {
       void (*fn)(void*, int64_t) = fn_.load(std::memory_order_relaxed);
       void* ctx = ctx_.load(std::memory_order_relaxed);
-      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel,
+      const uint64_t share = share_.load(std::memory_order_relaxed);
+      const uint64_t i = t & kIdxMask, left = ((t >> kIdxBits) & kIdxMask) - i;
+      const uint64_t c = (left + share - 1) / share;  // >= 1: the job is open
+      if (!ticket_.compare_exchange_weak(t, t + c, std::memory_order_acq_rel,
                                          std::memory_order_acquire))
         continue;  // t now holds the current ticket
       t_in_unit = true;
-      fn(ctx, static_cast<int64_t>(t & kIdxMask));
+      for (uint64_t k = 0; k < c; ++k) fn(ctx, static_cast<int64_t>(i + k));
       t_in_unit = false;
       const int64_t n = static_cast<int64_t>((t >> kIdxBits) & kIdxMask);
-      if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == n &&
+      if (done_.fetch_add(static_cast<int64_t>(c), std::memory_order_seq_cst) +
+                  static_cast<int64_t>(c) ==
+              n &&
           waiting_.load(std::memory_order_seq_cst)) {
         std::lock_guard<std::mutex> lk(done_mu_);  // the caller is blocked (or about to be)
         done_cv_.notify_one();
@@ -130,6 +144,7 @@ class Pool {
   std::atomic<uint64_t> ticket_{0};
   std::atomic<void (*)(void*, int64_t)> fn_{nullptr};
   std::atomic<void*> ctx_{nullptr};
+  std::atomic<uint64_t> share_{kIdxMask};  // claims of ceil(left / share_) units
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
@@ -161,7 +176,7 @@ int pool_threads() {
 
 namespace detail {
 
-void parallel_for_impl(int64_t n, void (*fn)(void*, int64_t), void* ctx) {
+void parallel_for_impl(int64_t n, void (*fn)(void*, int64_t), void* ctx, Claim claim) {
   const int threads = pool_threads();
   if (n <= 0) return;
   if (n == 1 || threads <= 1) {
@@ -176,7 +191,7 @@ void parallel_for_impl(int64_t n, void (*fn)(void*, int64_t), void* ctx) {
   for (int64_t i0 = 0; i0 < n; i0 += static_cast<int64_t>(kIdxMask)) {
     const int64_t m = std::min<int64_t>(n - i0, static_cast<int64_t>(kIdxMask));
     if (i0 == 0) {
-      pool().run(m, threads, fn, ctx);
+      pool().run(m, threads, fn, ctx, claim);
     } else {  // offset the units of later pieces
       struct Off {
         void (*fn)(void*, int64_t);
@@ -189,7 +204,7 @@ void parallel_for_impl(int64_t n, void (*fn)(void*, int64_t), void* ctx) {
             const Off& o = *static_cast<const Off*>(c);
             o.fn(o.ctx, o.i0 + i);
           },
-          &off);
+          &off, claim);
     }
   }
 }
