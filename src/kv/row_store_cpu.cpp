@@ -15,6 +15,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <mutex>
 #include <new>
 #include <numeric>
 
@@ -23,11 +24,23 @@
 #endif
 
 #include "kv/row_store.h"
+#include "ops/thread_pool.h"
 #include "veloxquant/error.h"
 #include "veloxquant/hadamard.h"
 
 namespace vq::kv {
 namespace {
+
+// f(frame) for frames 0 .. n - 1: on the worker pool when par (ops/thread_pool.h, one frame per
+// claim; the decode step's own threads, so no OpenMP team spins beside them), else in order here.
+template <typename F>
+void for_frames(int64_t n, bool par, const F& f) {
+  if (par) {
+    ops::parallel_for(n, f, ops::Claim::kOne);
+  } else {
+    for (int64_t i = 0; i < n; ++i) f(i);
+  }
+}
 
 constexpr size_t kHugePage = size_t{2} << 20;  // transparent huge page size on x86-64 Linux
 
@@ -160,17 +173,17 @@ class CpuRowStore final : public RowStore {
     const size_t rb = static_cast<size_t>(shape_.row_bytes());
     const int64_t count = idx.count;
     const int32_t* ix = idx.data();
-#pragma omp parallel for schedule(static) if (shape_.frames() * count * shape_.row_bytes() > \
-                                              (1 << 20))
-    for (int64_t f = 0; f < shape_.frames(); ++f)
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t j = ix[f * count + i];
-        std::memcpy(krow(f, i), src.krow(f, j), rb);
-        std::memcpy(vrow(f, i), src.vrow(f, j), rb);
-        if (pos_)
-          pos_[f * capacity_ + i] =
-              src.pos_ ? src.pos_[f * src.capacity_ + j] : static_cast<int32_t>(src_first + j);
-      }
+    for_frames(
+        shape_.frames(), shape_.frames() * count * shape_.row_bytes() > (1 << 20), [&](int64_t f) {
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t j = ix[f * count + i];
+            std::memcpy(krow(f, i), src.krow(f, j), rb);
+            std::memcpy(vrow(f, i), src.vrow(f, j), rb);
+            if (pos_)
+              pos_[f * capacity_ + i] =
+                  src.pos_ ? src.pos_[f * src.capacity_ + j] : static_cast<int32_t>(src_first + j);
+          }
+        });
   }
 
   Tensor download(bool values, int64_t row0, int64_t n) const override {
@@ -259,47 +272,44 @@ class CpuPackedStore final : public PackedStore {
     const int64_t F = shape_.frames(), H = shape_.heads, d = shape_.head_dim;
     if (n <= 0) return;
     std::exception_ptr failure;
-#pragma omp parallel if (F > 1)
-    {
-      std::vector<float> x(static_cast<size_t>(n * d)), tmp(static_cast<size_t>(d));
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t f = 0; f < F; ++f) {
-        try {
-          const int64_t h = f % H;
-          for (int kv = 0; kv < 2; ++kv) {
-            fast_to_f32(kv ? rows.vrow(f, src_row0) : rows.krow(f, src_row0), rows.shape().dtype,
-                        x.data(), x.size());
-            const int32_t* perm = t.perm(kv);
-            const float* signs = t.signs_for(kv);
-            if (perm || signs)
-              for (int64_t i = 0; i < n; ++i) {
-                float* row = x.data() + i * d;
-                if (signs) hadamard_rotate(row, signs + h * d, d, t.rot_block);
-                if (perm) {
-                  for (int64_t j = 0; j < d; ++j)
-                    tmp[static_cast<size_t>(j)] = row[perm[h * d + j]];
-                  std::copy(tmp.begin(), tmp.end(), row);
-                }
+    std::mutex failure_mu;
+    const auto frame = [&](int64_t f) {
+      try {
+        std::vector<float> x(static_cast<size_t>(n * d)), tmp(static_cast<size_t>(d));
+        const int64_t h = f % H;
+        for (int kv = 0; kv < 2; ++kv) {
+          fast_to_f32(kv ? rows.vrow(f, src_row0) : rows.krow(f, src_row0), rows.shape().dtype,
+                      x.data(), x.size());
+          const int32_t* perm = t.perm(kv);
+          const float* signs = t.signs_for(kv);
+          if (perm || signs)
+            for (int64_t i = 0; i < n; ++i) {
+              float* row = x.data() + i * d;
+              if (signs) hadamard_rotate(row, signs + h * d, d, t.rot_block);
+              if (perm) {
+                for (int64_t j = 0; j < d; ++j) tmp[static_cast<size_t>(j)] = row[perm[h * d + j]];
+                std::copy(tmp.begin(), tmp.end(), row);
               }
-            const PackedRowFormat& fmt = shape_.format(kv);
-            if (fmt.axis == QuantAxis::kChannel)  // the n rows are one chunk (packed.h)
-              quantize_chunk_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
-                                        fmt.row_stride,
-                                        !kv && t.key_u ? t.key_u + h * d * d : nullptr);
-            else
-              quantize_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
-                                  fmt.row_stride, false);
-          }
-          if (pos_ && rows.positions())
-            std::memcpy(pos_ + f * capacity_ + dst_row0,
-                        rows.positions() + f * rows.capacity() + src_row0,
-                        sizeof(int32_t) * static_cast<size_t>(n));
-        } catch (...) {
-#pragma omp critical(vq_packed_quantize_failure)
-          if (!failure) failure = std::current_exception();
+            }
+          const PackedRowFormat& fmt = shape_.format(kv);
+          if (fmt.axis == QuantAxis::kChannel)  // the n rows are one chunk (packed.h)
+            quantize_chunk_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
+                                      fmt.row_stride,
+                                      !kv && t.key_u ? t.key_u + h * d * d : nullptr);
+          else
+            quantize_to_records(x.data(), n, fmt, kv ? qv : qk, rec(kv, f, dst_row0),
+                                fmt.row_stride, false);
         }
+        if (pos_ && rows.positions())
+          std::memcpy(pos_ + f * capacity_ + dst_row0,
+                      rows.positions() + f * rows.capacity() + src_row0,
+                      sizeof(int32_t) * static_cast<size_t>(n));
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(failure_mu);
+        if (!failure) failure = std::current_exception();
       }
-    }
+    };
+    for_frames(F, F > 1, frame);
     if (failure) std::rethrow_exception(failure);
   }
 
@@ -324,15 +334,14 @@ class CpuPackedStore final : public PackedStore {
              "[packed_store] internal: dequantize_keys expected a float32 store");
     const PackedSegment seg = segment(src_row0, n, DType::kF32, t);
     const int64_t H = shape_.heads, d = shape_.head_dim;
-#pragma omp parallel for schedule(static) if (shape_.frames() * n > 256)
-    for (int64_t f = 0; f < shape_.frames(); ++f) {
+    for_frames(shape_.frames(), shape_.frames() * n > 256, [&](int64_t f) {
       for (int64_t i = 0; i < n; ++i)
         dequantize_row(seg.keys, f / H, f % H, i,
                        reinterpret_cast<float*>(dst.krow(f, dst_row0 + i)));
       if (pos_ && dst.positions())
         std::memcpy(const_cast<int32_t*>(dst.positions()) + f * dst.capacity() + dst_row0,
                     pos_ + f * capacity_ + src_row0, sizeof(int32_t) * static_cast<size_t>(n));
-    }
+    });
     (void)d;
   }
 
@@ -576,50 +585,47 @@ class CpuBackend final : public RowBackend {
     const bool scored = count < n && count > std::min(std::max<int64_t>(p.n_sink, 0), count);
 
     std::exception_ptr failure;
-#pragma omp parallel
-    {
-      SnapScratch scratch;
-      std::vector<float> frame;
-      std::vector<int32_t> pos(static_cast<size_t>(n));
-      std::vector<float> qwin;
-      std::vector<int32_t> qpos(static_cast<size_t>(w_q));
-      std::vector<int64_t> idx(static_cast<size_t>(count));
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t f = 0; f < F; ++f) {
-        try {
-          const int64_t b = f / H, h = f % H;
-          const int32_t* fpos = rows.positions() + f * rows.capacity();
-          std::copy(fpos, fpos + n, pos.begin());
-          if (scored) {  // the fp32 frame is only read when scores matter
-            frame.resize(static_cast<size_t>(n * d));
-            to_f32(rows.krow(f, 0), sh.dtype, frame.data(), static_cast<size_t>(n * d));
-          }
-          SnapQueryWindow qw;
-          if (q && scored) {
-            qwin.resize(static_cast<size_t>(n_rep * w_q * d));
-            for (int64_t r = 0; r < n_rep; ++r)
-              for (int64_t i = 0; i < w_q; ++i)
-                convert_view_row(*q, b, h * n_rep + r, i, qwin.data() + (r * w_q + i) * d,
-                                 DType::kF32);
-            for (int64_t i = 0; i < w_q; ++i) qpos[i] = static_cast<int32_t>(q_first + i);
-            qw.data = qwin.data();
-            qw.n_rep = n_rep;
-            qw.w = w_q;
-            qw.positions = qpos.data();
-          }
-          const int64_t got =
-              snap_select_head(scored ? frame.data() : nullptr, q ? pos.data() : nullptr, n, d,
-                               q && scored ? &qw : nullptr, p, idx.data(), scratch);
-          VQ_CHECK(got == count, "[snapkv] internal: head selected " + std::to_string(got) +
-                                     " rows, expected " + std::to_string(count));
-          for (int64_t i = 0; i < count; ++i)
-            out->idx[static_cast<size_t>(f * count + i)] = static_cast<int32_t>(idx[i]);
-        } catch (...) {
-#pragma omp critical(vq_snap_select_failure)
-          if (!failure) failure = std::current_exception();
+    std::mutex failure_mu;
+    for_frames(F, true, [&](int64_t f) {
+      try {
+        SnapScratch scratch;
+        std::vector<float> frame;
+        std::vector<int32_t> pos(static_cast<size_t>(n));
+        std::vector<float> qwin;
+        std::vector<int32_t> qpos(static_cast<size_t>(w_q));
+        std::vector<int64_t> idx(static_cast<size_t>(count));
+        const int64_t b = f / H, h = f % H;
+        const int32_t* fpos = rows.positions() + f * rows.capacity();
+        std::copy(fpos, fpos + n, pos.begin());
+        if (scored) {  // the fp32 frame is only read when scores matter
+          frame.resize(static_cast<size_t>(n * d));
+          to_f32(rows.krow(f, 0), sh.dtype, frame.data(), static_cast<size_t>(n * d));
         }
+        SnapQueryWindow qw;
+        if (q && scored) {
+          qwin.resize(static_cast<size_t>(n_rep * w_q * d));
+          for (int64_t r = 0; r < n_rep; ++r)
+            for (int64_t i = 0; i < w_q; ++i)
+              convert_view_row(*q, b, h * n_rep + r, i, qwin.data() + (r * w_q + i) * d,
+                               DType::kF32);
+          for (int64_t i = 0; i < w_q; ++i) qpos[i] = static_cast<int32_t>(q_first + i);
+          qw.data = qwin.data();
+          qw.n_rep = n_rep;
+          qw.w = w_q;
+          qw.positions = qpos.data();
+        }
+        const int64_t got =
+            snap_select_head(scored ? frame.data() : nullptr, q ? pos.data() : nullptr, n, d,
+                             q && scored ? &qw : nullptr, p, idx.data(), scratch);
+        VQ_CHECK(got == count, "[snapkv] internal: head selected " + std::to_string(got) +
+                                   " rows, expected " + std::to_string(count));
+        for (int64_t i = 0; i < count; ++i)
+          out->idx[static_cast<size_t>(f * count + i)] = static_cast<int32_t>(idx[i]);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(failure_mu);
+        if (!failure) failure = std::current_exception();
       }
-    }
+    });
     if (failure) std::rethrow_exception(failure);
     return out;
   }

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/thread_pool.h"
 #include "veloxquant/error.h"
 #include "veloxquant/hadamard.h"
 #include "veloxquant/key_rounding.h"
@@ -385,15 +386,18 @@ void group_quantize(const float* x, int64_t n, int64_t d, const GroupQuantParams
   const float levels = static_cast<float>(code_spec_from_bits(p.bits).levels());
   const ClipAlphas al = clip_alphas(p);
   const int64_t n_tiles = (n + kLanes - 1) / kLanes;
-#pragma omp parallel if (n_tiles >= 4)
-  {
+  // Tiles of kLanes rows on the worker pool (ops/thread_pool.h; serial inside a pool unit, e.g. a
+  // store's flush of one frame) from 4 tiles on.
+  const auto tile_fn = [&](int64_t t) {
     std::vector<float> tile(static_cast<size_t>(p.group_size * kLanes));
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_tiles; ++t) {
-      const int64_t r0 = t * kLanes;
-      quantize_tile(x, r0, std::min<int64_t>(kLanes, n - r0), d, p, al, levels, tile.data(), codes,
-                    lo, scale);
-    }
+    const int64_t r0 = t * kLanes;
+    quantize_tile(x, r0, std::min<int64_t>(kLanes, n - r0), d, p, al, levels, tile.data(), codes,
+                  lo, scale);
+  };
+  if (n_tiles >= 4) {
+    ops::parallel_for(n_tiles, tile_fn);
+  } else {
+    for (int64_t t = 0; t < n_tiles; ++t) tile_fn(t);
   }
 }
 
@@ -409,28 +413,29 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
   const ClipAlphas al = clip_alphas(p);
   const int64_t n_tiles = (n + kLanes - 1) / kLanes;
   const int64_t ng = f.n_groups;
-#pragma omp parallel if (parallel && n_tiles >= 2)
-  {
+  const auto tile_fn = [&](int64_t t) {
     std::vector<float> tile(static_cast<size_t>(p.group_size * kLanes));
     std::vector<uint8_t> codes(static_cast<size_t>(kLanes * d));
     std::vector<float> lo(static_cast<size_t>(kLanes * ng)), sc(static_cast<size_t>(kLanes * ng));
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_tiles; ++t) {
-      const int64_t r0 = t * kLanes;
-      const int64_t m = std::min<int64_t>(kLanes, n - r0);
-      quantize_tile(x + r0 * d, 0, m, d, p, al, levels, tile.data(), codes.data(), lo.data(),
-                    sc.data());
-      for (int64_t r = 0; r < m; ++r) {
-        uint8_t* rec = dst + (r0 + r) * dst_stride;
-        std::fill(rec, rec + f.code_bytes, uint8_t{0});
-        pack_row(codes.data() + r * d, d, f.spec, rec);
-        void* meta = rec + f.code_bytes;
-        for (int64_t gi = 0; gi < ng; ++gi) {
-          meta_store(meta, 2 * gi, lo[r * ng + gi], f.meta);
-          meta_store(meta, 2 * gi + 1, sc[r * ng + gi], f.meta);
-        }
+    const int64_t r0 = t * kLanes;
+    const int64_t m = std::min<int64_t>(kLanes, n - r0);
+    quantize_tile(x + r0 * d, 0, m, d, p, al, levels, tile.data(), codes.data(), lo.data(),
+                  sc.data());
+    for (int64_t r = 0; r < m; ++r) {
+      uint8_t* rec = dst + (r0 + r) * dst_stride;
+      std::fill(rec, rec + f.code_bytes, uint8_t{0});
+      pack_row(codes.data() + r * d, d, f.spec, rec);
+      void* meta = rec + f.code_bytes;
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        meta_store(meta, 2 * gi, lo[r * ng + gi], f.meta);
+        meta_store(meta, 2 * gi + 1, sc[r * ng + gi], f.meta);
       }
     }
+  };
+  if (parallel && n_tiles >= 2) {
+    ops::parallel_for(n_tiles, tile_fn);  // worker pool (ops/thread_pool.h)
+  } else {
+    for (int64_t t = 0; t < n_tiles; ++t) tile_fn(t);
   }
 }
 
