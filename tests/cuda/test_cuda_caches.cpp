@@ -1100,8 +1100,15 @@ TEST(CudaCaches, ValueClipFloorMatchesCpu) {
           if (r.packed) out.insert(out.end(), r.v.begin(), r.v.end());
       return out;
     };
-    const std::vector<uint8_t> pa = packed_values(a->update_and_fetch(k->host, v->host));
-    const std::vector<uint8_t> pb = packed_values(b->update_and_fetch(k->host, v->host));
+    // the prompt, its end (snapkv+skvq packs its kept rows only then) and one decode row
+    a->update_and_fetch(k->host, v->host);
+    b->update_and_fetch(k->host, v->host);
+    a->end_prompt();
+    b->end_prompt();
+    const auto k1 = make_block(cs.dtype, cs.B, cs.H, 1, cs.D, 9, false);
+    const auto v1 = make_block(cs.dtype, cs.B, cs.H, 1, cs.D, 10, false);
+    const std::vector<uint8_t> pa = packed_values(a->update_and_fetch(k1->host, v1->host));
+    const std::vector<uint8_t> pb = packed_values(b->update_and_fetch(k1->host, v1->host));
     EXPECT_FALSE(pa.empty()) << cs.name;
     EXPECT_NE(pa, pb) << cs.name << ": the floor changed no value record";
   }
