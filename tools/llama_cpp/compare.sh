@@ -11,7 +11,9 @@
 #    q4_0: prefill of 512/1024/2048 tokens (-p N -n 0) and 32 decode tokens after a context of
 #    512/1024/2048 (-p 0 -n 32 -d N).
 # 4. Our bench_e2e for the full cache (fp16 K/V) and the compressed caches at the same contexts
-#    and threads, then one Markdown table: tokens/s of each and our ratio to llama.cpp f16.
+#    and threads (bench_e2e's default methods, whose skvq is the seed's K2V2, and skvq K4V4, the
+#    cache to set beside llama.cpp's q4_0), then one Markdown table: tokens/s of each and our
+#    ratios to llama.cpp f16 and q4_0.
 #    Every cache runs in both matrix-product modes (--matmul exact,bf16, alternating within each
 #    repeat): "veloxquant <cache>" is the exact fp32 mode (the default), "veloxquant <cache>
 #    (bf16 matmul)" the opt-in bf16 mode (activations rounded to bf16, fp32 sums: llama.cpp's
@@ -51,6 +53,7 @@ for ct in f16 q8_0 q4_0; do
     -p 0 -n 32 -d 512,1024,2048 -o json >"$work/tg_$ct.json"
 done
 "$build/bench/bench_e2e" --threads "$threads" --repeats "$repeats" --decode 32 \
+  --methods "full;snapkv:budget=256;skvq;skvq:bits_key=4:bits_value=4;snapkv+skvq:budget=256;streaming:window=256" \
   --matmul exact,bf16 --csv "$work/ours.csv" >"$work/ours.md"
 
 python3 - "$work" <<'PY'
@@ -64,19 +67,20 @@ for ct in ("f16", "q8_0", "q4_0"):
             ll[(kind, ct, ctx)] = (r["avg_ts"], r["stddev_ts"])
 ours = list(csv.DictReader(open(f"{work}/ours.csv")))
 print(open(f"{work}/ours.md").read())
-print("| context | engine / cache | prefill tok/s | decode tok/s | prefill vs llama.cpp f16 | decode vs llama.cpp f16 |")
-print("|---:|---|---:|---:|---:|---:|")
+print("| context | engine / cache | prefill tok/s | decode tok/s | prefill vs llama.cpp f16 | decode vs llama.cpp f16 | decode vs llama.cpp q4_0 |")
+print("|---:|---|---:|---:|---:|---:|---:|")
 for ctx in (512, 1024, 2048):
     p16, t16 = ll[("pp", "f16", ctx)][0], ll[("tg", "f16", ctx)][0]
+    tq4 = ll[("tg", "q4_0", ctx)][0]
     for ct in ("f16", "q8_0", "q4_0"):
         p, ps = ll[("pp", ct, ctx)]
         t, ts = ll[("tg", ct, ctx)]
-        print(f"| {ctx} | llama.cpp {ct} | {p:.0f} ± {ps:.0f} | {t:.1f} ± {ts:.1f} | {p / p16:.2f} | {t / t16:.2f} |")
+        print(f"| {ctx} | llama.cpp {ct} | {p:.0f} ± {ps:.0f} | {t:.1f} ± {ts:.1f} | {p / p16:.2f} | {t / t16:.2f} | {t / tq4:.2f} |")
     for r in ours:
         if int(r["context"]) != ctx:
             continue
         p, t = float(r["prefill_mean"]), float(r["decode_mean"])
         mode = " (bf16 matmul)" if r.get("matmul", "exact") == "bf16" else ""
         print(f"| {ctx} | veloxquant {r['method']}{mode} | {p:.0f} ± {float(r['prefill_sd']):.0f} | "
-              f"{t:.1f} ± {float(r['decode_sd']):.1f} | {p / p16:.2f} | {t / t16:.2f} |")
+              f"{t:.1f} ± {float(r['decode_sd']):.1f} | {p / p16:.2f} | {t / t16:.2f} | {t / tq4:.2f} |")
 PY
