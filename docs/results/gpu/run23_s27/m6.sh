@@ -27,3 +27,6 @@ for t in 16 16 16 12 8; do
     2>&1 | grep tg32 | sed "s/^/llama t$t /"
 done
 uptime
+# decode attention alone at 8 x 128 x 4 (issue 19's 70 % target) on 1 and 16 threads, read flush
+timeout 60 $h/bench_decode_attention --contexts 32768 --shape 8,128,4 --repeats 10 --threads 1,16 \
+  --flush 2>&1 | grep -E "^\| (threads|1|16) "
