@@ -13,13 +13,13 @@
 //   (weight bytes read per token + the caches' bytes at that context) / bandwidth.
 // The weights of a small model may stay in the last-level cache, so the bound is a floor for
 // small models, not a ceiling. Output: a Markdown table on stdout (CSV with --csv). The header
-// line records the thread count, OMP_WAIT_POLICY and the load average: on a machine shared with
-// other jobs, OMP_WAIT_POLICY=passive avoids threads spinning at barriers while their partner
-// is descheduled (which can cost whole scheduler time slices per parallel region).
+// line records the thread count, OMP_WAIT_POLICY and the load average (the decode step runs on
+// the worker pool of src/ops/thread_pool.h, which the variable does not touch; model loading
+// and the bandwidth pass use OpenMP).
 // --no-bandwidth skips the bandwidth pass (bound columns "-"; for profiling). --cpu-time adds
 // prefill and decode tokens per CPU-second of the process (all threads' CPU time, from
-// CLOCK_PROCESS_CPUTIME_ID): with OMP_WAIT_POLICY=passive this counts work rather than waiting,
-// so it is a steadier A/B measure than wall time on a loaded machine.
+// CLOCK_PROCESS_CPUTIME_ID): idle pool workers sleep after a short spin, so this counts mostly
+// work rather than waiting, a steadier A/B measure than wall time on a loaded machine.
 // --matmul picks ForwardOptions::matmul (default exact); a list (exact,bf16) measures each mode
 // in turn within every repeat (alternating, so a noisy neighbour hits both alike), one row per
 // mode: method "<spec>" for exact, "<spec> (bf16 matmul)" for bf16; the CSV gets a last column

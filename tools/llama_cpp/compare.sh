@@ -18,10 +18,10 @@
 #    repeat): "veloxquant <cache>" is the exact fp32 mode (the default), "veloxquant <cache>
 #    (bf16 matmul)" the opt-in bf16 mode (activations rounded to bf16, fp32 sums: llama.cpp's
 #    arithmetic on this bf16 GGUF).
-# Both engines use OpenMP here and run with the OpenMP runtime's default wait policy (threads
-# spin briefly at a barrier, then sleep), the right setting on a dedicated machine. On a shared,
-# oversubscribed machine export OMP_WAIT_POLICY=passive for both: spinning threads then steal
-# time slices from each other (but every barrier pays a wake-up: decode is 2-3x slower).
+# llama.cpp runs its OpenMP threads with the runtime's default wait policy (spin briefly at a
+# barrier, then sleep), the right setting on a dedicated machine; on a shared, oversubscribed
+# machine export OMP_WAIT_POLICY=passive for it. Ours decodes on its own worker pool
+# (src/ops/thread_pool.h: spin up to 100 us, then sleep), which that variable does not touch.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 threads=${1:-2}
