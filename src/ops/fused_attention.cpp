@@ -1699,15 +1699,15 @@ TileRows visible_rows(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, in
 
 // The item's scaled queries and positions into w, its softmax state and scratch reset.
 void begin_item(const TensorView& q, const AttentionParams& p, float scale, int64_t b, int64_t kh,
-                int64_t n_rep, int64_t i0, int64_t i1, int64_t d, Work& w) {
-  const int64_t nq = i1 - i0, M = n_rep * nq;
+                int64_t n_rep, int64_t h0, int64_t h1, int64_t i0, int64_t i1, int64_t d, Work& w) {
+  const int64_t nq = i1 - i0, M = (h1 - h0) * nq;
   w.m = M;
   w.d = d;
   w.q.resize(static_cast<size_t>(M * d));
   w.qpos.resize(static_cast<size_t>(M));
-  for (int64_t r = 0; r < n_rep; ++r)
+  for (int64_t r = h0; r < h1; ++r)
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t m = r * nq + i;
+      const int64_t m = (r - h0) * nq + i;
       float* qm = w.q.data() + m * d;
       const TensorView qv = q;
       if (qv.dtype == DType::kF32 && qv.stride[3] == 1)
@@ -1754,21 +1754,22 @@ void item_sum(Work& w, int64_t m, float* o) {
   }
 }
 
-// Output row of query m = r * nq + i of an item (query head kh * n_rep + r, query i0 + i).
-float* out_row(const TensorView& q, float* out, int64_t b, int64_t kh, int64_t n_rep, int64_t i0,
-               int64_t nq, int64_t m, int64_t d) {
-  const int64_t r = m / nq, i = m % nq;
+// Output row of query m = (r - h0) * nq + i of an item whose query heads start at h0 of the KV
+// head's n_rep (query head kh * n_rep + r, query i0 + i).
+float* out_row(const TensorView& q, float* out, int64_t b, int64_t kh, int64_t n_rep, int64_t h0,
+               int64_t i0, int64_t nq, int64_t m, int64_t d) {
+  const int64_t r = h0 + m / nq, i = m % nq;
   return out + ((b * q.shape[1] + kh * n_rep + r) * q.shape[2] + i0 + i) * d;
 }
 
 // The item's outputs: each value class un-transformed once and added, then normalised (NaN for
 // a query that saw a NaN/+inf logit, zeros for one that saw no key).
-void finish_item(const TensorView& q, int64_t b, int64_t kh, int64_t n_rep, int64_t i0, int64_t i1,
-                 float* out, Work& w) {
+void finish_item(const TensorView& q, int64_t b, int64_t kh, int64_t n_rep, int64_t h0, int64_t i0,
+                 int64_t i1, float* out, Work& w) {
   const int64_t d = w.d, nq = i1 - i0;
   fold_lanes(w);
   for (int64_t m = 0; m < w.m; ++m) {
-    float* o = out_row(q, out, b, kh, n_rep, i0, nq, m, d);
+    float* o = out_row(q, out, b, kh, n_rep, h0, i0, nq, m, d);
     const float lm = w.l[static_cast<size_t>(m)];
     if (w.bad[static_cast<size_t>(m)]) {
       std::fill(o, o + d, std::numeric_limits<float>::quiet_NaN());
@@ -1807,7 +1808,7 @@ void finish_part(float* part, Work& w) {
 void merge_parts(const TensorView& q, int64_t b, int64_t kh, int64_t n_rep, int64_t i0, int64_t nq,
                  const float* parts, int64_t n_parts, int64_t stride, int64_t d, float* out) {
   for (int64_t m = 0; m < n_rep * nq; ++m) {
-    float* o = out_row(q, out, b, kh, n_rep, i0, nq, m, d);
+    float* o = out_row(q, out, b, kh, n_rep, 0, i0, nq, m, d);
     float mx = -std::numeric_limits<float>::infinity();
     bool bad = false;
     for (int64_t p = 0; p < n_parts; ++p) {
@@ -1833,14 +1834,14 @@ void merge_parts(const TensorView& q, int64_t b, int64_t kh, int64_t n_rep, int6
   }
 }
 
-// One work item: batch b, KV head kh, queries [i0, i1) of each of the n_rep query heads, the
-// view's rows [r0, r1) (counted over its segments in order). part null: the outputs into out;
-// else the item's part (finish_part) into part.
+// One work item: batch b, KV head kh, queries [i0, i1) of its query heads h0 .. h1 - 1 (of the
+// n_rep reading kh), the view's rows [r0, r1) (counted over its segments in order). part null:
+// the outputs into out; else the item's part (finish_part) into part.
 void run_item(const TensorView& q, const CacheView& view, const AttentionParams& p, float scale,
-              int64_t b, int64_t kh, int64_t i0, int64_t i1, int64_t r0, int64_t r1, float* out,
-              float* part, Work& w) {
+              int64_t b, int64_t kh, int64_t h0, int64_t h1, int64_t i0, int64_t i1, int64_t r0,
+              int64_t r1, float* out, float* part, Work& w) {
   const int64_t d = view.head_dim, n_hkv = view.n_kv_heads, n_rep = q.shape[1] / n_hkv;
-  begin_item(q, p, scale, b, kh, n_rep, i0, i1, d, w);
+  begin_item(q, p, scale, b, kh, n_rep, h0, h1, i0, i1, d, w);
   const int64_t qpos_min = p.q_pos0 + i0, qpos_max = p.q_pos0 + i1 - 1;
   const detail::CpuIsa isa = detail::attention_isa();
   bool many = false;
@@ -1871,7 +1872,7 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
   if (part != nullptr)
     finish_part(part, w);
   else
-    finish_item(q, b, kh, n_rep, i0, i1, out, w);
+    finish_item(q, b, kh, n_rep, h0, i0, i1, out, w);
 }
 
 }  // namespace
@@ -1898,27 +1899,38 @@ void attention(const TensorView& q, const CacheView& view, const AttentionParams
   const int64_t part_rows = ((n_rows + n_parts - 1) / n_parts + kTile - 1) / kTile * kTile;
   const int64_t items = n_b * n_hkv * n_qb;
   const int64_t m_all = n_rep * q_block;  // queries of an item (at most)
+  // Decode-sized calls with more threads than items times parts: each (item, part) unit's query
+  // heads in n_hs groups of hs (a KV head's rows read once per group), so the spare threads take
+  // some. A query's arithmetic does not depend on the other queries of its unit, so the bits do
+  // not depend on the thread count (FusedAttention.DecodeSplitRowsSameBitsAtAnyThreadCount).
+  const int64_t slots = items * n_parts, threads = ops::pool_threads();
+  const int64_t groups =
+      n_q < kManyQueries && threads > slots ? std::min(n_rep, (threads + slots - 1) / slots) : 1;
+  const int64_t hs = (n_rep + groups - 1) / groups, n_hs = (n_rep + hs - 1) / hs;
   std::vector<float> parts(
       n_parts > 1 ? static_cast<size_t>(items * n_parts * m_all * part_floats(d)) : 0);
   std::exception_ptr failure;
   std::mutex failure_mu;
-  // Items (times parts) on the worker pool (ops/thread_pool.h), each thread with its own scratch,
-  // one at a time (items are large, and handed out largest first).
+  // Items (times parts, times head groups) on the worker pool (ops/thread_pool.h), each thread
+  // with its own scratch, one at a time (items are large, and handed out largest first).
   const auto unit = [&](int64_t u) {
     thread_local Work w;
     try {
-      const int64_t it = u / n_parts, pt = u % n_parts;
+      const int64_t slot = u / n_hs, h0 = (u % n_hs) * hs, h1 = std::min(n_rep, h0 + hs);
+      const int64_t it = slot / n_parts, pt = slot % n_parts;
       const int64_t qb = n_qb - 1 - it / (n_b * n_hkv), kh = it % n_hkv, b = (it / n_hkv) % n_b;
       const int64_t i0 = qb * q_block, i1 = std::min(n_q, i0 + q_block);
       const int64_t r0 = pt * part_rows, r1 = std::min(n_rows, r0 + part_rows);
-      float* part = n_parts > 1 ? parts.data() + u * m_all * part_floats(d) : nullptr;
-      run_item(q, view, p, scale, b, kh, i0, i1, r0, r1, out, part, w);
+      // the slot's queries m = r * nq + i; this group's from h0 * nq on
+      float* part =
+          n_parts > 1 ? parts.data() + (slot * m_all + h0 * (i1 - i0)) * part_floats(d) : nullptr;
+      run_item(q, view, p, scale, b, kh, h0, h1, i0, i1, r0, r1, out, part, w);
     } catch (...) {
       std::lock_guard<std::mutex> lk(failure_mu);
       if (!failure) failure = std::current_exception();
     }
   };
-  ops::parallel_for(items * n_parts, unit, ops::Claim::kOne);
+  ops::parallel_for(slots * n_hs, unit, ops::Claim::kOne);
   if (failure) std::rethrow_exception(failure);
   if (n_parts == 1) return;
   for (int64_t it = 0; it < items; ++it) {
