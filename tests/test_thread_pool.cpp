@@ -1,6 +1,7 @@
 // The worker pool of src/ops/thread_pool.h: every unit runs exactly once (1..4 threads, guided
 // and one-at-a-time claims, loop sizes around the ticket's 2^20-unit job limit, thousands of
-// back-to-back jobs), nested calls and calls from several threads at once run to completion.
+// back-to-back jobs; parallel_for_if), nested calls and calls from several threads at once run
+// to completion.
 #include "ops/thread_pool.h"
 
 #include <gtest/gtest.h>
@@ -33,6 +34,19 @@ TEST(ThreadPool, EveryUnitRunsOnce) {
                           << static_cast<int>(claim);
       }
     }
+}
+
+TEST(ThreadPool, ParallelForIfRunsSeriallyInOrderWhenNotAsked) {
+  Threads t(4);
+  std::vector<int64_t> order;
+  ops::parallel_for_if(false, 50, [&](int64_t i) { order.push_back(i); });
+  ASSERT_EQ(order.size(), 50u);
+  for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(order[static_cast<size_t>(i)], i);
+  std::vector<std::atomic<uint8_t>> hits(1000);
+  ops::parallel_for_if(true, 1000, [&](int64_t i) { hits[static_cast<size_t>(i)].fetch_add(1); });
+  int64_t bad = 0;
+  for (auto& h : hits) bad += h.load() != 1;
+  EXPECT_EQ(bad, 0);
 }
 
 TEST(ThreadPool, ManyBackToBackJobs) {

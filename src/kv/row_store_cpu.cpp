@@ -31,17 +31,6 @@
 namespace vq::kv {
 namespace {
 
-// f(frame) for frames 0 .. n - 1: on the worker pool when par (ops/thread_pool.h, one frame per
-// claim; the decode step's own threads, so no OpenMP team spins beside them), else in order here.
-template <typename F>
-void for_frames(int64_t n, bool par, const F& f) {
-  if (par) {
-    ops::parallel_for(n, f, ops::Claim::kOne);
-  } else {
-    for (int64_t i = 0; i < n; ++i) f(i);
-  }
-}
-
 constexpr size_t kHugePage = size_t{2} << 20;  // transparent huge page size on x86-64 Linux
 
 // Uninitialised host allocation of at least `bytes`, 64-byte aligned (2 MiB from 2 MiB up).
@@ -173,8 +162,11 @@ class CpuRowStore final : public RowStore {
     const size_t rb = static_cast<size_t>(shape_.row_bytes());
     const int64_t count = idx.count;
     const int32_t* ix = idx.data();
-    for_frames(
-        shape_.frames(), shape_.frames() * count * shape_.row_bytes() > (1 << 20), [&](int64_t f) {
+    // frames on the worker pool (ops/thread_pool.h) from 1 MiB of rows
+    const bool par = shape_.frames() * count * shape_.row_bytes() > (1 << 20);
+    ops::parallel_for_if(
+        par, shape_.frames(),
+        [&](int64_t f) {
           for (int64_t i = 0; i < count; ++i) {
             const int64_t j = ix[f * count + i];
             std::memcpy(krow(f, i), src.krow(f, j), rb);
@@ -183,7 +175,8 @@ class CpuRowStore final : public RowStore {
               pos_[f * capacity_ + i] =
                   src.pos_ ? src.pos_[f * src.capacity_ + j] : static_cast<int32_t>(src_first + j);
           }
-        });
+        },
+        ops::Claim::kOne);
   }
 
   Tensor download(bool values, int64_t row0, int64_t n) const override {
@@ -309,7 +302,7 @@ class CpuPackedStore final : public PackedStore {
         if (!failure) failure = std::current_exception();
       }
     };
-    for_frames(F, F > 1, frame);
+    ops::parallel_for_if(F > 1, F, frame, ops::Claim::kOne);
     if (failure) std::rethrow_exception(failure);
   }
 
@@ -334,14 +327,17 @@ class CpuPackedStore final : public PackedStore {
              "[packed_store] internal: dequantize_keys expected a float32 store");
     const PackedSegment seg = segment(src_row0, n, DType::kF32, t);
     const int64_t H = shape_.heads, d = shape_.head_dim;
-    for_frames(shape_.frames(), shape_.frames() * n > 256, [&](int64_t f) {
-      for (int64_t i = 0; i < n; ++i)
-        dequantize_row(seg.keys, f / H, f % H, i,
-                       reinterpret_cast<float*>(dst.krow(f, dst_row0 + i)));
-      if (pos_ && dst.positions())
-        std::memcpy(const_cast<int32_t*>(dst.positions()) + f * dst.capacity() + dst_row0,
-                    pos_ + f * capacity_ + src_row0, sizeof(int32_t) * static_cast<size_t>(n));
-    });
+    ops::parallel_for_if(
+        shape_.frames() * n > 256, shape_.frames(),
+        [&](int64_t f) {
+          for (int64_t i = 0; i < n; ++i)
+            dequantize_row(seg.keys, f / H, f % H, i,
+                           reinterpret_cast<float*>(dst.krow(f, dst_row0 + i)));
+          if (pos_ && dst.positions())
+            std::memcpy(const_cast<int32_t*>(dst.positions()) + f * dst.capacity() + dst_row0,
+                        pos_ + f * capacity_ + src_row0, sizeof(int32_t) * static_cast<size_t>(n));
+        },
+        ops::Claim::kOne);
     (void)d;
   }
 
@@ -586,46 +582,49 @@ class CpuBackend final : public RowBackend {
 
     std::exception_ptr failure;
     std::mutex failure_mu;
-    for_frames(F, true, [&](int64_t f) {
-      try {
-        SnapScratch scratch;
-        std::vector<float> frame;
-        std::vector<int32_t> pos(static_cast<size_t>(n));
-        std::vector<float> qwin;
-        std::vector<int32_t> qpos(static_cast<size_t>(w_q));
-        std::vector<int64_t> idx(static_cast<size_t>(count));
-        const int64_t b = f / H, h = f % H;
-        const int32_t* fpos = rows.positions() + f * rows.capacity();
-        std::copy(fpos, fpos + n, pos.begin());
-        if (scored) {  // the fp32 frame is only read when scores matter
-          frame.resize(static_cast<size_t>(n * d));
-          to_f32(rows.krow(f, 0), sh.dtype, frame.data(), static_cast<size_t>(n * d));
-        }
-        SnapQueryWindow qw;
-        if (q && scored) {
-          qwin.resize(static_cast<size_t>(n_rep * w_q * d));
-          for (int64_t r = 0; r < n_rep; ++r)
-            for (int64_t i = 0; i < w_q; ++i)
-              convert_view_row(*q, b, h * n_rep + r, i, qwin.data() + (r * w_q + i) * d,
-                               DType::kF32);
-          for (int64_t i = 0; i < w_q; ++i) qpos[i] = static_cast<int32_t>(q_first + i);
-          qw.data = qwin.data();
-          qw.n_rep = n_rep;
-          qw.w = w_q;
-          qw.positions = qpos.data();
-        }
-        const int64_t got =
-            snap_select_head(scored ? frame.data() : nullptr, q ? pos.data() : nullptr, n, d,
-                             q && scored ? &qw : nullptr, p, idx.data(), scratch);
-        VQ_CHECK(got == count, "[snapkv] internal: head selected " + std::to_string(got) +
-                                   " rows, expected " + std::to_string(count));
-        for (int64_t i = 0; i < count; ++i)
-          out->idx[static_cast<size_t>(f * count + i)] = static_cast<int32_t>(idx[i]);
-      } catch (...) {
-        std::lock_guard<std::mutex> lk(failure_mu);
-        if (!failure) failure = std::current_exception();
-      }
-    });
+    ops::parallel_for(
+        F,
+        [&](int64_t f) {
+          try {
+            SnapScratch scratch;
+            std::vector<float> frame;
+            std::vector<int32_t> pos(static_cast<size_t>(n));
+            std::vector<float> qwin;
+            std::vector<int32_t> qpos(static_cast<size_t>(w_q));
+            std::vector<int64_t> idx(static_cast<size_t>(count));
+            const int64_t b = f / H, h = f % H;
+            const int32_t* fpos = rows.positions() + f * rows.capacity();
+            std::copy(fpos, fpos + n, pos.begin());
+            if (scored) {  // the fp32 frame is only read when scores matter
+              frame.resize(static_cast<size_t>(n * d));
+              to_f32(rows.krow(f, 0), sh.dtype, frame.data(), static_cast<size_t>(n * d));
+            }
+            SnapQueryWindow qw;
+            if (q && scored) {
+              qwin.resize(static_cast<size_t>(n_rep * w_q * d));
+              for (int64_t r = 0; r < n_rep; ++r)
+                for (int64_t i = 0; i < w_q; ++i)
+                  convert_view_row(*q, b, h * n_rep + r, i, qwin.data() + (r * w_q + i) * d,
+                                   DType::kF32);
+              for (int64_t i = 0; i < w_q; ++i) qpos[i] = static_cast<int32_t>(q_first + i);
+              qw.data = qwin.data();
+              qw.n_rep = n_rep;
+              qw.w = w_q;
+              qw.positions = qpos.data();
+            }
+            const int64_t got =
+                snap_select_head(scored ? frame.data() : nullptr, q ? pos.data() : nullptr, n, d,
+                                 q && scored ? &qw : nullptr, p, idx.data(), scratch);
+            VQ_CHECK(got == count, "[snapkv] internal: head selected " + std::to_string(got) +
+                                       " rows, expected " + std::to_string(count));
+            for (int64_t i = 0; i < count; ++i)
+              out->idx[static_cast<size_t>(f * count + i)] = static_cast<int32_t>(idx[i]);
+          } catch (...) {
+            std::lock_guard<std::mutex> lk(failure_mu);
+            if (!failure) failure = std::current_exception();
+          }
+        },
+        ops::Claim::kOne);
     if (failure) std::rethrow_exception(failure);
     return out;
   }

@@ -387,18 +387,14 @@ void group_quantize(const float* x, int64_t n, int64_t d, const GroupQuantParams
   const ClipAlphas al = clip_alphas(p);
   const int64_t n_tiles = (n + kLanes - 1) / kLanes;
   // Tiles of kLanes rows on the worker pool (ops/thread_pool.h; serial inside a pool unit, e.g. a
-  // store's flush of one frame) from 4 tiles on.
-  const auto tile_fn = [&](int64_t t) {
-    std::vector<float> tile(static_cast<size_t>(p.group_size * kLanes));
+  // store's flush of one frame) from 4 tiles on; each thread's scratch kept between calls.
+  ops::parallel_for_if(n_tiles >= 4, n_tiles, [&](int64_t t) {
+    thread_local std::vector<float> tile;
+    tile.resize(static_cast<size_t>(p.group_size * kLanes));
     const int64_t r0 = t * kLanes;
     quantize_tile(x, r0, std::min<int64_t>(kLanes, n - r0), d, p, al, levels, tile.data(), codes,
                   lo, scale);
-  };
-  if (n_tiles >= 4) {
-    ops::parallel_for(n_tiles, tile_fn);
-  } else {
-    for (int64_t t = 0; t < n_tiles; ++t) tile_fn(t);
-  }
+  });
 }
 
 void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
@@ -413,10 +409,15 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
   const ClipAlphas al = clip_alphas(p);
   const int64_t n_tiles = (n + kLanes - 1) / kLanes;
   const int64_t ng = f.n_groups;
-  const auto tile_fn = [&](int64_t t) {
-    std::vector<float> tile(static_cast<size_t>(p.group_size * kLanes));
-    std::vector<uint8_t> codes(static_cast<size_t>(kLanes * d));
-    std::vector<float> lo(static_cast<size_t>(kLanes * ng)), sc(static_cast<size_t>(kLanes * ng));
+  // tiles on the worker pool (ops/thread_pool.h) when parallel; each thread's scratch kept
+  // between calls (a store's flush calls this serially for every frame)
+  ops::parallel_for_if(parallel && n_tiles >= 2, n_tiles, [&](int64_t t) {
+    thread_local std::vector<float> tile, lo, sc;
+    thread_local std::vector<uint8_t> codes;
+    tile.resize(static_cast<size_t>(p.group_size * kLanes));
+    codes.resize(static_cast<size_t>(kLanes * d));
+    lo.resize(static_cast<size_t>(kLanes * ng));
+    sc.resize(static_cast<size_t>(kLanes * ng));
     const int64_t r0 = t * kLanes;
     const int64_t m = std::min<int64_t>(kLanes, n - r0);
     quantize_tile(x + r0 * d, 0, m, d, p, al, levels, tile.data(), codes.data(), lo.data(),
@@ -431,12 +432,7 @@ void quantize_to_records(const float* x, int64_t n, const PackedRowFormat& f,
         meta_store(meta, 2 * gi + 1, sc[r * ng + gi], f.meta);
       }
     }
-  };
-  if (parallel && n_tiles >= 2) {
-    ops::parallel_for(n_tiles, tile_fn);  // worker pool (ops/thread_pool.h)
-  } else {
-    for (int64_t t = 0; t < n_tiles; ++t) tile_fn(t);
-  }
+  });
 }
 
 void quantize_chunk_to_records(const float* x, int64_t n, const PackedRowFormat& f,

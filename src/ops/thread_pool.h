@@ -35,4 +35,15 @@ void parallel_for(int64_t n, F&& f, Claim claim = Claim::kGuided) {
       const_cast<void*>(static_cast<const void*>(&f)), claim);
 }
 
+// parallel_for when par, else f(0) .. f(n - 1) in order on this thread (loops too small to be
+// worth the pool's hand-off).
+template <typename F>
+void parallel_for_if(bool par, int64_t n, F&& f, Claim claim = Claim::kGuided) {
+  if (par) {
+    parallel_for(n, f, claim);
+  } else {
+    for (int64_t i = 0; i < n; ++i) f(i);
+  }
+}
+
 }  // namespace vq::ops
