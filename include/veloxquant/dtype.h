@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace vq {
@@ -18,7 +19,13 @@ DType dtype_from_string(const std::string& s);
 
 float fp16_to_f32(uint16_t h);
 uint16_t f32_to_fp16(float f);
-float bf16_to_f32(uint16_t h);
+// Inline: the portable matmul loop converts every weight through it (kernels.cpp).
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 uint16_t f32_to_bf16(float f);
 
 // Row conversions (contiguous). dst and src may not overlap.

@@ -78,10 +78,6 @@ uint16_t f32_to_fp16(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
-float bf16_to_f32(uint16_t h) {
-  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
-}
-
 uint16_t f32_to_bf16(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x0040u);

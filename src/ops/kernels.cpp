@@ -5,7 +5,8 @@
 //   along K. Each weight row is streamed front to back once for all (<= 3) tokens, converted
 //   from bf16/fp16 to fp32 in registers into 4 x 16-lane accumulators per token, reduced once
 //   at the end (a bandwidth-bound matrix-vector product for one token).
-// - many tokens (prefill, AVX-512 builds): outer products on packed panels. Each thread takes
+// - many tokens (prefill; AVX-512 builds, or AVX2 CPUs through matmul_avx2.h with 16-row panels
+//   and 6 x 16 tiles): outer products on packed panels. Each thread takes
 //   panels of kPanel = 32 weight rows, converts and transposes a panel's K-block into an fp32
 //   buffer P[k][32] once (bf16/fp16 -> fp32 in place of a full weight copy), then sweeps every
 //   token: the micro-kernel keeps MR = 12 tokens x 32 rows in 24 accumulators and adds
@@ -28,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops/matmul_avx2.h"
 #include "ops/thread_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -47,12 +49,13 @@ namespace vq::kernels {
 
 namespace {
 
+constexpr int64_t kPackedMinTokens = 4;  // from this many tokens on, the packed-panel path
+
 #if VQ_KERNELS_AVX512
 
-constexpr int64_t kPackedMinTokens = 4;  // from this many tokens on, the packed-panel path
-constexpr int64_t kPanel = 32;           // weight rows per packed panel (two zmm)
-constexpr int64_t kMR = 12;              // tokens per packed micro-kernel call
-constexpr int64_t kKBlock = 2048;        // K per packed block: a panel is <= 256 KiB of fp32
+constexpr int64_t kPanel = 32;     // weight rows per packed panel (two zmm)
+constexpr int64_t kMR = 12;        // tokens per packed micro-kernel call
+constexpr int64_t kKBlock = 2048;  // K per packed block: a panel is <= 256 KiB of fp32
 
 template <DType WT>
 inline __m512 load_w16(const void* w, int64_t i) {
@@ -449,7 +452,9 @@ VQ_BF16_TARGET void run_panel_bf16(const uint32_t* xp, int64_t ldxp, int64_t n_t
   }
 }
 
-#else  // portable version: the compiler vectorises the inner K loop
+#endif
+
+// ---- portable version: the compiler vectorises the inner K loop ----
 
 template <DType WT>
 inline float load_w(const void* w, int64_t i) {
@@ -457,7 +462,7 @@ inline float load_w(const void* w, int64_t i) {
 }
 
 template <DType WT, int R, int C>
-inline void micro_kernel(const float* x, int64_t ldx, const void* w, int64_t k, int64_t n0,
+inline void portable_dot(const float* x, int64_t ldx, const void* w, int64_t k, int64_t n0,
                          const float* bias, float* y, int64_t ldy) {
   const size_t es = dtype_size(WT);
   for (int r = 0; r < R; ++r) {
@@ -476,30 +481,34 @@ inline void micro_kernel(const float* x, int64_t ldx, const void* w, int64_t k, 
   }
 }
 
-#endif
-
-#if !VQ_KERNELS_AVX512
 // Rows [n0, n0 + rows) for every token, one row at a time.
 template <DType WT>
-void dot_rows(const float* x, int64_t n_tokens, int64_t ldx, const void* w, int64_t k, int64_t n0,
-              int64_t rows, const float* bias, float* y, int64_t ldy) {
+void portable_rows(const float* x, int64_t n_tokens, int64_t ldx, const void* w, int64_t k,
+                   int64_t n0, int64_t rows, const float* bias, float* y, int64_t ldy) {
   for (int64_t r = n0; r < n0 + rows; ++r)
     for (int64_t t = 0; t < n_tokens; ++t)
-      micro_kernel<WT, 1, 1>(x + t * ldx, ldx, w, k, r, bias, y + t * ldy, ldy);
+      portable_dot<WT, 1, 1>(x + t * ldx, ldx, w, k, r, bias, y + t * ldy, ldy);
 }
+
+std::atomic<int> g_matmul_cap{static_cast<int>(MatmulIsa::kAvx512)};
+
+MatmulIsa best_matmul_isa() {
+#if VQ_KERNELS_AVX512
+  return MatmulIsa::kAvx512;
+#else
+  return detail::avx2_matmul_ok() ? MatmulIsa::kAvx2 : MatmulIsa::kPortable;
 #endif
+}
 
 // How a call is cut into units of work (one unit = some output rows of one output, all tokens).
 enum class Path : uint8_t {
   kVector,  // 1 token: dot products, 8 rows per unit
-  kSmall,   // a few tokens (or any count without AVX-512): dot products, 4 rows per unit
-  kPacked,  // AVX-512, >= kPackedMinTokens tokens: 32-row packed panels
+  kSmall,   // a few tokens (or any count on the portable loop): dot products, 4 rows per unit
+  kPacked,  // AVX-512 or AVX2, >= kPackedMinTokens tokens: 32-row packed panels
 };
 
-Path choose_path(int64_t n_tokens) {
-#if VQ_KERNELS_AVX512
-  if (n_tokens >= kPackedMinTokens) return Path::kPacked;
-#endif
+Path choose_path(MatmulIsa isa, int64_t n_tokens) {
+  if (isa != MatmulIsa::kPortable && n_tokens >= kPackedMinTokens) return Path::kPacked;
   return n_tokens == 1 ? Path::kVector : Path::kSmall;
 }
 
@@ -508,27 +517,37 @@ int64_t unit_rows(Path p) {
 }
 
 template <DType WT>
-void run_unit(Path path, const float* x, int64_t n_tokens, int64_t k, int64_t ldx,
+void run_unit(MatmulIsa isa, Path path, const float* x, int64_t n_tokens, int64_t k, int64_t ldx,
               const MatmulOut& o, int64_t n0) {
   const int64_t rows = std::min(unit_rows(path), o.n - n0);
-  switch (path) {
-    case Path::kVector:
-    case Path::kSmall:
-      dot_rows<WT>(x, n_tokens, ldx, o.w, k, n0, rows, o.bias, o.y, o.ldy);
-      return;
-    case Path::kPacked:
+  const bool packed = path == Path::kPacked;
 #if VQ_KERNELS_AVX512
+  if (isa == MatmulIsa::kAvx512) {
+    if (packed)
       run_panel<WT>(x, n_tokens, k, ldx, o, n0, rows);
-#endif
-      return;
+    else
+      dot_rows<WT>(x, n_tokens, ldx, o.w, k, n0, rows, o.bias, o.y, o.ldy);
+    return;
   }
+#endif
+  if (isa == MatmulIsa::kAvx2) {
+    if (packed)
+      for (int64_t h = 0; h < rows; h += detail::kAvx2PanelRows)
+        detail::panel_avx2(WT, x, n_tokens, k, ldx, o.w, n0 + h,
+                           std::min(detail::kAvx2PanelRows, rows - h), o.bias, o.y, o.ldy);
+    else
+      detail::dot_rows_avx2(WT, x, n_tokens, ldx, o.w, k, n0, rows, o.bias, o.y, o.ldy);
+    return;
+  }
+  portable_rows<WT>(x, n_tokens, ldx, o.w, k, n0, rows, o.bias, o.y, o.ldy);
 }
 
 // Every unit of every output: exact kernels on x, except bf16 outputs when xp (X rounded to bf16
 // pairs, row stride ldxp) is given, which run the vdpbf16ps kernels.
 void run_outputs(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const MatmulOut* outs,
                  int n_outs, const uint32_t* xp, int64_t ldxp) {
-  const Path path = choose_path(n_tokens);
+  const MatmulIsa isa = matmul_isa();
+  const Path path = choose_path(isa, n_tokens);
   const int64_t ur = unit_rows(path);
   std::vector<int64_t> first_unit(static_cast<size_t>(n_outs) + 1, 0);
   for (int i = 0; i < n_outs; ++i)
@@ -556,13 +575,13 @@ void run_outputs(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const
 #endif
     switch (o.dtype) {
       case DType::kF32:
-        run_unit<DType::kF32>(path, x, n_tokens, k, ldx, o, n0);
+        run_unit<DType::kF32>(isa, path, x, n_tokens, k, ldx, o, n0);
         break;
       case DType::kF16:
-        run_unit<DType::kF16>(path, x, n_tokens, k, ldx, o, n0);
+        run_unit<DType::kF16>(isa, path, x, n_tokens, k, ldx, o, n0);
         break;
       case DType::kBF16:
-        run_unit<DType::kBF16>(path, x, n_tokens, k, ldx, o, n0);
+        run_unit<DType::kBF16>(isa, path, x, n_tokens, k, ldx, o, n0);
         break;
     }
   });
@@ -583,8 +602,30 @@ constexpr int64_t kParallelRoundTokens = 16;  // round X on every thread from th
 
 }  // namespace
 
+MatmulIsa matmul_isa() {
+  const MatmulIsa best = best_matmul_isa();
+  const int cap = g_matmul_cap.load(std::memory_order_relaxed);
+  return cap < static_cast<int>(best) ? static_cast<MatmulIsa>(cap) : best;
+}
+
+void cap_matmul_isa(MatmulIsa cap) {
+  g_matmul_cap.store(static_cast<int>(cap), std::memory_order_relaxed);
+}
+
+const char* matmul_isa_name(MatmulIsa isa) {
+  switch (isa) {
+    case MatmulIsa::kPortable:
+      return "portable";
+    case MatmulIsa::kAvx2:
+      return "avx2";
+    case MatmulIsa::kAvx512:
+      return "avx512";
+  }
+  return "?";
+}
+
 bool bf16_dot_active() {
-  return cpu_has_bf16() && !g_force_portable_bf16.load();
+  return cpu_has_bf16() && !g_force_portable_bf16.load() && matmul_isa() == MatmulIsa::kAvx512;
 }
 
 void force_portable_bf16(bool on) {

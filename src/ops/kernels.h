@@ -2,10 +2,10 @@
 //
 // matmul computes Y[T, N] = X[T, K] . W[N, K]^T (+ bias[N]) with X fp32 (row stride ldx), W
 // row-major in fp32, fp16 or bf16 read in place (never converted as a whole), Y fp32 (row stride
-// ldy). The optimised version (AVX-512 when compiled for it, else a portable loop) uses dot-
-// product register tiles for a few tokens and packed-panel outer products for many (see
-// kernels.cpp), and splits the output rows over OpenMP threads. matmul_reference is the scalar
-// oracle (products of fp32 values, double accumulation).
+// ldy). The optimised versions (AVX-512 when compiled for it, else AVX2 where the CPU has it,
+// else a portable loop) use dot-product register tiles for a few tokens and packed-panel outer
+// products for many (see kernels.cpp), and split the output rows over the worker pool.
+// matmul_reference is the scalar oracle (products of fp32 values, double accumulation).
 //
 // Precision::kBF16 (opt-in; ForwardOptions::matmul) changes the arithmetic of products with bf16
 // weights only: X is rounded to bf16 (round to nearest even, as vcvtne2ps2bf16: NaN stays a
@@ -55,8 +55,18 @@ uint16_t bf16_round(float x);
 // out[i] = bf16_round(x[i]); the vector instruction where the CPU has it.
 void round_to_bf16(const float* x, int64_t n, uint16_t* out);
 
-// Whether kBF16 runs vdpbf16ps (the CPU has avx512_bf16, the build has AVX-512, and the portable
-// path is not forced). force_portable_bf16(true) makes kBF16 take the portable path (tests).
+// Instruction sets of matmul's kernels, in increasing order. matmul_isa() is the best this build
+// and CPU have (kAvx512 in builds compiled for AVX-512; kAvx2 chosen at run time, matmul_avx2.h;
+// else the portable loop) unless cap_matmul_isa lowered it (tests compare the paths; a cap above
+// the best changes nothing; process-wide). Every set obeys the exact-mode bound in kernels.cpp.
+enum class MatmulIsa : uint8_t { kPortable, kAvx2, kAvx512 };
+MatmulIsa matmul_isa();
+void cap_matmul_isa(MatmulIsa cap);
+const char* matmul_isa_name(MatmulIsa isa);
+
+// Whether kBF16 runs vdpbf16ps (the CPU has avx512_bf16, the build has AVX-512, matmul_isa() is
+// kAvx512, and the portable path is not forced). force_portable_bf16(true) makes kBF16 take the
+// portable path (tests).
 bool bf16_dot_active();
 void force_portable_bf16(bool on);
 
