@@ -1348,6 +1348,78 @@ void softmax_tile(Work& w, int64_t nt) {
     _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), _mm512_add_ps(p0, p1)));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp(x) for x <= 0 on 8 AVX2 lanes (x < -87, -inf and NaN give 0): exp_nonpos16's reduction and
+// polynomial with FMAs, 2^k built from its exponent bits (k in [-126, 0] after the clamp, a
+// normal number, so q 2^k is the one rounding scalef would make). Within the same 3 u bound.
+inline __m256 exp_nonpos8(__m256 v) {
+  const __m256 lim = _mm256_set1_ps(-87.0f);
+  const __m256 ok = _mm256_cmp_ps(v, lim, _CMP_GE_OQ);
+  v = _mm256_max_ps(v, lim);  // NaN -> lim (the second operand), masked off below
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 q = _mm256_set1_ps(1.9875691500E-4f);
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.3981999507E-3f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(8.3334519073E-3f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(4.1665795894E-2f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.6666665459E-1f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(5.0000001201E-1f));
+  q = _mm256_add_ps(_mm256_fmadd_ps(q, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i two_k =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(q, _mm256_castsi256_ps(two_k)), ok);
+}
+
+// AVX2: the AVX-512 version's steps with a query's (at most 32) logits in four 8-lane vectors
+// (lanes past nt read as -inf, weight 0); the weights' sum as (p0 + p1) + (p2 + p3) added into
+// lanes 0-7 of Work::lv (lanes 8-15 stay zero): a tree over the item's weights, as there.
+static_assert(kTile == 32, "softmax_tile holds a tile in four 8-lane vectors");
+void softmax_tile(Work& w, int64_t nt) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 pinf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i keep[4];
+  for (int j = 0; j < 4; ++j)
+    keep[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nt - 8 * j)), iota);
+  for (int64_t m = 0; m < w.m; ++m) {
+    const float* lr = w.logits.data() + m * kTile;
+    float* pr = w.probs.data() + m * kTile;
+    __m256 v[4];
+    int bad = 0;
+    for (int j = 0; j < 4; ++j) {
+      v[j] = nt >= 8 * (j + 1) ? _mm256_loadu_ps(lr + 8 * j)
+                               : _mm256_blendv_ps(ninf, _mm256_maskload_ps(lr + 8 * j, keep[j]),
+                                                  _mm256_castsi256_ps(keep[j]));
+      bad |= _mm256_movemask_ps(_mm256_cmp_ps(v[j], pinf, _CMP_NLT_UQ));
+    }
+    if (bad != 0) w.bad[static_cast<size_t>(m)] = 1;
+    const __m256 vm = _mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3]));
+    float& mxm = w.mx[static_cast<size_t>(m)];
+    if (_mm256_movemask_ps(_mm256_cmp_ps(vm, _mm256_set1_ps(mxm), _CMP_GT_OQ)) != 0) {
+      __m128 x = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+      x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+      x = _mm_max_ss(x, _mm_movehdup_ps(x));
+      const float tmax = _mm_cvtss_f32(x);
+      if (mxm != -std::numeric_limits<float>::infinity()) rescale(w, m, std::exp(mxm - tmax));
+      mxm = tmax;
+    }
+    const __m256 mv = _mm256_set1_ps(mxm);  // -inf - mx stays -inf -> weight 0
+    __m256 p[4];
+    for (int j = 0; j < 4; ++j) {
+      p[j] = exp_nonpos8(_mm256_sub_ps(v[j], mv));
+      if (nt >= 8 * (j + 1))
+        _mm256_storeu_ps(pr + 8 * j, p[j]);
+      else
+        _mm256_maskstore_ps(pr + 8 * j, keep[j], p[j]);
+    }
+    float* lv = w.lv.data() + m * 16;
+    _mm256_storeu_ps(
+        lv, _mm256_add_ps(_mm256_loadu_ps(lv),
+                          _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]))));
+  }
+}
 #else
 void softmax_tile(Work& w, int64_t nt) {
   const int64_t M = w.m;
@@ -1565,6 +1637,115 @@ void attend_fp_few(Work& w, const SegmentCtx& s, const TileRows& t) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// ---- few-query path on AVX2: full-precision rows read in place ------------------------------
+//
+// attend_general's arithmetic without its fp32 tiles: each visible key row meets four queries at
+// a time as in dot_many_lanes<Avx2Vec> (one 8-lane fmadd chain per query over the D / 8 blocks,
+// then reduce4) and each value row is accumulated as in accumulate_blocks<Avx2Vec> (32 channels
+// per block, an fmadd per channel over the visible rows in order), the fp16 / bf16 elements
+// converted in registers as they are read. The conversions are exact, so every logit, weight and
+// accumulator is the general path's, bit for bit.
+bool few8_supported(const ViewSegment& seg, int64_t d) {
+  return d % 32 == 0 && seg.keys.stride[3] == 1 && seg.values.stride[3] == 1;
+}
+
+template <DType T>
+inline __m256 load_row8(const char* row, int64_t i) {
+  if constexpr (T == DType::kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  } else {
+    const __m128i raw = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(row) + i));
+    if constexpr (T == DType::kBF16)
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    else
+      return _mm256_cvtph_ps(raw);
+  }
+}
+
+template <DType T>
+void few8_logits(Work& w, const float* qs, const char* k0, int64_t ks, const TileRows& t) {
+  const int64_t M = w.m, d = w.d;
+  for (int64_t vi = 0; vi < t.n_vis; ++vi) {
+    const int64_t r = w.vis[static_cast<size_t>(vi)];
+    const char* kr = k0 + r * ks;
+    for (int64_t m = 0; m < M; m += 4) {
+      const float* q0 = qs + m * d;
+      const float* q1 = qs + std::min(m + 1, M - 1) * d;
+      const float* q2 = qs + std::min(m + 2, M - 1) * d;
+      const float* q3 = qs + std::min(m + 3, M - 1) * d;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 xv = load_row8<T>(kr, i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + i), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + i), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + i), xv, a3);
+      }
+      float res[4];
+      reduce4(a0, a1, a2, a3, res);
+      for (int64_t j = 0; j < 4 && m + j < M; ++j)
+        w.logits[static_cast<size_t>((m + j) * kTile + r)] = res[j];
+    }
+  }
+}
+
+template <DType T>
+void few8_values(Work& w, const char* v0, int64_t vs, int64_t n_vis) {
+  const int64_t d = w.d;
+  const int32_t* rows = w.vis.data();
+  for (int64_t m = 0; m < w.m; ++m) {
+    const float* p = w.probs.data() + m * kTile;
+    float* acc = w.acc.data() + m * d;
+    for (int64_t c = 0; c < d; c += 32) {
+      __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
+      __m256 a2 = _mm256_loadu_ps(acc + c + 16), a3 = _mm256_loadu_ps(acc + c + 24);
+      for (int64_t r = 0; r < n_vis; ++r) {
+        const int64_t t = rows[r];
+        const char* vr = v0 + t * vs;
+        const __m256 pv = _mm256_set1_ps(p[t]);
+        a0 = _mm256_fmadd_ps(pv, load_row8<T>(vr, c), a0);
+        a1 = _mm256_fmadd_ps(pv, load_row8<T>(vr, c + 8), a1);
+        a2 = _mm256_fmadd_ps(pv, load_row8<T>(vr, c + 16), a2);
+        a3 = _mm256_fmadd_ps(pv, load_row8<T>(vr, c + 24), a3);
+      }
+      _mm256_storeu_ps(acc + c, a0);
+      _mm256_storeu_ps(acc + c + 8, a1);
+      _mm256_storeu_ps(acc + c + 16, a2);
+      _mm256_storeu_ps(acc + c + 24, a3);
+    }
+  }
+}
+
+template <DType T>
+void few8_tile(Work& w, const SegmentCtx& s, const TileRows& t) {
+  const ViewSegment& seg = *s.seg;
+  const char* k0 = static_cast<const char*>(seg.keys.row(s.b, s.kh, t.j0));
+  const int64_t ks = seg.keys.stride[2] * static_cast<int64_t>(dtype_size(seg.keys.dtype));
+  const char* v0 = static_cast<const char*>(seg.values.row(s.b, s.kh, t.j0));
+  const int64_t vs = seg.values.stride[2] * static_cast<int64_t>(dtype_size(seg.values.dtype));
+  clear_logits(w, t.nt);
+  few8_logits<T>(w, w.q.data(), k0, ks, t);
+  mask_logits(w, t, s.window);
+  softmax_tile(w, t.nt);
+  few8_values<T>(w, v0, vs, t.n_vis);
+}
+
+// One instantiation per (key dtype, value dtype) pair actually stored: keys and values of a
+// segment share their dtype (few8_supported's callers check), else the general path.
+void attend_fp_few8(Work& w, const SegmentCtx& s, const TileRows& t) {
+  switch (s.seg->keys.dtype) {
+    case DType::kF16:
+      return few8_tile<DType::kF16>(w, s, t);
+    case DType::kBF16:
+      return few8_tile<DType::kBF16>(w, s, t);
+    case DType::kF32:
+      return few8_tile<DType::kF32>(w, s, t);
+  }
+}
+#endif
+
 // Binds segment seg to head kh of batch b and sets up what its path needs (the packed
 // transform classes, the packed decode kernels and their prepared queries); returns the path,
 // chosen once for the whole segment. many: a prefill-sized call (see run_item).
@@ -1622,7 +1803,13 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   if (many) return d % 32 == 0 ? attend_packed_many : attend_general;
 #else
   (void)many;
-  if (!s.packed) return attend_general;
+  if (!s.packed) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (!many && few8_supported(seg, d) && seg.keys.dtype == seg.values.dtype)
+      return attend_fp_few8;
+#endif
+    return attend_general;
+  }
 #endif
   s.kk = detail::packed_kernel(s.pk.fmt, isa);
   s.vk = detail::packed_kernel(s.pv.fmt, isa);
