@@ -225,8 +225,8 @@ TEST(BackendOps, AttentionPackedDecodePaths) {
   const auto cases = harness::packed_decode_cases(harness::small_sweep());
   const detail::CpuIsa best = detail::detected_isa();
   for (detail::CpuIsa isa :
-       {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512,
-        detail::CpuIsa::kAvx512Vnni, detail::CpuIsa::kAvx512Bf16}) {
+       {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx2Int8,
+        detail::CpuIsa::kAvx512, detail::CpuIsa::kAvx512Vnni, detail::CpuIsa::kAvx512Bf16}) {
     if (isa > best) continue;
     detail::set_attention_isa(isa);
     uint64_t seed = 1000;
@@ -290,12 +290,13 @@ TEST(BackendOps, PackedKeysFp8MetadataEqualsFp16) {
         for (int64_t i = 0; i < d; ++i)
           qsum[static_cast<size_t>(m * f8.n_groups + i / 32)] += q[static_cast<size_t>(m * d + i)];
       for (detail::CpuIsa isa :
-           {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512,
-            detail::CpuIsa::kAvx512Vnni, detail::CpuIsa::kAvx512Bf16}) {
+           {detail::CpuIsa::kPortable, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx2Int8,
+            detail::CpuIsa::kAvx512, detail::CpuIsa::kAvx512Vnni, detail::CpuIsa::kAvx512Bf16}) {
         if (isa > best) continue;
         const detail::PackedKernel k8 = detail::packed_kernel(f8, isa);
         const detail::PackedKernel k16 = detail::packed_kernel(f16, isa);
-        if (k8.keys == nullptr || k8.isa != k16.isa) continue;  // not the same kernel family
+        if (k8.keys == nullptr || k8.isa != k16.isa || k8.int8_query != k16.int8_query)
+          continue;  // not the same kernel family (AVX2's int8 keys take fp16 metadata only)
         auto logits = [&](const detail::PackedKernel& k, const PackedRowFormat& f,
                           const std::vector<uint8_t>& rec) {
           std::vector<uint64_t> prep;

@@ -402,8 +402,8 @@ NB_MODULE(_veloxquant, m) {
       "_set_cpu_attention_isa",
       [](const std::string& name) {
         using vq::detail::CpuIsa;
-        for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni,
-                           CpuIsa::kAvx512Bf16})
+        for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx2Int8, CpuIsa::kAvx512,
+                           CpuIsa::kAvx512Vnni, CpuIsa::kAvx512Bf16})
           if (name == vq::detail::isa_name(isa)) {
             vq::detail::set_attention_isa(isa);
             return std::string(vq::detail::isa_name(vq::detail::attention_isa()));

@@ -1812,6 +1812,9 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   }
 #endif
   s.kk = detail::packed_kernel(s.pk.fmt, isa);
+  // Prefill-sized calls keep fp32 queries (they are held to the general path's bound, not the
+  // int8 one): AVX2's int8 key kernel gives way to its fp32 one there.
+  if (many && s.kk.int8_query) s.kk = detail::packed_kernel_avx2(s.pk.fmt);
   s.vk = detail::packed_kernel(s.pv.fmt, isa);
   if (s.kk.keys == nullptr || s.vk.values == nullptr) return attend_general;
   w.pscratch.resize(static_cast<size_t>(detail::packed_values_scratch(s.vg, M)));
@@ -2037,6 +2040,11 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
   // depend on how the queries were cut into items.
   many = q.shape[2] >= kManyQueries && many_supported(d);
   if (many) build_many(w);
+  const bool seg_many = many;
+#else
+  // No many-query paths: prefill-sized calls take the decode ones, told apart by begin_segment
+  // (their packed keys keep fp32 queries, held to the general bound).
+  const bool seg_many = q.shape[2] >= kManyQueries;
 #endif
   int64_t base = 0;  // the segment's first row in the view
   SegmentCtx s;
@@ -2047,7 +2055,7 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
     if (lo >= hi) continue;
     if (!rebind_packed_decode(seg, kh, d, attend, s)) {
       s = SegmentCtx{};
-      attend = begin_segment(w, seg, b, kh, p.window, many, isa, s);
+      attend = begin_segment(w, seg, b, kh, p.window, seg_many, isa, s);
     }
     for (int64_t j0 = lo; j0 < hi; j0 += kTile) {
       const TileRows t = visible_rows(w, seg, b, kh, n_hkv, j0, hi, p.window, qpos_min, qpos_max);

@@ -11,6 +11,8 @@ const char* isa_name(CpuIsa isa) {
       return "portable";
     case CpuIsa::kAvx2:
       return "avx2";
+    case CpuIsa::kAvx2Int8:
+      return "avx2int8";
     case CpuIsa::kAvx512:
       return "avx512";
     case CpuIsa::kAvx512Vnni:
@@ -32,6 +34,9 @@ CpuIsa detected_isa() {
                  ? CpuIsa::kAvx512Bf16
                  : CpuIsa::kAvx512Vnni;
     }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+      return CpuIsa::kAvx2Int8;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
 #endif
     return CpuIsa::kPortable;
@@ -91,8 +96,17 @@ PackedKernel packed_kernel(const PackedRowFormat& f, CpuIsa isa) {
     if (k.keys) return k;
   }
   if (isa >= CpuIsa::kAvx2) {
-    const PackedKernel k = packed_kernel_avx2(f);
-    if (k.keys) return k;
+    PackedKernel k = packed_kernel_avx2(f);
+    if (k.keys) {
+      const PackedKernel ik = isa >= CpuIsa::kAvx2Int8 ? packed_keys_avx2_int8(f) : PackedKernel{};
+      if (ik.keys) {
+        k.keys = ik.keys;
+        k.prepare = ik.prepare;
+        k.prep_bytes = ik.prep_bytes;
+        k.int8_query = true;
+      }
+      return k;
+    }
   }
   return packed_kernel_portable(f);
 }

@@ -19,11 +19,13 @@
 namespace vq::detail {
 
 // Instruction sets a kernel can be built for, in increasing order.
+// kAvx2Int8: kAvx2's kernels with the keys of 1-, 2- and 4-bit codes on int8 queries
+// (packed_keys_avx2_int8; PackedKernel::int8_query). set_attention_isa(kAvx2) keeps fp32 keys.
 // kAvx512Vnni: AVX-512 with VNNI, whose key kernels run on int8 queries (see below).
 // kAvx512Bf16: kAvx512Vnni's kernels with the values of 2- and 4-bit codes as bf16 dot products
 // (AVX-512 BF16 and VBMI; PackedKernel::bf16_values). set_attention_isa(kAvx512Vnni) keeps the
 // fp32 values.
-enum class CpuIsa : uint8_t { kPortable, kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16 };
+enum class CpuIsa : uint8_t { kPortable, kAvx2, kAvx2Int8, kAvx512, kAvx512Vnni, kAvx512Bf16 };
 const char* isa_name(CpuIsa isa);
 // The best instruction set of this CPU that this build has kernels for (checked once).
 CpuIsa detected_isa();
@@ -85,7 +87,7 @@ struct PackedKernel {
   PackedPrepBytesFn prep_bytes = nullptr;
   // The key kernel rounds each query group to int8: q'_i ~ sq_g * q8_i, sq_g = max_{i in g}
   // |q'_i| / 127, q8_i = rne(q'_i / sq_g), so |q'_i - sq_g q8_i| <= sq_g (1/2 + 127 u); the
-  // integer dot products are exact (packed_decode_vnni.cpp).
+  // integer dot products are exact (packed_decode_vnni.cpp, packed_decode_avx2_keys.cpp).
   bool int8_query = false;
   // The values kernel rounds each weight p s_g (fp32) to bf16 and sums in fp32 (vdpbf16ps):
   // |acc - exact| <= (u_b + u + u_b u) sum_t |p s_g c| + gamma_{n+1} (|acc0| + (1 + u_b + 2 u)
@@ -105,6 +107,11 @@ PackedKernel packed_kernel_avx2(const PackedRowFormat& f);
 PackedKernel packed_kernel_avx512(const PackedRowFormat& f);
 // Keys only (values: packed_kernel_avx512's).
 PackedKernel packed_kernel_vnni(const PackedRowFormat& f);
+// Keys only, on int8 queries with AVX2 (packed_decode_avx2_keys.cpp): keys, prepare, prep_bytes
+// and int8_query set, or {} where f is not covered (it needs fp16 metadata, 1-, 2- or 4-bit
+// codes, at most 4 groups) or the set was not built. packed_kernel takes it on kAvx2Int8 with
+// packed_kernel_avx2's values.
+PackedKernel packed_keys_avx2_int8(const PackedRowFormat& f);
 // Values only, bf16 dot products (packed_decode_bf16.cpp): null where f is not covered (2- and
 // 4-bit codes, fp16 metadata) or the set was not built.
 PackedValuesFn packed_values_bf16(const PackedRowFormat& f);
