@@ -98,6 +98,7 @@ PackedKernel packed_kernel(const PackedRowFormat& f, CpuIsa isa) {
   if (isa >= CpuIsa::kAvx2) {
     PackedKernel k = packed_kernel_avx2(f);
     if (k.keys) {
+      if (PackedValuesFn v = packed_values_avx2_rows(f)) k.values = v;
       const PackedKernel ik = isa >= CpuIsa::kAvx2Int8 ? packed_keys_avx2_int8(f) : PackedKernel{};
       if (ik.keys) {
         k.keys = ik.keys;

@@ -112,6 +112,10 @@ PackedKernel packed_kernel_vnni(const PackedRowFormat& f);
 // codes, at most 4 groups) or the set was not built. packed_kernel takes it on kAvx2Int8 with
 // packed_kernel_avx2's values.
 PackedKernel packed_keys_avx2_int8(const PackedRowFormat& f);
+// Values only, row-major over 8-byte code blocks with AVX2 (packed_decode_avx2_values.cpp): the
+// fp32 SIMD kernel's accumulators bit for bit, acc_lo in another order; null where f is not
+// covered (2- and 4-bit codes, fp16 metadata, groups of whole blocks, at most 16 groups).
+PackedValuesFn packed_values_avx2_rows(const PackedRowFormat& f);
 // Values only, bf16 dot products (packed_decode_bf16.cpp): null where f is not covered (2- and
 // 4-bit codes, fp16 metadata) or the set was not built.
 PackedValuesFn packed_values_bf16(const PackedRowFormat& f);
