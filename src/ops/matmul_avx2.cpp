@@ -3,6 +3,8 @@
 // test caps the instruction set.
 #include "ops/matmul_avx2.h"
 
+#include "ops/cpu_features.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -222,11 +224,7 @@ void panel(const float* x, int64_t n_tokens, int64_t k, int64_t ldx, const void*
 }  // namespace
 
 bool avx2_matmul_ok() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }();
+  static const bool ok = vq::detail::cpu_has_avx2_fma_f16c();
   return ok;
 }
 

@@ -1,6 +1,8 @@
 // Chooses the packed decode kernels (packed_decode.h) for a record format and this CPU.
 #include "ops/packed_decode.h"
 
+#include "ops/cpu_features.h"
+
 #include <atomic>
 
 namespace vq::detail {
@@ -34,9 +36,7 @@ CpuIsa detected_isa() {
                  ? CpuIsa::kAvx512Bf16
                  : CpuIsa::kAvx512Vnni;
     }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-      return CpuIsa::kAvx2Int8;
+    if (cpu_has_avx2_fma_f16c()) return CpuIsa::kAvx2Int8;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
 #endif
     return CpuIsa::kPortable;
