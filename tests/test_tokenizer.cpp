@@ -306,6 +306,34 @@ TEST(TokenizerStream, RandomIdsMatchFullDecode) {
   }
 }
 
+// A Strip after a Fuse strips the start of the whole text only. The stream decodes windows of
+// ids that start later; with a Strip of 2 or more characters, a window starting at a one-space
+// token used to strip the next token's spaces too (fuzz_tokenizer's finding, kept as a seed in
+// tools/fuzz/regressions/fuzz_tokenizer/). sp_bpe.json's decoder with start 1 to 3: runs of
+// spaces, random ids, both skip modes.
+TEST(TokenizerStream, StripAfterFuseMatchesFullDecodeAtAnyWidth) {
+  std::ifstream in(data_path("tests/data/tokenizers/sp_bpe.json"));
+  json doc = json::parse(in);
+  json& strip = doc["decoder"]["decoders"][3];
+  ASSERT_EQ(strip["type"], "Strip");
+  for (int start : {1, 2, 3}) {
+    SCOPED_TRACE("start " + std::to_string(start));
+    strip["start"] = start;
+    const vq::Tokenizer tok = vq::Tokenizer::from_json(doc.dump());
+    const std::string text = "a  b   c    d x\n\n  y 12345   spaces";
+    const std::vector<int32_t> ids = tok.encode(text, false);
+    EXPECT_EQ(stream_decode(tok, ids, false), tok.decode(ids));
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int32_t> any_id(0, tok.vocab_size() - 1);
+    for (int trial = 0; trial < 300; ++trial) {
+      std::vector<int32_t> r(static_cast<size_t>(1 + trial % 40));
+      for (int32_t& id : r) id = any_id(rng);
+      for (bool skip : {false, true})
+        EXPECT_EQ(stream_decode(tok, r, skip), tok.decode(r, skip)) << "trial " << trial;
+    }
+  }
+}
+
 TEST(TokenizerStream, BadIdChangesNothing) {
   const vq::Tokenizer tok = load("bl_bpe.json");
   const std::vector<int32_t> ids = tok.encode("héllo wörld 😀", false);

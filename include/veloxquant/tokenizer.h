@@ -91,6 +91,7 @@ class StreamDecoder {
   std::vector<int32_t> ids_;  // context ids + ids not yet emitted
   std::string prefix_;        // decode of ids_[0, prefix_index_)
   size_t prefix_index_ = 0;   // start of the ids not yet emitted
+  bool continued_ = false;    // ids_ no longer starts at the first pushed id
 };
 
 }  // namespace vq

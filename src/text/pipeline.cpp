@@ -346,8 +346,8 @@ class MetaspacePreTokenizer : public PreTokenizer {
 class SequenceDecoder : public Decoder {
  public:
   std::vector<std::unique_ptr<Decoder>> items;
-  void apply(std::vector<std::string>& tokens, bool& pending) const override {
-    for (const auto& d : items) d->apply(tokens, pending);
+  void apply(std::vector<std::string>& tokens, DecodeState& st) const override {
+    for (const auto& d : items) d->apply(tokens, st);
   }
   std::string name() const override {
     std::string out = "Sequence[";
@@ -363,7 +363,7 @@ class SequenceDecoder : public Decoder {
 // UTF-8 bytes), then converts all bytes to text at once, invalid sequences becoming U+FFFD.
 class ByteLevelDecoder : public Decoder {
  public:
-  void apply(std::vector<std::string>& tokens, bool& pending) const override {
+  void apply(std::vector<std::string>& tokens, DecodeState& st) const override {
     const ByteMap& map = byte_map();
     std::string bytes;
     for (const std::string& t : tokens) {
@@ -385,7 +385,7 @@ class ByteLevelDecoder : public Decoder {
     }
     bool incomplete = false;
     std::string text = utf8_lossy(bytes, &incomplete);
-    pending = incomplete;
+    st.pending = incomplete;
     tokens.assign(1, std::move(text));
   }
   std::string name() const override { return "ByteLevel"; }
@@ -408,7 +408,7 @@ class ByteFallbackDecoder : public Decoder {
     const int hi = hex(t[3]), lo = hex(t[4]);
     return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
   }
-  void apply(std::vector<std::string>& tokens, bool& pending) const override {
+  void apply(std::vector<std::string>& tokens, DecodeState& st) const override {
     std::vector<std::string> out;
     out.reserve(tokens.size());
     std::string run;
@@ -438,7 +438,7 @@ class ByteFallbackDecoder : public Decoder {
       out.push_back(std::move(t));
     }
     flush();  // the last run ends the output: its state is the output's
-    pending = run_pending;
+    st.pending = run_pending;
     tokens = std::move(out);
   }
   std::string name() const override { return "ByteFallback"; }
@@ -446,7 +446,8 @@ class ByteFallbackDecoder : public Decoder {
 
 class FuseDecoder : public Decoder {
  public:
-  void apply(std::vector<std::string>& tokens, bool&) const override {
+  void apply(std::vector<std::string>& tokens, DecodeState& st) const override {
+    st.fused = true;
     std::string all;
     for (const std::string& t : tokens) all += t;
     tokens.assign(1, std::move(all));
@@ -454,15 +455,18 @@ class FuseDecoder : public Decoder {
   std::string name() const override { return "Fuse"; }
 };
 
-// Removes up to `start` leading and `stop` trailing occurrences of one character per token.
+// Removes up to `start` leading and `stop` trailing occurrences of one character per token
+// (after a Fuse, of the whole text: not at the start of a continuation window, DecodeState).
 class StripDecoder : public Decoder {
  public:
   uint32_t content = ' ';
   size_t start = 0, stop = 0;
-  void apply(std::vector<std::string>& tokens, bool&) const override {
-    for (std::string& t : tokens) {
+  void apply(std::vector<std::string>& tokens, DecodeState& st) const override {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      std::string& t = tokens[i];
+      const size_t lead = i == 0 && st.continuation && st.fused ? 0 : start;
       size_t begin = 0;
-      for (size_t k = 0; k < start && begin < t.size(); ++k) {
+      for (size_t k = 0; k < lead && begin < t.size(); ++k) {
         if (utf8_at(t, begin) != content) break;
         begin += utf8_len(static_cast<unsigned char>(t[begin]));
       }
@@ -484,7 +488,7 @@ class ReplaceDecoder : public Decoder {
  public:
   std::unique_ptr<Pattern> pattern;
   std::string content;
-  void apply(std::vector<std::string>& tokens, bool&) const override {
+  void apply(std::vector<std::string>& tokens, DecodeState&) const override {
     for (std::string& t : tokens) pattern->replace(t, content);
   }
   std::string name() const override { return "Replace"; }
@@ -494,7 +498,7 @@ class ReplaceDecoder : public Decoder {
 class BpeSuffixDecoder : public Decoder {
  public:
   std::string suffix;
-  void apply(std::vector<std::string>& tokens, bool&) const override {
+  void apply(std::vector<std::string>& tokens, DecodeState&) const override {
     for (size_t i = 0; i < tokens.size(); ++i) {
       replace_all(tokens[i], suffix, i + 1 == tokens.size() ? std::string_view() : " ");
     }
@@ -507,7 +511,7 @@ class MetaspaceDecoder : public Decoder {
  public:
   std::string replacement;
   PrependScheme scheme = PrependScheme::kAlways;
-  void apply(std::vector<std::string>& tokens, bool&) const override {
+  void apply(std::vector<std::string>& tokens, DecodeState&) const override {
     for (size_t i = 0; i < tokens.size(); ++i) {
       replace_all(tokens[i], replacement,
                   i == 0 && scheme != PrependScheme::kNever ? std::string_view() : " ");

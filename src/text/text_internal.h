@@ -114,12 +114,21 @@ class PreTokenizer {
   virtual std::string name() const = 0;
 };
 
-// Decoders transform the list of token strings, like Hugging Face's decode_chain. pending is
-// set when the output ends with an unfinished UTF-8 character (streaming holds it back).
+// What a decoder chain reads and sets besides the token strings. pending: set when the output
+// ends with an unfinished UTF-8 character (streaming holds it back). continuation: the tokens are
+// a window that starts after the beginning of the text (StreamDecoder's), so a Strip after a
+// Fuse (fused: set by Fuse) must not strip the window's start, which is not the text's.
+struct DecodeState {
+  bool pending = false;
+  bool continuation = false;
+  bool fused = false;
+};
+
+// Decoders transform the list of token strings, like Hugging Face's decode_chain.
 class Decoder {
  public:
   virtual ~Decoder() = default;
-  virtual void apply(std::vector<std::string>& tokens, bool& pending) const = 0;
+  virtual void apply(std::vector<std::string>& tokens, DecodeState& st) const = 0;
   virtual std::string name() const = 0;
 };
 

@@ -242,7 +242,9 @@ struct Tokenizer::Impl {
 
   void find_added(std::string_view s, const AddedMatcher& matcher, std::vector<Segment>& out) const;
   void encode_text(std::string_view text, bool at_start, std::vector<int32_t>& ids) const;
-  std::string decode(std::span<const int32_t> ids, bool skip_special, bool* pending) const;
+  // continuation: ids start after the beginning of the text (StreamDecoder's window).
+  std::string decode(std::span<const int32_t> ids, bool skip_special, bool* pending,
+                     bool continuation = false) const;
 };
 
 // The reference's AddedVocabulary::find_matches: splits s into text and added-token segments.
@@ -302,8 +304,8 @@ void Tokenizer::Impl::encode_text(std::string_view text, bool at_start,
   pre_tokenizer->apply({std::string(text), at_start}, text::PieceSink(to_model));
 }
 
-std::string Tokenizer::Impl::decode(std::span<const int32_t> ids, bool skip_special,
-                                    bool* pending) const {
+std::string Tokenizer::Impl::decode(std::span<const int32_t> ids, bool skip_special, bool* pending,
+                                    bool continuation) const {
   std::vector<std::string> parts;
   parts.reserve(ids.size());
   for (int32_t id : ids) {
@@ -314,10 +316,11 @@ std::string Tokenizer::Impl::decode(std::span<const int32_t> ids, bool skip_spec
     if (skip_special && kind[static_cast<size_t>(id)] == 2) continue;
     parts.push_back(tokens[static_cast<size_t>(id)]);
   }
-  bool incomplete = false;
+  text::DecodeState st;
+  st.continuation = continuation;
   std::string out;
   if (decoder) {
-    decoder->apply(parts, incomplete);
+    decoder->apply(parts, st);
     for (const std::string& p : parts) out += p;
   } else {
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -325,7 +328,7 @@ std::string Tokenizer::Impl::decode(std::span<const int32_t> ids, bool skip_spec
       out += parts[i];
     }
   }
-  if (pending) *pending = incomplete;
+  if (pending) *pending = st.pending;
   return out;
 }
 
@@ -588,7 +591,7 @@ std::string StreamDecoder::push(int32_t id) {
   bool pending = false;
   std::string text;
   try {
-    text = im.decode(ids_, skip_special_, &pending);
+    text = im.decode(ids_, skip_special_, &pending, continued_);
   } catch (...) {
     ids_.pop_back();  // a bad id changes nothing
     throw;
@@ -599,14 +602,15 @@ std::string StreamDecoder::push(int32_t id) {
   std::string delta = text.substr(prefix_.size());
   const size_t emitted = ids_.size() - prefix_index_;
   ids_.erase(ids_.begin(), ids_.begin() + static_cast<ptrdiff_t>(prefix_index_));
-  prefix_ = im.decode(ids_, skip_special_, nullptr);
+  continued_ = continued_ || prefix_index_ > 0;
+  prefix_ = im.decode(ids_, skip_special_, nullptr, continued_);
   prefix_index_ = emitted;
   return delta;
 }
 
 std::string StreamDecoder::flush() {
   const Tokenizer::Impl& im = *tokenizer_.impl_;
-  std::string text = im.decode(ids_, skip_special_, nullptr);
+  std::string text = im.decode(ids_, skip_special_, nullptr, continued_);
   std::string delta;
   if (text.size() > prefix_.size() && text.compare(0, prefix_.size(), prefix_) == 0) {
     delta = text.substr(prefix_.size());
@@ -619,6 +623,7 @@ void StreamDecoder::reset() {
   ids_.clear();
   prefix_.clear();
   prefix_index_ = 0;
+  continued_ = false;
 }
 
 }  // namespace vq
