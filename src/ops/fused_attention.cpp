@@ -1732,8 +1732,8 @@ void few8_tile(Work& w, const SegmentCtx& s, const TileRows& t) {
   few8_values<T>(w, v0, vs, t.n_vis);
 }
 
-// One instantiation per (key dtype, value dtype) pair actually stored: keys and values of a
-// segment share their dtype (few8_supported's callers check), else the general path.
+// One instantiation per row dtype: begin_segment takes this path only where a segment's keys
+// and values share their dtype (else the general path).
 void attend_fp_few8(Work& w, const SegmentCtx& s, const TileRows& t) {
   switch (s.seg->keys.dtype) {
     case DType::kF16:
