@@ -20,8 +20,10 @@
 // up to 128) run full-precision tiles with vector lanes over queries (many_tile below); smaller
 // calls (decode) read contiguous full-precision rows in place, D a multiple of 32 up to 128
 // (few_tile_logits / few_tile_values below); prefill-sized calls over packed rows, D a multiple
-// of 32 up to 128, run lanes over queries too (many_packed_tile). The results meet the fused
-// bound of docs/design.md §4, not one summation order.
+// of 32 up to 128, run lanes over queries too (many_packed_tile). AVX2 + FMA builds have the
+// same three with 8 lanes (their many_tile and many_packed_tile take D a multiple of 16; the
+// in-place rows are attend_fp_few8). The results meet the fused bound of docs/design.md §4, not
+// one summation order.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -64,6 +66,15 @@ constexpr int64_t kManyQueries = 8;   // queries per head from which the many-qu
 // only, never on the thread count, so every thread count gives the same bits.
 constexpr int64_t kSplitRows = 2048;
 constexpr int64_t kMaxParts = 16;
+// Prefill-sized calls (>= kManyQueries queries per head) over full-precision rows run with vector
+// lanes over queries where the build has AVX-512 (16 lanes) or AVX2 + FMA (8 lanes): many_tile.
+#if defined(__AVX512F__)
+#define VQ_MANY_FP 1
+constexpr int64_t kManyLanes = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VQ_MANY_FP 1
+constexpr int64_t kManyLanes = 8;
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
@@ -540,7 +551,7 @@ struct Work {
   std::vector<float> pscratch;    // packed value kernels' weights (packed_decode.h)
   std::vector<int32_t> pos, vis;  // [kTile] positions; indices of visible rows
   // Many-query path (full-precision segments, see many_tile): lanes run over queries.
-  int64_t mp = 0;               // M rounded up to 16 lanes
+  int64_t mp = 0;               // M rounded up to kManyLanes
   std::vector<float> qt;        // [D, Mp] scaled queries transposed (padding lanes 0)
   std::vector<int32_t> qpos32;  // [Mp] query positions
   std::vector<float> st;        // [kTile, Mp] logits, then weights, of one tile
@@ -612,6 +623,42 @@ void fold_lanes(Work& w) {
     std::fill(v, v + 16, 0.0f);
   }
 }
+
+#if defined(VQ_MANY_FP)
+bool many_supported(int64_t d) {
+  return d % 16 == 0 && d >= 16 && d <= 128;
+}
+
+// Queries of the item transposed into lanes: qt[c][m] = q[m][c], padding lanes 0.
+void build_many(Work& w) {
+  const int64_t M = w.m, d = w.d;
+  w.mp = (M + kManyLanes - 1) / kManyLanes * kManyLanes;
+  w.qt.assign(static_cast<size_t>(d * w.mp), 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < d; ++c) w.qt[static_cast<size_t>(c * w.mp + m)] = w.q[m * d + c];
+  w.qpos32.assign(static_cast<size_t>(w.mp), 0);
+  for (int64_t m = 0; m < M; ++m)
+    w.qpos32[static_cast<size_t>(m)] = static_cast<int32_t>(w.qpos[static_cast<size_t>(m)]);
+  w.st.resize(static_cast<size_t>(kTile * w.mp));
+  w.alpha.resize(static_cast<size_t>(w.mp));
+  w.mx.resize(static_cast<size_t>(w.mp), -std::numeric_limits<float>::infinity());
+  w.l.resize(static_cast<size_t>(w.mp), 0.0f);
+  w.lv.resize(static_cast<size_t>(w.mp * 16), 0.0f);  // rescale reaches every lane's query
+}
+
+// The transposed class queries and group sums of the many-query packed path.
+void build_class_lanes(const Work& w, KeyClass& kc) {
+  const int64_t M = w.m, d = w.d, mp = w.mp;
+  kc.qt.assign(static_cast<size_t>(d * mp), 0.0f);
+  kc.qst.assign(static_cast<size_t>(kc.n_groups * mp), 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < d; ++c) kc.qt[static_cast<size_t>(c * mp + m)] = kc.q[m * d + c];
+    for (int32_t g = 0; g < kc.n_groups; ++g)
+      kc.qst[static_cast<size_t>(g * mp + m)] = kc.qsum[static_cast<size_t>(m * kc.n_groups + g)];
+  }
+}
+
+#endif
 
 #if defined(__AVX512F__)
 // ---- many-query path: full-precision rows, lanes over queries --------------------------------
@@ -702,27 +749,6 @@ void pv_all(float* acc, const float* st, int64_t mp, const float* alpha, const f
   int64_t m0 = 0;
   for (; m0 + QP <= M; m0 += QP) pv_block<NV, QP>(acc, st, mp, alpha, vt, rows, n_rows, m0);
   for (; m0 < M; ++m0) pv_block<NV, 1>(acc, st, mp, alpha, vt, rows, n_rows, m0);
-}
-
-bool many_supported(int64_t d) {
-  return d % 16 == 0 && d >= 16 && d <= 128;
-}
-
-// Queries of the item transposed into lanes: qt[c][m] = q[m][c], padding lanes 0.
-void build_many(Work& w) {
-  const int64_t M = w.m, d = w.d;
-  w.mp = (M + 15) / 16 * 16;
-  w.qt.assign(static_cast<size_t>(d * w.mp), 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < d; ++c) w.qt[static_cast<size_t>(c * w.mp + m)] = w.q[m * d + c];
-  w.qpos32.assign(static_cast<size_t>(w.mp), 0);
-  for (int64_t m = 0; m < M; ++m)
-    w.qpos32[static_cast<size_t>(m)] = static_cast<int32_t>(w.qpos[static_cast<size_t>(m)]);
-  w.st.resize(static_cast<size_t>(kTile * w.mp));
-  w.alpha.resize(static_cast<size_t>(w.mp));
-  w.mx.resize(static_cast<size_t>(w.mp), -std::numeric_limits<float>::infinity());
-  w.l.resize(static_cast<size_t>(w.mp), 0.0f);
-  w.lv.resize(static_cast<size_t>(w.mp * 16), 0.0f);  // rescale reaches every lane's query
 }
 
 // Marks the queries l0 + i of the lanes i set in bad (see Work::bad).
@@ -858,18 +884,6 @@ inline __m512 dot_lanes(const float* __restrict qt, int64_t mp, const float* __r
   for (int l = 0; l < 4; ++l) s2[l] = _mm512_add_ps(s1[l + 4], s1[l]);
   const __m512 s30 = _mm512_add_ps(s2[2], s2[0]), s31 = _mm512_add_ps(s2[3], s2[1]);
   return _mm512_add_ps(s30, s31);
-}
-
-// The transposed class queries and group sums of the many-query packed path.
-void build_class_lanes(const Work& w, KeyClass& kc) {
-  const int64_t M = w.m, d = w.d, mp = w.mp;
-  kc.qt.assign(static_cast<size_t>(d * mp), 0.0f);
-  kc.qst.assign(static_cast<size_t>(kc.n_groups * mp), 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t c = 0; c < d; ++c) kc.qt[static_cast<size_t>(c * mp + m)] = kc.q[m * d + c];
-    for (int32_t g = 0; g < kc.n_groups; ++g)
-      kc.qst[static_cast<size_t>(g * mp + m)] = kc.qsum[static_cast<size_t>(m * kc.n_groups + g)];
-  }
 }
 
 // One tile of nt packed rows (keys and values unpacked in w.kt / w.vt, offsets in w.klo / w.vlo
@@ -1459,6 +1473,250 @@ void softmax_tile(Work& w, int64_t nt) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// ---- many-query path on AVX2: full-precision rows, lanes over queries -----------------------
+//
+// The AVX-512 many_tile's plan and arithmetic with 8 query lanes per vector: each logit is the
+// sequential fp32 FMA sum over the D channels from zero (4 rows x 16 queries per register block),
+// the masks, the running max and the rescale per lane as there, the weights from exp_nonpos8,
+// and acc[m] = acc[m] * alpha_m + the visible rows' p v in row order (2 queries x 32 channels
+// per block). Each query's arithmetic is independent of its lane mates, of the item's query
+// block and of the lane width: a query's logits, weights and accumulators are the AVX-512
+// path's, bit for bit, and GQA equals MHA with repeated heads here too.
+
+// st[r][lanes of the 8-lane groups g0 .. g0 + QB) = kt[r] . qt for the R rows r of kt.
+// (qk_block8 and pv_block8 are always inlined: GCC 12 kept their accumulator arrays on the
+// stack when it compiled them on their own, and prefill at 8K tokens ran 25 % slower.)
+template <int R, int QB>
+__attribute__((always_inline)) inline void qk_block8(const float* __restrict qt, int64_t mp,
+                                                     const float* __restrict kt, int64_t d,
+                                                     float* __restrict st, int64_t g0) {
+  __m256 acc[R][QB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < QB; ++j) acc[r][j] = _mm256_setzero_ps();
+  const float* qg = qt + g0 * 8;
+  for (int64_t c = 0; c < d; ++c) {
+    __m256 qv[QB];
+    for (int j = 0; j < QB; ++j) qv[j] = _mm256_loadu_ps(qg + c * mp + 8 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m256 kb = _mm256_broadcast_ss(kt + r * d + c);
+      for (int j = 0; j < QB; ++j) acc[r][j] = _mm256_fmadd_ps(kb, qv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < QB; ++j) _mm256_storeu_ps(st + r * mp + (g0 + j) * 8, acc[r][j]);
+}
+
+// acc[m][c0, c0 + 8 NC) = acc * alpha[m] + sum over the listed rows t of st[t][m] * vt[t] for
+// the QP queries m0 .. m0 + QP.
+template <int NC, int QP>
+__attribute__((always_inline)) inline void pv_block8(float* __restrict acc,
+                                                     const float* __restrict st, int64_t mp,
+                                                     const float* __restrict alpha,
+                                                     const float* __restrict vt, int64_t d,
+                                                     int64_t c0, const int32_t* rows,
+                                                     int64_t n_rows, int64_t m0) {
+  __m256 a[QP][NC];
+  for (int i = 0; i < QP; ++i) {
+    const __m256 al = _mm256_set1_ps(alpha[m0 + i]);
+    for (int j = 0; j < NC; ++j)
+      a[i][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + (m0 + i) * d + c0 + 8 * j), al);
+  }
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* v = vt + rows[r] * d + c0;
+    const float* p = st + rows[r] * mp + m0;
+    __m256 vv[NC];
+    for (int j = 0; j < NC; ++j) vv[j] = _mm256_loadu_ps(v + 8 * j);
+#pragma GCC unroll 8
+    for (int i = 0; i < QP; ++i) {
+      const __m256 pb = _mm256_broadcast_ss(p + i);
+#pragma GCC unroll 4
+      for (int j = 0; j < NC; ++j) a[i][j] = _mm256_fmadd_ps(pb, vv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < QP; ++i)
+    for (int j = 0; j < NC; ++j) _mm256_storeu_ps(acc + (m0 + i) * d + c0 + 8 * j, a[i][j]);
+}
+
+template <int NC>
+void pv_chunk8(float* acc, const float* st, int64_t mp, const float* alpha, const float* vt,
+               int64_t d, int64_t c0, const int32_t* rows, int64_t n_rows, int64_t M) {
+  int64_t m0 = 0;
+  for (; m0 + 6 <= M; m0 += 6) pv_block8<NC, 6>(acc, st, mp, alpha, vt, d, c0, rows, n_rows, m0);
+  for (; m0 + 2 <= M; m0 += 2) pv_block8<NC, 2>(acc, st, mp, alpha, vt, d, c0, rows, n_rows, m0);
+  if (m0 < M) pv_block8<NC, 1>(acc, st, mp, alpha, vt, d, c0, rows, n_rows, m0);
+}
+
+// qk_block8 over every 8-lane group of the queries qt for the R rows of kt from row r0.
+template <int R>
+void qk_rows8(const float* qt, int64_t mp, const float* kt, int64_t d, int64_t r0, float* st) {
+  const int64_t n_groups = mp / 8;
+  kt += r0 * d;
+  st += r0 * mp;
+  int64_t g = 0;
+  for (; g + 2 <= n_groups; g += 2) qk_block8<R, 2>(qt, mp, kt, d, st, g);
+  if (g < n_groups) qk_block8<R, 1>(qt, mp, kt, d, st, g);
+}
+
+// Logits st[t][m] = kt[t] . q_m for the blocks of 6 rows (the tile's last 2 rows: one block of
+// 2) that hold rows < nt.
+void qk_tile8(const float* qt, int64_t mp, const float* kt, int64_t d, int64_t nt, float* st) {
+  static_assert(kTile == 32, "qk_tile8 takes 5 blocks of 6 rows and one of 2");
+  for (int64_t r0 = 0; r0 < nt; r0 += 6) {
+    if (r0 + 6 <= kTile)
+      qk_rows8<6>(qt, mp, kt, d, r0, st);
+    else
+      qk_rows8<2>(qt, mp, kt, d, r0, st);
+  }
+}
+
+// The tile's masks and online-softmax step, 8 queries per step: logits of hidden rows (and of
+// rows a query may not see) set to -inf, the running max, each query's rescale factor into
+// w.alpha (std::exp where the max rises over a finite one, else 1), applied here to the packed
+// accumulators (and, with scale_acc, to the full-precision ones; else the caller's pv_chunk8
+// applies it) and to l; the weights into st and their sum (in row order) added to l.
+void softmax_lanes8(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window,
+                    bool scale_acc) {
+  const int64_t M = w.m, d = w.d, mp = w.mp, n_groups = mp / 8;
+  float* st = w.st.data();
+  alignas(32) uint8_t row_vis[kTile] = {};
+  for (int64_t vi = 0; vi < n_vis; ++vi) row_vis[w.vis[static_cast<size_t>(vi)]] = 1;
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 pos_inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256i win = _mm256_set1_epi32(
+      static_cast<int32_t>(std::min<int64_t>(window, std::numeric_limits<int32_t>::max())));
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t l0 = g * 8;
+    const __m256i lanes = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(M - l0, 8))), iota);
+    const int lane_bits = _mm256_movemask_ps(_mm256_castsi256_ps(lanes));
+    const __m256i qp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qpos32.data() + l0));
+    __m256 tmax = neg_inf;
+    int bad = 0;                       // lanes with a NaN or +inf logit of a visible row
+    if (every && lane_bits == 0xFF) {  // nothing to mask: the tile's max only
+      for (int64_t t = 0; t < nt; ++t) {
+        const __m256 x = _mm256_loadu_ps(st + t * mp + l0);
+        bad |= _mm256_movemask_ps(_mm256_cmp_ps(x, pos_inf, _CMP_NLT_UQ));
+        tmax = _mm256_max_ps(tmax, x);
+      }
+    } else {
+      for (int64_t t = 0; t < nt; ++t) {
+        float* s = st + t * mp + l0;
+        __m256i m = _mm256_setzero_si256();
+        if (row_vis[t]) {
+          const __m256i pt = _mm256_set1_epi32(w.pos[static_cast<size_t>(t)]);
+          m = _mm256_andnot_si256(_mm256_cmpgt_epi32(pt, qp), lanes);  // pos_t <= q_pos
+          if (window > 0)  // q_pos - pos_t < window (the difference is >= 0 on these lanes)
+            m = _mm256_and_si256(m, _mm256_cmpgt_epi32(win, _mm256_sub_epi32(qp, pt)));
+        }
+        const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s), _mm256_castsi256_ps(m));
+        _mm256_storeu_ps(s, x);
+        bad |= _mm256_movemask_ps(_mm256_cmp_ps(x, pos_inf, _CMP_NLT_UQ));
+        tmax = _mm256_max_ps(tmax, x);
+      }
+    }
+    bad &= lane_bits;
+    for (int i = 0; bad != 0 && i < 8; ++i)
+      if (bad & (1 << i)) w.bad[static_cast<size_t>(l0 + i)] = 1;
+    __m256 mx = _mm256_loadu_ps(w.mx.data() + l0);
+    const __m256 up = _mm256_cmp_ps(tmax, mx, _CMP_GT_OQ);
+    // Rescale where the max rises over a finite one: std::exp per lane as the general path.
+    const int resc =
+        _mm256_movemask_ps(_mm256_and_ps(up, _mm256_cmp_ps(mx, neg_inf, _CMP_NEQ_OQ))) & lane_bits;
+    alignas(32) float al[8], mxa[8], tma[8];
+    _mm256_store_ps(al, _mm256_set1_ps(1.0f));
+    _mm256_store_ps(mxa, mx);
+    _mm256_store_ps(tma, tmax);
+    for (int i = 0; resc != 0 && i < 8; ++i)
+      if (resc & (1 << i)) {
+        al[i] = std::exp(mxa[i] - tma[i]);
+        if (scale_acc) scal(w.acc.data() + (l0 + i) * d, al[i], d);
+        for (ValClass& v : w.vcls) {  // packed accumulators
+          scal(v.acc.data() + (l0 + i) * d, al[i], d);
+          scal(v.acc_lo.data() + (l0 + i) * v.n_groups, al[i], v.n_groups);
+        }
+      }
+    const __m256 alpha = _mm256_load_ps(al);
+    _mm256_storeu_ps(w.alpha.data() + l0, alpha);
+    mx = _mm256_blendv_ps(mx, tmax, up);
+    _mm256_storeu_ps(w.mx.data() + l0, mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < nt; ++t) {  // -inf (masked) - mx, or -inf - -inf = NaN, give 0
+      float* s = st + t * mp + l0;
+      const __m256 p = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s), mx));
+      _mm256_storeu_ps(s, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    _mm256_storeu_ps(w.l.data() + l0,
+                     _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(w.l.data() + l0), alpha), sum));
+  }
+}
+
+// acc[m] = acc[m] * alpha_m + sum over the visible rows of st[t][m] vt[t], 16 channels per pass.
+void pv_tile8(Work& w, float* acc, int64_t n_vis) {
+  const int64_t d = w.d;
+  for (int64_t c0 = 0; c0 < d; c0 += 16)  // d is a multiple of 16 (many_supported)
+    pv_chunk8<2>(acc, w.st.data(), w.mp, w.alpha.data(), w.vt.data(), d, c0, w.vis.data(), n_vis,
+                 w.m);
+}
+
+// One tile of nt full-precision rows (w.kt / w.vt hold the n_vis visible rows w.vis, positions
+// in w.pos) against every query of the item; every: each of the nt rows is visible to every
+// query of the item.
+void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
+  qk_tile8(w.qt.data(), w.mp, w.kt.data(), w.d, nt, w.st.data());
+  softmax_lanes8(w, nt, n_vis, every, window, false);
+  pv_tile8(w, w.acc.data(), n_vis);
+}
+
+// One tile of nt packed rows (keys and values unpacked to c s in w.kt / w.vt, offsets in w.klo /
+// w.vlo as [group][kTile], zeros for hidden rows) against every query of the item, as
+// many_tile with the packed path's terms: logit = (q' . c s) + (sum_g lo_g qsum_g) (the offsets'
+// terms an fmadd chain over the groups in order, added once: a term of either sum passes at most
+// D + 2 or n_groups + 1 roundings after its own, inside the fused bound's D + 8),
+// acc_lo[m][g] += sum_t p_t lo_g,t (an fmadd chain over the tile's rows in order) and
+// acc'[m] += sum_t p_t (c s)_t, after the rescale (alpha applied in softmax_lanes8).
+void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n_vis, bool every,
+                      int64_t window) {
+  const int64_t M = w.m, mp = w.mp, n_groups = mp / 8;
+  const int32_t kg = kc.n_groups, vg = vc.n_groups;
+  float* st = w.st.data();
+  qk_tile8(kc.qt.data(), mp, w.kt.data(), w.d, nt, st);
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t g = 0; g < n_groups; ++g) {
+      const float* lo = w.klo.data() + t;
+      const float* qs = kc.qst.data() + 8 * g;
+      __m256 b = _mm256_mul_ps(_mm256_set1_ps(lo[0]), _mm256_loadu_ps(qs));
+      for (int32_t gi = 1; gi < kg; ++gi)
+        b = _mm256_fmadd_ps(_mm256_set1_ps(lo[gi * kTile]), _mm256_loadu_ps(qs + gi * mp), b);
+      float* s = st + t * mp + 8 * g;
+      _mm256_storeu_ps(s, _mm256_add_ps(_mm256_loadu_ps(s), b));
+    }
+  softmax_lanes8(w, nt, n_vis, every, window, true);
+  alignas(32) float res[8];
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t l0 = g * 8;
+    for (int32_t gv = 0; gv < vg; ++gv) {
+      const float* lo = w.vlo.data() + gv * kTile;
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t t = 0; t < nt; ++t)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(st + t * mp + l0), _mm256_set1_ps(lo[t]), a);
+      _mm256_store_ps(res, a);
+      for (int64_t li = 0; li < 8 && l0 + li < M; ++li)
+        vc.acc_lo[static_cast<size_t>((l0 + li) * vg + gv)] += res[li];
+    }
+  }
+  std::fill(w.alpha.begin(), w.alpha.end(), 1.0f);  // the rescale is applied above
+  pv_tile8(w, vc.acc.data(), n_vis);
+}
+
+void many_packed_dispatch(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n_vis,
+                          bool every, int64_t window) {
+  many_packed_tile(w, kc, vc, nt, n_vis, every, window);
+}
+#endif
+
 // Logits of every query and listed row set to -inf (the paths then fill the visible ones).
 void clear_logits(Work& w, int64_t nt) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -1594,7 +1852,7 @@ void attend_packed_decode(Work& w, const SegmentCtx& s, const TileRows& t) {
               w.pscratch.data());
 }
 
-#if defined(__AVX512F__)
+#if defined(VQ_MANY_FP)
 // Many-query path over full-precision rows: the visible rows to fp32 tiles, then many_tile.
 void attend_fp_many(Work& w, const SegmentCtx& s, const TileRows& t) {
   const int64_t d = w.d;
@@ -1618,6 +1876,9 @@ void attend_packed_many(Work& w, const SegmentCtx& s, const TileRows& t) {
   }
   many_packed_dispatch(w, *s.kc, *s.vc, t.nt, t.n_vis, t.every, s.window);
 }
+#endif
+
+#if defined(__AVX512F__)
 
 // Few-query path over full-precision rows read in place: every row's logits, the hidden rows'
 // set to -inf, then the values.
@@ -1802,14 +2063,17 @@ AttendFn begin_segment(Work& w, const ViewSegment& seg, int64_t b, int64_t kh, i
   }
   if (many) return d % 32 == 0 ? attend_packed_many : attend_general;
 #else
-  (void)many;
   if (!s.packed) {
 #if defined(__AVX2__) && defined(__FMA__)
+    if (many && many_supported(d)) return attend_fp_many;  // run_item built the lanes
     if (!many && few8_supported(seg, d) && seg.keys.dtype == seg.values.dtype)
       return attend_fp_few8;
 #endif
     return attend_general;
   }
+#if defined(__AVX2__) && defined(__FMA__)
+  if (many && many_supported(d)) return attend_packed_many;
+#endif
 #endif
   s.kk = detail::packed_kernel(s.pk.fmt, isa);
   // Prefill-sized calls keep fp32 queries (they are held to the general path's bound, not the
@@ -2035,15 +2299,17 @@ void run_item(const TensorView& q, const CacheView& view, const AttentionParams&
   const int64_t qpos_min = p.q_pos0 + i0, qpos_max = p.q_pos0 + i1 - 1;
   const detail::CpuIsa isa = detail::attention_isa();
   bool many = false;
-#if defined(__AVX512F__)
+#if defined(VQ_MANY_FP)
   // Decided by the call's queries per head (not the item's), so a query's arithmetic does not
   // depend on how the queries were cut into items.
   many = q.shape[2] >= kManyQueries && many_supported(d);
   if (many) build_many(w);
+#endif
+#if defined(__AVX512F__)
   const bool seg_many = many;
 #else
-  // No many-query paths: prefill-sized calls take the decode ones, told apart by begin_segment
-  // (their packed keys keep fp32 queries, held to the general bound).
+  // No many-query paths over packed rows: prefill-sized calls take the decode ones there, told
+  // apart by begin_segment (their packed keys keep fp32 queries, held to the general bound).
   const bool seg_many = q.shape[2] >= kManyQueries;
 #endif
   int64_t base = 0;  // the segment's first row in the view
