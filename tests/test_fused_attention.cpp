@@ -612,6 +612,52 @@ TEST(FusedAttention, ManyQueriesAndOneQueryCallsOverPackedRowsMeetTheirBounds) {
   EXPECT_EQ(n, 12);
 }
 
+// Many-query calls over packed rows whose explicit positions put rows no query may see (future
+// positions) inside tiles whose visible rows every query sees (the tile's "every" case with rows
+// left out): the left-out rows must not enter the softmax, whatever their unpacked tile slot held.
+TEST(FusedAttention, ManyQueriesOverPackedRowsLeaveOutFutureRowsOfEveryTile) {
+  for (int64_t d : {64, 128}) {
+    CacheConfig cfg = method_cfg("skvq");
+    cfg.head_dim = d;
+    auto cache = make_cache(cfg);
+    const int64_t len = 150, nq = 16, rep = 2, h_kv = 2;
+    const Tensor k = test::random_tensor(DType::kF16, 1, h_kv, len, d, 4100 + d);
+    const Tensor v = test::random_tensor(DType::kF16, 1, h_kv, len, d, 4101 + d);
+    const CacheView full_view = cache->update_and_fetch(k.view(), v.view());
+    CacheView view = full_view;
+    view.segments.clear();
+    for (const ViewSegment& seg : full_view.segments)
+      if (seg.packed) view.segments.push_back(seg);
+    ASSERT_FALSE(view.segments.empty()) << "the SKVQ cache should hold packed rows";
+    // Row j (counted over the view) at position j, every third row at 1000 + j: after every
+    // query (positions 200 .. 215), so hidden, while the others are seen by all of them.
+    std::vector<std::vector<int32_t>> pos(view.segments.size());
+    int64_t j = 0;
+    for (size_t si = 0; si < view.segments.size(); ++si) {
+      ViewSegment& seg = view.segments[si];
+      pos[si].resize(static_cast<size_t>(h_kv * seg.n_rows));
+      for (int64_t r = 0; r < seg.n_rows; ++r, ++j)
+        for (int64_t h = 0; h < h_kv; ++h)
+          pos[si][static_cast<size_t>(h * seg.n_rows + r)] =
+              static_cast<int32_t>(j % 3 == 1 ? 1000 + j : j);
+      seg.positions = pos[si].data();
+      seg.pos_stride = seg.n_rows;
+    }
+    const DenseView dense = dequantize_view(view, DType::kF32);
+    const Tensor q = test::random_tensor(DType::kF32, 1, h_kv * rep, nq, d, 4102 + d, 1.5f);
+    const float* qd = static_cast<const float*>(q.data());
+    AttentionParams p;
+    p.q_pos0 = 200;
+    std::vector<float> out(static_cast<size_t>(q.numel()));
+    attention(q.view(), view, p, out.data());
+    const std::vector<float> qall(qd, qd + q.numel());
+    const auto ref = harness::attention_ref(dense.view, qall, h_kv * rep, nq, p);
+    const auto bound = harness::fused_cpu_bound(view, dense.view, qall, h_kv * rep, nq, p);
+    for (size_t e = 0; e < out.size(); ++e)
+      ASSERT_LE(std::fabs(out[e] - ref[e]), bound[e]) << "d " << d << " element " << e;
+  }
+}
+
 // Metamorphic: a sliding window over the whole view equals attention over only the rows inside
 // the window (a full-precision copy restricted to them).
 TEST(FusedAttention, WindowEqualsSlicedRows) {

@@ -1693,7 +1693,8 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
       float* s = st + t * mp + 8 * g;
       _mm256_storeu_ps(s, _mm256_add_ps(_mm256_loadu_ps(s), b));
     }
-  softmax_lanes8(w, nt, n_vis, every, window, true);
+  // (the rows a tile leaves out hold stale slots: "every" skips the masks only if there are none)
+  softmax_lanes8(w, nt, n_vis, every && n_vis == nt, window, true);
   alignas(32) float res[8];
   for (int64_t g = 0; g < n_groups; ++g) {
     const int64_t l0 = g * 8;
