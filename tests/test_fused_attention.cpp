@@ -548,6 +548,15 @@ TEST(FusedAttention, DecodeSplitRowsSameBitsAtAnyThreadCount) {
   omp_set_num_threads(old);
 }
 
+// The view's packed segments alone (the SKVQ cache's quantized rows).
+CacheView packed_segments(const CacheView& full_view) {
+  CacheView view = full_view;
+  view.segments.clear();
+  for (const ViewSegment& seg : full_view.segments)
+    if (seg.packed) view.segments.push_back(seg);
+  return view;
+}
+
 // Prefill-sized calls (>= 8 queries per head) over packed rows take the lanes-over-queries tiles,
 // decode-sized calls the packed decode kernels (src/ops/packed_decode.h) on the codes: different
 // arithmetic, so a 16-query call and 16 one-query calls are each held to their own bound against
@@ -571,10 +580,7 @@ TEST(FusedAttention, ManyQueriesAndOneQueryCallsOverPackedRowsMeetTheirBounds) {
         const Tensor k = test::random_tensor(DType::kF16, 1, 2, len, d, seed);
         const Tensor v = test::random_tensor(DType::kF16, 1, 2, len, d, seed + 1);
         const CacheView full_view = cache->update_and_fetch(k.view(), v.view());
-        CacheView view = full_view;
-        view.segments.clear();
-        for (const ViewSegment& seg : full_view.segments)
-          if (seg.packed) view.segments.push_back(seg);
+        const CacheView view = packed_segments(full_view);
         ASSERT_FALSE(view.segments.empty()) << "the SKVQ cache should hold packed rows";
         const DenseView dense = dequantize_view(view, DType::kF32);
         const Tensor q = test::random_tensor(DType::kF32, 1, 2 * rep, nq, d, seed + 2, 1.5f);
@@ -624,10 +630,7 @@ TEST(FusedAttention, ManyQueriesOverPackedRowsLeaveOutFutureRowsOfEveryTile) {
     const Tensor k = test::random_tensor(DType::kF16, 1, h_kv, len, d, 4100 + d);
     const Tensor v = test::random_tensor(DType::kF16, 1, h_kv, len, d, 4101 + d);
     const CacheView full_view = cache->update_and_fetch(k.view(), v.view());
-    CacheView view = full_view;
-    view.segments.clear();
-    for (const ViewSegment& seg : full_view.segments)
-      if (seg.packed) view.segments.push_back(seg);
+    CacheView view = packed_segments(full_view);
     ASSERT_FALSE(view.segments.empty()) << "the SKVQ cache should hold packed rows";
     // Row j (counted over the view) at position j, every third row at 1000 + j: after every
     // query (positions 200 .. 215), so hidden, while the others are seen by all of them.

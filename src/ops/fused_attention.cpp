@@ -658,6 +658,22 @@ void build_class_lanes(const Work& w, KeyClass& kc) {
   }
 }
 
+// The many-query paths' rescale where a lane's running max rises over a finite one: for each
+// lane i set in resc, al[i] = exp(mx_i - tmax_i) (std::exp, as the general path) and the packed
+// accumulators of query l0 + i (with scale_acc the full-precision ones too) scaled by it.
+void rescale_lanes(Work& w, int64_t l0, uint32_t resc, const float* mxa, const float* tma,
+                   float* al, bool scale_acc) {
+  const int64_t d = w.d;
+  for (int i = 0; resc >> i; ++i)
+    if (resc & (1u << i)) {
+      al[i] = std::exp(mxa[i] - tma[i]);
+      if (scale_acc) scal(w.acc.data() + (l0 + i) * d, al[i], d);
+      for (ValClass& v : w.vcls) {
+        scal(v.acc.data() + (l0 + i) * d, al[i], d);
+        scal(v.acc_lo.data() + (l0 + i) * v.n_groups, al[i], v.n_groups);
+      }
+    }
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -818,14 +834,7 @@ void many_tile(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window) {
     alignas(64) float mxa[16], tma[16];
     _mm512_store_ps(mxa, mx);
     _mm512_store_ps(tma, tmax);
-    for (int i = 0; i < 16; ++i)
-      if (resc & (1u << i)) {
-        al[i] = std::exp(mxa[i] - tma[i]);
-        for (ValClass& v : w.vcls) {  // packed accumulators of earlier segments
-          scal(v.acc.data() + (l0 + i) * d, al[i], d);
-          scal(v.acc_lo.data() + (l0 + i) * v.n_groups, al[i], v.n_groups);
-        }
-      }
+    rescale_lanes(w, l0, resc, mxa, tma, al, false);  // packed accumulators of earlier segments
     const __m512 alpha = _mm512_load_ps(al);
     _mm512_storeu_ps(w.alpha.data() + l0, alpha);
     mx = _mm512_mask_blend_ps(up, mx, tmax);
@@ -1577,7 +1586,7 @@ void qk_tile8(const float* qt, int64_t mp, const float* kt, int64_t d, int64_t n
 // applies it) and to l; the weights into st and their sum (in row order) added to l.
 void softmax_lanes8(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window,
                     bool scale_acc) {
-  const int64_t M = w.m, d = w.d, mp = w.mp, n_groups = mp / 8;
+  const int64_t M = w.m, mp = w.mp, n_groups = mp / 8;
   float* st = w.st.data();
   alignas(32) uint8_t row_vis[kTile] = {};
   for (int64_t vi = 0; vi < n_vis; ++vi) row_vis[w.vis[static_cast<size_t>(vi)]] = 1;
@@ -1628,15 +1637,7 @@ void softmax_lanes8(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t wind
     _mm256_store_ps(al, _mm256_set1_ps(1.0f));
     _mm256_store_ps(mxa, mx);
     _mm256_store_ps(tma, tmax);
-    for (int i = 0; resc != 0 && i < 8; ++i)
-      if (resc & (1 << i)) {
-        al[i] = std::exp(mxa[i] - tma[i]);
-        if (scale_acc) scal(w.acc.data() + (l0 + i) * d, al[i], d);
-        for (ValClass& v : w.vcls) {  // packed accumulators
-          scal(v.acc.data() + (l0 + i) * d, al[i], d);
-          scal(v.acc_lo.data() + (l0 + i) * v.n_groups, al[i], v.n_groups);
-        }
-      }
+    rescale_lanes(w, l0, static_cast<uint32_t>(resc), mxa, tma, al, scale_acc);
     const __m256 alpha = _mm256_load_ps(al);
     _mm256_storeu_ps(w.alpha.data() + l0, alpha);
     mx = _mm256_blendv_ps(mx, tmax, up);
