@@ -1486,12 +1486,12 @@ void softmax_tile(Work& w, int64_t nt) {
 // ---- many-query path on AVX2: full-precision rows, lanes over queries -----------------------
 //
 // The AVX-512 many_tile's plan and arithmetic with 8 query lanes per vector: each logit is the
-// sequential fp32 FMA sum over the D channels from zero (4 rows x 16 queries per register block),
+// sequential fp32 FMA sum over the D channels from zero (6 rows x 16 queries per register block),
 // the masks, the running max and the rescale per lane as there, the weights from exp_nonpos8,
-// and acc[m] = acc[m] * alpha_m + the visible rows' p v in row order (2 queries x 32 channels
-// per block). Each query's arithmetic is independent of its lane mates, of the item's query
-// block and of the lane width: a query's logits, weights and accumulators are the AVX-512
-// path's, bit for bit, and GQA equals MHA with repeated heads here too.
+// and acc[m] = acc[m] * alpha_m + the visible rows' p v in row order (6 queries x 16 channels
+// per block). Each query's arithmetic is independent of its lane mates and of the item's query
+// block, so GQA equals MHA with repeated heads here too; it is the AVX-512 path's sequence of
+// operations (no test compares the two: no machine runs both builds).
 
 // st[r][lanes of the 8-lane groups g0 .. g0 + QB) = kt[r] . qt for the R rows r of kt.
 // (qk_block8 and pv_block8 are always inlined: GCC 12 kept their accumulator arrays on the
@@ -1583,7 +1583,8 @@ void qk_tile8(const float* qt, int64_t mp, const float* kt, int64_t d, int64_t n
 // rows a query may not see) set to -inf, the running max, each query's rescale factor into
 // w.alpha (std::exp where the max rises over a finite one, else 1), applied here to the packed
 // accumulators (and, with scale_acc, to the full-precision ones; else the caller's pv_chunk8
-// applies it) and to l; the weights into st and their sum (in row order) added to l.
+// applies it) and to l; the weights into st and their sum (in row order) added to l. every:
+// the tile leaves no row out and every query sees each of its nt rows (the masks are skipped).
 void softmax_lanes8(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window,
                     bool scale_acc) {
   const int64_t M = w.m, mp = w.mp, n_groups = mp / 8;
