@@ -1584,9 +1584,11 @@ void qk_tile8(const float* qt, int64_t mp, const float* kt, int64_t d, int64_t n
 // w.alpha (std::exp where the max rises over a finite one, else 1), applied here to the packed
 // accumulators (and, with scale_acc, to the full-precision ones; else the caller's pv_chunk8
 // applies it) and to l; the weights into st and their sum (in row order) added to l. every:
-// the tile leaves no row out and every query sees each of its nt rows (the masks are skipped).
+// every visible row is seen by every query (TileRows::every); the masks are skipped only when
+// the tile also leaves no row out (left-out rows' slots hold stale data).
 void softmax_lanes8(Work& w, int64_t nt, int64_t n_vis, bool every, int64_t window,
                     bool scale_acc) {
+  every = every && n_vis == nt;
   const int64_t M = w.m, mp = w.mp, n_groups = mp / 8;
   float* st = w.st.data();
   alignas(32) uint8_t row_vis[kTile] = {};
@@ -1695,8 +1697,7 @@ void many_packed_tile(Work& w, KeyClass& kc, ValClass& vc, int64_t nt, int64_t n
       float* s = st + t * mp + 8 * g;
       _mm256_storeu_ps(s, _mm256_add_ps(_mm256_loadu_ps(s), b));
     }
-  // (the rows a tile leaves out hold stale slots: "every" skips the masks only if there are none)
-  softmax_lanes8(w, nt, n_vis, every && n_vis == nt, window, true);
+  softmax_lanes8(w, nt, n_vis, every, window, true);
   alignas(32) float res[8];
   for (int64_t g = 0; g < n_groups; ++g) {
     const int64_t l0 = g * 8;

@@ -106,11 +106,11 @@ constexpr size_t kPrefetchRows = 4;
 template <DType WT>
 void dot_rows(const float* x, int64_t n_tokens, int64_t ldx, const void* w, int64_t k, int64_t n0,
               int64_t rows, const float* bias, float* y, int64_t ldy) {
-  const size_t es = dtype_size(WT), row_bytes = static_cast<size_t>(k) * es;
+  const size_t row_bytes = static_cast<size_t>(k) * dtype_size(WT);
   for (int64_t r = n0; r < n0 + rows; ++r) {
-    const void* wrow = static_cast<const char*>(w) + static_cast<size_t>(r * k) * es;
+    const void* wrow = static_cast<const char*>(w) + static_cast<size_t>(r) * row_bytes;
     const float b = bias ? bias[r] : 0.0f;
-    {  // the row 4 rows ahead into L1 (prefetches never fault: past the matrix they are dropped)
+    {  // the row kPrefetchRows ahead into L1 (prefetches never fault: past the matrix, dropped)
       const uintptr_t ahead = reinterpret_cast<uintptr_t>(wrow) + kPrefetchRows * row_bytes;
       for (size_t off = 0; off < row_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
