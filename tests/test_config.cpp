@@ -124,6 +124,10 @@ TEST(CacheConfig, EveryBadValueIsRefusedNamingTheField) {
        }},
       {"skvq_layer_key_rows entry 0", "32",  // token-axis keys have no runs
        [](CacheConfig& c) { c.skvq_layer_key_rows = "32/32"; }},
+      {"skvq_layer_bits_value entry 2", "9",
+       [](CacheConfig& c) { c.skvq_layer_bits_value = "2/3/9"; }},
+      {"per-layer list '/2'", "an empty entry 0",
+       [](CacheConfig& c) { c.skvq_layer_bits_value = "/2"; }},
   };
   for (const auto& bc : cases) {
     CacheConfig c;
@@ -166,6 +170,24 @@ TEST(CacheConfig, PerLayerKeyListsGiveEachLayerItsEntry) {
   // Only SKVQ methods read the lists.
   EXPECT_NE(
       error_of([] { (void)parse_cache_arg("snapkv:layer_bits_key=2"); }).find("layer_bits_key"),
+      std::string::npos);
+}
+
+TEST(CacheConfig, PerLayerValueBitsGiveEachLayerItsEntry) {
+  CacheConfig c = parse_cache_arg("skvq:bits_value=2:layer_bits_value=3/2/4:layer_bits_key=2/4/2");
+  EXPECT_EQ(c.skvq_layer_bits_value, "3/2/4");
+  const double vbits[] = {3, 2, 4}, kbits[] = {2, 4, 2};
+  for (int64_t l = 0; l < 3; ++l) {
+    EXPECT_EQ(skvq_value_bits_of(c, l), vbits[l]) << l;
+    EXPECT_EQ(skvq_key_bits_of(c, l), kbits[l]) << l;  // the two lists are independent
+  }
+  EXPECT_EQ(error_of([&] { (void)skvq_value_bits_of(c, 3); }),
+            "[cache_config] skvq_layer_bits_value: expected an entry for layer 3 but got 3 "
+            "entries ('3/2/4')");
+  c.skvq_layer_bits_value.clear();
+  EXPECT_EQ(skvq_value_bits_of(c, 9), 2.0);
+  EXPECT_NE(
+      error_of([] { (void)parse_cache_arg("snapkv:layer_bits_value=2"); }).find("layer_bits_value"),
       std::string::npos);
 }
 
@@ -348,6 +370,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
   c.skvq_key_rows = 24;
   c.skvq_layer_bits_key = "3/2/1.5";
   c.skvq_layer_key_rows = "8/0/61";
+  c.skvq_layer_bits_value = "4/2/3";
   c.skvq_query_moments_file = "moments.bin";
   c.skvq_protect_scoring = SnapScoring::kExternal;
   c.skvq_protect_obs_window = 9;
@@ -406,7 +429,7 @@ TEST(CacheConfig, JsonRoundTripsEveryField) {
       }
     }
   }
-  EXPECT_EQ(keys.size(), 41u);
+  EXPECT_EQ(keys.size(), 42u);
 }
 
 TEST(CacheConfig, JsonRefusesUnknownKeysWrongTypesAndBadValues) {
@@ -737,8 +760,8 @@ TEST(CacheConfig, EnumNamesForMessages) {
   EXPECT_EQ(cache_method_fields("full"), std::vector<std::string>{});
   EXPECT_EQ(cache_method_fields("streaming"),
             (std::vector<std::string>{"streaming_n_sink", "streaming_window"}));
-  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 35u);
-  EXPECT_EQ(cache_method_fields("skvq").size(), 26u);
+  EXPECT_EQ(cache_method_fields("snapkv+skvq").size(), 36u);
+  EXPECT_EQ(cache_method_fields("skvq").size(), 27u);
   EXPECT_EQ(cache_enum_name("skvq_key_axis", 1), "channel");
 }
 

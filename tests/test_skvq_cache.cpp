@@ -1294,6 +1294,65 @@ TEST(SkvqCacheLayerKeys, ListsOfAnotherLengthAreRefused) {
   EXPECT_EQ(skvq::Settings::from_config(snap, 1, "snapkv+skvq").key_rows, 4);
 }
 
+// skvq_layer_bits_value: layer l is the single-field cache of its value bits (and of its key
+// entries, the lists combine); each layer's value bytes follow its own bits; a list of another
+// length is refused by the builder before any cache is made.
+TEST(SkvqCacheLayerValues, EachLayerEqualsTheSingleFieldCacheOfItsEntries) {
+  CacheConfig cfg = key_rows_cfg(8);
+  cfg.skvq_meta = MetaType::kFP8E4M3;
+  cfg.skvq_rotation = Rotation::kHadamard;
+  cfg.skvq_rotate_values = true;
+  cfg.skvq_layer_bits_value = "3/2/4";
+  cfg.skvq_layer_bits_key = "2/3/2";
+  const double vbits[] = {3, 2, 4}, kbits[] = {2, 3, 2};
+  const ModelCacheShape shape{{2, 2, 2}, {64, 64, 64}};
+  auto layers = build_caches(shape, cfg);
+  ASSERT_EQ(layers.size(), 3u);
+  const Tensor k = hetero(1, 2, 45, 64, 51), v = hetero(1, 2, 45, 64, 52);
+  std::vector<std::string> states;
+  for (int64_t l = 0; l < 3; ++l) {
+    CacheConfig one = cfg;
+    one.skvq_layer_bits_value.clear();
+    one.skvq_layer_bits_key.clear();
+    one.skvq_bits_value = vbits[l];
+    one.skvq_bits_key = kbits[l];
+    auto single = make_skvq_cache(one, l);
+    feed(*layers[static_cast<size_t>(l)], k, v, {17, 28});
+    feed(*single, k, v, {17, 28});
+    states.push_back(state_of(*layers[static_cast<size_t>(l)]));
+    EXPECT_TRUE(states.back() == state_of(*single)) << "state bytes differ, layer " << l;
+    EXPECT_EQ(layers[static_cast<size_t>(l)]->stats().figures, single->stats().figures) << l;
+  }
+  // Worked value bytes at S = 45 (chunks 0 and 1: 12 + 16 rows of 2 heads; values per token in
+  // groups of 16 with fp8 (lo, scale): 4 groups a row, 8 metadata bytes): 64 codes of 3 bits are
+  // 24 bytes, of 2 bits 16, of 4 bits 32.
+  const int64_t per_row[] = {24 + 8, 16 + 8, 32 + 8};
+  for (int64_t l = 0; l < 3; ++l)
+    EXPECT_EQ(figure(*layers[static_cast<size_t>(l)], "compressed_value_bytes"),
+              2 * (12 + 16) * per_row[l])
+        << l;
+  // Another layer's state is refused, naming the value setting; nothing changes.
+  std::istringstream in(states[2]);
+  try {
+    layers[0]->load(in);
+    ADD_FAILURE() << "layer 2's state accepted by layer 0";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[skvq] state was saved with skvq_bits_value=4 but this cache has 3; nothing was "
+              "changed");
+  }
+  EXPECT_EQ(state_of(*layers[0]), states[0]);
+  cfg.skvq_layer_bits_value = "3/2";
+  try {
+    (void)build_caches(shape, cfg);
+    ADD_FAILURE() << "2 value entries for 3 layers accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "[build_caches] skvq_layer_bits_value: expected 3 entries (one per layer) but got 2 "
+              "('3/2')");
+  }
+}
+
 // make_layer_cache(cfg, l) is build_caches' cache of layer l (the Python cache layers make theirs
 // with it): the same state bytes for both SKVQ methods; a layer past the lists is refused, naming
 // the list; a negative layer is refused.

@@ -19,10 +19,11 @@ struct ModelCacheShape {
 std::unique_ptr<KVCache> make_cache(const CacheConfig& cfg);
 
 // The cache of model layer `layer` (>= 0): what build_caches makes for that layer. The SKVQ
-// methods take the layer's entries of skvq_layer_bits_key / skvq_layer_key_rows
-// (skvq_key_bits_of / skvq_key_rows_of; a list without an entry for the layer is refused, naming
-// the list) and of skvq_perm_file; the other methods are make_cache's. Validates cfg; the lists'
-// length against the model's layers is the caller's check (check_layer_lists).
+// methods take the layer's entries of skvq_layer_bits_key / skvq_layer_key_rows /
+// skvq_layer_bits_value (skvq_key_bits_of / skvq_key_rows_of / skvq_value_bits_of; a list without
+// an entry for the layer is refused, naming the list) and of skvq_perm_file; the other methods are
+// make_cache's. Validates cfg; the lists' length against the model's layers is the caller's check
+// (check_layer_lists).
 std::unique_ptr<KVCache> make_layer_cache(const CacheConfig& cfg, int64_t layer);
 
 // Refuses (vq::Error "[op] name: expected n_layers entries (one per layer) but got ...") a

@@ -99,12 +99,13 @@ struct CacheConfig {
   // moments (docs/design.md §C4), instead of rounded to nearest. The metadata and the record
   // format are unchanged. Empty = round to nearest.
   std::string skvq_query_moments_file;
-  // Mixed key precision by layer: per-layer overrides of skvq_bits_key and skvq_key_rows,
-  // '/'-separated, entry i for layer i ("2/3/2/2/2/2"); empty = every layer takes the single
-  // field. A model's caches need one entry per layer (build_caches); the packed formats are the
-  // single-field ones of each layer's values (docs/design.md §C4).
+  // Mixed precision by layer: per-layer overrides of skvq_bits_key, skvq_key_rows and
+  // skvq_bits_value, '/'-separated, entry i for layer i ("2/3/2/2/2/2"); empty = every layer takes
+  // the single field. A model's caches need one entry per layer (build_caches); each layer's
+  // packed formats are the single-field ones at that layer's entries (docs/design.md §C4).
   std::string skvq_layer_bits_key;
   std::string skvq_layer_key_rows;
+  std::string skvq_layer_bits_value;
   // Salient rows kept precise (method skvq, CPU and CUDA; docs/design.md §C4): at the end of the
   // cache's first prompt, k = min(max(1, round(skvq_protect * prompt rows)), packed rows) packed
   // rows per (b, h), the k highest-scoring under SnapKV's rules (snapkv.h: scores of
@@ -142,6 +143,7 @@ void validate(const CacheConfig& cfg);
 // skvq_layer_key_rows, or skvq_bits_key / skvq_key_rows when the list is empty. Throws vq::Error
 // naming the list when it has no entry for the layer.
 double skvq_key_bits_of(const CacheConfig& cfg, int64_t layer);
+double skvq_value_bits_of(const CacheConfig& cfg, int64_t layer);
 int64_t skvq_key_rows_of(const CacheConfig& cfg, int64_t layer);
 // Entries of the per-layer lists (0 when empty); validate() has checked each entry.
 int64_t skvq_layer_list_size(const std::string& list);

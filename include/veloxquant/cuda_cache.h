@@ -95,10 +95,10 @@ class DeviceKVCache {
 // "snapkv+skvq" or "streaming", both snap_evict_at rules, skvq_rotation none or hadamard; any
 // other method is refused (vq::Error naming the method and the supported ones). `layer` is the
 // model layer the cache serves, as for the CPU's make_skvq_cache / make_snapkv_skvq_cache: the
-// SKVQ methods take that entry of skvq_layer_bits_key / skvq_layer_key_rows (a list without it
-// is refused, naming the list) and of skvq_perm_file; the device cache of layer i is the CPU
-// cache of layer i over the CUDA row backend. The list's length against the model's layers is
-// the caller's check (build_caches, the CUDA engine).
+// SKVQ methods take that entry of skvq_layer_bits_key / skvq_layer_key_rows /
+// skvq_layer_bits_value (a list without it is refused, naming the list) and of skvq_perm_file; the
+// device cache of layer i is the CPU cache of layer i over the CUDA row backend. The list's length
+// against the model's layers is the caller's check (build_caches, the CUDA engine).
 std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg, int64_t batch,
                                                  int64_t heads, int64_t head_dim,
                                                  Stream s = nullptr, int64_t layer = 0);

@@ -152,10 +152,10 @@ auto as_value_error(F&& fn) {
 // layer's KV heads this cache holds (CacheConfig::kv_head_first / kv_heads_total: a tensor-parallel
 // rank's share; 0, 0 = not sharded). layer: the model layer the cache serves (veloxquant.Cache
 // gives each of its layers its index). Its entries of the per-layer lists (skvq_layer_bits_key /
-// skvq_layer_key_rows) and of skvq_perm_file are taken when the cache is made, by the C++
-// builders' functions (make_layer_cache, cuda::make_device_cache's layer); with no layer given
-// the per-layer lists are refused (every layer would silently take entry 0) and the cache is
-// layer 0's otherwise.
+// skvq_layer_key_rows / skvq_layer_bits_value) and of skvq_perm_file are taken when the cache is
+// made, by the C++ builders' functions (make_layer_cache, cuda::make_device_cache's layer); with no
+// layer given the per-layer lists are refused (every layer would silently take entry 0) and the
+// cache is layer 0's otherwise.
 vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim,
                              int64_t kv_head_first, int64_t kv_heads_total,
                              std::optional<int64_t> layer) {
@@ -172,10 +172,12 @@ vq::CacheConfig layer_config(const std::string& config_json, int64_t head_dim,
         !layer || *layer >= 0,
         "[veloxquant.Cache] layer: expected >= 0 (the model layer this cache serves) but got " +
             std::to_string(layer.value_or(0)));
-    VQ_CHECK(layer || (cfg.skvq_layer_bits_key.empty() && cfg.skvq_layer_key_rows.empty()),
+    VQ_CHECK(layer || (cfg.skvq_layer_bits_key.empty() && cfg.skvq_layer_key_rows.empty() &&
+                       cfg.skvq_layer_bits_value.empty()),
              "[veloxquant.Cache] layer: expected the model layer this cache serves (layer=i: "
              "entry i of skvq_layer_bits_key '" +
-                 cfg.skvq_layer_bits_key + "' and skvq_layer_key_rows '" + cfg.skvq_layer_key_rows +
+                 cfg.skvq_layer_bits_key + "', skvq_layer_key_rows '" + cfg.skvq_layer_key_rows +
+                 "' and skvq_layer_bits_value '" + cfg.skvq_layer_bits_value +
                  "') but got none; veloxquant.Cache gives each of its layers its index");
     return cfg;
   });

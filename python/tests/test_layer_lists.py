@@ -185,3 +185,24 @@ def test_lazy_layers_take_the_index_of_their_position():
     cache.update(k, k, 4)
     assert [layer.layer_idx for layer in cache.layers] == [0, 1, 2, 3, 4]
     assert cache.layers[4]._cache.layer == 4
+
+
+def test_value_bits_by_layer(shipped, doc):
+    """skvq_layer_bits_value gives layer i its value bits as skvq_layer_bits_key its key bits:
+    the value bytes follow the entry (token-axis values, groups of 32, fp16 (lo, scale)), the
+    key bytes stay the single field's, and the refusals name the value list."""
+    vbits = [2, 3, 4, 2, 8, 2]
+    spec = "skvq:bits_key=2:window=16:n_sink=2:layer_bits_value=" + "/".join(map(str, vbits))
+    cache = veloxquant.Cache(spec, model_config=shipped.config)
+    with torch.no_grad():
+        shipped(doc[:, :80], **kv(cache), use_cache=True)
+    for i, (layer, bits) in enumerate(zip(cache.layers, vbits)):
+        fig = layer.stats()["figures"]
+        packed = int(fig["packed_rows"])
+        assert packed > 0, i
+        assert fig["compressed_value_bytes"] == packed * H_KV * key_row_bytes(bits), i
+        assert fig["compressed_key_bytes"] == packed * H_KV * key_row_bytes(2), i
+    with pytest.raises(ValueError, match=r"skvq_layer_bits_value: expected 6 entries"):
+        veloxquant.Cache("skvq:layer_bits_value=4/2", model_config=shipped.config)
+    with pytest.raises(ValueError, match=r"skvq_layer_bits_value '4/2'"):
+        _vq.LayerCache(veloxquant.CacheConfig("skvq:layer_bits_value=4/2").to_json(), D)

@@ -70,8 +70,9 @@ def _new_storage(config: CacheConfig, head_dim: int, device: torch.device, batch
     """The C++ layer for `device`: LayerCache (CPU; B and H_kv taken at its first step) or
     DeviceLayerCache (CUDA: B, H_kv and D fixed now, on torch's current stream of `device`).
     kv_heads: (kv_head_first, kv_heads_total), the layer's heads this cache holds. layer: the
-    model layer it serves (its entries of skvq_layer_bits_key / skvq_layer_key_rows and of
-    skvq_perm_file, as the C++ builders give them); None refuses the per-layer lists."""
+    model layer it serves (its entries of skvq_layer_bits_key / skvq_layer_key_rows /
+    skvq_layer_bits_value and of skvq_perm_file, as the C++ builders give them); None refuses the
+    per-layer lists."""
     if device.type == "cpu":
         return _vq.LayerCache(config.to_json(), head_dim, *kv_heads, layer=layer)
     check_device(device)
@@ -275,8 +276,8 @@ class Cache(_HFCache):
     tensor parallelism; "auto" (the default) takes them from torch.distributed and the model
     config (tp_kv_heads: (0, 0) in a single process), so each rank's Hadamard signs and
     calibrated permutations are those of its global heads.
-    Layer i takes entry i of the per-layer lists (skvq_layer_bits_key / skvq_layer_key_rows) and
-    of skvq_perm_file, as the C++ builders do. With the number of layers known the lists must
+    Layer i takes entry i of the per-layer lists (skvq_layer_bits_key / skvq_layer_key_rows /
+    skvq_layer_bits_value) and of skvq_perm_file, as the C++ builders do. With the number of layers known the lists must
     hold one entry per layer (ValueError now); layers made lazily refuse, at their first update,
     a list without their entry.
     """

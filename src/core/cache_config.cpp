@@ -315,6 +315,8 @@ const std::vector<Field>& fields() {
             "'' or '/'-separated skvq_bits_key values, one per layer"),
       allow(string_field("skvq_layer_key_rows", &CacheConfig::skvq_layer_key_rows),
             "'' or '/'-separated skvq_key_rows values, one per layer"),
+      allow(string_field("skvq_layer_bits_value", &CacheConfig::skvq_layer_bits_value),
+            "'' or '/'-separated skvq_bits_value values, one per layer"),
       allow(double_field("skvq_protect", &CacheConfig::skvq_protect), "a number in [0, 1)"),
       enum_field("skvq_protect_scoring", &CacheConfig::skvq_protect_scoring, scoring_names()),
       allow(int_field("skvq_protect_obs_window", &CacheConfig::skvq_protect_obs_window),
@@ -638,6 +640,11 @@ void validate(const CacheConfig& c) {
     const std::string f = "skvq_layer_bits_key entry " + std::to_string(i);
     check_bits(f.c_str(), parse_double(f, lb[i]));
   }
+  const std::vector<std::string> lv = split_layer_list(c.skvq_layer_bits_value);
+  for (size_t i = 0; i < lv.size(); ++i) {
+    const std::string f = "skvq_layer_bits_value entry " + std::to_string(i);
+    check_bits(f.c_str(), parse_double(f, lv[i]));
+  }
   const std::vector<std::string> lr = split_layer_list(c.skvq_layer_key_rows);
   for (size_t i = 0; i < lr.size(); ++i) {
     const std::string f = "skvq_layer_key_rows entry " + std::to_string(i);
@@ -684,6 +691,11 @@ std::string layer_entry(const std::string& field, const std::string& list, int64
 double skvq_key_bits_of(const CacheConfig& c, int64_t layer) {
   const std::string e = layer_entry("skvq_layer_bits_key", c.skvq_layer_bits_key, layer);
   return e.empty() ? c.skvq_bits_key : parse_double("skvq_layer_bits_key", e);
+}
+
+double skvq_value_bits_of(const CacheConfig& c, int64_t layer) {
+  const std::string e = layer_entry("skvq_layer_bits_value", c.skvq_layer_bits_value, layer);
+  return e.empty() ? c.skvq_bits_value : parse_double("skvq_layer_bits_value", e);
 }
 
 int64_t skvq_key_rows_of(const CacheConfig& c, int64_t layer) {

@@ -18,7 +18,7 @@ std::unique_ptr<DeviceKVCache> make_device_cache(const CacheConfig& cfg_in, int6
   CacheConfig cfg = cfg_in;
   cfg.head_dim = head_dim;
   validate(cfg);  // names the first bad field, its value and the allowed range
-  // Per-layer key precision (skvq_layer_bits_key / skvq_layer_key_rows): the SKVQ policies take
+  // Per-layer precision (skvq_layer_bits_key / _key_rows / _bits_value): the SKVQ policies take
   // the layer's entries (src/kv/skvq_store.cpp Settings::from_config), as on the CPU.
   if (cfg.method == "full") return make_device_full_cache(cfg, batch, heads, head_dim, s);
   if (cfg.method == "snapkv") return make_device_snapkv_cache(cfg, batch, heads, head_dim, s);

@@ -41,7 +41,8 @@ std::unique_ptr<KVCache> make_layer_cache(const CacheConfig& cfg, int64_t layer)
 void check_layer_lists(const CacheConfig& cfg, int64_t n_layers, const char* op) {
   for (const auto& [name, list] :
        {std::pair<const char*, const std::string*>{"skvq_layer_bits_key", &cfg.skvq_layer_bits_key},
-        {"skvq_layer_key_rows", &cfg.skvq_layer_key_rows}}) {
+        {"skvq_layer_key_rows", &cfg.skvq_layer_key_rows},
+        {"skvq_layer_bits_value", &cfg.skvq_layer_bits_value}}) {
     const int64_t n = skvq_layer_list_size(*list);
     VQ_CHECK(n == 0 || n == n_layers,
              std::string("[") + op + "] " + name + ": expected " + std::to_string(n_layers) +

@@ -107,8 +107,8 @@ Settings Settings::from_config(const CacheConfig& cfg, int64_t layer_index, cons
                                  std::to_string(layer_index));
   for (int kv = 0; kv < 2; ++kv) {
     GroupQuantParams& p = kv == 0 ? s.qk : s.qv;
-    // Keys: the layer's entry of skvq_layer_bits_key when that list is set.
-    p.bits = kv == 0 ? skvq_key_bits_of(cfg, layer_index) : cfg.skvq_bits_value;
+    // The layer's entry of skvq_layer_bits_key / skvq_layer_bits_value when that list is set.
+    p.bits = kv == 0 ? skvq_key_bits_of(cfg, layer_index) : skvq_value_bits_of(cfg, layer_index);
     p.group_size = cfg.skvq_group_size;
     p.clip_search = cfg.skvq_clip_search;
     p.clip_alpha = static_cast<float>(cfg.skvq_clip_alpha);

@@ -185,18 +185,26 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   // refuse another count; a longer list would otherwise be planned from its first entries).
   for (const auto& [name, list] :
        {std::pair<const char*, const std::string*>{"skvq_layer_bits_key", &cc.skvq_layer_bits_key},
-        {"skvq_layer_key_rows", &cc.skvq_layer_key_rows}}) {
+        {"skvq_layer_key_rows", &cc.skvq_layer_key_rows},
+        {"skvq_layer_bits_value", &cc.skvq_layer_bits_value}}) {
     const int64_t n = skvq_layer_list_size(*list);
     VQ_CHECK(n == 0 || n == m.n_layers,
              std::string("[memory_plan] ") + name + ": expected " + std::to_string(m.n_layers) +
                  " entries (one per layer) but got " + std::to_string(n) + " ('" + *list + "')");
   }
-  // Per-layer key bits: every layer planned at the list's largest (an upper bound).
+  // Per-layer key and value bits: every layer planned at the list's largest (an upper bound).
   const int64_t n_layer_bits = skvq_layer_list_size(cc.skvq_layer_bits_key);
   if (n_layer_bits > 0) {
     double widest = 0;
     for (int64_t i = 0; i < n_layer_bits; ++i) widest = std::max(widest, skvq_key_bits_of(cc, i));
     cc.skvq_bits_key = widest;
+  }
+  const int64_t n_layer_vbits = skvq_layer_list_size(cc.skvq_layer_bits_value);
+  if (n_layer_vbits > 0) {
+    double widest = 0;
+    for (int64_t i = 0; i < n_layer_vbits; ++i)
+      widest = std::max(widest, skvq_value_bits_of(cc, i));
+    cc.skvq_bits_value = widest;
   }
 
   MemoryPlan p;
@@ -221,7 +229,8 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   // runs of skvq_key_rows, channel-axis keys); the largest over the layers when per-layer lists
   // make them differ (an upper bound).
   int64_t comp_k0 = 0, comp_kw = 0;
-  const bool lists = n_layer_bits > 0 || skvq_layer_list_size(cc.skvq_layer_key_rows) > 0;
+  const bool lists =
+      n_layer_bits > 0 || n_layer_vbits > 0 || skvq_layer_list_size(cc.skvq_layer_key_rows) > 0;
   if (meth == "skvq" || meth == "snapkv+skvq") {
     for (int64_t l = 0; l < (lists ? m.n_layers : 1); ++l) {
       if (meth == "skvq")

@@ -952,6 +952,46 @@ TEST(CudaCaches, PerLayerKeyPrecisionMatchesCpu) {
   }
 }
 
+// Per-layer value bits (skvq_layer_bits_value): the device cache of layer i is the CPU cache of
+// layer i, and packs its own value bits (K2V4: the CUDA-core kernel, K2V2: the tensor-core one,
+// K2V3: codes of any spec decoded in place).
+TEST(CudaCaches, PerLayerValueBitsMatchCpu) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<Case> cases;
+  Case c;
+  c.cfg = config("skvq");
+  c.cfg.skvq_window = 16;
+  c.cfg.skvq_n_sink = 4;
+  c.cfg.skvq_group_size = 32;
+  c.cfg.skvq_bits_key = 2;
+  c.cfg.skvq_layer_bits_value = "4/2/3";
+  c.blocks(1, 2, 128, 8, DType::kF16);
+  for (int64_t l = 0; l < 3; ++l) {
+    c.layer = l;
+    cases.push_back(c.with(steps({35}, 9, {40, 1}),
+                           "skvq layer " + std::to_string(l) + " of value bits 4/2/3 f16 D128"));
+  }
+  run_cases("per-layer value bits", cases, 3750);
+  CacheConfig cfg = config("skvq");
+  cfg.skvq_window = 16;
+  cfg.skvq_n_sink = 4;
+  cfg.skvq_layer_bits_value = "4/2";
+  cfg.head_dim = 64;
+  const KV kv = make_kv(DType::kF16, 1, 2, 40, 64, 3760);
+  for (int64_t l = 0; l < 2; ++l) {
+    auto gpu = cuda::make_device_cache(cfg, 1, 2, 64, nullptr, l);
+    const cuda::DeviceCacheView v = gpu->update_and_fetch(kv.k->dev, kv.v->dev, {});
+    int packed = 0;
+    for (const cuda::DeviceSegment& sg : v.segments()) {
+      if (!sg.packed || sg.n_rows == 0) continue;
+      ++packed;
+      EXPECT_EQ(sg.v_fmt.spec.bits(), l == 0 ? 4 : 2) << "layer " << l;
+      EXPECT_EQ(sg.k_fmt.spec.bits(), 2) << "layer " << l;
+    }
+    EXPECT_GT(packed, 0) << "layer " << l;
+  }
+}
+
 // A layer a per-layer list has no entry for is refused on the device with the CPU's message
 // (the list's length against a model's layers is the builders' check: build_caches, the CUDA
 // engine), and a negative layer with the device's.
