@@ -1214,6 +1214,28 @@ TEST(SkvqCacheKeyRows, BadValuesRefusedNamingTheField) {
 
 // ---- skvq_layer_bits_key / skvq_layer_key_rows (mixed key precision by layer) ----------------
 
+// The caches build_caches makes for three 2-head D-64 layers under cfg's per-layer lists, each
+// checked against the single-field cache of its entries (`single(l)`: cfg without the lists, the
+// fields set to entry l) after the same updates (rows 17, 28 of k, v): the same state bytes
+// (settings, codes, metadata) and byte figures. The layers' states come back in `states`.
+std::vector<std::unique_ptr<KVCache>> layers_as_single_field_caches(
+    const CacheConfig& cfg, const std::function<CacheConfig(int64_t)>& single, uint64_t seed,
+    std::vector<std::string>& states) {
+  auto layers = build_caches(ModelCacheShape{{2, 2, 2}, {64, 64, 64}}, cfg);
+  EXPECT_EQ(layers.size(), 3u);
+  const Tensor k = hetero(1, 2, 45, 64, seed), v = hetero(1, 2, 45, 64, seed + 1);
+  states.clear();
+  for (int64_t l = 0; l < static_cast<int64_t>(layers.size()); ++l) {
+    auto one = make_skvq_cache(single(l), l);
+    feed(*layers[static_cast<size_t>(l)], k, v, {17, 28});
+    feed(*one, k, v, {17, 28});
+    states.push_back(state_of(*layers[static_cast<size_t>(l)]));
+    EXPECT_TRUE(states.back() == state_of(*one)) << "state bytes differ, layer " << l;
+    EXPECT_EQ(layers[static_cast<size_t>(l)]->stats().figures, one->stats().figures) << l;
+  }
+  return layers;
+}
+
 // Layer l of a model's caches with per-layer lists is the single-field cache of its entries: the
 // same state bytes (settings, codes, metadata) and byte figures, so each layer's formats, byte
 // formulas, attention and state frames are those the single fields already have.
@@ -1225,24 +1247,19 @@ TEST(SkvqCacheLayerKeys, EachLayerEqualsTheSingleFieldCacheOfItsEntries) {
   cfg.skvq_layer_key_rows = "5/0/8";
   const double bits[] = {3, 2, 1.5};
   const int64_t rows[] = {5, 0, 8};
-  const ModelCacheShape shape{{2, 2, 2}, {64, 64, 64}};
-  auto layers = build_caches(shape, cfg);
-  ASSERT_EQ(layers.size(), 3u);
-  const Tensor k = hetero(1, 2, 45, 64, 41), v = hetero(1, 2, 45, 64, 42);
   std::vector<std::string> states;
-  for (int64_t l = 0; l < 3; ++l) {
-    CacheConfig one = cfg;
-    one.skvq_layer_bits_key.clear();
-    one.skvq_layer_key_rows.clear();
-    one.skvq_bits_key = bits[l];
-    one.skvq_key_rows = rows[l];
-    auto single = make_skvq_cache(one, l);
-    feed(*layers[static_cast<size_t>(l)], k, v, {17, 28});
-    feed(*single, k, v, {17, 28});
-    states.push_back(state_of(*layers[static_cast<size_t>(l)]));
-    EXPECT_TRUE(states.back() == state_of(*single)) << "state bytes differ, layer " << l;
-    EXPECT_EQ(layers[static_cast<size_t>(l)]->stats().figures, single->stats().figures) << l;
-  }
+  const auto layers = layers_as_single_field_caches(
+      cfg,
+      [&](int64_t l) {
+        CacheConfig one = cfg;
+        one.skvq_layer_bits_key.clear();
+        one.skvq_layer_key_rows.clear();
+        one.skvq_bits_key = bits[l];
+        one.skvq_key_rows = rows[l];
+        return one;
+      },
+      41, states);
+  ASSERT_EQ(layers.size(), 3u);
   // Worked key bytes at S = 45 (chunks 0 and 1: 12 + 16 rows of 2 heads, fp8 metadata):
   // layer 0, 3 bits, runs of >= 5: 24 code bytes + ceil(128 / 5) = 26 slots;
   // layer 1, 2 bits, whole chunks (>= 12 rows): 16 + ceil(128 / 12) = 11;
@@ -1305,24 +1322,19 @@ TEST(SkvqCacheLayerValues, EachLayerEqualsTheSingleFieldCacheOfItsEntries) {
   cfg.skvq_layer_bits_value = "3/2/4";
   cfg.skvq_layer_bits_key = "2/3/2";
   const double vbits[] = {3, 2, 4}, kbits[] = {2, 3, 2};
-  const ModelCacheShape shape{{2, 2, 2}, {64, 64, 64}};
-  auto layers = build_caches(shape, cfg);
-  ASSERT_EQ(layers.size(), 3u);
-  const Tensor k = hetero(1, 2, 45, 64, 51), v = hetero(1, 2, 45, 64, 52);
   std::vector<std::string> states;
-  for (int64_t l = 0; l < 3; ++l) {
-    CacheConfig one = cfg;
-    one.skvq_layer_bits_value.clear();
-    one.skvq_layer_bits_key.clear();
-    one.skvq_bits_value = vbits[l];
-    one.skvq_bits_key = kbits[l];
-    auto single = make_skvq_cache(one, l);
-    feed(*layers[static_cast<size_t>(l)], k, v, {17, 28});
-    feed(*single, k, v, {17, 28});
-    states.push_back(state_of(*layers[static_cast<size_t>(l)]));
-    EXPECT_TRUE(states.back() == state_of(*single)) << "state bytes differ, layer " << l;
-    EXPECT_EQ(layers[static_cast<size_t>(l)]->stats().figures, single->stats().figures) << l;
-  }
+  const auto layers = layers_as_single_field_caches(
+      cfg,
+      [&](int64_t l) {
+        CacheConfig one = cfg;
+        one.skvq_layer_bits_value.clear();
+        one.skvq_layer_bits_key.clear();
+        one.skvq_bits_value = vbits[l];
+        one.skvq_bits_key = kbits[l];
+        return one;
+      },
+      51, states);
+  ASSERT_EQ(layers.size(), 3u);
   // Worked value bytes at S = 45 (chunks 0 and 1: 12 + 16 rows of 2 heads; values per token in
   // groups of 16 with fp8 (lo, scale): 4 groups a row, 8 metadata bytes): 64 codes of 3 bits are
   // 24 bytes, of 2 bits 16, of 4 bits 32.
@@ -1344,7 +1356,7 @@ TEST(SkvqCacheLayerValues, EachLayerEqualsTheSingleFieldCacheOfItsEntries) {
   EXPECT_EQ(state_of(*layers[0]), states[0]);
   cfg.skvq_layer_bits_value = "3/2";
   try {
-    (void)build_caches(shape, cfg);
+    (void)build_caches(ModelCacheShape{{2, 2, 2}, {64, 64, 64}}, cfg);
     ADD_FAILURE() << "2 value entries for 3 layers accepted";
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()),

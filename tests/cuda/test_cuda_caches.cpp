@@ -875,6 +875,25 @@ TEST(CudaCaches, ChannelAxisKeysMatchCpu) {
   run_cases("channel-axis keys", cases, 3500);
 }
 
+// Device cache `layer` of cfg (window 16, 4 sinks, D 64, 2 heads) after 40 f16 rows of `seed`:
+// every packed segment holds kb-bit keys and vb-bit values, and there is one.
+void expect_packed_bits(CacheConfig cfg, int64_t layer, int kb, int vb, uint64_t seed) {
+  cfg.skvq_window = 16;
+  cfg.skvq_n_sink = 4;
+  cfg.head_dim = 64;
+  const KV kv = make_kv(DType::kF16, 1, 2, 40, 64, seed);
+  auto gpu = cuda::make_device_cache(cfg, 1, 2, 64, nullptr, layer);
+  const cuda::DeviceCacheView v = gpu->update_and_fetch(kv.k->dev, kv.v->dev, {});
+  int packed = 0;
+  for (const cuda::DeviceSegment& sg : v.segments()) {
+    if (!sg.packed || sg.n_rows == 0) continue;
+    ++packed;
+    EXPECT_EQ(sg.k_fmt.spec.bits(), kb) << "layer " << layer;
+    EXPECT_EQ(sg.v_fmt.spec.bits(), vb) << "layer " << layer;
+  }
+  EXPECT_GT(packed, 0) << "layer " << layer;
+}
+
 // Per-layer key precision (skvq_layer_bits_key / skvq_layer_key_rows): the device cache of layer
 // i is the CPU cache of layer i (the same driver: stored records byte for byte, permutations,
 // states, masks, attention within kDecode's / kPrefill's bound). Layers 0 and 1 differ in key
@@ -933,23 +952,9 @@ TEST(CudaCaches, PerLayerKeyPrecisionMatchesCpu) {
 
   // Each layer's device cache packs its own key bits: the same rows into layers 0 and 1.
   CacheConfig cfg = config("skvq");
-  cfg.skvq_window = 16;
-  cfg.skvq_n_sink = 4;
   cfg.skvq_layer_bits_key = "4/2";
-  cfg.head_dim = 64;
-  const KV kv = make_kv(DType::kF16, 1, 2, 40, 64, 3790);
-  for (int64_t l = 0; l < 2; ++l) {
-    auto gpu = cuda::make_device_cache(cfg, 1, 2, 64, nullptr, l);
-    const cuda::DeviceCacheView v = gpu->update_and_fetch(kv.k->dev, kv.v->dev, {});
-    int packed = 0;
-    for (const cuda::DeviceSegment& sg : v.segments()) {
-      if (!sg.packed || sg.n_rows == 0) continue;
-      ++packed;
-      EXPECT_EQ(sg.k_fmt.spec.bits(), l == 0 ? 4 : 2) << "layer " << l;
-      EXPECT_EQ(sg.v_fmt.spec.bits(), 2) << "layer " << l;
-    }
-    EXPECT_GT(packed, 0) << "layer " << l;
-  }
+  expect_packed_bits(cfg, 0, 4, 2, 3790);
+  expect_packed_bits(cfg, 1, 2, 2, 3790);
 }
 
 // Per-layer value bits (skvq_layer_bits_value): the device cache of layer i is the CPU cache of
@@ -973,23 +978,9 @@ TEST(CudaCaches, PerLayerValueBitsMatchCpu) {
   }
   run_cases("per-layer value bits", cases, 3750);
   CacheConfig cfg = config("skvq");
-  cfg.skvq_window = 16;
-  cfg.skvq_n_sink = 4;
   cfg.skvq_layer_bits_value = "4/2";
-  cfg.head_dim = 64;
-  const KV kv = make_kv(DType::kF16, 1, 2, 40, 64, 3760);
-  for (int64_t l = 0; l < 2; ++l) {
-    auto gpu = cuda::make_device_cache(cfg, 1, 2, 64, nullptr, l);
-    const cuda::DeviceCacheView v = gpu->update_and_fetch(kv.k->dev, kv.v->dev, {});
-    int packed = 0;
-    for (const cuda::DeviceSegment& sg : v.segments()) {
-      if (!sg.packed || sg.n_rows == 0) continue;
-      ++packed;
-      EXPECT_EQ(sg.v_fmt.spec.bits(), l == 0 ? 4 : 2) << "layer " << l;
-      EXPECT_EQ(sg.k_fmt.spec.bits(), 2) << "layer " << l;
-    }
-    EXPECT_GT(packed, 0) << "layer " << l;
-  }
+  expect_packed_bits(cfg, 0, 2, 4, 3760);
+  expect_packed_bits(cfg, 1, 2, 2, 3760);
 }
 
 // A layer a per-layer list has no entry for is refused on the device with the CPU's message
