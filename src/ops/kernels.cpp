@@ -139,6 +139,7 @@ void dot_rows(const float* x, int64_t n_tokens, int64_t ldx, const void* w, int6
   for (int64_t r = n0; r < n0 + rows; ++r) {
     const void* wrow = static_cast<const char*>(w) + static_cast<size_t>(r * k) * es;
     const float b = bias ? bias[r] : 0.0f;
+    detail::prefetch_row_ahead(wrow, static_cast<size_t>(k) * es);  // matmul_avx2.h
     switch (n_tokens) {
       case 1:
         row_dot<WT, 1>(x, ldx, wrow, k, b, y + r, ldy);
@@ -362,6 +363,7 @@ VQ_BF16_TARGET void dot_rows_bf16(const uint32_t* xp, int64_t ldxp, int64_t n_to
   for (int64_t r = n0; r < n0 + rows; ++r) {
     const uint16_t* wrow = static_cast<const uint16_t*>(o.w) + r * k;
     const float b = o.bias ? o.bias[r] : 0.0f;
+    detail::prefetch_row_ahead(wrow, static_cast<size_t>(k) * 2);
     switch (n_tokens) {
       case 1:
         row_dot_bf16<1>(xp, ldxp, wrow, k, b, o.y + r, o.ldy);

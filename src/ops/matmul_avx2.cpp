@@ -97,12 +97,6 @@ inline void row_dot(const float* x, int64_t ldx, const void* wrow, int64_t k, fl
                  bias;
 }
 
-// dot_rows prefetches each weight row this many rows before it reads it: decode's products
-// (one token) stream the weights from memory, and the hardware prefetchers alone left them
-// waiting on it (bench_e2e decode at 512 tokens, shipped model, AVX2 VM: 336 -> 379 tok/s at 1
-// thread, 701 -> 924 at 2; 4 and 8 rows ahead measured the same, 16 no gain at 2 threads).
-constexpr size_t kPrefetchRows = 4;
-
 template <DType WT>
 void dot_rows(const float* x, int64_t n_tokens, int64_t ldx, const void* w, int64_t k, int64_t n0,
               int64_t rows, const float* bias, float* y, int64_t ldy) {
@@ -110,11 +104,7 @@ void dot_rows(const float* x, int64_t n_tokens, int64_t ldx, const void* w, int6
   for (int64_t r = n0; r < n0 + rows; ++r) {
     const void* wrow = static_cast<const char*>(w) + static_cast<size_t>(r) * row_bytes;
     const float b = bias ? bias[r] : 0.0f;
-    {  // the row kPrefetchRows ahead into L1 (prefetches never fault: past the matrix, dropped)
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(wrow) + kPrefetchRows * row_bytes;
-      for (size_t off = 0; off < row_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
-    }
+    prefetch_row_ahead(wrow, row_bytes);  // kPrefetchRows ahead (matmul_avx2.h)
     switch (n_tokens) {
       case 1:
         row_dot<WT, 1>(x, ldx, wrow, k, b, y + r, ldy);
