@@ -421,6 +421,29 @@ TEST_F(BatchTest, PlannerRefusesPerLayerListsOfAnotherLength) {
   for (int64_t l = 1; l < L; ++l) list += "/2";
   req.cache.skvq_layer_bits_key = list;
   EXPECT_FALSE(plan_memory(req).cache_bytes_exact);
+  // Value lists: refused alike; planned at their widest entry, so between the caches of every
+  // layer at the narrowest and at the widest entry.
+  req.cache.skvq_layer_bits_key.clear();
+  req.cache.skvq_layer_bits_value = list + "/2";
+  try {
+    (void)plan_memory(req);
+    ADD_FAILURE() << "a value list of " << L + 1 << " entries was planned";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "[memory_plan] skvq_layer_bits_value: expected " +
+                                         std::to_string(L) + " entries (one per layer) but got " +
+                                         std::to_string(L + 1) + " ('" + list + "/2')");
+  }
+  req.cache.skvq_layer_bits_value = list;
+  const MemoryPlan mixed = plan_memory(req);
+  EXPECT_FALSE(mixed.cache_bytes_exact);
+  req.cache.skvq_layer_bits_value.clear();
+  req.cache.skvq_bits_value = 2;
+  const int64_t narrow = plan_memory(req).cache_bytes_peak;
+  req.cache.skvq_bits_value = 4;
+  const int64_t wide = plan_memory(req).cache_bytes_peak;
+  EXPECT_LT(narrow, wide);
+  EXPECT_LE(mixed.cache_bytes_peak, wide);
+  EXPECT_GT(mixed.cache_bytes_peak, narrow);
 }
 
 // The planner caps admission: room for exactly two sequences of the longest request keeps at

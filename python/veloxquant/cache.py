@@ -277,9 +277,9 @@ class Cache(_HFCache):
     config (tp_kv_heads: (0, 0) in a single process), so each rank's Hadamard signs and
     calibrated permutations are those of its global heads.
     Layer i takes entry i of the per-layer lists (skvq_layer_bits_key / skvq_layer_key_rows /
-    skvq_layer_bits_value) and of skvq_perm_file, as the C++ builders do. With the number of layers known the lists must
-    hold one entry per layer (ValueError now); layers made lazily refuse, at their first update,
-    a list without their entry.
+    skvq_layer_bits_value) and of skvq_perm_file, as the C++ builders do. With the number of
+    layers known the lists must hold one entry per layer (ValueError now); layers made lazily
+    refuse, at their first update, a list without their entry.
     """
 
     def __init__(self, config: "str | Mapping[str, Any] | CacheConfig" = "full",
