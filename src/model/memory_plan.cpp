@@ -192,20 +192,15 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
              std::string("[memory_plan] ") + name + ": expected " + std::to_string(m.n_layers) +
                  " entries (one per layer) but got " + std::to_string(n) + " ('" + *list + "')");
   }
-  // Per-layer key and value bits: every layer planned at the list's largest (an upper bound).
-  const int64_t n_layer_bits = skvq_layer_list_size(cc.skvq_layer_bits_key);
-  if (n_layer_bits > 0) {
-    double widest = 0;
-    for (int64_t i = 0; i < n_layer_bits; ++i) widest = std::max(widest, skvq_key_bits_of(cc, i));
-    cc.skvq_bits_key = widest;
+  // Per-layer key and value bits: every layer planned at the lists' largest (an upper bound;
+  // skvq_key_bits_of / skvq_value_bits_of give the single field where a list is empty).
+  double key_bits = 0, value_bits = 0;
+  for (int64_t i = 0; i < m.n_layers; ++i) {
+    key_bits = std::max(key_bits, skvq_key_bits_of(cc, i));
+    value_bits = std::max(value_bits, skvq_value_bits_of(cc, i));
   }
-  const int64_t n_layer_vbits = skvq_layer_list_size(cc.skvq_layer_bits_value);
-  if (n_layer_vbits > 0) {
-    double widest = 0;
-    for (int64_t i = 0; i < n_layer_vbits; ++i)
-      widest = std::max(widest, skvq_value_bits_of(cc, i));
-    cc.skvq_bits_value = widest;
-  }
+  cc.skvq_bits_key = key_bits;
+  cc.skvq_bits_value = value_bits;
 
   MemoryPlan p;
   p.context_tokens = r.prompt_tokens + std::max<int64_t>(r.max_new_tokens - 1, 0);
@@ -229,8 +224,9 @@ MemoryPlan plan_memory(const MemoryPlanRequest& r) {
   // runs of skvq_key_rows, channel-axis keys); the largest over the layers when per-layer lists
   // make them differ (an upper bound).
   int64_t comp_k0 = 0, comp_kw = 0;
-  const bool lists =
-      n_layer_bits > 0 || n_layer_vbits > 0 || skvq_layer_list_size(cc.skvq_layer_key_rows) > 0;
+  const bool lists = skvq_layer_list_size(cc.skvq_layer_bits_key) > 0 ||
+                     skvq_layer_list_size(cc.skvq_layer_bits_value) > 0 ||
+                     skvq_layer_list_size(cc.skvq_layer_key_rows) > 0;
   if (meth == "skvq" || meth == "snapkv+skvq") {
     for (int64_t l = 0; l < (lists ? m.n_layers : 1); ++l) {
       if (meth == "skvq")
